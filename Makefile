@@ -1,0 +1,46 @@
+# The two commands of the README: `make demo` and `make test`. Everything else is a step of them.
+# Build tree: build/ (the command lands at build/bin/funcol).
+
+PRESET := $(if $(CI),ci,default)
+JOBS ?= $(shell nproc)
+PREFIX ?= $(CURDIR)/install
+CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
+
+.PHONY: all deps configure build test test-main test-asan test-tsan demo install clean
+
+all: build
+
+deps:
+	@scripts/install-deps
+
+configure: deps
+	@cmake --preset $(PRESET) >/dev/null
+
+build: configure
+	@cmake --build build -j$(JOBS)
+
+# Every test: the main build's ctest (unit, lit, end-to-end, install), then the unit tests
+# under AddressSanitizer+UBSan and the threads backend under ThreadSanitizer.
+test: test-main test-asan test-tsan
+
+test-main: build
+	cd build && $(CTEST)
+
+test-asan: deps
+	@cmake --preset asan >/dev/null
+	@cmake --build build-asan -j$(JOBS)
+	cd build-asan && $(CTEST) -L unit
+
+test-tsan: deps
+	@cmake --preset tsan >/dev/null
+	@cmake --build build-tsan -j$(JOBS) --target tsan_tests
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 $(CTEST) -L tsan
+
+demo: build
+	./build/bin/funcol bench --ranks 2 -b 4K -e 16M -f 4 -n 20 -w 5 -c 1
+
+install: build
+	cmake --install build --prefix $(PREFIX)
+
+clean:
+	rm -rf build build-asan build-tsan install

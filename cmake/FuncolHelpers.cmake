@@ -1,0 +1,46 @@
+# Helpers that give every funcol target the same warnings, sanitizers and test wiring.
+
+# Warnings and sanitizers for a funcol-owned target (never set through CMAKE_CXX_FLAGS).
+function(funcol_target_options target)
+  target_compile_options(${target} PRIVATE -Wall -Wextra -Wno-unused-parameter)
+  if(FUNCOL_WERROR)
+    target_compile_options(${target} PRIVATE -Werror)
+  endif()
+  if(FUNCOL_SANITIZE)
+    target_compile_options(${target} PRIVATE -fsanitize=${FUNCOL_SANITIZE} -fno-omit-frame-pointer
+                                             -fno-sanitize-recover=all)
+    target_link_options(${target} PRIVATE -fsanitize=${FUNCOL_SANITIZE})
+  endif()
+endfunction()
+
+# funcol_library(NAME SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...]): one library per layer.
+function(funcol_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  add_library(funcol_${name} ${ARG_SOURCES})
+  add_library(funcol::${name} ALIAS funcol_${name})
+  set_target_properties(funcol_${name} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME funcol_${name})
+  target_link_libraries(funcol_${name} PUBLIC funcol_headers ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  funcol_target_options(funcol_${name})
+  set_property(GLOBAL APPEND PROPERTY FUNCOL_LIBRARIES funcol_${name})
+endfunction()
+
+# funcol_test(NAME SOURCES ... DEPS ... [TIMEOUT s] [LABELS ...]): a GoogleTest binary run by ctest.
+# Every test has a timeout, so a hang fails instead of stalling CI.
+function(funcol_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  if(NOT FUNCOL_BUILD_TESTS)
+    return()
+  endif()
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main Threads::Threads)
+  funcol_target_options(${name})
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/tests)
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "unit;${ARG_LABELS}")
+  if("tsan" IN_LIST ARG_LABELS)
+    add_dependencies(tsan_tests ${name})
+  endif()
+endfunction()

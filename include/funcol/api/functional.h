@@ -1,0 +1,102 @@
+// The functional collectives API (DESIGN §4): tensor in, tensor out, asynchronous, waited on
+// first use. Semantics and error messages follow PyTorch's _functional_collectives.py.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "funcol/core/tensor.h"
+#include "funcol/dist/device_mesh.h"
+#include "funcol/dist/process_group.h"
+
+namespace funcol {
+
+// Any of the seed's group forms (RANK_TYPES), resolved against the calling rank's registry:
+//  - a group name ("world", a mesh dim name, a new_group name);
+//  - a list of global ranks (deprecated: warns once per process);
+//  - a list of rank lists: the calling rank uses the list that contains it (unequal sizes:
+//    "group sizes must be identical found A and B");
+//  - a ProcessGroup (reference or shared_ptr);
+//  - a 1-D DeviceMesh (n-D: "Only 1D mesh is supported, pass in (DeviceMesh, int) together if
+//    mesh > 1D");
+//  - a (DeviceMesh, dim) pair.
+// Groups for rank lists are found among the registered groups, or created on first use
+// (collectively: every rank of the world must make the same calls in the same order).
+class GroupSpec {
+ public:
+  GroupSpec(const char* name) : value_(std::string(name)) {}
+  GroupSpec(std::string name) : value_(std::move(name)) {}
+  GroupSpec(std::vector<int> ranks) : value_(std::move(ranks)) {}
+  GroupSpec(std::initializer_list<int> ranks) : value_(std::vector<int>(ranks)) {}
+  GroupSpec(std::vector<std::vector<int>> rank_lists) : value_(std::move(rank_lists)) {}
+  GroupSpec(ProcessGroup& group) : value_(&group) {}
+  GroupSpec(const std::shared_ptr<ProcessGroup>& group) : value_(group.get()) {}
+  GroupSpec(const DeviceMesh& mesh) : value_(&mesh) {}
+  GroupSpec(std::pair<const DeviceMesh*, int> mesh_dim) : value_(mesh_dim) {}
+  GroupSpec(const DeviceMesh& mesh, int dim) : value_(std::make_pair(&mesh, dim)) {}
+
+  // The ProcessGroup of the calling rank. Throws InvalidArgument with the seed's messages.
+  ProcessGroup& resolve() const;
+  // The group size without touching a backend when possible (tracing).
+  int size() const { return resolve().size(); }
+
+ private:
+  std::variant<std::string, std::vector<int>, std::vector<std::vector<int>>, ProcessGroup*,
+               const DeviceMesh*, std::pair<const DeviceMesh*, int>>
+      value_;
+};
+
+// all_reduce: a new tensor holding the reduction of `t` over the group. reduce_op is
+// case-insensitive (sum avg product min max band bor bxor); bitwise ops need integer or bool.
+Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec& group);
+// Gathers along gather_dim (input must be contiguous). A 0-d input gathers to [group_size].
+Tensor all_gather_tensor(const Tensor& t, int64_t gather_dim, const GroupSpec& group);
+// size(scatter_dim) must be a multiple of the group size.
+Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int64_t scatter_dim,
+                             const GroupSpec& group);
+// Both split lists or neither (neither: even split of dim 0). Sizes count rows of dim 0.
+Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> output_split_sizes,
+                         std::optional<std::vector<int64_t>> input_split_sizes,
+                         const GroupSpec& group);
+// Every rank gets rank `src`'s tensor (src is a rank of the group). A new tensor.
+Tensor broadcast(const Tensor& t, int src, const GroupSpec& group);
+// src_dst[m] == n: group rank m sends to n. Returns what this rank received.
+Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const GroupSpec& group);
+
+std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
+                                         const std::string& reduce_op, const GroupSpec& group);
+std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& inputs,
+                                                     const GroupSpec& group);
+std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& inputs,
+                                                    const std::string& reduce_op,
+                                                    const std::vector<int64_t>& scatter_dims,
+                                                    const GroupSpec& group);
+
+// Waits for t's pending storage and returns t. Waiting twice, or on a ready tensor, is free.
+const Tensor& wait_tensor(const Tensor& t);
+// Waits every tensor (a shared Work is waited once). Empty list: InvalidArgument.
+void wait_tensors(const std::vector<Tensor>& tensors);
+
+// In-place remaps of the classic torch.distributed API: out.copy_(functional(...)).
+const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
+                                 const GroupSpec& group);
+// Gathers `t` into the list (each entry t's shape; sizes must match: "Remapping variable size
+// all_gather is not yet supported").
+void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
+                        const GroupSpec& group);
+const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& input,
+                                        const GroupSpec& group, int64_t gather_dim = 0);
+const Tensor& reduce_scatter_tensor_inplace(const Tensor& output, const Tensor& input,
+                                            const GroupSpec& group,
+                                            const std::string& reduce_op = "sum",
+                                            int64_t scatter_dim = 0);
+const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
+                                 std::optional<std::vector<int64_t>> output_split_sizes,
+                                 std::optional<std::vector<int64_t>> input_split_sizes,
+                                 const GroupSpec& group);
+
+}  // namespace funcol

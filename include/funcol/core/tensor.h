@@ -1,0 +1,189 @@
+// Tensor: shared storage + offset + sizes + strides + dtype, with pending (asynchronous) storage.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "funcol/core/dtype.h"
+#include "funcol/core/error.h"
+
+namespace funcol {
+
+using Shape = std::vector<int64_t>;
+
+// Something a storage waits on before its bytes may be read or written: a collective's Work.
+// core knows nothing of process groups; dist's Work implements this interface. A future GPU
+// backend's Work waits on a stream event here.
+class Waitable {
+ public:
+  virtual ~Waitable() = default;
+  // Blocks until the operation finished; throws (CommError, ...) when it failed.
+  virtual void wait() = 0;
+  // True once the operation finished, successfully or not. Never blocks.
+  virtual bool is_completed() const = 0;
+};
+
+// A reference-counted byte buffer, possibly *pending*: while Waitables are attached, the bytes
+// are being produced by an asynchronous operation. Every data access of a Tensor calls wait();
+// views share the Storage and so share its pending state (PyTorch's AsyncCollectiveTensor rule,
+// keyed on storage as its work registry is, so a view_dtype of a result still finds its work).
+class Storage {
+ public:
+  // Allocates `nbytes` bytes, 64-byte aligned, uninitialised.
+  explicit Storage(size_t nbytes);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  size_t nbytes() const { return nbytes_; }
+  // The bytes without waiting. Only the producer of pending data (a backend) may use this.
+  void* raw() const { return data_; }
+
+  // Attaches an operation that produces these bytes. Attaching the same one twice is a no-op.
+  void add_pending(std::shared_ptr<Waitable> work);
+  // True when nothing is attached or every attached operation completed.
+  bool is_ready() const;
+  // Waits for and detaches every attached operation; rethrows the first failure. Thread-safe;
+  // cheap (one atomic load) when nothing is pending; waiting twice costs nothing.
+  void wait();
+  // Number of attached operations not yet waited (tests and leak checks).
+  size_t pending_count() const;
+
+ private:
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  std::atomic<bool> has_pending_{false};
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<Waitable>> pending_;
+};
+
+// An n-dimensional strided view of a Storage. Copying a Tensor is cheap and shares the storage.
+// A *meta* tensor has sizes and dtype but no storage (tracing and shape inference use it).
+//
+// Data accesses (kernels, data(), to_vector, printing, conversion, contiguous on a
+// non-contiguous tensor) wait for pending storage first; view ops (view, reshape of a
+// contiguous tensor, flatten, narrow, split, chunk, transpose, permute, view_dtype) never wait.
+class Tensor {
+ public:
+  // An undefined tensor (defined() == false).
+  Tensor() = default;
+
+  // ---- factories ----
+  static Tensor empty(const Shape& shape, DType dtype);
+  static Tensor zeros(const Shape& shape, DType dtype);
+  // `value` is converted to dtype (bool: value != 0).
+  static Tensor full(const Shape& shape, DType dtype, double value);
+  // [0, 1, ..., n-1] as a 1-D tensor.
+  static Tensor arange(int64_t n, DType dtype);
+  // Deterministic in seed: floats uniform in [-1, 1), integers in [0, 100), bool at random.
+  static Tensor rand(const Shape& shape, DType dtype, uint64_t seed);
+  // Copies `values` (numel must equal the product of shape; an empty shape means 1-D).
+  template <typename T>
+  static Tensor from_vector(const std::vector<T>& values, const Shape& shape = {});
+  // A tensor with sizes and dtype but no storage.
+  static Tensor meta(const Shape& shape, DType dtype);
+  // Wraps existing storage (backends, executor buffer reuse).
+  static Tensor from_storage(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype,
+                             int64_t offset = 0);
+
+  // ---- metadata (never waits) ----
+  bool defined() const { return defined_; }
+  bool is_meta() const { return defined_ && !storage_; }
+  DType dtype() const { return dtype_; }
+  const Shape& sizes() const { return sizes_; }
+  const Shape& strides() const { return strides_; }
+  // Negative dims count from the end; throws ShapeError when out of range.
+  int64_t size(int64_t dim) const;
+  int64_t stride(int64_t dim) const;
+  int64_t dim() const { return static_cast<int64_t>(sizes_.size()); }
+  int64_t numel() const;
+  // Element offset of the first element into the storage.
+  int64_t storage_offset() const { return offset_; }
+  size_t itemsize() const { return funcol::itemsize(dtype_); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * itemsize(); }
+  bool is_contiguous() const;
+  // True when the storage has no pending operation (or the tensor is meta / undefined).
+  bool is_ready() const;
+  const std::shared_ptr<Storage>& storage() const { return storage_; }
+  // Same storage (views of one buffer alias).
+  bool shares_storage(const Tensor& other) const { return storage_ && storage_ == other.storage_; }
+
+  // ---- data access (waits for pending storage) ----
+  // Pointer to the first element; waits. Throws InvalidArgument on meta or undefined tensors.
+  void* data_ptr() const;
+  // Typed pointer; waits; throws InvalidArgument when T does not match dtype().
+  template <typename T>
+  T* data() const;
+  // Pointer to the first element WITHOUT waiting, for the producer of pending data.
+  void* raw_data_ptr() const;
+  // Waits for pending storage; returns *this. Waiting twice costs nothing.
+  const Tensor& wait() const;
+  // Elements in logical (row-major) order converted to T; waits.
+  template <typename T>
+  std::vector<T> to_vector() const;
+  // The only element converted to T; throws ShapeError unless numel() == 1.
+  template <typename T>
+  T item() const;
+  // "tensor(f32[2,2], [[1, 2], [3, 4]])"; waits. Long tensors are abbreviated.
+  std::string to_string() const;
+
+  // ---- views (never wait) ----
+  // One dim may be -1. view requires a compatible layout (contiguous); reshape copies when not.
+  Tensor view(const Shape& shape) const;
+  Tensor reshape(const Shape& shape) const;
+  Tensor flatten() const;
+  Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
+  // Pieces of `split_size` along dim (the last may be smaller).
+  std::vector<Tensor> split(int64_t split_size, int64_t dim = 0) const;
+  std::vector<Tensor> split_with_sizes(const std::vector<int64_t>& sizes, int64_t dim = 0) const;
+  // `chunks` pieces of ceil(size/chunks) (fewer when the size runs out), as torch.chunk.
+  std::vector<Tensor> chunk(int64_t chunks, int64_t dim = 0) const;
+  Tensor transpose(int64_t dim0, int64_t dim1) const;
+  Tensor permute(const std::vector<int64_t>& dims) const;
+  // Reinterprets the bits; the last dim scales by the itemsize ratio (must be contiguous there).
+  Tensor view_dtype(DType dtype) const;
+  Tensor unsqueeze(int64_t dim) const;
+  Tensor squeeze(int64_t dim) const;
+  Tensor select(int64_t dim, int64_t index) const;
+
+  // ---- copies (wait) ----
+  // *this when already contiguous, else a contiguous copy.
+  Tensor contiguous() const;
+  Tensor clone() const;
+  // Converted copy; same dtype → clone.
+  Tensor to(DType dtype) const;
+  // Copies src into *this (shapes must match; dtypes may differ: converts). Returns *this.
+  const Tensor& copy_(const Tensor& src) const;
+  // Fills every element with value (converted to dtype).
+  const Tensor& fill_(double value) const;
+  // Concatenation along dim; all inputs share dtype and every other dim.
+  static Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
+
+  // Bitwise equality of shape, dtype and values (NaNs compare by bits).
+  bool equal(const Tensor& other) const;
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  Shape sizes_;
+  Shape strides_;
+  int64_t offset_ = 0;
+  DType dtype_ = DType::F32;
+  bool defined_ = false;
+
+  Tensor with_layout(Shape sizes, Shape strides, int64_t offset) const;
+};
+
+// Row-major (contiguous) strides of a shape.
+Shape contiguous_strides(const Shape& shape);
+// Product of the dims (1 for a scalar shape).
+int64_t shape_numel(const Shape& shape);
+// "[2,3]".
+std::string shape_str(const Shape& shape);
+// "f32[2,3]".
+std::string type_str(DType dtype, const Shape& shape);
+
+}  // namespace funcol

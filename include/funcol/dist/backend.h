@@ -1,0 +1,58 @@
+// Backend selection and the threads launcher: run_local and the current rank's world.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "funcol/dist/process_group.h"
+
+namespace funcol {
+
+// Runs fn once per rank, as `world_size` threads of this process over the `threads` backend.
+// Blocks until every rank has finished, then rethrows the first exception any rank threw
+// (the earliest in time). A rank that throws or returns early makes its peers' pending and
+// future collectives on shared groups fail with CommError within about a second.
+void run_local(int world_size, const std::function<void(ProcessGroup& world)>& fn);
+
+// The world group of the calling thread's rank (set by run_local and by the process backends'
+// init), or null outside any rank.
+ProcessGroup* current_world();
+
+// Makes `world` the calling thread's world until the guard dies (backends and launchers).
+class WorldScope {
+ public:
+  explicit WorldScope(ProcessGroup* world);
+  ~WorldScope();
+  WorldScope(const WorldScope&) = delete;
+  WorldScope& operator=(const WorldScope&) = delete;
+
+ private:
+  ProcessGroup* previous_;
+};
+
+// Backend names compiled into this build, sorted ("gloo", "mpi", "threads").
+std::vector<std::string> available_backends();
+
+// How a process backend ("mpi", "gloo") finds its peers. Unset fields come from the
+// environment: RANK, WORLD_SIZE, FUNCOL_STORE (file:///dir or redis://host:port), and
+// FUNCOL_TIMEOUT; mpi takes rank and size from MPI itself.
+struct InitOptions {
+  int rank = -1;
+  int world_size = -1;
+  std::string store;
+  std::chrono::milliseconds timeout{0};  // 0: default_timeout()
+};
+
+// Creates this process's world group on a process backend, registers it as "world" in the
+// process's registry and makes it current_world() for every thread of the process that has
+// no WorldScope of its own. Throws InvalidArgument for an unknown or not-compiled backend
+// (naming available_backends()) and CommError when rendezvous fails or times out.
+std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
+                                                 const InitOptions& options = {});
+// Releases the process's world (and its subgroups). Safe to call when none exists.
+void destroy_process_group();
+
+}  // namespace funcol

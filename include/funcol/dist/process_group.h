@@ -1,0 +1,112 @@
+// ProcessGroup: a set of ranks and the asynchronous collective primitives a backend implements.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "funcol/core/dtype.h"
+#include "funcol/core/tensor.h"
+#include "funcol/dist/work.h"
+
+namespace funcol {
+
+class GroupRegistry;
+
+// A group of ranks with a backend behind it. Every primitive works on contiguous tensors,
+// starts asynchronously and returns a Work; the output tensors are left pending until then
+// (the Work is attached to their storage). All ranks of the group must issue the same
+// primitives in the same order; each call takes the group's next sequence number.
+//
+// Primitives validate shapes and dtypes and throw InvalidArgument / ShapeError synchronously;
+// communication failures (timeout, departed or dead peer, mismatched collectives) fail the Work.
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+
+  // This process's (or thread's) rank within the group, 0..size()-1.
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(global_ranks_.size()); }
+  // Registry name: "world", a mesh dim name, or "group<N>" for new_group.
+  const std::string& name() const { return name_; }
+  // Global (world) rank of each group rank.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  // The backend name: "threads", "mpi" or "gloo".
+  virtual std::string backend() const = 0;
+
+  // In place on `tensor` (contiguous).
+  virtual std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op) = 0;
+  // output: size() * input.numel() elements, rank-major (rank j's input at element j*numel).
+  virtual std::shared_ptr<Work> all_gather(const Tensor& output, const Tensor& input) = 0;
+  // input: size() * output.numel() elements; rank j receives reduce of block j.
+  virtual std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input,
+                                               ReduceOp op) = 0;
+  // Splits count rows of dim 0 (row = numel / dim0 elements). input_splits[j] rows go to rank
+  // j; output_splits[j] rows come from rank j. Empty split lists mean an even split of dim 0.
+  virtual std::shared_ptr<Work> all_to_all(const Tensor& output, const Tensor& input,
+                                           const std::vector<int64_t>& output_splits,
+                                           const std::vector<int64_t>& input_splits) = 0;
+  // In place: every rank's `tensor` becomes rank `src`'s (src is a group rank).
+  virtual std::shared_ptr<Work> broadcast(const Tensor& tensor, int src) = 0;
+  virtual std::shared_ptr<Work> barrier_async() = 0;
+  // Blocks until every rank of the group reached the barrier.
+  void barrier() { barrier_async()->wait(); }
+
+  // Coalesced forms: one sequence number and one Work for the whole list.
+  virtual std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
+                                                     ReduceOp op);
+  virtual std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
+                                                     const std::vector<Tensor>& inputs);
+  virtual std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
+                                                         const std::vector<Tensor>& inputs,
+                                                         ReduceOp op);
+
+  // A subgroup of this group's members, given as global ranks. Collective over this group:
+  // every rank of this group calls it with the same lists in the same order. `rank_lists`
+  // partition the ranks (each rank joins the list that contains it); a rank in no list gets
+  // null. Registered in the registry under `name`.
+  virtual std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
+                                                    const std::string& name) = 0;
+
+  // The registry this group belongs to (every rank has one; "world" is always there).
+  GroupRegistry& registry() const { return *registry_; }
+
+ protected:
+  ProcessGroup(int rank, std::vector<int> global_ranks, std::string name, GroupRegistry* registry)
+      : rank_(rank), global_ranks_(std::move(global_ranks)), name_(std::move(name)), registry_(registry) {}
+
+ private:
+  int rank_;
+  std::vector<int> global_ranks_;
+  std::string name_;
+  GroupRegistry* registry_;
+};
+
+// Per-rank registry of groups by name. "world" always exists. Groups are created collectively,
+// in the same order on every rank.
+class GroupRegistry {
+ public:
+  // Throws InvalidArgument "unknown group 'x'" naming the known groups.
+  std::shared_ptr<ProcessGroup> get(const std::string& name) const;
+  std::shared_ptr<ProcessGroup> find(const std::string& name) const;  // null when absent
+  // Registers; throws InvalidArgument when the name is taken by another group.
+  void add(std::shared_ptr<ProcessGroup> group);
+  std::shared_ptr<ProcessGroup> world() const { return get("world"); }
+  // Names in registration order.
+  std::vector<std::string> names() const;
+  // Finds a registered group spanning exactly these global ranks (in order), or null.
+  std::shared_ptr<ProcessGroup> find_by_ranks(const std::vector<int>& global_ranks) const;
+  // Fresh name "group<N>" for new_group, N counting up per registry (equal on every rank).
+  std::string next_group_name();
+
+ private:
+  std::vector<std::shared_ptr<ProcessGroup>> groups_;  // registration order: deterministic
+  int next_id_ = 1;
+};
+
+// Creates a group of the given global ranks over `parent` (collective over parent: every rank
+// calls it, members and non-members alike). Returns null on ranks outside `ranks`.
+std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<int>& ranks,
+                                        const std::string& name = {});
+
+}  // namespace funcol

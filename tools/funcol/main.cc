@@ -1,0 +1,22 @@
+// funcol: the command-line tool. Parses the subcommand and hands off to the tools library.
+#include <cstdio>
+
+#include <CLI/CLI.hpp>
+
+#include "tools/commands.h"
+#include "funcol/core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"funcol: functional collectives, their compiler and their backends"};
+  app.require_subcommand(1);
+  funcol::tools::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const funcol::Error& e) {
+    std::fprintf(stderr, "funcol: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
