@@ -4,6 +4,12 @@
 PRESET := $(if $(CI),ci,default)
 JOBS ?= $(shell nproc)
 PREFIX ?= $(CURDIR)/install
+# ccache hits across clones (CI builds a fresh clone in another folder): paths relative to
+# the checkout, and the build folder left out of the hash.
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
+export CCACHE_MAXSIZE ?= 20G
+
 CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 
 .PHONY: all deps configure build test test-main test-asan test-tsan demo install clean

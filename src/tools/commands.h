@@ -8,4 +8,10 @@ namespace funcol::tools {
 // `funcol bench`: nccl-tests style collective micro-benchmarks (bench.cc).
 void add_bench_command(CLI::App& app);
 
+// `funcol run`: runs a graph on N ranks over a backend (run.cc).
+void add_run_command(CLI::App& app);
+
+// `funcol opt`: parses, verifies and transforms IR with a pass pipeline (opt.cc).
+void add_opt_command(CLI::App& app);
+
 }  // namespace funcol::tools

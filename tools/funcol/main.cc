@@ -10,6 +10,8 @@ int main(int argc, char** argv) {
   CLI::App app{"funcol: functional collectives, their compiler and their backends"};
   app.require_subcommand(1);
   funcol::tools::add_bench_command(app);
+  funcol::tools::add_run_command(app);
+  funcol::tools::add_opt_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -2,6 +2,8 @@
 // first use. Semantics and error messages follow PyTorch's _functional_collectives.py.
 #pragma once
 
+#include <cstddef>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,25 +26,42 @@ namespace funcol {
 //  - a 1-D DeviceMesh (n-D: "Only 1D mesh is supported, pass in (DeviceMesh, int) together if
 //    mesh > 1D");
 //  - a (DeviceMesh, dim) pair.
-// Groups for rank lists are found among the registered groups, or created on first use
-// (collectively: every rank of the world must make the same calls in the same order).
+// Groups for rank lists are found among the calling rank's registered groups (the same global
+// ranks; order does not matter: groups span sorted ranks, as torch.distributed.new_group), or
+// created on first use. Creating is collective over the world: every rank
+// of the world must resolve the same spec at the same point, in the same order. A list of rank
+// lists creates all its groups at once (world.split_group), so it should partition the world.
+// A plain rank list is created with new_group(world, ranks) when not found; a rank outside the
+// list gets an error at once and takes no part, so for a strict subset create the group first
+// on every rank with new_group(world, ranks) (or make the non-members call that concurrently).
 class GroupSpec {
  public:
-  GroupSpec(const char* name) : value_(std::string(name)) {}
+  // A null name becomes the empty name, which resolve() rejects.
+  GroupSpec(const char* name) : value_(std::string(name ? name : "")) {}
   GroupSpec(std::string name) : value_(std::move(name)) {}
   GroupSpec(std::vector<int> ranks) : value_(std::move(ranks)) {}
   GroupSpec(std::initializer_list<int> ranks) : value_(std::vector<int>(ranks)) {}
   GroupSpec(std::vector<std::vector<int>> rank_lists) : value_(std::move(rank_lists)) {}
+  // So that a braced {{0, 1}, {2, 3}} argument is a list of rank lists.
+  GroupSpec(std::initializer_list<std::vector<int>> rank_lists)
+      : value_(std::vector<std::vector<int>>(rank_lists)) {}
   GroupSpec(ProcessGroup& group) : value_(&group) {}
   GroupSpec(const std::shared_ptr<ProcessGroup>& group) : value_(group.get()) {}
   GroupSpec(const DeviceMesh& mesh) : value_(&mesh) {}
   GroupSpec(std::pair<const DeviceMesh*, int> mesh_dim) : value_(mesh_dim) {}
   GroupSpec(const DeviceMesh& mesh, int dim) : value_(std::make_pair(&mesh, dim)) {}
+  // A bare int or nullptr is no group (the seed's "Unsupported group type"): a compile error
+  // here rather than a literal 0 silently becoming a null group name.
+  GroupSpec(int) = delete;
+  GroupSpec(std::nullptr_t) = delete;
 
   // The ProcessGroup of the calling rank. Throws InvalidArgument with the seed's messages.
   ProcessGroup& resolve() const;
   // The group size without touching a backend when possible (tracing).
   int size() const { return resolve().size(); }
+  // The group name when this spec is one, else null: tracing records names without resolving
+  // them (the tracer's declared groups give their sizes).
+  const std::string* name_if_string() const { return std::get_if<std::string>(&value_); }
 
  private:
   std::variant<std::string, std::vector<int>, std::vector<std::vector<int>>, ProcessGroup*,
@@ -54,19 +73,25 @@ class GroupSpec {
 // case-insensitive (sum avg product min max band bor bxor); bitwise ops need integer or bool.
 Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec& group);
 // Gathers along gather_dim (input must be contiguous). A 0-d input gathers to [group_size].
+// gather_dim != 0 is lazy too: the rank-major blocks are moved into place on first use.
 Tensor all_gather_tensor(const Tensor& t, int64_t gather_dim, const GroupSpec& group);
-// size(scatter_dim) must be a multiple of the group size.
+// size(scatter_dim) must be a multiple of the group size; the input must be contiguous and at
+// least 1-d. scatter_dim != 0 rearranges a copy of the input before the collective.
 Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int64_t scatter_dim,
                              const GroupSpec& group);
-// Both split lists or neither (neither: even split of dim 0). Sizes count rows of dim 0.
+// Both split lists or neither (neither: even split of dim 0, which must divide). Sizes count
+// rows of dim 0: group_size entries each, none negative, input splits summing to size(0).
 Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> output_split_sizes,
                          std::optional<std::vector<int64_t>> input_split_sizes,
                          const GroupSpec& group);
 // Every rank gets rank `src`'s tensor (src is a rank of the group). A new tensor.
 Tensor broadcast(const Tensor& t, int src, const GroupSpec& group);
-// src_dst[m] == n: group rank m sends to n. Returns what this rank received.
+// src_dst[m] == n: group rank m sends to n (src_dst must be a permutation of the group ranks).
+// Returns what this rank received, in t's shape.
 Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const GroupSpec& group);
 
+// Coalesced forms: one collective (one Work) for the whole list. An empty list returns an empty
+// list without communicating.
 std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
                                          const std::string& reduce_op, const GroupSpec& group);
 std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& inputs,
@@ -81,7 +106,9 @@ const Tensor& wait_tensor(const Tensor& t);
 // Waits every tensor (a shared Work is waited once). Empty list: InvalidArgument.
 void wait_tensors(const std::vector<Tensor>& tensors);
 
-// In-place remaps of the classic torch.distributed API: out.copy_(functional(...)).
+// In-place remaps of the classic torch.distributed API: out.copy_(functional(...)), so they
+// return with the data in place. The collective is issued before the output's shape is checked
+// (ShapeError), so a rank with a bad output never leaves its peers waiting.
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
                                  const GroupSpec& group);
 // Gathers `t` into the list (each entry t's shape; sizes must match: "Remapping variable size

@@ -149,6 +149,9 @@ class Tensor {
   Tensor unsqueeze(int64_t dim) const;
   Tensor squeeze(int64_t dim) const;
   Tensor select(int64_t dim, int64_t index) const;
+  // Broadcast view (stride 0 on expanded dims) to `shape`, as torch.expand: `shape` may add
+  // leading dims; each existing dim must equal its target or be 1; -1 keeps a dim.
+  Tensor expand(const Shape& shape) const;
 
   // ---- copies (wait) ----
   // *this when already contiguous, else a contiguous copy.
@@ -166,8 +169,16 @@ class Tensor {
   // Bitwise equality of shape, dtype and values (NaNs compare by bits).
   bool equal(const Tensor& other) const;
 
+  // ---- annotation ----
+  // An opaque handle a layer above core attaches to a tensor (the tracer marks the meta tensors
+  // it creates with the graph value they stand for). Copies of this Tensor share it; views,
+  // copies of the data and every other derived tensor start without one. Null by default.
+  const std::shared_ptr<void>& annotation() const { return annotation_; }
+  void set_annotation(std::shared_ptr<void> annotation) { annotation_ = std::move(annotation); }
+
  private:
   std::shared_ptr<Storage> storage_;
+  std::shared_ptr<void> annotation_;
   Shape sizes_;
   Shape strides_;
   int64_t offset_ = 0;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -16,6 +17,15 @@ namespace funcol {
 // (the earliest in time). A rank that throws or returns early makes its peers' pending and
 // future collectives on shared groups fail with CommError within about a second.
 void run_local(int world_size, const std::function<void(ProcessGroup& world)>& fn);
+
+// Options of run_local.
+struct LocalOptions {
+  // Timeout of every collective of the run; zero means default_timeout() (FUNCOL_TIMEOUT or
+  // 300 s). Tests of failure paths set it small.
+  std::chrono::milliseconds timeout{0};
+};
+void run_local(int world_size, const std::function<void(ProcessGroup& world)>& fn,
+               const LocalOptions& options);
 
 // The world group of the calling thread's rank (set by run_local and by the process backends'
 // init), or null outside any rank.

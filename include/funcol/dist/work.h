@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -33,8 +34,9 @@ class Work : public Waitable {
   bool failed() const;
   // The failure, or null.
   std::exception_ptr exception() const;
-  // "all_reduce on group 'world' seq 3" — used in error messages.
-  const std::string& description() const { return description_; }
+  // "all_reduce on group 'world' (seq 3)" — used in error messages. Virtual so that a backend
+  // can build it lazily (formatting it for every collective costs more than a small one).
+  virtual const std::string& description() const { return description_; }
 
   // ---- for backends ----
   void finish();
@@ -43,6 +45,15 @@ class Work : public Waitable {
   // A Work that is already complete (world size 1, count 0).
   static std::shared_ptr<Work> completed(std::string description = {});
 
+ protected:
+  // For subclasses that wait actively (helping progress) before sleeping: sleeps until the
+  // Work finished, wake_waiters() was called, or `deadline` passed; returns is_completed().
+  bool sleep_until(std::chrono::steady_clock::time_point deadline);
+  // Wakes every thread sleeping in wait() or sleep_until() so it re-checks its condition.
+  void wake_waiters();
+  // Rethrows the failure once finished; no-op on success.
+  void rethrow_if_failed() const;
+
  private:
   void set_done(std::exception_ptr error);
 
@@ -50,7 +61,9 @@ class Work : public Waitable {
   std::atomic<bool> done_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::exception_ptr error_;
+  std::exception_ptr error_;  // written under mu_ before done_ is set, read after it is seen
+  int sleepers_ = 0;          // guarded by mu_: notify only when someone sleeps
+  uint64_t wake_generation_ = 0;  // guarded by mu_: bumped by wake_waiters()
 };
 
 }  // namespace funcol

@@ -1,0 +1,42 @@
+// Parser of the IR text format (DESIGN §5): errors are ParseError "FILE:LINE:COL: error: ...".
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "funcol/graph/graph.h"
+
+namespace funcol {
+
+struct ParseOptions {
+  // Shown in error messages and kept as Graph::source_file().
+  std::string file = "<input>";
+  // Line number of the text's first line (a case cut from a larger file keeps its lines).
+  uint32_t first_line = 1;
+};
+
+// Deepest nesting of attribute lists the parser accepts (deeper input is an error, so no input
+// can exhaust the stack anywhere: parsing, printing, comparing or destroying attributes).
+inline constexpr int kMaxAttrListDepth = 32;
+
+// Parses every graph of `text`. Infers every node's result types and checks them against the
+// types written after ':' (optional). Throws ParseError for every malformed input: syntax,
+// unknown op or attribute, missing or ill-typed attribute, undefined, redefined or
+// used-before-defined value, operand count, result count or type mismatch, bad dtype, integer
+// out of range, unterminated string, nesting deeper than kMaxAttrListDepth. An empty text is
+// a module of zero graphs.
+Module parse_module(std::string_view text, const ParseOptions& options = {});
+
+// Parses a text that must hold exactly one graph.
+std::unique_ptr<Graph> parse_graph(std::string_view text, const ParseOptions& options = {});
+
+// Reads and parses `path` ("-": standard input). Throws InvalidArgument when it cannot be read.
+Module parse_file(const std::string& path);
+
+// Reads `path` ("-": standard input) into a string; throws InvalidArgument
+// "cannot read FILE: reason".
+std::string read_text_file(const std::string& path);
+
+}  // namespace funcol

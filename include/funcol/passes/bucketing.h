@@ -1,0 +1,117 @@
+// Bucketing: fuses runs of small collectives of one kind into one collective per bucket
+// (DESIGN §6; the seed's greedy_bucket_collective_by_mb, XLA's CombineInstructionsByKey).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "funcol/graph/graph.h"
+#include "funcol/passes/pass.h"
+
+namespace funcol {
+
+// How a bucket is packed (the seed's BucketMode).
+//   default                plain ops: flatten, cat, view, split_with_sizes, reshape
+//   custom_ops             one packing op: all_gather_into_tensor_packed writes every input
+//                          straight into this rank's slot of the gathered buffer; bucket_pack
+//                          builds the reduce-scatter / all-reduce buffer in one kernel
+//   multidtype             all-gather only: members of different dtypes share a bucket, packed
+//                          as bytes in the smallest itemsize and viewed back per member
+//   custom_ops_multidtype  both
+enum class BucketMode : uint8_t { Default, CustomOps, MultiDtype, CustomOpsMultiDtype };
+
+// "default", "custom_ops", "multidtype", "custom_ops_multidtype".
+std::string_view bucket_mode_name(BucketMode mode);
+// Throws InvalidArgument "unknown bucket mode 'x' (expected default, custom_ops, multidtype or
+// custom_ops_multidtype)".
+BucketMode parse_bucket_mode(std::string_view text);
+inline bool is_custom_ops(BucketMode m) {
+  return m == BucketMode::CustomOps || m == BucketMode::CustomOpsMultiDtype;
+}
+inline bool is_multidtype(BucketMode m) {
+  return m == BucketMode::MultiDtype || m == BucketMode::CustomOpsMultiDtype;
+}
+
+// The seed's bucket_cap_mb_by_bucket_idx_default: 2000 MB for every bucket.
+inline constexpr double kDefaultBucketCapMb = 2000.0;
+// One MB of a cap, as the seed converts it: int(MB * 1024 * 1024) bytes.
+inline constexpr double kBytesPerMb = 1024.0 * 1024.0;
+
+struct BucketOptions {
+  // AllGather (all_gather_into_tensor), ReduceScatter (reduce_scatter_tensor) or AllReduce
+  // (all_reduce); the coalesced forms are never bucketed.
+  CollectiveKind kind = CollectiveKind::AllGather;
+  // Cap of bucket i in MB: cap_mb[i], the last entry repeating. Not empty; entries > 0.
+  std::vector<double> cap_mb{kDefaultBucketCapMb};
+  BucketMode mode = BucketMode::Default;
+};
+
+// "1:25" → {1, 25}; "2000" → {2000}. Throws InvalidArgument "cap-mb: 'x' is not a positive
+// number" for an empty entry, a non-number, zero, a negative, an infinite or a NaN value.
+std::vector<double> parse_cap_mb(std::string_view text);
+// "1:25", each entry in the shortest form that reads back exactly.
+std::string format_cap_mb(const std::vector<double>& cap_mb);
+// Cap of bucket `index` in bytes: int(cap_mb[min(index, size - 1)] * 1024 * 1024), at least 1.
+int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index);
+// Throws InvalidArgument for a kind that is not bucketed, an empty or non-positive cap list,
+// or a multidtype mode outside all-gather ("reduce scatter bucketing does not support
+// multidtype", "all reduce bucketing does not support multidtype").
+void check_bucket_options(const BucketOptions& options);
+
+// The pass names (contract): bucket-all-gather, bucket-reduce-scatter, bucket-all-reduce.
+std::string_view bucket_pass_name(CollectiveKind kind);
+
+// What one run of the routine did.
+struct BucketingStats {
+  int64_t collectives = 0;  // collectives of the pass's op met in wait order
+  int64_t buckets = 0;      // buckets closed, buckets of one included (the final bucket index)
+  int64_t merged_buckets = 0;
+  int64_t merged_collectives = 0;  // members of merged buckets
+  int64_t skipped_dependent = 0;
+  int64_t skipped_ineligible = 0;
+  int64_t dropped = 0;          // members dropped because merging would reorder others
+  int64_t region_reorders = 0;  // buckets placed by reordering their region
+  bool changed() const { return merged_buckets > 0; }
+};
+
+// The shared routine of the three bucketing passes. Walks the wait_tensor nodes of `graph` in
+// order; each whose input is the pass's collective contributes it. Runs of equal key (group,
+// group_size, dtype, reduce_op as the kind has them; multidtype all-gather leaves out the
+// dtype) are split greedily into buckets under the cap; a collective with another user than
+// its wait is ineligible and one that depends on the current bucket is skipped, neither
+// closing the bucket. Every bucket of two or more becomes one collective over a packed buffer
+// with unpacking that gives every consumer exactly the value it had; a single-user
+// convert_element_type feeding an all-gather is folded into the packing. New nodes go where
+// every input is defined and before every consumer; when no such place exists the region
+// between the first and last member is reordered (stably, keeping the issue order of the
+// collectives not merged; a member that would break that order is dropped).
+//
+// Decisions depend only on the graph and `options`; the result verifies, and running the
+// routine again on it merges nothing more. Near-linear time and memory. When `explain` is
+// given, appends a human-readable account: every bucket with its members, bytes and why it
+// closed, every skipped collective and why. Throws what check_bucket_options throws.
+BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
+                                  std::string* explain = nullptr);
+
+// One bucketing pass (name() is bucket_pass_name(kind)). With set_explain, run() writes the
+// routine's account to the explain stream. The constructor throws what check_bucket_options
+// throws, so a bad pipeline fails before any pass runs.
+class BucketPass : public Pass {
+ public:
+  explicit BucketPass(BucketOptions options);
+  std::string name() const override;
+  bool run(Graph& graph) override;
+  const BucketOptions& options() const { return options_; }
+
+ private:
+  BucketOptions options_;
+};
+
+// The pass of `kind` from pipeline options `cap-mb` (default 2000) and `mode` (default
+// default); throws InvalidArgument for a bad value.
+std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& options);
+
+}  // namespace funcol

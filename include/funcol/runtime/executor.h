@@ -1,0 +1,99 @@
+// The executor: runs a Graph on one rank over a ProcessGroup, planned once and run many times.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "funcol/core/tensor.h"
+#include "funcol/dist/process_group.h"
+#include "funcol/graph/graph.h"
+
+namespace funcol {
+
+class Profiler;
+
+// Options of an Executor. The defaults are what `funcol run` uses without --trace.
+struct ExecutorOptions {
+  // Compare a hash of the printed graph across the world before planning (one all_gather over
+  // world), so ranks that loaded different graphs fail at once instead of deadlocking later.
+  bool check_same_graph = true;
+  // Where to record compute, communication and wait spans; null records nothing (no cost).
+  Profiler* profiler = nullptr;
+  // Called after every node of every run (tests and debugging); empty: never called.
+  std::function<void(const Node& node)> on_node;
+};
+
+// Runs one graph on the calling rank. The constructor plans: it resolves every collective's
+// group in the rank's registry (world.registry(): "world", mesh dim names, new_group names),
+// checks its attributes against the real group, and precomputes operand slots and the last
+// use of every value, so run() touches no map and allocates nothing of its own per node.
+//
+// run() issues collectives asynchronously in graph order through the group's primitives
+// (compute placed between a collective and its wait_tensor overlaps with it); wait_tensor
+// blocks; every other op runs its op-table CPU kernel, views sharing storage. A value is
+// released right after its last use (graph outputs are kept). Errors name the graph, the node
+// and its source line: "graph @g, node %ag (line 3): group_size 4 does not match group 'world'
+// of size 2". One Executor belongs to one rank (thread); the graph must outlive it.
+class Executor {
+ public:
+  // Throws InvalidArgument (unknown group, group_size mismatch, bad src or split sizes, an op
+  // without a kernel) or, when options.check_same_graph, InvalidArgument naming the ranks and
+  // hashes when the ranks' graphs differ (collective over world; a world of 1 skips it).
+  Executor(const Graph& graph, ProcessGroup& world, ExecutorOptions options = {});
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Runs the graph once. `inputs` holds one tensor per graph input, of its dtype and shape
+  // (InvalidArgument otherwise); they are released after their last use too. Returns the
+  // graph outputs, complete: collectives never waited by the graph are waited at the end.
+  std::vector<Tensor> run(std::vector<Tensor> inputs);
+
+  const Graph& graph() const;
+  int rank() const;
+  // Runs completed so far (the iteration number recorded in profile spans).
+  int runs() const;
+
+  // For on_node observers: collectives issued and not yet complete.
+  size_t pending_collectives() const;
+  // For on_node observers: bytes of the distinct storages held by live values.
+  int64_t live_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Checks every collective of `graph` against the groups it names: `group_size(name)` returns
+// the group's size or nullopt when no such group exists (`known` lists the names for the
+// message). Checks group_size attributes, broadcast src and all_to_all split list lengths.
+// Throws InvalidArgument "graph @g, node %ag (line 3): ...". Used by the Executor with the
+// real groups and by `funcol run` before it starts any rank.
+void validate_groups(const Graph& graph,
+                     const std::function<std::optional<int>(const std::string&)>& group_size,
+                     const std::vector<std::string>& known);
+
+// XXH3-64 of the printed graph (print(graph)): equal graphs hash equal on every rank.
+uint64_t graph_hash(const Graph& graph);
+// All-gathers graph_hash over `world` and throws InvalidArgument naming every rank's hash when
+// they differ: "graph @g differs between ranks: rank 0 has 1f..., rank 1 has 9c...".
+void check_same_graph(const Graph& graph, ProcessGroup& world);
+
+// The inputs `funcol run` feeds a graph: input i of rank `rank` is Tensor::rand of its type
+// with a seed mixed from (seed, i, rank) by splitmix64, so floats are uniform in [-1, 1),
+// integers in [0, 100) and bools random, identical across backends and runs.
+std::vector<Tensor> make_inputs(const Graph& graph, uint64_t seed, int rank);
+// The seed make_inputs uses for input `index` of `rank`.
+uint64_t input_seed(uint64_t seed, uint64_t index, int rank);
+
+// XXH3-64 of `n` bytes.
+uint64_t xxh3_64(const void* data, size_t n);
+// XXH3-64 of a tensor's elements in logical order (waits), as 16 lowercase hex digits.
+std::string tensor_digest(const Tensor& tensor);
+
+}  // namespace funcol

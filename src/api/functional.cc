@@ -1,0 +1,545 @@
+// The functional collectives: validate as the seed does, allocate the output, start the
+// ProcessGroup primitive and return at once; the output's storage stays pending until first use.
+#include "funcol/api/functional.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <string_view>
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "funcol/core/dtype.h"
+#include "funcol/core/error.h"
+#include "funcol/graph/tracer.h"
+#include "trace_hooks.h"
+
+namespace funcol {
+namespace {
+
+void check_input(const Tensor& t, std::string_view op, std::string_view suffix = {}) {
+  if (!t.defined()) throw InvalidArgument(fmt::format("{}: undefined input tensor{}", op, suffix));
+  if (t.is_meta()) {
+    throw InvalidArgument(fmt::format("{}: input is a meta tensor with no data{}", op, suffix));
+  }
+}
+
+// The seed's message (an AssertionError there); the native ops require contiguous buffers.
+void check_contiguous(const Tensor& t, std::string_view op, std::string_view suffix = {}) {
+  if (!t.is_contiguous()) {
+    throw InvalidArgument(fmt::format("Tensor must be contiguous for {}{}", op, suffix));
+  }
+}
+
+std::string index_suffix(size_t i) { return fmt::format(" for tensor at index {}", i); }
+
+// dim in [-n, n) with n = max(ndim, 1) (a 0-d tensor accepts 0 and -1, as torch does).
+int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg) {
+  const int64_t n = std::max<int64_t>(ndim, 1);
+  if (dim < -n || dim >= n) {
+    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
+                                 arg, dim, ndim, -n, n - 1));
+  }
+  return dim < 0 ? dim + n : dim;
+}
+
+int64_t prod(const Shape& s, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= s[i];
+  return p;
+}
+
+// A contiguous copy that the collective may overwrite, so the input stays untouched.
+Tensor contiguous_copy(const Tensor& t) { return t.is_contiguous() ? t.clone() : t.contiguous(); }
+
+// The backend reads an input's bytes; an input still pending on an earlier collective is waited
+// first (free when it is ready).
+const Tensor& ready_input(const Tensor& t) { return t.wait(); }
+
+// dst[j][i][:] = src[i][j][:] where src is laid out [a][b][block_bytes].
+void transpose_blocks(void* dst, const void* src, int64_t a, int64_t b, size_t block_bytes) {
+  if (a == 0 || b == 0 || block_bytes == 0) return;
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  for (int64_t i = 0; i < a; ++i) {
+    for (int64_t j = 0; j < b; ++j) {
+      std::memcpy(d + static_cast<size_t>(j * a + i) * block_bytes,
+                  s + static_cast<size_t>(i * b + j) * block_bytes, block_bytes);
+    }
+  }
+}
+
+// Finishes an all_gather along gather_dim != 0: once the staging buffer's collective is done,
+// moves rank-major blocks [world][outer][block] into the result's [outer][world][block] layout.
+// It is attached to the result's storage, so the first data access (from any thread) or an
+// explicit wait runs it, exactly once; nothing waits at call time (PyTorch #172214).
+class GatherRearrange final : public Waitable {
+ public:
+  GatherRearrange(Tensor staging, const std::shared_ptr<Storage>& result, int64_t world,
+                  int64_t outer, size_t block_bytes)
+      : staging_(std::move(staging)),
+        result_(result),
+        world_(world),
+        outer_(outer),
+        block_bytes_(block_bytes) {}
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    run_locked();
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  // Never blocks: when the collective has finished it does the (bounded) copy itself, so that
+  // polling is_ready() on the result eventually sees true without an explicit wait.
+  bool is_completed() const override {
+    if (done_.load(std::memory_order_acquire)) return true;
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return false;
+    if (!done_.load(std::memory_order_relaxed) && staging_.is_ready()) run_locked();
+    return done_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  void run_locked() const {
+    if (done_.load(std::memory_order_relaxed)) return;
+    try {
+      staging_.wait();
+      // The result's storage owns this object; a weak reference avoids a cycle.
+      if (std::shared_ptr<Storage> result = result_.lock()) {
+        transpose_blocks(result->raw(), staging_.raw_data_ptr(), world_, outer_, block_bytes_);
+      }
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    staging_ = Tensor();  // frees the staging buffer
+    done_.store(true, std::memory_order_release);
+  }
+
+  mutable std::mutex mu_;
+  mutable Tensor staging_;
+  std::weak_ptr<Storage> result_;
+  int64_t world_;
+  int64_t outer_;
+  size_t block_bytes_;
+  mutable std::exception_ptr error_;
+  mutable std::atomic<bool> done_{false};
+};
+
+Shape gathered_shape(const Shape& s, int64_t dim, int64_t world) {
+  if (s.empty()) return {world};
+  Shape out = s;
+  out[static_cast<size_t>(dim)] *= world;
+  return out;
+}
+
+Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
+  const int64_t world = pg.size();
+  const Shape& s = t.sizes();
+  Shape staging_shape = s.empty() ? Shape{world} : s;
+  if (!s.empty()) staging_shape[0] *= world;
+  Tensor staging = Tensor::empty(staging_shape, t.dtype());
+  pg.all_gather(staging, ready_input(t));
+  const Shape result_shape = gathered_shape(s, dim, world);
+  const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
+  // Rank-major blocks already are the result's layout when nothing precedes gather_dim.
+  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return staging.view(result_shape);
+  Tensor result = Tensor::empty(result_shape, t.dtype());
+  const size_t block_bytes =
+      static_cast<size_t>(prod(s, static_cast<size_t>(dim), s.size())) * t.itemsize();
+  result.storage()->add_pending(
+      std::make_shared<GatherRearrange>(std::move(staging), result.storage(), world, outer,
+                                        block_bytes));
+  return result;
+}
+
+// Validates a reduce_scatter input (contiguous, ≥ 1-d, size(dim) divisible by the group size)
+// and returns the normalized scatter dim.
+int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t world,
+                                   std::string_view op, std::string_view suffix) {
+  check_contiguous(t, op, suffix);
+  if (t.dim() == 0) {
+    throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
+  }
+  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
+  if (t.size(dim) % world != 0) {
+    throw ShapeError(fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}",
+                                 op, dim, t.size(dim), world, suffix));
+  }
+  return dim;
+}
+
+// The seed's chunk(world, dim) + cat(dim 0), done eagerly (it needs only the input): the block
+// for rank j becomes the j-th contiguous slab, as reduce_scatter expects.
+Tensor scatter_dim_to_front(const Tensor& t, int64_t dim, int64_t world) {
+  const Shape& s = t.sizes();
+  const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
+  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return ready_input(t);
+  Tensor front = Tensor::empty(s, t.dtype());
+  const size_t block_bytes = static_cast<size_t>(s[static_cast<size_t>(dim)] / world *
+                                                 prod(s, static_cast<size_t>(dim) + 1, s.size())) *
+                             t.itemsize();
+  transpose_blocks(front.raw_data_ptr(), t.data_ptr(), outer, world, block_bytes);
+  return front;
+}
+
+Shape scattered_shape(const Shape& s, int64_t dim, int64_t world) {
+  Shape out = s;
+  out[static_cast<size_t>(dim)] /= world;
+  return out;
+}
+
+void check_splits(const std::vector<int64_t>& splits, int64_t world, std::string_view name) {
+  if (static_cast<int64_t>(splits.size()) != world) {
+    throw InvalidArgument(fmt::format("all_to_all_single: {} has {} entries, expected group_size {}",
+                                      name, splits.size(), world));
+  }
+  for (size_t i = 0; i < splits.size(); ++i) {
+    if (splits[i] < 0) {
+      throw InvalidArgument(
+          fmt::format("all_to_all_single: {}[{}] is negative ({})", name, i, splits[i]));
+    }
+  }
+}
+
+// all_to_all over dim-0 rows with validated splits; the output has sum(output_splits) rows.
+Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int64_t>& out_splits,
+                       const std::vector<int64_t>& in_splits) {
+  Shape out_shape = t.sizes();
+  out_shape[0] = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+  Tensor out = Tensor::empty(out_shape, t.dtype());
+  pg.all_to_all(out, ready_input(t), out_splits, in_splits);
+  return out;
+}
+
+void check_output_shape(const Tensor& output, const Tensor& result, std::string_view op) {
+  if (!output.defined()) throw InvalidArgument(fmt::format("{}: undefined output tensor", op));
+  if (output.sizes() != result.sizes()) {
+    throw ShapeError(fmt::format("{}: output shape {} does not match the result shape {}", op,
+                                 shape_str(output.sizes()), shape_str(result.sizes())));
+  }
+}
+
+}  // namespace
+
+Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_all_reduce(*tr, t, reduce_op, group);
+  }
+  constexpr std::string_view kOp = "all_reduce";
+  check_input(t, kOp);
+  const ReduceOp op = parse_reduce_op(reduce_op);
+  check_reduce_op_dtype(op, t.dtype(), kOp);
+  ProcessGroup& pg = group.resolve();
+  Tensor out = contiguous_copy(t);
+  pg.all_reduce(out, op);
+  return out;
+}
+
+Tensor all_gather_tensor(const Tensor& t, int64_t gather_dim, const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_all_gather_tensor(*tr, t, gather_dim, group);
+  }
+  constexpr std::string_view kOp = "all_gather_tensor";
+  check_input(t, kOp);
+  check_contiguous(t, kOp);
+  const int64_t dim = normalize_dim(gather_dim, t.dim(), kOp, "gather_dim");
+  return all_gather_impl(group.resolve(), t, dim);
+}
+
+Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int64_t scatter_dim,
+                             const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_reduce_scatter_tensor(*tr, t, reduce_op, scatter_dim, group);
+  }
+  constexpr std::string_view kOp = "reduce_scatter_tensor";
+  check_input(t, kOp);
+  const ReduceOp op = parse_reduce_op(reduce_op);
+  check_reduce_op_dtype(op, t.dtype(), kOp);
+  check_contiguous(t, kOp);
+  ProcessGroup& pg = group.resolve();
+  const int64_t world = pg.size();
+  const int64_t dim = check_reduce_scatter_input(t, scatter_dim, world, kOp, {});
+  Tensor in = scatter_dim_to_front(t, dim, world);
+  Tensor out = Tensor::empty(scattered_shape(t.sizes(), dim, world), t.dtype());
+  pg.reduce_scatter(out, in, op);
+  return out;
+}
+
+Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> output_split_sizes,
+                         std::optional<std::vector<int64_t>> input_split_sizes,
+                         const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_all_to_all_single(*tr, t, output_split_sizes, input_split_sizes,
+                                               group);
+  }
+  constexpr std::string_view kOp = "all_to_all_single";
+  check_input(t, kOp);
+  if (output_split_sizes.has_value() != input_split_sizes.has_value()) {
+    throw InvalidArgument(
+        "output_split_sizes and input_split_sizes must either be specified together or both set "
+        "to None");
+  }
+  check_contiguous(t, kOp);
+  if (t.dim() == 0) {
+    throw ShapeError("all_to_all_single: input must have at least one dimension");
+  }
+  ProcessGroup& pg = group.resolve();
+  const int64_t world = pg.size();
+  std::vector<int64_t> out_splits;
+  std::vector<int64_t> in_splits;
+  if (input_split_sizes) {
+    out_splits = std::move(*output_split_sizes);
+    in_splits = std::move(*input_split_sizes);
+    check_splits(out_splits, world, "output_split_sizes");
+    check_splits(in_splits, world, "input_split_sizes");
+    const int64_t total = std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0});
+    if (total != t.size(0)) {
+      throw ShapeError(fmt::format(
+          "all_to_all_single: input_split_sizes {} sum to {} but input dimension 0 is {}",
+          in_splits, total, t.size(0)));
+    }
+  } else {
+    if (t.size(0) % world != 0) {
+      throw ShapeError(fmt::format(
+          "all_to_all_single: input dimension 0 ({}) must be a multiple of group_size {} when no "
+          "split sizes are given",
+          t.size(0), world));
+    }
+    out_splits.assign(static_cast<size_t>(world), t.size(0) / world);
+    in_splits = out_splits;
+  }
+  return all_to_all_impl(pg, t, out_splits, in_splits);
+}
+
+Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_broadcast(*tr, t, src, group);
+  }
+  constexpr std::string_view kOp = "broadcast";
+  check_input(t, kOp);
+  ProcessGroup& pg = group.resolve();
+  if (src < 0 || src >= pg.size()) {
+    throw InvalidArgument(fmt::format("broadcast: src {} is not a rank of group '{}' of size {}",
+                                      src, pg.name(), pg.size()));
+  }
+  Tensor out = contiguous_copy(t);
+  pg.broadcast(out, src);
+  return out;
+}
+
+Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const GroupSpec& group) {
+  if (current_tracer()) {
+    api_detail::trace_unsupported("permute_tensor", "its split sizes depend on the rank, and a "
+                                  "graph must be the same on every rank");
+  }
+  constexpr std::string_view kOp = "permute_tensor";
+  check_input(t, kOp);
+  ProcessGroup& pg = group.resolve();
+  const int world = pg.size();
+  if (static_cast<int>(src_dst.size()) != world) {
+    throw InvalidArgument(fmt::format("permute_tensor: src_dst {} has {} entries, expected "
+                                      "group_size {}",
+                                      src_dst, src_dst.size(), world));
+  }
+  std::vector<bool> hit(static_cast<size_t>(world), false);
+  for (int dst : src_dst) {
+    if (dst < 0 || dst >= world || hit[static_cast<size_t>(dst)]) {
+      throw InvalidArgument(fmt::format("permute_tensor: src_dst {} is not a permutation of 0..{}",
+                                        src_dst, world - 1));
+    }
+    hit[static_cast<size_t>(dst)] = true;
+  }
+  // As the seed: one all_to_all_single where this rank sends everything to src_dst[rank] and
+  // receives everything from the m with src_dst[m] == rank.
+  const int64_t numel = t.numel();
+  std::vector<int64_t> in_splits(static_cast<size_t>(world), 0);
+  std::vector<int64_t> out_splits(static_cast<size_t>(world), 0);
+  for (int m = 0; m < world; ++m) {
+    const int dst = src_dst[static_cast<size_t>(m)];
+    if (m == pg.rank()) in_splits[static_cast<size_t>(dst)] = numel;
+    if (dst == pg.rank()) out_splits[static_cast<size_t>(m)] = numel;
+  }
+  Tensor flat = t.contiguous().view({numel});
+  return all_to_all_impl(pg, flat, out_splits, in_splits).view(t.sizes());
+}
+
+std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
+                                         const std::string& reduce_op, const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_all_reduce_coalesced(*tr, inputs, reduce_op, group);
+  }
+  constexpr std::string_view kOp = "all_reduce_coalesced";
+  const ReduceOp op = parse_reduce_op(reduce_op);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_input(inputs[i], kOp, index_suffix(i));
+    check_reduce_op_dtype(op, inputs[i].dtype(), kOp);
+  }
+  ProcessGroup& pg = group.resolve();
+  if (inputs.empty()) return {};
+  std::vector<Tensor> outputs;
+  outputs.reserve(inputs.size());
+  for (const Tensor& t : inputs) outputs.push_back(contiguous_copy(t));
+  pg.all_reduce_coalesced(outputs, op);
+  return outputs;
+}
+
+std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& inputs,
+                                                     const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_all_gather_into_tensor_coalesced(*tr, inputs, group);
+  }
+  constexpr std::string_view kOp = "all_gather_into_tensor_coalesced";
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_input(inputs[i], kOp, index_suffix(i));
+    check_contiguous(inputs[i], kOp, index_suffix(i));
+  }
+  ProcessGroup& pg = group.resolve();
+  if (inputs.empty()) return {};
+  std::vector<Tensor> outputs;
+  outputs.reserve(inputs.size());
+  for (const Tensor& t : inputs) {
+    outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size()), t.dtype()));
+    ready_input(t);
+  }
+  pg.all_gather_coalesced(outputs, inputs);
+  return outputs;
+}
+
+std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& inputs,
+                                                    const std::string& reduce_op,
+                                                    const std::vector<int64_t>& scatter_dims,
+                                                    const GroupSpec& group) {
+  if (Tracer* tr = current_tracer()) {
+    return api_detail::trace_reduce_scatter_tensor_coalesced(*tr, inputs, reduce_op, scatter_dims,
+                                                              group);
+  }
+  constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
+  const ReduceOp op = parse_reduce_op(reduce_op);
+  if (scatter_dims.size() != inputs.size()) {
+    throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
+                                      scatter_dims.size(), inputs.size()));
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_input(inputs[i], kOp, index_suffix(i));
+    check_reduce_op_dtype(op, inputs[i].dtype(), kOp);
+    check_contiguous(inputs[i], kOp, index_suffix(i));
+  }
+  ProcessGroup& pg = group.resolve();
+  if (inputs.empty()) return {};
+  const int64_t world = pg.size();
+  std::vector<int64_t> dims;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dims.push_back(check_reduce_scatter_input(inputs[i], scatter_dims[i], world, kOp,
+                                              index_suffix(i)));
+  }
+  std::vector<Tensor> fronts;
+  std::vector<Tensor> outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    fronts.push_back(scatter_dim_to_front(inputs[i], dims[i], world));
+    outputs.push_back(
+        Tensor::empty(scattered_shape(inputs[i].sizes(), dims[i], world), inputs[i].dtype()));
+  }
+  pg.reduce_scatter_coalesced(outputs, fronts, op);
+  return outputs;
+}
+
+const Tensor& wait_tensor(const Tensor& t) { return t.wait(); }
+
+void wait_tensors(const std::vector<Tensor>& tensors) {
+  if (tensors.empty()) throw InvalidArgument("wait_tensors requires at least one tensor");
+  // Outputs of one coalesced op share a Work: the first wait blocks, the others find it done.
+  std::unordered_set<const Storage*> waited;
+  for (const Tensor& t : tensors) {
+    if (waited.insert(t.storage().get()).second) t.wait();
+  }
+}
+
+const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
+                                 const GroupSpec& group) {
+  if (current_tracer()) {
+    api_detail::trace_unsupported("all_reduce_inplace",
+                                  "graphs are functional; use all_reduce");
+  }
+  t.copy_(all_reduce(t, reduce_op, group));
+  return t;
+}
+
+void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
+                        const GroupSpec& group) {
+  if (current_tracer()) {
+    api_detail::trace_unsupported("all_gather_inplace",
+                                  "graphs are functional; use all_gather_tensor");
+  }
+  constexpr std::string_view kOp = "all_gather_inplace";
+  ProcessGroup& pg = group.resolve();
+  // Issued before the local checks below, so peers never wait on a rank that gave up early.
+  Tensor gathered = all_gather_tensor(t, 0, pg);
+  if (static_cast<int64_t>(tensor_list.size()) != pg.size()) {
+    throw InvalidArgument(fmt::format("{}: tensor_list has {} tensors, expected group_size {}", kOp,
+                                      tensor_list.size(), pg.size()));
+  }
+  for (size_t j = 0; j < tensor_list.size(); ++j) {
+    if (!tensor_list[j].defined()) {
+      throw InvalidArgument(fmt::format("{}: tensor_list[{}] is undefined", kOp, j));
+    }
+    if (tensor_list[j].sizes() != t.sizes()) {
+      throw InvalidArgument(fmt::format(
+          "Remapping variable size all_gather is not yet supported (tensor_list[{}] has shape {}, "
+          "the input {})",
+          j, shape_str(tensor_list[j].sizes()), shape_str(t.sizes())));
+    }
+  }
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  for (size_t j = 0; j < tensor_list.size(); ++j) {
+    const int64_t jj = static_cast<int64_t>(j);
+    tensor_list[j].copy_(t.dim() == 0 ? gathered.select(0, jj) : gathered.narrow(0, jj * rows, rows));
+  }
+}
+
+const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& input,
+                                        const GroupSpec& group, int64_t gather_dim) {
+  if (current_tracer()) {
+    api_detail::trace_unsupported("all_gather_tensor_inplace",
+                                  "graphs are functional; use all_gather_tensor");
+  }
+  Tensor result = all_gather_tensor(input, gather_dim, group);
+  check_output_shape(output, result, "all_gather_tensor_inplace");
+  output.copy_(result);
+  return output;
+}
+
+const Tensor& reduce_scatter_tensor_inplace(const Tensor& output, const Tensor& input,
+                                            const GroupSpec& group, const std::string& reduce_op,
+                                            int64_t scatter_dim) {
+  if (current_tracer()) {
+    api_detail::trace_unsupported("reduce_scatter_tensor_inplace",
+                                  "graphs are functional; use reduce_scatter_tensor");
+  }
+  Tensor result = reduce_scatter_tensor(input, reduce_op, scatter_dim, group);
+  check_output_shape(output, result, "reduce_scatter_tensor_inplace");
+  output.copy_(result);
+  return output;
+}
+
+const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
+                                 std::optional<std::vector<int64_t>> output_split_sizes,
+                                 std::optional<std::vector<int64_t>> input_split_sizes,
+                                 const GroupSpec& group) {
+  if (current_tracer()) {
+    api_detail::trace_unsupported("all_to_all_inplace",
+                                  "graphs are functional; use all_to_all_single");
+  }
+  Tensor result = all_to_all_single(input, std::move(output_split_sizes),
+                                    std::move(input_split_sizes), group);
+  check_output_shape(output, result, "all_to_all_inplace");
+  output.copy_(result);
+  return output;
+}
+
+}  // namespace funcol

@@ -1,0 +1,1085 @@
+// Tests of the functional collectives on the threads backend (REFERENCE-pytorch.md §D 1-30).
+#include "funcol/api/functional.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <funcol/funcol.h>
+
+namespace funcol {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The what() of the funcol::Error that fn throws, or a marker when it throws none.
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no funcol::Error thrown>";
+}
+
+// f32 tensor whose element k (row-major) is base + k.
+Tensor iota(const Shape& shape, float base = 0) {
+  std::vector<float> v(static_cast<size_t>(shape_numel(shape)));
+  for (size_t k = 0; k < v.size(); ++k) v[k] = base + static_cast<float>(k);
+  return Tensor::from_vector(v, shape);
+}
+
+std::vector<float> repeat(float value, int64_t n) {
+  return std::vector<float>(static_cast<size_t>(n), value);
+}
+
+// A one-shot signal between ranks. The deadline only turns a broken wait-free path into a
+// failed expectation instead of a deadlock; the test never relies on it for ordering.
+class Gate {
+ public:
+  void open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  bool wait_open(std::chrono::seconds limit = std::chrono::seconds(30)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// A user-defined operation attached to a storage: counts its waits.
+class CountingWaitable : public Waitable {
+ public:
+  void wait() override { waits_.fetch_add(1); }
+  bool is_completed() const override { return waits_.load() > 0; }
+  int waits() const { return waits_.load(); }
+
+ private:
+  std::atomic<int> waits_{0};
+};
+
+// ---- the DESIGN §4 contract snippet ----
+
+TEST(DesignContract, SnippetRunsVerbatim) {
+  // 4 ranks as threads of this process; fn runs once per rank.
+  funcol::run_local(4, [](funcol::ProcessGroup& world) {
+    using funcol::DType;
+    funcol::Tensor x = funcol::Tensor::full({4, 8}, DType::F32, world.rank());
+    funcol::Tensor s = funcol::all_reduce(x, "sum", "world");      // returns at once
+    funcol::Tensor g = funcol::all_gather_tensor(x, 1, world);     // any group spec
+    funcol::DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+    funcol::Tensor r = funcol::reduce_scatter_tensor(g, "avg", 0, mesh.group("tp"));
+    std::vector<float> v = s.to_vector<float>();                   // waits here
+  });
+}
+
+TEST(DesignContract, SnippetValues) {
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({4, 8}, DType::F32, world.rank());
+    Tensor s = all_reduce(x, "sum", "world");
+    Tensor g = all_gather_tensor(x, 1, world);
+    DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+    Tensor r = reduce_scatter_tensor(g, "avg", 0, mesh.group("tp"));
+    EXPECT_EQ(s.to_vector<float>(), repeat(6, 32));
+    ASSERT_EQ(g.sizes(), (Shape{4, 32}));
+    std::vector<float> expect_g;
+    for (int row = 0; row < 4; ++row) {
+      for (int j = 0; j < 4; ++j) {
+        for (int c = 0; c < 8; ++c) expect_g.push_back(static_cast<float>(j));
+      }
+    }
+    EXPECT_EQ(g.to_vector<float>(), expect_g);
+    // g is the same on every rank, so the tp average is g; tp index t gets rows [2t, 2t+2).
+    ASSERT_EQ(r.sizes(), (Shape{2, 32}));
+    const int t = mesh.coordinate()[1];
+    EXPECT_TRUE(r.equal(g.narrow(0, 2 * t, 2)));
+    EXPECT_TRUE(x.equal(Tensor::full({4, 8}, DType::F32, world.rank())));
+  });
+}
+
+// ---- functional ops (REFERENCE §D 1-19) ----
+
+TEST(AllReduce, AvgIsANewTensorAndLeavesTheInputAlone) {  // D.1
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({10, 10}, DType::F32, world.rank());
+    Tensor out = all_reduce(x, "avg", world);
+    EXPECT_FALSE(out.shares_storage(x));
+    EXPECT_EQ(wait_tensor(out).to_vector<float>(), repeat(0.5f, 100));
+    EXPECT_TRUE(x.equal(Tensor::full({10, 10}, DType::F32, world.rank())));
+  });
+}
+
+TEST(AllReduce, EveryOpOnIntegers) {
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({5}, DType::I32, world.rank() + 1);  // 1, 2, 3, 4
+    const std::vector<std::pair<std::string, int32_t>> cases = {
+        {"sum", 10}, {"avg", 2}, {"product", 24}, {"min", 1},
+        {"max", 4},  {"band", 0}, {"bor", 7},     {"bxor", 1 ^ 2 ^ 3 ^ 4}};
+    for (const auto& [op, expect] : cases) {
+      EXPECT_EQ(all_reduce(x, op, world).to_vector<int32_t>(), std::vector<int32_t>(5, expect))
+          << op;
+    }
+    EXPECT_TRUE(x.equal(Tensor::full({5}, DType::I32, world.rank() + 1)));
+  });
+}
+
+TEST(AllReduce, OpNamesAreCaseInsensitive) {  // D.13
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({3}, DType::F32, world.rank() + 1);
+    EXPECT_EQ(all_reduce(x, "SUM", world).to_vector<float>(), repeat(3, 3));
+    EXPECT_EQ(all_reduce(x, "Max", world).to_vector<float>(), repeat(2, 3));
+  });
+}
+
+TEST(AllReduce, BoolAndNonContiguousInput) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor b = Tensor::full({4}, DType::Bool, world.rank() == 0 ? 1 : 0);
+    EXPECT_EQ(all_reduce(b, "bor", world).to_vector<bool>(), std::vector<bool>(4, true));
+    EXPECT_EQ(all_reduce(b, "band", world).to_vector<bool>(), std::vector<bool>(4, false));
+    // A transposed input is reduced in its logical order; the output is contiguous.
+    Tensor x = iota({2, 3}, static_cast<float>(10 * world.rank())).transpose(0, 1);
+    Tensor out = all_reduce(x, "sum", world);
+    EXPECT_TRUE(out.is_contiguous());
+    EXPECT_EQ(out.sizes(), (Shape{3, 2}));
+    EXPECT_EQ(out.to_vector<float>(), (std::vector<float>{10, 16, 12, 18, 14, 20}));
+  });
+}
+
+TEST(AllReduce, InplaceReturnsTheSameTensor) {  // D.2
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({10, 10}, DType::F32, world.rank());
+    const Tensor& ret = all_reduce_inplace(x, "avg", world);
+    EXPECT_EQ(&ret, &x);
+    EXPECT_EQ(x.to_vector<float>(), repeat(0.5f, 100));
+  });
+}
+
+TEST(AllReduce, CoalescedAvg) {  // D.3
+  run_local(4, [](ProcessGroup& world) {
+    std::vector<Tensor> inputs;
+    for (int i = 0; i < 10; ++i) {
+      inputs.push_back(Tensor::full({i, i}, DType::F32, world.rank() * i));
+    }
+    std::vector<Tensor> outs = all_reduce_coalesced(inputs, "avg", world);
+    ASSERT_EQ(outs.size(), 10u);
+    wait_tensors(outs);
+    for (int i = 0; i < 10; ++i) {
+      EXPECT_FALSE(outs[static_cast<size_t>(i)].shares_storage(inputs[static_cast<size_t>(i)]));
+      EXPECT_EQ(outs[static_cast<size_t>(i)].to_vector<float>(), repeat(1.5f * i, i * i)) << i;
+      EXPECT_TRUE(inputs[static_cast<size_t>(i)].equal(
+          Tensor::full({i, i}, DType::F32, world.rank() * i)));
+    }
+    EXPECT_TRUE(all_reduce_coalesced({}, "sum", world).empty());
+  });
+}
+
+TEST(AllGather, Dim0BlocksAreRankMajor) {  // D.4
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({10, 10}, DType::F32, world.rank());
+    Tensor out = all_gather_tensor(x, 0, world);
+    ASSERT_EQ(out.sizes(), (Shape{40, 10}));
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(out.narrow(0, 10 * j, 10).to_vector<float>(), repeat(static_cast<float>(j), 100));
+    }
+    EXPECT_TRUE(x.equal(Tensor::full({10, 10}, DType::F32, world.rank())));
+  });
+}
+
+TEST(AllGather, InplaceWritesTheGivenBuffer) {  // D.4, _out variant
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({2, 3}, DType::I64, world.rank());
+    Tensor out = Tensor::zeros({2, 12}, DType::I64);
+    const Tensor& ret = all_gather_tensor_inplace(out, x, world, /*gather_dim=*/1);
+    EXPECT_EQ(&ret, &out);
+    EXPECT_EQ(out.to_vector<int64_t>(),
+              (std::vector<int64_t>{0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3,
+                                    0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3}));
+    Tensor wrong = Tensor::zeros({8, 4}, DType::I64);
+    EXPECT_THAT(error_of([&] { all_gather_tensor_inplace(wrong, x, world); }),
+                HasSubstr("output shape [8,4] does not match the result shape [8,3]"));
+  });
+}
+
+TEST(AllGather, ZeroDimGathersToGroupSize) {  // D.5
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({}, DType::F32, world.rank() * 2);
+    Tensor out = all_gather_tensor(x, 0, world);
+    EXPECT_EQ(out.sizes(), (Shape{4}));
+    EXPECT_EQ(out.to_vector<float>(), (std::vector<float>{0, 2, 4, 6}));
+    EXPECT_EQ(all_gather_tensor(x, -1, world).to_vector<float>(),
+              (std::vector<float>{0, 2, 4, 6}));
+  });
+}
+
+TEST(AllGather, Coalesced) {  // D.6
+  run_local(4, [](ProcessGroup& world) {
+    std::vector<Tensor> inputs;
+    for (int i = 0; i < 10; ++i) inputs.push_back(Tensor::full({i, 2}, DType::F32, world.rank() * i));
+    std::vector<Tensor> outs = all_gather_into_tensor_coalesced(inputs, world);
+    ASSERT_EQ(outs.size(), 10u);
+    for (int i = 0; i < 10; ++i) {
+      const Tensor& out = outs[static_cast<size_t>(i)];
+      ASSERT_EQ(out.sizes(), (Shape{4 * i, 2}));
+      std::vector<float> expect;
+      for (int j = 0; j < 4; ++j) {
+        for (int k = 0; k < 2 * i; ++k) expect.push_back(static_cast<float>(j * i));
+      }
+      EXPECT_EQ(out.to_vector<float>(), expect) << i;
+    }
+  });
+}
+
+// Gathering along dims 1 and 2 of [3,3,3] with W=4 (D.18), in every dtype: the result must equal
+// the concatenation of every rank's input along the dim.
+TEST(AllGather, NonZeroDimsInEveryDtype) {
+  run_local(4, [](ProcessGroup& world) {
+    for (DType dtype : kAllDTypes) {
+      auto input_of = [&](int rank) { return Tensor::rand({3, 3, 3}, dtype, 100 + rank); };
+      Tensor x = input_of(world.rank());
+      std::vector<Tensor> all;
+      for (int j = 0; j < 4; ++j) all.push_back(input_of(j));
+      for (int64_t dim : {0, 1, 2, -1, -2}) {
+        Tensor out = all_gather_tensor(x, dim, world);
+        Shape expect_shape{3, 3, 3};
+        expect_shape[static_cast<size_t>(dim < 0 ? dim + 3 : dim)] = 12;
+        EXPECT_EQ(out.sizes(), expect_shape);
+        EXPECT_TRUE(out.equal(Tensor::cat(all, dim)))
+            << dtype_name(dtype) << " dim " << dim << ": " << out.to_string();
+      }
+      EXPECT_TRUE(x.equal(input_of(world.rank())));
+    }
+  });
+}
+
+TEST(AllGather, LeadingOnesAndEmptyInputs) {
+  run_local(2, [](ProcessGroup& world) {
+    // Nothing precedes dim 1 except a size-1 dim: no rearrangement needed.
+    Tensor x = iota({1, 2, 3}, static_cast<float>(100 * world.rank()));
+    Tensor out = all_gather_tensor(x, 1, world);
+    EXPECT_TRUE(out.equal(Tensor::cat({iota({1, 2, 3}, 0), iota({1, 2, 3}, 100)}, 1)));
+    Tensor empty = Tensor::zeros({2, 0, 3}, DType::F32);
+    EXPECT_EQ(all_gather_tensor(empty, 1, world).sizes(), (Shape{2, 0, 3}));
+    EXPECT_EQ(all_gather_tensor(empty, 2, world).sizes(), (Shape{2, 0, 6}));
+  });
+}
+
+TEST(ReduceScatter, AvgOfRankVector) {  // D.7
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::arange(4, DType::F32);
+    Tensor out = reduce_scatter_tensor(x, "avg", 0, world);
+    EXPECT_EQ(out.sizes(), (Shape{1}));
+    EXPECT_EQ(out.to_vector<float>(), (std::vector<float>{static_cast<float>(world.rank())}));
+    EXPECT_TRUE(x.equal(Tensor::arange(4, DType::F32)));
+  });
+}
+
+TEST(ReduceScatter, Coalesced) {  // D.8
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    std::vector<Tensor> inputs;
+    for (int i = 1; i <= 3; ++i) inputs.push_back(mul_scalar(Tensor::arange(4, DType::F32), i));
+    std::vector<Tensor> outs =
+        reduce_scatter_tensor_coalesced(inputs, "avg", std::vector<int64_t>(3, 0), world);
+    ASSERT_EQ(outs.size(), 3u);
+    for (int i = 1; i <= 3; ++i) {
+      EXPECT_EQ(outs[static_cast<size_t>(i - 1)].to_vector<float>(),
+                (std::vector<float>{static_cast<float>(r * i)}));
+    }
+    std::vector<Tensor> ints = {Tensor::full({4}, DType::I64, 1), Tensor::full({4}, DType::I64, 2)};
+    std::vector<Tensor> sums = reduce_scatter_tensor_coalesced(ints, "sum", {0, 0}, world);
+    wait_tensors(sums);
+    EXPECT_EQ(sums[0].to_vector<int64_t>(), (std::vector<int64_t>{4}));
+    EXPECT_EQ(sums[1].to_vector<int64_t>(), (std::vector<int64_t>{8}));
+    // Mixed scatter dims in one call.
+    std::vector<Tensor> mixed = {iota({2, 4}), iota({4, 2})};
+    std::vector<Tensor> outs2 = reduce_scatter_tensor_coalesced(mixed, "sum", {1, 0}, world);
+    EXPECT_EQ(outs2[0].to_vector<float>(),
+              (std::vector<float>{4.0f * r, 4.0f * (4 + r)}));
+    EXPECT_EQ(outs2[1].to_vector<float>(), (std::vector<float>{8.0f * r, 8.0f * r + 4}));
+    EXPECT_TRUE(mixed[0].equal(iota({2, 4})));
+  });
+}
+
+// Scattering along dims 1 and 2 (D.18): rank r's shard is the sum over ranks, sliced at r.
+TEST(ReduceScatter, NonZeroDims) {
+  run_local(4, [](ProcessGroup& world) {
+    for (DType dtype : {DType::I32, DType::I64, DType::F32, DType::F64}) {
+      for (int64_t dim : {0, 1, 2, -1}) {
+        Shape shape{3, 3, 3};
+        const int64_t d = dim < 0 ? dim + 3 : dim;
+        shape[static_cast<size_t>(d)] = 8;
+        auto input_of = [&](int rank) { return Tensor::rand(shape, DType::I32, 7 + rank).to(dtype); };
+        Tensor x = input_of(world.rank());
+        Tensor sum = input_of(0);
+        for (int j = 1; j < 4; ++j) sum = add(sum, input_of(j));
+        Tensor out = reduce_scatter_tensor(x, "sum", dim, world);
+        EXPECT_TRUE(out.equal(sum.narrow(d, 2 * world.rank(), 2)))
+            << dtype_name(dtype) << " dim " << dim << ": " << out.to_string();
+        EXPECT_TRUE(x.equal(input_of(world.rank())));
+      }
+    }
+    // Only ones precede the scatter dim: the input is sent as is.
+    Tensor y = iota({1, 8});
+    EXPECT_EQ(reduce_scatter_tensor(y, "sum", 1, world).to_vector<float>(),
+              (std::vector<float>{8.0f * world.rank(), 8.0f * world.rank() + 4}));
+  });
+}
+
+TEST(ReduceScatter, InplaceWritesTheGivenBuffer) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = iota({2, 4});
+    Tensor out = Tensor::zeros({2, 2}, DType::F32);
+    const Tensor& ret = reduce_scatter_tensor_inplace(out, x, world, "sum", /*scatter_dim=*/1);
+    EXPECT_EQ(&ret, &out);
+    const float base = 2.0f * world.rank();
+    EXPECT_EQ(out.to_vector<float>(),
+              (std::vector<float>{2 * base, 2 * base + 2, 2 * (base + 4), 2 * (base + 4) + 2}));
+    Tensor dflt = Tensor::zeros({1, 4}, DType::F32);
+    reduce_scatter_tensor_inplace(dflt, x, world);  // sum over dim 0
+    EXPECT_EQ(dflt.to_vector<float>(),
+              (std::vector<float>{static_cast<float>(8 * world.rank()),
+                                  static_cast<float>(8 * world.rank() + 2),
+                                  static_cast<float>(8 * world.rank() + 4),
+                                  static_cast<float>(8 * world.rank() + 6)}));
+  });
+}
+
+// D.9: rank r sends S[r][j] rows to rank j; row k of rank r's input holds 1000 r + 10 k + c.
+TEST(AllToAll, RandomSplitMatrix) {
+  constexpr int kW = 4;
+  constexpr int64_t kCols = 2;
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int64_t> dist(0, 4);
+  std::vector<std::vector<int64_t>> s(kW, std::vector<int64_t>(kW));
+  for (auto& row : s) {
+    for (auto& v : row) v = dist(rng);
+  }
+  s[1][2] = 0;  // at least one empty block
+  run_local(kW, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    auto input_of = [&](int rank) {
+      int64_t rows = 0;
+      for (int64_t v : s[static_cast<size_t>(rank)]) rows += v;
+      std::vector<float> v;
+      for (int64_t k = 0; k < rows; ++k) {
+        for (int64_t c = 0; c < kCols; ++c) v.push_back(static_cast<float>(1000 * rank + 10 * k + c));
+      }
+      return Tensor::from_vector(v, {rows, kCols});
+    };
+    std::vector<int64_t> in_splits = s[static_cast<size_t>(r)];
+    std::vector<int64_t> out_splits;
+    for (int j = 0; j < kW; ++j) out_splits.push_back(s[static_cast<size_t>(j)][static_cast<size_t>(r)]);
+    Tensor x = input_of(r);
+    Tensor out = all_to_all_single(x, out_splits, in_splits, world);
+    std::vector<float> expect;
+    for (int j = 0; j < kW; ++j) {
+      int64_t offset = 0;
+      for (int k = 0; k < r; ++k) offset += s[static_cast<size_t>(j)][static_cast<size_t>(k)];
+      for (int64_t k = offset; k < offset + s[static_cast<size_t>(j)][static_cast<size_t>(r)]; ++k) {
+        for (int64_t c = 0; c < kCols; ++c) expect.push_back(static_cast<float>(1000 * j + 10 * k + c));
+      }
+    }
+    EXPECT_EQ(out.sizes()[1], kCols);
+    EXPECT_EQ(out.to_vector<float>(), expect);
+    EXPECT_TRUE(x.equal(input_of(r)));
+
+    Tensor into = Tensor::zeros(out.sizes(), DType::F32);
+    const Tensor& ret = all_to_all_inplace(into, x, out_splits, in_splits, world);
+    EXPECT_EQ(&ret, &into);
+    EXPECT_TRUE(into.equal(out));
+  });
+}
+
+TEST(AllToAll, EvenSplitWhenNoSizesGiven) {  // D.10
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({4, 4}, DType::F32, world.rank() + 1);
+    Tensor out = all_to_all_single(x, std::nullopt, std::nullopt, world);
+    ASSERT_EQ(out.sizes(), (Shape{4, 4}));
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(out.select(0, j).to_vector<float>(), repeat(static_cast<float>(j + 1), 4));
+    }
+    Tensor two_rows = iota({8, 3}, static_cast<float>(100 * world.rank()));
+    Tensor out2 = all_to_all_single(two_rows, std::nullopt, std::nullopt, world);
+    std::vector<float> expect;
+    for (int j = 0; j < 4; ++j) {
+      for (int k = 0; k < 6; ++k) expect.push_back(static_cast<float>(100 * j + 6 * world.rank() + k));
+    }
+    EXPECT_EQ(out2.to_vector<float>(), expect);
+  });
+}
+
+TEST(Broadcast, FromRankOneIsANewTensor) {  // D.12
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({3, 3}, DType::F32, world.rank());
+    Tensor out = broadcast(x, 1, world);
+    EXPECT_FALSE(out.shares_storage(x));
+    EXPECT_EQ(out.to_vector<float>(), repeat(1, 9));
+    EXPECT_TRUE(x.equal(Tensor::full({3, 3}, DType::F32, world.rank())));
+    EXPECT_THAT(error_of([&] { broadcast(x, 4, world); }),
+                HasSubstr("broadcast: src 4 is not a rank of group 'world' of size 4"));
+  });
+}
+
+TEST(PermuteTensor, RingShift) {  // D.19
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    Tensor x = iota({2, 3}, static_cast<float>(100 * r));
+    Tensor out = permute_tensor(x, {1, 2, 3, 0}, world);
+    EXPECT_EQ(out.sizes(), (Shape{2, 3}));
+    EXPECT_TRUE(out.equal(iota({2, 3}, static_cast<float>(100 * ((r + 3) % 4)))));
+    EXPECT_TRUE(x.equal(iota({2, 3}, static_cast<float>(100 * r))));
+    // 0-d and non-contiguous inputs; the identity permutation.
+    Tensor scalar = Tensor::full({}, DType::I32, r);
+    EXPECT_EQ(permute_tensor(scalar, {3, 0, 1, 2}, world).item<int32_t>(), (r + 1) % 4);
+    Tensor xt = x.transpose(0, 1);
+    EXPECT_TRUE(permute_tensor(xt, {0, 1, 2, 3}, world).equal(xt));
+  });
+}
+
+TEST(WorldSizeOne, EveryOpIsTheIdentity) {
+  run_local(1, [](ProcessGroup& world) {
+    Tensor x = iota({2, 3, 4});
+    EXPECT_TRUE(all_reduce(x, "sum", world).equal(x));
+    EXPECT_TRUE(all_gather_tensor(x, 2, world).equal(x));
+    EXPECT_TRUE(reduce_scatter_tensor(x, "avg", 1, world).equal(x));
+    EXPECT_TRUE(all_to_all_single(x, std::nullopt, std::nullopt, world).equal(x));
+    EXPECT_TRUE(all_to_all_single(x, std::vector<int64_t>{2}, std::vector<int64_t>{2}, world)
+                    .equal(x));
+    EXPECT_TRUE(broadcast(x, 0, world).equal(x));
+    EXPECT_TRUE(permute_tensor(x, {0}, world).equal(x));
+    EXPECT_TRUE(all_gather_into_tensor_coalesced({x, x}, world)[1].equal(x));
+    EXPECT_TRUE(reduce_scatter_tensor_coalesced({x}, "max", {2}, world)[0].equal(x));
+    std::vector<Tensor> list = {Tensor::zeros({2, 3, 4}, DType::F32)};
+    all_gather_inplace(list, x, world);
+    EXPECT_TRUE(list[0].equal(x));
+  });
+}
+
+TEST(AllGatherInplace, SlicesIntoTheList) {
+  run_local(3, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({2}, DType::I32, world.rank() + 1);
+    std::vector<Tensor> list;
+    for (int j = 0; j < 3; ++j) list.push_back(Tensor::zeros({2}, DType::I32));
+    all_gather_inplace(list, x, world);
+    for (int j = 0; j < 3; ++j) {
+      EXPECT_EQ(list[static_cast<size_t>(j)].to_vector<int32_t>(), (std::vector<int32_t>{j + 1, j + 1}));
+    }
+    // 0-d tensors are indexed, not sliced.
+    std::vector<Tensor> scalars;
+    for (int j = 0; j < 3; ++j) scalars.push_back(Tensor::zeros({}, DType::I32));
+    all_gather_inplace(scalars, Tensor::full({}, DType::I32, 10 * world.rank()), world);
+    for (int j = 0; j < 3; ++j) EXPECT_EQ(scalars[static_cast<size_t>(j)].item<int32_t>(), 10 * j);
+  });
+}
+
+// Every collective leaves its inputs as they were (DESIGN §2), on every rank, src included.
+TEST(Inputs, AreNeverModified) {
+  run_local(4, [](ProcessGroup& world) {
+    const float base = static_cast<float>(100 * world.rank());
+    Tensor x = iota({4, 4}, base);
+    Tensor xt = iota({4, 4}, base).transpose(0, 1);
+    const Tensor x0 = x.clone();
+    const Tensor xt0 = xt.clone();
+    std::vector<Tensor> results = {
+        all_reduce(x, "sum", world),
+        all_reduce(xt, "max", world),
+        all_gather_tensor(x, 0, world),
+        all_gather_tensor(x, 1, world),
+        reduce_scatter_tensor(x, "sum", 0, world),
+        reduce_scatter_tensor(x, "avg", 1, world),
+        all_to_all_single(x, std::nullopt, std::nullopt, world),
+        all_to_all_single(x, std::vector<int64_t>{0, 1, 2, 1}, std::vector<int64_t>{1, 1, 1, 1},
+                          world),
+        broadcast(x, world.rank() == 2 ? 2 : 2, world),
+        permute_tensor(x, {2, 3, 0, 1}, world),
+        permute_tensor(xt, {2, 3, 0, 1}, world)};
+    for (const Tensor& t : all_reduce_coalesced({x, xt}, "sum", world)) results.push_back(t);
+    for (const Tensor& t : all_gather_into_tensor_coalesced({x, x}, world)) results.push_back(t);
+    for (const Tensor& t : reduce_scatter_tensor_coalesced({x, x}, "sum", {0, 1}, world)) {
+      results.push_back(t);
+    }
+    wait_tensors(results);
+    Tensor out = Tensor::zeros({16, 4}, DType::F32);
+    all_gather_tensor_inplace(out, x, world);
+    Tensor rs_out = Tensor::zeros({1, 4}, DType::F32);
+    reduce_scatter_tensor_inplace(rs_out, x, world);
+    Tensor a2a_out = Tensor::zeros({4, 4}, DType::F32);
+    all_to_all_inplace(a2a_out, x, std::nullopt, std::nullopt, world);
+    std::vector<Tensor> list(4, Tensor());
+    for (auto& t : list) t = Tensor::zeros({4, 4}, DType::F32);
+    all_gather_inplace(list, x, world);
+    EXPECT_TRUE(x.equal(x0));
+    EXPECT_TRUE(xt.equal(xt0));
+    EXPECT_FALSE(xt.is_contiguous());
+    EXPECT_EQ(xt.strides(), (Shape{1, 4}));
+  });
+}
+
+// A result still pending on its collective can feed the next collective at once: the input is
+// waited before the backend reads it.
+TEST(Inputs, PendingResultsFeedTheNextCollective) {
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({4, 2}, DType::F32, world.rank() + 1);
+    Tensor s = all_reduce(x, "sum", world);             // 10 everywhere
+    Tensor g = all_gather_tensor(s, 1, world);          // lazy, [4, 8]
+    Tensor rs = reduce_scatter_tensor(g, "sum", 1, world);  // [4, 2] of 40
+    Tensor p = permute_tensor(rs, {1, 2, 3, 0}, world);
+    Tensor a = all_to_all_single(p, std::nullopt, std::nullopt, world);
+    Tensor b = broadcast(a, 3, world);
+    std::vector<Tensor> c = all_gather_into_tensor_coalesced({b, s}, world);
+    std::vector<Tensor> d = reduce_scatter_tensor_coalesced({c[0], c[1]}, "max", {0, 0}, world);
+    EXPECT_EQ(d[0].to_vector<float>(), repeat(40, 8));
+    EXPECT_EQ(d[1].to_vector<float>(), repeat(10, 8));
+  });
+}
+
+// ---- errors (D.11, 13-17) ----
+
+TEST(Errors, SeedMessages) {
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({4, 6}, DType::F32, 1);
+    Tensor nc = x.transpose(0, 1);
+    // D.15: non-contiguous inputs.
+    EXPECT_THAT(error_of([&] { all_gather_tensor(nc, 0, world); }),
+                HasSubstr("Tensor must be contiguous for all_gather_tensor"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(nc, "sum", 0, world); }),
+                HasSubstr("Tensor must be contiguous for reduce_scatter_tensor"));
+    EXPECT_THAT(error_of([&] { all_to_all_single(nc, std::nullopt, std::nullopt, world); }),
+                HasSubstr("Tensor must be contiguous for all_to_all_single"));
+    EXPECT_THAT(error_of([&] { all_gather_into_tensor_coalesced({x, nc}, world); }),
+                HasSubstr("Tensor must be contiguous for all_gather_into_tensor_coalesced for "
+                          "tensor at index 1"));
+    EXPECT_THROW(all_gather_tensor(nc, 0, world), InvalidArgument);
+    // D.16: non-divisible scatter dims name the dim they checked.
+    Tensor six = Tensor::full({6, 4}, DType::F32, 1);
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(six, "sum", 0, world); }),
+                HasSubstr("input dimension 0 (6) must be a multiple of group_size 4"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(x, "sum", 1, world); }),
+                HasSubstr("input dimension 1 (6) must be a multiple of group_size 4"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(x, "sum", -1, world); }),
+                HasSubstr("input dimension 1 (6) must be a multiple of group_size 4"));
+    EXPECT_THROW(reduce_scatter_tensor(six, "sum", 0, world), ShapeError);
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_inplace(x, six, world); }),
+                HasSubstr("input dimension 0 (6) must be a multiple of group_size 4"));
+    // D.17: coalesced reduce_scatter.
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, x}, "sum", {0}, world); }),
+                HasSubstr("Length of scatter_dim (1) must equal length of inputs (2)"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, six}, "sum", {0, 0}, world); }),
+                HasSubstr("input dimension 0 (6) must be a multiple of group_size 4 for tensor at "
+                          "index 1"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, x}, "sum", {0, 1}, world); }),
+                HasSubstr("input dimension 1 (6) must be a multiple of group_size 4 for tensor at "
+                          "index 1"));
+    // D.11: one split list alone.
+    const std::vector<int64_t> ones = {1, 1, 1, 1};
+    EXPECT_THAT(error_of([&] { all_to_all_single(x, ones, std::nullopt, world); }),
+                HasSubstr("output_split_sizes and input_split_sizes must either be specified "
+                          "together or both set to None"));
+    EXPECT_THAT(error_of([&] { all_to_all_single(x, std::nullopt, ones, world); }),
+                HasSubstr("must either be specified together or both set to None"));
+    // D.13: unknown reduce ops.
+    EXPECT_THAT(error_of([&] { all_reduce(x, "foo", world); }),
+                HasSubstr("Unrecognized reduce_op: foo"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(x, "premul_sum", 0, world); }),
+                HasSubstr("Unrecognized reduce_op: premul_sum"));
+    EXPECT_THAT(error_of([&] { all_reduce_coalesced({x}, "unused", world); }),
+                HasSubstr("Unrecognized reduce_op: unused"));
+    EXPECT_THROW(all_reduce(x, "foo", world), InvalidArgument);
+    // all_gather_inplace of differently sized tensors.
+    std::vector<Tensor> list(4, Tensor::zeros({4, 6}, DType::F32));
+    list[2] = Tensor::zeros({3, 6}, DType::F32);
+    EXPECT_THAT(error_of([&] { all_gather_inplace(list, x, world); }),
+                HasSubstr("Remapping variable size all_gather is not yet supported"));
+    std::vector<Tensor> short_list(3, Tensor::zeros({4, 6}, DType::F32));
+    EXPECT_THAT(error_of([&] { all_gather_inplace(short_list, x, world); }),
+                HasSubstr("tensor_list has 3 tensors, expected group_size 4"));
+    // D.26: an empty wait list.
+    EXPECT_THAT(error_of([] { wait_tensors({}); }),
+                HasSubstr("wait_tensors requires at least one tensor"));
+  });
+}
+
+TEST(Errors, BitwiseOpsNeedIntegers) {  // D.14's counterpart: funcol has no complex dtypes
+  run_local(2, [](ProcessGroup& world) {
+    for (DType dtype : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+      Tensor x = Tensor::full({4}, dtype, 1);
+      for (const char* op : {"band", "BOR", "bxor"}) {
+        EXPECT_THROW(all_reduce(x, op, world), InvalidArgument) << op;
+        EXPECT_THROW(reduce_scatter_tensor(x, op, 0, world), InvalidArgument) << op;
+        EXPECT_THROW(all_reduce_coalesced({x}, op, world), InvalidArgument) << op;
+        EXPECT_THROW(reduce_scatter_tensor_coalesced({x}, op, {0}, world), InvalidArgument) << op;
+      }
+      EXPECT_THAT(error_of([&] { all_reduce(x, "band", world); }),
+                  HasSubstr(std::string(dtype_name(dtype))));
+    }
+    // The same ops are fine on integers.
+    Tensor i = Tensor::full({4}, DType::U8, world.rank() + 1);
+    EXPECT_EQ(all_reduce(i, "bxor", world).to_vector<int32_t>(), std::vector<int32_t>(4, 3));
+  });
+}
+
+TEST(Errors, ShapesSplitsAndArguments) {
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = iota({4, 6});
+    Tensor scalar = Tensor::full({}, DType::F32, 1);
+    EXPECT_THAT(error_of([&] { all_gather_tensor(x, 2, world); }),
+                HasSubstr("gather_dim 2 is out of range for a 2-d input"));
+    EXPECT_THAT(error_of([&] { all_gather_tensor(x, -3, world); }),
+                HasSubstr("gather_dim -3 is out of range"));
+    EXPECT_THAT(error_of([&] { all_gather_tensor(scalar, 1, world); }),
+                HasSubstr("gather_dim 1 is out of range for a 0-d input"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(x, "sum", 5, world); }),
+                HasSubstr("scatter_dim 5 is out of range"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(scalar, "sum", 0, world); }),
+                HasSubstr("reduce_scatter_tensor: input must have at least one dimension"));
+    EXPECT_THAT(error_of([&] { all_to_all_single(scalar, std::nullopt, std::nullopt, world); }),
+                HasSubstr("all_to_all_single: input must have at least one dimension"));
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(iota({6}), std::nullopt, std::nullopt, world);
+                }),
+                HasSubstr("input dimension 0 (6) must be a multiple of group_size 4"));
+    using Splits = std::vector<int64_t>;
+    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{2, -1, 2, 1}, world); }),
+                HasSubstr("input_split_sizes[1] is negative (-1)"));
+    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1, -1}, Splits{1, 1, 1, 1}, world); }),
+                HasSubstr("output_split_sizes[3] is negative (-1)"));
+    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1}, Splits{1, 1, 1, 1}, world); }),
+                HasSubstr("output_split_sizes has 3 entries, expected group_size 4"));
+    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{1, 1, 1, 2}, world); }),
+                HasSubstr("input_split_sizes [1, 1, 1, 2] sum to 5 but input dimension 0 is 4"));
+    EXPECT_THAT(error_of([&] { permute_tensor(x, {1, 2, 0}, world); }),
+                HasSubstr("src_dst [1, 2, 0] has 3 entries, expected group_size 4"));
+    EXPECT_THAT(error_of([&] { permute_tensor(x, {1, 1, 2, 3}, world); }),
+                HasSubstr("src_dst [1, 1, 2, 3] is not a permutation of 0..3"));
+    EXPECT_THAT(error_of([&] { permute_tensor(x, {1, 2, 3, 4}, world); }),
+                HasSubstr("is not a permutation of 0..3"));
+    EXPECT_THAT(error_of([&] { broadcast(x, -1, world); }), HasSubstr("src -1 is not a rank"));
+    EXPECT_THAT(error_of([&] { all_reduce(Tensor(), "sum", world); }),
+                HasSubstr("all_reduce: undefined input tensor"));
+    EXPECT_THAT(error_of([&] { all_gather_tensor(Tensor::meta({2}, DType::F32), 0, world); }),
+                HasSubstr("all_gather_tensor: input is a meta tensor"));
+    EXPECT_THAT(error_of([&] { all_reduce_coalesced({x, Tensor()}, "sum", world); }),
+                HasSubstr("undefined input tensor for tensor at index 1"));
+    EXPECT_THROW(all_gather_tensor(x, 2, world), ShapeError);
+  });
+}
+
+// Failing in-place calls still issue their collective, so a rank whose own output is wrong does
+// not leave its peers waiting.
+TEST(Errors, InplaceShapeMismatchOnOneRankDoesNotStallPeers) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({2, 2}, DType::F32, world.rank() + 1);
+    if (world.rank() == 0) {
+      Tensor wrong = Tensor::zeros({3}, DType::F32);
+      EXPECT_THAT(error_of([&] { all_gather_tensor_inplace(wrong, x, world); }),
+                  HasSubstr("all_gather_tensor_inplace: output shape [3] does not match the result "
+                            "shape [4,2]"));
+      EXPECT_THAT(error_of([&] { all_to_all_inplace(wrong, x, std::nullopt, std::nullopt, world); }),
+                  HasSubstr("all_to_all_inplace: output shape [3] does not match the result shape "
+                            "[2,2]"));
+      EXPECT_TRUE(wrong.equal(Tensor::zeros({3}, DType::F32)));
+    } else {
+      Tensor gathered = Tensor::zeros({4, 2}, DType::F32);
+      all_gather_tensor_inplace(gathered, x, world);
+      EXPECT_EQ(gathered.to_vector<float>(), (std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2}));
+      Tensor exchanged = Tensor::zeros({2, 2}, DType::F32);
+      all_to_all_inplace(exchanged, x, std::nullopt, std::nullopt, world);
+      EXPECT_EQ(exchanged.to_vector<float>(), (std::vector<float>{1, 1, 2, 2}));
+    }
+    // The group is still in step.
+    EXPECT_EQ(all_reduce(x, "sum", world).to_vector<float>(), repeat(3, 4));
+  });
+}
+
+// ---- group specs (D.20-21) ----
+
+TEST(GroupSpecTest, RankListWarnsOnce) {
+  testing::internal::CaptureStderr();
+  run_local(4, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({4}, DType::F32, 1);
+    EXPECT_EQ(all_reduce(x, "sum", {0, 1, 2, 3}).to_vector<float>(), repeat(4, 4));
+    EXPECT_EQ(all_reduce(x, "sum", std::vector<int>{0, 1, 2, 3}).to_vector<float>(), repeat(4, 4));
+    // The whole world in order is the world group.
+    EXPECT_EQ(&GroupSpec({0, 1, 2, 3}).resolve(), &world);
+  });
+  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string warning =
+      "funcol: warning: passing a list of ranks as a group is deprecated; pass a ProcessGroup, a "
+      "DeviceMesh or a group name";
+  size_t count = 0;
+  for (size_t pos = err.find(warning); pos != std::string::npos; pos = err.find(warning, pos + 1)) {
+    ++count;
+  }
+  EXPECT_LE(count, 1u) << err;
+}
+
+TEST(GroupSpecTest, Names) {
+  run_local(2, [](ProcessGroup& world) {
+    EXPECT_EQ(&GroupSpec("world").resolve(), &world);
+    EXPECT_EQ(&GroupSpec(std::string("world")).resolve(), &world);
+    EXPECT_EQ(GroupSpec("world").size(), 2);
+    EXPECT_THAT(error_of([] { GroupSpec("nope").resolve(); }), HasSubstr("nope"));
+    EXPECT_THAT(error_of([] { GroupSpec("").resolve(); }), HasSubstr("empty group name"));
+    const char* null_name = nullptr;
+    EXPECT_THAT(error_of([&] { GroupSpec(null_name).resolve(); }), HasSubstr("empty group name"));
+    auto sub = new_group(world, {0, 1}, "pair");
+    EXPECT_EQ(&GroupSpec("pair").resolve(), sub.get());
+  });
+  EXPECT_THAT(error_of([] { GroupSpec("world").resolve(); }),
+              HasSubstr("no current rank: call inside run_local or after init"));
+  EXPECT_THAT(error_of([] { all_reduce(Tensor::zeros({1}, DType::F32), "sum", "world"); }),
+              HasSubstr("no current rank"));
+  EXPECT_THAT(error_of([] { GroupSpec({0}).resolve(); }), HasSubstr("no current rank"));
+  // An int or nullptr is no group spec (the seed's "Unsupported group type"): compile-time here.
+  static_assert(!std::is_convertible_v<int, GroupSpec>);
+  static_assert(!std::is_convertible_v<std::nullptr_t, GroupSpec>);
+}
+
+TEST(GroupSpecTest, RankLists) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    // A strict subset must exist first (creating it is collective over the world).
+    auto pair = new_group(world, {0, 1});
+    if (r < 2) {
+      EXPECT_EQ(&GroupSpec({0, 1}).resolve(), pair.get());
+      Tensor x = Tensor::full({2}, DType::F32, r + 1);
+      EXPECT_EQ(all_reduce(x, "sum", {0, 1}).to_vector<float>(), repeat(3, 2));
+    } else {
+      EXPECT_THAT(error_of([] { GroupSpec({0, 1}).resolve(); }),
+                  HasSubstr("rank " + std::to_string(r) + " is not in the group's ranks [0, 1]"));
+    }
+    // Order does not matter: any ordering of the whole world is the world group.
+    EXPECT_EQ(&GroupSpec({3, 2, 1, 0}).resolve(), &world);
+    Tensor y = Tensor::full({1}, DType::I32, r);
+    EXPECT_EQ(all_gather_tensor(y, 0, {3, 2, 1, 0}).to_vector<int32_t>(),
+              (std::vector<int32_t>{0, 1, 2, 3}));
+    // A missing subset is created on first use: members resolve, the others join new_group.
+    if (r == 1 || r == 3) {
+      ProcessGroup& odd = GroupSpec({3, 1}).resolve();
+      EXPECT_EQ(odd.global_ranks(), (std::vector<int>{1, 3}));
+      EXPECT_EQ(odd.rank(), r == 1 ? 0 : 1);
+      EXPECT_EQ(&GroupSpec({1, 3}).resolve(), &odd);
+      EXPECT_EQ(all_gather_tensor(y, 0, {1, 3}).to_vector<int32_t>(),
+                (std::vector<int32_t>{1, 3}));
+    } else {
+      EXPECT_EQ(new_group(world, {1, 3}), nullptr);
+    }
+    // Bad lists.
+    EXPECT_THAT(error_of([] { GroupSpec(std::vector<int>{}).resolve(); }),
+                HasSubstr("empty rank list"));
+    EXPECT_THAT(error_of([] { GroupSpec({0, 7}).resolve(); }),
+                HasSubstr("rank 7 in group [0, 7] is out of range for world size 4"));
+    EXPECT_THAT(error_of([] { GroupSpec({0, 1, 1}).resolve(); }),
+                HasSubstr("rank 1 appears twice in group [0, 1, 1]"));
+  });
+}
+
+TEST(GroupSpecTest, ListsOfRankLists) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    using Lists = std::vector<std::vector<int>>;
+    ProcessGroup& g = GroupSpec(Lists{{0, 1}, {2, 3}}).resolve();
+    EXPECT_EQ(g.size(), 2);
+    EXPECT_EQ(g.global_ranks(), r < 2 ? (std::vector<int>{0, 1}) : (std::vector<int>{2, 3}));
+    EXPECT_EQ(&GroupSpec(Lists{{0, 1}, {2, 3}}).resolve(), &g);
+    EXPECT_EQ(&GroupSpec(Lists{{3, 2}, {1, 0}}).resolve(), &g);  // order does not matter
+    Tensor x = Tensor::full({2}, DType::F32, r);
+    EXPECT_EQ(all_reduce(x, "sum", Lists{{0, 1}, {2, 3}}).to_vector<float>(),
+              repeat(r < 2 ? 1 : 5, 2));
+    // A different partition creates new groups; braces pick the list-of-lists form.
+    EXPECT_EQ(all_reduce(x, "sum", {{0, 2}, {1, 3}}).to_vector<float>(),
+              repeat(r % 2 == 0 ? 2 : 4, 2));
+    EXPECT_THAT(error_of([] { GroupSpec(Lists{{0}, {1, 2, 3}}).resolve(); }),
+                HasSubstr("group sizes must be identical found 1 and 3"));
+    EXPECT_THAT(error_of([] { GroupSpec(Lists{{0, 1}, {1, 2}}).resolve(); }),
+                HasSubstr("rank 1 appears twice"));
+    EXPECT_THAT(error_of([] { GroupSpec(Lists{}).resolve(); }),
+                HasSubstr("empty list of rank lists"));
+    // Ranks 0 and 1 find their (existing) group; ranks 2 and 3 are in no list.
+    if (r >= 2) {
+      EXPECT_THAT(error_of([] { GroupSpec(Lists{{0, 1}}).resolve(); }),
+                  HasSubstr("rank " + std::to_string(r) + " is not in any of the rank lists [[0, 1]]"));
+    } else {
+      EXPECT_EQ(&GroupSpec(Lists{{0, 1}}).resolve(), &g);
+    }
+  });
+}
+
+TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    Tensor ones = Tensor::full({4}, DType::F32, 1);
+    DeviceMesh mesh2(world, {{"dp", 2}, {"tp", 2}});
+    EXPECT_THAT(error_of([&] { GroupSpec(mesh2).resolve(); }),
+                HasSubstr("Only 1D mesh is supported, pass in (DeviceMesh, int) together if "
+                          "mesh > 1D"));
+    EXPECT_THAT(error_of([&] { all_reduce(ones, "sum", mesh2); }), HasSubstr("Only 1D mesh"));
+    ProcessGroup& dim0 = GroupSpec(mesh2, 0).resolve();
+    ProcessGroup& dim1 = GroupSpec({&mesh2, 1}).resolve();
+    EXPECT_EQ(dim0.global_ranks(), r % 2 == 0 ? (std::vector<int>{0, 2}) : (std::vector<int>{1, 3}));
+    EXPECT_EQ(dim1.global_ranks(), r < 2 ? (std::vector<int>{0, 1}) : (std::vector<int>{2, 3}));
+    EXPECT_EQ(&dim0, mesh2.group("dp").get());
+    EXPECT_EQ(&GroupSpec(std::make_pair(&mesh2, 1)).resolve(), &dim1);
+    EXPECT_EQ(all_reduce(ones, "sum", {mesh2, 1}).to_vector<float>(), repeat(2, 4));
+    EXPECT_THAT(error_of([&] { GroupSpec(mesh2, 2).resolve(); }),
+                HasSubstr("mesh dim 2 is out of range for a 2-d DeviceMesh"));
+    EXPECT_THAT(error_of([&] { GroupSpec(mesh2, -1).resolve(); }), HasSubstr("mesh dim -1"));
+    const DeviceMesh* null_mesh = nullptr;
+    EXPECT_THAT(error_of([&] { GroupSpec({null_mesh, 0}).resolve(); }), HasSubstr("null DeviceMesh"));
+
+    DeviceMesh mesh1(world, {{"all", 4}});
+    EXPECT_EQ(all_reduce(ones, "sum", mesh1).to_vector<float>(), repeat(4, 4));
+    EXPECT_EQ(GroupSpec(mesh1).size(), 4);
+
+    std::shared_ptr<ProcessGroup> tp = mesh2.group("tp");
+    EXPECT_EQ(&GroupSpec(tp).resolve(), tp.get());
+    EXPECT_EQ(&GroupSpec(*tp).resolve(), tp.get());
+    EXPECT_THAT(error_of([] { GroupSpec(std::shared_ptr<ProcessGroup>()).resolve(); }),
+                HasSubstr("null ProcessGroup"));
+    // Group names: mesh dims are registered under their names.
+    EXPECT_EQ(&GroupSpec("tp").resolve(), tp.get());
+  });
+}
+
+// ---- waits and pending storage (D.22-30) ----
+
+// D.22. Rank 1 issues only after rank 0 looked, so rank 0's result cannot be complete yet (the
+// rank that completes a collective attaches nothing: its result is ready at once).
+TEST(Waits, PendingCountAndIdempotentWait) {
+  Gate looked;
+  run_local(2, [&](ProcessGroup& world) {
+    Tensor x = Tensor::full({8}, DType::F32, 1);
+    if (world.rank() == 1) {
+      EXPECT_TRUE(looked.wait_open());
+    }
+    EXPECT_EQ(x.storage()->pending_count(), 0u);
+    Tensor out = all_reduce(x, "sum", world);
+    Tensor lazy = all_gather_tensor(Tensor::full({2, 2}, DType::F32, 1), 1, world);
+    if (world.rank() == 0) {
+      EXPECT_EQ(out.storage()->pending_count(), 1u);
+      EXPECT_EQ(lazy.storage()->pending_count(), 1u);
+      looked.open();
+    } else {
+      EXPECT_LE(out.storage()->pending_count(), 1u);
+      EXPECT_EQ(lazy.storage()->pending_count(), 1u);  // the rearrangement is always pending
+    }
+    EXPECT_EQ(&wait_tensor(out), &out);
+    EXPECT_EQ(out.storage()->pending_count(), 0u);
+    EXPECT_TRUE(out.is_ready());
+    wait_tensor(out);
+    EXPECT_EQ(out.storage()->pending_count(), 0u);
+    EXPECT_EQ(out.to_vector<float>(), repeat(2, 8));
+    wait_tensor(x);  // nothing pending: free
+    EXPECT_EQ(x.storage()->pending_count(), 0u);
+    wait_tensor(lazy);
+    EXPECT_EQ(lazy.storage()->pending_count(), 0u);
+    EXPECT_EQ(lazy.to_vector<float>(), repeat(1, 8));
+  });
+}
+
+TEST(Waits, DroppedResultsNeitherCrashNorHang) {  // D.23
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({64, 3}, DType::F32, world.rank());
+    for (int i = 0; i < 20; ++i) {
+      all_reduce(x, "sum", world);
+      all_gather_tensor(x, 1, world);  // the lazy rearrangement is dropped too
+      reduce_scatter_tensor(x, "sum", 0, world);
+      all_to_all_single(x, std::nullopt, std::nullopt, world);
+      all_reduce_coalesced({x, x}, "max", world);
+    }
+    EXPECT_EQ(all_reduce(x, "sum", world).to_vector<float>(), repeat(1, 64 * 3));
+    // Left unwaited when the rank returns.
+    all_gather_tensor(x, 1, world);
+  });
+}
+
+TEST(Waits, UserDefinedWaitable) {  // D.24, D.25
+  Tensor t = Tensor::zeros({4, 2}, DType::F32);
+  auto a = std::make_shared<CountingWaitable>();
+  auto b = std::make_shared<CountingWaitable>();
+  t.storage()->add_pending(a);
+  t.storage()->add_pending(a);  // the same operation twice: once
+  EXPECT_EQ(t.storage()->pending_count(), 1u);
+  t.transpose(0, 1).storage()->add_pending(b);  // through a view: same storage
+  EXPECT_EQ(t.storage()->pending_count(), 2u);
+  EXPECT_FALSE(t.is_ready());
+  // Waiting a dtype view finds both through the shared storage.
+  wait_tensor(t.view_dtype(DType::I32));
+  EXPECT_EQ(a->waits(), 1);
+  EXPECT_EQ(b->waits(), 1);
+  EXPECT_EQ(t.storage()->pending_count(), 0u);
+  wait_tensor(t);
+  EXPECT_EQ(a->waits(), 1);
+}
+
+TEST(Waits, WaitTensorsOfACoalescedOp) {  // D.26
+  run_local(2, [](ProcessGroup& world) {
+    std::vector<Tensor> inputs = {Tensor::full({3}, DType::F32, 1), Tensor::full({5}, DType::F32, 2),
+                                  Tensor::full({1}, DType::F32, 3)};
+    std::vector<Tensor> outs = all_reduce_coalesced(inputs, "sum", world);
+    wait_tensors(outs);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      EXPECT_EQ(outs[i].storage()->pending_count(), 0u);
+      EXPECT_EQ(outs[i].to_vector<float>(), repeat(2.0f * static_cast<float>(i + 1),
+                                                   inputs[i].numel()));
+    }
+    // A tensor listed twice, and views of one storage, are waited once.
+    Tensor g = all_gather_tensor(inputs[0], 0, world);
+    wait_tensors({g, g, g.view({2, 3})});
+    EXPECT_TRUE(g.is_ready());
+  });
+}
+
+TEST(Waits, FromAnotherThread) {  // D.27
+  run_local(2, [](ProcessGroup& world) {
+    Tensor out = all_reduce(Tensor::full({16}, DType::F32, world.rank() + 1), "sum", world);
+    Tensor lazy = all_gather_tensor(iota({2, 2}, static_cast<float>(10 * world.rank())), 1, world);
+    std::vector<float> got;
+    std::vector<float> got_lazy;
+    std::thread waiter([&] {
+      got = wait_tensor(out).to_vector<float>();
+      got_lazy = lazy.to_vector<float>();
+    });
+    waiter.join();
+    EXPECT_EQ(got, repeat(3, 16));
+    EXPECT_EQ(got_lazy, (std::vector<float>{0, 1, 10, 11, 2, 3, 12, 13}));
+  });
+}
+
+// The lazy all_gather rearrangement runs once even when many threads read at the same time.
+TEST(Waits, ConcurrentReadersOfALazyGather) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor lazy = all_gather_tensor(iota({3, 4}, static_cast<float>(100 * world.rank())), 1, world);
+    const Tensor expect = Tensor::cat({iota({3, 4}, 0), iota({3, 4}, 100)}, 1);
+    std::vector<std::thread> readers;
+    std::atomic<int> correct{0};
+    for (int i = 0; i < 4; ++i) {
+      readers.emplace_back([&, i] {
+        Tensor v = i % 2 == 0 ? lazy : lazy.transpose(0, 1).transpose(0, 1);
+        if (v.equal(expect)) correct.fetch_add(1);
+      });
+    }
+    for (auto& t : readers) t.join();
+    EXPECT_EQ(correct.load(), 4);
+  });
+}
+
+// Polling is_ready() on a lazy gather eventually sees true without an explicit wait, and the
+// data are then already in place.
+TEST(Waits, PollingALazyGatherCompletesIt) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor lazy = all_gather_tensor(iota({2, 2}, static_cast<float>(10 * world.rank())), 1, world);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!lazy.is_ready() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    ASSERT_TRUE(lazy.is_ready());
+    EXPECT_EQ(lazy.storage()->pending_count(), 1u);  // completed but not yet detached
+    EXPECT_EQ(lazy.to_vector<float>(), (std::vector<float>{0, 1, 10, 11, 2, 3, 12, 13}));
+  });
+}
+
+// D.29: results are pending right after the call; views never wait; a data access does. Rank 1
+// issues its half only after rank 0 made every view, so nothing can have completed before.
+TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
+  Gate views_made;
+  run_local(2, [&](ProcessGroup& world) {
+    Tensor x = iota({4, 6}, static_cast<float>(100 * world.rank()));
+    if (world.rank() == 1) {
+      EXPECT_TRUE(views_made.wait_open()) << "rank 0 blocked in a view";
+    }
+    Tensor out = all_reduce(x, "sum", world);
+    Tensor lazy = all_gather_tensor(x, 1, world);  // must not wait at call time (#172214)
+    Tensor rs = reduce_scatter_tensor(x, "sum", 1, world);
+    if (world.rank() == 0) {
+      EXPECT_FALSE(out.is_ready());
+      EXPECT_FALSE(lazy.is_ready());
+      EXPECT_FALSE(rs.is_ready());
+      std::vector<Tensor> views = {out.view({6, 4}),         out.reshape({24}),
+                                   out.flatten(),            out.narrow(0, 1, 2),
+                                   out.transpose(0, 1),      out.permute({1, 0}),
+                                   out.view_dtype(DType::I32), out.unsqueeze(0),
+                                   out.select(0, 2),         out.unsqueeze(2).squeeze(2),
+                                   lazy.narrow(1, 6, 6),     lazy.transpose(0, 1),
+                                   lazy.view({48}),          rs.view({12})};
+      for (const Tensor& v : out.chunk(2, 1)) views.push_back(v);
+      for (const Tensor& v : out.split(3, 0)) views.push_back(v);
+      for (const Tensor& v : lazy.split_with_sizes({6, 6}, 1)) views.push_back(v);
+      for (const Tensor& v : views) {
+        EXPECT_FALSE(v.is_ready());
+        EXPECT_TRUE(v.shares_storage(out) || v.shares_storage(lazy) || v.shares_storage(rs));
+      }
+      views_made.open();
+      // A data access through a view waits.
+      EXPECT_EQ(views[3].to_vector<float>(),
+                (std::vector<float>{112, 114, 116, 118, 120, 122, 124, 126, 128, 130, 132, 134}));
+      EXPECT_TRUE(out.is_ready());
+      EXPECT_TRUE(views[10].equal(iota({4, 6}, 100)));
+      EXPECT_TRUE(lazy.is_ready());
+    }
+    EXPECT_TRUE(lazy.equal(Tensor::cat({iota({4, 6}, 0), iota({4, 6}, 100)}, 1)));
+    EXPECT_TRUE(rs.equal(add(iota({4, 6}, 0), iota({4, 6}, 100)).narrow(1, 3 * world.rank(), 3)));
+  });
+}
+
+// D.30: waiting a dtype view of a gather finds the work through the shared storage, every time.
+TEST(Waits, DtypeViewOfAGatherFindsItsWork) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::full({4, 4}, DType::F32, world.rank() + 1);
+    for (int i = 0; i < 10; ++i) {
+      for (int64_t dim : {0, 1}) {
+        Tensor g = all_gather_tensor(x, dim, world);
+        Tensor v = g.view_dtype(DType::I16);
+        wait_tensor(v);
+        EXPECT_EQ(g.storage()->pending_count(), 0u);
+        EXPECT_TRUE(g.is_ready());
+        EXPECT_EQ(v.sizes().back(), 2 * g.sizes().back());
+      }
+    }
+  });
+}
+
+// A collective that fails (a peer left after it was issued) reports CommError from the lazy
+// result's wait.
+TEST(Waits, FailureReachesTheLazyResult) {
+  Gate issued;
+  std::atomic<bool> saw_comm_error{false};
+  EXPECT_THROW(run_local(2,
+                         [&](ProcessGroup& world) {
+                           if (world.rank() == 1) {
+                             EXPECT_TRUE(issued.wait_open());
+                             throw std::runtime_error("rank 1 gives up");
+                           }
+                           Tensor lazy = all_gather_tensor(iota({2, 2}), 1, world);
+                           issued.open();
+                           try {
+                             lazy.wait();
+                           } catch (const CommError&) {
+                             saw_comm_error = true;
+                           }
+                         }),
+               std::runtime_error);
+  EXPECT_TRUE(saw_comm_error.load());
+}
+
+}  // namespace
+}  // namespace funcol

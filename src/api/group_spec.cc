@@ -1,0 +1,146 @@
+// GroupSpec::resolve: turns any of the seed's group forms into the calling rank's ProcessGroup.
+#include <algorithm>
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "funcol/api/functional.h"
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/device_mesh.h"
+#include "funcol/dist/process_group.h"
+
+namespace funcol {
+namespace {
+
+ProcessGroup& require_world() {
+  ProcessGroup* world = current_world();
+  if (world == nullptr) {
+    throw InvalidArgument("no current rank: call inside run_local or after init");
+  }
+  return *world;
+}
+
+// The seed warns (FutureWarning) on rank-list groups; once per process is enough noise.
+void warn_rank_list_deprecated() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fputs(
+        "funcol: warning: passing a list of ranks as a group is deprecated; pass a "
+        "ProcessGroup, a DeviceMesh or a group name\n",
+        stderr);
+  });
+}
+
+// Every rank of `list` in [0, world_size) and seen only once (`seen` spans all lists of a spec);
+// `spec` is the whole spec as printed in messages.
+void check_ranks(const std::vector<int>& list, int world_size, std::set<int>& seen,
+                 const std::string& spec) {
+  if (list.empty()) throw InvalidArgument(fmt::format("empty rank list in group {}", spec));
+  for (int r : list) {
+    if (r < 0 || r >= world_size) {
+      throw InvalidArgument(fmt::format("rank {} in group {} is out of range for world size {}", r,
+                                        spec, world_size));
+    }
+    if (!seen.insert(r).second) {
+      throw InvalidArgument(fmt::format("rank {} appears twice in group {}", r, spec));
+    }
+  }
+}
+
+ProcessGroup& resolve_rank_list(const std::vector<int>& ranks) {
+  warn_rank_list_deprecated();
+  ProcessGroup& world = require_world();
+  if (ranks.empty()) throw InvalidArgument("empty rank list as group");
+  std::set<int> seen;
+  check_ranks(ranks, world.size(), seen, fmt::format("{}", ranks));
+  const int me = world.rank();
+  if (std::find(ranks.begin(), ranks.end(), me) == ranks.end()) {
+    throw InvalidArgument(fmt::format("rank {} is not in the group's ranks {}", me, ranks));
+  }
+  // Order does not matter: groups span sorted ranks (as torch.distributed.new_group and the
+  // seed's find-or-create by ranks).
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  if (auto group = world.registry().find_by_ranks(sorted)) return *group;
+  // Collective over the world (see the header): every other rank creates it at the same point.
+  std::shared_ptr<ProcessGroup> group = new_group(world, sorted);
+  FUNCOL_CHECK(group != nullptr, "new_group returned null on a member rank");
+  return *group;
+}
+
+ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
+  ProcessGroup& world = require_world();
+  if (lists.empty()) throw InvalidArgument("empty list of rank lists as group");
+  for (const auto& list : lists) {
+    if (list.size() != lists.front().size()) {
+      throw InvalidArgument(fmt::format("group sizes must be identical found {} and {}",
+                                        lists.front().size(), list.size()));
+    }
+  }
+  std::set<int> seen;
+  for (const auto& list : lists) check_ranks(list, world.size(), seen, fmt::format("{}", lists));
+  const int me = world.rank();
+  std::vector<std::vector<int>> sorted = lists;
+  const std::vector<int>* mine = nullptr;
+  for (auto& list : sorted) {
+    std::sort(list.begin(), list.end());
+    if (std::find(list.begin(), list.end(), me) != list.end()) mine = &list;
+  }
+  if (mine == nullptr) {
+    throw InvalidArgument(fmt::format("rank {} is not in any of the rank lists {}", me, lists));
+  }
+  if (auto group = world.registry().find_by_ranks(*mine)) return *group;
+  // Collective over the world: every rank splits with the same lists and the same fresh name.
+  std::shared_ptr<ProcessGroup> group =
+      world.split_group(sorted, world.registry().next_group_name());
+  FUNCOL_CHECK(group != nullptr, "split_group returned null on a member rank");
+  return *group;
+}
+
+ProcessGroup& resolve_mesh_dim(const DeviceMesh* mesh, int dim) {
+  if (mesh == nullptr) throw InvalidArgument("null DeviceMesh as group");
+  if (dim < 0 || dim >= mesh->ndim()) {
+    throw InvalidArgument(
+        fmt::format("mesh dim {} is out of range for a {}-d DeviceMesh", dim, mesh->ndim()));
+  }
+  return *mesh->group(dim);
+}
+
+}  // namespace
+
+ProcessGroup& GroupSpec::resolve() const {
+  return std::visit(
+      [](const auto& v) -> ProcessGroup& {
+        using V = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<V, std::string>) {
+          if (v.empty()) throw InvalidArgument("empty group name");
+          return *require_world().registry().get(v);
+        } else if constexpr (std::is_same_v<V, std::vector<int>>) {
+          return resolve_rank_list(v);
+        } else if constexpr (std::is_same_v<V, std::vector<std::vector<int>>>) {
+          return resolve_rank_lists(v);
+        } else if constexpr (std::is_same_v<V, ProcessGroup*>) {
+          if (v == nullptr) throw InvalidArgument("null ProcessGroup as group");
+          return *v;
+        } else if constexpr (std::is_same_v<V, const DeviceMesh*>) {
+          if (v == nullptr) throw InvalidArgument("null DeviceMesh as group");
+          if (v->ndim() != 1) {
+            throw InvalidArgument(
+                "Only 1D mesh is supported, pass in (DeviceMesh, int) together if mesh > 1D");
+          }
+          return resolve_mesh_dim(v, 0);
+        } else {
+          return resolve_mesh_dim(v.first, v.second);
+        }
+      },
+      value_);
+}
+
+}  // namespace funcol

@@ -1,0 +1,210 @@
+// Recording forms of the functional collectives: collective node + wait_tensor, like PyTorch's
+// funcol under tracing, with the eager functions' argument checks.
+#include "trace_hooks.h"
+
+#include <fmt/format.h>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+
+namespace funcol::api_detail {
+
+namespace {
+
+struct TracedGroup {
+  std::string name;
+  int size = 0;
+};
+
+// The group a spec names, without communicating when it is a declared name.
+TracedGroup traced_group(Tracer& tr, const GroupSpec& spec, std::string_view op) {
+  if (const std::string* name = spec.name_if_string()) {
+    if (std::optional<int> size = tr.group_size(*name)) return {*name, *size};
+    if (ProcessGroup* world = current_world()) {
+      if (auto g = world->registry().find(*name)) return {*name, g->size()};
+    }
+    throw InvalidArgument(fmt::format(
+        "{}: unknown group '{}' while tracing (declare its size with Tracer::declare_group, or "
+        "trace inside a rank that has it)",
+        op, *name));
+  }
+  ProcessGroup& g = spec.resolve();
+  return {g.name(), g.size()};
+}
+
+Tensor waited(Tracer& tr, const Tensor& t) {
+  const Tensor in[] = {t};
+  return tr.record_one("wait_tensor", in);
+}
+
+std::vector<Tensor> waited(Tracer& tr, const std::vector<Tensor>& ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(waited(tr, t));
+  return out;
+}
+
+// dim in [-n, n) with n = max(ndim, 1), as the eager functions normalize it.
+int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg) {
+  const int64_t n = std::max<int64_t>(ndim, 1);
+  if (dim < -n || dim >= n) {
+    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
+                                 arg, dim, ndim, -n, n - 1));
+  }
+  return dim < 0 ? dim + n : dim;
+}
+
+// Moves scatter_dim's group_size chunks to dim 0 (chunk + cat), as the seed does before a
+// reduce_scatter along another dim. Checks divisibility with the eager message.
+Tensor scatter_dim_to_front(Tracer& tr, const Tensor& t, int64_t scatter_dim, int size,
+                            std::string_view op, std::string_view suffix) {
+  if (t.dim() == 0) {
+    throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
+  }
+  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
+  if (t.size(dim) % size != 0) {
+    throw ShapeError(
+        fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}", op, dim,
+                    t.size(dim), size, suffix));
+  }
+  if (dim == 0) return t;
+  const Tensor in[] = {t};
+  std::vector<Tensor> chunks = tr.record(
+      "split_with_sizes", in,
+      {{"split_sizes", std::vector<int64_t>(static_cast<size_t>(size), t.size(dim) / size)},
+       {"dim", dim}});
+  return tr.record_one("cat", chunks, {{"dim", 0}});
+}
+
+}  // namespace
+
+Tensor trace_all_reduce(Tracer& tr, const Tensor& t, const std::string& reduce_op,
+                        const GroupSpec& group) {
+  const TracedGroup g = traced_group(tr, group, "all_reduce");
+  const Tensor in[] = {t};
+  return waited(tr, tr.record_one("all_reduce", in, {{"reduce_op", reduce_op}, {"group", g.name}}));
+}
+
+Tensor trace_all_gather_tensor(Tracer& tr, const Tensor& t, int64_t gather_dim,
+                               const GroupSpec& group) {
+  constexpr std::string_view kOp = "all_gather_tensor";
+  const int64_t dim = normalize_dim(gather_dim, t.dim(), kOp, "gather_dim");
+  const TracedGroup g = traced_group(tr, group, kOp);
+  const Tensor in[] = {t};
+  Tensor r = waited(
+      tr, tr.record_one("all_gather_into_tensor", in, {{"group_size", g.size}, {"group", g.name}}));
+  if (dim == 0 || t.dim() == 0) return r;
+  // Rank-major blocks along dim 0 become blocks along gather_dim (the seed's chunk + cat).
+  const Tensor gathered[] = {r};
+  std::vector<Tensor> blocks = tr.record(
+      "split_with_sizes", gathered,
+      {{"split_sizes", std::vector<int64_t>(static_cast<size_t>(g.size), t.size(0))}, {"dim", 0}});
+  return tr.record_one("cat", blocks, {{"dim", dim}});
+}
+
+Tensor trace_reduce_scatter_tensor(Tracer& tr, const Tensor& t, const std::string& reduce_op,
+                                   int64_t scatter_dim, const GroupSpec& group) {
+  constexpr std::string_view kOp = "reduce_scatter_tensor";
+  const TracedGroup g = traced_group(tr, group, kOp);
+  const Tensor in[] = {scatter_dim_to_front(tr, t, scatter_dim, g.size, kOp, {})};
+  return waited(
+      tr, tr.record_one("reduce_scatter_tensor", in,
+                        {{"reduce_op", reduce_op}, {"group_size", g.size}, {"group", g.name}}));
+}
+
+Tensor trace_all_to_all_single(Tracer& tr, const Tensor& t,
+                               const std::optional<std::vector<int64_t>>& output_split_sizes,
+                               const std::optional<std::vector<int64_t>>& input_split_sizes,
+                               const GroupSpec& group) {
+  if (output_split_sizes.has_value() != input_split_sizes.has_value()) {
+    throw InvalidArgument(
+        "output_split_sizes and input_split_sizes must either be specified together or both set "
+        "to None");
+  }
+  if (t.dim() == 0) throw ShapeError("all_to_all_single: input must have at least one dimension");
+  const TracedGroup g = traced_group(tr, group, "all_to_all_single");
+  std::vector<int64_t> out_splits, in_splits;
+  if (input_split_sizes) {
+    out_splits = *output_split_sizes;
+    in_splits = *input_split_sizes;
+  } else {
+    if (t.size(0) % g.size != 0) {
+      throw ShapeError(fmt::format(
+          "all_to_all_single: input dimension 0 ({}) must be a multiple of group_size {} when no "
+          "split sizes are given",
+          t.size(0), g.size));
+    }
+    out_splits.assign(static_cast<size_t>(g.size), t.size(0) / g.size);
+    in_splits = out_splits;
+  }
+  for (const auto* splits : {&out_splits, &in_splits}) {
+    if (splits->size() != static_cast<size_t>(g.size)) {
+      throw InvalidArgument(
+          fmt::format("all_to_all_single: {} has {} entries, expected group_size {}",
+                      splits == &out_splits ? "output_split_sizes" : "input_split_sizes",
+                      splits->size(), g.size));
+    }
+  }
+  const Tensor in[] = {t};
+  return waited(tr, tr.record_one("all_to_all_single", in,
+                                  {{"output_split_sizes", out_splits},
+                                   {"input_split_sizes", in_splits},
+                                   {"group", g.name}}));
+}
+
+Tensor trace_broadcast(Tracer& tr, const Tensor& t, int src, const GroupSpec& group) {
+  const TracedGroup g = traced_group(tr, group, "broadcast");
+  if (src < 0 || src >= g.size) {
+    throw InvalidArgument(fmt::format("broadcast: src {} is not a rank of group '{}' of size {}",
+                                      src, g.name, g.size));
+  }
+  const Tensor in[] = {t};
+  return waited(tr, tr.record_one("broadcast", in, {{"src", src}, {"group", g.name}}));
+}
+
+std::vector<Tensor> trace_all_reduce_coalesced(Tracer& tr, const std::vector<Tensor>& inputs,
+                                               const std::string& reduce_op,
+                                               const GroupSpec& group) {
+  if (inputs.empty()) return {};
+  const TracedGroup g = traced_group(tr, group, "all_reduce_coalesced");
+  return waited(
+      tr, tr.record("all_reduce_coalesced", inputs, {{"reduce_op", reduce_op}, {"group", g.name}}));
+}
+
+std::vector<Tensor> trace_all_gather_into_tensor_coalesced(Tracer& tr,
+                                                           const std::vector<Tensor>& inputs,
+                                                           const GroupSpec& group) {
+  if (inputs.empty()) return {};
+  const TracedGroup g = traced_group(tr, group, "all_gather_into_tensor_coalesced");
+  return waited(tr, tr.record("all_gather_into_tensor_coalesced", inputs,
+                              {{"group_size", g.size}, {"group", g.name}}));
+}
+
+std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
+                                                          const std::vector<Tensor>& inputs,
+                                                          const std::string& reduce_op,
+                                                          const std::vector<int64_t>& scatter_dims,
+                                                          const GroupSpec& group) {
+  constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
+  if (scatter_dims.size() != inputs.size()) {
+    throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
+                                      scatter_dims.size(), inputs.size()));
+  }
+  if (inputs.empty()) return {};
+  const TracedGroup g = traced_group(tr, group, kOp);
+  std::vector<Tensor> fronted;
+  fronted.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    fronted.push_back(scatter_dim_to_front(tr, inputs[i], scatter_dims[i], g.size, kOp,
+                                           fmt::format(" for tensor at index {}", i)));
+  }
+  return waited(tr,
+                tr.record("reduce_scatter_tensor_coalesced", fronted,
+                          {{"reduce_op", reduce_op}, {"group_size", g.size}, {"group", g.name}}));
+}
+
+void trace_unsupported(std::string_view op, std::string_view instead) {
+  throw InvalidArgument(fmt::format("{} cannot be traced: {}", op, instead));
+}
+
+}  // namespace funcol::api_detail

@@ -1,0 +1,192 @@
+// Tests of tracing the functional collectives: recorded nodes, shapes, errors, and traced graphs
+// run by the executor giving the eager results bit for bit.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "funcol/api/functional.h"
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/device_mesh.h"
+#include "funcol/graph/printer.h"
+#include "funcol/graph/tracer.h"
+#include "funcol/graph/verifier.h"
+#include "funcol/runtime/executor.h"
+
+namespace funcol {
+namespace {
+
+std::vector<std::string> op_names(const Graph& g) {
+  std::vector<std::string> names;
+  for (const Node& n : g.nodes()) names.emplace_back(n.op_name());
+  return names;
+}
+
+TEST(TraceCollectives, AllReduceThenComputeRecordsCollectiveWaitCompute) {
+  auto g = trace("g", {Type(DType::F32, {4, 8})},
+                 [](std::span<const Tensor> in) {
+                   Tensor r = all_reduce(in[0], "SUM", "world");
+                   EXPECT_TRUE(r.is_meta());
+                   EXPECT_EQ(r.sizes(), (Shape{4, 8}));
+                   return std::vector<Tensor>{ops::add(r, in[0])};
+                 },
+                 {{"world", 4}});
+  EXPECT_EQ(op_names(*g), (std::vector<std::string>{"all_reduce", "wait_tensor", "add"}));
+  const Node* ar = g->first_node();
+  EXPECT_EQ(ar->attr("reduce_op").as_string(), "sum");  // lower-cased, as the seed does
+  EXPECT_EQ(ar->attr("group").as_string(), "world");
+  // The wait consumes the collective and the add consumes the wait.
+  EXPECT_EQ(ar->next()->operand(0), ar->result(0));
+  EXPECT_EQ(ar->next()->next()->operand(0), ar->next()->result(0));
+  EXPECT_EQ(g->outputs()[0]->type(), Type(DType::F32, {4, 8}));
+}
+
+TEST(TraceCollectives, ShapesFollowTheGroupSize) {
+  auto g = trace("g", {Type(DType::BF16, {3, 3, 3}), Type(DType::F32, {8, 6})},
+                 [](std::span<const Tensor> in) {
+                   Tensor ag0 = all_gather_tensor(in[0], 0, "world");
+                   Tensor ag1 = all_gather_tensor(in[0], 1, "world");
+                   Tensor ag2 = all_gather_tensor(in[0], -1, "world");
+                   Tensor rs0 = reduce_scatter_tensor(in[1], "sum", 0, "world");
+                   Tensor rs1 = reduce_scatter_tensor(in[1], "avg", 1, "tp");
+                   Tensor a2a = all_to_all_single(in[1], std::nullopt, std::nullopt, "world");
+                   Tensor bc = broadcast(in[1], 3, "world");
+                   return std::vector<Tensor>{ag0, ag1, ag2, rs0, rs1, a2a, bc};
+                 },
+                 {{"world", 4}, {"tp", 2}});
+  std::vector<Shape> shapes;
+  for (const Value* v : g->outputs()) shapes.push_back(v->shape());
+  EXPECT_EQ(shapes, (std::vector<Shape>{
+                        {12, 3, 3}, {3, 12, 3}, {3, 3, 12}, {2, 6}, {8, 3}, {8, 6}, {8, 6}}));
+  const std::string text = print(*g);
+  EXPECT_NE(text.find("output_split_sizes = [2, 2, 2, 2], input_split_sizes = [2, 2, 2, 2]"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("group_size = 2, group = \"tp\""), std::string::npos) << text;
+  verify(*g);
+}
+
+TEST(TraceCollectives, CoalescedFormsRecordOneNodeAndAWaitPerResult) {
+  auto g = trace("g", {Type(DType::F32, {4}), Type(DType::I32, {2, 4})},
+                 [](std::span<const Tensor> in) {
+                   std::vector<Tensor> ins(in.begin(), in.end());
+                   auto ar = all_reduce_coalesced(ins, "max", "world");
+                   auto ag = all_gather_into_tensor_coalesced(ins, "world");
+                   auto rs = reduce_scatter_tensor_coalesced(ins, "sum", {0, 1}, "world");
+                   EXPECT_TRUE(all_reduce_coalesced({}, "sum", "world").empty());
+                   std::vector<Tensor> out = ar;
+                   out.insert(out.end(), ag.begin(), ag.end());
+                   out.insert(out.end(), rs.begin(), rs.end());
+                   return out;
+                 },
+                 {{"world", 2}});
+  int coalesced = 0, waits = 0;
+  for (const Node& n : g->nodes()) {
+    coalesced += n.op().is_collective();
+    waits += n.op().collective == CollectiveKind::Wait;
+  }
+  EXPECT_EQ(coalesced, 3);
+  EXPECT_EQ(waits, 6);
+  EXPECT_EQ(g->outputs()[5]->shape(), (Shape{2, 2}));  // scatter_dim 1 of i32[2,4] over 2
+}
+
+TEST(TraceCollectives, ErrorsMatchTheEagerOnes) {
+  auto expect_error = [](const std::function<void(std::span<const Tensor>)>& fn,
+                         const std::string& message) {
+    try {
+      trace("g", {Type(DType::F32, {6, 4})},
+            [&](std::span<const Tensor> in) {
+              fn(in);
+              return std::vector<Tensor>{in[0]};
+            },
+            {{"world", 4}});
+      ADD_FAILURE() << "expected an error: " << message;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  expect_error([](auto in) { reduce_scatter_tensor(in[0], "sum", 0, "world"); },
+               "reduce_scatter_tensor: input dimension 0 (6) must be a multiple of group_size 4");
+  expect_error([](auto in) { all_reduce(in[0], "foo", "world"); }, "Unrecognized reduce_op: foo");
+  expect_error([](auto in) { all_reduce(in[0], "sum", "nope"); },
+               "all_reduce: unknown group 'nope' while tracing");
+  expect_error([](auto in) { broadcast(in[0], 4, "world"); },
+               "broadcast: src 4 is not a rank of group 'world' of size 4");
+  expect_error(
+      [](auto in) { all_to_all_single(in[0], std::vector<int64_t>{6}, std::nullopt, "world"); },
+      "must either be specified together or both set to None");
+  expect_error(
+      [](auto in) {
+        permute_tensor(in[0], {1, 2, 3, 0}, "world");
+      },
+      "permute_tensor cannot be traced");
+  expect_error([](auto in) { all_reduce_inplace(in[0], "sum", "world"); },
+               "all_reduce_inplace cannot be traced: graphs are functional; use all_reduce");
+  expect_error(
+      [](auto in) {
+        reduce_scatter_tensor_coalesced({in[0]}, "sum", {0, 1}, "world");
+      },
+      "Length of scatter_dim (2) must equal length of inputs (1)");
+}
+
+// Groups resolve through the rank's registry when tracing inside a rank: mesh dims by name.
+TEST(TraceCollectives, InsideARankMeshGroupsResolveByName) {
+  std::vector<std::string> texts(4);
+  run_local(4, [&](ProcessGroup& world) {
+    DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+    auto g = trace("g", {Type(DType::F32, {4})}, [&](std::span<const Tensor> in) {
+      Tensor a = all_reduce(in[0], "sum", GroupSpec(mesh, 1));
+      Tensor b = all_gather_tensor(a, 0, "dp");
+      return std::vector<Tensor>{b};
+    });
+    texts[world.rank()] = print(*g);
+  });
+  EXPECT_NE(texts[0].find("group = \"tp\""), std::string::npos) << texts[0];
+  EXPECT_NE(texts[0].find("group_size = 2, group = \"dp\""), std::string::npos) << texts[0];
+  for (const std::string& t : texts) EXPECT_EQ(t, texts[0]);  // the same graph on every rank
+}
+
+// A function written once runs eagerly and traced; the executor gives the eager result exactly.
+std::vector<Tensor> fsdp_layer(std::span<const Tensor> in) {
+  // x: [2, 8], w: this rank's [2, 4] shard of an [8, 4] weight.
+  Tensor w = all_gather_tensor(in[1], 0, "world");  // [8, 4]
+  Tensor y = ops::relu(ops::matmul(in[0], w));      // [2, 4]
+  Tensor g =
+      reduce_scatter_tensor(ops::clone(ops::transpose(y, 0, 1)), "sum", 0, "world");  // [1, 2]
+  Tensor s = all_reduce(ops::mul(g, g), "max", "world");
+  Tensor c = all_gather_tensor(y, 1, "world");  // [2, 16]
+  return {s, c, ops::sum(c)};
+}
+
+TEST(TraceCollectives, TracedGraphRunsLikeTheEagerFunction) {
+  constexpr int kRanks = 4;
+  auto inputs_of = [](int r) {
+    std::vector<float> x(16), w(8);
+    for (int i = 0; i < 16; ++i) x[i] = static_cast<float>((i * 3 + r) % 7 - 3);
+    for (int i = 0; i < 8; ++i) w[i] = static_cast<float>((i + 2 * r) % 5 - 2);
+    return std::vector<Tensor>{Tensor::from_vector<float>(x, {2, 8}),
+                               Tensor::from_vector<float>(w, {2, 4})};
+  };
+  auto graph = trace("fsdp", {Type(DType::F32, {2, 8}), Type(DType::F32, {2, 4})}, fsdp_layer,
+                     {{"world", kRanks}});
+  std::vector<std::vector<Tensor>> eager(kRanks), traced(kRanks);
+  run_local(kRanks, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    eager[r] = fsdp_layer(inputs_of(r));
+    for (Tensor& t : eager[r]) t.wait();
+    Executor ex(*graph, world);
+    traced[r] = ex.run(inputs_of(r));
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(traced[r].size(), eager[r].size());
+    for (size_t i = 0; i < eager[r].size(); ++i) {
+      EXPECT_TRUE(traced[r][i].equal(eager[r][i]))
+          << "rank " << r << " output " << i << ": " << traced[r][i].to_string() << " vs "
+          << eager[r][i].to_string();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace funcol

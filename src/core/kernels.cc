@@ -1,0 +1,820 @@
+// CPU kernels: collective reductions on raw buffers, dtype conversion and tensor math.
+#include "funcol/core/kernels.h"
+
+#include <fmt/format.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "elem.h"
+#include "strided.h"
+
+namespace funcol {
+
+using detail::BoolByte;
+using detail::cvt;
+using detail::dispatch;
+using detail::kIsLowFloat;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Reduction kernels.
+//
+// Loops are written as fixed 16-element inner loops over __restrict pointers: g++ -O2 uses the
+// "very cheap" vectoriser cost model, which only vectorises loops whose trip count is a known
+// multiple of the vector width and needs no runtime alias check, so a plain `for (i < n)` loop
+// would stay scalar. The block helpers are noinline so that their __restrict parameters
+// survive (inlined into the caller, the compiler loses them and stops vectorising).
+
+constexpr int64_t kLanes = 16;
+// Elements per accumulation block: the accumulator (<= 16 KiB) stays in L1.
+constexpr int64_t kBlock = 2048;
+
+// How a storage type is read in the reduction loops: Raw is the element as loaded (f16/bf16 as
+// their 16 bits, bool as a byte), Acc what it accumulates in (f16/bf16 in f32; bool as 0/1).
+template <typename T>
+using RawOf = std::conditional_t<kIsLowFloat<T>, uint16_t,
+                                 std::conditional_t<std::is_same_v<T, BoolByte>, uint8_t, T>>;
+template <typename T>
+using AccOf = std::conditional_t<kIsLowFloat<T>, float,
+                                 std::conditional_t<std::is_same_v<T, BoolByte>, uint8_t, T>>;
+
+// Unsigned type at least 32 bits wide: integer sum/product wrap there without UB (narrower
+// unsigned types would promote to int and could overflow it).
+template <typename A>
+using WideUnsigned = std::conditional_t<(sizeof(A) < 4), uint32_t, std::make_unsigned_t<A>>;
+
+template <typename T>
+inline AccOf<T> to_acc(RawOf<T> v) {
+  if constexpr (std::is_same_v<T, BoolByte>) {
+    return static_cast<uint8_t>(v != 0);
+  } else if constexpr (std::is_same_v<T, Eigen::half>) {
+    return detail::half_bits_to_float(v);
+  } else if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
+    return detail::bf16_bits_to_float(v);
+  } else {
+    return v;
+  }
+}
+
+template <typename T>
+inline RawOf<T> from_acc(AccOf<T> a) {
+  if constexpr (std::is_same_v<T, Eigen::half>) {
+    return detail::float_to_half_bits(a);
+  } else if constexpr (std::is_same_v<T, Eigen::bfloat16>) {
+    return detail::float_to_bf16_bits(a);
+  } else {
+    return a;
+  }
+}
+
+struct OpSum {
+  template <typename A>
+  static A apply(A a, A b) {
+    if constexpr (std::is_integral_v<A>) {
+      using W = WideUnsigned<A>;
+      return static_cast<A>(static_cast<W>(a) + static_cast<W>(b));
+    } else {
+      return a + b;
+    }
+  }
+};
+struct OpProd {
+  template <typename A>
+  static A apply(A a, A b) {
+    if constexpr (std::is_integral_v<A>) {
+      using W = WideUnsigned<A>;
+      return static_cast<A>(static_cast<W>(a) * static_cast<W>(b));
+    } else {
+      return a * b;
+    }
+  }
+};
+// Min and max propagate NaN (as torch.minimum / torch.maximum).
+struct OpMin {
+  template <typename A>
+  static A apply(A a, A b) {
+    if constexpr (std::is_floating_point_v<A>) {
+      return (a < b || a != a) ? a : b;
+    } else {
+      return a < b ? a : b;
+    }
+  }
+};
+struct OpMax {
+  template <typename A>
+  static A apply(A a, A b) {
+    if constexpr (std::is_floating_point_v<A>) {
+      return (a > b || a != a) ? a : b;
+    } else {
+      return a > b ? a : b;
+    }
+  }
+};
+struct OpAnd {
+  template <typename A>
+  static A apply(A a, A b) {
+    return static_cast<A>(a & b);
+  }
+};
+struct OpOr {
+  template <typename A>
+  static A apply(A a, A b) {
+    return static_cast<A>(a | b);
+  }
+};
+struct OpXor {
+  template <typename A>
+  static A apply(A a, A b) {
+    return static_cast<A>(a ^ b);
+  }
+};
+
+// Average of an accumulated value over n sources: integers truncate toward zero.
+template <typename A>
+inline A avg_of(A a, int64_t n) {
+  if constexpr (std::is_integral_v<A>) {
+    return static_cast<A>(static_cast<int64_t>(a) / n);
+  } else {
+    return a / static_cast<A>(n);
+  }
+}
+
+template <typename T>
+[[gnu::noinline]] void load_block(AccOf<T>* __restrict acc, const RawOf<T>* __restrict src,
+                                  int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) acc[i + j] = to_acc<T>(src[i + j]);
+  }
+  for (; i < n; ++i) acc[i] = to_acc<T>(src[i]);
+}
+
+template <typename T, typename Op>
+[[gnu::noinline]] void combine_block(AccOf<T>* __restrict acc, const RawOf<T>* __restrict src,
+                                     int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      acc[i + j] = Op::apply(acc[i + j], to_acc<T>(src[i + j]));
+    }
+  }
+  for (; i < n; ++i) acc[i] = Op::apply(acc[i], to_acc<T>(src[i]));
+}
+
+template <typename T>
+[[gnu::noinline]] void store_block(RawOf<T>* __restrict out, const AccOf<T>* __restrict acc,
+                                   int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) out[i + j] = from_acc<T>(acc[i + j]);
+  }
+  for (; i < n; ++i) out[i] = from_acc<T>(acc[i]);
+}
+
+template <typename T>
+[[gnu::noinline]] void store_block_avg(RawOf<T>* __restrict out, const AccOf<T>* __restrict acc,
+                                       int64_t n, int64_t divisor) {
+  using A = AccOf<T>;
+  if constexpr (std::is_floating_point_v<A>) {
+    const A d = static_cast<A>(divisor);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) out[i + j] = from_acc<T>(acc[i + j] / d);
+    }
+    for (; i < n; ++i) out[i] = from_acc<T>(acc[i] / d);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = from_acc<T>(avg_of(acc[i], divisor));
+  }
+}
+
+// Any number of sources, any aliasing of `out` with a source: each block of every source is
+// read into the accumulator before that block of `out` is written.
+template <typename T, typename Op>
+void reduce_blocked(RawOf<T>* out, const RawOf<T>* const* srcs, int nsrc, int64_t count, bool avg) {
+  AccOf<T> acc[kBlock];
+  for (int64_t start = 0; start < count; start += kBlock) {
+    const int64_t n = std::min(kBlock, count - start);
+    load_block<T>(acc, srcs[0] + start, n);
+    for (int k = 1; k < nsrc; ++k) combine_block<T, Op>(acc, srcs[k] + start, n);
+    if (avg) {
+      store_block_avg<T>(out + start, acc, n, nsrc);
+    } else {
+      store_block<T>(out + start, acc, n);
+    }
+  }
+}
+
+// Two sources in native precision (the hot path of a 2-rank all_reduce). kAvg halves.
+template <typename T, typename Op, bool kAvg>
+inline T combine2(T a, T b) {
+  T r = Op::apply(a, b);
+  if constexpr (kAvg) r = avg_of(r, 2);
+  return r;
+}
+
+template <typename T, typename Op, bool kAvg>
+void reduce2_distinct(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) out[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
+  }
+  for (; i < n; ++i) out[i] = combine2<T, Op, kAvg>(a[i], b[i]);
+}
+
+// out == a.
+template <typename T, typename Op, bool kAvg>
+void reduce2_into_a(T* __restrict a, const T* __restrict b, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) a[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
+  }
+  for (; i < n; ++i) a[i] = combine2<T, Op, kAvg>(a[i], b[i]);
+}
+
+// out == b.
+template <typename T, typename Op, bool kAvg>
+void reduce2_into_b(const T* __restrict a, T* __restrict b, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) b[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
+  }
+  for (; i < n; ++i) b[i] = combine2<T, Op, kAvg>(a[i], b[i]);
+}
+
+template <typename T, typename Op>
+void reduce_typed(void* out_ptr, const void* const* src_ptrs, int nsrc, int64_t count, bool avg) {
+  using R = RawOf<T>;
+  auto* out = static_cast<R*>(out_ptr);
+  const R* const* srcs = reinterpret_cast<const R* const*>(src_ptrs);
+  // Native types only: f16/bf16 need the f32 accumulator, bool the 0/1 normalisation.
+  if constexpr (std::is_same_v<AccOf<T>, T>) {
+    if (nsrc == 2) {
+      const R* a = srcs[0];
+      const R* b = srcs[1];
+      auto run = [&](auto avg_tag) {
+        constexpr bool kAvg = decltype(avg_tag)::value;
+        if (out == a && out == b) {
+          reduce_blocked<T, Op>(out, srcs, nsrc, count, avg);
+        } else if (out == a) {
+          reduce2_into_a<R, Op, kAvg>(out, b, count);
+        } else if (out == b) {
+          reduce2_into_b<R, Op, kAvg>(a, out, count);
+        } else {
+          reduce2_distinct<R, Op, kAvg>(out, a, b, count);
+        }
+      };
+      if (avg) {
+        run(std::true_type{});
+      } else {
+        run(std::false_type{});
+      }
+      return;
+    }
+  }
+  reduce_blocked<T, Op>(out, srcs, nsrc, count, avg);
+}
+
+// Calls f(Op{}) for a reduce op on storage type T; bool maps sum/max to or, product/min to and.
+template <typename T, typename F>
+void dispatch_op(ReduceOp op, F&& f) {
+  constexpr bool kBool = std::is_same_v<T, BoolByte>;
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      if constexpr (kBool) {
+        f(OpOr{});
+      } else {
+        f(OpSum{});
+      }
+      return;
+    case ReduceOp::Product:
+      if constexpr (kBool) {
+        f(OpAnd{});
+      } else {
+        f(OpProd{});
+      }
+      return;
+    case ReduceOp::Min:
+      if constexpr (kBool) {
+        f(OpAnd{});
+      } else {
+        f(OpMin{});
+      }
+      return;
+    case ReduceOp::Max:
+      if constexpr (kBool) {
+        f(OpOr{});
+      } else {
+        f(OpMax{});
+      }
+      return;
+    case ReduceOp::BAnd:
+    case ReduceOp::BOr:
+    case ReduceOp::BXor:
+      if constexpr (std::is_floating_point_v<AccOf<T>>) {
+        FUNCOL_CHECK(false, "bitwise reduce op on a floating dtype passed validation");
+      } else if (op == ReduceOp::BAnd) {
+        f(OpAnd{});
+      } else if (op == ReduceOp::BOr) {
+        f(OpOr{});
+      } else {
+        f(OpXor{});
+      }
+      return;
+  }
+  FUNCOL_CHECK(false, "unknown reduce op " + std::to_string(static_cast<int>(op)));
+}
+
+void check_count(int64_t count, const char* what) {
+  if (count < 0) throw InvalidArgument(fmt::format("{}: negative count {}", what, count));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor math helpers.
+
+void check_data(const Tensor& t, const char* what) {
+  if (!t.defined()) throw InvalidArgument(fmt::format("{} on an undefined tensor", what));
+  if (t.is_meta()) {
+    throw InvalidArgument(fmt::format("{} on a meta tensor {} (it has no data)", what,
+                                      type_str(t.dtype(), t.sizes())));
+  }
+}
+
+void check_same(const Tensor& a, const Tensor& b, const char* what) {
+  check_data(a, what);
+  check_data(b, what);
+  if (a.dtype() != b.dtype()) {
+    throw InvalidArgument(fmt::format("{}: dtype mismatch {} vs {}", what, dtype_name(a.dtype()),
+                                      dtype_name(b.dtype())));
+  }
+  if (a.sizes() != b.sizes()) {
+    throw ShapeError(fmt::format("{}: shape mismatch {} vs {}", what, shape_str(a.sizes()),
+                                 shape_str(b.sizes())));
+  }
+}
+
+// Compute type of elementwise math: f16/bf16 in f32, bool as bool, others native.
+template <typename S>
+using ComputeOf = std::conditional_t<kIsLowFloat<S>, float,
+                                     std::conditional_t<std::is_same_v<S, BoolByte>, bool, S>>;
+
+template <typename A>
+inline A wrap_add(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using W = WideUnsigned<A>;
+    return static_cast<A>(static_cast<W>(a) + static_cast<W>(b));
+  } else {
+    return a + b;
+  }
+}
+template <typename A>
+inline A wrap_sub(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using W = WideUnsigned<A>;
+    return static_cast<A>(static_cast<W>(a) - static_cast<W>(b));
+  } else {
+    return a - b;
+  }
+}
+template <typename A>
+inline A wrap_mul(A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using W = WideUnsigned<A>;
+    return static_cast<A>(static_cast<W>(a) * static_cast<W>(b));
+  } else {
+    return a * b;
+  }
+}
+
+enum class Binary { Add, Sub, Mul, Div };
+
+const char* binary_name(Binary op) {
+  switch (op) {
+    case Binary::Add: return "add";
+    case Binary::Sub: return "sub";
+    case Binary::Mul: return "mul";
+    case Binary::Div: return "div";
+  }
+  return "?";
+}
+
+template <typename C>
+C apply_binary(Binary op, C a, C b) {
+  switch (op) {
+    case Binary::Add: return wrap_add(a, b);
+    case Binary::Sub: return wrap_sub(a, b);
+    case Binary::Mul: return wrap_mul(a, b);
+    case Binary::Div:
+      if constexpr (std::is_integral_v<C>) {
+        if (b == 0) throw InvalidArgument("div: integer division by zero");
+        if constexpr (std::is_signed_v<C>) {
+          // min / -1 overflows; wrap as two's complement does.
+          if (b == -1) return wrap_sub(C{0}, a);
+        }
+        return static_cast<C>(a / b);
+      } else {
+        return a / b;
+      }
+  }
+  return a;
+}
+
+Tensor binary(Binary op, const Tensor& a_in, const Tensor& b_in) {
+  const char* what = binary_name(op);
+  check_same(a_in, b_in, what);
+  if (a_in.dtype() == DType::Bool && (op == Binary::Sub || op == Binary::Div)) {
+    throw InvalidArgument(fmt::format("{}: not supported for bool tensors", what));
+  }
+  const Tensor a = a_in.contiguous();
+  const Tensor b = b_in.contiguous();
+  Tensor out = Tensor::empty(a.sizes(), a.dtype());
+  const int64_t n = a.numel();
+  if (n == 0) return out;
+  dispatch(a.dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using C = ComputeOf<S>;
+    const S* pa = static_cast<const S*>(a.data_ptr());
+    const S* pb = static_cast<const S*>(b.data_ptr());
+    S* po = static_cast<S*>(out.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      C x = cvt<C>(pa[i]);
+      C y = cvt<C>(pb[i]);
+      C r;
+      if constexpr (std::is_same_v<C, bool>) {
+        r = op == Binary::Add ? (x || y) : (x && y);
+      } else {
+        r = apply_binary<C>(op, x, y);
+      }
+      po[i] = cvt<S>(r);
+    }
+  });
+  return out;
+}
+
+// Applies fn(C) -> C elementwise, C the compute type.
+template <typename Fn>
+Tensor unary(const Tensor& a_in, const char* what, Fn&& fn) {
+  check_data(a_in, what);
+  const Tensor a = a_in.contiguous();
+  Tensor out = Tensor::empty(a.sizes(), a.dtype());
+  const int64_t n = a.numel();
+  if (n == 0) return out;
+  dispatch(a.dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using C = ComputeOf<S>;
+    const S* pa = static_cast<const S*>(a.data_ptr());
+    S* po = static_cast<S*>(out.data_ptr());
+    for (int64_t i = 0; i < n; ++i) po[i] = cvt<S>(fn(cvt<C>(pa[i])));
+  });
+  return out;
+}
+
+std::vector<bool> reduced_dims(const Tensor& a, const std::vector<int64_t>& dims,
+                               const char* what) {
+  const int64_t ndim = a.dim();
+  std::vector<bool> reduce(static_cast<size_t>(ndim), dims.empty());
+  for (int64_t d : dims) {
+    // A 0-d tensor accepts dim 0 / -1 as PyTorch does; there is nothing to reduce.
+    const int64_t range = std::max<int64_t>(ndim, 1);
+    if (d < -range || d >= range) {
+      throw ShapeError(
+          fmt::format("{}: dim {} is out of range for a tensor of rank {}", what, d, ndim));
+    }
+    if (ndim == 0) continue;
+    const int64_t w = d < 0 ? d + ndim : d;
+    if (reduce[w] && !dims.empty()) {
+      throw InvalidArgument(
+          fmt::format("{}: dim {} appears more than once in {}", what, w, shape_str(dims)));
+    }
+    reduce[w] = true;
+  }
+  return reduce;
+}
+
+// Accumulator of sum / mean / mse_loss: f16/bf16 in f32, f32/f64 in f64, integers wrap in
+// their own width (computed in uint64, exact modulo 2^bits), bool as "any".
+template <typename S>
+using SumAccOf = std::conditional_t<
+    kIsLowFloat<S>, float,
+    std::conditional_t<std::is_floating_point_v<S>, double,
+                       std::conditional_t<std::is_same_v<S, BoolByte>, uint8_t, uint64_t>>>;
+
+Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool keepdim, bool mean,
+                   const char* what) {
+  check_data(a_in, what);
+  if (mean && !is_floating(a_in.dtype())) {
+    throw InvalidArgument(
+        fmt::format("{}: expected a floating dtype, got {}", what, dtype_name(a_in.dtype())));
+  }
+  const std::vector<bool> reduce = reduced_dims(a_in, dims, what);
+  const Tensor a = a_in.contiguous();
+  const Shape& sizes = a.sizes();
+  Shape out_shape;
+  Shape keep_shape;  // out shape with reduced dims kept as 1
+  int64_t count = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (reduce[d]) {
+      count *= sizes[d];
+      keep_shape.push_back(1);
+      if (keepdim) out_shape.push_back(1);
+    } else {
+      keep_shape.push_back(sizes[d]);
+      out_shape.push_back(sizes[d]);
+    }
+  }
+  // Output strides in the input's index space: 0 along reduced dims.
+  Shape out_strides = contiguous_strides(keep_shape);
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (reduce[d]) out_strides[d] = 0;
+  }
+  Tensor out = Tensor::empty(out_shape, a.dtype());
+  const Shape in_strides = contiguous_strides(sizes);
+  dispatch(a.dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using Acc = SumAccOf<S>;
+    std::vector<Acc> acc(static_cast<size_t>(out.numel()), Acc{});
+    const S* pa = static_cast<const S*>(a.data_ptr());
+    detail::for_each_row<2>(
+        sizes, {&in_strides, &out_strides},
+        [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& inner) {
+          for (int64_t i = 0; i < n; ++i) {
+            Acc& dst = acc[static_cast<size_t>(off[1] + i * inner[1])];
+            const S v = pa[off[0] + i * inner[0]];
+            if constexpr (std::is_same_v<S, BoolByte>) {
+              dst = static_cast<uint8_t>(dst | (v.v != 0 ? 1 : 0));
+            } else if constexpr (std::is_same_v<Acc, uint64_t>) {
+              dst += static_cast<uint64_t>(static_cast<int64_t>(v));
+            } else {
+              dst += cvt<Acc>(v);
+            }
+          }
+        });
+    S* po = static_cast<S*>(out.data_ptr());
+    for (size_t i = 0; i < acc.size(); ++i) {
+      if constexpr (std::is_same_v<Acc, uint64_t>) {
+        po[i] = static_cast<S>(acc[i]);
+      } else if constexpr (std::is_floating_point_v<Acc>) {
+        po[i] = cvt<S>(mean ? acc[i] / static_cast<Acc>(count) : acc[i]);
+      } else {
+        po[i] = cvt<S>(acc[i]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Collective reduction kernels
+
+void reduce_buffers(ReduceOp op, DType dtype, void* out, const void* const* srcs, int nsrc,
+                    int64_t count) {
+  if (nsrc < 1)
+    throw InvalidArgument(fmt::format("reduce_buffers: nsrc must be >= 1, got {}", nsrc));
+  check_count(count, "reduce_buffers");
+  check_reduce_op_dtype(op, dtype, "reduce_buffers");
+  if (count == 0) return;
+  FUNCOL_CHECK(out != nullptr && srcs != nullptr, "reduce_buffers: null buffer");
+  dispatch(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch_op<T>(op, [&](auto op_tag) {
+      using Op = decltype(op_tag);
+      reduce_typed<T, Op>(out, srcs, nsrc, count, op == ReduceOp::Avg);
+    });
+  });
+}
+
+void reduce_inplace(ReduceOp op, DType dtype, void* acc, const void* src, int64_t count) {
+  if (op == ReduceOp::Avg) {
+    check_reduce_op_dtype(op, dtype, "reduce_inplace");
+    op = ReduceOp::Sum;
+  }
+  const void* srcs[2] = {acc, src};
+  check_count(count, "reduce_inplace");
+  check_reduce_op_dtype(op, dtype, "reduce_inplace");
+  if (count == 0) return;
+  reduce_buffers(op, dtype, acc, srcs, 2, count);
+}
+
+void finish_avg(DType dtype, void* buf, int64_t count, int64_t divisor) {
+  check_count(count, "finish_avg");
+  if (divisor <= 0) {
+    throw InvalidArgument(fmt::format("finish_avg: divisor must be positive, got {}", divisor));
+  }
+  check_reduce_op_dtype(ReduceOp::Avg, dtype, "finish_avg");
+  if (count == 0) return;
+  dispatch(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (!std::is_same_v<T, BoolByte>) {
+      auto* p = static_cast<RawOf<T>*>(buf);
+      for (int64_t i = 0; i < count; ++i) p[i] = from_acc<T>(avg_of(to_acc<T>(p[i]), divisor));
+    }
+  });
+}
+
+void convert_buffer(DType src_dtype, const void* src, DType dst_dtype, void* dst, int64_t count) {
+  check_count(count, "convert_buffer");
+  if (count == 0) return;
+  if (src_dtype == dst_dtype) {
+    std::memmove(dst, src, static_cast<size_t>(count) * itemsize(src_dtype));
+    return;
+  }
+  dispatch(src_dtype, [&](auto s_tag) {
+    using S = typename decltype(s_tag)::type;
+    dispatch(dst_dtype, [&](auto d_tag) {
+      using D = typename decltype(d_tag)::type;
+      const S* s = static_cast<const S*>(src);
+      D* d = static_cast<D*>(dst);
+      for (int64_t i = 0; i < count; ++i) d[i] = cvt<D>(s[i]);
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor math
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary(Binary::Add, a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary(Binary::Sub, a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary(Binary::Mul, a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary(Binary::Div, a, b); }
+
+Tensor neg(const Tensor& a) {
+  check_data(a, "neg");
+  if (a.dtype() == DType::Bool) throw InvalidArgument("neg: not supported for bool tensors");
+  return unary(a, "neg", [](auto x) {
+    if constexpr (std::is_same_v<decltype(x), bool>) {
+      return x;  // unreachable: rejected above
+    } else {
+      return wrap_sub(decltype(x){0}, x);
+    }
+  });
+}
+
+Tensor relu(const Tensor& a) {
+  return unary(a, "relu", [](auto x) {
+    using C = decltype(x);
+    if constexpr (std::is_same_v<C, bool>) {
+      return x;
+    } else if constexpr (std::is_floating_point_v<C>) {
+      return (x > 0 || x != x) ? x : C{0};  // NaN propagates, as torch.relu
+    } else {
+      return x > 0 ? x : C{0};
+    }
+  });
+}
+
+Tensor mul_scalar(const Tensor& a, double scalar) {
+  check_data(a, "mul_scalar");
+  // Integer tensors times an integral scalar stay exact (wrapping); otherwise go through double.
+  const bool integral_scalar =
+      std::isfinite(scalar) && std::trunc(scalar) == scalar && std::fabs(scalar) < 9.2e18;
+  return unary(a, "mul_scalar", [&](auto x) {
+    using C = decltype(x);
+    if constexpr (std::is_same_v<C, bool>) {
+      return x && scalar != 0;
+    } else if constexpr (std::is_floating_point_v<C>) {
+      return static_cast<C>(x * static_cast<C>(scalar));
+    } else {
+      if (integral_scalar) return wrap_mul(x, static_cast<C>(static_cast<int64_t>(scalar)));
+      return cvt<C>(static_cast<double>(x) * scalar);
+    }
+  });
+}
+
+Tensor gt_zero_mask(const Tensor& a) {
+  return unary(a, "gt_zero_mask", [](auto x) {
+    using C = decltype(x);
+    if constexpr (std::is_same_v<C, bool>) {
+      return x;
+    } else {
+      return x > 0 ? C{1} : C{0};
+    }
+  });
+}
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
+  check_data(a_in, "matmul");
+  check_data(b_in, "matmul");
+  if (a_in.dim() != 2 || b_in.dim() != 2) {
+    throw ShapeError(fmt::format("matmul: expected 2-D tensors, got {} and {}",
+                                 shape_str(a_in.sizes()), shape_str(b_in.sizes())));
+  }
+  if (a_in.dtype() != b_in.dtype()) {
+    throw InvalidArgument(fmt::format("matmul: dtype mismatch {} vs {}", dtype_name(a_in.dtype()),
+                                      dtype_name(b_in.dtype())));
+  }
+  if (a_in.size(1) != b_in.size(0)) {
+    throw ShapeError(fmt::format("matmul: shapes {} and {} cannot be multiplied ({} != {})",
+                                 shape_str(a_in.sizes()), shape_str(b_in.sizes()), a_in.size(1),
+                                 b_in.size(0)));
+  }
+  if (a_in.dtype() == DType::Bool) throw InvalidArgument("matmul: not supported for bool tensors");
+  const int64_t m = a_in.size(0);
+  const int64_t k = a_in.size(1);
+  const int64_t n = b_in.size(1);
+  const Tensor a = a_in.contiguous();
+  const Tensor b = b_in.contiguous();
+  a.wait();
+  b.wait();
+  if (m == 0 || n == 0 || k == 0) return Tensor::zeros({m, n}, a.dtype());
+  Tensor out = Tensor::empty({m, n}, a.dtype());
+  dispatch(a.dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    const S* pa = static_cast<const S*>(a.data_ptr());
+    const S* pb = static_cast<const S*>(b.data_ptr());
+    S* po = static_cast<S*>(out.data_ptr());
+    if constexpr (std::is_floating_point_v<S>) {
+      using M = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+      Eigen::Map<const M> ma(pa, m, k);
+      Eigen::Map<const M> mb(pb, k, n);
+      Eigen::Map<M> mo(po, m, n);
+      mo.noalias() = ma * mb;
+    } else if constexpr (kIsLowFloat<S>) {
+      using M = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+      Eigen::Map<const M> ma(pa, m, k);
+      Eigen::Map<const M> mb(pb, k, n);
+      RowMajor fo = ma.template cast<float>() * mb.template cast<float>();
+      Eigen::Map<M> mo(po, m, n);
+      mo = fo.template cast<S>();
+    } else if constexpr (std::is_integral_v<S>) {
+      // Integers wrap: multiply-accumulate modulo 2^64, then truncate to the dtype's width.
+      std::vector<uint64_t> acc(static_cast<size_t>(m * n), 0);
+      for (int64_t i = 0; i < m; ++i) {
+        uint64_t* row = acc.data() + i * n;
+        for (int64_t p = 0; p < k; ++p) {
+          const auto x = static_cast<uint64_t>(static_cast<int64_t>(pa[i * k + p]));
+          const S* brow = pb + p * n;
+          for (int64_t j = 0; j < n; ++j) {
+            row[j] += x * static_cast<uint64_t>(static_cast<int64_t>(brow[j]));
+          }
+        }
+      }
+      for (int64_t i = 0; i < m * n; ++i) po[i] = static_cast<S>(acc[static_cast<size_t>(i)]);
+    }
+  });
+  return out;
+}
+
+Tensor sum(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  return reduce_over(a, dims, keepdim, /*mean=*/false, "sum");
+}
+
+Tensor mean(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  return reduce_over(a, dims, keepdim, /*mean=*/true, "mean");
+}
+
+Tensor mse_loss(const Tensor& a_in, const Tensor& b_in) {
+  check_same(a_in, b_in, "mse_loss");
+  if (!is_floating(a_in.dtype())) {
+    throw InvalidArgument(
+        fmt::format("mse_loss: expected a floating dtype, got {}", dtype_name(a_in.dtype())));
+  }
+  const Tensor a = a_in.contiguous();
+  const Tensor b = b_in.contiguous();
+  const int64_t n = a.numel();
+  Tensor out = Tensor::empty({}, a.dtype());
+  dispatch(a.dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    if constexpr (std::is_floating_point_v<ComputeOf<S>>) {
+      using Acc = SumAccOf<S>;
+      const S* pa = static_cast<const S*>(a.data_ptr());
+      const S* pb = static_cast<const S*>(b.data_ptr());
+      Acc total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const Acc d = cvt<Acc>(pa[i]) - cvt<Acc>(pb[i]);
+        total += d * d;
+      }
+      // 0 elements: 0 / 0 = NaN, as PyTorch.
+      *static_cast<S*>(out.data_ptr()) = cvt<S>(total / static_cast<Acc>(n));
+    }
+  });
+  return out;
+}
+
+Tensor expand_to(const Tensor& a, const Shape& shape) {
+  if (!a.defined()) throw InvalidArgument("expand_to on an undefined tensor");
+  bool ok = shape.size() >= a.sizes().size();
+  const size_t lead = ok ? shape.size() - a.sizes().size() : 0;
+  for (size_t i = 0; ok && i < shape.size(); ++i) {
+    if (shape[i] < 0) ok = false;
+    if (i >= lead) {
+      const int64_t own = a.sizes()[i - lead];
+      ok = ok && (own == shape[i] || own == 1);
+    }
+  }
+  if (!ok) {
+    throw ShapeError(fmt::format("expand_to: cannot broadcast {} to {}", shape_str(a.sizes()),
+                                 shape_str(shape)));
+  }
+  return a.expand(shape).clone();
+}
+
+}  // namespace funcol

@@ -1,0 +1,561 @@
+// Tests of the reduction kernels, dtype conversion and tensor math.
+#include "funcol/core/kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace funcol {
+namespace {
+
+template <typename E, typename F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+constexpr ReduceOp kAllOps[] = {ReduceOp::Sum, ReduceOp::Avg,  ReduceOp::Product, ReduceOp::Min,
+                                ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr,     ReduceOp::BXor};
+
+bool op_valid(ReduceOp op, DType d) {
+  if (is_floating(d)) return op != ReduceOp::BAnd && op != ReduceOp::BOr && op != ReduceOp::BXor;
+  if (d == DType::Bool) return op != ReduceOp::Avg;
+  return true;
+}
+
+// Exact test input: small integers (negative ones for signed dtypes; only 1 and 2 for the
+// product, so 8 factors stay exact even in bf16).
+int64_t input_value(DType d, ReduceOp op, int k, int64_t i) {
+  if (d == DType::Bool) return (i * 7 + k * 3) % 3 == 0 ? 1 : 0;
+  if (op == ReduceOp::Product) return 1 + (i + k) % 2;
+  const bool is_signed = d != DType::U8;
+  const int64_t v = (i * 5 + k * 3) % 7;  // 0..6
+  return is_signed ? v - 3 : v;
+}
+
+// Expected value of op over nsrc sources (no overflow at these magnitudes), as a double.
+double expected_value(DType d, ReduceOp op, int nsrc, int64_t i) {
+  int64_t acc = input_value(d, op, 0, i);
+  for (int k = 1; k < nsrc; ++k) {
+    const int64_t v = input_value(d, op, k, i);
+    switch (op) {
+      case ReduceOp::Sum:
+      case ReduceOp::Avg: acc = d == DType::Bool ? (acc | v) : acc + v; break;
+      case ReduceOp::Product: acc = d == DType::Bool ? (acc & v) : acc * v; break;
+      case ReduceOp::Min: acc = std::min(acc, v); break;
+      case ReduceOp::Max: acc = std::max(acc, v); break;
+      case ReduceOp::BAnd: acc &= v; break;
+      case ReduceOp::BOr: acc |= v; break;
+      case ReduceOp::BXor: acc ^= v; break;
+    }
+  }
+  if (op != ReduceOp::Avg) return static_cast<double>(acc);
+  if (is_integer(d)) return static_cast<double>(acc / nsrc);  // truncating
+  if (d == DType::F64) return static_cast<double>(acc) / nsrc;
+  // f16 / bf16 / f32: divided in f32, rounded once to the dtype.
+  const float q = static_cast<float>(acc) / static_cast<float>(nsrc);
+  if (d == DType::F16) return static_cast<float>(Eigen::half(q));
+  if (d == DType::BF16) return static_cast<float>(Eigen::bfloat16(q));
+  return q;
+}
+
+std::string fmt_trace(DType d, ReduceOp op, int nsrc, int64_t count) {
+  return std::string(dtype_name(d)) + " " + std::string(reduce_op_name(op)) +
+         " nsrc=" + std::to_string(nsrc) + " count=" + std::to_string(count);
+}
+
+Tensor make_input(DType d, ReduceOp op, int k, int64_t count) {
+  std::vector<double> v(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) v[i] = static_cast<double>(input_value(d, op, k, i));
+  return Tensor::from_vector<double>(v).to(d);
+}
+
+TEST(ReduceBuffers, EveryDTypeOpSourceCountAndLength) {
+  for (DType d : kAllDTypes) {
+    for (ReduceOp op : kAllOps) {
+      if (!op_valid(op, d)) continue;
+      for (int nsrc = 1; nsrc <= 8; ++nsrc) {
+        for (int64_t count : {0, 1, 7, 1000}) {
+          SCOPED_TRACE(fmt_trace(d, op, nsrc, count));
+          std::vector<Tensor> inputs;
+          std::vector<const void*> srcs;
+          for (int k = 0; k < nsrc; ++k) {
+            inputs.push_back(make_input(d, op, k, count));
+            srcs.push_back(inputs.back().data_ptr());
+          }
+          std::vector<double> want(static_cast<size_t>(count));
+          for (int64_t i = 0; i < count; ++i) want[i] = expected_value(d, op, nsrc, i);
+          // Separate output.
+          Tensor out = Tensor::full({count}, d, 1);
+          reduce_buffers(op, d, out.data_ptr(), srcs.data(), nsrc, count);
+          ASSERT_EQ(out.to_vector<double>(), want);
+          // Output aliasing the first and the last source.
+          for (int alias : {0, nsrc - 1}) {
+            std::vector<Tensor> copies;
+            std::vector<const void*> csrcs;
+            for (const Tensor& t : inputs) {
+              copies.push_back(t.clone());
+              csrcs.push_back(copies.back().data_ptr());
+            }
+            reduce_buffers(op, d, copies[alias].data_ptr(), csrcs.data(), nsrc, count);
+            ASSERT_EQ(copies[alias].to_vector<double>(), want) << "aliasing source " << alias;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ReduceBuffers, SameBufferTwice) {
+  Tensor t = Tensor::from_vector<int32_t>({1, 2, 3});
+  const void* srcs[] = {t.data_ptr(), t.data_ptr()};
+  reduce_buffers(ReduceOp::Sum, DType::I32, t.data_ptr(), srcs, 2, 3);
+  EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{2, 4, 6}));
+  Tensor f = Tensor::from_vector<float>({1, 2, 3});
+  Tensor o = Tensor::zeros({3}, DType::F32);
+  const void* fs[] = {f.data_ptr(), f.data_ptr()};
+  reduce_buffers(ReduceOp::Product, DType::F32, o.data_ptr(), fs, 2, 3);
+  EXPECT_EQ(o.to_vector<float>(), (std::vector<float>{1, 4, 9}));
+}
+
+TEST(ReduceBuffers, IntegersWrapWithoutUndefinedBehaviour) {
+  auto reduce2 = [](ReduceOp op, Tensor a, Tensor b) {
+    const void* srcs[] = {a.data_ptr(), b.data_ptr()};
+    reduce_buffers(op, a.dtype(), a.data_ptr(), srcs, 2, a.numel());
+    return a;
+  };
+  const int32_t kMax = std::numeric_limits<int32_t>::max();
+  EXPECT_EQ(reduce2(ReduceOp::Sum, Tensor::from_vector<int32_t>({kMax}),
+                    Tensor::from_vector<int32_t>({1}))
+                .item<int64_t>(),
+            std::numeric_limits<int32_t>::min());
+  EXPECT_EQ(reduce2(ReduceOp::Product, Tensor::from_vector<int8_t>({16}),
+                    Tensor::from_vector<int8_t>({16}))
+                .item<int>(),
+            0);
+  EXPECT_EQ(reduce2(ReduceOp::Sum, Tensor::from_vector<uint8_t>({200}),
+                    Tensor::from_vector<uint8_t>({100}))
+                .item<int>(),
+            44);
+  EXPECT_EQ(reduce2(ReduceOp::Product, Tensor::from_vector<int16_t>({300}),
+                    Tensor::from_vector<int16_t>({300}))
+                .item<int16_t>(),
+            static_cast<int16_t>(90000 - 65536));
+  EXPECT_EQ(reduce2(ReduceOp::Product, Tensor::from_vector<int64_t>({1LL << 62}),
+                    Tensor::from_vector<int64_t>({4}))
+                .item<int64_t>(),
+            0);
+  // Avg on integers truncates toward zero.
+  EXPECT_EQ(reduce2(ReduceOp::Avg, Tensor::from_vector<int32_t>({-7, 7, 3}),
+                    Tensor::from_vector<int32_t>({0, 0, 0}))
+                .to_vector<int>(),
+            (std::vector<int>{-3, 3, 1}));
+}
+
+TEST(ReduceBuffers, BoolOpsAndNonCanonicalBytes) {
+  // Bytes other than 0/1 (a u8 buffer viewed as bool) count as true.
+  Tensor a = Tensor::from_vector<uint8_t>({0, 2, 0, 7}).view_dtype(DType::Bool);
+  Tensor b = Tensor::from_vector<uint8_t>({0, 0, 5, 1}).view_dtype(DType::Bool);
+  const void* srcs[] = {a.data_ptr(), b.data_ptr()};
+  auto run = [&](ReduceOp op) {
+    Tensor out = Tensor::zeros({4}, DType::Bool);
+    reduce_buffers(op, DType::Bool, out.data_ptr(), srcs, 2, 4);
+    return out.view_dtype(DType::U8).to_vector<int>();
+  };
+  EXPECT_EQ(run(ReduceOp::Sum), (std::vector<int>{0, 1, 1, 1}));
+  EXPECT_EQ(run(ReduceOp::Max), (std::vector<int>{0, 1, 1, 1}));
+  EXPECT_EQ(run(ReduceOp::BOr), (std::vector<int>{0, 1, 1, 1}));
+  EXPECT_EQ(run(ReduceOp::Product), (std::vector<int>{0, 0, 0, 1}));
+  EXPECT_EQ(run(ReduceOp::Min), (std::vector<int>{0, 0, 0, 1}));
+  EXPECT_EQ(run(ReduceOp::BAnd), (std::vector<int>{0, 0, 0, 1}));
+  EXPECT_EQ(run(ReduceOp::BXor), (std::vector<int>{0, 1, 1, 0}));
+}
+
+TEST(ReduceBuffers, FloatMinMaxPropagateNaN) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor a = Tensor::from_vector<float>({nan, 1, 5});
+  Tensor b = Tensor::from_vector<float>({1, nan, 2});
+  const void* srcs[] = {a.data_ptr(), b.data_ptr()};
+  for (ReduceOp op : {ReduceOp::Min, ReduceOp::Max}) {
+    Tensor out = Tensor::zeros({3}, DType::F32);
+    reduce_buffers(op, DType::F32, out.data_ptr(), srcs, 2, 3);
+    std::vector<float> v = out.to_vector<float>();
+    EXPECT_TRUE(std::isnan(v[0]));
+    EXPECT_TRUE(std::isnan(v[1]));
+    EXPECT_EQ(v[2], op == ReduceOp::Min ? 2.f : 5.f);
+  }
+}
+
+TEST(ReduceBuffers, Errors) {
+  Tensor f = Tensor::zeros({4}, DType::F32);
+  const void* srcs[] = {f.data_ptr(), f.data_ptr()};
+  for (ReduceOp op : {ReduceOp::BAnd, ReduceOp::BOr, ReduceOp::BXor}) {
+    for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+      EXPECT_THROW(reduce_buffers(op, d, f.data_ptr(), srcs, 2, 1), InvalidArgument);
+      EXPECT_THROW(reduce_inplace(op, d, f.data_ptr(), srcs[0], 1), InvalidArgument);
+    }
+  }
+  EXPECT_THROW(reduce_buffers(ReduceOp::Avg, DType::Bool, f.data_ptr(), srcs, 2, 1),
+               InvalidArgument);
+  EXPECT_THROW(reduce_inplace(ReduceOp::Avg, DType::Bool, f.data_ptr(), srcs[0], 1),
+               InvalidArgument);
+  EXPECT_THROW(finish_avg(DType::Bool, f.data_ptr(), 1, 2), InvalidArgument);
+  EXPECT_EQ(error_of<InvalidArgument>(
+                [&] { reduce_buffers(ReduceOp::Sum, DType::F32, f.data_ptr(), srcs, 0, 1); }),
+            "reduce_buffers: nsrc must be >= 1, got 0");
+  EXPECT_THROW(reduce_buffers(ReduceOp::Sum, DType::F32, f.data_ptr(), srcs, 2, -1),
+               InvalidArgument);
+  EXPECT_THROW(finish_avg(DType::F32, f.data_ptr(), 4, 0), InvalidArgument);
+  // Count 0 touches nothing, even through null pointers.
+  EXPECT_NO_THROW(reduce_buffers(ReduceOp::Sum, DType::F32, nullptr, nullptr, 3, 0));
+}
+
+TEST(ReduceBuffers, HalfPrecisionAccumulatesInFloat) {
+  // 2048 + 1 + 1 + ... rounds back to 2048 at every step in f16 (spacing 2 there) but is
+  // 2055 in f32, rounded once to 2056. bf16: the same with 256 (spacing 2).
+  struct Case {
+    DType dtype;
+    float big;
+  };
+  for (Case c : {Case{DType::F16, 2048.f}, Case{DType::BF16, 256.f}}) {
+    SCOPED_TRACE(std::string(dtype_name(c.dtype)));
+    std::vector<Tensor> inputs = {Tensor::full({5}, c.dtype, c.big)};
+    for (int k = 0; k < 7; ++k) inputs.push_back(Tensor::full({5}, c.dtype, 1));
+    std::vector<const void*> srcs;
+    for (const Tensor& t : inputs) srcs.push_back(t.data_ptr());
+    Tensor out = Tensor::zeros({5}, c.dtype);
+    reduce_buffers(ReduceOp::Sum, c.dtype, out.data_ptr(), srcs.data(), 8, 5);
+    const float once = Tensor::full({1}, DType::F32, c.big + 7).to(c.dtype).item<float>();
+    EXPECT_EQ(out.to_vector<float>(), std::vector<float>(5, once));
+    EXPECT_NE(once, c.big);
+    // Step by step (what a ring algorithm's reduce_inplace chain computes) loses the ones.
+    Tensor acc = inputs[0].clone();
+    for (int k = 1; k < 8; ++k) {
+      reduce_inplace(ReduceOp::Sum, c.dtype, acc.data_ptr(), srcs[k], 5);
+    }
+    EXPECT_EQ(acc.to_vector<float>(), std::vector<float>(5, c.big));
+    // Avg divides the f32 sum before the single rounding.
+    reduce_buffers(ReduceOp::Avg, c.dtype, out.data_ptr(), srcs.data(), 8, 5);
+    const float avg = Tensor::full({1}, DType::F32, (c.big + 7) / 8).to(c.dtype).item<float>();
+    EXPECT_EQ(out.to_vector<float>(), std::vector<float>(5, avg));
+  }
+}
+
+TEST(ReduceInplace, ChainMatchesReduceBuffersAndFinishAvg) {
+  for (DType d : {DType::I8, DType::U8, DType::I16, DType::I32, DType::I64, DType::F16, DType::BF16,
+                  DType::F32, DType::F64}) {
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Product}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + " " + std::string(reduce_op_name(op)));
+      std::vector<Tensor> inputs;
+      std::vector<const void*> srcs;
+      for (int k = 0; k < 5; ++k) {
+        inputs.push_back(make_input(d, op, k, 37));
+        srcs.push_back(inputs.back().data_ptr());
+      }
+      Tensor acc = inputs[0].clone();
+      for (int k = 1; k < 5; ++k) reduce_inplace(op, d, acc.data_ptr(), srcs[k], 37);
+      Tensor out = Tensor::zeros({37}, d);
+      reduce_buffers(op, d, out.data_ptr(), srcs.data(), 5, 37);
+      EXPECT_TRUE(acc.equal(out));
+    }
+  }
+  // Avg in a chain: sum, then finish_avg once.
+  Tensor acc = Tensor::from_vector<int32_t>({-7, 9, 4});
+  Tensor src = Tensor::from_vector<int32_t>({0, 0, 1});
+  reduce_inplace(ReduceOp::Avg, DType::I32, acc.data_ptr(), src.data_ptr(), 3);
+  EXPECT_EQ(acc.to_vector<int>(), (std::vector<int>{-7, 9, 5}));
+  finish_avg(DType::I32, acc.data_ptr(), 3, 2);
+  EXPECT_EQ(acc.to_vector<int>(), (std::vector<int>{-3, 4, 2}));
+  Tensor h = Tensor::from_vector<float>({3, 5}).to(DType::F16);
+  finish_avg(DType::F16, h.data_ptr(), 2, 4);
+  EXPECT_EQ(h.to_vector<float>(), (std::vector<float>{0.75f, 1.25f}));
+  Tensor u = Tensor::from_vector<uint8_t>({250});
+  finish_avg(DType::U8, u.data_ptr(), 1, 300);
+  EXPECT_EQ(u.item<int>(), 0);
+}
+
+// The branch-free f16/bf16 conversions must agree bit for bit with Eigen's: every 16-bit
+// pattern to f32, and a spread of f32 patterns (plus the edges) to f16 / bf16.
+TEST(ConvertBuffer, HalfConversionsMatchEigenBitForBit) {
+  std::vector<int32_t> all16(65536);
+  for (int32_t i = 0; i < 65536; ++i) all16[i] = static_cast<int16_t>(static_cast<uint16_t>(i));
+  Tensor patterns = Tensor::from_vector<int32_t>(all16).to(DType::I16);
+  for (DType d : {DType::F16, DType::BF16}) {
+    std::vector<float> got = patterns.view_dtype(d).to_vector<float>();
+    for (int32_t i = 0; i < 65536; ++i) {
+      const auto bits = static_cast<uint16_t>(i);
+      float want;
+      if (d == DType::F16) {
+        want = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
+      } else {
+        want = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(bits));
+      }
+      ASSERT_EQ(Eigen::numext::bit_cast<uint32_t>(got[i]), Eigen::numext::bit_cast<uint32_t>(want))
+          << dtype_name(d) << " bits " << i;
+    }
+  }
+  std::vector<int32_t> floats;
+  for (uint64_t b = 0; b <= 0xffffffffULL; b += 65521) floats.push_back(static_cast<int32_t>(b));
+  for (uint32_t edge : {0x38800000u, 0x387fffffu, 0x477fefffu, 0x477ff000u, 0x47800000u,
+                        0x7f800000u, 0x7f800001u, 0xffc00000u, 0x33000000u, 0x33000001u,
+                        0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0x00000001u}) {
+    floats.push_back(static_cast<int32_t>(edge));
+    floats.push_back(static_cast<int32_t>(edge | 0x80000000u));
+  }
+  Tensor f = Tensor::from_vector<int32_t>(floats).view_dtype(DType::F32);
+  std::vector<float> fv = f.to_vector<float>();
+  std::vector<int16_t> h = f.to(DType::F16).view_dtype(DType::I16).to_vector<int16_t>();
+  std::vector<int16_t> b = f.to(DType::BF16).view_dtype(DType::I16).to_vector<int16_t>();
+  for (size_t i = 0; i < fv.size(); ++i) {
+    ASSERT_EQ(static_cast<uint16_t>(h[i]), Eigen::numext::bit_cast<uint16_t>(Eigen::half(fv[i])))
+        << "f16 from bits " << floats[i];
+    ASSERT_EQ(static_cast<uint16_t>(b[i]),
+              Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(fv[i])))
+        << "bf16 from bits " << floats[i];
+  }
+}
+
+TEST(ConvertBuffer, AllPairsOnExactValues) {
+  const std::vector<double> values = {0, 1, 2, 3, 100, 5};
+  for (DType from : kAllDTypes) {
+    for (DType to : kAllDTypes) {
+      SCOPED_TRACE(std::string(dtype_name(from)) + " -> " + std::string(dtype_name(to)));
+      Tensor src = Tensor::from_vector<double>(values).to(from);
+      Tensor dst = Tensor::zeros({6}, to);
+      convert_buffer(from, src.data_ptr(), to, dst.data_ptr(), 6);
+      std::vector<double> want = src.to_vector<double>();
+      if (to == DType::Bool) {
+        for (double& x : want) x = x != 0;
+      }
+      EXPECT_EQ(dst.to_vector<double>(), want);
+    }
+  }
+  Tensor f = Tensor::from_vector<float>({2.9f, -2.9f});
+  Tensor i = Tensor::zeros({2}, DType::I32);
+  convert_buffer(DType::F32, f.data_ptr(), DType::I32, i.data_ptr(), 2);
+  EXPECT_EQ(i.to_vector<int>(), (std::vector<int>{2, -2}));
+  EXPECT_NO_THROW(convert_buffer(DType::F32, nullptr, DType::I8, nullptr, 0));
+  EXPECT_THROW(convert_buffer(DType::F32, f.data_ptr(), DType::I8, i.data_ptr(), -1),
+               InvalidArgument);
+}
+
+// ---- tensor math ----------------------------------------------------------------------------
+
+TEST(Elementwise, ArithmeticOnFloatsAndIntegers) {
+  for (DType d : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64,
+                  DType::I16, DType::I8}) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    Tensor a = Tensor::from_vector<double>({6, -4, 9, 0}, {2, 2}).to(d);
+    Tensor b = Tensor::from_vector<double>({3, 2, -3, 5}, {2, 2}).to(d);
+    EXPECT_EQ(add(a, b).to_vector<double>(), (std::vector<double>{9, -2, 6, 5}));
+    EXPECT_EQ(sub(a, b).to_vector<double>(), (std::vector<double>{3, -6, 12, -5}));
+    EXPECT_EQ(mul(a, b).to_vector<double>(), (std::vector<double>{18, -8, -27, 0}));
+    EXPECT_EQ(div(a, b).to_vector<double>(), (std::vector<double>{2, -2, -3, 0}));
+    EXPECT_EQ(neg(a).to_vector<double>(), (std::vector<double>{-6, 4, -9, 0}));
+    EXPECT_EQ(relu(a).to_vector<double>(), (std::vector<double>{6, 0, 9, 0}));
+    EXPECT_EQ(mul_scalar(a, 2).to_vector<double>(), (std::vector<double>{12, -8, 18, 0}));
+    EXPECT_EQ(gt_zero_mask(a).to_vector<double>(), (std::vector<double>{1, 0, 1, 0}));
+    EXPECT_EQ(add(a, b).dtype(), d);
+    // Non-contiguous inputs.
+    EXPECT_EQ(add(a.transpose(0, 1), b).to_vector<double>(), (std::vector<double>{9, 11, -7, 5}));
+  }
+  EXPECT_EQ(
+      div(Tensor::from_vector<int>({7, -7}), Tensor::from_vector<int>({2, 2})).to_vector<int>(),
+      (std::vector<int>{3, -3}));
+  EXPECT_EQ(mul_scalar(Tensor::from_vector<float>({3}), 0.5).item<float>(), 1.5f);
+  EXPECT_EQ(mul_scalar(Tensor::from_vector<int>({3}), 0.5).item<int>(), 1);
+  EXPECT_EQ(mul_scalar(Tensor::from_vector<int64_t>({(1LL << 53) + 1}), 3).item<int64_t>(),
+            3 * ((1LL << 53) + 1));
+}
+
+TEST(Elementwise, IntegerEdgeCases) {
+  const int32_t kMin = std::numeric_limits<int32_t>::min();
+  EXPECT_EQ(
+      div(Tensor::from_vector<int32_t>({kMin}), Tensor::from_vector<int32_t>({-1})).item<int32_t>(),
+      kMin);
+  EXPECT_EQ(neg(Tensor::from_vector<int32_t>({kMin})).item<int32_t>(), kMin);
+  EXPECT_EQ(add(Tensor::from_vector<int8_t>({127}), Tensor::from_vector<int8_t>({1})).item<int>(),
+            -128);
+  EXPECT_EQ(mul(Tensor::from_vector<uint8_t>({16}), Tensor::from_vector<uint8_t>({17})).item<int>(),
+            16);
+  EXPECT_EQ(error_of<InvalidArgument>(
+                [] { div(Tensor::from_vector<int>({1}), Tensor::from_vector<int>({0})); }),
+            "div: integer division by zero");
+  EXPECT_TRUE(std::isinf(
+      div(Tensor::from_vector<float>({1}), Tensor::from_vector<float>({0})).item<float>()));
+  Tensor t = Tensor::from_vector<bool>({true, false, true});
+  Tensor f = Tensor::from_vector<bool>({false, false, true});
+  EXPECT_EQ(add(t, f).to_vector<bool>(), (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(mul(t, f).to_vector<bool>(), (std::vector<bool>{false, false, true}));
+  EXPECT_THROW(sub(t, f), InvalidArgument);
+  EXPECT_THROW(neg(t), InvalidArgument);
+  EXPECT_TRUE(std::isnan(relu(Tensor::full({1}, DType::F32, std::nan(""))).item<float>()));
+}
+
+TEST(Elementwise, Errors) {
+  Tensor a = Tensor::zeros({2, 3}, DType::F32);
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              add(a, Tensor::zeros({3, 2}, DType::F32));
+            }),
+            "add: shape mismatch [2,3] vs [3,2]");
+  EXPECT_EQ(error_of<InvalidArgument>([&] {
+              mul(a, Tensor::zeros({2, 3}, DType::F64));
+            }),
+            "mul: dtype mismatch f32 vs f64");
+  EXPECT_THROW(add(a, Tensor()), InvalidArgument);
+  EXPECT_EQ(add(Tensor::zeros({0, 3}, DType::F32), Tensor::zeros({0, 3}, DType::F32)).sizes(),
+            (Shape{0, 3}));
+}
+
+Tensor small_ints(const Shape& shape, uint64_t seed) {
+  std::vector<int> v;
+  for (int x : Tensor::rand(shape, DType::I32, seed).to_vector<int>()) v.push_back(x % 4);
+  return Tensor::from_vector<int>(v, shape);
+}
+
+Tensor hand_matmul(const Tensor& a, const Tensor& b) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  std::vector<double> av = a.to_vector<double>(), bv = b.to_vector<double>();
+  std::vector<double> out(static_cast<size_t>(m * n), 0.0);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t p = 0; p < k; ++p) out[i * n + j] += av[i * k + p] * bv[p * n + j];
+    }
+  }
+  return Tensor::from_vector<double>(out, {m, n});
+}
+
+TEST(Matmul, MatchesHandLoop) {
+  for (DType d : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64,
+                  DType::I16, DType::I8, DType::U8}) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    // Integer-valued inputs in [0, 4): every product sum is exact in each dtype.
+    Tensor a = small_ints({5, 7}, 1).to(d);
+    Tensor b = small_ints({7, 3}, 2).to(d);
+    Tensor want = hand_matmul(a, b);
+    Tensor got = matmul(a, b);
+    EXPECT_EQ(got.dtype(), d);
+    EXPECT_EQ(got.sizes(), (Shape{5, 3}));
+    EXPECT_EQ(got.to_vector<double>(), want.to_vector<double>());
+    // Transposed (non-contiguous) operands.
+    Tensor bt = b.transpose(0, 1).contiguous().transpose(0, 1);
+    EXPECT_FALSE(bt.is_contiguous());
+    EXPECT_EQ(matmul(a, bt).to_vector<double>(), want.to_vector<double>());
+  }
+}
+
+TEST(Matmul, HalfComputesInFloatAndIntegersWrap) {
+  // 1 x 4096 ones times 4096 x 1 ones: 4096 in f32, then exactly representable in f16.
+  Tensor a = Tensor::full({1, 4096}, DType::F16, 1);
+  Tensor b = Tensor::full({4096, 1}, DType::F16, 1);
+  EXPECT_EQ(matmul(a, b).item<float>(), 4096.f);
+  Tensor i = Tensor::full({1, 2}, DType::I8, 100);
+  EXPECT_EQ(matmul(i, Tensor::full({2, 1}, DType::I8, 2)).item<int>(),
+            static_cast<int8_t>(400 - 512));
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(matmul(Tensor::full({1, 1}, DType::I64, 1), Tensor::from_vector<int64_t>({big}, {1, 1}))
+                .item<int64_t>(),
+            big);
+}
+
+TEST(Matmul, Errors) {
+  Tensor a = Tensor::zeros({2, 3}, DType::F32);
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              matmul(a, Tensor::zeros({4, 5}, DType::F32));
+            }),
+            "matmul: shapes [2,3] and [4,5] cannot be multiplied (3 != 4)");
+  EXPECT_EQ(error_of<ShapeError>([&] { matmul(a, Tensor::zeros({3}, DType::F32)); }),
+            "matmul: expected 2-D tensors, got [2,3] and [3]");
+  EXPECT_THROW(matmul(a, Tensor::zeros({3, 2}, DType::F64)), InvalidArgument);
+  EXPECT_THROW(matmul(Tensor::zeros({1, 1}, DType::Bool), Tensor::zeros({1, 1}, DType::Bool)),
+               InvalidArgument);
+  EXPECT_EQ(matmul(Tensor::zeros({2, 0}, DType::F32), Tensor::zeros({0, 3}, DType::F32))
+                .to_vector<float>(),
+            std::vector<float>(6, 0.f));
+  EXPECT_EQ(matmul(Tensor::zeros({0, 2}, DType::F32), a).sizes(), (Shape{0, 3}));
+}
+
+TEST(Reductions, SumAndMeanOverDims) {
+  Tensor t = Tensor::arange(24, DType::F32).view({2, 3, 4});
+  EXPECT_EQ(sum(t, {}, false).dim(), 0);
+  EXPECT_EQ(sum(t, {}, false).item<float>(), 276.f);
+  EXPECT_EQ(sum(t, {}, true).sizes(), (Shape{1, 1, 1}));
+  Tensor s1 = sum(t, {1}, false);
+  EXPECT_EQ(s1.sizes(), (Shape{2, 4}));
+  EXPECT_EQ(s1.to_vector<float>(), (std::vector<float>{12, 15, 18, 21, 48, 51, 54, 57}));
+  EXPECT_EQ(sum(t, {1}, true).sizes(), (Shape{2, 1, 4}));
+  Tensor s02 = sum(t, {0, -1}, false);
+  EXPECT_EQ(s02.to_vector<float>(), (std::vector<float>{60, 92, 124}));
+  EXPECT_EQ(mean(t, {0, 2}, true).sizes(), (Shape{1, 3, 1}));
+  EXPECT_EQ(mean(t, {0, 2}, true).to_vector<float>(), (std::vector<float>{7.5f, 11.5f, 15.5f}));
+  EXPECT_EQ(sum(t.transpose(0, 2), {0}, false).to_vector<float>(),
+            sum(t, {2}, false).transpose(0, 1).contiguous().to_vector<float>());
+  EXPECT_EQ(sum(Tensor::arange(5, DType::I32), {0}, false).item<int>(), 10);
+  EXPECT_EQ(sum(Tensor::full({300}, DType::I8, 1), {}, false).item<int>(),
+            static_cast<int8_t>(300 - 256));
+  EXPECT_EQ(sum(Tensor::from_vector<bool>({false, true}), {}, false).item<bool>(), true);
+  EXPECT_TRUE(std::isnan(mean(Tensor::zeros({0}, DType::F32), {}, false).item<float>()));
+  EXPECT_EQ(sum(Tensor::zeros({0, 3}, DType::F32), {0}, false).to_vector<float>(),
+            std::vector<float>(3, 0.f));
+  EXPECT_EQ(sum(Tensor::full({}, DType::F32, 4), {0}, false).item<float>(), 4.f);
+}
+
+TEST(Reductions, HalfSumAccumulatesInFloat) {
+  EXPECT_EQ(sum(Tensor::full({4096}, DType::F16, 1), {}, false).item<float>(), 4096.f);
+  EXPECT_EQ(sum(Tensor::full({1024}, DType::BF16, 1), {}, false).item<float>(), 1024.f);
+  EXPECT_EQ(mean(Tensor::full({4096}, DType::F16, 1), {}, false).item<float>(), 1.f);
+}
+
+TEST(Reductions, Errors) {
+  Tensor t = Tensor::zeros({2, 3}, DType::F32);
+  EXPECT_EQ(error_of<InvalidArgument>([&] {
+              sum(t, {1, -1}, false);
+            }),
+            "sum: dim 1 appears more than once in [1,-1]");
+  EXPECT_EQ(error_of<ShapeError>([&] { sum(t, {2}, false); }),
+            "sum: dim 2 is out of range for a tensor of rank 2");
+  EXPECT_EQ(error_of<InvalidArgument>([] { mean(Tensor::zeros({2}, DType::I32), {}, false); }),
+            "mean: expected a floating dtype, got i32");
+}
+
+TEST(Loss, MseLoss) {
+  Tensor a = Tensor::from_vector<float>({1, 2, 3, 4}, {2, 2});
+  Tensor b = Tensor::from_vector<float>({1, 0, 1, 4}, {2, 2});
+  Tensor l = mse_loss(a, b);
+  EXPECT_EQ(l.dim(), 0);
+  EXPECT_EQ(l.dtype(), DType::F32);
+  EXPECT_EQ(l.item<float>(), 2.f);
+  EXPECT_EQ(mse_loss(a.to(DType::BF16), b.to(DType::BF16)).item<float>(), 2.f);
+  EXPECT_EQ(mse_loss(a.transpose(0, 1), b.transpose(0, 1)).item<float>(), 2.f);
+  EXPECT_THROW(mse_loss(a, b.view({4})), ShapeError);
+  EXPECT_THROW(mse_loss(a.to(DType::I32), b.to(DType::I32)), InvalidArgument);
+}
+
+TEST(Broadcast, ExpandTo) {
+  Tensor row = Tensor::from_vector<float>({1, 2, 3});
+  Tensor e = expand_to(row, {2, 3});
+  EXPECT_EQ(e.to_vector<float>(), (std::vector<float>{1, 2, 3, 1, 2, 3}));
+  EXPECT_TRUE(e.is_contiguous());
+  Tensor col = Tensor::from_vector<float>({1, 2}, {2, 1});
+  EXPECT_EQ(expand_to(col, {2, 3}).to_vector<float>(), (std::vector<float>{1, 1, 1, 2, 2, 2}));
+  EXPECT_EQ(expand_to(Tensor::full({}, DType::F32, 5), {2}).to_vector<float>(),
+            (std::vector<float>{5, 5}));
+  Tensor same = expand_to(row, {3});
+  EXPECT_FALSE(same.shares_storage(row));
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              expand_to(row, {4, 2});
+            }),
+            "expand_to: cannot broadcast [3] to [4,2]");
+  EXPECT_THROW(expand_to(Tensor::zeros({2, 3}, DType::F32), {3}), ShapeError);
+}
+
+}  // namespace
+}  // namespace funcol

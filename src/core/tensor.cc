@@ -1,0 +1,1002 @@
+// Tensor and Storage: layout, views, copies, factories and pending-storage waiting.
+#include "funcol/core/tensor.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <numeric>
+#include <optional>
+
+#include "elem.h"
+#include "strided.h"
+
+namespace funcol {
+
+using detail::BoolByte;
+using detail::cvt;
+using detail::dispatch;
+using detail::for_each_row;
+using detail::load_elem;
+using detail::store_elem;
+
+// ---------------------------------------------------------------------------------------------
+// Shape helpers
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= std::max<int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_str(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string type_str(DType dtype, const Shape& shape) {
+  return std::string(dtype_name(dtype)) + shape_str(shape);
+}
+
+namespace {
+
+constexpr size_t kAlignment = 64;  // a cache line; also enough for every SIMD width in use
+
+std::string list_str(const std::vector<int64_t>& v) { return shape_str(v); }
+
+// Validates a shape given to a factory: no negative dims, byte size representable.
+void check_shape(const Shape& shape, DType dtype, const char* what) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) {
+      throw ShapeError(fmt::format("{}: negative size {} in shape {}", what, d, shape_str(shape)));
+    }
+    if (__builtin_mul_overflow(n, d, &n)) {
+      throw InvalidArgument(fmt::format("{}: shape {} is too large", what, shape_str(shape)));
+    }
+  }
+  int64_t bytes;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(itemsize(dtype)), &bytes)) {
+    throw InvalidArgument(fmt::format("{}: shape {} is too large", what, shape_str(shape)));
+  }
+}
+
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* what) {
+  if (dim < -ndim || dim >= ndim) {
+    throw ShapeError(
+        fmt::format("{}: dim {} is out of range for a tensor of rank {}", what, dim, ndim));
+  }
+  return dim < 0 ? dim + ndim : dim;
+}
+
+void check_defined(const Tensor& t, const char* what) {
+  if (!t.defined()) throw InvalidArgument(fmt::format("{} on an undefined tensor", what));
+}
+
+void check_not_meta(const Tensor& t, const char* what) {
+  check_defined(t, what);
+  if (t.is_meta()) {
+    throw InvalidArgument(fmt::format("{} on a meta tensor {} (it has no data)", what,
+                                      type_str(t.dtype(), t.sizes())));
+  }
+}
+
+// Resolves one -1 in a requested shape against numel.
+Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
+  Shape out = shape;
+  int64_t known = 1;
+  std::optional<size_t> infer;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      if (infer) {
+        throw ShapeError(
+            fmt::format("{}: only one dimension can be -1, got shape {}", what, shape_str(shape)));
+      }
+      infer = i;
+    } else if (shape[i] < 0) {
+      throw ShapeError(
+          fmt::format("{}: invalid size {} in shape {}", what, shape[i], shape_str(shape)));
+    } else {
+      known *= shape[i];
+    }
+  }
+  if (infer) {
+    if (known == 0) {
+      throw ShapeError(fmt::format(
+          "{}: cannot infer the -1 in shape {} for a tensor of {} elements (any size fits)", what,
+          shape_str(shape), numel));
+    }
+    if (numel % known != 0) {
+      throw ShapeError(fmt::format("{}: shape {} is invalid for a tensor of {} elements", what,
+                                   shape_str(shape), numel));
+    }
+    out[*infer] = numel / known;
+  } else if (known != numel) {
+    throw ShapeError(fmt::format("{}: shape {} is invalid for a tensor of {} elements", what,
+                                 shape_str(shape), numel));
+  }
+  return out;
+}
+
+// Strides that view (old_sizes, old_strides) as new_sizes without copying, if they exist.
+// Walks both shapes from the innermost dim, matching runs of old dims that are contiguous with
+// each other ("chunks") against runs of new dims with the same element count.
+std::optional<Shape> view_strides(const Shape& old_sizes, const Shape& old_strides,
+                                  const Shape& new_sizes) {
+  Shape new_strides(new_sizes.size(), 0);
+  if (old_sizes.empty()) {
+    return contiguous_strides(new_sizes);
+  }
+  if (shape_numel(old_sizes) == 0) return contiguous_strides(new_sizes);
+  int64_t view_d = static_cast<int64_t>(new_sizes.size()) - 1;
+  int64_t chunk_base_stride = old_strides.back();
+  int64_t tensor_numel = 1;
+  int64_t view_numel = 1;
+  for (int64_t tensor_d = static_cast<int64_t>(old_sizes.size()) - 1; tensor_d >= 0; --tensor_d) {
+    tensor_numel *= old_sizes[tensor_d];
+    bool chunk_ends =
+        tensor_d == 0 || (old_sizes[tensor_d - 1] != 1 &&
+                          old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride);
+    if (!chunk_ends) continue;
+    while (view_d >= 0 && (view_numel < tensor_numel || new_sizes[view_d] == 1)) {
+      new_strides[view_d] = view_numel * chunk_base_stride;
+      view_numel *= new_sizes[view_d];
+      --view_d;
+    }
+    if (view_numel != tensor_numel) return std::nullopt;
+    if (tensor_d > 0) {
+      chunk_base_stride = old_strides[tensor_d - 1];
+      tensor_numel = 1;
+      view_numel = 1;
+    }
+  }
+  if (view_d != -1) return std::nullopt;
+  return new_strides;
+}
+
+// Copies (and converts) the elements of one strided layout into another of the same sizes.
+using RowFn = void (*)(const char* src, int64_t src_stride, char* dst, int64_t dst_stride,
+                       int64_t n);
+
+template <typename S, typename D>
+void copy_row(const char* src, int64_t ss, char* dst, int64_t ds, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    if (ss == 1 && ds == 1) {
+      std::memmove(dst, src, static_cast<size_t>(n) * sizeof(S));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    store_elem<D>(dst + i * ds * static_cast<int64_t>(sizeof(D)),
+                  cvt<D>(load_elem<S>(src + i * ss * static_cast<int64_t>(sizeof(S)))));
+  }
+}
+
+RowFn row_fn(DType src, DType dst) {
+  return dispatch(src, [&](auto s) {
+    using S = typename decltype(s)::type;
+    return dispatch(dst, [&](auto d) -> RowFn {
+      using D = typename decltype(d)::type;
+      return &copy_row<S, D>;
+    });
+  });
+}
+
+// Element copy between two layouts with equal sizes. Pointers are at the first elements;
+// neither side is waited here.
+void copy_elements(const void* src, DType src_dtype, const Shape& src_strides, void* dst,
+                   DType dst_dtype, const Shape& dst_strides, const Shape& sizes) {
+  RowFn fn = row_fn(src_dtype, dst_dtype);
+  const auto* s = static_cast<const char*>(src);
+  auto* d = static_cast<char*>(dst);
+  const auto sis = static_cast<int64_t>(itemsize(src_dtype));
+  const auto dis = static_cast<int64_t>(itemsize(dst_dtype));
+  for_each_row<2>(
+      sizes, {&src_strides, &dst_strides},
+      [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& inner) {
+        fn(s + off[0] * sis, inner[0], d + off[1] * dis, inner[1], n);
+      });
+}
+
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// Significand bits of a floating storage type: rand draws that many bits so that 2u - 1 is
+// exactly representable and never rounds up to 1.
+template <typename T>
+constexpr int rand_bits() {
+  if constexpr (std::is_same_v<T, Eigen::half>) return 11;
+  if constexpr (std::is_same_v<T, Eigen::bfloat16>) return 8;
+  if constexpr (std::is_same_v<T, float>) return 24;
+  return 53;
+}
+
+template <typename T>
+std::string format_elem(T v) {
+  if constexpr (std::is_same_v<T, BoolByte>) {
+    return v.v != 0 ? "true" : "false";
+  } else if constexpr (detail::kIsLowFloat<T>) {
+    return fmt::format("{}", static_cast<float>(v));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return fmt::format("{}", v);
+  } else {
+    return std::to_string(static_cast<int64_t>(v));
+  }
+}
+
+// Maps a public element type to its dtype; long long is I64 where it is not int64_t.
+template <typename T>
+constexpr DType dtype_for() {
+  if constexpr (std::is_same_v<T, long long> && !std::is_same_v<long long, int64_t>) {
+    return DType::I64;
+  } else {
+    return dtype_of<T>;
+  }
+}
+
+template <typename T>
+using StorageOf = std::conditional_t<std::is_same_v<T, bool>, BoolByte, T>;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Storage
+
+Storage::Storage(size_t nbytes) : nbytes_(nbytes) {
+  size_t alloc = (std::max<size_t>(nbytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
+  data_ = ::operator new (alloc, std::align_val_t{kAlignment});
+}
+
+Storage::~Storage() { ::operator delete (data_, std::align_val_t{kAlignment}); }
+
+void Storage::add_pending(std::shared_ptr<Waitable> work) {
+  FUNCOL_CHECK(work != nullptr, "add_pending: null work");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& w : pending_) {
+    if (w == work) return;
+  }
+  pending_.push_back(std::move(work));
+  has_pending_.store(true, std::memory_order_release);
+}
+
+bool Storage::is_ready() const {
+  if (!has_pending_.load(std::memory_order_acquire)) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& w : pending_) {
+    if (!w->is_completed()) return false;
+  }
+  return true;
+}
+
+void Storage::wait() {
+  if (!has_pending_.load(std::memory_order_acquire)) return;
+  std::exception_ptr first_failure;
+  while (true) {
+    // Snapshot under the lock, wait without it (other threads may wait on the same works, and
+    // a work's completion may attach or query this storage), then detach what was waited.
+    std::vector<std::shared_ptr<Waitable>> snapshot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pending_.empty()) {
+        has_pending_.store(false, std::memory_order_release);
+        break;
+      }
+      snapshot = pending_;
+    }
+    for (const auto& w : snapshot) {
+      try {
+        w->wait();
+      } catch (...) {
+        if (!first_failure) first_failure = std::current_exception();
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(pending_, [&](const std::shared_ptr<Waitable>& w) {
+      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end();
+    });
+    if (pending_.empty()) {
+      has_pending_.store(false, std::memory_order_release);
+      break;
+    }
+  }
+  if (first_failure) std::rethrow_exception(first_failure);
+}
+
+size_t Storage::pending_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_.size();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Factories
+
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
+  check_shape(shape, dtype, "empty");
+  auto storage =
+      std::make_shared<Storage>(static_cast<size_t>(shape_numel(shape)) * funcol::itemsize(dtype));
+  return from_storage(std::move(storage), shape, dtype);
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype) {
+  check_shape(shape, dtype, "zeros");
+  Tensor t = empty(shape, dtype);
+  std::memset(t.raw_data_ptr(), 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
+  check_shape(shape, dtype, "full");
+  Tensor t = empty(shape, dtype);
+  t.fill_(value);
+  return t;
+}
+
+Tensor Tensor::arange(int64_t n, DType dtype) {
+  if (n < 0) throw InvalidArgument(fmt::format("arange: n must be non-negative, got {}", n));
+  Tensor t = empty({n}, dtype);
+  dispatch(dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    auto* p = static_cast<S*>(t.raw_data_ptr());
+    for (int64_t i = 0; i < n; ++i) p[i] = cvt<S>(i);
+  });
+  return t;
+}
+
+Tensor Tensor::rand(const Shape& shape, DType dtype, uint64_t seed) {
+  check_shape(shape, dtype, "rand");
+  Tensor t = empty(shape, dtype);
+  const int64_t n = t.numel();
+  uint64_t state = seed;
+  dispatch(dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    auto* p = static_cast<S*>(t.raw_data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      uint64_t x = splitmix64(state);
+      if constexpr (std::is_same_v<S, BoolByte>) {
+        p[i] = BoolByte{static_cast<uint8_t>(x >> 63)};
+      } else if constexpr (std::is_integral_v<S>) {
+        p[i] = static_cast<S>(x % 100);
+      } else {
+        constexpr int kBits = rand_bits<S>();
+        double u = static_cast<double>(x >> (64 - kBits)) / static_cast<double>(1ULL << kBits);
+        p[i] = cvt<S>(2.0 * u - 1.0);
+      }
+    }
+  });
+  return t;
+}
+
+template <typename T>
+Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
+  const DType dtype = dtype_for<T>();
+  Shape s = shape.empty() ? Shape{static_cast<int64_t>(values.size())} : shape;
+  check_shape(s, dtype, "from_vector");
+  if (shape_numel(s) != static_cast<int64_t>(values.size())) {
+    throw ShapeError(fmt::format("from_vector: {} values do not fit shape {} ({} elements)",
+                                 values.size(), shape_str(s), shape_numel(s)));
+  }
+  Tensor t = empty(s, dtype);
+  using S = StorageOf<T>;
+  using Src = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
+  auto* p = static_cast<S*>(t.raw_data_ptr());
+  for (size_t i = 0; i < values.size(); ++i) p[i] = cvt<S>(static_cast<Src>(values[i]));
+  return t;
+}
+
+Tensor Tensor::meta(const Shape& shape, DType dtype) {
+  check_shape(shape, dtype, "meta");
+  Tensor t;
+  t.sizes_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.dtype_ = dtype;
+  t.defined_ = true;
+  return t;
+}
+
+Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype,
+                            int64_t offset) {
+  if (!storage) throw InvalidArgument("from_storage: null storage");
+  check_shape(shape, dtype, "from_storage");
+  if (offset < 0) {
+    throw InvalidArgument(fmt::format("from_storage: negative offset {}", offset));
+  }
+  const auto needed = static_cast<uint64_t>(offset + shape_numel(shape)) * funcol::itemsize(dtype);
+  if (shape_numel(shape) > 0 && needed > storage->nbytes()) {
+    throw ShapeError(
+        fmt::format("from_storage: {} at offset {} needs {} bytes but the storage "
+                    "has {}",
+                    type_str(dtype, shape), offset, needed, storage->nbytes()));
+  }
+  Tensor t;
+  t.storage_ = std::move(storage);
+  t.sizes_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.offset_ = offset;
+  t.dtype_ = dtype;
+  t.defined_ = true;
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metadata
+
+int64_t Tensor::size(int64_t dim) const { return sizes_[wrap_dim(dim, this->dim(), "size")]; }
+
+int64_t Tensor::stride(int64_t dim) const { return strides_[wrap_dim(dim, this->dim(), "stride")]; }
+
+int64_t Tensor::numel() const { return defined_ ? shape_numel(sizes_) : 0; }
+
+bool Tensor::is_contiguous() const {
+  int64_t expected = 1;
+  for (size_t i = sizes_.size(); i-- > 0;) {
+    if (sizes_[i] == 0) return true;
+    if (sizes_[i] == 1) continue;
+    if (strides_[i] != expected) return false;
+    expected *= sizes_[i];
+  }
+  return true;
+}
+
+bool Tensor::is_ready() const { return !storage_ || storage_->is_ready(); }
+
+// ---------------------------------------------------------------------------------------------
+// Data access
+
+void* Tensor::data_ptr() const {
+  check_not_meta(*this, "data_ptr");
+  storage_->wait();
+  return raw_data_ptr();
+}
+
+void* Tensor::raw_data_ptr() const {
+  check_not_meta(*this, "raw_data_ptr");
+  return static_cast<char*>(storage_->raw()) + offset_ * static_cast<int64_t>(itemsize());
+}
+
+template <typename T>
+T* Tensor::data() const {
+  constexpr DType want = dtype_for<T>();
+  if (defined_ && want != dtype_) {
+    throw InvalidArgument(fmt::format("data: requested {} but the tensor is {}", dtype_name(want),
+                                      dtype_name(dtype_)));
+  }
+  return static_cast<T*>(data_ptr());
+}
+
+const Tensor& Tensor::wait() const {
+  if (storage_) storage_->wait();
+  return *this;
+}
+
+template <typename T>
+std::vector<T> Tensor::to_vector() const {
+  check_not_meta(*this, "to_vector");
+  storage_->wait();
+  std::vector<T> out(static_cast<size_t>(numel()));
+  const char* base = static_cast<const char*>(raw_data_ptr());
+  size_t k = 0;
+  using Dst = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
+  dispatch(dtype_, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    for_each_row<1>(
+        sizes_, {&strides_},
+        [&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& inner) {
+          const char* p = base + off[0] * static_cast<int64_t>(sizeof(S));
+          const int64_t step = inner[0] * static_cast<int64_t>(sizeof(S));
+          for (int64_t i = 0; i < n; ++i) {
+            out[k++] = static_cast<T>(cvt<Dst>(load_elem<S>(p + i * step)));
+          }
+        });
+  });
+  return out;
+}
+
+template <typename T>
+T Tensor::item() const {
+  check_not_meta(*this, "item");
+  if (numel() != 1) {
+    throw ShapeError(
+        fmt::format("item: expected a tensor with exactly one element, got {} ({} "
+                    "elements)",
+                    type_str(dtype_, sizes_), numel()));
+  }
+  storage_->wait();
+  const void* p = raw_data_ptr();
+  using Dst = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
+  return dispatch(dtype_, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    return static_cast<T>(cvt<Dst>(load_elem<S>(p)));
+  });
+}
+
+std::string Tensor::to_string() const {
+  if (!defined_) return "tensor(undefined)";
+  const std::string type = type_str(dtype_, sizes_);
+  if (is_meta()) return "tensor(" + type + ", meta)";
+  storage_->wait();
+  // Like PyTorch's print options: beyond 1000 elements show 3 items at each end of every dim.
+  constexpr int64_t kThreshold = 1000;
+  constexpr int64_t kEdge = 3;
+  const bool summarize = numel() > kThreshold;
+  const char* base = static_cast<const char*>(raw_data_ptr());
+  std::string out = "tensor(" + type + ", ";
+  dispatch(dtype_, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    auto rec = [&](auto& self, size_t d, int64_t off) -> void {
+      if (d == sizes_.size()) {
+        out += format_elem(load_elem<S>(base + off * static_cast<int64_t>(sizeof(S))));
+        return;
+      }
+      out += "[";
+      const int64_t n = sizes_[d];
+      for (int64_t i = 0; i < n; ++i) {
+        if (i > 0) out += ", ";
+        if (summarize && n > 2 * kEdge && i == kEdge) {
+          out += "..., ";
+          i = n - kEdge;
+        }
+        self(self, d + 1, off + i * strides_[d]);
+      }
+      out += "]";
+    };
+    rec(rec, 0, 0);
+  });
+  return out + ")";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Views
+
+Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
+  Tensor t;
+  t.storage_ = storage_;
+  t.sizes_ = std::move(sizes);
+  t.strides_ = std::move(strides);
+  t.offset_ = offset;
+  t.dtype_ = dtype_;
+  t.defined_ = defined_;
+  return t;
+}
+
+Tensor Tensor::view(const Shape& shape) const {
+  check_defined(*this, "view");
+  Shape s = infer_shape(shape, numel(), "view");
+  auto strides = view_strides(sizes_, strides_, s);
+  if (!strides) {
+    throw InvalidArgument(
+        fmt::format("view: cannot view {} with strides {} as shape {} without a copy (use reshape)",
+                    type_str(dtype_, sizes_), shape_str(strides_), shape_str(shape)));
+  }
+  return with_layout(std::move(s), std::move(*strides), offset_);
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  check_defined(*this, "reshape");
+  Shape s = infer_shape(shape, numel(), "reshape");
+  if (auto strides = view_strides(sizes_, strides_, s)) {
+    return with_layout(std::move(s), std::move(*strides), offset_);
+  }
+  return contiguous().view(s);
+}
+
+Tensor Tensor::flatten() const {
+  check_defined(*this, "flatten");
+  return reshape({numel()});
+}
+
+Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
+  check_defined(*this, "narrow");
+  const int64_t d = wrap_dim(dim, this->dim(), "narrow");
+  const int64_t size = sizes_[d];
+  if (length < 0) {
+    throw ShapeError(fmt::format("narrow: length ({}) must be non-negative", length));
+  }
+  if (start < -size || start > size) {
+    throw ShapeError(
+        fmt::format("narrow: start ({}) is out of range for size {} of dim {}", start, size, d));
+  }
+  if (start < 0) start += size;
+  if (start + length > size) {
+    throw ShapeError(fmt::format("narrow: start ({}) + length ({}) exceeds size {} of dim {}",
+                                 start, length, size, d));
+  }
+  Shape sizes = sizes_;
+  sizes[d] = length;
+  return with_layout(std::move(sizes), strides_, offset_ + start * strides_[d]);
+}
+
+std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
+  check_defined(*this, "split");
+  const int64_t d = wrap_dim(dim, this->dim(), "split");
+  const int64_t size = sizes_[d];
+  if (split_size < 0 || (split_size == 0 && size > 0)) {
+    throw InvalidArgument(fmt::format(
+        "split: split_size must be positive for dim {} of size {}, got {}", d, size, split_size));
+  }
+  std::vector<Tensor> out;
+  if (size == 0) {
+    out.push_back(narrow(d, 0, 0));
+    return out;
+  }
+  for (int64_t start = 0; start < size; start += split_size) {
+    out.push_back(narrow(d, start, std::min(split_size, size - start)));
+  }
+  return out;
+}
+
+std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, int64_t dim) const {
+  check_defined(*this, "split_with_sizes");
+  const int64_t d = wrap_dim(dim, this->dim(), "split_with_sizes");
+  int64_t total = 0;
+  for (int64_t s : sizes) {
+    if (s < 0) {
+      throw ShapeError(fmt::format("split_with_sizes: negative size {} in {}", s, list_str(sizes)));
+    }
+    total += s;
+  }
+  if (total != sizes_[d]) {
+    throw ShapeError(fmt::format("split_with_sizes: sizes {} sum to {} but dim {} has size {}",
+                                 list_str(sizes), total, d, sizes_[d]));
+  }
+  std::vector<Tensor> out;
+  int64_t start = 0;
+  for (int64_t s : sizes) {
+    out.push_back(narrow(d, start, s));
+    start += s;
+  }
+  return out;
+}
+
+std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
+  check_defined(*this, "chunk");
+  if (chunks <= 0) {
+    throw InvalidArgument(fmt::format("chunk: chunks must be positive, got {}", chunks));
+  }
+  const int64_t d = wrap_dim(dim, this->dim(), "chunk");
+  const int64_t size = sizes_[d];
+  if (size == 0) {
+    // torch.chunk: an empty dim still gives `chunks` (empty) pieces.
+    return split_with_sizes(std::vector<int64_t>(static_cast<size_t>(chunks), 0), d);
+  }
+  return split((size + chunks - 1) / chunks, d);
+}
+
+Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
+  check_defined(*this, "transpose");
+  const int64_t a = wrap_dim(dim0, dim(), "transpose");
+  const int64_t b = wrap_dim(dim1, dim(), "transpose");
+  Shape sizes = sizes_;
+  Shape strides = strides_;
+  std::swap(sizes[a], sizes[b]);
+  std::swap(strides[a], strides[b]);
+  return with_layout(std::move(sizes), std::move(strides), offset_);
+}
+
+Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
+  check_defined(*this, "permute");
+  if (static_cast<int64_t>(dims.size()) != dim()) {
+    throw ShapeError(fmt::format("permute: dims {} has {} entries but the tensor has rank {}",
+                                 list_str(dims), dims.size(), dim()));
+  }
+  Shape sizes(dims.size());
+  Shape strides(dims.size());
+  std::vector<bool> seen(dims.size(), false);
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t d = wrap_dim(dims[i], dim(), "permute");
+    if (seen[d]) {
+      throw InvalidArgument(fmt::format("permute: dims {} repeat dim {}", list_str(dims), d));
+    }
+    seen[d] = true;
+    sizes[i] = sizes_[d];
+    strides[i] = strides_[d];
+  }
+  return with_layout(std::move(sizes), std::move(strides), offset_);
+}
+
+Tensor Tensor::expand(const Shape& shape) const {
+  check_defined(*this, "expand");
+  if (shape.size() < sizes_.size()) {
+    throw ShapeError(fmt::format("expand: cannot expand {} to {} (fewer dims)", shape_str(sizes_),
+                                 shape_str(shape)));
+  }
+  const size_t lead = shape.size() - sizes_.size();
+  Shape sizes(shape.size());
+  Shape strides(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i < lead) {
+      if (shape[i] < 0) {
+        throw ShapeError(
+            fmt::format("expand: cannot expand {} to {}", shape_str(sizes_), shape_str(shape)));
+      }
+      sizes[i] = shape[i];
+      strides[i] = 0;
+      continue;
+    }
+    const int64_t own = sizes_[i - lead];
+    const int64_t want = shape[i] == -1 ? own : shape[i];
+    if (want == own) {
+      sizes[i] = own;
+      strides[i] = strides_[i - lead];
+    } else if (own == 1 && want >= 0) {
+      sizes[i] = want;
+      strides[i] = 0;
+    } else {
+      throw ShapeError(fmt::format("expand: cannot expand {} to {} (dim {}: {} vs {})",
+                                   shape_str(sizes_), shape_str(shape), i, own, shape[i]));
+    }
+  }
+  return with_layout(std::move(sizes), std::move(strides), offset_);
+}
+
+Tensor Tensor::view_dtype(DType dtype) const {
+  check_defined(*this, "view_dtype");
+  const auto old_size = static_cast<int64_t>(itemsize());
+  const auto new_size = static_cast<int64_t>(funcol::itemsize(dtype));
+  if (old_size == new_size) {
+    Tensor t = with_layout(sizes_, strides_, offset_);
+    t.dtype_ = dtype;
+    return t;
+  }
+  const std::string what =
+      fmt::format("view_dtype: cannot view {} as {}", type_str(dtype_, sizes_), dtype_name(dtype));
+  if (dim() == 0) throw InvalidArgument(what + ": a 0-d tensor has no last dim to rescale");
+  if (strides_.back() != 1 && sizes_.back() != 1) {
+    throw InvalidArgument(
+        what + fmt::format(": the last dim must have stride 1, it has {}", strides_.back()));
+  }
+  Shape sizes = sizes_;
+  Shape strides = strides_;
+  int64_t offset;
+  if (new_size < old_size) {
+    const int64_t ratio = old_size / new_size;
+    sizes.back() *= ratio;
+    for (size_t i = 0; i + 1 < strides.size(); ++i) strides[i] *= ratio;
+    strides.back() = 1;
+    offset = offset_ * ratio;
+  } else {
+    const int64_t ratio = new_size / old_size;
+    if (sizes.back() % ratio != 0) {
+      throw InvalidArgument(
+          what + fmt::format(": the last dim ({}) is not a multiple of {}", sizes.back(), ratio));
+    }
+    if (offset_ % ratio != 0) {
+      throw InvalidArgument(
+          what + fmt::format(": the storage offset ({}) is not a multiple of {}", offset_, ratio));
+    }
+    for (size_t i = 0; i + 1 < strides.size(); ++i) {
+      if (strides[i] % ratio != 0 && sizes[i] != 1) {
+        throw InvalidArgument(what + fmt::format(": stride {} of dim {} is not a multiple of {}",
+                                                 strides[i], i, ratio));
+      }
+      strides[i] /= ratio;
+    }
+    sizes.back() /= ratio;
+    strides.back() = 1;
+    offset = offset_ / ratio;
+  }
+  Tensor t = with_layout(std::move(sizes), std::move(strides), offset);
+  t.dtype_ = dtype;
+  return t;
+}
+
+Tensor Tensor::unsqueeze(int64_t dim) const {
+  check_defined(*this, "unsqueeze");
+  const int64_t d = wrap_dim(dim, this->dim() + 1, "unsqueeze");
+  Shape sizes = sizes_;
+  Shape strides = strides_;
+  const int64_t stride = d < this->dim() ? sizes_[d] * strides_[d] : 1;
+  sizes.insert(sizes.begin() + d, 1);
+  strides.insert(strides.begin() + d, stride);
+  return with_layout(std::move(sizes), std::move(strides), offset_);
+}
+
+Tensor Tensor::squeeze(int64_t dim) const {
+  check_defined(*this, "squeeze");
+  const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
+  if (sizes_[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
+  Shape sizes = sizes_;
+  Shape strides = strides_;
+  sizes.erase(sizes.begin() + d);
+  strides.erase(strides.begin() + d);
+  return with_layout(std::move(sizes), std::move(strides), offset_);
+}
+
+Tensor Tensor::select(int64_t dim, int64_t index) const {
+  check_defined(*this, "select");
+  const int64_t d = wrap_dim(dim, this->dim(), "select");
+  const int64_t size = sizes_[d];
+  if (index < -size || index >= size) {
+    throw ShapeError(
+        fmt::format("select: index {} is out of range for size {} of dim {}", index, size, d));
+  }
+  if (index < 0) index += size;
+  Shape sizes = sizes_;
+  Shape strides = strides_;
+  const int64_t offset = offset_ + index * strides_[d];
+  sizes.erase(sizes.begin() + d);
+  strides.erase(strides.begin() + d);
+  return with_layout(std::move(sizes), std::move(strides), offset);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copies
+
+Tensor Tensor::contiguous() const {
+  check_defined(*this, "contiguous");
+  if (is_contiguous()) return *this;
+  return clone();
+}
+
+Tensor Tensor::clone() const { return to(dtype_); }
+
+Tensor Tensor::to(DType dtype) const {
+  check_defined(*this, "to");
+  if (is_meta()) return meta(sizes_, dtype);
+  Tensor out = empty(sizes_, dtype);
+  storage_->wait();
+  copy_elements(raw_data_ptr(), dtype_, strides_, out.raw_data_ptr(), dtype, out.strides_, sizes_);
+  return out;
+}
+
+const Tensor& Tensor::copy_(const Tensor& src) const {
+  check_not_meta(*this, "copy_");
+  check_not_meta(src, "copy_");
+  if (src.sizes_ != sizes_) {
+    throw ShapeError(fmt::format("copy_: source shape {} does not match destination shape {}",
+                                 shape_str(src.sizes_), shape_str(sizes_)));
+  }
+  src.storage_->wait();
+  storage_->wait();
+  if (shares_storage(src)) {
+    // Overlapping source and destination: go through a temporary.
+    Tensor tmp = src.clone();
+    copy_elements(tmp.raw_data_ptr(), tmp.dtype_, tmp.strides_, raw_data_ptr(), dtype_, strides_,
+                  sizes_);
+  } else {
+    copy_elements(src.raw_data_ptr(), src.dtype_, src.strides_, raw_data_ptr(), dtype_, strides_,
+                  sizes_);
+  }
+  return *this;
+}
+
+const Tensor& Tensor::fill_(double value) const {
+  check_not_meta(*this, "fill_");
+  storage_->wait();
+  char* base = static_cast<char*>(raw_data_ptr());
+  dispatch(dtype_, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    const S v = cvt<S>(value);
+    for_each_row<1>(
+        sizes_, {&strides_},
+        [&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& inner) {
+          char* p = base + off[0] * static_cast<int64_t>(sizeof(S));
+          const int64_t step = inner[0] * static_cast<int64_t>(sizeof(S));
+          for (int64_t i = 0; i < n; ++i) store_elem<S>(p + i * step, v);
+        });
+  });
+  return *this;
+}
+
+Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  if (tensors.empty()) throw InvalidArgument("cat: expected a non-empty list of tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined()) {
+      throw InvalidArgument(fmt::format("cat: tensor {} is undefined", i));
+    }
+  }
+  const Tensor& first = tensors[0];
+  if (first.dim() == 0) throw ShapeError("cat: zero-dimensional tensor 0 cannot be concatenated");
+  const int64_t d = wrap_dim(dim, first.dim(), "cat");
+  Shape sizes = first.sizes_;
+  sizes[d] = 0;
+  bool any_meta = false;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    if (t.dtype_ != first.dtype_) {
+      throw InvalidArgument(fmt::format("cat: tensor {} has dtype {} but tensor 0 has {}", i,
+                                        dtype_name(t.dtype_), dtype_name(first.dtype_)));
+    }
+    bool match = t.dim() == first.dim();
+    for (int64_t k = 0; match && k < first.dim(); ++k) {
+      match = k == d || t.sizes_[k] == first.sizes_[k];
+    }
+    if (!match) {
+      throw ShapeError(fmt::format(
+          "cat: tensor {} has shape {} but tensor 0 has {} (all dims but {} must match)", i,
+          shape_str(t.sizes_), shape_str(first.sizes_), d));
+    }
+    sizes[d] += t.sizes_[d];
+    any_meta = any_meta || t.is_meta();
+  }
+  if (any_meta) return meta(sizes, first.dtype_);
+  Tensor out = empty(sizes, first.dtype_);
+  int64_t start = 0;
+  for (const Tensor& t : tensors) {
+    const int64_t len = t.sizes_[d];
+    if (len > 0) {
+      Tensor slot = out.narrow(d, start, len);
+      t.storage_->wait();
+      copy_elements(t.raw_data_ptr(), t.dtype_, t.strides_, slot.raw_data_ptr(), slot.dtype_,
+                    slot.strides_, slot.sizes_);
+    }
+    start += len;
+  }
+  return out;
+}
+
+bool Tensor::equal(const Tensor& other) const {
+  if (!defined_ || !other.defined_) return defined_ == other.defined_;
+  check_not_meta(*this, "equal");
+  check_not_meta(other, "equal");
+  storage_->wait();
+  other.storage_->wait();
+  if (dtype_ != other.dtype_ || sizes_ != other.sizes_) return false;
+  const auto isz = static_cast<int64_t>(itemsize());
+  const char* a = static_cast<const char*>(raw_data_ptr());
+  const char* b = static_cast<const char*>(other.raw_data_ptr());
+  bool same = true;
+  for_each_row<2>(
+      sizes_, {&strides_, &other.strides_},
+      [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& inner) {
+        if (!same) return;
+        const char* pa = a + off[0] * isz;
+        const char* pb = b + off[1] * isz;
+        if (inner[0] == 1 && inner[1] == 1) {
+          same = std::memcmp(pa, pb, static_cast<size_t>(n * isz)) == 0;
+          return;
+        }
+        for (int64_t i = 0; i < n && same; ++i) {
+          same = std::memcmp(pa + i * inner[0] * isz, pb + i * inner[1] * isz,
+                             static_cast<size_t>(isz)) == 0;
+        }
+      });
+  return same;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explicit instantiations of the element-typed templates.
+
+#define FUNCOL_INSTANTIATE(T)                                                  \
+  template Tensor Tensor::from_vector<T>(const std::vector<T>&, const Shape&); \
+  template T* Tensor::data<T>() const;                                         \
+  template std::vector<T> Tensor::to_vector<T>() const;                        \
+  template T Tensor::item<T>() const;
+
+FUNCOL_INSTANTIATE(bool)
+FUNCOL_INSTANTIATE(uint8_t)
+FUNCOL_INSTANTIATE(int8_t)
+FUNCOL_INSTANTIATE(int16_t)
+FUNCOL_INSTANTIATE(int32_t)
+FUNCOL_INSTANTIATE(int64_t)
+FUNCOL_INSTANTIATE(Eigen::half)
+FUNCOL_INSTANTIATE(Eigen::bfloat16)
+FUNCOL_INSTANTIATE(float)
+FUNCOL_INSTANTIATE(double)
+// On LP64 Linux int64_t is `long`, so `long long` (what 1LL literals give) is a distinct type.
+#if defined(__linux__) && defined(__LP64__)
+static_assert(!std::is_same_v<long long, int64_t>);
+FUNCOL_INSTANTIATE(long long)
+#endif
+#undef FUNCOL_INSTANTIATE
+
+}  // namespace funcol

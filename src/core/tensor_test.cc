@@ -1,0 +1,692 @@
+// Tests of DType, Storage (pending waits) and Tensor (factories, views, copies, printing).
+#include "funcol/core/tensor.h"
+
+#include <gtest/gtest.h>
+
+#include <Eigen/Core>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+
+#include "funcol/core/kernels.h"
+#include "test_util.h"
+
+namespace funcol {
+namespace {
+
+using testing::ManualWork;
+
+// Runs fn and returns the message of the E it throws (fails the test if it throws nothing).
+template <typename E, typename F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return "";
+}
+
+// ---- dtype ----------------------------------------------------------------------------------
+
+TEST(DType, NamesRoundTripAndSizes) {
+  const char* names[] = {"bool", "u8", "i8", "i16", "i32", "i64", "f16", "bf16", "f32", "f64"};
+  const size_t sizes[] = {1, 1, 1, 2, 4, 8, 2, 2, 4, 8};
+  for (size_t i = 0; i < 10; ++i) {
+    DType d = kAllDTypes[i];
+    EXPECT_EQ(dtype_name(d), names[i]);
+    EXPECT_EQ(parse_dtype(names[i]), d);
+    EXPECT_EQ(itemsize(d), sizes[i]);
+  }
+  EXPECT_EQ(parse_dtype("float32"), std::nullopt);
+  EXPECT_EQ(parse_dtype("F32"), std::nullopt);
+  EXPECT_TRUE(is_floating(DType::BF16));
+  EXPECT_FALSE(is_floating(DType::I64));
+  EXPECT_TRUE(is_integer(DType::U8));
+  EXPECT_FALSE(is_integer(DType::Bool));
+  EXPECT_FALSE(is_integer(DType::F16));
+}
+
+TEST(DType, ReduceOps) {
+  EXPECT_EQ(parse_reduce_op("SUM"), ReduceOp::Sum);
+  EXPECT_EQ(parse_reduce_op("Avg"), ReduceOp::Avg);
+  EXPECT_EQ(parse_reduce_op("bxor"), ReduceOp::BXor);
+  EXPECT_EQ(reduce_op_name(ReduceOp::Product), "product");
+  EXPECT_EQ(error_of<InvalidArgument>([] { parse_reduce_op("mean"); }),
+            "Unrecognized reduce_op: mean");
+  EXPECT_THROW(check_reduce_op_dtype(ReduceOp::BAnd, DType::F32, "all_reduce"), InvalidArgument);
+  EXPECT_THROW(check_reduce_op_dtype(ReduceOp::Avg, DType::Bool, "all_reduce"), InvalidArgument);
+  EXPECT_NO_THROW(check_reduce_op_dtype(ReduceOp::BAnd, DType::I32, "all_reduce"));
+  EXPECT_NO_THROW(check_reduce_op_dtype(ReduceOp::BXor, DType::Bool, "all_reduce"));
+  EXPECT_NO_THROW(check_reduce_op_dtype(ReduceOp::Sum, DType::BF16, "all_reduce"));
+  std::string msg = error_of<InvalidArgument>(
+      [] { check_reduce_op_dtype(ReduceOp::BOr, DType::F16, "all_reduce"); });
+  EXPECT_NE(msg.find("all_reduce"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bor"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("f16"), std::string::npos) << msg;
+}
+
+TEST(Error, CheckThrowsInternalError) {
+  EXPECT_THROW(FUNCOL_CHECK(1 + 1 == 3, "math"), InternalError);
+  EXPECT_NO_THROW(FUNCOL_CHECK(true));
+}
+
+// ---- factories ------------------------------------------------------------------------------
+
+TEST(Factories, EmptyZerosFullEveryDType) {
+  for (DType d : kAllDTypes) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    Tensor e = Tensor::empty({2, 3}, d);
+    EXPECT_TRUE(e.defined());
+    EXPECT_FALSE(e.is_meta());
+    EXPECT_EQ(e.dtype(), d);
+    EXPECT_EQ(e.sizes(), (Shape{2, 3}));
+    EXPECT_EQ(e.strides(), (Shape{3, 1}));
+    EXPECT_EQ(e.numel(), 6);
+    EXPECT_EQ(e.nbytes(), 6 * itemsize(d));
+    EXPECT_TRUE(e.is_contiguous());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(e.storage()->raw()) % 64, 0u);
+
+    EXPECT_EQ(Tensor::zeros({2, 3}, d).to_vector<double>(), std::vector<double>(6, 0.0));
+    const double expect_full = d == DType::Bool ? 1.0 : 3.0;
+    EXPECT_EQ(Tensor::full({2, 3}, d, 3.0).to_vector<double>(),
+              std::vector<double>(6, expect_full));
+    EXPECT_EQ(Tensor::full({}, d, 1.0).item<int>(), 1);
+    EXPECT_EQ(Tensor::full({}, d, 1.0).dim(), 0);
+    EXPECT_EQ(Tensor::zeros({0, 4}, d).numel(), 0);
+  }
+}
+
+TEST(Factories, ArangeEveryDType) {
+  for (DType d : kAllDTypes) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    Tensor t = Tensor::arange(5, d);
+    EXPECT_EQ(t.sizes(), (Shape{5}));
+    std::vector<int64_t> want = {0, 1, 2, 3, 4};
+    if (d == DType::Bool) want = {0, 1, 1, 1, 1};
+    EXPECT_EQ(t.to_vector<int64_t>(), want);
+  }
+  EXPECT_EQ(Tensor::arange(0, DType::F32).numel(), 0);
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::arange(-1, DType::F32); }),
+            "arange: n must be non-negative, got -1");
+}
+
+TEST(Factories, RandIsDeterministicAndInRange) {
+  for (DType d : kAllDTypes) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    Tensor a = Tensor::rand({50, 20}, d, 7);
+    EXPECT_TRUE(a.equal(Tensor::rand({50, 20}, d, 7)));
+    EXPECT_FALSE(a.equal(Tensor::rand({50, 20}, d, 8)));
+    std::vector<double> v = a.to_vector<double>();
+    double lo = 1e9, hi = -1e9;
+    for (double x : v) {
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+      if (is_integer(d)) {
+        EXPECT_EQ(x, std::floor(x));
+      }
+    }
+    if (is_floating(d)) {
+      EXPECT_GE(lo, -1.0);
+      EXPECT_LT(hi, 1.0);
+      EXPECT_LT(lo, -0.5);  // 1000 draws cover the range
+      EXPECT_GT(hi, 0.5);
+    } else if (is_integer(d)) {
+      EXPECT_GE(lo, 0.0);
+      EXPECT_LT(hi, 100.0);
+      EXPECT_LT(lo, 10.0);
+      EXPECT_GT(hi, 90.0);
+    } else {
+      EXPECT_EQ(lo, 0.0);
+      EXPECT_EQ(hi, 1.0);
+    }
+  }
+}
+
+TEST(Factories, RandGoldenValues) {
+  // Pins the generator (splitmix64, one draw per element in row-major order): graph inputs of
+  // `funcol run` must be identical on every machine.
+  EXPECT_EQ(Tensor::rand({6}, DType::I64, 42).to_vector<int64_t>(),
+            (std::vector<int64_t>{13, 91, 58, 64, 50, 62}));
+  EXPECT_EQ(Tensor::rand({3}, DType::F64, 42).to_vector<double>(),
+            (std::vector<double>{0.48312975754364662, -0.68017921424615979, -0.44279773948972267}));
+}
+
+TEST(Factories, FromVectorAndToVector) {
+  Tensor t = Tensor::from_vector<float>({1.5f, -2.75f, 3.f, 4.f, 5.f, 6.f}, {2, 3});
+  EXPECT_EQ(t.dtype(), DType::F32);
+  EXPECT_EQ(t.sizes(), (Shape{2, 3}));
+  EXPECT_EQ(t.to_vector<float>(), (std::vector<float>{1.5f, -2.75f, 3.f, 4.f, 5.f, 6.f}));
+  EXPECT_EQ(t.to_vector<int32_t>(), (std::vector<int32_t>{1, -2, 3, 4, 5, 6}));
+  EXPECT_EQ(t.to_vector<bool>(), (std::vector<bool>{true, true, true, true, true, true}));
+  EXPECT_EQ(Tensor::from_vector<int64_t>({1, 2, 3}).sizes(), (Shape{3}));
+  EXPECT_EQ(Tensor::from_vector<bool>({true, false}).dtype(), DType::Bool);
+  EXPECT_EQ(Tensor::from_vector<bool>({true, false}).to_vector<float>(),
+            (std::vector<float>{1.f, 0.f}));
+  EXPECT_EQ(Tensor::from_vector<uint8_t>({255, 0}).to_vector<int>(), (std::vector<int>{255, 0}));
+  EXPECT_EQ(Tensor::from_vector<int8_t>({-128, 127}).to_vector<int64_t>(),
+            (std::vector<int64_t>{-128, 127}));
+  EXPECT_EQ(Tensor::from_vector<int16_t>({-300}).item<int16_t>(), -300);
+  EXPECT_EQ(Tensor::from_vector<double>({0.1}).item<double>(), 0.1);
+  EXPECT_EQ(Tensor::from_vector<long long>({1LL << 40}).dtype(), DType::I64);
+  EXPECT_EQ(Tensor::from_vector<long long>({1LL << 40}).item<long long>(), 1LL << 40);
+  Tensor h = Tensor::from_vector<Eigen::half>({Eigen::half(0.5f), Eigen::half(-2.f)});
+  EXPECT_EQ(h.dtype(), DType::F16);
+  EXPECT_EQ(h.to_vector<float>(), (std::vector<float>{0.5f, -2.f}));
+  Tensor b = Tensor::from_vector<Eigen::bfloat16>({Eigen::bfloat16(3.f)});
+  EXPECT_EQ(b.dtype(), DType::BF16);
+  EXPECT_EQ(b.item<int>(), 3);
+  EXPECT_EQ(b.to_vector<Eigen::half>()[0], Eigen::half(3.f));
+  EXPECT_EQ(error_of<ShapeError>([] {
+              Tensor::from_vector<float>({1, 2, 3}, {2, 2});
+            }),
+            "from_vector: 3 values do not fit shape [2,2] (4 elements)");
+  EXPECT_THROW(Tensor::empty({2, -1}, DType::F32), ShapeError);
+}
+
+TEST(Factories, ConversionsAreDefined) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  Tensor f = Tensor::from_vector<float>({nan, 300.f, -1.f, 1e30f, -1e30f, -0.f});
+  EXPECT_EQ(f.to_vector<uint8_t>(), (std::vector<uint8_t>{0, 44, 255, 255, 0, 0}));
+  EXPECT_EQ(f.to_vector<int64_t>(),
+            (std::vector<int64_t>{0, 300, -1, std::numeric_limits<int64_t>::max(),
+                                  std::numeric_limits<int64_t>::min(), 0}));
+  EXPECT_EQ(f.to_vector<bool>(), (std::vector<bool>{true, true, true, true, true, false}));
+  EXPECT_EQ(Tensor::from_vector<int32_t>({70000}).to_vector<int16_t>()[0],
+            static_cast<int16_t>(70000 - 65536));
+  EXPECT_TRUE(std::isinf(Tensor::from_vector<float>({1e6f}).to(DType::F16).item<float>()));
+}
+
+TEST(Factories, ItemAndDataChecks) {
+  EXPECT_EQ(Tensor::full({1, 1}, DType::I32, 9).item<int>(), 9);
+  EXPECT_EQ(error_of<ShapeError>([] {
+              Tensor::zeros({2, 3}, DType::F32).item<float>();
+            }),
+            "item: expected a tensor with exactly one element, got f32[2,3] (6 elements)");
+  EXPECT_THROW(Tensor::zeros({0}, DType::F32).item<float>(), ShapeError);
+  Tensor t = Tensor::zeros({2}, DType::I64);
+  EXPECT_EQ(t.data<int64_t>(), t.data_ptr());
+  EXPECT_EQ(error_of<InvalidArgument>([&] { t.data<float>(); }),
+            "data: requested f32 but the tensor is i64");
+  EXPECT_THROW(Tensor().data_ptr(), InvalidArgument);
+  EXPECT_FALSE(Tensor().defined());
+  EXPECT_EQ(Tensor().numel(), 0);
+}
+
+TEST(Factories, MetaTensors) {
+  Tensor m = Tensor::meta({4, 6}, DType::BF16);
+  EXPECT_TRUE(m.is_meta());
+  EXPECT_TRUE(m.is_ready());
+  EXPECT_EQ(m.nbytes(), 48u);
+  EXPECT_EQ(m.narrow(1, 2, 3).sizes(), (Shape{4, 3}));
+  EXPECT_EQ(m.view({-1}).sizes(), (Shape{24}));
+  EXPECT_EQ(m.transpose(0, 1).reshape({24}).sizes(), (Shape{24}));
+  EXPECT_EQ(m.view_dtype(DType::U8).sizes(), (Shape{4, 12}));
+  EXPECT_EQ(m.chunk(2, 1).size(), 2u);
+  EXPECT_TRUE(m.transpose(0, 1).contiguous().is_meta());
+  EXPECT_TRUE(m.to(DType::F32).is_meta());
+  EXPECT_EQ(m.to(DType::F32).dtype(), DType::F32);
+  EXPECT_TRUE(Tensor::cat({m, Tensor::zeros({1, 6}, DType::BF16)}).is_meta());
+  EXPECT_EQ(Tensor::cat({m, Tensor::zeros({1, 6}, DType::BF16)}).sizes(), (Shape{5, 6}));
+  EXPECT_EQ(m.to_string(), "tensor(bf16[4,6], meta)");
+  std::string msg = error_of<InvalidArgument>([&] { m.data_ptr(); });
+  EXPECT_NE(msg.find("on a meta tensor"), std::string::npos) << msg;
+  EXPECT_THROW(m.to_vector<float>(), InvalidArgument);
+  EXPECT_THROW(m.item<float>(), InvalidArgument);
+  EXPECT_THROW(m.fill_(1), InvalidArgument);
+  EXPECT_THROW(m.copy_(m), InvalidArgument);
+  EXPECT_THROW(m.equal(m), InvalidArgument);
+  EXPECT_THROW(add(m, m), InvalidArgument);
+}
+
+TEST(Factories, FromStorage) {
+  auto storage = std::make_shared<Storage>(64);
+  Tensor a = Tensor::from_storage(storage, {4}, DType::F32);
+  Tensor b = Tensor::from_storage(storage, {2}, DType::F32, 2);
+  a.copy_(Tensor::from_vector<float>({1, 2, 3, 4}));
+  EXPECT_TRUE(a.shares_storage(b));
+  EXPECT_EQ(b.storage_offset(), 2);
+  EXPECT_EQ(b.to_vector<float>(), (std::vector<float>{3, 4}));
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::from_storage(storage, {4, 4}, DType::F32, 2);
+            }),
+            "from_storage: f32[4,4] at offset 2 needs 72 bytes but the storage has 64");
+  EXPECT_THROW(Tensor::from_storage(nullptr, {1}, DType::F32), InvalidArgument);
+  EXPECT_THROW(Tensor::from_storage(storage, {1}, DType::F32, -1), InvalidArgument);
+}
+
+// ---- views ----------------------------------------------------------------------------------
+
+Tensor iota(const Shape& shape, DType dtype = DType::I64) {
+  return Tensor::arange(shape_numel(shape), dtype).view(shape);
+}
+
+TEST(Views, ShareStorageAndSeeWrites) {
+  Tensor t = iota({3, 4});
+  Tensor row = t.select(0, 1);
+  Tensor col = t.select(1, -1);
+  Tensor nar = t.narrow(1, 1, 2);
+  Tensor tr = t.transpose(0, 1);
+  for (const Tensor& v : {row, col, nar, tr, t.view({12}), t.unsqueeze(0), t.flatten()}) {
+    EXPECT_TRUE(v.shares_storage(t));
+  }
+  EXPECT_EQ(row.to_vector<int>(), (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(col.to_vector<int>(), (std::vector<int>{3, 7, 11}));
+  EXPECT_EQ(nar.to_vector<int>(), (std::vector<int>{1, 2, 5, 6, 9, 10}));
+  EXPECT_FALSE(nar.is_contiguous());
+  EXPECT_EQ(tr.sizes(), (Shape{4, 3}));
+  EXPECT_EQ(tr.to_vector<int>(), (std::vector<int>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
+  nar.fill_(-1);
+  EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{0, -1, -1, 3, 4, -1, -1, 7, 8, -1, -1, 11}));
+  EXPECT_EQ(row.storage_offset(), 4);
+}
+
+TEST(Views, PermuteUnsqueezeSqueeze) {
+  Tensor t = iota({2, 3, 4});
+  Tensor p = t.permute({2, 0, 1});
+  EXPECT_EQ(p.sizes(), (Shape{4, 2, 3}));
+  EXPECT_EQ(p.strides(), (Shape{1, 12, 4}));
+  EXPECT_EQ(p.select(0, 1).to_vector<int>(), (std::vector<int>{1, 5, 9, 13, 17, 21}));
+  EXPECT_THROW(t.permute({0, 0, 1}), InvalidArgument);
+  EXPECT_THROW(t.permute({0, 1}), ShapeError);
+  EXPECT_EQ(t.unsqueeze(1).sizes(), (Shape{2, 1, 3, 4}));
+  EXPECT_EQ(t.unsqueeze(-1).sizes(), (Shape{2, 3, 4, 1}));
+  EXPECT_EQ(t.unsqueeze(3).strides(), (Shape{12, 4, 1, 1}));
+  EXPECT_TRUE(t.unsqueeze(1).is_contiguous());
+  EXPECT_EQ(t.unsqueeze(0).squeeze(0).sizes(), t.sizes());
+  EXPECT_EQ(t.squeeze(1).sizes(), t.sizes());  // not size 1: no-op
+  EXPECT_EQ(error_of<ShapeError>([&] { t.unsqueeze(4); }),
+            "unsqueeze: dim 4 is out of range for a tensor of rank 4");
+  EXPECT_EQ(error_of<ShapeError>([&] { t.size(3); }),
+            "size: dim 3 is out of range for a tensor of rank 3");
+  EXPECT_EQ(t.size(-1), 4);
+  EXPECT_EQ(t.stride(0), 12);
+  EXPECT_EQ(error_of<ShapeError>([&] { t.select(1, 3); }),
+            "select: index 3 is out of range for size 3 of dim 1");
+}
+
+TEST(Views, ViewAndReshape) {
+  Tensor t = iota({2, 3, 4});
+  EXPECT_EQ(t.view({6, -1}).sizes(), (Shape{6, 4}));
+  EXPECT_EQ(t.view({-1}).sizes(), (Shape{24}));
+  EXPECT_EQ(t.view({2, 3, 2, 2}).strides(), (Shape{12, 4, 2, 1}));
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              t.view({5, -1});
+            }),
+            "view: shape [5,-1] is invalid for a tensor of 24 elements");
+  EXPECT_EQ(error_of<ShapeError>([&] { t.view({7}); }),
+            "view: shape [7] is invalid for a tensor of 24 elements");
+  EXPECT_THROW(t.view({-1, -1}), ShapeError);
+  EXPECT_THROW(Tensor::zeros({0, 3}, DType::F32).view({0, -1}), ShapeError);
+  // A transposed tensor can be split along a dim but not flattened.
+  Tensor tr = t.transpose(1, 2);  // [2,4,3] strides [12,1,4]
+  EXPECT_EQ(tr.view({2, 2, 2, 3}).strides(), (Shape{12, 2, 1, 4}));
+  std::string msg = error_of<InvalidArgument>([&] { tr.view({24}); });
+  EXPECT_EQ(msg,
+            "view: cannot view i64[2,4,3] with strides [12,1,4] as shape [24] without a copy (use "
+            "reshape)");
+  Tensor r = tr.reshape({24});
+  EXPECT_FALSE(r.shares_storage(t));
+  EXPECT_EQ(r.to_vector<int>(), tr.to_vector<int>());
+  Tensor r2 = t.reshape({4, 6});
+  EXPECT_TRUE(r2.shares_storage(t));
+  EXPECT_EQ(tr.flatten().to_vector<int>(), tr.to_vector<int>());
+  EXPECT_EQ(Tensor::full({}, DType::F32, 2).flatten().sizes(), (Shape{1}));
+  EXPECT_EQ(Tensor::full({}, DType::F32, 2).view({1, 1}).sizes(), (Shape{1, 1}));
+  EXPECT_EQ(Tensor::full({1}, DType::F32, 2).view({}).dim(), 0);
+  // Size-1 dims with odd strides still view.
+  Tensor col = iota({4, 3}).narrow(1, 1, 1);  // [4,1] strides [3,1]
+  EXPECT_EQ(col.view({2, 2}).to_vector<int>(), (std::vector<int>{1, 4, 7, 10}));
+}
+
+TEST(Views, NarrowErrors) {
+  Tensor t = iota({6});
+  EXPECT_EQ(error_of<ShapeError>([&] { t.narrow(0, 5, 3); }),
+            "narrow: start (5) + length (3) exceeds size 6 of dim 0");
+  EXPECT_EQ(error_of<ShapeError>([&] { t.narrow(0, 1, -1); }),
+            "narrow: length (-1) must be non-negative");
+  EXPECT_THROW(t.narrow(1, 0, 1), ShapeError);
+  EXPECT_EQ(t.narrow(0, -2, 2).to_vector<int>(), (std::vector<int>{4, 5}));
+  EXPECT_EQ(t.narrow(0, 6, 0).numel(), 0);
+}
+
+std::vector<Shape> sizes_of(const std::vector<Tensor>& ts) {
+  std::vector<Shape> out;
+  for (const Tensor& t : ts) out.push_back(t.sizes());
+  return out;
+}
+
+TEST(Views, SplitAndChunk) {
+  Tensor t = iota({6, 2});
+  auto s = t.split(4);
+  EXPECT_EQ(sizes_of(s), (std::vector<Shape>{{4, 2}, {2, 2}}));
+  EXPECT_EQ(s[1].to_vector<int>(), (std::vector<int>{8, 9, 10, 11}));
+  EXPECT_EQ(sizes_of(t.split(6)), (std::vector<Shape>{{6, 2}}));
+  EXPECT_EQ(sizes_of(t.split(1, 1)), (std::vector<Shape>{{6, 1}, {6, 1}}));
+  EXPECT_EQ(sizes_of(Tensor::zeros({0, 2}, DType::F32).split(3)), (std::vector<Shape>{{0, 2}}));
+  EXPECT_THROW(t.split(0), InvalidArgument);
+  EXPECT_THROW(t.split(-2), InvalidArgument);
+
+  auto w = t.split_with_sizes({1, 0, 5});
+  EXPECT_EQ(sizes_of(w), (std::vector<Shape>{{1, 2}, {0, 2}, {5, 2}}));
+  EXPECT_EQ(w[2].storage_offset(), 2);
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              t.split_with_sizes({2, 3});
+            }),
+            "split_with_sizes: sizes [2,3] sum to 5 but dim 0 has size 6");
+  EXPECT_THROW(t.split_with_sizes({7, -1}), ShapeError);
+
+  // torch.chunk: pieces of ceil(size / chunks), fewer pieces when the size runs out.
+  EXPECT_EQ(sizes_of(t.chunk(4)), (std::vector<Shape>{{2, 2}, {2, 2}, {2, 2}}));
+  EXPECT_EQ(sizes_of(iota({5}).chunk(3)), (std::vector<Shape>{{2}, {2}, {1}}));
+  EXPECT_EQ(sizes_of(iota({5}).chunk(5)), (std::vector<Shape>{{1}, {1}, {1}, {1}, {1}}));
+  EXPECT_EQ(sizes_of(iota({2}).chunk(5)), (std::vector<Shape>{{1}, {1}}));
+  EXPECT_EQ(sizes_of(Tensor::zeros({0}, DType::F32).chunk(3)), (std::vector<Shape>{{0}, {0}, {0}}));
+  EXPECT_EQ(sizes_of(t.chunk(2, -1)), (std::vector<Shape>{{6, 1}, {6, 1}}));
+  EXPECT_EQ(t.chunk(2, 1)[1].to_vector<int>(), (std::vector<int>{1, 3, 5, 7, 9, 11}));
+  EXPECT_EQ(error_of<InvalidArgument>([&] { t.chunk(0); }),
+            "chunk: chunks must be positive, got 0");
+}
+
+TEST(Views, ViewDType) {
+  Tensor f = Tensor::from_vector<float>({1.f, -2.f, 0.5f, 4.f}, {2, 2});
+  Tensor i = f.view_dtype(DType::I32);
+  EXPECT_TRUE(i.shares_storage(f));
+  EXPECT_EQ(i.sizes(), (Shape{2, 2}));
+  EXPECT_EQ(i.to_vector<int32_t>()[0], 0x3f800000);
+  Tensor bytes = f.view_dtype(DType::U8);
+  EXPECT_EQ(bytes.sizes(), (Shape{2, 8}));
+  EXPECT_EQ(bytes.strides(), (Shape{8, 1}));
+  EXPECT_TRUE(bytes.view_dtype(DType::F32).equal(f));
+  Tensor wide = bytes.view_dtype(DType::I64);
+  EXPECT_EQ(wide.sizes(), (Shape{2, 1}));
+  EXPECT_TRUE(wide.view_dtype(DType::F32).equal(f));
+  // A narrowed row keeps its offset, scaled.
+  Tensor row = bytes.select(0, 1).view_dtype(DType::F32);
+  EXPECT_EQ(row.storage_offset(), 2);
+  EXPECT_EQ(row.to_vector<float>(), (std::vector<float>{0.5f, 4.f}));
+  // Round trips through every dtype of the same byte count.
+  for (DType d : kAllDTypes) {
+    if (8 % itemsize(d) != 0) continue;
+    EXPECT_TRUE(f.view_dtype(d).view_dtype(DType::F32).equal(f)) << dtype_name(d);
+  }
+  Tensor h = Tensor::from_vector<int16_t>({0x3c00}).view_dtype(DType::F16);
+  EXPECT_EQ(h.item<float>(), 1.f);
+
+  EXPECT_EQ(error_of<InvalidArgument>([] {
+              Tensor::zeros({2, 3}, DType::U8).view_dtype(DType::I16);
+            }),
+            "view_dtype: cannot view u8[2,3] as i16: the last dim (3) is not a multiple of 2");
+  EXPECT_THROW(Tensor::zeros({}, DType::F32).view_dtype(DType::U8), InvalidArgument);
+  EXPECT_THROW(f.transpose(0, 1).view_dtype(DType::U8), InvalidArgument);
+  EXPECT_THROW(Tensor::zeros({8}, DType::U8).narrow(0, 1, 4).view_dtype(DType::I32),
+               InvalidArgument);
+  EXPECT_EQ(Tensor::zeros({}, DType::F32).view_dtype(DType::I32).dtype(), DType::I32);
+}
+
+TEST(Views, Expand) {
+  Tensor t = Tensor::from_vector<int>({1, 2, 3}, {3});
+  Tensor e = t.expand({2, 3});
+  EXPECT_EQ(e.strides(), (Shape{0, 1}));
+  EXPECT_EQ(e.to_vector<int>(), (std::vector<int>{1, 2, 3, 1, 2, 3}));
+  Tensor c = Tensor::from_vector<int>({1, 2}, {2, 1}).expand({-1, 3});
+  EXPECT_EQ(c.to_vector<int>(), (std::vector<int>{1, 1, 1, 2, 2, 2}));
+  EXPECT_THROW(t.expand({2, 4}), ShapeError);
+  EXPECT_THROW(t.expand({}), ShapeError);
+}
+
+// ---- copies ---------------------------------------------------------------------------------
+
+TEST(Copies, ContiguousCloneTo) {
+  Tensor t = iota({3, 4}, DType::F32);
+  EXPECT_TRUE(t.contiguous().shares_storage(t));
+  Tensor tr = t.transpose(0, 1);
+  Tensor c = tr.contiguous();
+  EXPECT_FALSE(c.shares_storage(t));
+  EXPECT_TRUE(c.is_contiguous());
+  EXPECT_TRUE(c.equal(tr));
+  Tensor k = t.clone();
+  k.fill_(5);
+  EXPECT_EQ(t.to_vector<int>()[0], 0);
+  for (DType d : kAllDTypes) {
+    Tensor conv = tr.to(d);
+    EXPECT_EQ(conv.dtype(), d);
+    EXPECT_TRUE(conv.is_contiguous());
+    std::vector<double> want = tr.to_vector<double>();
+    if (d == DType::Bool) {
+      for (double& x : want) x = x != 0;
+    }
+    EXPECT_EQ(conv.to_vector<double>(), want) << dtype_name(d);
+  }
+}
+
+TEST(Copies, CopyConvertsAndChecksShape) {
+  Tensor dst = Tensor::zeros({2, 3}, DType::I32);
+  dst.copy_(Tensor::from_vector<double>({1.9, -1.9, 2, 3, 4, 5}, {2, 3}));
+  EXPECT_EQ(dst.to_vector<int>(), (std::vector<int>{1, -1, 2, 3, 4, 5}));
+  dst.narrow(1, 0, 1).copy_(Tensor::from_vector<int>({7, 8}, {2, 1}));
+  EXPECT_EQ(dst.to_vector<int>(), (std::vector<int>{7, -1, 2, 8, 4, 5}));
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              dst.copy_(Tensor::zeros({3, 2}, DType::I32));
+            }),
+            "copy_: source shape [3,2] does not match destination shape [2,3]");
+  // Overlapping source and destination behave as if the source were copied first.
+  Tensor sq = iota({3, 3});
+  sq.copy_(sq.transpose(0, 1));
+  EXPECT_EQ(sq.to_vector<int>(), (std::vector<int>{0, 3, 6, 1, 4, 7, 2, 5, 8}));
+}
+
+TEST(Copies, CatEdgeCases) {
+  Tensor a = iota({2, 2});
+  Tensor b = Tensor::full({1, 2}, DType::I64, 9);
+  EXPECT_EQ(Tensor::cat({a, b}).to_vector<int>(), (std::vector<int>{0, 1, 2, 3, 9, 9}));
+  EXPECT_EQ(Tensor::cat({a, a.transpose(0, 1)}, 1).to_vector<int>(),
+            (std::vector<int>{0, 1, 0, 2, 2, 3, 1, 3}));
+  Tensor empty = Tensor::zeros({0, 2}, DType::I64);
+  EXPECT_EQ(Tensor::cat({empty, a, empty}).to_vector<int>(), a.to_vector<int>());
+  EXPECT_EQ(Tensor::cat({empty}).sizes(), (Shape{0, 2}));
+  Tensor c = Tensor::cat({a});
+  EXPECT_FALSE(c.shares_storage(a));
+  EXPECT_EQ(error_of<InvalidArgument>([&] {
+              Tensor::cat({a, a.to(DType::F32)});
+            }),
+            "cat: tensor 1 has dtype f32 but tensor 0 has i64");
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::cat({a, iota({2, 3})});
+            }),
+            "cat: tensor 1 has shape [2,3] but tensor 0 has [2,2] (all dims but 0 must match)");
+  EXPECT_THROW(Tensor::cat({}), InvalidArgument);
+  EXPECT_THROW(Tensor::cat({a, iota({4})}), ShapeError);
+  EXPECT_THROW(Tensor::cat({a}, 2), ShapeError);
+}
+
+TEST(Copies, EqualAndFill) {
+  Tensor a = iota({2, 3}, DType::F32);
+  EXPECT_TRUE(a.equal(a.clone()));
+  EXPECT_TRUE(a.transpose(0, 1).equal(a.transpose(0, 1).contiguous()));
+  EXPECT_FALSE(a.equal(a.view({3, 2})));
+  EXPECT_FALSE(a.equal(a.to(DType::F64)));
+  Tensor b = a.clone();
+  b.select(1, 2).fill_(-1);
+  EXPECT_FALSE(a.equal(b));
+  EXPECT_EQ(b.to_vector<int>(), (std::vector<int>{0, 1, -1, 3, 4, -1}));
+  Tensor n1 = Tensor::full({2}, DType::F32, std::nan(""));
+  EXPECT_TRUE(n1.equal(n1.clone()));  // bitwise
+  EXPECT_TRUE(Tensor().equal(Tensor()));
+  EXPECT_FALSE(a.equal(Tensor()));
+  Tensor bools = Tensor::zeros({3}, DType::Bool);
+  bools.fill_(0.25);
+  EXPECT_EQ(bools.to_vector<uint8_t>(), (std::vector<uint8_t>{1, 1, 1}));
+}
+
+TEST(Print, ToString) {
+  EXPECT_EQ(iota({2, 2}, DType::F32).to_string(), "tensor(f32[2,2], [[0, 1], [2, 3]])");
+  EXPECT_EQ(Tensor::full({}, DType::F64, 0.5).to_string(), "tensor(f64[], 0.5)");
+  EXPECT_EQ(Tensor::zeros({0}, DType::I8).to_string(), "tensor(i8[0], [])");
+  EXPECT_EQ(Tensor::from_vector<bool>({true, false}).to_string(), "tensor(bool[2], [true, false])");
+  EXPECT_EQ(Tensor::from_vector<uint8_t>({200}).to_string(), "tensor(u8[1], [200])");
+  EXPECT_EQ(Tensor::full({1}, DType::BF16, -1.5).to_string(), "tensor(bf16[1], [-1.5])");
+  EXPECT_EQ(iota({2, 3}).transpose(0, 1).to_string(), "tensor(i64[3,2], [[0, 3], [1, 4], [2, 5]])");
+  EXPECT_EQ(Tensor::arange(2000, DType::I32).to_string(),
+            "tensor(i32[2000], [0, 1, 2, ..., 1997, 1998, 1999])");
+  EXPECT_EQ(Tensor().to_string(), "tensor(undefined)");
+}
+
+// ---- pending storage ------------------------------------------------------------------------
+
+struct Pending {
+  Tensor t;
+  std::shared_ptr<ManualWork> work = std::make_shared<ManualWork>();
+  explicit Pending(Tensor tensor) : t(std::move(tensor)) { t.storage()->add_pending(work); }
+};
+
+TEST(Pending, ViewsNeverWait) {
+  Pending p(iota({4, 6}, DType::F32));
+  const Tensor& t = p.t;
+  EXPECT_FALSE(t.is_ready());
+  std::vector<Tensor> views = {t.view({24}),
+                               t.reshape({6, 4}),
+                               t.flatten(),
+                               t.narrow(1, 1, 2),
+                               t.transpose(0, 1),
+                               t.permute({1, 0}),
+                               t.view_dtype(DType::U8),
+                               t.unsqueeze(0),
+                               t.unsqueeze(0).squeeze(0),
+                               t.select(0, 2),
+                               t.expand({2, 4, 6}),
+                               t.contiguous(),
+                               t.split(2)[1],
+                               t.chunk(3, 1)[2],
+                               t.split_with_sizes({1, 3})[1],
+                               Tensor::from_storage(t.storage(), {3}, DType::F32)};
+  EXPECT_EQ(p.work->wait_calls(), 0);
+  EXPECT_EQ(t.storage()->pending_count(), 1u);
+  EXPECT_NE(t.raw_data_ptr(), nullptr);  // raw access never waits
+  for (const Tensor& v : views) {
+    EXPECT_TRUE(v.shares_storage(t));
+    EXPECT_FALSE(v.is_ready());
+  }
+  p.work->release();
+  EXPECT_TRUE(t.is_ready());
+  EXPECT_EQ(p.work->wait_calls(), 0);
+  // A view of the result finds the work: reading it waits (and detaches for everyone).
+  EXPECT_EQ(views[6].to_vector<uint8_t>().size(), 96u);
+  EXPECT_EQ(p.work->wait_calls(), 1);
+  EXPECT_EQ(t.storage()->pending_count(), 0u);
+}
+
+TEST(Pending, EveryDataAccessWaits) {
+  using Access = std::function<void(const Tensor&)>;
+  const Tensor other = iota({2, 3}, DType::F32);
+  std::vector<std::pair<const char*, Access>> accesses = {
+      {"data_ptr", [](const Tensor& t) { t.data_ptr(); }},
+      {"data", [](const Tensor& t) { t.data<float>(); }},
+      {"wait", [](const Tensor& t) { t.wait(); }},
+      {"to_vector", [](const Tensor& t) { t.to_vector<float>(); }},
+      {"item", [](const Tensor& t) { t.select(0, 0).select(0, 0).item<float>(); }},
+      {"to_string", [](const Tensor& t) { t.to_string(); }},
+      {"clone", [](const Tensor& t) { t.clone(); }},
+      {"to", [](const Tensor& t) { t.to(DType::F64); }},
+      {"contiguous copy", [](const Tensor& t) { t.transpose(0, 1).contiguous(); }},
+      {"reshape copy", [](const Tensor& t) { t.transpose(0, 1).reshape({6}); }},
+      {"copy_ src",
+       [&](const Tensor& t) {
+         Tensor::zeros({2, 3}, DType::F32).copy_(t);
+       }},
+      {"copy_ dst", [&](const Tensor& t) { t.copy_(other); }},
+      {"fill_", [](const Tensor& t) { t.fill_(1); }},
+      {"cat",
+       [&](const Tensor& t) {
+         Tensor::cat({other, t});
+       }},
+      {"equal", [&](const Tensor& t) { other.equal(t); }},
+      {"add", [&](const Tensor& t) { add(other, t); }},
+      {"matmul", [&](const Tensor& t) { matmul(t, other.transpose(0, 1)); }},
+      {"sum", [](const Tensor& t) { sum(t, {}, false); }},
+  };
+  for (const auto& [name, access] : accesses) {
+    SCOPED_TRACE(name);
+    Pending p(iota({2, 3}, DType::F32));
+    p.work->release();
+    access(p.t);
+    EXPECT_EQ(p.work->wait_calls(), 1);
+    EXPECT_EQ(p.t.storage()->pending_count(), 0u);
+    EXPECT_TRUE(p.t.is_ready());
+  }
+}
+
+TEST(Pending, WaitTwiceIsFreeAndDuplicatesAttachOnce) {
+  Pending p(Tensor::zeros({4}, DType::I32));
+  p.t.storage()->add_pending(p.work);
+  EXPECT_EQ(p.t.storage()->pending_count(), 1u);
+  auto second = std::make_shared<ManualWork>();
+  p.t.storage()->add_pending(second);
+  EXPECT_EQ(p.t.storage()->pending_count(), 2u);
+  p.work->release();
+  EXPECT_FALSE(p.t.is_ready());
+  second->release();
+  EXPECT_TRUE(p.t.is_ready());
+  p.t.wait();
+  p.t.wait();
+  p.t.to_vector<int>();
+  EXPECT_EQ(p.work->wait_calls(), 1);
+  EXPECT_EQ(second->wait_calls(), 1);
+  EXPECT_EQ(p.t.storage()->pending_count(), 0u);
+}
+
+TEST(Pending, FailureIsRethrownFromDataAccess) {
+  Pending p(Tensor::zeros({4}, DType::I32));
+  auto ok = std::make_shared<ManualWork>();
+  p.t.storage()->add_pending(ok);
+  p.work->fail(std::make_exception_ptr(CommError("all_reduce: peer 1 timed out")));
+  ok->release();
+  EXPECT_EQ(error_of<CommError>([&] {
+              p.t.view({2, 2}).to_vector<int>();
+            }),
+            "all_reduce: peer 1 timed out");
+  // Every attached work was waited and detached, the failed one included.
+  EXPECT_EQ(ok->wait_calls(), 1);
+  EXPECT_EQ(p.t.storage()->pending_count(), 0u);
+}
+
+TEST(Pending, ReadFromAnotherThreadBlocksUntilReleased) {
+  Pending p(Tensor::zeros({3}, DType::I64));
+  std::atomic<bool> done{false};
+  std::vector<int64_t> seen;
+  std::thread reader([&] {
+    seen = p.t.to_vector<int64_t>();
+    done.store(true);
+  });
+  while (p.work->wait_calls() == 0) std::this_thread::yield();
+  EXPECT_FALSE(done.load());  // blocked in wait(): the work is not released yet
+  // The producer writes the result through the raw pointer, then completes.
+  auto* raw = static_cast<int64_t*>(p.t.raw_data_ptr());
+  raw[0] = 10;
+  raw[1] = 20;
+  raw[2] = 30;
+  p.work->release();
+  reader.join();
+  EXPECT_TRUE(done.load());
+  EXPECT_EQ(seen, (std::vector<int64_t>{10, 20, 30}));
+}
+
+TEST(Pending, ConcurrentWaitersAllReturn) {
+  Pending p(Tensor::full({8}, DType::F32, 2));
+  std::vector<std::thread> threads;
+  std::atomic<int> total{0};
+  for (int i = 0; i < 4; ++i) {
+    threads.emplace_back([&] { total += static_cast<int>(sum(p.t, {}, false).item<float>()); });
+  }
+  p.work->release();
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(total.load(), 4 * 16);
+  EXPECT_GE(p.work->wait_calls(), 1);
+  EXPECT_EQ(p.t.storage()->pending_count(), 0u);
+}
+
+}  // namespace
+}  // namespace funcol

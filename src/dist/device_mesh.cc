@@ -1,0 +1,94 @@
+// DeviceMesh: an n-D, row-major arrangement of a group's ranks with one group per named dim.
+#include "funcol/dist/device_mesh.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "checks.h"
+#include "funcol/core/error.h"
+
+namespace funcol {
+
+namespace {
+
+std::string describe_dims(const std::vector<std::pair<std::string, int>>& dims) {
+  std::vector<std::string> parts;
+  for (const auto& [name, size] : dims) parts.push_back(fmt::format("{}={}", name, size));
+  return fmt::format("{}", fmt::join(parts, " x "));
+}
+
+}  // namespace
+
+DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::string, int>>& dims)
+    : dims_(dims) {
+  if (dims.empty()) throw InvalidArgument("DeviceMesh: needs at least one dim");
+  int64_t product = 1;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const auto& [name, size] = dims[i];
+    if (name.empty()) throw InvalidArgument(fmt::format("DeviceMesh: dim {} has an empty name", i));
+    if (size < 1) {
+      throw InvalidArgument(fmt::format("DeviceMesh: dim '{}' has size {} (must be >= 1)", name, size));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (dims[j].first == name) {
+        throw InvalidArgument(fmt::format("DeviceMesh: dim name '{}' is used twice", name));
+      }
+    }
+    product *= size;
+  }
+  if (product != parent.size()) {
+    throw InvalidArgument(fmt::format(
+        "DeviceMesh: dims {} need {} ranks but group '{}' has {}", describe_dims(dims), product,
+        parent.name(), parent.size()));
+  }
+  ranks_ = parent.global_ranks();
+  const int ndims = static_cast<int>(dims.size());
+  // Row-major strides: the last dim varies fastest.
+  std::vector<int> strides(ndims, 1);
+  for (int d = ndims - 2; d >= 0; --d) strides[d] = strides[d + 1] * dims[d + 1].second;
+  coordinate_.resize(ndims);
+  for (int d = 0; d < ndims; ++d) coordinate_[d] = (parent.rank() / strides[d]) % dims[d].second;
+
+  for (int d = 0; d < ndims; ++d) {
+    // One list per combination of the other coordinates, in increasing linear index.
+    std::vector<std::vector<int>> lists;
+    std::vector<int> mine;
+    for (int idx = 0; idx < parent.size(); ++idx) {
+      if ((idx / strides[d]) % dims[d].second != 0) continue;
+      std::vector<int> list;
+      for (int k = 0; k < dims[d].second; ++k) list.push_back(ranks_[idx + k * strides[d]]);
+      if (std::find(list.begin(), list.end(), ranks_[parent.rank()]) != list.end()) mine = list;
+      lists.push_back(std::move(list));
+    }
+    // A mesh of the same shape built again reuses its groups (every rank sees the same
+    // registry history, so every rank takes the same branch).
+    const std::string& name = dims[d].first;
+    auto existing = parent.registry().find(name);
+    if (existing && existing->global_ranks() == mine) {
+      groups_.push_back(existing);
+    } else {
+      groups_.push_back(parent.split_group(lists, name));
+    }
+  }
+}
+
+std::shared_ptr<ProcessGroup> DeviceMesh::group(const std::string& name) const {
+  for (size_t i = 0; i < dims_.size(); ++i) {
+    if (dims_[i].first == name) return groups_[i];
+  }
+  std::vector<std::string> names;
+  for (const auto& d : dims_) names.push_back(d.first);
+  throw InvalidArgument(
+      fmt::format("DeviceMesh: unknown dim '{}' (dims: {})", name, fmt::join(names, ", ")));
+}
+
+std::shared_ptr<ProcessGroup> DeviceMesh::group(int dim) const {
+  if (dim < 0 || dim >= ndim()) {
+    throw InvalidArgument(fmt::format("DeviceMesh: dim {} is out of range for a {}-D mesh", dim, ndim()));
+  }
+  return groups_[dim];
+}
+
+}  // namespace funcol

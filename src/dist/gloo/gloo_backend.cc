@@ -1,0 +1,527 @@
+// The gloo backend: one Gloo context per group over the TCP transport, run by one worker thread
+// per group in issue order; rendezvous through Gloo's FileStore or RedisStore.
+#include "dist/gloo/gloo_backend.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <filesystem>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#define HIREDIS_NESTED_INCLUDE 1
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoallv.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/rendezvous/redis_store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include "dist/multiprocess/process_env.h"
+#include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
+
+namespace funcol::gloo_backend {
+namespace {
+
+using process::CollectiveOp;
+using process::OpKind;
+using Clock = std::chrono::steady_clock;
+
+// Gloo's own per-operation timeout runs this much past the collective's deadline, so the
+// job's watchdog (which can name the ranks that did not arrive) reports a timeout first.
+constexpr std::chrono::milliseconds kGlooGrace{2000};
+
+// Gloo's messages start with "[/path/to/file.cc:123] "; users need only the rest.
+std::string gloo_message(const std::exception& e) {
+  std::string msg = e.what();
+  if (!msg.empty() && msg[0] == '[') {
+    auto end = msg.find("] ");
+    if (end != std::string::npos) msg = msg.substr(end + 2);
+  }
+  return msg;
+}
+
+// Calls f with a value of an unsigned type as wide as one element: Gloo's templates need only
+// the element size; the reduction function knows the real dtype.
+template <typename F>
+void with_element_type(DType dtype, F&& f) {
+  switch (itemsize(dtype)) {
+    case 1:
+      f(uint8_t{});
+      break;
+    case 2:
+      f(uint16_t{});
+      break;
+    case 4:
+      f(uint32_t{});
+      break;
+    case 8:
+      f(uint64_t{});
+      break;
+    default:
+      FUNCOL_CHECK(false, "unexpected itemsize");
+  }
+}
+
+template <typename E>
+E* as(const Tensor& t) {
+  return static_cast<E*>(t.raw_data_ptr());
+}
+
+// A rendezvous store that can delete the keys this process wrote once every peer has read
+// them, so a store directory or Redis server can serve the next job.
+class KeyStore {
+ public:
+  virtual ~KeyStore() = default;
+  virtual gloo::rendezvous::Store& store() = 0;
+  // True when every key exists (no waiting).
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  virtual void erase_own_keys() noexcept = 0;
+};
+
+class FileKeyStore final : public KeyStore {
+ public:
+  explicit FileKeyStore(const std::string& path) : store_(path) {}
+  gloo::rendezvous::Store& store() override { return store_; }
+  bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
+  void erase_own_keys() noexcept override {
+    for (const auto& path : store_.getAllKeyFilePaths()) ::unlink(path.c_str());
+  }
+
+ private:
+  // Exposes FileStore's protected existence check.
+  struct Store : gloo::rendezvous::FileStore {
+    using FileStore::check;
+    using FileStore::FileStore;
+  };
+  Store store_;
+};
+
+class RedisKeyStore final : public KeyStore {
+ public:
+  RedisKeyStore(const std::string& host, int port) : store_(host, port) {}
+  gloo::rendezvous::Store& store() override { return store_; }
+  bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
+  void erase_own_keys() noexcept override { store_.erase_written(); }
+
+ private:
+  // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
+  // left behind would make the next job's rendezvous fail).
+  struct Store : gloo::rendezvous::RedisStore {
+    using RedisStore::RedisStore;
+    void set(const std::string& key, const std::vector<char>& data) override {
+      RedisStore::set(key, data);
+      written.push_back(key);
+    }
+    void erase_written() noexcept {
+      for (const auto& key : written) {
+        void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
+        if (reply != nullptr) freeReplyObject(reply);
+      }
+      written.clear();
+    }
+    std::vector<std::string> written;
+  };
+  Store store_;
+};
+
+// State every group of the process shares.
+struct GlooShared {
+  process::StoreUrl url;
+  std::shared_ptr<gloo::transport::Device> device;
+  std::chrono::milliseconds timeout{0};
+
+  // A fresh connection per rendezvous: concurrent splits in different threads never share one.
+  std::unique_ptr<KeyStore> open_store() const {
+    try {
+      if (url.kind == process::StoreUrl::Kind::File) {
+        // Like PyTorch's FileStore, create the directory on first use.
+        std::error_code ignored;
+        std::filesystem::create_directories(url.path, ignored);
+        return std::make_unique<FileKeyStore>(url.path);
+      }
+      return std::make_unique<RedisKeyStore>(url.host, url.port);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("gloo: cannot open store '{}': {}", url.text, gloo_message(e)));
+    }
+  }
+};
+
+// Waits until every rank in `ranks` wrote "<prefix>/arrive/<rank>"; names the missing ones on
+// timeout.
+void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::vector<int>& ranks,
+                       std::chrono::milliseconds timeout, const std::string& what,
+                       const std::string& url) {
+  const auto deadline = Clock::now() + timeout;
+  std::vector<int> missing = ranks;
+  while (true) {
+    std::vector<int> still;
+    for (int r : missing) {
+      if (!store.check({fmt::format("{}/arrive/{}", prefix, r)})) still.push_back(r);
+    }
+    missing.swap(still);
+    if (missing.empty()) return;
+    if (Clock::now() > deadline) {
+      throw CommError(
+          fmt::format("gloo: rendezvous of {} at '{}' timed out after {} ms; ranks "
+                      "that did not arrive: [{}]",
+                      what, url, timeout.count(), fmt::join(missing, ", ")));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+// Connects a Gloo context for `members` (global ranks; this process is members[my_index]) under
+// `prefix`, and, when `monitor` is given, exchanges and connects the peer monitor too.
+std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::string& prefix,
+                                          const std::vector<int>& members, int my_index,
+                                          const std::string& what, process::PeerMonitor* monitor) {
+  auto store = shared.open_store();
+  const int n = static_cast<int>(members.size());
+  try {
+    gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
+    std::string mine = monitor ? monitor->address() : std::string("-");
+    prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
+    std::vector<int> indices(n);
+    std::iota(indices.begin(), indices.end(), 0);
+    wait_for_arrivals(*store, prefix, indices, shared.timeout, what, shared.url.text);
+
+    auto context = std::make_shared<gloo::rendezvous::Context>(my_index, n);
+    context->setTimeout(shared.timeout);
+    auto device = shared.device;
+    context->connectFullMesh(prefixed, device);
+
+    if (monitor) {
+      std::vector<std::string> addresses(n);
+      for (int i = 0; i < n; ++i) {
+        auto bytes = prefixed.get(fmt::format("arrive/{}", i));
+        addresses[i].assign(bytes.begin(), bytes.end());
+      }
+      monitor->connect(addresses, shared.timeout);
+    }
+    // Every member has read every key once all pass this barrier; then the keys can go.
+    gloo::BarrierOptions barrier(context);
+    barrier.setTimeout(shared.timeout);
+    gloo::barrier(barrier);
+    store->erase_own_keys();
+    return context;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string msg = gloo_message(e);
+    if (msg.find("already") != std::string::npos) {
+      msg += fmt::format(" (a previous job left its keys in '{}'; use a fresh store)",
+                         shared.url.text);
+    }
+    throw CommError(
+        fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, msg));
+  }
+}
+
+class GlooProcessGroup final : public process::ProcessGroupBase {
+ public:
+  static std::shared_ptr<GlooProcessGroup> create(int rank, std::vector<int> global_ranks,
+                                                  std::string name, GroupRegistry* registry,
+                                                  std::shared_ptr<process::ProcessJob> job,
+                                                  std::shared_ptr<GlooShared> shared,
+                                                  std::shared_ptr<gloo::Context> context) {
+    std::shared_ptr<GlooProcessGroup> group(
+        new GlooProcessGroup(rank, std::move(global_ranks), std::move(name), registry,
+                             std::move(job), std::move(shared), std::move(context)));
+    group->attach();
+    return group;
+  }
+
+  ~GlooProcessGroup() override {
+    {
+      std::lock_guard lock(queue_mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  std::string backend() const override { return "gloo"; }
+
+  std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
+                                            const std::string& name) override {
+    auto mine = my_split_list(rank_lists, name);
+    const int split = splits_++;
+    if (!mine) return nullptr;
+    const int my_index =
+        static_cast<int>(std::find(mine->begin(), mine->end(), global_rank()) - mine->begin());
+    std::shared_ptr<gloo::Context> context;
+    if (mine->size() > 1) {
+      // Disjoint groups of one split share a name (a mesh dim), so the prefix names the members.
+      std::string prefix =
+          fmt::format("funcol/{}/split{}/{}/{}", this->name(), split, name, fmt::join(*mine, "-"));
+      context = rendezvous(*shared_, prefix, *mine, my_index,
+                           fmt::format("group '{}' [{}]", name, fmt::join(*mine, ", ")), nullptr);
+    }
+    auto group = create(my_index, *mine, name, &registry(), job(), shared_, std::move(context));
+    registry().add(group);
+    return group;
+  }
+
+ protected:
+  void submit(const std::shared_ptr<CollectiveOp>& op) override {
+    {
+      std::lock_guard lock(queue_mu_);
+      queue_.push_back(op);
+    }
+    queue_cv_.notify_one();
+  }
+
+ private:
+  GlooProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
+                   GroupRegistry* registry, std::shared_ptr<process::ProcessJob> job,
+                   std::shared_ptr<GlooShared> shared, std::shared_ptr<gloo::Context> context)
+      : ProcessGroupBase(rank, std::move(global_ranks), std::move(name), registry, std::move(job)),
+        shared_(std::move(shared)),
+        context_(std::move(context)) {
+    if (context_) worker_ = std::thread([this] { work(); });
+  }
+
+  // Runs queued collectives in issue order; on stop, drains what was issued first.
+  void work() {
+    while (true) {
+      std::shared_ptr<CollectiveOp> op;
+      {
+        std::unique_lock lock(queue_mu_);
+        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      // Failed already: timed out, a peer was lost, or the group broke.
+      if (op->done()) continue;
+      try {
+        run(op);
+      } catch (const std::exception& e) {
+        fail_op(op, failure_message(*op, gloo_message(e)));
+      }
+    }
+  }
+
+  std::chrono::milliseconds op_timeout(const CollectiveOp& op) const {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(op.deadline - Clock::now());
+    return std::max(left, std::chrono::milliseconds(1)) + kGlooGrace;
+  }
+
+  void run(const std::shared_ptr<CollectiveOp>& op) {
+    const auto timeout = op_timeout(*op);
+    if (job()->detail()) {
+      std::vector<char> mine = process::encode_signature(op->signature, size());
+      std::vector<char> all(mine.size() * size());
+      gloo::AllgatherOptions o(context_);
+      o.setInput<char>(mine.data(), mine.size());
+      o.setOutput<char>(all.data(), all.size());
+      o.setTimeout(timeout);
+      gloo::allgather(o);
+      if (auto mismatch = check_gathered(*op, all)) {
+        fail_mismatch(op, *mismatch);
+        return;
+      }
+    }
+    switch (op->kind) {
+      case OpKind::AllReduce:
+      case OpKind::AllReduceCoalesced:
+        for (const auto& t : op->outputs) all_reduce_one(t, op->reduce_op, timeout);
+        break;
+      case OpKind::AllGather:
+      case OpKind::AllGatherCoalesced:
+        for (size_t i = 0; i < op->inputs.size(); ++i) {
+          all_gather_one(op->outputs[i], op->inputs[i], timeout);
+        }
+        break;
+      case OpKind::ReduceScatter:
+      case OpKind::ReduceScatterCoalesced:
+        for (size_t i = 0; i < op->inputs.size(); ++i) {
+          reduce_scatter_one(op->outputs[i], op->inputs[i], op->reduce_op, timeout);
+        }
+        break;
+      case OpKind::AllToAll:
+        with_element_type(op->dtype, [&](auto e) {
+          using E = decltype(e);
+          gloo::AlltoallvOptions o(context_);
+          o.setInput<E>(as<E>(op->inputs[0]), op->send_counts);
+          o.setOutput<E>(as<E>(op->outputs[0]), op->recv_counts);
+          o.setTimeout(timeout);
+          gloo::alltoallv(o);
+        });
+        break;
+      case OpKind::Broadcast: {
+        const Tensor& t = op->outputs[0];
+        if (t.numel() == 0) break;
+        with_element_type(t.dtype(), [&](auto e) {
+          using E = decltype(e);
+          gloo::BroadcastOptions o(context_);
+          o.setOutput<E>(as<E>(t), static_cast<size_t>(t.numel()));
+          o.setRoot(op->root);
+          o.setTimeout(timeout);
+          gloo::broadcast(o);
+        });
+        break;
+      }
+      case OpKind::Barrier: {
+        gloo::BarrierOptions o(context_);
+        o.setTimeout(timeout);
+        gloo::barrier(o);
+        break;
+      }
+    }
+    complete(op);
+  }
+
+  void all_reduce_one(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+    const int64_t n = t.numel();
+    if (n == 0) return;
+    const DType dtype = t.dtype();
+    // Avg sums first and divides once at the end; Gloo combines two buffers at a time, so
+    // f16/bf16 round after each combination (exact for the integer-valued tests).
+    const ReduceOp combine = op == ReduceOp::Avg ? ReduceOp::Sum : op;
+    with_element_type(dtype, [&](auto e) {
+      using E = decltype(e);
+      gloo::AllreduceOptions o(context_);
+      o.setOutput<E>(as<E>(t), static_cast<size_t>(n));
+      o.setReduceFunction([dtype, combine](void* out, const void* a, const void* b, size_t count) {
+        const void* srcs[2] = {a, b};
+        reduce_buffers(combine, dtype, out, srcs, 2, static_cast<int64_t>(count));
+      });
+      o.setTimeout(timeout);
+      gloo::allreduce(o);
+    });
+    if (op == ReduceOp::Avg) finish_avg(dtype, t.raw_data_ptr(), n, size());
+  }
+
+  void all_gather_one(const Tensor& out, const Tensor& in, std::chrono::milliseconds timeout) {
+    const int64_t n = in.numel();
+    if (n == 0) return;
+    with_element_type(in.dtype(), [&](auto e) {
+      using E = decltype(e);
+      gloo::AllgatherOptions o(context_);
+      o.setInput<E>(as<E>(in), static_cast<size_t>(n));
+      o.setOutput<E>(as<E>(out), static_cast<size_t>(n) * size());
+      o.setTimeout(timeout);
+      gloo::allgather(o);
+    });
+  }
+
+  // Gloo's reduce-scatter needs power-of-two-friendly layouts; an all-to-all of the blocks and
+  // a local reduction over the ranks, in rank order, is exact for every dtype and op and
+  // moves the same (n-1)/n of the data per rank.
+  void reduce_scatter_one(const Tensor& out, const Tensor& in, ReduceOp op,
+                          std::chrono::milliseconds timeout) {
+    const int64_t n = out.numel();
+    if (n == 0) return;
+    const int g = size();
+    const size_t block = static_cast<size_t>(n) * out.itemsize();
+    std::vector<char> blocks(block * g);
+    with_element_type(in.dtype(), [&](auto e) {
+      using E = decltype(e);
+      std::vector<int64_t> counts(g, n);
+      gloo::AlltoallvOptions o(context_);
+      o.setInput<E>(as<E>(in), counts);
+      o.setOutput<E>(reinterpret_cast<E*>(blocks.data()), counts);
+      o.setTimeout(timeout);
+      gloo::alltoallv(o);
+    });
+    std::vector<const void*> srcs(g);
+    for (int r = 0; r < g; ++r) srcs[r] = blocks.data() + r * block;
+    reduce_buffers(op, out.dtype(), out.raw_data_ptr(), srcs.data(), g, n);
+  }
+
+  std::shared_ptr<GlooShared> shared_;
+  std::shared_ptr<gloo::Context> context_;  // null for a group of one rank
+  std::atomic<int> splits_{0};
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::shared_ptr<CollectiveOp>> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+// An InitOptions field, else its environment variable.
+int resolve_identity(int option, const char* env, const char* field, const char* flag) {
+  if (option >= 0) return option;
+  if (auto v = process::env_int(env)) return *v;
+  throw InvalidArgument(
+      fmt::format("gloo backend needs InitOptions::{} (--{}) or the environment variable {}", field,
+                  flag, env));
+}
+
+}  // namespace
+
+process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& registry) {
+  const int world_size =
+      resolve_identity(options.world_size, "WORLD_SIZE", "world_size", "world-size");
+  const int rank = resolve_identity(options.rank, "RANK", "rank", "rank");
+  if (world_size < 1) {
+    throw InvalidArgument(
+        fmt::format("gloo backend: world size {} must be at least 1", world_size));
+  }
+  if (rank < 0 || rank >= world_size) {
+    throw InvalidArgument(
+        fmt::format("gloo backend: rank {} is out of range for world size {}", rank, world_size));
+  }
+  auto shared = std::make_shared<GlooShared>();
+  shared->timeout = process::resolve_timeout(options.timeout);
+  std::string store = options.store.empty() ? process::env_string("FUNCOL_STORE") : options.store;
+  std::shared_ptr<gloo::Context> context;
+  std::unique_ptr<process::PeerMonitor> monitor;
+  if (world_size > 1) {
+    if (store.empty()) {
+      throw InvalidArgument(
+          "gloo backend needs a store: pass InitOptions::store (--store) or set FUNCOL_STORE to "
+          "file:///dir or redis://host:port");
+    }
+    shared->url = process::parse_store_url(store);
+    // The transport's address: an explicit interface or host, else loopback for a file store
+    // (one host) and the address that routes to Redis for a Redis store (many hosts).
+    gloo::transport::tcp::attr attr;
+    std::string host = process::env_string("FUNCOL_GLOO_HOSTNAME");
+    std::string iface = process::env_string("FUNCOL_GLOO_IFNAME");
+    if (!iface.empty()) {
+      attr.iface = iface;
+    } else {
+      if (host.empty()) {
+        host = shared->url.kind == process::StoreUrl::Kind::Redis
+                   ? process::route_address(shared->url.host, shared->url.port)
+                   : std::string("127.0.0.1");
+      }
+      attr.hostname = host;
+    }
+    try {
+      shared->device = gloo::transport::tcp::CreateDevice(attr);
+    } catch (const std::exception& e) {
+      throw CommError(fmt::format("gloo: cannot create a TCP device on {}: {}",
+                                  iface.empty() ? host : "interface " + iface, gloo_message(e)));
+    }
+    if (host.empty()) host = process::interface_address(iface);
+    monitor = std::make_unique<process::PeerMonitor>(rank, world_size, host);
+    std::vector<int> members(world_size);
+    std::iota(members.begin(), members.end(), 0);
+    context = rendezvous(*shared, "funcol/world", members, rank,
+                         fmt::format("the world ({} ranks)", world_size), monitor.get());
+  }
+  auto job = std::make_shared<process::ProcessJob>("gloo", rank, world_size, shared->timeout,
+                                                   process::debug_detail(), std::move(monitor));
+  std::vector<int> ranks(world_size);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  auto world = GlooProcessGroup::create(rank, std::move(ranks), "world", &registry, job, shared,
+                                        std::move(context));
+  return {world, job};
+}
+
+}  // namespace funcol::gloo_backend

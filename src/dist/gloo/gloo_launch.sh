@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Starts N ranks of a gloo program on this host (RANK, WORLD_SIZE, FUNCOL_STORE), waits for
+# them, kills any left after --timeout, and fails when a rank fails.
+#
+#   gloo_launch.sh --np N [--store URL] [--expect-killed R] [--timeout S] -- program args...
+#
+# Without --store, a fresh temporary directory is the file store (removed at the end). Each
+# rank's output is printed, prefixed "[rank R]", once all ranks are done. --expect-killed R
+# accepts rank R dying of SIGKILL (the failure tests); any other non-zero exit fails the run.
+set -uo pipefail
+
+np=""
+store=""
+expect_killed=-1
+timeout=600
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --np) np=$2; shift 2 ;;
+    --store) store=$2; shift 2 ;;
+    --expect-killed) expect_killed=$2; shift 2 ;;
+    --timeout) timeout=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "gloo_launch.sh: unknown option '$1'" >&2; exit 2 ;;
+  esac
+done
+if [ -z "$np" ] || [ $# -eq 0 ]; then
+  echo "usage: gloo_launch.sh --np N [--store URL] [--expect-killed R] [--timeout S] --" \
+       "program args..." >&2
+  exit 2
+fi
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+if [ -z "$store" ]; then
+  mkdir "$work/store"
+  store="file://$work/store"
+fi
+
+for ((r = 0; r < np; r++)); do
+  RANK=$r WORLD_SIZE=$np FUNCOL_STORE=$store "$@" >"$work/rank$r.log" 2>&1 &
+  pids+=($!)
+done
+
+# A hang is a failure, not a stuck CI: past the deadline every rank left is killed.
+deadline=$((SECONDS + timeout))
+status=0
+for ((r = 0; r < np; r++)); do
+  pid=${pids[$r]}
+  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    # Poll: bash cannot wait for one child with a timeout.
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "gloo_launch.sh: rank $r still running after ${timeout} s; killing every rank" >&2
+    status=1
+    break
+  fi
+  # (stderr: bash's own "Killed" notice for the expected SIGKILL)
+  wait "$pid" 2>/dev/null
+  rc=$?
+  if [ $rc -eq 137 ] && [ "$r" -eq "$expect_killed" ]; then
+    echo "gloo_launch.sh: rank $r was killed (SIGKILL), as expected"
+  elif [ $rc -ne 0 ]; then
+    echo "gloo_launch.sh: rank $r exited with status $rc" >&2
+    status=1
+  fi
+done
+for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null; done
+for ((r = 0; r < np; r++)); do
+  sed "s/^/[rank $r] /" "$work/rank$r.log"
+done
+exit $status

@@ -1,0 +1,680 @@
+// The mpi backend: every MPI call runs on one communication thread per process, which posts
+// nonblocking collectives in issue order and polls them with MPI_Testall.
+#include "dist/mpi/mpi_backend.h"
+
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "dist/multiprocess/process_env.h"
+#include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
+
+namespace funcol::mpi_backend {
+namespace {
+
+using process::CollectiveOp;
+using process::OpKind;
+using Clock = std::chrono::steady_clock;
+
+// Polls without sleeping this many times after the last progress, then backs off to at most
+// kMaxIdleSleep between polls, so idle ranks leave the cores (CI oversubscribes them) while a
+// busy stream of collectives keeps low latency.
+constexpr int kSpinPolls = 200;
+constexpr std::chrono::microseconds kMaxIdleSleep{1000};
+// At exit, how long outstanding collectives may take to drain before MPI_Abort.
+constexpr std::chrono::seconds kExitDrain{10};
+
+std::string mpi_error(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
+  return std::string(text, static_cast<size_t>(len));
+}
+
+// ---- datatypes and reduction operators (created once, on the communication thread) ----
+
+MPI_Datatype g_f16 = MPI_DATATYPE_NULL;
+MPI_Datatype g_bf16 = MPI_DATATYPE_NULL;
+MPI_Op g_custom_ops[8] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL,
+                          MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+
+MPI_Datatype mpi_type(DType dtype) {
+  switch (dtype) {
+    case DType::Bool:
+      return MPI_C_BOOL;
+    case DType::U8:
+      return MPI_UINT8_T;
+    case DType::I8:
+      return MPI_INT8_T;
+    case DType::I16:
+      return MPI_INT16_T;
+    case DType::I32:
+      return MPI_INT32_T;
+    case DType::I64:
+      return MPI_INT64_T;
+    case DType::F16:
+      return g_f16;
+    case DType::BF16:
+      return g_bf16;
+    case DType::F32:
+      return MPI_FLOAT;
+    case DType::F64:
+      return MPI_DOUBLE;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// The funcol dtype of a datatype handed to a user-defined operator.
+DType dtype_of(MPI_Datatype t) {
+  if (t == g_f16) return DType::F16;
+  if (t == g_bf16) return DType::BF16;
+  if (t == MPI_C_BOOL) return DType::Bool;
+  for (DType d : kAllDTypes) {
+    if (mpi_type(d) == t) return d;
+  }
+  FUNCOL_CHECK(false, "user-defined MPI operator called with an unknown datatype");
+  return DType::F32;
+}
+
+// MPI's contract: inout[i] = in[i] op inout[i]; every funcol reduce op is commutative.
+template <ReduceOp R>
+void user_reduce(void* in, void* inout, int* len, MPI_Datatype* type) {
+  reduce_inplace(R, dtype_of(*type), inout, in, *len);
+}
+
+void create_types_and_ops() {
+  MPI_Type_contiguous(2, MPI_BYTE, &g_f16);
+  MPI_Type_commit(&g_f16);
+  MPI_Type_contiguous(2, MPI_BYTE, &g_bf16);
+  MPI_Type_commit(&g_bf16);
+  MPI_User_function* fns[8] = {user_reduce<ReduceOp::Sum>,     user_reduce<ReduceOp::Sum>,
+                               user_reduce<ReduceOp::Product>, user_reduce<ReduceOp::Min>,
+                               user_reduce<ReduceOp::Max>,     user_reduce<ReduceOp::BAnd>,
+                               user_reduce<ReduceOp::BOr>,     user_reduce<ReduceOp::BXor>};
+  for (int i = 0; i < 8; ++i) MPI_Op_create(fns[i], /*commute=*/1, &g_custom_ops[i]);
+}
+
+// Predefined operators for the predefined types; funcol's kernels (f32 accumulation for
+// f16/bf16, bool semantics) through user-defined operators otherwise. Avg sums; the caller
+// divides afterwards.
+MPI_Op mpi_op(ReduceOp op, DType dtype) {
+  const bool predefined = dtype != DType::Bool && dtype != DType::F16 && dtype != DType::BF16;
+  if (!predefined) return g_custom_ops[static_cast<int>(op == ReduceOp::Avg ? ReduceOp::Sum : op)];
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Avg:
+      return MPI_SUM;
+    case ReduceOp::Product:
+      return MPI_PROD;
+    case ReduceOp::Min:
+      return MPI_MIN;
+    case ReduceOp::Max:
+      return MPI_MAX;
+    case ReduceOp::BAnd:
+      return MPI_BAND;
+    case ReduceOp::BOr:
+      return MPI_BOR;
+    case ReduceOp::BXor:
+      return MPI_BXOR;
+  }
+  return MPI_OP_NULL;
+}
+
+// ---- the communication thread ----
+
+// Owns MPI for the process: initialises it, runs every MPI call, polls outstanding requests,
+// and finalises (or aborts) it at exit. Intentionally leaked so that it outlives static
+// destructors that may still drop groups.
+class Runtime {
+ public:
+  static Runtime& get() {
+    static Runtime* runtime = [] {
+      auto* r = new Runtime();
+      r->start();
+      return r;
+    }();
+    if (!runtime->init_error_.empty()) throw CommError(runtime->init_error_);
+    return *runtime;
+  }
+
+  // Runs fn on the communication thread and returns its result; rethrows its exception.
+  template <typename F>
+  auto call(F&& fn) -> decltype(fn()) {
+    using R = decltype(fn());
+    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(fn));
+    auto future = task->get_future();
+    if (!post([task] { (*task)(); })) {
+      throw CommError("mpi: MPI was already finalised (the process is exiting)");
+    }
+    return future.get();
+  }
+
+  // Queues fn for the communication thread; false once MPI is finalised.
+  bool post(std::function<void()> fn) {
+    {
+      std::lock_guard lock(mu_);
+      if (stopped_) return false;
+      tasks_.push_back(std::move(fn));
+    }
+    cv_.notify_one();
+    return true;
+  }
+
+  // Communication thread only: calls done(MPI_SUCCESS or an error code) once every request
+  // completed (done may track more requests).
+  void track(std::vector<MPI_Request> requests, std::function<void(int)> done) {
+    if (requests.empty()) {
+      done(MPI_SUCCESS);
+      return;
+    }
+    active_.push_back({std::move(requests), std::move(done)});
+  }
+
+  // A collective failed or was abandoned: finalising could wait for it forever.
+  void mark_unclean() { unclean_.store(true); }
+
+ private:
+  struct Active {
+    std::vector<MPI_Request> requests;
+    std::function<void(int)> done;
+  };
+
+  void start() {
+    std::promise<void> ready;
+    auto ready_future = ready.get_future();
+    thread_ = std::thread([this, &ready] {
+      initialise();
+      ready.set_value();
+      loop();
+    });
+    ready_future.wait();
+    if (init_error_.empty()) std::atexit([] { get_unchecked().finalise_at_exit(); });
+  }
+
+  static Runtime& get_unchecked() { return get(); }
+
+  void initialise() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    int provided = MPI_THREAD_SINGLE;
+    if (!initialized) {
+      if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
+        init_error_ = "mpi: MPI_Init_thread failed";
+        return;
+      }
+      owns_mpi_ = true;
+      // This thread made MPI_Init_thread and makes every later call, so any level works.
+    } else {
+      MPI_Query_thread(&provided);
+      if (provided < MPI_THREAD_SERIALIZED) {
+        init_error_ = fmt::format(
+            "mpi: MPI was initialised with thread level {} by someone else; funcol calls MPI from "
+            "its own communication thread and needs MPI_THREAD_SERIALIZED ({}) or higher",
+            provided, static_cast<int>(MPI_THREAD_SERIALIZED));
+        return;
+      }
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    create_types_and_ops();
+  }
+
+  void loop() {
+    int idle = 0;
+    while (true) {
+      std::deque<std::function<void()>> tasks;
+      {
+        std::unique_lock lock(mu_);
+        auto has_work = [&] { return !tasks_.empty() || stopping_; };
+        if (active_.empty()) {
+          cv_.wait(lock, has_work);
+        } else if (idle > kSpinPolls) {
+          auto sleep = std::min<std::chrono::microseconds>(
+              kMaxIdleSleep, std::chrono::microseconds(1 << std::min(idle - kSpinPolls, 10)));
+          cv_.wait_for(lock, sleep, has_work);
+        }
+        tasks.swap(tasks_);
+        if (stopping_ && tasks.empty()) break;
+      }
+      for (auto& task : tasks) task();
+      bool progressed = !tasks.empty();
+      for (size_t i = 0; i < active_.size();) {
+        int flag = 0;
+        int rc = MPI_Testall(static_cast<int>(active_[i].requests.size()),
+                             active_[i].requests.data(), &flag, MPI_STATUSES_IGNORE);
+        if (rc == MPI_SUCCESS && !flag) {
+          ++i;
+          continue;
+        }
+        auto done = std::move(active_[i].done);
+        active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+        done(rc);
+        progressed = true;
+      }
+      if (progressed) {
+        idle = 0;
+      } else if (++idle <= kSpinPolls) {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  void finalise_at_exit() {
+    bool abort = false;
+    std::promise<void> finished;
+    auto posted = post([&] {
+      // Let healthy collectives still in flight finish first.
+      const auto deadline = Clock::now() + kExitDrain;
+      while (!active_.empty() && !unclean_.load() && Clock::now() < deadline) {
+        for (size_t i = 0; i < active_.size();) {
+          int flag = 0;
+          int rc = MPI_Testall(static_cast<int>(active_[i].requests.size()),
+                               active_[i].requests.data(), &flag, MPI_STATUSES_IGNORE);
+          if (rc != MPI_SUCCESS || flag) {
+            active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+          } else {
+            ++i;
+          }
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      abort = unclean_.load() || !active_.empty();
+      if (abort) {
+        // MPI_Finalize synchronises with every rank; after a failure some never come.
+        std::fprintf(stderr,
+                     "funcol mpi: aborting the MPI job at exit because a collective failed or "
+                     "never completed\n");
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      } else if (owns_mpi_) {
+        MPI_Finalize();
+      }
+      finished.set_value();
+    });
+    if (!posted) return;
+    finished.get_future().wait();
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+      stopped_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  bool stopped_ = false;
+  std::vector<Active> active_;  // communication thread only
+  std::string init_error_;
+  bool owns_mpi_ = false;
+  std::atomic<bool> unclean_{false};
+};
+
+// Starts a nonblocking MPI operation on the communication thread and waits for it from the
+// calling thread until `deadline`; throws CommError naming `what` on error or timeout.
+void run_with_deadline(Runtime& rt, const std::function<int(MPI_Request*)>& start,
+                       Clock::time_point deadline, const std::string& what) {
+  auto result = std::make_shared<std::promise<int>>();
+  auto future = result->get_future();
+  auto request = std::make_shared<MPI_Request>(MPI_REQUEST_NULL);
+  if (!rt.post([&rt, start, result, request] {
+        int rc = start(request.get());
+        if (rc != MPI_SUCCESS) {
+          result->set_value(rc);
+          return;
+        }
+        rt.track({*request}, [result](int code) { result->set_value(code); });
+      })) {
+    throw CommError(fmt::format("mpi: {}: MPI was already finalised", what));
+  }
+  if (future.wait_until(deadline) != std::future_status::ready) {
+    rt.mark_unclean();
+    throw CommError(fmt::format("mpi: {} timed out; some ranks did not arrive", what));
+  }
+  int rc = future.get();
+  if (rc != MPI_SUCCESS) throw CommError(fmt::format("mpi: {} failed: {}", what, mpi_error(rc)));
+}
+
+// A pointer range, to detect MPI send and receive buffers that overlap.
+bool overlaps(const void* a, size_t a_len, const void* b, size_t b_len) {
+  auto pa = reinterpret_cast<uintptr_t>(a);
+  auto pb = reinterpret_cast<uintptr_t>(b);
+  return a_len > 0 && b_len > 0 && pa < pb + b_len && pb < pa + a_len;
+}
+
+// One collective of a group on the communication thread, in issue order.
+struct Slot {
+  std::shared_ptr<CollectiveOp> op;
+  bool finished = false;         // MPI is done with it (or it failed)
+  std::function<void()> finish;  // what completes its Work, run in issue order
+};
+
+class MpiProcessGroup final : public process::ProcessGroupBase {
+ public:
+  static std::shared_ptr<MpiProcessGroup> create(int rank, std::vector<int> global_ranks,
+                                                 std::string name, GroupRegistry* registry,
+                                                 std::shared_ptr<process::ProcessJob> job,
+                                                 MPI_Comm comm) {
+    std::shared_ptr<MpiProcessGroup> group(new MpiProcessGroup(
+        rank, std::move(global_ranks), std::move(name), registry, std::move(job), comm));
+    group->attach();
+    return group;
+  }
+
+  ~MpiProcessGroup() override {
+    // A broken communicator may still have requests MPI owns; leave it to MPI_Abort.
+    if (comm_ != MPI_COMM_NULL && !broken()) {
+      MPI_Comm comm = comm_;
+      Runtime::get().post([comm]() mutable { MPI_Comm_free(&comm); });
+    }
+  }
+
+  std::string backend() const override { return "mpi"; }
+
+  // MPI may still own requests of this communicator: finalising could wait for them forever.
+  void on_broken() override { Runtime::get().mark_unclean(); }
+
+  std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
+                                            const std::string& name) override {
+    auto mine = my_split_list(rank_lists, name);
+    int color = MPI_UNDEFINED;
+    int key = 0;
+    for (size_t i = 0; i < rank_lists.size(); ++i) {
+      auto it = std::find(rank_lists[i].begin(), rank_lists[i].end(), global_rank());
+      if (it != rank_lists[i].end()) {
+        color = static_cast<int>(i);
+        key = static_cast<int>(it - rank_lists[i].begin());
+      }
+    }
+    // MPI_Comm_split blocks until every rank of the communicator calls it; a barrier with this
+    // group's timeout first makes a missing rank a CommError instead of a hang.
+    barrier_async()->wait();
+    MPI_Comm parent = comm_;
+    MPI_Comm comm = Runtime::get().call([&] {
+      MPI_Comm out = MPI_COMM_NULL;
+      int rc = MPI_Comm_split(parent, color, key, &out);
+      if (rc != MPI_SUCCESS) {
+        throw CommError(fmt::format("mpi: split_group '{}' of group '{}' failed: {}", name,
+                                    this->name(), mpi_error(rc)));
+      }
+      if (out != MPI_COMM_NULL) MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+      return out;
+    });
+    if (!mine) return nullptr;
+    auto group = create(key, *mine, name, &registry(), job(), comm);
+    registry().add(group);
+    return group;
+  }
+
+ protected:
+  void submit(const std::shared_ptr<CollectiveOp>& op) override {
+    auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
+    if (!Runtime::get().post([self, op] { self->start(op); })) {
+      fail_op(op, failure_message(*op, "MPI was already finalised"));
+    }
+  }
+
+ private:
+  MpiProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
+                  GroupRegistry* registry, std::shared_ptr<process::ProcessJob> job, MPI_Comm comm)
+      : ProcessGroupBase(rank, std::move(global_ranks), std::move(name), registry, std::move(job)),
+        comm_(comm) {}
+
+  void fail_mpi(const std::shared_ptr<Slot>& slot, int rc) {
+    Runtime::get().mark_unclean();
+    fail_op(slot->op, failure_message(*slot->op, mpi_error(rc)));
+    finished(slot, {});
+  }
+
+  // Communication thread: the signature exchange (detail mode), then the collective.
+  void start(const std::shared_ptr<CollectiveOp>& op) {
+    if (op->done()) return;
+    auto slot = std::make_shared<Slot>();
+    slot->op = op;
+    order_.push_back(slot);
+    if (!job()->detail()) {
+      start_collective(slot);
+      return;
+    }
+    const int bytes = static_cast<int>(process::signature_bytes(size()));
+    auto mine =
+        std::make_shared<std::vector<char>>(process::encode_signature(op->signature, size()));
+    auto all = std::make_shared<std::vector<char>>(static_cast<size_t>(bytes) * size());
+    MPI_Request request;
+    int rc = MPI_Iallgather(mine->data(), bytes, MPI_BYTE, all->data(), bytes, MPI_BYTE, comm_,
+                            &request);
+    if (rc != MPI_SUCCESS) return fail_mpi(slot, rc);
+    auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
+    Runtime::get().track({request}, [self, slot, mine, all](int code) {
+      if (code != MPI_SUCCESS) return self->fail_mpi(slot, code);
+      if (slot->op->done()) return self->finished(slot, {});
+      if (auto mismatch = self->check_gathered(*slot->op, *all)) {
+        // Every rank saw the same signatures and skips the collective: the group stays usable.
+        self->finished(slot, [self, op = slot->op, m = *mismatch] { self->fail_mismatch(op, m); });
+        return;
+      }
+      self->start_collective(slot);
+    });
+  }
+
+  void start_collective(const std::shared_ptr<Slot>& slot) {
+    const auto& op = slot->op;
+    // Buffers MPI reads or writes until completion: copies of overlapping inputs and the
+    // all-to-all count arrays.
+    struct Scratch {
+      std::vector<std::vector<char>> copies;
+      std::vector<int> sc, sd, rc, rd;
+    };
+    auto scratch = std::make_shared<Scratch>();
+    std::vector<MPI_Request> requests;
+    auto post = [&](int rc, MPI_Request request) {
+      if (rc != MPI_SUCCESS) return false;
+      requests.push_back(request);
+      return true;
+    };
+    auto too_big = [&](int64_t count) {
+      if (count <= INT_MAX) return false;
+      fail_op(op,
+              failure_message(*op, fmt::format("{} elements exceed MPI's int count limit", count)));
+      finished(slot, {});
+      return true;
+    };
+    // An input that overlaps its output travels from a private copy (MPI forbids aliasing).
+    auto send_buffer = [&](const Tensor& in, const Tensor& out) -> const void* {
+      const void* p = in.raw_data_ptr();
+      if (!overlaps(p, in.nbytes(), out.raw_data_ptr(), out.nbytes())) return p;
+      auto& copy = scratch->copies.emplace_back(in.nbytes());
+      std::memcpy(copy.data(), p, in.nbytes());
+      return copy.data();
+    };
+    int rc = MPI_SUCCESS;
+    MPI_Request request = MPI_REQUEST_NULL;
+    switch (op->kind) {
+      case OpKind::AllReduce:
+      case OpKind::AllReduceCoalesced:
+        for (const auto& t : op->outputs) {
+          if (t.numel() == 0) continue;
+          if (too_big(t.numel())) return;
+          rc = MPI_Iallreduce(MPI_IN_PLACE, t.raw_data_ptr(), static_cast<int>(t.numel()),
+                              mpi_type(t.dtype()), mpi_op(op->reduce_op, t.dtype()), comm_,
+                              &request);
+          if (!post(rc, request)) return fail_mpi(slot, rc);
+        }
+        break;
+      case OpKind::AllGather:
+      case OpKind::AllGatherCoalesced:
+        for (size_t i = 0; i < op->inputs.size(); ++i) {
+          const Tensor& in = op->inputs[i];
+          const Tensor& out = op->outputs[i];
+          if (in.numel() == 0) continue;
+          if (too_big(out.numel())) return;
+          const int n = static_cast<int>(in.numel());
+          const MPI_Datatype type = mpi_type(in.dtype());
+          // In place when the input is this rank's own block of the output.
+          const char* own = static_cast<const char*>(out.raw_data_ptr()) + rank() * in.nbytes();
+          const void* send = in.raw_data_ptr() == own ? MPI_IN_PLACE : send_buffer(in, out);
+          rc = MPI_Iallgather(send, n, type, out.raw_data_ptr(), n, type, comm_, &request);
+          if (!post(rc, request)) return fail_mpi(slot, rc);
+        }
+        break;
+      case OpKind::ReduceScatter:
+      case OpKind::ReduceScatterCoalesced:
+        for (size_t i = 0; i < op->inputs.size(); ++i) {
+          const Tensor& in = op->inputs[i];
+          const Tensor& out = op->outputs[i];
+          if (out.numel() == 0) continue;
+          if (too_big(in.numel())) return;
+          rc = MPI_Ireduce_scatter_block(send_buffer(in, out), out.raw_data_ptr(),
+                                         static_cast<int>(out.numel()), mpi_type(in.dtype()),
+                                         mpi_op(op->reduce_op, in.dtype()), comm_, &request);
+          if (!post(rc, request)) return fail_mpi(slot, rc);
+        }
+        break;
+      case OpKind::AllToAll: {
+        const Tensor& in = op->inputs[0];
+        const Tensor& out = op->outputs[0];
+        if (too_big(std::max(in.numel(), out.numel()))) return;
+        for (int j = 0; j < size(); ++j) {
+          scratch->sc.push_back(static_cast<int>(op->send_counts[j]));
+          scratch->sd.push_back(static_cast<int>(op->send_displs[j]));
+          scratch->rc.push_back(static_cast<int>(op->recv_counts[j]));
+          scratch->rd.push_back(static_cast<int>(op->recv_displs[j]));
+        }
+        const MPI_Datatype type = mpi_type(in.dtype());
+        rc = MPI_Ialltoallv(send_buffer(in, out), scratch->sc.data(), scratch->sd.data(), type,
+                            out.raw_data_ptr(), scratch->rc.data(), scratch->rd.data(), type, comm_,
+                            &request);
+        if (!post(rc, request)) return fail_mpi(slot, rc);
+        break;
+      }
+      case OpKind::Broadcast: {
+        const Tensor& t = op->outputs[0];
+        if (t.numel() == 0) break;
+        if (too_big(t.numel())) return;
+        rc = MPI_Ibcast(t.raw_data_ptr(), static_cast<int>(t.numel()), mpi_type(t.dtype()),
+                        op->root, comm_, &request);
+        if (!post(rc, request)) return fail_mpi(slot, rc);
+        break;
+      }
+      case OpKind::Barrier:
+        rc = MPI_Ibarrier(comm_, &request);
+        if (!post(rc, request)) return fail_mpi(slot, rc);
+        break;
+    }
+    auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
+    Runtime::get().track(std::move(requests), [self, slot, scratch](int code) {
+      if (code != MPI_SUCCESS) return self->fail_mpi(slot, code);
+      self->finished(slot, [self, op = slot->op] {
+        if (op->done()) return;  // failed meanwhile (timeout, lost peer): leave the buffers be
+        if (op->reduce_op == ReduceOp::Avg && process::reduces(op->kind)) {
+          for (const auto& t : op->outputs) {
+            if (t.numel() > 0) finish_avg(t.dtype(), t.raw_data_ptr(), t.numel(), self->size());
+          }
+        }
+        self->complete(op);
+      });
+    });
+  }
+
+  // Ends the slot's collective once every collective issued before it on this group ended:
+  // MPI may complete a later request first (a barrier before the all_reduce issued ahead of
+  // it), but Works complete in issue order, like every other backend's.
+  void finished(const std::shared_ptr<Slot>& slot, std::function<void()> finish) {
+    slot->finished = true;
+    slot->finish = std::move(finish);
+    while (!order_.empty() && (order_.front()->finished || order_.front()->op->done())) {
+      auto front = std::move(order_.front());
+      order_.pop_front();
+      if (front->finished && front->finish) front->finish();
+    }
+  }
+
+  MPI_Comm comm_;
+  std::deque<std::shared_ptr<Slot>> order_;  // communication thread only
+};
+
+}  // namespace
+
+process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& registry) {
+  Runtime& rt = Runtime::get();
+  const auto timeout = process::resolve_timeout(options.timeout);
+  auto [rank, size] = rt.call([] {
+    int r = 0, n = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return std::pair<int, int>(r, n);
+  });
+  if (options.rank >= 0 && options.rank != rank) {
+    throw InvalidArgument(fmt::format(
+        "mpi backend: InitOptions::rank {} differs from MPI's rank {}", options.rank, rank));
+  }
+  if (options.world_size >= 0 && options.world_size != size) {
+    throw InvalidArgument(fmt::format(
+        "mpi backend: InitOptions::world_size {} differs from MPI's world size {} (mpirun -np)",
+        options.world_size, size));
+  }
+  const auto deadline = Clock::now() + timeout;
+  auto comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+  run_with_deadline(
+      rt, [comm](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, comm.get(), r); }, deadline,
+      fmt::format("init_process_group (MPI_Comm_idup over {} ranks)", size));
+  rt.call([comm] { return MPI_Comm_set_errhandler(*comm, MPI_ERRORS_RETURN); });
+
+  std::unique_ptr<process::PeerMonitor> monitor;
+  if (size > 1) {
+    // The monitor listens on every interface; peers on this host dial loopback, others the
+    // host's first non-loopback address.
+    monitor = std::make_unique<process::PeerMonitor>(rank, size, "0.0.0.0");
+    constexpr int kInfoBytes = 512;
+    auto mine = std::make_shared<std::vector<char>>(kInfoBytes, 0);
+    auto all = std::make_shared<std::vector<char>>(static_cast<size_t>(kInfoBytes) * size, 0);
+    char host[MPI_MAX_PROCESSOR_NAME] = {};
+    int host_len = 0;
+    rt.call([&] { return MPI_Get_processor_name(host, &host_len); });
+    std::string info = fmt::format("{}|{}|{}", std::string(host, static_cast<size_t>(host_len)),
+                                   process::default_host_address(), monitor->port());
+    std::memcpy(mine->data(), info.data(), std::min<size_t>(info.size(), kInfoBytes - 1));
+    run_with_deadline(
+        rt,
+        [mine, all, comm](MPI_Request* r) {
+          return MPI_Iallgather(mine->data(), kInfoBytes, MPI_BYTE, all->data(), kInfoBytes,
+                                MPI_BYTE, *comm, r);
+        },
+        deadline, "init_process_group (exchanging peer addresses)");
+    std::vector<std::string> addresses(size);
+    for (int r = 0; r < size; ++r) {
+      std::string entry(all->data() + static_cast<size_t>(r) * kInfoBytes);
+      auto a = entry.find('|');
+      auto b = entry.rfind('|');
+      std::string peer_host = entry.substr(0, a);
+      std::string ip = entry.substr(a + 1, b - a - 1);
+      std::string port = entry.substr(b + 1);
+      addresses[r] =
+          (peer_host == std::string(host, static_cast<size_t>(host_len)) ? "127.0.0.1" : ip) + ":" +
+          port;
+    }
+    monitor->connect(addresses,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(std::max(
+                         deadline - Clock::now(), Clock::duration(std::chrono::seconds(1)))));
+  }
+  auto job = std::make_shared<process::ProcessJob>("mpi", rank, size, timeout,
+                                                   process::debug_detail(), std::move(monitor));
+  std::vector<int> ranks(size);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  auto world = MpiProcessGroup::create(rank, std::move(ranks), "world", &registry, job, *comm);
+  return {world, job};
+}
+
+}  // namespace funcol::mpi_backend

@@ -1,0 +1,212 @@
+// Encoding and cross-rank comparison of collective signatures (FUNCOL_DEBUG=detail).
+#include "dist/multiprocess/op_signature.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "funcol/core/error.h"
+
+namespace funcol::process {
+namespace {
+
+constexpr int kSlotsInFull = 8;
+// kind, reduce op, root, slot count, hash of every slot, then the slots, then the splits.
+constexpr size_t kHeaderBytes = 2 * sizeof(int64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t);
+constexpr size_t kSlotBytes = 2 * sizeof(int64_t);
+
+class Writer {
+ public:
+  explicit Writer(std::vector<char>& out) : out_(out) {}
+  void put(int64_t v) {
+    std::memcpy(out_.data() + pos_, &v, sizeof v);
+    pos_ += sizeof v;
+  }
+
+ private:
+  std::vector<char>& out_;
+  size_t pos_ = 0;
+};
+
+class Reader {
+ public:
+  explicit Reader(const char* in) : in_(in) {}
+  int64_t get() {
+    int64_t v;
+    std::memcpy(&v, in_ + pos_, sizeof v);
+    pos_ += sizeof v;
+    return v;
+  }
+
+ private:
+  const char* in_;
+  size_t pos_ = 0;
+};
+
+// FNV-1a over every slot, so long coalesced lists compare in full.
+uint64_t hash_slots(const std::vector<OpSignature::Slot>& slots) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& s : slots) {
+    mix(static_cast<int64_t>(s.dtype));
+    mix(s.count);
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string_view op_kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::AllReduce:
+      return "all_reduce";
+    case OpKind::AllGather:
+      return "all_gather";
+    case OpKind::ReduceScatter:
+      return "reduce_scatter";
+    case OpKind::AllToAll:
+      return "all_to_all";
+    case OpKind::Broadcast:
+      return "broadcast";
+    case OpKind::Barrier:
+      return "barrier";
+    case OpKind::AllReduceCoalesced:
+      return "all_reduce_coalesced";
+    case OpKind::AllGatherCoalesced:
+      return "all_gather_coalesced";
+    case OpKind::ReduceScatterCoalesced:
+      return "reduce_scatter_coalesced";
+  }
+  return "unknown";
+}
+
+bool reduces(OpKind kind) {
+  return kind == OpKind::AllReduce || kind == OpKind::ReduceScatter ||
+         kind == OpKind::AllReduceCoalesced || kind == OpKind::ReduceScatterCoalesced;
+}
+
+namespace {
+bool coalesced(OpKind kind) {
+  return kind == OpKind::AllReduceCoalesced || kind == OpKind::AllGatherCoalesced ||
+         kind == OpKind::ReduceScatterCoalesced;
+}
+}  // namespace
+
+std::string OpSignature::summary() const {
+  std::string s = std::string(op_kind_name(kind)) + "(";
+  if (kind == OpKind::Barrier) return s + ")";
+  const char* count_name = kind == OpKind::AllToAll ? "row" : "numel";
+  if (coalesced(kind)) s += fmt::format("{} tensors: ", slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (i) s += ", ";
+    if (i == kSlotsInFull) {
+      s += "...";
+      break;
+    }
+    s += fmt::format("{} {} {}", dtype_name(slots[i].dtype), count_name, slots[i].count);
+  }
+  if (reduces(kind)) s += fmt::format(", op {}", reduce_op_name(reduce_op));
+  if (kind == OpKind::Broadcast) s += fmt::format(", src {}", root);
+  return s + ")";
+}
+
+bool OpSignature::same_call(const OpSignature& o) const {
+  if (kind != o.kind || slots.size() != o.slots.size()) return false;
+  if (reduces(kind) && reduce_op != o.reduce_op) return false;
+  if (kind == OpKind::Broadcast && root != o.root) return false;
+  return hash_slots(slots) == hash_slots(o.slots) &&
+         std::equal(slots.begin(), slots.begin() + std::min<size_t>(slots.size(), kSlotsInFull),
+                    o.slots.begin(), [](const Slot& a, const Slot& b) {
+                      return a.dtype == b.dtype && a.count == b.count;
+                    });
+}
+
+size_t signature_bytes(int group_size) {
+  return kHeaderBytes + kSlotsInFull * kSlotBytes +
+         2 * static_cast<size_t>(group_size) * sizeof(int64_t);
+}
+
+std::vector<char> encode_signature(const OpSignature& sig, int group_size) {
+  std::vector<char> out(signature_bytes(group_size), 0);
+  Writer w(out);
+  w.put(static_cast<int64_t>(sig.kind));
+  w.put(static_cast<int64_t>(sig.reduce_op));
+  w.put(sig.root);
+  w.put(static_cast<int64_t>(sig.slots.size()));
+  w.put(static_cast<int64_t>(hash_slots(sig.slots)));
+  for (int i = 0; i < kSlotsInFull; ++i) {
+    bool have = i < static_cast<int>(sig.slots.size());
+    w.put(have ? static_cast<int64_t>(sig.slots[i].dtype) : 0);
+    w.put(have ? sig.slots[i].count : 0);
+  }
+  for (int r = 0; r < group_size; ++r) {
+    w.put(r < static_cast<int>(sig.input_splits.size()) ? sig.input_splits[r] : 0);
+  }
+  for (int r = 0; r < group_size; ++r) {
+    w.put(r < static_cast<int>(sig.output_splits.size()) ? sig.output_splits[r] : 0);
+  }
+  return out;
+}
+
+OpSignature decode_signature(const char* bytes, int group_size) {
+  Reader rd(bytes);
+  OpSignature sig;
+  sig.kind = static_cast<OpKind>(rd.get());
+  sig.reduce_op = static_cast<ReduceOp>(rd.get());
+  sig.root = static_cast<int>(rd.get());
+  const int64_t nslots = rd.get();
+  FUNCOL_CHECK(nslots >= 0, "corrupt collective signature");
+  const uint64_t hash = static_cast<uint64_t>(rd.get());
+  for (int i = 0; i < kSlotsInFull; ++i) {
+    OpSignature::Slot s;
+    s.dtype = static_cast<DType>(rd.get());
+    s.count = rd.get();
+    if (i < nslots) sig.slots.push_back(s);
+  }
+  // Slots past the first eight are known only by the hash: stand-ins that carry it.
+  if (nslots > kSlotsInFull) {
+    sig.slots.resize(static_cast<size_t>(nslots));
+    sig.slots.back().count = static_cast<int64_t>(hash);
+  }
+  sig.input_splits.resize(group_size);
+  sig.output_splits.resize(group_size);
+  for (int r = 0; r < group_size; ++r) sig.input_splits[r] = rd.get();
+  for (int r = 0; r < group_size; ++r) sig.output_splits[r] = rd.get();
+  return sig;
+}
+
+std::optional<std::string> check_signatures(const std::vector<OpSignature>& signatures,
+                                            const std::vector<int>& global_ranks,
+                                            const std::string& description) {
+  const int n = static_cast<int>(signatures.size());
+  for (int r = 1; r < n; ++r) {
+    if (!signatures[0].same_call(signatures[r])) {
+      return fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}",
+                         description, global_ranks[0], signatures[0].summary(), global_ranks[r],
+                         signatures[r].summary());
+    }
+  }
+  if (n > 0 && signatures[0].kind == OpKind::AllToAll) {
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) {
+        const int64_t sent = signatures[i].input_splits[j];
+        const int64_t expected = signatures[j].output_splits[i];
+        if (sent != expected) {
+          return fmt::format(
+              "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects "
+              "{} rows from rank {}",
+              description, global_ranks[i], sent, global_ranks[j], global_ranks[j], expected,
+              global_ranks[i]);
+        }
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace funcol::process

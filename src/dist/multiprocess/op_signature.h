@@ -1,0 +1,68 @@
+// OpSignature: what a rank issued at one sequence number, compared across ranks in detail mode.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "funcol/core/dtype.h"
+
+namespace funcol::process {
+
+// The kinds of collective a process backend runs; the order is the wire encoding.
+enum class OpKind : uint8_t {
+  AllReduce,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Broadcast,
+  Barrier,
+  AllReduceCoalesced,
+  AllGatherCoalesced,
+  ReduceScatterCoalesced,
+};
+
+// "all_reduce", "all_gather_coalesced", ...
+std::string_view op_kind_name(OpKind kind);
+bool reduces(OpKind kind);
+
+// One rank's view of one collective, compared as the threads backend compares its posts: the
+// op, the reduce op (reductions), the root (broadcast), and per tensor its dtype and per-rank
+// element count (all_reduce/broadcast numel, all_gather input numel, reduce_scatter output
+// numel, all_to_all elements per row); all_to_all also sends its split sizes, checked pairwise.
+// With FUNCOL_DEBUG=detail every rank gathers every rank's signature before the collective
+// runs, and all of them fail with the same CommError when they disagree (PyTorch's
+// TORCH_DISTRIBUTED_DEBUG=DETAIL check).
+struct OpSignature {
+  struct Slot {
+    DType dtype = DType::F32;
+    int64_t count = 0;
+  };
+  OpKind kind = OpKind::Barrier;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  int root = 0;
+  std::vector<Slot> slots;
+  std::vector<int64_t> input_splits;   // all_to_all: rows sent to each group rank
+  std::vector<int64_t> output_splits;  // all_to_all: rows expected from each group rank
+
+  // "all_reduce(f32 numel 16, op sum)", as the threads backend writes it.
+  std::string summary() const;
+  bool same_call(const OpSignature& other) const;
+};
+
+// Bytes of one encoded signature in a group of `group_size` ranks; equal on every rank so the
+// signatures travel in one allgather.
+size_t signature_bytes(int group_size);
+// Fixed-size encoding: the first 8 tensors in full, the rest as a hash (compared, not printed).
+std::vector<char> encode_signature(const OpSignature& sig, int group_size);
+OpSignature decode_signature(const char* bytes, int group_size);
+
+// Compares the signatures every group rank issued (index = group rank; ranks named by
+// global_ranks). Returns nullopt when they agree, else the same message on every rank:
+// "<description>: mismatched collectives: rank 0 issued X but rank 1 issued Y".
+std::optional<std::string> check_signatures(const std::vector<OpSignature>& signatures,
+                                            const std::vector<int>& global_ranks,
+                                            const std::string& description);
+
+}  // namespace funcol::process

@@ -1,0 +1,118 @@
+// Tests of collective signatures: encoding round trips and cross-rank mismatch messages.
+#include "dist/multiprocess/op_signature.h"
+
+#include <gtest/gtest.h>
+
+namespace funcol::process {
+namespace {
+
+OpSignature all_reduce(DType dtype, int64_t numel, ReduceOp op) {
+  OpSignature s;
+  s.kind = OpKind::AllReduce;
+  s.reduce_op = op;
+  s.slots = {{dtype, numel}};
+  return s;
+}
+
+OpSignature round_trip(const OpSignature& s, int group_size) {
+  auto bytes = encode_signature(s, group_size);
+  EXPECT_EQ(bytes.size(), signature_bytes(group_size));
+  return decode_signature(bytes.data(), group_size);
+}
+
+TEST(OpSignature, RoundTripKeepsEveryField) {
+  OpSignature s;
+  s.kind = OpKind::Broadcast;
+  s.root = 3;
+  s.slots = {{DType::BF16, 7}};
+  OpSignature back = round_trip(s, 4);
+  EXPECT_TRUE(back.same_call(s));
+  EXPECT_EQ(back.summary(), "broadcast(bf16 numel 7, src 3)");
+
+  OpSignature a2a;
+  a2a.kind = OpKind::AllToAll;
+  a2a.slots = {{DType::I64, 5}};
+  a2a.input_splits = {1, 0, 2};
+  a2a.output_splits = {4, 4, 0};
+  OpSignature a2a_back = round_trip(a2a, 3);
+  EXPECT_EQ(a2a_back.input_splits, a2a.input_splits);
+  EXPECT_EQ(a2a_back.output_splits, a2a.output_splits);
+  EXPECT_EQ(a2a_back.summary(), "all_to_all(i64 row 5)");
+}
+
+TEST(OpSignature, SummaryMatchesTheThreadsBackend) {
+  EXPECT_EQ(all_reduce(DType::F32, 16, ReduceOp::Sum).summary(),
+            "all_reduce(f32 numel 16, op sum)");
+  OpSignature b;
+  b.kind = OpKind::Barrier;
+  EXPECT_EQ(b.summary(), "barrier()");
+  OpSignature c;
+  c.kind = OpKind::AllGatherCoalesced;
+  c.slots = {{DType::F32, 2}, {DType::I8, 3}};
+  EXPECT_EQ(c.summary(), "all_gather_coalesced(2 tensors: f32 numel 2, i8 numel 3)");
+}
+
+TEST(OpSignature, AgreeingRanksPass) {
+  auto s = round_trip(all_reduce(DType::F32, 8, ReduceOp::Max), 2);
+  EXPECT_FALSE(check_signatures({s, s}, {0, 1}, "all_reduce on group 'world' (seq 0)"));
+}
+
+TEST(OpSignature, DifferentOpsNameBothSides) {
+  OpSignature gather;
+  gather.kind = OpKind::AllGather;
+  gather.slots = {{DType::F32, 8}};
+  auto msg = check_signatures({all_reduce(DType::F32, 8, ReduceOp::Sum), gather}, {0, 1},
+                              "all_reduce on group 'world' (seq 4)");
+  ASSERT_TRUE(msg);
+  EXPECT_EQ(*msg,
+            "all_reduce on group 'world' (seq 4): mismatched collectives: rank 0 issued "
+            "all_reduce(f32 numel 8, op sum) but rank 1 issued all_gather(f32 numel 8)");
+}
+
+TEST(OpSignature, DtypeCountAndReduceOpMatter) {
+  const auto base = all_reduce(DType::F32, 8, ReduceOp::Sum);
+  EXPECT_TRUE(check_signatures({base, all_reduce(DType::F64, 8, ReduceOp::Sum)}, {0, 1}, "x"));
+  EXPECT_TRUE(check_signatures({base, all_reduce(DType::F32, 9, ReduceOp::Sum)}, {0, 1}, "x"));
+  EXPECT_TRUE(check_signatures({base, all_reduce(DType::F32, 8, ReduceOp::Avg)}, {0, 1}, "x"));
+  // Subgroups name ranks by their global rank.
+  auto msg =
+      check_signatures({base, base, all_reduce(DType::F32, 8, ReduceOp::Min)}, {1, 3, 5}, "x");
+  ASSERT_TRUE(msg);
+  EXPECT_NE(msg->find("rank 1 issued all_reduce(f32 numel 8, op sum) but rank 5 issued "
+                      "all_reduce(f32 numel 8, op min)"),
+            std::string::npos)
+      << *msg;
+}
+
+TEST(OpSignature, AllToAllSplitsAreCheckedPairwise) {
+  OpSignature r0, r1;
+  r0.kind = r1.kind = OpKind::AllToAll;
+  r0.slots = r1.slots = {{DType::F32, 2}};
+  r0.input_splits = {1, 3};
+  r0.output_splits = {1, 2};
+  r1.input_splits = {2, 5};
+  r1.output_splits = {3, 5};
+  EXPECT_FALSE(check_signatures({r0, r1}, {0, 1}, "a2a"));
+  r1.output_splits = {4, 5};
+  auto msg = check_signatures({r0, r1}, {0, 1}, "a2a");
+  ASSERT_TRUE(msg);
+  EXPECT_EQ(*msg,
+            "a2a: mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 4 rows "
+            "from rank 0");
+}
+
+TEST(OpSignature, LongCoalescedListsCompareBeyondTheFirstEight) {
+  OpSignature a;
+  a.kind = OpKind::AllReduceCoalesced;
+  for (int i = 0; i < 12; ++i) a.slots.push_back({DType::F32, i});
+  OpSignature b = a;
+  b.slots[10].count = 99;
+  auto da = round_trip(a, 2);
+  auto db = round_trip(b, 2);
+  EXPECT_TRUE(da.same_call(round_trip(a, 2)));
+  EXPECT_FALSE(da.same_call(db));
+  EXPECT_NE(da.summary().find("12 tensors"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace funcol::process

@@ -1,0 +1,607 @@
+// PeerMonitor: the TCP mesh that detects dead or departed peers and answers progress queries.
+#include "dist/multiprocess/peer_monitor.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "funcol/core/error.h"
+
+namespace funcol::process {
+namespace {
+
+enum MessageType : uint8_t { kHello = 1, kBye = 2, kQuery = 3, kReply = 4 };
+constexpr size_t kFrameHeader = 5;  // u32 payload length, u8 type
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+void append_u32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+void append_i64(std::string& s, int64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
+
+bool read_u32(const std::string& s, size_t& pos, uint32_t& v) {
+  if (pos + 4 > s.size()) return false;
+  std::memcpy(&v, s.data() + pos, 4);
+  pos += 4;
+  return true;
+}
+
+bool read_i64(const std::string& s, size_t& pos, int64_t& v) {
+  if (pos + 8 > s.size()) return false;
+  std::memcpy(&v, s.data() + pos, 8);
+  pos += 8;
+  return true;
+}
+
+// Splits "host:port" or "[v6]:port".
+std::pair<std::string, std::string> split_host_port(const std::string& address) {
+  auto colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    throw InvalidArgument(fmt::format("peer address '{}' has no port", address));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return {host, address.substr(colon + 1)};
+}
+
+std::string format_address(const sockaddr_storage& ss) {
+  char host[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET6) {
+    const auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+    return fmt::format("[{}]:{}", host, ntohs(a->sin6_port));
+  }
+  const auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+  inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+  return fmt::format("{}:{}", host, ntohs(a->sin_port));
+}
+
+void set_socket_options(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  // A peer whose monitor thread is wedged must not block our writes forever.
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  fcntl(fd, F_SETFD, FD_CLOEXEC);
+}
+
+}  // namespace
+
+struct PeerMonitor::Peer {
+  int fd = -1;
+  int rank = -1;  // -1 until its hello arrives (accepted connections)
+  std::string inbox;
+  std::mutex write_mu;
+  bool closed = false;
+};
+
+std::string PeerLoss::describe() const {
+  if (clean) return fmt::format("rank {} departed (destroy_process_group)", rank);
+  return fmt::format("rank {} died (its process exited or was killed)", rank);
+}
+
+PeerMonitor::PeerMonitor(int rank, int world_size, const std::string& host)
+    : rank_(rank), world_size_(world_size) {
+  peers_.resize(world_size);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), "0", &hints, &res);
+  if (rc != 0) {
+    throw CommError(fmt::format("peer monitor: cannot resolve '{}': {}", host, gai_strerror(rc)));
+  }
+  int last_errno = 0;
+  for (addrinfo* ai = res; ai != nullptr && listen_fd_ < 0; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      last_errno = errno;
+      continue;
+    }
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 128) != 0) {
+      last_errno = errno;
+      close(fd);
+      continue;
+    }
+    listen_fd_ = fd;
+  }
+  freeaddrinfo(res);
+  if (listen_fd_ < 0) {
+    throw CommError(
+        fmt::format("peer monitor: cannot listen on '{}': {}", host, errno_text(last_errno)));
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len);
+  address_ = format_address(ss);
+  port_ = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                         : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  if (pipe2(wake_pipe_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    close(listen_fd_);
+    throw CommError(fmt::format("peer monitor: pipe failed: {}", errno_text(errno)));
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+PeerMonitor::~PeerMonitor() { shutdown(); }
+
+void PeerMonitor::wake() {
+  char c = 1;
+  [[maybe_unused]] ssize_t n = write(wake_pipe_[1], &c, 1);
+}
+
+void PeerMonitor::connect(const std::vector<std::string>& addresses,
+                          std::chrono::milliseconds timeout) {
+  FUNCOL_CHECK(static_cast<int>(addresses.size()) == world_size_, "one address per rank");
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // Dial every lower rank; its listener exists before its address was published.
+  for (int r = 0; r < rank_; ++r) {
+    auto [host, port] = split_host_port(addresses[r]);
+    int fd = -1;
+    std::string last_error;
+    while (fd < 0) {
+      addrinfo hints{};
+      hints.ai_family = AF_UNSPEC;
+      hints.ai_socktype = SOCK_STREAM;
+      hints.ai_flags = AI_NUMERICSERV;
+      addrinfo* res = nullptr;
+      int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+      if (rc != 0) {
+        throw CommError(fmt::format("peer monitor: cannot resolve rank {}'s address '{}': {}", r,
+                                    addresses[r], gai_strerror(rc)));
+      }
+      for (addrinfo* ai = res; ai != nullptr && fd < 0; ai = ai->ai_next) {
+        int s = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (s < 0) continue;
+        if (::connect(s, ai->ai_addr, ai->ai_addrlen) == 0) {
+          fd = s;
+        } else {
+          last_error = errno_text(errno);
+          close(s);
+        }
+      }
+      freeaddrinfo(res);
+      if (fd < 0) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw CommError(fmt::format("peer monitor: cannot connect to rank {} at {}: {}", r,
+                                      addresses[r], last_error));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    set_socket_options(fd);
+    auto peer = std::make_unique<Peer>();
+    peer->fd = fd;
+    peer->rank = r;
+    std::string hello;
+    append_u32(hello, static_cast<uint32_t>(rank_));
+    {
+      std::lock_guard lock(mu_);
+      peers_[r] = std::move(peer);
+    }
+    if (!send_to(r, kHello, hello)) {
+      throw CommError(fmt::format("peer monitor: cannot reach rank {} at {}", r, addresses[r]));
+    }
+  }
+  wake();
+  std::unique_lock lock(mu_);
+  auto all_here = [&] {
+    for (int r = rank_ + 1; r < world_size_; ++r) {
+      if (!peers_[r]) return false;
+    }
+    return true;
+  };
+  if (!cv_.wait_until(lock, deadline, all_here)) {
+    std::vector<int> missing;
+    for (int r = rank_ + 1; r < world_size_; ++r) {
+      if (!peers_[r]) missing.push_back(r);
+    }
+    throw CommError(fmt::format("peer monitor: ranks [{}] did not connect within {} ms",
+                                fmt::join(missing, ", "), timeout.count()));
+  }
+  connected_ = true;
+}
+
+void PeerMonitor::add_group(const std::string& name, std::shared_ptr<std::atomic<int64_t>> issued) {
+  std::lock_guard lock(mu_);
+  removed_groups_.erase(name);
+  groups_[name] = std::move(issued);
+}
+
+void PeerMonitor::remove_group(const std::string& name) {
+  std::lock_guard lock(mu_);
+  auto it = groups_.find(name);
+  if (it == groups_.end()) return;
+  removed_groups_[name] = it->second->load();
+  groups_.erase(it);
+}
+
+void PeerMonitor::set_on_peer_lost(std::function<void(const PeerLoss&)> callback) {
+  std::lock_guard lock(mu_);
+  on_peer_lost_ = std::move(callback);
+}
+
+std::optional<PeerLoss> PeerMonitor::lost(int rank) const {
+  std::lock_guard lock(mu_);
+  auto it = lost_.find(rank);
+  if (it == lost_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<PeerLoss> PeerMonitor::wait_for_loss(const std::vector<int>& ranks,
+                                                 std::chrono::milliseconds wait) const {
+  std::unique_lock lock(mu_);
+  std::vector<PeerLoss> found;
+  auto collect = [&] {
+    found.clear();
+    for (int r : ranks) {
+      auto it = lost_.find(r);
+      if (it != lost_.end()) found.push_back(it->second);
+    }
+    return !found.empty();
+  };
+  cv_.wait_for(lock, wait, collect);
+  collect();
+  return found;
+}
+
+std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
+                                                 const std::vector<int>& ranks,
+                                                 std::chrono::milliseconds wait) {
+  uint64_t id;
+  {
+    std::lock_guard lock(mu_);
+    id = next_query_++;
+    answers_[id];
+  }
+  std::string payload;
+  payload.append(reinterpret_cast<const char*>(&id), sizeof id);
+  payload += name;
+  size_t expected = 0;
+  std::vector<int64_t> result(ranks.size(), -1);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    int r = ranks[i];
+    if (r == rank_) {
+      std::lock_guard lock(mu_);
+      auto it = groups_.find(name);
+      result[i] = it == groups_.end() ? -2 : it->second->load();
+    } else if (r >= 0 && r < world_size_ && send_to(r, kQuery, payload)) {
+      ++expected;
+    }
+  }
+  std::unique_lock lock(mu_);
+  cv_.wait_for(lock, wait, [&] { return answers_[id].size() >= expected; });
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    auto it = answers_[id].find(ranks[i]);
+    if (it != answers_[id].end()) result[i] = it->second;
+  }
+  answers_.erase(id);
+  return result;
+}
+
+bool PeerMonitor::send_to(int rank, uint8_t type, const std::string& payload) {
+  Peer* peer;
+  {
+    std::lock_guard lock(mu_);
+    peer = peers_[rank].get();
+    if (peer == nullptr || lost_.count(rank) != 0) return false;
+  }
+  std::string frame;
+  append_u32(frame, static_cast<uint32_t>(payload.size()));
+  frame.push_back(static_cast<char>(type));
+  frame += payload;
+  std::lock_guard wlock(peer->write_mu);
+  if (peer->closed) return false;
+  size_t sent = 0;
+  while (sent < frame.size()) {
+    ssize_t n = ::send(peer->fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+void PeerMonitor::shutdown() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ || !thread_.joinable()) return;
+  }
+  // Goodbye with this process's progress, so peers fail only what this rank never issued.
+  std::string bye;
+  {
+    std::lock_guard lock(mu_);
+    std::map<std::string, int64_t> counts = removed_groups_;
+    for (const auto& [name, issued] : groups_) counts[name] = issued->load();
+    for (const auto& [name, count] : counts) {
+      append_u32(bye, static_cast<uint32_t>(name.size()));
+      bye += name;
+      append_i64(bye, count);
+    }
+  }
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    if (send_to(r, kBye, bye)) {
+      std::lock_guard lock(mu_);
+      ::shutdown(peers_[r]->fd, SHUT_WR);
+    }
+  }
+  stop_thread();
+}
+
+void PeerMonitor::close_abruptly() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_ || !thread_.joinable()) return;
+  }
+  stop_thread();
+}
+
+void PeerMonitor::stop_thread() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  wake();
+  thread_.join();
+  std::lock_guard lock(mu_);
+  for (auto& peer : peers_) {
+    if (peer) {
+      std::lock_guard wlock(peer->write_mu);
+      peer->closed = true;
+      close(peer->fd);
+    }
+  }
+  close(listen_fd_);
+  close(wake_pipe_[0]);
+  close(wake_pipe_[1]);
+  cv_.notify_all();
+}
+
+void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued) {
+  PeerLoss loss;
+  std::function<void(const PeerLoss&)> callback;
+  {
+    std::lock_guard lock(mu_);
+    if (lost_.count(rank) != 0 || stopping_) return;
+    loss.rank = rank;
+    loss.clean = clean;
+    loss.issued = std::move(issued);
+    lost_[rank] = loss;
+    callback = on_peer_lost_;
+  }
+  cv_.notify_all();
+  if (callback) callback(loss);
+}
+
+void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payload) {
+  size_t pos = 0;
+  switch (type) {
+    case kBye: {
+      std::map<std::string, int64_t> issued;
+      uint32_t len;
+      while (read_u32(payload, pos, len) && pos + len <= payload.size()) {
+        std::string name = payload.substr(pos, len);
+        pos += len;
+        int64_t v;
+        if (!read_i64(payload, pos, v)) break;
+        issued[name] = v;
+      }
+      mark_lost(from, /*clean=*/true, std::move(issued));
+      break;
+    }
+    case kQuery: {
+      if (payload.size() < 8) return;
+      std::string reply = payload.substr(0, 8);
+      std::string name = payload.substr(8);
+      int64_t value = -2;
+      {
+        std::lock_guard lock(mu_);
+        auto it = groups_.find(name);
+        if (it != groups_.end()) value = it->second->load();
+      }
+      append_i64(reply, value);
+      send_to(from, kReply, reply);
+      break;
+    }
+    case kReply: {
+      uint64_t id;
+      int64_t value;
+      if (payload.size() < 16) return;
+      std::memcpy(&id, payload.data(), 8);
+      std::memcpy(&value, payload.data() + 8, 8);
+      {
+        std::lock_guard lock(mu_);
+        auto it = answers_.find(id);
+        if (it != answers_.end()) it->second[from] = value;
+      }
+      cv_.notify_all();
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+void PeerMonitor::run() {
+  std::vector<std::unique_ptr<Peer>> unidentified;  // accepted, hello not yet read
+  std::vector<char> buf(64 * 1024);
+  while (true) {
+    std::vector<pollfd> fds;
+    std::vector<Peer*> owners;  // parallel to fds from index 2
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) break;
+      fds.push_back({wake_pipe_[0], POLLIN, 0});
+      fds.push_back({listen_fd_, POLLIN, 0});
+      for (auto& peer : peers_) {
+        if (peer && !peer->closed && lost_.count(peer->rank) == 0) {
+          fds.push_back({peer->fd, POLLIN, 0});
+          owners.push_back(peer.get());
+        }
+      }
+    }
+    for (auto& peer : unidentified) {
+      fds.push_back({peer->fd, POLLIN, 0});
+      owners.push_back(peer.get());
+    }
+    int n = poll(fds.data(), fds.size(), -1);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[0].revents) {
+      char drain[64];
+      while (read(wake_pipe_[0], drain, sizeof drain) > 0) {
+      }
+    }
+    if (fds[1].revents & POLLIN) {
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        set_socket_options(fd);
+        auto peer = std::make_unique<Peer>();
+        peer->fd = fd;
+        unidentified.push_back(std::move(peer));
+      }
+    }
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      Peer* peer = owners[i - 2];
+      ssize_t got = recv(peer->fd, buf.data(), buf.size(), MSG_DONTWAIT);
+      if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (got <= 0) {
+        // EOF or reset: the peer's process is gone (a goodbye, if any, was handled first).
+        if (peer->rank >= 0) {
+          mark_lost(peer->rank, /*clean=*/false, {});
+        } else {
+          std::erase_if(unidentified, [&](const auto& p) {
+            if (p.get() != peer) return false;
+            close(p->fd);
+            return true;
+          });
+        }
+        continue;
+      }
+      peer->inbox.append(buf.data(), static_cast<size_t>(got));
+      while (peer->inbox.size() >= kFrameHeader) {
+        uint32_t len;
+        std::memcpy(&len, peer->inbox.data(), 4);
+        if (peer->inbox.size() < kFrameHeader + len) break;
+        uint8_t type = static_cast<uint8_t>(peer->inbox[4]);
+        std::string payload = peer->inbox.substr(kFrameHeader, len);
+        peer->inbox.erase(0, kFrameHeader + len);
+        if (peer->rank < 0) {
+          // The first frame of an accepted connection names its rank.
+          uint32_t from;
+          size_t pos = 0;
+          if (type != kHello || !read_u32(payload, pos, from) || static_cast<int>(from) <= rank_ ||
+              static_cast<int>(from) >= world_size_) {
+            break;
+          }
+          peer->rank = static_cast<int>(from);
+          std::unique_ptr<Peer> owned;
+          for (auto& p : unidentified) {
+            if (p.get() == peer) owned = std::move(p);
+          }
+          std::erase_if(unidentified, [](const auto& p) { return !p; });
+          std::string rest = std::move(peer->inbox);
+          {
+            std::lock_guard lock(mu_);
+            peers_[from] = std::move(owned);
+          }
+          cv_.notify_all();
+          peer->inbox = std::move(rest);
+          continue;
+        }
+        handle_message(peer->rank, type, payload);
+      }
+    }
+  }
+  for (auto& peer : unidentified) close(peer->fd);
+}
+
+std::string route_address(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  std::string service = std::to_string(port);
+  int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res);
+  if (rc != 0) {
+    throw CommError(fmt::format("cannot resolve '{}': {}", host, gai_strerror(rc)));
+  }
+  std::string out;
+  for (addrinfo* ai = res; ai != nullptr && out.empty(); ai = ai->ai_next) {
+    // Connecting a UDP socket sends nothing; it only picks the route and source address.
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+      sockaddr_storage ss{};
+      socklen_t len = sizeof ss;
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0) {
+        char buf[INET6_ADDRSTRLEN] = {};
+        const void* addr =
+            ss.ss_family == AF_INET6
+                ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
+                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
+        if (inet_ntop(ss.ss_family, addr, buf, sizeof buf) != nullptr) out = buf;
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  if (out.empty()) throw CommError(fmt::format("no route to '{}'", host));
+  return out;
+}
+
+std::string default_host_address() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "127.0.0.1";
+  std::string out = "127.0.0.1";
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    if ((i->ifa_flags & IFF_UP) == 0 || (i->ifa_flags & IFF_LOOPBACK) != 0) continue;
+    char buf[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    out = buf;
+    break;
+  }
+  freeifaddrs(list);
+  return out;
+}
+
+std::string interface_address(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) {
+    throw CommError(fmt::format("cannot list network interfaces: {}", errno_text(errno)));
+  }
+  std::string out;
+  for (ifaddrs* i = list; i != nullptr && out.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET || name != i->ifa_name)
+      continue;
+    char buf[INET_ADDRSTRLEN] = {};
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    out = buf;
+  }
+  freeifaddrs(list);
+  if (out.empty()) throw CommError(fmt::format("network interface '{}' has no IPv4 address", name));
+  return out;
+}
+
+bool is_loopback_address(const std::string& ip) { return ip.rfind("127.", 0) == 0 || ip == "::1"; }
+
+}  // namespace funcol::process

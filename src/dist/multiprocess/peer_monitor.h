@@ -1,0 +1,120 @@
+// PeerMonitor: a TCP connection to every peer process that reports deaths and departures and
+// answers "how far did you get on group G" queries, for the process backends' error messages.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace funcol::process {
+
+// How a peer went away.
+struct PeerLoss {
+  int rank = -1;
+  bool clean = false;  // true: destroy_process_group (a goodbye); false: its process vanished
+  // Clean leaves only: collectives the peer had issued per group name when it left.
+  std::map<std::string, int64_t> issued;
+  // "rank 2 died (its process exited or was killed)" / "rank 2 departed (destroy_process_group)".
+  std::string describe() const;
+};
+
+// One process's side of a full mesh of small TCP connections between all ranks of a job,
+// separate from the data path (MPI or Gloo) so it keeps working while a collective blocks.
+// It notices a peer whose process dies (the kernel closes its sockets: EOF or reset within
+// milliseconds) or leaves, and it answers progress queries so that a timed-out collective can
+// name the ranks that did not arrive. A monitor thread owns every read; writes take a lock.
+class PeerMonitor {
+ public:
+  // Listens on `host` (an IP address) at an ephemeral port.
+  PeerMonitor(int rank, int world_size, const std::string& host);
+  ~PeerMonitor();
+  PeerMonitor(const PeerMonitor&) = delete;
+  PeerMonitor& operator=(const PeerMonitor&) = delete;
+
+  // "ip:port" for the other ranks to connect to.
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  // Connects the mesh given every rank's address (index = rank): dials lower ranks, accepts
+  // higher ones. Throws CommError naming the missing ranks when not done within `timeout`.
+  void connect(const std::vector<std::string>& addresses, std::chrono::milliseconds timeout);
+
+  // Progress counters the monitor reports to peers: the number of collectives this process
+  // issued on the group `name`. Names are unique per process (the group registry's names).
+  void add_group(const std::string& name, std::shared_ptr<std::atomic<int64_t>> issued);
+  // The group's final count is kept for the goodbye: its last collectives may still be
+  // completing on the peers.
+  void remove_group(const std::string& name);
+
+  // Called on the monitor thread once per lost peer. Set before connect().
+  void set_on_peer_lost(std::function<void(const PeerLoss&)> callback);
+  // The loss of `rank`, or nullopt while it is connected.
+  std::optional<PeerLoss> lost(int rank) const;
+  // Waits up to `wait` for any of `ranks` to be reported lost; returns the losses found.
+  std::vector<PeerLoss> wait_for_loss(const std::vector<int>& ranks,
+                                      std::chrono::milliseconds wait) const;
+
+  // Asks each of `ranks` how many collectives it issued on group `name`; -1 for a rank that
+  // did not answer within `wait` (lost, or its process is stuck outside funcol), -2 for one
+  // that has no such group.
+  std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
+                                      std::chrono::milliseconds wait);
+
+  // Says goodbye to every peer (with this process's progress) and stops the monitor thread.
+  // Idempotent; the destructor calls it.
+  void shutdown();
+  // Stops and closes every connection without a goodbye, as if this process died (tests).
+  void close_abruptly();
+
+ private:
+  struct Peer;
+  void stop_thread();
+  void run();
+  void handle_message(int from, uint8_t type, const std::string& payload);
+  void mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued);
+  bool send_to(int rank, uint8_t type, const std::string& payload);
+  void wake();
+
+  const int rank_;
+  const int world_size_;
+  std::string address_;
+  int port_ = 0;
+  int listen_fd_ = -1;
+  int wake_pipe_[2] = {-1, -1};
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // index = rank; null for this rank
+  std::map<std::string, std::shared_ptr<std::atomic<int64_t>>> groups_;
+  std::map<std::string, int64_t> removed_groups_;  // final counts, still reported in the goodbye
+  std::map<int, PeerLoss> lost_;
+  std::function<void(const PeerLoss&)> on_peer_lost_;
+  uint64_t next_query_ = 1;
+  std::map<uint64_t, std::map<int, int64_t>> answers_;  // query id -> rank -> issued
+  bool stopping_ = false;
+  bool connected_ = false;
+  std::thread thread_;
+};
+
+// The local IP address this host uses to reach host:port (the interface its route goes out
+// of), e.g. for advertising an address peers on other hosts can reach. Throws CommError.
+std::string route_address(const std::string& host, int port);
+// The first non-loopback IPv4 address of an interface that is up, or "127.0.0.1" when none.
+std::string default_host_address();
+// The IPv4 address of the named interface; throws CommError when it has none.
+std::string interface_address(const std::string& name);
+// True for 127.0.0.0/8 and ::1.
+bool is_loopback_address(const std::string& ip);
+
+}  // namespace funcol::process

@@ -1,0 +1,85 @@
+// Tests of the peer monitor: a mesh of monitors in one process (one per simulated rank).
+#include "dist/multiprocess/peer_monitor.h"
+
+#include <gtest/gtest.h>
+
+#include <future>
+
+#include "funcol/core/error.h"
+
+namespace funcol::process {
+namespace {
+
+using std::chrono::milliseconds;
+
+// n connected monitors on loopback.
+std::vector<std::unique_ptr<PeerMonitor>> mesh(int n) {
+  std::vector<std::unique_ptr<PeerMonitor>> monitors;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < n; ++r) {
+    monitors.push_back(std::make_unique<PeerMonitor>(r, n, "127.0.0.1"));
+    addresses.push_back(monitors.back()->address());
+  }
+  std::vector<std::future<void>> connecting;
+  for (int r = 0; r < n; ++r) {
+    connecting.push_back(std::async(
+        std::launch::async, [&, r] { monitors[r]->connect(addresses, milliseconds(10000)); }));
+  }
+  for (auto& f : connecting) f.get();
+  return monitors;
+}
+
+TEST(PeerMonitor, AnswersProgressQueries) {
+  auto m = mesh(3);
+  auto issued = std::make_shared<std::atomic<int64_t>>(5);
+  m[1]->add_group("world", issued);
+  m[2]->add_group("world", std::make_shared<std::atomic<int64_t>>(2));
+  auto progress = m[0]->query_progress("world", {1, 2}, milliseconds(5000));
+  EXPECT_EQ(progress, (std::vector<int64_t>{5, 2}));
+  issued->store(6);
+  EXPECT_EQ(m[0]->query_progress("world", {1}, milliseconds(5000)), std::vector<int64_t>{6});
+  // A group the peer does not have.
+  EXPECT_EQ(m[0]->query_progress("tp", {1}, milliseconds(5000)), std::vector<int64_t>{-2});
+}
+
+TEST(PeerMonitor, ReportsADeadPeerAtOnce) {
+  auto m = mesh(3);
+  std::promise<PeerLoss> seen;
+  m[0]->set_on_peer_lost([&](const PeerLoss& loss) { seen.set_value(loss); });
+  m[2]->close_abruptly();
+  auto f = seen.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  PeerLoss loss = f.get();
+  EXPECT_EQ(loss.rank, 2);
+  EXPECT_FALSE(loss.clean);
+  EXPECT_EQ(loss.describe(), "rank 2 died (its process exited or was killed)");
+  EXPECT_TRUE(m[1]->wait_for_loss({2}, milliseconds(10000)).size() == 1);
+  EXPECT_FALSE(m[0]->lost(1));
+  // A lost peer answers no queries: -1 without waiting for the full period.
+  EXPECT_EQ(m[0]->query_progress("world", {2}, milliseconds(100)), std::vector<int64_t>{-1});
+}
+
+TEST(PeerMonitor, AGoodbyeCarriesProgress) {
+  auto m = mesh(2);
+  m[1]->add_group("world", std::make_shared<std::atomic<int64_t>>(7));
+  m[1]->shutdown();
+  auto losses = m[0]->wait_for_loss({1}, milliseconds(10000));
+  ASSERT_EQ(losses.size(), 1u);
+  EXPECT_TRUE(losses[0].clean);
+  EXPECT_EQ(losses[0].issued.at("world"), 7);
+  EXPECT_EQ(losses[0].describe(), "rank 1 departed (destroy_process_group)");
+}
+
+TEST(PeerMonitor, ConnectTimesOutNamingMissingRanks) {
+  PeerMonitor lonely(0, 2, "127.0.0.1");
+  try {
+    lonely.connect({lonely.address(), "127.0.0.1:1"}, milliseconds(200));
+    FAIL() << "connect returned";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks [1] did not connect"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace funcol::process

@@ -1,0 +1,86 @@
+// Environment and option parsing shared by the process backends.
+#include "dist/multiprocess/process_env.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/work.h"
+
+namespace funcol::process {
+
+bool debug_detail() {
+  std::string v = env_string("FUNCOL_DEBUG");
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  return v == "detail";
+}
+
+std::string env_string(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
+}
+
+std::optional<int> env_int(const char* name) {
+  std::string v = env_string(name);
+  if (v.empty()) return std::nullopt;
+  int out = 0;
+  auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+  if (ec != std::errc() || ptr != v.data() + v.size()) {
+    throw InvalidArgument(fmt::format("environment variable {}='{}' is not an integer", name, v));
+  }
+  return out;
+}
+
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds timeout) {
+  return timeout.count() > 0 ? timeout : default_timeout();
+}
+
+StoreUrl parse_store_url(const std::string& url) {
+  StoreUrl out;
+  out.text = url;
+  auto bad = [&](const std::string& why) {
+    return InvalidArgument(fmt::format(
+        "invalid store '{}': {} (expected file:///dir or redis://host:port)", url, why));
+  };
+  if (url.rfind("file://", 0) == 0) {
+    out.kind = StoreUrl::Kind::File;
+    out.path = url.substr(7);
+    if (out.path.empty() || out.path[0] != '/') throw bad("the directory must be absolute");
+    return out;
+  }
+  if (url.rfind("redis://", 0) == 0) {
+    out.kind = StoreUrl::Kind::Redis;
+    std::string rest = url.substr(8);
+    if (!rest.empty() && rest.back() == '/') rest.pop_back();
+    // A port follows the last colon, unless the colons belong to a bare IPv6 address.
+    const size_t bracket = rest.find(']');
+    const size_t colon = rest.rfind(':');
+    const bool has_port =
+        colon != std::string::npos &&
+        (bracket == std::string::npos ? rest.find(':') == colon : colon > bracket);
+    if (has_port) {
+      std::string port = rest.substr(colon + 1);
+      int p = 0;
+      auto [ptr, ec] = std::from_chars(port.data(), port.data() + port.size(), p);
+      if (ec != std::errc() || ptr != port.data() + port.size() || p <= 0 || p > 65535) {
+        throw bad(fmt::format("bad port '{}'", port));
+      }
+      out.port = p;
+      rest = rest.substr(0, colon);
+    }
+    if (rest.size() >= 2 && rest.front() == '[' && rest.back() == ']') {
+      rest = rest.substr(1, rest.size() - 2);
+    }
+    if (rest.empty()) throw bad("no host");
+    out.host = rest;
+    return out;
+  }
+  if (url.empty()) throw bad("empty");
+  throw bad("unknown scheme");
+}
+
+}  // namespace funcol::process

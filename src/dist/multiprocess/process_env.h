@@ -1,0 +1,35 @@
+// Environment and option parsing shared by the process backends (mpi, gloo).
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace funcol::process {
+
+// True when FUNCOL_DEBUG is "detail" (case-insensitive): cross-rank signature checks before
+// every collective, as TORCH_DISTRIBUTED_DEBUG=DETAIL.
+bool debug_detail();
+
+// An integer environment variable; nullopt when unset or empty. Throws InvalidArgument naming
+// the variable when it is not an integer.
+std::optional<int> env_int(const char* name);
+
+// A string environment variable, or "" when unset.
+std::string env_string(const char* name);
+
+// `timeout` when positive, else default_timeout() (FUNCOL_TIMEOUT or 300 s).
+std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds timeout);
+
+// Where rendezvous happens: file:///dir or redis://host[:port].
+struct StoreUrl {
+  enum class Kind { File, Redis } kind = Kind::File;
+  std::string path;  // File
+  std::string host;  // Redis
+  int port = 6379;   // Redis (Redis's default port)
+  std::string text;  // as given, for messages
+};
+// Throws InvalidArgument "invalid store 'x': ..." for anything else.
+StoreUrl parse_store_url(const std::string& url);
+
+}  // namespace funcol::process

@@ -1,0 +1,485 @@
+// ProcessGroupBase and ProcessJob: argument checks, sequencing, timeouts and peer-loss handling
+// shared by the mpi and gloo backends.
+#include "dist/multiprocess/process_group_base.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "dist/checks.h"
+#include "funcol/core/error.h"
+
+namespace funcol::process {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a failing rank waits for its peers' progress answers before giving up on them.
+constexpr std::chrono::milliseconds kProgressQueryWait{1000};
+// The watchdog's longest sleep; timeouts fire at most this late.
+constexpr std::chrono::milliseconds kWatchdogTick{100};
+
+std::vector<int64_t> displacements(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> displs(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) displs[i] = displs[i - 1] + counts[i - 1];
+  return displs;
+}
+
+std::shared_ptr<CollectiveOp> make_op(OpKind kind) {
+  auto op = std::make_shared<CollectiveOp>();
+  op->kind = kind;
+  op->signature.kind = kind;
+  return op;
+}
+
+void add_slot(CollectiveOp& op, const Tensor& in, const Tensor& out, int64_t count) {
+  op.inputs.push_back(in);
+  op.outputs.push_back(out);
+  op.signature.slots.push_back({in.dtype(), count});
+  if (op.inputs.size() == 1) op.dtype = in.dtype();
+}
+
+void set_reduce(CollectiveOp& op, ReduceOp reduce_op) {
+  op.reduce_op = reduce_op;
+  op.signature.reduce_op = reduce_op;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// ProcessJob
+
+ProcessJob::ProcessJob(std::string backend, int rank, int world_size,
+                       std::chrono::milliseconds timeout, bool detail,
+                       std::unique_ptr<PeerMonitor> monitor)
+    : backend_(std::move(backend)),
+      rank_(rank),
+      world_size_(world_size),
+      timeout_(timeout),
+      detail_(detail),
+      monitor_(std::move(monitor)) {
+  if (monitor_) {
+    monitor_->set_on_peer_lost([this](const PeerLoss& loss) { on_peer_lost(loss); });
+  }
+  watchdog_ = std::thread([this] { watchdog(); });
+}
+
+ProcessJob::~ProcessJob() { shutdown(); }
+
+void ProcessJob::shutdown() {
+  if (monitor_) monitor_->shutdown();
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+void ProcessJob::add_group(const std::shared_ptr<ProcessGroupBase>& group) {
+  {
+    std::lock_guard lock(mu_);
+    groups_.push_back(group);
+  }
+  cv_.notify_all();
+}
+
+void ProcessJob::remove_group(const ProcessGroupBase* group) {
+  std::lock_guard lock(mu_);
+  std::erase_if(groups_, [&](const std::weak_ptr<ProcessGroupBase>& g) {
+    auto locked = g.lock();
+    return !locked || locked.get() == group;
+  });
+}
+
+std::vector<std::shared_ptr<ProcessGroupBase>> ProcessJob::live_groups() {
+  std::lock_guard lock(mu_);
+  std::vector<std::shared_ptr<ProcessGroupBase>> out;
+  for (auto& g : groups_) {
+    if (auto locked = g.lock()) out.push_back(std::move(locked));
+  }
+  return out;
+}
+
+void ProcessJob::on_peer_lost(const PeerLoss& loss) {
+  for (auto& group : live_groups()) group->on_peer_lost(loss);
+}
+
+void ProcessJob::watchdog() {
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    lock.unlock();
+    auto now = Clock::now();
+    auto next = now + kWatchdogTick;
+    for (auto& group : live_groups()) {
+      if (auto deadline = group->check_deadlines(now)) next = std::min(next, *deadline);
+    }
+    lock.lock();
+    cv_.wait_until(lock, std::max(next, now + std::chrono::milliseconds(1)),
+                   [&] { return stopping_; });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ProcessGroupBase
+
+ProcessGroupBase::ProcessGroupBase(int rank, std::vector<int> global_ranks, std::string name,
+                                   GroupRegistry* registry, std::shared_ptr<ProcessJob> job)
+    : ProcessGroup(rank, std::move(global_ranks), std::move(name), registry),
+      job_(std::move(job)) {}
+
+ProcessGroupBase::~ProcessGroupBase() {
+  if (attached_) {
+    job_->remove_group(this);
+    if (job_->monitor()) job_->monitor()->remove_group(name());
+  }
+}
+
+void ProcessGroupBase::attach() {
+  job_->add_group(shared_from_this());
+  if (job_->monitor()) job_->monitor()->add_group(name(), issued_);
+  attached_ = true;
+  // A peer may be gone before this group existed.
+  if (job_->monitor()) {
+    for (int r : global_ranks()) {
+      if (auto loss = job_->monitor()->lost(r)) on_peer_lost(*loss);
+    }
+  }
+}
+
+std::shared_ptr<Work> ProcessGroupBase::all_reduce(const Tensor& tensor, ReduceOp op) {
+  dist_detail::check_all_reduce(tensor, op);
+  auto c = make_op(OpKind::AllReduce);
+  set_reduce(*c, op);
+  add_slot(*c, tensor, tensor, tensor.numel());
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::all_gather(const Tensor& output, const Tensor& input) {
+  dist_detail::check_all_gather(output, input, size());
+  auto c = make_op(OpKind::AllGather);
+  add_slot(*c, input, output, input.numel());
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::reduce_scatter(const Tensor& output, const Tensor& input,
+                                                       ReduceOp op) {
+  dist_detail::check_reduce_scatter(output, input, op, size());
+  auto c = make_op(OpKind::ReduceScatter);
+  set_reduce(*c, op);
+  add_slot(*c, input, output, output.numel());
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::all_to_all(const Tensor& output, const Tensor& input,
+                                                   const std::vector<int64_t>& output_splits,
+                                                   const std::vector<int64_t>& input_splits) {
+  auto layout = dist_detail::check_all_to_all(output, input, output_splits, input_splits, size());
+  // What this rank sends itself is what it receives from itself.
+  if (layout.input_splits[rank()] != layout.output_splits[rank()]) {
+    throw ShapeError(
+        fmt::format("all_to_all: rank {} sends itself {} rows but expects {} rows from itself",
+                    global_rank(), layout.input_splits[rank()], layout.output_splits[rank()]));
+  }
+  auto c = make_op(OpKind::AllToAll);
+  add_slot(*c, input, output, layout.row_elems);
+  for (int j = 0; j < size(); ++j) {
+    c->send_counts.push_back(layout.input_splits[j] * layout.row_elems);
+    c->recv_counts.push_back(layout.output_splits[j] * layout.row_elems);
+  }
+  c->send_displs = displacements(c->send_counts);
+  c->recv_displs = displacements(c->recv_counts);
+  c->signature.input_splits = layout.input_splits;
+  c->signature.output_splits = layout.output_splits;
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::broadcast(const Tensor& tensor, int src) {
+  dist_detail::check_broadcast(tensor, src, size());
+  auto c = make_op(OpKind::Broadcast);
+  c->root = src;
+  c->signature.root = src;
+  add_slot(*c, tensor, tensor, tensor.numel());
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::barrier_async() { return issue(make_op(OpKind::Barrier)); }
+
+std::shared_ptr<Work> ProcessGroupBase::all_reduce_coalesced(const std::vector<Tensor>& tensors,
+                                                             ReduceOp op) {
+  for (const auto& t : tensors) dist_detail::check_all_reduce(t, op);
+  auto c = make_op(OpKind::AllReduceCoalesced);
+  set_reduce(*c, op);
+  for (const auto& t : tensors) add_slot(*c, t, t, t.numel());
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::all_gather_coalesced(const std::vector<Tensor>& outputs,
+                                                             const std::vector<Tensor>& inputs) {
+  dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dist_detail::check_all_gather(outputs[i], inputs[i], size());
+  }
+  auto c = make_op(OpKind::AllGatherCoalesced);
+  for (size_t i = 0; i < inputs.size(); ++i) add_slot(*c, inputs[i], outputs[i], inputs[i].numel());
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
+                                                                 const std::vector<Tensor>& inputs,
+                                                                 ReduceOp op) {
+  dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
+  }
+  auto c = make_op(OpKind::ReduceScatterCoalesced);
+  set_reduce(*c, op);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    add_slot(*c, inputs[i], outputs[i], outputs[i].numel());
+  }
+  return issue(std::move(c));
+}
+
+std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) {
+  // Inputs produced by earlier collectives must be complete before the transport reads them;
+  // waiting here (not on the communication thread) cannot deadlock it.
+  for (const auto& t : op->inputs) t.wait();
+  for (const auto& t : op->outputs) t.wait();
+  std::lock_guard issue_lock(issue_mu_);
+  op->seq = issued_->load();
+  issued_->store(op->seq + 1);
+  op->work = std::make_shared<Work>(
+      fmt::format("{} on group '{}' (seq {})", op_kind_name(op->kind), name(), op->seq));
+  op->issued_at = Clock::now();
+  op->deadline = op->issued_at + job_->timeout();
+  for (const auto& t : op->outputs) {
+    if (t.storage()) t.storage()->add_pending(op->work);
+  }
+  if (size() == 1) {
+    run_single_rank(*op);
+    op->claim();
+    op->work->finish();
+    return op->work;
+  }
+  {
+    std::lock_guard lock(mu_);
+    if (broken_) {
+      op->claim();
+      op->work->fail(std::make_exception_ptr(
+          CommError(fmt::format("{}: group '{}' is unusable after an earlier failure: {}",
+                                op->work->description(), name(), *broken_))));
+      return op->work;
+    }
+    inflight_.push_back(op);
+  }
+  submit(op);
+  return op->work;
+}
+
+void ProcessGroupBase::run_single_rank(CollectiveOp& op) {
+  // One rank: gathers, scatters and all-to-alls are copies; reductions of one value (avg
+  // included) leave it unchanged.
+  switch (op.kind) {
+    case OpKind::AllGather:
+    case OpKind::ReduceScatter:
+    case OpKind::AllToAll:
+    case OpKind::AllGatherCoalesced:
+    case OpKind::ReduceScatterCoalesced:
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        if (op.inputs[i].nbytes() > 0) {
+          std::memmove(op.outputs[i].raw_data_ptr(), op.inputs[i].raw_data_ptr(),
+                       op.inputs[i].nbytes());
+        }
+      }
+      break;
+    default:
+      break;
+  }
+}
+
+void ProcessGroupBase::remove_inflight(const CollectiveOp* op) {
+  std::lock_guard lock(mu_);
+  std::erase_if(inflight_, [&](const auto& p) { return p.get() == op; });
+}
+
+void ProcessGroupBase::complete(const std::shared_ptr<CollectiveOp>& op) {
+  remove_inflight(op.get());
+  if (op->claim()) op->work->finish();
+}
+
+void ProcessGroupBase::mark_broken(const std::string& reason) {
+  std::vector<std::shared_ptr<CollectiveOp>> others;
+  {
+    std::lock_guard lock(mu_);
+    if (!broken_) broken_ = reason;
+    others.swap(inflight_);
+  }
+  on_broken();
+  // Everything still in flight on this group would wait on the same broken transport.
+  for (auto& other : others) {
+    if (other->claim()) {
+      other->work->fail(std::make_exception_ptr(CommError(fmt::format(
+          "{}: group '{}' failed earlier: {}", other->work->description(), name(), reason))));
+    }
+  }
+}
+
+void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
+                               const std::string& message) {
+  remove_inflight(op.get());
+  if (op->claim()) op->work->fail(std::make_exception_ptr(CommError(message)));
+  mark_broken(message);
+}
+
+void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,
+                                     const std::string& message) {
+  remove_inflight(op.get());
+  if (op->claim()) op->work->fail(std::make_exception_ptr(CommError(message)));
+}
+
+std::optional<std::string> ProcessGroupBase::broken() const {
+  std::lock_guard lock(mu_);
+  return broken_;
+}
+
+std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
+                                              const std::string& what) const {
+  std::string msg = fmt::format("{}: {}: {}", op.work->description(), job_->backend(), what);
+  if (auto* monitor = job_->monitor()) {
+    // A dead peer's sockets close at once, so its loss is known within moments of the
+    // transport's error; wait briefly so the message can name it.
+    auto losses = monitor->wait_for_loss(global_ranks(), std::chrono::milliseconds(500));
+    for (const auto& loss : losses) msg += "; " + loss.describe();
+  }
+  return msg;
+}
+
+std::optional<std::vector<int>> ProcessGroupBase::my_split_list(
+    const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) const {
+  if (new_name.empty()) throw InvalidArgument("split_group: the group name is empty");
+  if (auto existing = registry().find(new_name)) {
+    throw InvalidArgument(
+        fmt::format("split_group: group name '{}' is already registered (ranks {})", new_name,
+                    dist_detail::format_ranks(existing->global_ranks())));
+  }
+  std::optional<std::vector<int>> mine;
+  std::vector<int> seen;
+  for (const auto& list : rank_lists) {
+    if (list.empty()) throw InvalidArgument("split_group: a rank list is empty");
+    for (int r : list) {
+      if (std::find(global_ranks().begin(), global_ranks().end(), r) == global_ranks().end()) {
+        throw InvalidArgument(fmt::format("split_group: rank {} is not in group '{}' (ranks {})", r,
+                                          name(), dist_detail::format_ranks(global_ranks())));
+      }
+      if (std::find(seen.begin(), seen.end(), r) != seen.end()) {
+        throw InvalidArgument(
+            fmt::format("split_group: rank {} appears in more than one place", r));
+      }
+      seen.push_back(r);
+      if (r == global_rank()) mine = list;
+    }
+  }
+  return mine;
+}
+
+std::optional<std::string> ProcessGroupBase::check_gathered(const CollectiveOp& op,
+                                                            const std::vector<char>& all) const {
+  const size_t bytes = signature_bytes(size());
+  FUNCOL_CHECK(all.size() == bytes * size(), "gathered signatures have the wrong size");
+  std::vector<OpSignature> sigs;
+  for (int r = 0; r < size(); ++r) sigs.push_back(decode_signature(all.data() + r * bytes, size()));
+  return check_signatures(sigs, global_ranks(), op.work->description());
+}
+
+std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
+  const double seconds = std::chrono::duration<double>(Clock::now() - op.issued_at).count();
+  std::string msg = fmt::format("{}: timed out after {:.3g} s", op.work->description(), seconds);
+  PeerMonitor* monitor = job_->monitor();
+  if (monitor == nullptr) return msg;
+  std::vector<int> peers;
+  for (int r : global_ranks()) {
+    if (r != global_rank()) peers.push_back(r);
+  }
+  // Ask the peers how far they got on this group: those that never issued this seq are the
+  // ranks that did not arrive.
+  auto progress = monitor->query_progress(name(), peers, kProgressQueryWait);
+  std::vector<int> missing, silent;
+  std::vector<std::string> losses;
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (auto loss = monitor->lost(peers[i])) {
+      missing.push_back(peers[i]);
+      losses.push_back(loss->describe());
+    } else if (progress[i] == -1) {
+      silent.push_back(peers[i]);
+    } else if (progress[i] <= op.seq) {
+      missing.push_back(peers[i]);
+    }
+  }
+  if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
+  for (const auto& l : losses) msg += "; " + l;
+  if (!silent.empty()) {
+    msg += fmt::format("; ranks {} did not answer ({} unreachable)",
+                       dist_detail::format_ranks(silent), job_->backend());
+  }
+  if (missing.empty() && silent.empty()) {
+    msg += fmt::format("; every rank issued it but {} did not complete it", job_->backend());
+  }
+  return msg;
+}
+
+std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_point now) {
+  std::shared_ptr<CollectiveOp> expired;
+  std::optional<Clock::time_point> earliest;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& op : inflight_) {
+      if (op->done()) continue;
+      if (op->deadline <= now) {
+        if (!expired) expired = op;
+      } else if (!earliest || op->deadline < *earliest) {
+        earliest = op->deadline;
+      }
+    }
+  }
+  if (expired) fail_op(expired, timeout_message(*expired));
+  return earliest;
+}
+
+void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
+  const auto& members = global_ranks();
+  if (std::find(members.begin(), members.end(), loss.rank) == members.end()) return;
+  int64_t peer_issued = -1;  // collectives the peer issued here; -1: unknown (it died)
+  if (loss.clean) {
+    auto it = loss.issued.find(name());
+    peer_issued = it == loss.issued.end() ? 0 : it->second;
+  }
+  const std::string reason = loss.describe();
+  std::vector<std::shared_ptr<CollectiveOp>> victims;
+  {
+    std::lock_guard lock(mu_);
+    // Every later collective on this group would wait for the peer forever.
+    if (!broken_) broken_ = reason;
+    for (auto& op : inflight_) {
+      // A peer that left cleanly finished what it issued; only what it never issued is lost.
+      if (!op->done() && (peer_issued < 0 || op->seq >= peer_issued)) victims.push_back(op);
+    }
+    std::erase_if(inflight_, [&](const auto& op) {
+      return std::find(victims.begin(), victims.end(), op) != victims.end();
+    });
+  }
+  // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
+  if (!loss.clean || !victims.empty()) on_broken();
+  for (auto& op : victims) {
+    if (op->claim()) {
+      op->work->fail(std::make_exception_ptr(CommError(fmt::format(
+          "{}: {}{}; missing ranks {}", op->work->description(), reason,
+          loss.clean ? " before joining" : "", dist_detail::format_ranks({loss.rank})))));
+    }
+  }
+}
+
+}  // namespace funcol::process

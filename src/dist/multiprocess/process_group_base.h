@@ -1,0 +1,181 @@
+// ProcessGroupBase: what the process backends (mpi, gloo) share — argument checks, sequence
+// numbers, detail-mode signatures, timeouts, and failing collectives when a peer is lost.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dist/multiprocess/op_signature.h"
+#include "dist/multiprocess/peer_monitor.h"
+#include "funcol/dist/process_group.h"
+
+namespace funcol::process {
+
+class ProcessGroupBase;
+
+// One issued collective: its arguments, its Work, and the tensors the transport reads and
+// writes (held here so they outlive the transport even when the Work failed early, e.g. on a
+// timeout while MPI or Gloo still owns the buffers). Completed exactly once.
+struct CollectiveOp {
+  OpKind kind = OpKind::Barrier;
+  int64_t seq = -1;
+  DType dtype = DType::F32;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  int root = -1;
+  // One entry per tensor; in-place ops (all_reduce, broadcast) have inputs == outputs.
+  std::vector<Tensor> inputs;
+  std::vector<Tensor> outputs;
+  // all_to_all, in elements, per group rank.
+  std::vector<int64_t> send_counts, send_displs, recv_counts, recv_displs;
+  OpSignature signature;
+  std::shared_ptr<Work> work;
+  std::chrono::steady_clock::time_point issued_at;
+  std::chrono::steady_clock::time_point deadline;
+
+  // True when finished or failed (by the transport, the watchdog or a lost peer).
+  bool done() const { return done_.load(std::memory_order_acquire); }
+  // Claims completion; false when somebody completed it already.
+  bool claim() { return !done_.exchange(true, std::memory_order_acq_rel); }
+
+ private:
+  std::atomic<bool> done_{false};
+};
+
+// Everything one process shares across its groups on a process backend: identity, timeout,
+// the peer monitor and a watchdog thread that fails collectives past their deadline.
+class ProcessJob {
+ public:
+  // `monitor` may be null (world size 1).
+  ProcessJob(std::string backend, int rank, int world_size, std::chrono::milliseconds timeout,
+             bool detail, std::unique_ptr<PeerMonitor> monitor);
+  ~ProcessJob();
+  ProcessJob(const ProcessJob&) = delete;
+  ProcessJob& operator=(const ProcessJob&) = delete;
+
+  const std::string& backend() const { return backend_; }
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  bool detail() const { return detail_; }
+  PeerMonitor* monitor() const { return monitor_.get(); }
+
+  // Groups register themselves when created and unregister when destroyed.
+  void add_group(const std::shared_ptr<ProcessGroupBase>& group);
+  void remove_group(const ProcessGroupBase* group);
+
+  // Says goodbye to the peers and stops the watchdog (destroy_process_group).
+  void shutdown();
+
+ private:
+  void watchdog();
+  void on_peer_lost(const PeerLoss& loss);
+  std::vector<std::shared_ptr<ProcessGroupBase>> live_groups();
+
+  const std::string backend_;
+  const int rank_;
+  const int world_size_;
+  const std::chrono::milliseconds timeout_;
+  const bool detail_;
+  std::unique_ptr<PeerMonitor> monitor_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::weak_ptr<ProcessGroupBase>> groups_;
+  bool stopping_ = false;
+  std::thread watchdog_;
+};
+
+// The process backends' common ProcessGroup: validates arguments synchronously (InvalidArgument,
+// ShapeError), waits for pending inputs, numbers collectives, attaches the Work to the outputs,
+// runs world-size-1 groups locally, and hands everything else to submit() in issue order.
+// Failures — timeouts (from the job's watchdog), lost peers, transport errors — fail the Work
+// with a CommError naming the op, group, seq and the ranks that did not arrive, and leave the
+// group unusable: its later collectives fail at once instead of hanging.
+class ProcessGroupBase : public ProcessGroup,
+                         public std::enable_shared_from_this<ProcessGroupBase> {
+ public:
+  ~ProcessGroupBase() override;
+
+  std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op) override;
+  std::shared_ptr<Work> all_gather(const Tensor& output, const Tensor& input) override;
+  std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input,
+                                       ReduceOp op) override;
+  std::shared_ptr<Work> all_to_all(const Tensor& output, const Tensor& input,
+                                   const std::vector<int64_t>& output_splits,
+                                   const std::vector<int64_t>& input_splits) override;
+  std::shared_ptr<Work> broadcast(const Tensor& tensor, int src) override;
+  std::shared_ptr<Work> barrier_async() override;
+  std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
+                                             ReduceOp op) override;
+  std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
+                                             const std::vector<Tensor>& inputs) override;
+  std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
+                                                 const std::vector<Tensor>& inputs,
+                                                 ReduceOp op) override;
+
+  const std::shared_ptr<ProcessJob>& job() const { return job_; }
+  // This process's global rank.
+  int global_rank() const { return global_ranks()[rank()]; }
+
+  // ---- called by the job ----
+  // Fails collectives past their deadline; returns the earliest remaining deadline.
+  std::optional<std::chrono::steady_clock::time_point> check_deadlines(
+      std::chrono::steady_clock::time_point now);
+  void on_peer_lost(const PeerLoss& loss);
+
+ protected:
+  ProcessGroupBase(int rank, std::vector<int> global_ranks, std::string name,
+                   GroupRegistry* registry, std::shared_ptr<ProcessJob> job);
+  // Registers with the job and the monitor; call once right after construction.
+  void attach();
+
+  // Runs `op` on the transport. Called in sequence order, never for world size 1 or for a
+  // group already broken. The backend ends it with complete() or fail_op().
+  virtual void submit(const std::shared_ptr<CollectiveOp>& op) = 0;
+
+  // Called (on any thread) when the group becomes unusable: a failure, a timeout, a lost peer.
+  virtual void on_broken() {}
+
+  // Finishes the op's Work (no-op when it was already failed).
+  void complete(const std::shared_ptr<CollectiveOp>& op);
+  // Fails the op with CommError(message) and marks the group broken.
+  void fail_op(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
+  // Fails the op because the ranks disagreed on it (detail mode). The group stays usable:
+  // every rank saw the same signatures and skipped the collective.
+  void fail_mismatch(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
+  // Why the group is unusable, or nullopt.
+  std::optional<std::string> broken() const;
+  // Describes a failure for a CommError: "<op description> failed: <what>; <lost peers>".
+  std::string failure_message(const CollectiveOp& op, const std::string& what) const;
+  // Validates split_group's arguments (a new name; lists of members of this group, each rank in
+  // at most one) and returns this rank's list, or nullopt when it is in none.
+  std::optional<std::vector<int>> my_split_list(const std::vector<std::vector<int>>& rank_lists,
+                                                const std::string& new_name) const;
+  // Compares the gathered signatures (detail mode); nullopt when they agree.
+  std::optional<std::string> check_gathered(const CollectiveOp& op,
+                                            const std::vector<char>& all) const;
+
+ private:
+  std::shared_ptr<Work> issue(std::shared_ptr<CollectiveOp> op);
+  void run_single_rank(CollectiveOp& op);
+  void mark_broken(const std::string& reason);
+  void remove_inflight(const CollectiveOp* op);
+  std::string timeout_message(const CollectiveOp& op);
+
+  std::shared_ptr<ProcessJob> job_;
+  std::shared_ptr<std::atomic<int64_t>> issued_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::mutex issue_mu_;  // sequence numbers and submit() in one order
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<CollectiveOp>> inflight_;
+  std::optional<std::string> broken_;
+  bool attached_ = false;
+};
+
+}  // namespace funcol::process

@@ -1,0 +1,135 @@
+// init_process_group / destroy_process_group: the process backends' factory table and the
+// process-wide world.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "dist/multiprocess/process_world.h"
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#ifdef FUNCOL_WITH_GLOO
+#include "dist/gloo/gloo_backend.h"
+#endif
+#ifdef FUNCOL_WITH_MPI
+#include "dist/mpi/mpi_backend.h"
+#endif
+
+namespace funcol {
+namespace {
+
+struct BackendEntry {
+  const char* name;
+  process::BackendInit init;
+};
+
+// Every process backend compiled into this build, sorted by name: the one place a process
+// backend is registered (no self-registering statics).
+std::vector<BackendEntry> register_all_backends() {
+  return {
+#ifdef FUNCOL_WITH_GLOO
+      {"gloo", &gloo_backend::init_world},
+#endif
+#ifdef FUNCOL_WITH_MPI
+      {"mpi", &mpi_backend::init_world},
+#endif
+  };
+}
+
+// The process's world. Leaked on purpose: the exit handler still uses it after static
+// destructors may have run.
+struct ProcessState {
+  std::mutex mu;
+  std::string backend;
+  std::unique_ptr<GroupRegistry> registry;
+  process::ProcessWorld world;
+  // Every job ever started, kept so that no job is destroyed on one of its own threads (a
+  // group dropped last by the watchdog or the peer monitor); destroy_process_group shuts a
+  // job down explicitly.
+  std::vector<std::shared_ptr<process::ProcessJob>> jobs;
+  bool exit_handler = false;
+};
+
+ProcessState& state() {
+  static auto* s = new ProcessState;
+  return *s;
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
+                                                 const InitOptions& options) {
+  const auto backends = register_all_backends();
+  const BackendEntry* entry = nullptr;
+  for (const auto& b : backends) {
+    if (backend == b.name) entry = &b;
+  }
+  if (entry == nullptr) {
+    const std::string available = fmt::format("{}", fmt::join(available_backends(), ", "));
+    if (backend == "threads") {
+      throw InvalidArgument(fmt::format(
+          "init_process_group: the threads backend runs ranks as threads of one process; use "
+          "run_local (process backends available: {})",
+          backends.empty() ? std::string("none") : available));
+    }
+    if (backend == "mpi" || backend == "gloo") {
+      throw InvalidArgument(fmt::format(
+          "init_process_group: backend '{}' is not compiled into this build (configure with "
+          "-DFUNCOL_WITH_{}=ON); available backends: {}",
+          backend, backend == "mpi" ? "MPI" : "GLOO", available));
+    }
+    throw InvalidArgument(fmt::format(
+        "init_process_group: unknown backend '{}'; available backends: {}", backend, available));
+  }
+  if (options.timeout.count() < 0) {
+    throw InvalidArgument(fmt::format("init_process_group: timeout must not be negative, got {} ms",
+                                      options.timeout.count()));
+  }
+  ProcessState& s = state();
+  std::lock_guard lock(s.mu);
+  if (s.world.world) {
+    throw InvalidArgument(fmt::format(
+        "init_process_group: already initialised with backend '{}'; call destroy_process_group "
+        "first",
+        s.backend));
+  }
+  auto registry = std::make_unique<GroupRegistry>();
+  process::ProcessWorld world = entry->init(options, *registry);
+  registry->add(world.world);
+  s.backend = backend;
+  s.registry = std::move(registry);
+  s.world = world;
+  s.jobs.push_back(world.job);
+  dist_detail::set_process_world(world.world.get());
+  if (!s.exit_handler) {
+    // A process that exits without destroy_process_group still says goodbye, so its peers
+    // tell "finished" from "died".
+    std::atexit([] { destroy_process_group(); });
+    s.exit_handler = true;
+  }
+  return world.world;
+}
+
+void destroy_process_group() {
+  ProcessState& s = state();
+  std::unique_ptr<GroupRegistry> registry;
+  process::ProcessWorld world;
+  {
+    std::lock_guard lock(s.mu);
+    if (!s.world.world) return;
+    dist_detail::set_process_world(nullptr);
+    registry = std::move(s.registry);
+    world = std::move(s.world);
+    s.world = {};
+    s.backend.clear();
+  }
+  // Dropping the groups lets their workers finish what was issued; then the goodbye tells the
+  // peers how far this process got. Groups a caller still holds must not be used afterwards.
+  auto job = world.job;
+  registry.reset();
+  world = {};
+  job->shutdown();
+}
+
+}  // namespace funcol

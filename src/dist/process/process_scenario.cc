@@ -1,0 +1,246 @@
+// Failure scenarios for the process backends, one per run: every rank runs this program and
+// prints "SCENARIO OK rank R: ..." when it saw what the scenario expects, or
+// "SCENARIO FAILED rank R: ..." (exit 1) otherwise. run_scenario.sh counts the lines.
+//
+//   process_scenario --backend=gloo|mpi --scenario=kill|mismatch|timeout|depart
+//
+//  kill      the last rank raises SIGKILL mid-run; every survivor's next collective fails with
+//            a CommError naming it within FUNCOL_TIMEOUT plus a few seconds
+//  mismatch  (FUNCOL_DEBUG=detail) ranks issue different collectives, then all_to_alls with
+//            inconsistent split sizes; each fails on every rank showing both sides, and the
+//            group keeps working afterwards
+//  timeout   the last rank stays away from a collective; the others time out naming it
+//  depart    the last rank leaves (destroy_process_group); the others fail at once naming it
+//  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
+//            fails after FUNCOL_TIMEOUT naming it
+#include <fmt/format.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using funcol::DType;
+using funcol::ReduceOp;
+using funcol::Tensor;
+
+int g_rank = -1;
+
+[[noreturn]] void failed(const std::string& why) {
+  std::printf("SCENARIO FAILED rank %d: %s\n", g_rank, why.c_str());
+  std::fflush(stdout);
+  std::_Exit(1);
+}
+
+void ok(const std::string& what) {
+  std::printf("SCENARIO OK rank %d: %s\n", g_rank, what.c_str());
+  std::fflush(stdout);
+}
+
+void expect_contains(const std::string& text, const std::string& part) {
+  if (text.find(part) == std::string::npos) {
+    failed(fmt::format("expected '{}' in: {}", part, text));
+  }
+}
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Runs fn, which must throw CommError; returns its message.
+template <typename F>
+std::string expect_comm_error(F&& fn, const std::string& what) {
+  try {
+    fn();
+  } catch (const funcol::CommError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    failed(fmt::format("{}: expected CommError, got: {}", what, e.what()));
+  }
+  failed(fmt::format("{}: expected CommError, it succeeded", what));
+}
+
+void check_sum(funcol::ProcessGroup& world) {
+  Tensor t = Tensor::full({16}, DType::I32, world.rank() + 1);
+  world.all_reduce(t, ReduceOp::Sum)->wait();
+  const int n = world.size();
+  if (t.to_vector<int>()[0] != n * (n + 1) / 2) failed("all_reduce gave a wrong sum");
+}
+
+double timeout_seconds() {
+  return std::chrono::duration<double>(funcol::default_timeout()).count();
+}
+
+void scenario_kill(funcol::ProcessGroup& world) {
+  const int victim = world.size() - 1;
+  check_sum(world);
+  world.barrier();
+  if (world.rank() == victim) {
+    std::fflush(stdout);
+    std::raise(SIGKILL);
+  }
+  auto start = Clock::now();
+  std::string msg = expect_comm_error(
+      [&] {
+        // A few rounds: whichever collective is in flight when the rank dies must fail.
+        for (int i = 0; i < 1000; ++i) check_sum(world);
+      },
+      "collectives after a rank died");
+  const double took = seconds_since(start);
+  expect_contains(msg, fmt::format("rank {} died", victim));
+  if (took > timeout_seconds() + 5) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+void scenario_mismatch(funcol::ProcessGroup& world) {
+  if (const char* d = std::getenv("FUNCOL_DEBUG"); d == nullptr || std::string(d) != "detail") {
+    failed("run with FUNCOL_DEBUG=detail");
+  }
+  const int n = world.size();
+  check_sum(world);
+  // Rank 0 all-reduces while the others all-gather.
+  Tensor x = Tensor::full({8}, DType::F32, 1);
+  Tensor gathered = Tensor::empty({8 * n}, DType::F32);
+  std::string msg = expect_comm_error(
+      [&] {
+        if (world.rank() == 0) {
+          world.all_reduce(x, ReduceOp::Sum)->wait();
+        } else {
+          world.all_gather(gathered, x)->wait();
+        }
+      },
+      "mismatched collectives");
+  expect_contains(msg, "mismatched collectives");
+  expect_contains(msg, "rank 0 issued all_reduce(f32 numel 8, op sum)");
+  expect_contains(msg, "issued all_gather(f32 numel 8)");
+  // Same op, different dtype.
+  std::string dtype_msg = expect_comm_error(
+      [&] {
+        Tensor t = Tensor::full({4}, world.rank() == 0 ? DType::F32 : DType::F64, 1);
+        world.all_reduce(t, ReduceOp::Max)->wait();
+      },
+      "all_reduce with different dtypes");
+  expect_contains(dtype_msg, "f32 numel 4");
+  expect_contains(dtype_msg, "f64 numel 4");
+  // all_to_all: rank 0 sends rank 1 one row, rank 1 expects two from rank 0.
+  std::vector<int64_t> in_splits(n, 1), out_splits(n, 1);
+  if (world.rank() == 1) out_splits[0] = 2;
+  int64_t rows_in = n, rows_out = world.rank() == 1 ? n + 1 : n;
+  Tensor a = Tensor::zeros({rows_in, 3}, DType::I64);
+  Tensor b = Tensor::zeros({rows_out, 3}, DType::I64);
+  std::string split_msg = expect_comm_error(
+      [&] { world.all_to_all(b, a, out_splits, in_splits)->wait(); }, "all_to_all split sizes");
+  expect_contains(split_msg,
+                  "mismatched split sizes: rank 0 sends 1 rows to rank 1 but rank 1 "
+                  "expects 2 rows from rank 0");
+  // Every rank skipped the mismatched collectives: the group still works.
+  world.barrier();
+  check_sum(world);
+  ok(fmt::format("mismatches reported on every rank: {}", msg));
+}
+
+void scenario_timeout(funcol::ProcessGroup& world) {
+  const int late = world.size() - 1;
+  check_sum(world);
+  if (world.rank() == late) {
+    // The slow rank: stays away past the others' timeout (the scenario itself, not a sync).
+    std::this_thread::sleep_for(std::chrono::duration<double>(timeout_seconds() + 4));
+    ok("stayed away");
+    return;
+  }
+  auto start = Clock::now();
+  std::string msg = expect_comm_error([&] { check_sum(world); }, "a collective a rank skipped");
+  const double took = seconds_since(start);
+  expect_contains(msg, "timed out after");
+  expect_contains(msg, fmt::format("missing ranks [{}]", late));
+  if (took < timeout_seconds() - 0.5 || took > timeout_seconds() + 3) {
+    failed(fmt::format("timed out after {:.2f} s with FUNCOL_TIMEOUT {:.1f} s", took,
+                       timeout_seconds()));
+  }
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+void scenario_depart(funcol::ProcessGroup& world) {
+  const int leaver = world.size() - 1;
+  check_sum(world);
+  world.barrier();
+  if (world.rank() == leaver) {
+    funcol::destroy_process_group();
+    ok("left");
+    return;
+  }
+  auto start = Clock::now();
+  std::string msg = expect_comm_error(
+      [&] {
+        for (int i = 0; i < 1000; ++i) check_sum(world);
+      },
+      "collectives after a rank left");
+  const double took = seconds_since(start);
+  expect_contains(msg, fmt::format("rank {} departed", leaver));
+  if (took > 10) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string backend, scenario;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--backend=", 10) == 0) backend = argv[i] + 10;
+    if (std::strncmp(argv[i], "--scenario=", 11) == 0) scenario = argv[i] + 11;
+  }
+  if (backend.empty() || scenario.empty()) {
+    std::fprintf(stderr,
+                 "usage: process_scenario --backend=gloo|mpi "
+                 "--scenario=kill|mismatch|timeout|depart\n");
+    return 2;
+  }
+  if (scenario == "lonely") {
+    const char* rank = std::getenv("RANK");
+    const char* size = std::getenv("WORLD_SIZE");
+    if (rank == nullptr || size == nullptr) failed("run under gloo_launch.sh");
+    g_rank = std::atoi(rank);
+    const int late = std::atoi(size) - 1;
+    if (g_rank == late) {
+      ok("never joined");
+      return 0;
+    }
+    auto start = Clock::now();
+    std::string msg = expect_comm_error([&] { funcol::init_process_group(backend); },
+                                        "init_process_group without the last rank");
+    const double took = seconds_since(start);
+    expect_contains(msg, fmt::format("did not arrive: [{}]", late));
+    if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
+    ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+    return 0;
+  }
+  try {
+    auto world = funcol::init_process_group(backend);
+    g_rank = world->rank();
+    if (world->size() < 2) failed("needs at least 2 ranks");
+    if (scenario == "kill") {
+      scenario_kill(*world);
+    } else if (scenario == "mismatch") {
+      scenario_mismatch(*world);
+    } else if (scenario == "timeout") {
+      scenario_timeout(*world);
+    } else if (scenario == "depart") {
+      scenario_depart(*world);
+    } else {
+      failed("unknown scenario " + scenario);
+    }
+    world.reset();
+    funcol::destroy_process_group();
+  } catch (const std::exception& e) {
+    failed(fmt::format("unexpected error: {}", e.what()));
+  }
+  return 0;
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs a failure scenario's launcher command and checks its report: at least --ok lines
+# "SCENARIO OK", no "SCENARIO FAILED", the exit status (--exit zero|nonzero|any), a run time
+# under --within seconds, and optional --grep patterns in the output.
+#
+#   run_scenario.sh --ok N [--exit zero|nonzero|any] [--within S] [--grep PATTERN]... -- cmd...
+set -uo pipefail
+
+want_ok=0
+want_exit=zero
+within=600
+patterns=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ok) want_ok=$2; shift 2 ;;
+    --exit) want_exit=$2; shift 2 ;;
+    --within) within=$2; shift 2 ;;
+    --grep) patterns+=("$2"); shift 2 ;;
+    --) shift; break ;;
+    *) echo "run_scenario.sh: unknown option '$1'" >&2; exit 2 ;;
+  esac
+done
+
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+start=$SECONDS
+"$@" >"$out" 2>&1
+rc=$?
+took=$((SECONDS - start))
+cat "$out"
+
+fail() { echo "run_scenario.sh: $*" >&2; exit 1; }
+oks=$(grep -c "SCENARIO OK" "$out")
+grep -q "SCENARIO FAILED" "$out" && fail "a rank reported SCENARIO FAILED"
+[ "$oks" -ge "$want_ok" ] || fail "$oks ranks reported SCENARIO OK, expected $want_ok"
+case "$want_exit" in
+  zero) [ $rc -eq 0 ] || fail "exit status $rc, expected 0" ;;
+  nonzero) [ $rc -ne 0 ] || fail "exit status 0, expected a failure" ;;
+esac
+[ $took -le "$within" ] || fail "took $took s, limit $within s"
+for p in "${patterns[@]}"; do
+  grep -q -- "$p" "$out" || fail "no '$p' in the output"
+done
+echo "run_scenario.sh: passed ($oks ranks OK, exit status $rc, $took s)"

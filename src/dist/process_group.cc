@@ -1,0 +1,313 @@
+// ProcessGroup's backend-independent parts: coalesced defaults, the group registry, new_group.
+#include "funcol/dist/process_group.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "checks.h"
+#include "funcol/core/error.h"
+
+namespace funcol {
+
+namespace {
+
+using dist_detail::format_ranks;
+
+// A Work that waits for inner Works, then runs `then` (copying results out of a staging
+// buffer) exactly once, in whichever thread waits first. Until someone waits it reports
+// incomplete, so a Storage it is attached to stays pending until the copy is done.
+class ThenWork final : public Work {
+ public:
+  ThenWork(std::string description, std::vector<std::shared_ptr<Work>> inner,
+           std::function<void()> then)
+      : Work(std::move(description)), inner_(std::move(inner)), then_(std::move(then)) {}
+
+  void wait() override {
+    {
+      std::lock_guard<std::mutex> lock(run_mu_);
+      if (!is_completed()) {
+        std::exception_ptr error;
+        try {
+          for (auto& w : inner_) w->wait();
+          then_();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        inner_.clear();
+        then_ = nullptr;
+        if (error) {
+          fail(error);
+        } else {
+          finish();
+        }
+      }
+    }
+    Work::wait();
+  }
+
+ private:
+  std::mutex run_mu_;
+  std::vector<std::shared_ptr<Work>> inner_;
+  std::function<void()> then_;
+};
+
+// Indices of `dtypes` grouped by dtype, groups in order of first appearance (equal on every
+// rank, since every rank passes the same list).
+std::vector<std::vector<size_t>> group_by_dtype(const std::vector<DType>& dtypes) {
+  std::vector<std::vector<size_t>> groups;
+  std::vector<DType> keys;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    auto it = std::find(keys.begin(), keys.end(), dtypes[i]);
+    if (it == keys.end()) {
+      keys.push_back(dtypes[i]);
+      groups.push_back({i});
+    } else {
+      groups[it - keys.begin()].push_back(i);
+    }
+  }
+  return groups;
+}
+
+char* raw_bytes(const Tensor& t) { return static_cast<char*>(t.raw_data_ptr()); }
+
+// Where a result is copied to. Weak: the Work is attached to this storage, so a strong
+// reference would be a cycle that leaks a dropped, never-waited result.
+struct OutRef {
+  std::weak_ptr<Storage> storage;
+  size_t offset = 0;  // bytes
+  size_t nbytes = 0;
+
+  explicit OutRef(const Tensor& t)
+      : storage(t.storage()), offset(t.storage_offset() * t.itemsize()), nbytes(t.nbytes()) {}
+  // The destination, or null when the tensor is gone (nobody can read it any more).
+  char* lock(std::shared_ptr<Storage>& hold) const {
+    hold = storage.lock();
+    return hold ? static_cast<char*>(hold->raw()) + offset : nullptr;
+  }
+};
+
+std::vector<OutRef> out_refs(const std::vector<Tensor>& tensors) {
+  std::vector<OutRef> refs;
+  for (const Tensor& t : tensors) refs.emplace_back(t);
+  return refs;
+}
+
+// Copies `nbytes` of t's data (waiting for it first) to dst.
+void copy_in(char* dst, const Tensor& t) {
+  if (t.numel() > 0) std::memcpy(dst, t.data_ptr(), t.nbytes());
+}
+
+std::shared_ptr<Work> attach(std::shared_ptr<Work> work, const std::vector<Tensor>& outputs) {
+  for (const Tensor& t : outputs) {
+    if (t.storage()) t.storage()->add_pending(work);
+  }
+  return work;
+}
+
+}  // namespace
+
+// Default coalesced forms: stage each dtype's tensors in one flat buffer and run one primitive
+// per dtype (one sequence number when all tensors share a dtype, as bucketing produces).
+// Backends with native multi-buffer collectives (threads) override these and copy nothing.
+std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tensor>& tensors,
+                                                         ReduceOp op) {
+  for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
+  if (tensors.empty()) return Work::completed("all_reduce_coalesced (empty)");
+  std::vector<DType> dtypes;
+  for (const Tensor& t : tensors) dtypes.push_back(t.dtype());
+  std::vector<std::shared_ptr<Work>> inner;
+  std::vector<std::function<void()>> copies;
+  for (const auto& idx : group_by_dtype(dtypes)) {
+    int64_t total = 0;
+    for (size_t i : idx) total += tensors[i].numel();
+    Tensor flat = Tensor::empty({total}, tensors[idx[0]].dtype());
+    size_t isz = flat.itemsize();
+    int64_t off = 0;
+    for (size_t i : idx) {
+      copy_in(raw_bytes(flat) + off * isz, tensors[i]);
+      off += tensors[i].numel();
+    }
+    inner.push_back(all_reduce(flat, op));
+    copies.push_back([flat, idx, outs = out_refs(tensors)]() {
+      size_t o = 0;
+      for (size_t i : idx) {
+        std::shared_ptr<Storage> hold;
+        char* dst = outs[i].lock(hold);
+        if (dst && outs[i].nbytes > 0) std::memcpy(dst, raw_bytes(flat) + o, outs[i].nbytes);
+        o += outs[i].nbytes;
+      }
+    });
+  }
+  auto work = std::make_shared<ThenWork>(
+      fmt::format("all_reduce_coalesced on group '{}'", name()), std::move(inner),
+      [copies = std::move(copies)]() {
+        for (auto& c : copies) c();
+      });
+  return attach(std::move(work), tensors);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,
+                                                         const std::vector<Tensor>& inputs) {
+  dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dist_detail::check_all_gather(outputs[i], inputs[i], size());
+  }
+  if (inputs.empty()) return Work::completed("all_gather_coalesced (empty)");
+  std::vector<DType> dtypes;
+  for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
+  std::vector<std::shared_ptr<Work>> inner;
+  std::vector<std::function<void()>> copies;
+  const int n = size();
+  for (const auto& idx : group_by_dtype(dtypes)) {
+    int64_t total = 0;
+    for (size_t i : idx) total += inputs[i].numel();
+    DType dtype = inputs[idx[0]].dtype();
+    Tensor flat_in = Tensor::empty({total}, dtype);
+    Tensor flat_out = Tensor::empty({total * n}, dtype);
+    size_t isz = flat_in.itemsize();
+    int64_t off = 0;
+    for (size_t i : idx) {
+      copy_in(raw_bytes(flat_in) + off * isz, inputs[i]);
+      off += inputs[i].numel();
+    }
+    inner.push_back(all_gather(flat_out, flat_in));
+    // flat_out block j = rank j's inputs back to back; output i block j = rank j's input i.
+    copies.push_back([flat_out, idx, total, n, isz, outs = out_refs(outputs)]() {
+      for (int j = 0; j < n; ++j) {
+        size_t o = 0;  // bytes into rank j's block
+        for (size_t i : idx) {
+          size_t m = outs[i].nbytes / n;  // bytes of one rank's input i
+          std::shared_ptr<Storage> hold;
+          char* dst = outs[i].lock(hold);
+          if (dst && m > 0) std::memcpy(dst + j * m, raw_bytes(flat_out) + j * total * isz + o, m);
+          o += m;
+        }
+      }
+    });
+  }
+  auto work = std::make_shared<ThenWork>(
+      fmt::format("all_gather_coalesced on group '{}'", name()), std::move(inner),
+      [copies = std::move(copies)]() {
+        for (auto& c : copies) c();
+      });
+  return attach(std::move(work), outputs);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
+                                                             const std::vector<Tensor>& inputs,
+                                                             ReduceOp op) {
+  dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
+  }
+  if (inputs.empty()) return Work::completed("reduce_scatter_coalesced (empty)");
+  std::vector<DType> dtypes;
+  for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
+  std::vector<std::shared_ptr<Work>> inner;
+  std::vector<std::function<void()>> copies;
+  const int n = size();
+  for (const auto& idx : group_by_dtype(dtypes)) {
+    int64_t total = 0;  // elements of this rank's outputs
+    for (size_t i : idx) total += outputs[i].numel();
+    DType dtype = inputs[idx[0]].dtype();
+    Tensor flat_in = Tensor::empty({total * n}, dtype);
+    Tensor flat_out = Tensor::empty({total}, dtype);
+    size_t isz = flat_in.itemsize();
+    // flat_in block j = block j of every input, back to back.
+    int64_t o = 0;
+    for (size_t i : idx) {
+      int64_t m = outputs[i].numel();
+      if (m > 0) {
+        const char* src = static_cast<const char*>(inputs[i].data_ptr());
+        for (int j = 0; j < n; ++j) {
+          std::memcpy(raw_bytes(flat_in) + (j * total + o) * isz, src + j * m * isz, m * isz);
+        }
+      }
+      o += m;
+    }
+    inner.push_back(reduce_scatter(flat_out, flat_in, op));
+    copies.push_back([flat_out, idx, outs = out_refs(outputs)]() {
+      size_t o = 0;
+      for (size_t i : idx) {
+        std::shared_ptr<Storage> hold;
+        char* dst = outs[i].lock(hold);
+        if (dst && outs[i].nbytes > 0) std::memcpy(dst, raw_bytes(flat_out) + o, outs[i].nbytes);
+        o += outs[i].nbytes;
+      }
+    });
+  }
+  auto work = std::make_shared<ThenWork>(
+      fmt::format("reduce_scatter_coalesced on group '{}'", name()), std::move(inner),
+      [copies = std::move(copies)]() {
+        for (auto& c : copies) c();
+      });
+  return attach(std::move(work), outputs);
+}
+
+// ---- GroupRegistry ----
+
+std::shared_ptr<ProcessGroup> GroupRegistry::get(const std::string& name) const {
+  if (auto g = find(name)) return g;
+  throw InvalidArgument(
+      fmt::format("unknown group '{}' (known groups: {})", name, fmt::join(names(), ", ")));
+}
+
+std::shared_ptr<ProcessGroup> GroupRegistry::find(const std::string& name) const {
+  for (const auto& g : groups_) {
+    if (g->name() == name) return g;
+  }
+  return nullptr;
+}
+
+void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
+  FUNCOL_CHECK(group != nullptr, "GroupRegistry::add(null)");
+  if (auto existing = find(group->name())) {
+    if (existing == group) return;
+    throw InvalidArgument(fmt::format("group name '{}' is already registered (ranks {})",
+                                      group->name(), format_ranks(existing->global_ranks())));
+  }
+  groups_.push_back(std::move(group));
+}
+
+std::vector<std::string> GroupRegistry::names() const {
+  std::vector<std::string> out;
+  for (const auto& g : groups_) out.push_back(g->name());
+  return out;
+}
+
+std::shared_ptr<ProcessGroup> GroupRegistry::find_by_ranks(
+    const std::vector<int>& global_ranks) const {
+  for (const auto& g : groups_) {
+    if (g->global_ranks() == global_ranks) return g;
+  }
+  return nullptr;
+}
+
+std::string GroupRegistry::next_group_name() { return "group" + std::to_string(next_id_++); }
+
+std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<int>& ranks,
+                                        const std::string& name) {
+  if (ranks.empty()) throw InvalidArgument("new_group: ranks is empty");
+  std::vector<int> sorted = ranks;
+  // Sorted, as torch.distributed.new_group does: group rank i is the i-th smallest global rank.
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      throw InvalidArgument(fmt::format("new_group: rank {} is listed twice in {}", sorted[i],
+                                        format_ranks(ranks)));
+    }
+    const auto& parent_ranks = parent.global_ranks();
+    if (std::find(parent_ranks.begin(), parent_ranks.end(), sorted[i]) == parent_ranks.end()) {
+      throw InvalidArgument(fmt::format("new_group: rank {} is not in group '{}' (ranks {})",
+                                        sorted[i], parent.name(), format_ranks(parent_ranks)));
+    }
+  }
+  std::string group_name = name.empty() ? parent.registry().next_group_name() : name;
+  return parent.split_group({sorted}, group_name);
+}
+
+}  // namespace funcol

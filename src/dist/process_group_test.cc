@@ -1,0 +1,240 @@
+// Tests of the backend-independent dist parts: registry, new_group, DeviceMesh, argument checks
+// and the base class's coalesced defaults (through a group that only forwards primitives).
+#include "funcol/dist/process_group.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/device_mesh.h"
+#include "testing/conformance.h"
+#include "testing/run_ranks.h"
+
+namespace funcol {
+namespace {
+
+using testing::run_ranks;
+
+// Expects `fn` to throw E with a message containing every piece.
+template <typename E, typename Fn>
+void expect_error(Fn&& fn, std::initializer_list<std::string> pieces) {
+  try {
+    fn();
+    ADD_FAILURE() << "no exception";
+  } catch (const E& e) {
+    std::string what = e.what();
+    for (const auto& p : pieces) EXPECT_NE(what.find(p), std::string::npos) << what << " lacks " << p;
+  }
+}
+
+// Forwards the primitives to another group and keeps the base class's coalesced defaults.
+class ForwardingGroup final : public ProcessGroup {
+ public:
+  explicit ForwardingGroup(ProcessGroup& inner)
+      : ProcessGroup(inner.rank(), inner.global_ranks(), inner.name(), &inner.registry()),
+        inner_(inner) {}
+  std::string backend() const override { return "forwarding"; }
+  std::shared_ptr<Work> all_reduce(const Tensor& t, ReduceOp op) override {
+    return inner_.all_reduce(t, op);
+  }
+  std::shared_ptr<Work> all_gather(const Tensor& o, const Tensor& i) override {
+    return inner_.all_gather(o, i);
+  }
+  std::shared_ptr<Work> reduce_scatter(const Tensor& o, const Tensor& i, ReduceOp op) override {
+    return inner_.reduce_scatter(o, i, op);
+  }
+  std::shared_ptr<Work> all_to_all(const Tensor& o, const Tensor& i,
+                                   const std::vector<int64_t>& os,
+                                   const std::vector<int64_t>& is) override {
+    return inner_.all_to_all(o, i, os, is);
+  }
+  std::shared_ptr<Work> broadcast(const Tensor& t, int src) override {
+    return inner_.broadcast(t, src);
+  }
+  std::shared_ptr<Work> barrier_async() override { return inner_.barrier_async(); }
+  std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& lists,
+                                            const std::string& name) override {
+    return inner_.split_group(lists, name);
+  }
+
+ private:
+  ProcessGroup& inner_;
+};
+
+// The conformance suite's coalesced family over the base class's staging defaults.
+const bool kRegistered = [] {
+  testing::ConformanceConfig config;
+  config.backend = "base_coalesced";
+  config.launch = [](int n, const testing::RankFn& fn) {
+    run_local(n, [&](ProcessGroup& world) {
+      ForwardingGroup fwd(world);
+      fn(fwd);
+    });
+  };
+  config.world_sizes = {1, 2, 3, 4};
+  config.families = {"coalesced"};
+  testing::register_conformance_tests(config);
+  return true;
+}();
+
+TEST(BaseCoalescedTest, DroppedAndUnwaitedResultsAreSafe) {
+  run_ranks(2, [](ProcessGroup& world) {
+    ForwardingGroup fwd(world);
+    {
+      std::vector<Tensor> ts = {Tensor::full({5}, DType::F32, 1), Tensor::full({3}, DType::I32, 2)};
+      fwd.all_reduce_coalesced(ts, ReduceOp::Sum);  // dropped: result and Work
+    }
+    std::vector<Tensor> ts = {Tensor::full({5}, DType::F32, 1)};
+    auto w = fwd.all_reduce_coalesced(ts, ReduceOp::Sum);
+    EXPECT_EQ(ts[0].to_vector<float>(), std::vector<float>(5, 2.0f));  // waits through the tensor
+    EXPECT_TRUE(w->is_completed());
+  });
+}
+
+TEST(GroupRegistryTest, WorldIsRegisteredAndNamesAreUnique) {
+  run_ranks(2, [](ProcessGroup& world) {
+    GroupRegistry& reg = world.registry();
+    EXPECT_EQ(reg.world().get(), &world);
+    EXPECT_EQ(reg.names(), std::vector<std::string>{"world"});
+    EXPECT_EQ(reg.find("nope"), nullptr);
+    expect_error<InvalidArgument>([&] { reg.get("nope"); }, {"unknown group 'nope'", "world"});
+    EXPECT_EQ(reg.find_by_ranks({0, 1}).get(), &world);
+    EXPECT_EQ(reg.find_by_ranks({1, 0}), nullptr);
+    EXPECT_EQ(reg.next_group_name(), "group1");
+    EXPECT_EQ(reg.next_group_name(), "group2");
+    reg.add(reg.world());  // the same group again is a no-op
+    EXPECT_EQ(reg.names().size(), 1u);
+  });
+}
+
+TEST(NewGroupTest, SortsRanksNamesGroupsAndRegistersThem) {
+  run_ranks(4, [](ProcessGroup& world) {
+    auto g = new_group(world, {3, 1});
+    if (world.rank() == 1 || world.rank() == 3) {
+      ASSERT_NE(g, nullptr);
+      EXPECT_EQ(g->global_ranks(), (std::vector<int>{1, 3}));
+      EXPECT_EQ(g->rank(), world.rank() == 1 ? 0 : 1);
+      EXPECT_EQ(g->name(), "group1");
+      EXPECT_EQ(world.registry().get("group1"), g);
+      EXPECT_EQ(g->backend(), "threads");
+    } else {
+      EXPECT_EQ(g, nullptr);
+      EXPECT_EQ(world.registry().find("group1"), nullptr);
+    }
+    auto named = new_group(world, {0, 1, 2, 3}, "everyone");
+    ASSERT_NE(named, nullptr);
+    EXPECT_EQ(named->name(), "everyone");
+    EXPECT_EQ(world.registry().next_group_name(), "group2");
+  });
+}
+
+TEST(NewGroupTest, RejectsBadRankLists) {
+  run_ranks(2, [](ProcessGroup& world) {
+    expect_error<InvalidArgument>([&] { new_group(world, {}); }, {"new_group", "empty"});
+    expect_error<InvalidArgument>([&] { new_group(world, {0, 0}); }, {"rank 0 is listed twice"});
+    expect_error<InvalidArgument>([&] { new_group(world, {0, 5}); },
+                                  {"rank 5 is not in group 'world'"});
+    new_group(world, {0, 1}, "pair");
+    expect_error<InvalidArgument>([&] { new_group(world, {0, 1}, "pair"); },
+                                  {"group name 'pair' is already registered"});
+  });
+}
+
+TEST(DeviceMeshTest, RowMajorGroupsPerDim) {
+  run_ranks(8, [](ProcessGroup& world) {
+    DeviceMesh mesh(world, {{"pp", 2}, {"dp", 2}, {"tp", 2}});
+    int r = world.rank();
+    EXPECT_EQ(mesh.ndim(), 3);
+    EXPECT_EQ(mesh.coordinate(), (std::vector<int>{r / 4, (r / 2) % 2, r % 2}));
+    EXPECT_EQ(mesh.group("pp")->global_ranks(), (std::vector<int>{r % 4, r % 4 + 4}));
+    EXPECT_EQ(mesh.group("dp")->global_ranks(),
+              (std::vector<int>{r - ((r / 2) % 2) * 2, r - ((r / 2) % 2) * 2 + 2}));
+    EXPECT_EQ(mesh.group(2)->global_ranks(), (std::vector<int>{r - r % 2, r - r % 2 + 1}));
+    EXPECT_EQ(mesh.ranks(), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
+    EXPECT_EQ(world.registry().get("dp"), mesh.group("dp"));
+    Tensor t = Tensor::full({2}, DType::I32, r);
+    mesh.group("pp")->all_reduce(t, ReduceOp::Sum);
+    EXPECT_EQ(t.to_vector<int>(), std::vector<int>(2, 2 * (r % 4) + 4));
+    // Building the same mesh again reuses its groups.
+    DeviceMesh again(world, {{"pp", 2}, {"dp", 2}, {"tp", 2}});
+    EXPECT_EQ(again.group("tp"), mesh.group("tp"));
+  });
+}
+
+TEST(DeviceMeshTest, MeshOverASubgroup) {
+  run_ranks(4, [](ProcessGroup& world) {
+    auto g = new_group(world, {1, 2, 3}, "three");
+    if (!g) return;
+    DeviceMesh mesh(*g, {{"m", 3}});
+    EXPECT_EQ(mesh.ranks(), (std::vector<int>{1, 2, 3}));
+    EXPECT_EQ(mesh.group("m")->global_ranks(), (std::vector<int>{1, 2, 3}));
+  });
+}
+
+TEST(DeviceMeshTest, RejectsBadDims) {
+  run_ranks(4, [](ProcessGroup& world) {
+    expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"dp", 2}, {"tp", 3}}); },
+                                  {"dp=2 x tp=3", "need 6 ranks", "'world' has 4"});
+    expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"a", 2}, {"a", 2}}); },
+                                  {"'a' is used twice"});
+    expect_error<InvalidArgument>([&] { DeviceMesh(world, {}); }, {"at least one dim"});
+    expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"a", 0}, {"b", 4}}); },
+                                  {"'a' has size 0"});
+    DeviceMesh mesh(world, {{"x", 4}});
+    expect_error<InvalidArgument>([&] { mesh.group("y"); }, {"unknown dim 'y'", "x"});
+    expect_error<InvalidArgument>([&] { mesh.group(1); }, {"dim 1 is out of range"});
+  });
+}
+
+TEST(ArgumentChecksTest, PrimitivesValidateSynchronously) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    Tensor f4 = Tensor::zeros({4}, DType::F32);
+    Tensor f8 = Tensor::zeros({8}, DType::F32);
+    Tensor i8 = Tensor::zeros({8}, DType::I32);
+    Tensor strided = Tensor::zeros({4, 4}, DType::F32).transpose(0, 1);
+    expect_error<ShapeError>([&] { pg.all_gather(f4, f4); },
+                             {"all_gather", "output numel (4)", "group size (2)", "input numel (4)"});
+    expect_error<InvalidArgument>([&] { pg.all_gather(i8, f4); },
+                                  {"all_gather", "dtype i32", "f32"});
+    expect_error<InvalidArgument>([&] { pg.all_reduce(strided, ReduceOp::Sum); },
+                                  {"all_reduce", "contiguous"});
+    expect_error<InvalidArgument>([&] { pg.all_reduce(f4, ReduceOp::BXor); },
+                                  {"all_reduce", "bxor", "f32"});
+    expect_error<InvalidArgument>(
+        [&] { pg.all_reduce(Tensor::zeros({2}, DType::Bool), ReduceOp::Avg); },
+        {"avg is not supported on bool"});
+    expect_error<ShapeError>([&] { pg.reduce_scatter(f8, f4, ReduceOp::Sum); },
+                             {"reduce_scatter", "input numel (4)", "output numel (8)"});
+    expect_error<InvalidArgument>([&] { pg.broadcast(f4, 2); }, {"broadcast", "src 2"});
+    expect_error<InvalidArgument>([&] { pg.all_reduce(Tensor(), ReduceOp::Sum); },
+                                  {"all_reduce", "undefined"});
+    expect_error<InvalidArgument>(
+        [&] { pg.all_reduce(Tensor::meta({2}, DType::F32), ReduceOp::Sum); }, {"meta"});
+    Tensor in = Tensor::zeros({5, 2}, DType::F32);
+    Tensor out = Tensor::zeros({5, 2}, DType::F32);
+    expect_error<ShapeError>([&] { pg.all_to_all(out, in, {}, {}); },
+                             {"all_to_all", "dim 0 (5)", "multiple of group size 2"});
+    expect_error<ShapeError>([&] { pg.all_to_all(out, in, {2, 3}, {1, 3}); },
+                             {"input_split_sizes sum to 4", "dim 0 is 5"});
+    expect_error<InvalidArgument>([&] { pg.all_to_all(out, in, {5}, {5}); },
+                                  {"has 1 entries", "group size is 2"});
+    expect_error<InvalidArgument>([&] { pg.all_to_all(out, in, {6, -1}, {6, -1}); },
+                                  {"negative"});
+    expect_error<InvalidArgument>([&] { pg.all_to_all(out, in, {2, 3}, {}); },
+                                  {"specified together"});
+    expect_error<ShapeError>(
+        [&] { pg.all_to_all(Tensor::zeros({5, 3}, DType::F32), in, {2, 3}, {2, 3}); },
+        {"rows"});
+    expect_error<InvalidArgument>(
+        [&] { pg.all_gather_coalesced({f8}, {f4, f4}); }, {"all_gather_coalesced", "1 outputs", "2 inputs"});
+    // Failed validation takes no sequence number: the next collective still matches.
+    Tensor t = Tensor::full({3}, DType::F32, 1);
+    pg.all_reduce(t, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.to_vector<float>(), std::vector<float>(3, 2.0f));
+  });
+}
+
+}  // namespace
+}  // namespace funcol

@@ -1,0 +1,1106 @@
+// The `threads` backend: ranks are threads of one process; collectives run in shared memory.
+//
+// Design. Every collective is one shared `Op` per (group, sequence number), created by the first
+// rank that issues it; each rank *joins* it by posting its buffer pointers and a descriptor
+// (checked against the first rank's: a mismatch fails the op on every rank). Each rank also
+// keeps an ordered queue of the ops it issued: an op becomes *eligible* once it is at the head
+// of every member's queue, so a rank's collectives execute in issue order (a collective may read
+// the output of the rank's previous one) while independent groups still run concurrently.
+//
+// Nobody owns an op's execution: the thread that makes it eligible (the last rank to issue it,
+// or the thread that completed the op ahead of it) runs it at once, and every thread that waits
+// on an op helps: the work is cut into chunks of ~64 KiB claimed through an atomic counter, and
+// each chunk reads the peers' buffers directly and writes every destination (all_reduce: reduce
+// the chunk of all inputs, in rank order, into rank 0's buffer and copy it to the others). No
+// staging copies, no communication threads, no handoff when the caller waits at once. Outputs
+// stay pending on the Op (attached to their Storage) until the last chunk finished.
+//
+// Failure is never a hang: waits spin a few µs, yield, then sleep with the op's deadline
+// (issue time + timeout); a departed rank fails every op it has not joined at once.
+#include "threads/threads_backend.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <utility>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "checks.h"
+#include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
+#include "funcol/dist/work.h"
+#include "spin.h"
+
+namespace funcol::threads_detail {
+
+using Clock = std::chrono::steady_clock;
+using dist_detail::format_ranks;
+
+// Work granularity: 64 KiB keeps a chunk in L2 (reduce then copy re-reads it from cache) and
+// makes the atomic claim (~100 ns) negligible next to the copy (~5 µs).
+constexpr int64_t kPieceBytes = 64 * 1024;
+constexpr int64_t kChunkBytes = 64 * 1024;
+
+// A vector that stores up to N elements inline: a collective usually has one tensor and one or
+// two storages, and allocating for them would dominate the latency of a small collective.
+template <typename T, size_t N>
+class InlineVec {
+ public:
+  void push_back(T v) {
+    if (size_ < N) {
+      inline_[size_++] = std::move(v);
+      return;
+    }
+    if (size_ == N) {
+      heap_.reserve(2 * N);
+      for (auto& x : inline_) heap_.push_back(std::exchange(x, T()));
+    }
+    heap_.push_back(std::move(v));
+    ++size_;
+  }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* begin() { return size_ <= N ? inline_.data() : heap_.data(); }
+  T* end() { return begin() + size_; }
+  const T* begin() const { return size_ <= N ? inline_.data() : heap_.data(); }
+  const T* end() const { return begin() + size_; }
+  T& operator[](size_t i) { return begin()[i]; }
+  const T& operator[](size_t i) const { return begin()[i]; }
+  void clear() {
+    for (auto& x : inline_) x = T();
+    heap_.clear();
+    size_ = 0;
+  }
+
+ private:
+  std::array<T, N> inline_{};
+  std::vector<T> heap_;
+  size_t size_ = 0;
+};
+
+enum class OpKind : uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Barrier };
+
+std::string op_name(OpKind kind, bool coalesced) {
+  std::string name;
+  switch (kind) {
+    case OpKind::AllReduce: name = "all_reduce"; break;
+    case OpKind::AllGather: name = "all_gather"; break;
+    case OpKind::ReduceScatter: name = "reduce_scatter"; break;
+    case OpKind::AllToAll: name = "all_to_all"; break;
+    case OpKind::Broadcast: name = "broadcast"; break;
+    case OpKind::Barrier: name = "barrier"; break;
+  }
+  if (coalesced) name += "_coalesced";
+  return name;
+}
+
+bool reduces(OpKind kind) { return kind == OpKind::AllReduce || kind == OpKind::ReduceScatter; }
+
+// One tensor of a rank's part of a collective. `count` is the per-rank element count the
+// descriptors are compared on: all_reduce/broadcast numel, all_gather input numel,
+// reduce_scatter output numel, all_to_all elements per row.
+// The input's shape is compared across ranks too (as torch.distributed's DETAIL debug mode
+// does), when it has at most kMaxShapeDims dims; all_to_all compares only rows' sizes.
+constexpr int kMaxShapeDims = 6;
+struct Slot {
+  DType dtype = DType::F32;
+  int64_t count = 0;
+  int8_t ndim = -1;  // -1: shape not recorded
+  std::array<int64_t, kMaxShapeDims> dims{};
+  const char* in = nullptr;
+  char* out = nullptr;
+
+  bool same_shape(const Slot& o) const {
+    if (ndim < 0 || o.ndim < 0) return true;
+    return ndim == o.ndim && std::equal(dims.begin(), dims.begin() + ndim, o.dims.begin());
+  }
+  // "f32[2,3]", or "f32 row 4" / "f32 numel 6" without a recorded shape.
+  std::string describe(bool rows) const {
+    if (ndim < 0) return fmt::format("{} {} {}", dtype_name(dtype), rows ? "row" : "numel", count);
+    return fmt::format("{}[{}]", dtype_name(dtype),
+                       fmt::join(dims.begin(), dims.begin() + ndim, ","));
+  }
+};
+
+// One rank's part of a collective: what it asked for and where its buffers are.
+struct Post {
+  OpKind kind = OpKind::Barrier;
+  bool coalesced = false;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  int root = 0;
+  InlineVec<Slot, 1> slots;
+  std::vector<int64_t> input_splits;   // all_to_all rows to each rank
+  std::vector<int64_t> output_splits;  // all_to_all rows from each rank
+  // Keeps the buffers alive until the op finished (a dropped result must stay valid).
+  InlineVec<std::shared_ptr<Storage>, 2> keep;
+
+  // "all_reduce(f32, numel 16, op sum)", for mismatch messages.
+  std::string summary() const {
+    std::string s = op_name(kind, coalesced) + "(";
+    if (kind == OpKind::Barrier) return s + ")";
+    if (coalesced) s += fmt::format("{} tensors: ", slots.size());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (i) s += ", ";
+      if (i == 8 && slots.size() > 9) {
+        s += "...";
+        break;
+      }
+      s += slots[i].describe(kind == OpKind::AllToAll);
+    }
+    if (reduces(kind)) s += fmt::format(", op {}", reduce_op_name(reduce_op));
+    if (kind == OpKind::Broadcast) s += fmt::format(", src {}", root);
+    return s + ")";
+  }
+
+  bool same_call(const Post& o) const {
+    if (kind != o.kind || coalesced != o.coalesced || slots.size() != o.slots.size()) return false;
+    if (reduces(kind) && reduce_op != o.reduce_op) return false;
+    if (kind == OpKind::Broadcast && root != o.root) return false;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].dtype != o.slots[i].dtype || slots[i].count != o.slots[i].count ||
+          !slots[i].same_shape(o.slots[i])) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+// A contiguous range of one piece of work (see Op::run_piece for what a, b mean per kind).
+struct Piece {
+  int32_t t;  // slot
+  int32_t a;
+  int32_t b;
+  int64_t begin;  // elements (bytes for all_to_all)
+  int64_t len;
+};
+
+class World;
+struct SharedGroup;
+
+enum State : int { kPending = 0, kPlanning = 1, kRunning = 2, kFinished = 3 };
+
+// One collective shared by the members of a group; also every member's Work.
+class Op final : public Work, public std::enable_shared_from_this<Op> {
+ public:
+  Op(World* world, SharedGroup* group, uint64_t seq, OpKind kind, bool coalesced, int size,
+     Clock::time_point deadline)
+      : kind_(kind),
+        coalesced_(coalesced),
+        world_(world),
+        group_(group),
+        seq_(seq),
+        size_(size),
+        deadline_(deadline),
+        members_(size) {}
+
+  void wait() override;
+  // "all_reduce on group 'world' (seq 4)", formatted on first use.
+  const std::string& description() const override;
+  // Wakes sleeping waiters so that they come and help with chunks.
+  void wake() { wake_waiters(); }
+
+  const OpKind kind_;  // of the first rank to issue it
+  const bool coalesced_;
+  mutable std::once_flag description_once_;
+  mutable std::string description_;
+  World* world_;
+  SharedGroup* group_;
+  const uint64_t seq_;
+  const int size_;
+  const Clock::time_point deadline_;
+
+  // ---- guarded by group_->mu ----
+  // By group rank. post and joined are guarded by group_->mu (post is read without it once the
+  // op is eligible); head_marked by the queue mutex of the member's rank.
+  struct Member {
+    Post post;
+    uint8_t joined = 0;
+    uint8_t head_marked = 0;
+  };
+  std::vector<Member> members_;
+  int joined_count_ = 0;
+  int ref_ = -1;  // the first rank whose post was stored: the reference descriptor
+  bool doomed_ = false;  // a join found a mismatch or departure; fail_op follows
+
+  std::atomic<int> heads_{0};  // members at whose queue head this op is
+  std::atomic<int> state_{kPending};
+
+  // ---- the plan: written in kPlanning, read by helpers once they saw kRunning ----
+  InlineVec<Piece, 1> pieces_;
+  InlineVec<uint32_t, 2> chunk_starts_;  // num_chunks_ + 1 entries
+  int num_chunks_ = 0;
+  std::vector<int64_t> a2a_in_off_, a2a_out_off_;  // bytes, [src * n + dst] / [dst * n + src]
+  std::atomic<int> next_chunk_{0};
+  std::atomic<int> done_chunks_{0};
+  std::mutex error_mu_;
+  std::exception_ptr chunk_error_;
+  bool registered_running_ = false;
+
+  void plan();
+  void run_chunk(int c);
+  void run_piece(const Piece& p);
+  bool has_chunks_left() const {
+    return next_chunk_.load(std::memory_order_relaxed) < num_chunks_;
+  }
+};
+
+// The state of one group shared by its members: name, ranks and the ops not yet joined by all.
+struct SharedGroup {
+  int id = 0;
+  std::string name;
+  std::vector<int> global_ranks;
+  std::mutex mu;
+  // Ops not yet joined by every member, at seq - pending_base (null: not created yet, or
+  // joined by all). Sequence numbers are dense, so a deque window beats a map.
+  std::deque<std::shared_ptr<Op>> pending;
+  uint64_t pending_base = 0;
+
+  std::shared_ptr<Op>& pending_slot(uint64_t seq) {
+    FUNCOL_CHECK(seq >= pending_base, "joined a collective that every member already joined");
+    uint64_t idx = seq - pending_base;
+    if (idx >= pending.size()) pending.resize(idx + 1);
+    return pending[idx];
+  }
+  void release_pending(uint64_t seq) {
+    pending[seq - pending_base].reset();
+    while (!pending.empty() && !pending.front()) {
+      pending.pop_front();
+      ++pending_base;
+    }
+  }
+};
+
+struct QueueEntry {
+  std::shared_ptr<Op> op;
+  int member;  // this rank's group rank in op's group
+};
+
+// One rank: its ordered queue of unfinished collectives and whether it departed.
+struct RankState {
+  std::mutex mu;
+  std::deque<QueueEntry> queue;
+  std::atomic<bool> departed{false};
+  std::string departed_reason;  // written before departed is set, read after it is seen
+};
+
+// A split_group in progress: the first rank creates the groups, the others find them.
+struct SplitEntry {
+  std::vector<std::vector<int>> lists;
+  std::vector<SharedGroup*> groups;
+  int arrivals = 0;
+  int first_rank = 0;
+};
+
+using OpList = std::vector<std::shared_ptr<Op>>;
+
+class World {
+ public:
+  World(int size, std::chrono::milliseconds timeout) : size_(size), timeout_(timeout) {
+    for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<RankState>());
+    std::vector<int> all(size);
+    for (int r = 0; r < size; ++r) all[r] = r;
+    create_group("world", all);
+  }
+
+  SharedGroup* create_group(std::string name, std::vector<int> ranks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto g = std::make_unique<SharedGroup>();
+    g->id = static_cast<int>(groups_.size());
+    g->name = std::move(name);
+    g->global_ranks = std::move(ranks);
+    groups_.push_back(std::move(g));
+    return groups_.back().get();
+  }
+  SharedGroup* world_group() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return groups_.front().get();
+  }
+
+  // The group (of `lists`) containing `global_rank`, or null; creates them on first arrival.
+  SharedGroup* split(const SharedGroup& parent, uint64_t index,
+                     const std::vector<std::vector<int>>& lists, const std::string& name,
+                     int global_rank);
+
+  // Posts `post` as member `member` of op `seq` on `group`; fails the op on mismatch or when a
+  // member departed before joining. Returns the op (possibly already failed).
+  std::shared_ptr<Op> join(SharedGroup& group, int member, uint64_t seq, Post&& post);
+  // Appends op to `global_rank`'s queue and runs whatever became eligible.
+  void push(int global_rank, int member, const std::shared_ptr<Op>& op);
+  // Pops finished ops off `global_rank`'s queue head and marks the new head; collects ops that
+  // became eligible into `ready`.
+  void advance(int global_rank, OpList& ready);
+  void advance_locked(RankState& rs, OpList& ready);
+  // Runs eligible ops (and, transitively, the ops their completion makes eligible).
+  void run_ready(OpList& ready);
+  // Claims and runs chunks of a running op until none is left; may complete it.
+  void work(const std::shared_ptr<Op>& op, OpList& ready);
+  // Helps any running op with chunks left; false when there was nothing to do.
+  bool help_any();
+  // Fails a pending op (exactly once; false when it already started or finished).
+  bool fail_op(const std::shared_ptr<Op>& op, const std::string& message);
+  // The timeout failure of op (missing ranks, or the collectives it is stuck behind).
+  std::string timeout_message(Op& op);
+  void depart(int rank, const std::string& reason);
+  void drain(int rank);
+
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::unique_ptr<RankState>> ranks_;
+
+ private:
+  void start(const std::shared_ptr<Op>& op, OpList& ready);
+  void complete(const std::shared_ptr<Op>& op, OpList& ready);
+  std::string departed_message(const Op& op, int departed_rank, const std::vector<int>& missing);
+
+  std::mutex mu_;  // groups_ and splits_
+  std::vector<std::unique_ptr<SharedGroup>> groups_;
+  std::map<std::pair<int, uint64_t>, SplitEntry> splits_;
+
+  std::mutex running_mu_;  // running_
+  std::vector<std::shared_ptr<Op>> running_;  // ops with more than one chunk, for helpers
+  std::atomic<int> running_count_{0};
+};
+
+// ---------------------------------------------------------------------------------------------
+// Planning and executing an op.
+
+void Op::plan() {
+  const Post& p0 = members_[0].post;
+  const int n = size_;
+  auto add_ranges = [&](int t, int a, int b, int64_t total, int64_t unit) {
+    int64_t step = std::max<int64_t>(1, kPieceBytes / unit);
+    for (int64_t begin = 0; begin < total; begin += step) {
+      pieces_.push_back({t, a, b, begin, std::min(step, total - begin)});
+    }
+  };
+  switch (p0.kind) {
+    case OpKind::AllReduce:
+      if (n == 1) break;  // in place: the reduction of one tensor is itself
+      for (size_t t = 0; t < p0.slots.size(); ++t) {
+        add_ranges(static_cast<int>(t), 0, 0, p0.slots[t].count, itemsize(p0.slots[t].dtype));
+      }
+      break;
+    case OpKind::Broadcast:
+      if (n == 1) break;
+      for (size_t t = 0; t < p0.slots.size(); ++t) {
+        add_ranges(static_cast<int>(t), 0, 0, p0.slots[t].count, itemsize(p0.slots[t].dtype));
+      }
+      break;
+    case OpKind::AllGather:
+    case OpKind::ReduceScatter:
+      for (size_t t = 0; t < p0.slots.size(); ++t) {
+        for (int j = 0; j < n; ++j) {
+          add_ranges(static_cast<int>(t), j, 0, p0.slots[t].count, itemsize(p0.slots[t].dtype));
+        }
+      }
+      break;
+    case OpKind::AllToAll: {
+      int64_t row_bytes = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
+      a2a_in_off_.assign(static_cast<size_t>(n) * n, 0);
+      a2a_out_off_.assign(static_cast<size_t>(n) * n, 0);
+      for (int j = 0; j < n; ++j) {
+        int64_t in_off = 0, out_off = 0;
+        for (int k = 0; k < n; ++k) {
+          a2a_in_off_[j * n + k] = in_off;
+          in_off += members_[j].post.input_splits[k] * row_bytes;
+          a2a_out_off_[j * n + k] = out_off;
+          out_off += members_[j].post.output_splits[k] * row_bytes;
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        for (int k = 0; k < n; ++k) {
+          add_ranges(0, j, k, members_[j].post.input_splits[k] * row_bytes, 1);
+        }
+      }
+      break;
+    }
+    case OpKind::Barrier:
+      break;
+  }
+  // Group consecutive small pieces so that a chunk holds about kChunkBytes of output.
+  chunk_starts_.clear();
+  int64_t acc = 0;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const Piece& p = pieces_[i];
+    int64_t bytes = p0.kind == OpKind::AllToAll
+                        ? p.len
+                        : p.len * static_cast<int64_t>(itemsize(p0.slots[p.t].dtype));
+    if (chunk_starts_.empty() || acc >= kChunkBytes) {
+      chunk_starts_.push_back(static_cast<uint32_t>(i));
+      acc = 0;
+    }
+    acc += bytes;
+  }
+  num_chunks_ = static_cast<int>(chunk_starts_.size());
+  chunk_starts_.push_back(static_cast<uint32_t>(pieces_.size()));
+}
+
+void Op::run_chunk(int c) {
+  for (uint32_t i = chunk_starts_[c]; i < chunk_starts_[c + 1]; ++i) run_piece(pieces_[i]);
+}
+
+void Op::run_piece(const Piece& p) {
+  const Post& p0 = members_[0].post;
+  const int n = size_;
+  if (p0.kind == OpKind::AllToAll) {
+    // a = source rank, b = destination rank, begin/len in bytes.
+    const char* src = members_[p.a].post.slots[0].in + a2a_in_off_[p.a * n + p.b] + p.begin;
+    char* dst = members_[p.b].post.slots[0].out + a2a_out_off_[p.b * n + p.a] + p.begin;
+    if (dst != src) std::memmove(dst, src, p.len);
+    return;
+  }
+  const DType dtype = p0.slots[p.t].dtype;
+  const int64_t isz = static_cast<int64_t>(itemsize(dtype));
+  const int64_t count = p0.slots[p.t].count;
+  const int64_t off = p.begin * isz;
+  const size_t bytes = static_cast<size_t>(p.len * isz);
+  std::array<const void*, 64> stack_srcs;
+  std::vector<const void*> heap_srcs;
+  const void** srcs = stack_srcs.data();
+  if (n > static_cast<int>(stack_srcs.size())) {
+    heap_srcs.resize(n);
+    srcs = heap_srcs.data();
+  }
+  switch (p0.kind) {
+    case OpKind::AllReduce: {
+      // Reduce the chunk of every input, in rank order, into rank 0's buffer (in place: it is
+      // also rank 0's input), then copy the result (hot in cache) to every other rank.
+      for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + off;
+      char* out0 = members_[0].post.slots[p.t].out + off;
+      reduce_buffers(p0.reduce_op, dtype, out0, srcs, n, p.len);
+      for (int k = 1; k < n; ++k) std::memcpy(members_[k].post.slots[p.t].out + off, out0, bytes);
+      break;
+    }
+    case OpKind::Broadcast: {
+      const char* src = members_[p0.root].post.slots[p.t].out + off;
+      for (int k = 0; k < n; ++k) {
+        if (k != p0.root) std::memcpy(members_[k].post.slots[p.t].out + off, src, bytes);
+      }
+      break;
+    }
+    case OpKind::AllGather: {
+      // a = the source rank: its input goes to block a of every output.
+      const char* src = members_[p.a].post.slots[p.t].in + off;
+      const int64_t dst_off = (p.a * count) * isz + off;
+      for (int k = 0; k < n; ++k) {
+        char* dst = members_[k].post.slots[p.t].out + dst_off;
+        if (dst != src) std::memmove(dst, src, bytes);  // the input may be a view of the output
+      }
+      break;
+    }
+    case OpKind::ReduceScatter: {
+      // a = the destination rank: reduce block a of every input into its output.
+      const int64_t src_off = (p.a * count) * isz + off;
+      for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + src_off;
+      reduce_buffers(p0.reduce_op, dtype, members_[p.a].post.slots[p.t].out + off, srcs, n, p.len);
+      break;
+    }
+    case OpKind::AllToAll:
+    case OpKind::Barrier:
+      break;
+  }
+}
+
+void World::start(const std::shared_ptr<Op>& op, OpList& ready) {
+  int expected = kPending;
+  if (!op->state_.compare_exchange_strong(expected, kPlanning, std::memory_order_acq_rel)) {
+    return;  // failed (timeout, departure, mismatch) before it became eligible
+  }
+  try {
+    op->plan();
+  } catch (...) {
+    op->chunk_error_ = std::current_exception();
+    op->pieces_.clear();
+    op->num_chunks_ = 0;
+  }
+  if (op->num_chunks_ == 0) {
+    op->state_.store(kRunning, std::memory_order_release);
+    complete(op, ready);
+    return;
+  }
+  if (op->num_chunks_ > 1) {
+    std::lock_guard<std::mutex> lock(running_mu_);
+    running_.push_back(op);
+    running_count_.fetch_add(1, std::memory_order_relaxed);
+    op->registered_running_ = true;
+  }
+  op->state_.store(kRunning, std::memory_order_release);
+  // Sleeping waiters of a multi-chunk op come and take chunks.
+  if (op->num_chunks_ > 1) op->wake();
+  work(op, ready);
+}
+
+void World::work(const std::shared_ptr<Op>& op, OpList& ready) {
+  for (;;) {
+    int c = op->next_chunk_.fetch_add(1, std::memory_order_relaxed);
+    if (c >= op->num_chunks_) return;
+    try {
+      op->run_chunk(c);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(op->error_mu_);
+      if (!op->chunk_error_) op->chunk_error_ = std::current_exception();
+    }
+    if (op->done_chunks_.fetch_add(1, std::memory_order_acq_rel) + 1 == op->num_chunks_) {
+      complete(op, ready);
+      return;
+    }
+  }
+}
+
+void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
+  if (op->registered_running_) {
+    std::lock_guard<std::mutex> lock(running_mu_);
+    auto it = std::find(running_.begin(), running_.end(), op);
+    if (it != running_.end()) running_.erase(it);
+    running_count_.fetch_sub(1, std::memory_order_relaxed);
+  }
+  // Every member joined (the op was eligible), so nobody writes the posts any more.
+  for (auto& m : op->members_) m.post.keep.clear();
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(op->error_mu_);
+    error = op->chunk_error_;
+  }
+  op->state_.store(kFinished, std::memory_order_release);
+  if (error) {
+    op->fail(error);
+  } else {
+    op->finish();
+  }
+  for (int m = 0; m < op->size_; ++m) advance(op->group_->global_ranks[m], ready);
+}
+
+void World::advance(int global_rank, OpList& ready) {
+  RankState& rs = *ranks_[global_rank];
+  std::lock_guard<std::mutex> lock(rs.mu);
+  advance_locked(rs, ready);
+}
+
+void World::advance_locked(RankState& rs, OpList& ready) {
+  while (!rs.queue.empty()) {
+    QueueEntry& e = rs.queue.front();
+    if (e.op->is_completed()) {
+      rs.queue.pop_front();
+      continue;
+    }
+    if (!e.op->members_[e.member].head_marked) {
+      e.op->members_[e.member].head_marked = 1;
+      if (e.op->heads_.fetch_add(1, std::memory_order_acq_rel) + 1 == e.op->size_) {
+        ready.push_back(e.op);
+      }
+    }
+    break;
+  }
+}
+
+void World::push(int global_rank, int member, const std::shared_ptr<Op>& op) {
+  OpList ready;
+  {
+    RankState& rs = *ranks_[global_rank];
+    std::lock_guard<std::mutex> lock(rs.mu);
+    rs.queue.push_back({op, member});
+    advance_locked(rs, ready);
+  }
+  run_ready(ready);
+}
+
+void World::run_ready(OpList& ready) {
+  while (!ready.empty()) {
+    std::shared_ptr<Op> op = std::move(ready.back());
+    ready.pop_back();
+    start(op, ready);
+  }
+}
+
+bool World::help_any() {
+  if (running_count_.load(std::memory_order_relaxed) == 0) return false;
+  std::shared_ptr<Op> op;
+  {
+    std::lock_guard<std::mutex> lock(running_mu_);
+    for (auto& o : running_) {
+      if (o->has_chunks_left()) {
+        op = o;
+        break;
+      }
+    }
+  }
+  if (!op) return false;
+  OpList ready;
+  work(op, ready);
+  run_ready(ready);
+  return true;
+}
+
+bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message) {
+  int expected = kPending;
+  if (!op->state_.compare_exchange_strong(expected, kFinished, std::memory_order_acq_rel)) {
+    return false;
+  }
+  std::vector<std::shared_ptr<Storage>> keep;
+  std::vector<int> joined;
+  {
+    std::lock_guard<std::mutex> lock(op->group_->mu);
+    for (int m = 0; m < op->size_; ++m) {
+      for (auto& s : op->members_[m].post.keep) keep.push_back(std::move(s));
+      op->members_[m].post.keep.clear();
+      if (op->members_[m].joined) joined.push_back(op->group_->global_ranks[m]);
+    }
+  }
+  op->fail(std::make_exception_ptr(CommError(message)));
+  keep.clear();
+  OpList ready;
+  for (int r : joined) advance(r, ready);
+  run_ready(ready);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Joining, departing, waiting.
+
+std::string World::departed_message(const Op& op, int departed_rank,
+                                    const std::vector<int>& missing) {
+  return fmt::format("{}: rank {} departed ({}) before joining; missing ranks {}",
+                     op.description(), departed_rank, ranks_[departed_rank]->departed_reason,
+                     format_ranks(missing));
+}
+
+std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Post&& post) {
+  std::shared_ptr<Op> op;
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(group.mu);
+    std::shared_ptr<Op>& slot = group.pending_slot(seq);
+    if (!slot) {
+      slot = std::make_shared<Op>(this, &group, seq, post.kind, post.coalesced,
+                                        static_cast<int>(group.global_ranks.size()),
+                                        Clock::now() + timeout_);
+    }
+    op = slot;
+    const int me = group.global_ranks[member];
+    if (op->state_.load(std::memory_order_acquire) == kPending && !op->doomed_) {
+      if (op->ref_ >= 0) {
+        const Post& ref = op->members_[op->ref_].post;
+        const int ref_rank = group.global_ranks[op->ref_];
+        if (!post.same_call(ref)) {
+          // Lower rank first, so every rank (and every run) reads the same message.
+          bool ref_first = ref_rank < me;
+          failure = fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}",
+                                op->description(), ref_first ? ref_rank : me,
+                                ref_first ? ref.summary() : post.summary(),
+                                ref_first ? me : ref_rank,
+                                ref_first ? post.summary() : ref.summary());
+        } else if (post.kind == OpKind::AllToAll) {
+          // Rows rank `me` sends to j must equal the rows j expects from `me`, and back.
+          for (int j = 0; j < op->size_ && failure.empty(); ++j) {
+            if (!op->members_[j].joined) continue;
+            const Post& other = op->members_[j].post;
+            const int jr = group.global_ranks[j];
+            if (post.input_splits[j] != other.output_splits[member]) {
+              failure = fmt::format(
+                  "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} "
+                  "expects {} rows from rank {}",
+                  op->description(), me, post.input_splits[j], jr, jr,
+                  other.output_splits[member], me);
+            } else if (other.input_splits[member] != post.output_splits[j]) {
+              failure = fmt::format(
+                  "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} "
+                  "expects {} rows from rank {}",
+                  op->description(), jr, other.input_splits[member], me, me,
+                  post.output_splits[j], jr);
+            }
+          }
+        }
+      }
+      if (failure.empty()) {
+        op->members_[member].post = std::move(post);
+        if (op->ref_ < 0) op->ref_ = member;
+      }
+    }
+    op->members_[member].joined = 1;
+    ++op->joined_count_;
+    if (op->joined_count_ == op->size_) {
+      group.release_pending(seq);
+    } else if (failure.empty()) {
+      // A member that departed will never join: fail now rather than at the timeout.
+      std::vector<int> missing;
+      int departed = -1;
+      for (int m = 0; m < op->size_; ++m) {
+        if (op->members_[m].joined) continue;
+        int r = group.global_ranks[m];
+        missing.push_back(r);
+        if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
+      }
+      if (departed >= 0) failure = departed_message(*op, departed, missing);
+    }
+    if (!failure.empty()) op->doomed_ = true;
+  }
+  if (!failure.empty()) fail_op(op, failure);
+  return op;
+}
+
+void World::depart(int rank, const std::string& reason) {
+  RankState& rs = *ranks_[rank];
+  rs.departed_reason = reason;
+  rs.departed.store(true, std::memory_order_release);
+  std::vector<SharedGroup*> groups;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& g : groups_) {
+      if (std::find(g->global_ranks.begin(), g->global_ranks.end(), rank) != g->global_ranks.end()) {
+        groups.push_back(g.get());
+      }
+    }
+  }
+  for (SharedGroup* g : groups) {
+    std::vector<std::pair<std::shared_ptr<Op>, std::string>> victims;
+    {
+      std::lock_guard<std::mutex> lock(g->mu);
+      int member = static_cast<int>(
+          std::find(g->global_ranks.begin(), g->global_ranks.end(), rank) - g->global_ranks.begin());
+      for (auto& op : g->pending) {
+        if (!op || op->members_[member].joined) continue;
+        std::vector<int> missing;
+        for (int m = 0; m < op->size_; ++m) {
+          if (!op->members_[m].joined) missing.push_back(g->global_ranks[m]);
+        }
+        victims.emplace_back(op, departed_message(*op, rank, missing));
+      }
+    }
+    for (auto& [op, message] : victims) fail_op(op, message);
+  }
+}
+
+void World::drain(int rank) {
+  std::vector<std::shared_ptr<Op>> ops;
+  {
+    RankState& rs = *ranks_[rank];
+    std::lock_guard<std::mutex> lock(rs.mu);
+    for (auto& e : rs.queue) ops.push_back(e.op);
+  }
+  for (auto& op : ops) {
+    try {
+      op->wait();
+    } catch (const Error&) {
+      // An unwaited result's failure has nobody to report to; the rank already finished.
+    }
+  }
+}
+
+std::string World::timeout_message(Op& op) {
+  double seconds = std::chrono::duration<double>(timeout_).count();
+  std::vector<int> missing;
+  std::vector<std::pair<int, int>> members;  // (member, global rank) of joined members
+  {
+    std::lock_guard<std::mutex> lock(op.group_->mu);
+    for (int m = 0; m < op.size_; ++m) {
+      if (!op.members_[m].joined) {
+        missing.push_back(op.group_->global_ranks[m]);
+      } else {
+        members.emplace_back(m, op.group_->global_ranks[m]);
+      }
+    }
+  }
+  if (!missing.empty()) {
+    return fmt::format("{}: timed out after {:g} s; missing ranks {}", op.description(), seconds,
+                       format_ranks(missing));
+  }
+  // Everyone joined, but some member is still busy with an earlier collective.
+  std::string blockers;
+  for (auto [m, r] : members) {
+    RankState& rs = *ranks_[r];
+    std::lock_guard<std::mutex> lock(rs.mu);
+    if (op.members_[m].head_marked || rs.queue.empty()) continue;
+    if (!blockers.empty()) blockers += "; ";
+    blockers += fmt::format("rank {} is still in {}", r, rs.queue.front().op->description());
+  }
+  return fmt::format("{}: timed out after {:g} s waiting for earlier collectives: {}",
+                     op.description(), seconds, blockers.empty() ? "(none found)" : blockers);
+}
+
+const std::string& Op::description() const {
+  std::call_once(description_once_, [this] {
+    description_ =
+        fmt::format("{} on group '{}' (seq {})", op_name(kind_, coalesced_), group_->name, seq_);
+  });
+  return description_;
+}
+
+void Op::wait() {
+  if (!is_completed()) {
+    dist_detail::Backoff backoff;
+    while (!is_completed()) {
+      // Help: take chunks of this op, or of any running op (the one this op waits behind).
+      if (state_.load(std::memory_order_acquire) == kRunning && has_chunks_left()) {
+        OpList ready;
+        auto self = shared_from_this();
+        world_->work(self, ready);
+        world_->run_ready(ready);
+        backoff.reset();
+        continue;
+      }
+      if (world_->help_any()) {
+        backoff.reset();
+        continue;
+      }
+      if (backoff.step()) continue;
+      auto now = Clock::now();
+      bool pending = state_.load(std::memory_order_acquire) == kPending;
+      if (pending && now >= deadline_) {
+        auto self = shared_from_this();
+        world_->fail_op(self, world_->timeout_message(*this));
+        continue;
+      }
+      // A running op finishes without us; re-check now and then all the same.
+      sleep_until(pending ? deadline_ : now + std::chrono::milliseconds(100));
+      backoff.reset();
+    }
+  }
+  rethrow_if_failed();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Groups.
+
+SharedGroup* World::split(const SharedGroup& parent, uint64_t index,
+                          const std::vector<std::vector<int>>& lists, const std::string& name,
+                          int global_rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto key = std::make_pair(parent.id, index);
+  auto [it, inserted] = splits_.try_emplace(key);
+  SplitEntry& entry = it->second;
+  if (inserted) {
+    entry.lists = lists;
+    entry.first_rank = global_rank;
+    for (const auto& list : lists) {
+      auto g = std::make_unique<SharedGroup>();
+      g->id = static_cast<int>(groups_.size());
+      g->name = name;
+      g->global_ranks = list;
+      groups_.push_back(std::move(g));
+      entry.groups.push_back(groups_.back().get());
+    }
+  } else if (entry.lists != lists) {
+    std::vector<std::string> mine, theirs;
+    for (const auto& l : lists) mine.push_back(format_ranks(l));
+    for (const auto& l : entry.lists) theirs.push_back(format_ranks(l));
+    throw CommError(fmt::format(
+        "split_group on group '{}' (split {}): rank {} passed [{}] but rank {} passed [{}]",
+        parent.name, index, global_rank, fmt::join(mine, ", "), entry.first_rank,
+        fmt::join(theirs, ", ")));
+  }
+  SharedGroup* result = nullptr;
+  for (size_t i = 0; i < entry.lists.size(); ++i) {
+    const auto& l = entry.lists[i];
+    if (std::find(l.begin(), l.end(), global_rank) != l.end()) result = entry.groups[i];
+  }
+  if (++entry.arrivals == static_cast<int>(parent.global_ranks.size())) splits_.erase(it);
+  return result;
+}
+
+// One rank's view of a group on the threads backend.
+class ThreadsGroup final : public ProcessGroup {
+ public:
+  ThreadsGroup(std::shared_ptr<World> world, SharedGroup* shared, int rank, std::string name,
+               GroupRegistry* registry)
+      : ProcessGroup(rank, shared->global_ranks, std::move(name), registry),
+        world_(std::move(world)),
+        shared_(shared),
+        global_rank_(shared->global_ranks[rank]) {}
+
+  std::string backend() const override { return "threads"; }
+
+  std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op) override {
+    dist_detail::check_all_reduce(tensor, op);
+    Post p = make_post(OpKind::AllReduce, false);
+    p.reduce_op = op;
+    add_slot(p, tensor.dtype(), tensor.numel(), tensor, tensor);
+    return issue(std::move(p), {&tensor});
+  }
+
+  std::shared_ptr<Work> all_gather(const Tensor& output, const Tensor& input) override {
+    dist_detail::check_all_gather(output, input, size());
+    Post p = make_post(OpKind::AllGather, false);
+    add_slot(p, input.dtype(), input.numel(), input, output);
+    return issue(std::move(p), {&output});
+  }
+
+  std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input,
+                                       ReduceOp op) override {
+    dist_detail::check_reduce_scatter(output, input, op, size());
+    Post p = make_post(OpKind::ReduceScatter, false);
+    p.reduce_op = op;
+    add_slot(p, input.dtype(), output.numel(), input, output);
+    return issue(std::move(p), {&output});
+  }
+
+  std::shared_ptr<Work> all_to_all(const Tensor& output, const Tensor& input,
+                                   const std::vector<int64_t>& output_splits,
+                                   const std::vector<int64_t>& input_splits) override {
+    auto layout =
+        dist_detail::check_all_to_all(output, input, output_splits, input_splits, size());
+    Post p = make_post(OpKind::AllToAll, false);
+    add_slot(p, input.dtype(), layout.row_elems, input, output);
+    p.input_splits = std::move(layout.input_splits);
+    p.output_splits = std::move(layout.output_splits);
+    return issue(std::move(p), {&output});
+  }
+
+  std::shared_ptr<Work> broadcast(const Tensor& tensor, int src) override {
+    dist_detail::check_broadcast(tensor, src, size());
+    Post p = make_post(OpKind::Broadcast, false);
+    p.root = src;
+    add_slot(p, tensor.dtype(), tensor.numel(), tensor, tensor);
+    return issue(std::move(p), {&tensor});
+  }
+
+  std::shared_ptr<Work> barrier_async() override {
+    return issue(make_post(OpKind::Barrier, false), {});
+  }
+
+  std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
+                                             ReduceOp op) override {
+    for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
+    Post p = make_post(OpKind::AllReduce, true);
+    p.reduce_op = op;
+    std::vector<const Tensor*> outs;
+    for (const Tensor& t : tensors) {
+      add_slot(p, t.dtype(), t.numel(), t, t);
+      outs.push_back(&t);
+    }
+    return issue(std::move(p), outs);
+  }
+
+  std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
+                                             const std::vector<Tensor>& inputs) override {
+    dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      dist_detail::check_all_gather(outputs[i], inputs[i], size());
+    }
+    Post p = make_post(OpKind::AllGather, true);
+    std::vector<const Tensor*> outs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      add_slot(p, inputs[i].dtype(), inputs[i].numel(), inputs[i], outputs[i]);
+      outs.push_back(&outputs[i]);
+    }
+    return issue(std::move(p), outs);
+  }
+
+  std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
+                                                 const std::vector<Tensor>& inputs,
+                                                 ReduceOp op) override {
+    dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
+    }
+    Post p = make_post(OpKind::ReduceScatter, true);
+    p.reduce_op = op;
+    std::vector<const Tensor*> outs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      add_slot(p, inputs[i].dtype(), outputs[i].numel(), inputs[i], outputs[i]);
+      outs.push_back(&outputs[i]);
+    }
+    return issue(std::move(p), outs);
+  }
+
+  std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
+                                            const std::string& name) override {
+    if (name.empty()) throw InvalidArgument("split_group: the group name is empty");
+    if (registry().find(name)) {
+      throw InvalidArgument(fmt::format(
+          "split_group: group name '{}' is already registered (ranks {})", name,
+          format_ranks(registry().find(name)->global_ranks())));
+    }
+    std::vector<int> seen;
+    for (const auto& list : rank_lists) {
+      if (list.empty()) throw InvalidArgument("split_group: a rank list is empty");
+      for (int r : list) {
+        if (std::find(global_ranks().begin(), global_ranks().end(), r) == global_ranks().end()) {
+          throw InvalidArgument(fmt::format("split_group: rank {} is not in group '{}' (ranks {})",
+                                            r, this->name(), format_ranks(global_ranks())));
+        }
+        if (std::find(seen.begin(), seen.end(), r) != seen.end()) {
+          throw InvalidArgument(
+              fmt::format("split_group: rank {} appears in more than one place", r));
+        }
+        seen.push_back(r);
+      }
+    }
+    uint64_t index = next_split_++;
+    SharedGroup* mine = world_->split(*shared_, index, rank_lists, name, global_rank_);
+    if (mine == nullptr) return nullptr;
+    int member = static_cast<int>(
+        std::find(mine->global_ranks.begin(), mine->global_ranks.end(), global_rank_) -
+        mine->global_ranks.begin());
+    auto group = std::make_shared<ThreadsGroup>(world_, mine, member, name, &registry());
+    registry().add(group);
+    return group;
+  }
+
+ private:
+  static Post make_post(OpKind kind, bool coalesced) {
+    Post p;
+    p.kind = kind;
+    p.coalesced = coalesced;
+    return p;
+  }
+
+  static void add_slot(Post& p, DType dtype, int64_t count, const Tensor& in, const Tensor& out) {
+    Slot s;
+    s.dtype = dtype;
+    s.count = count;
+    if (p.kind != OpKind::AllToAll && in.dim() <= kMaxShapeDims) {
+      s.ndim = static_cast<int8_t>(in.dim());
+      std::copy(in.sizes().begin(), in.sizes().end(), s.dims.begin());
+    }
+    if (in.numel() > 0) s.in = static_cast<const char*>(in.raw_data_ptr());
+    if (out.numel() > 0) s.out = static_cast<char*>(out.raw_data_ptr());
+    p.slots.push_back(s);
+    if (in.storage()) p.keep.push_back(in.storage());
+    if (out.storage() && out.storage() != in.storage()) p.keep.push_back(out.storage());
+  }
+
+  std::shared_ptr<Work> issue(Post&& post, const std::vector<const Tensor*>& outputs) {
+    uint64_t seq = next_seq_++;
+    std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post));
+    world_->push(global_rank_, rank(), op);
+    // Attach after pushing: when this call completed the op (the usual case for the last rank
+    // to arrive) there is nothing to attach. Nobody else sees the outputs before we return.
+    if (!op->is_completed()) {
+      for (const Tensor* t : outputs) {
+        if (t->storage()) t->storage()->add_pending(op);
+      }
+    }
+    return op;
+  }
+
+  std::shared_ptr<World> world_;
+  SharedGroup* shared_;
+  int global_rank_;
+  std::atomic<uint64_t> next_seq_{0};
+  uint64_t next_split_ = 0;
+};
+
+std::shared_ptr<World> make_world(int world_size, std::chrono::milliseconds timeout) {
+  return std::make_shared<World>(world_size, timeout);
+}
+
+std::shared_ptr<ProcessGroup> make_world_group(const std::shared_ptr<World>& world, int rank,
+                                               GroupRegistry* registry) {
+  return std::make_shared<ThreadsGroup>(world, world->world_group(), rank, "world", registry);
+}
+
+void depart(World& world, int rank, const std::string& reason) { world.depart(rank, reason); }
+
+void drain(World& world, int rank) { world.drain(rank); }
+
+}  // namespace funcol::threads_detail

@@ -1,0 +1,429 @@
+// Tests of the threads backend: the shared conformance suite, run_local, and failure paths
+// (departed ranks, mismatched collectives, timeouts) that must fail fast instead of hanging.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/process_group.h"
+#include "testing/conformance.h"
+#include "testing/run_ranks.h"
+
+namespace funcol {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using testing::run_ranks;
+
+const bool kRegistered = [] {
+  testing::ConformanceConfig config;
+  config.backend = "threads";
+  config.launch = testing::threads_launcher();
+  config.world_sizes = {1, 2, 3, 4, 5, 6, 7, 8};
+#ifdef FUNCOL_SANITIZED
+  config.reduced = true;
+  config.world_sizes = {1, 2, 3, 4, 8};
+#endif
+  testing::register_conformance_tests(config);
+  return true;
+}();
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Runs fn expecting CommError; returns its message.
+template <typename Fn>
+std::string comm_error(Fn&& fn) {
+  try {
+    fn();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no CommError";
+  return "";
+}
+
+// Spins (yielding) until flag is set; bounded so that a broken test fails instead of hanging.
+void await(const std::atomic<bool>& flag) {
+  auto start = Clock::now();
+  while (!flag.load()) {
+    if (seconds_since(start) > 20) throw std::runtime_error("await: flag never set");
+    std::this_thread::yield();
+  }
+}
+
+constexpr LocalOptions kShortTimeout{std::chrono::milliseconds(200)};
+
+TEST(RunLocalTest, RejectsInvalidWorldSizes) {
+  auto noop = [](ProcessGroup&) {};
+  EXPECT_THROW(run_local(0, noop), InvalidArgument);
+  EXPECT_THROW(run_local(-3, noop), InvalidArgument);
+  try {
+    run_local(0, noop);
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("got 0"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(run_local(2, noop, LocalOptions{std::chrono::milliseconds(-1)}), InvalidArgument);
+}
+
+TEST(RunLocalTest, SetsTheWorldOfEachRankThread) {
+  std::atomic<int> seen{0};
+  EXPECT_EQ(current_world(), nullptr);
+  run_ranks(3, [&](ProcessGroup& world) {
+    EXPECT_EQ(current_world(), &world);
+    EXPECT_EQ(world.size(), 3);
+    EXPECT_EQ(world.name(), "world");
+    EXPECT_EQ(world.backend(), "threads");
+    EXPECT_EQ(world.global_ranks(), (std::vector<int>{0, 1, 2}));
+    seen.fetch_or(1 << world.rank());
+  });
+  EXPECT_EQ(seen.load(), 7);
+  EXPECT_EQ(current_world(), nullptr);
+  auto names = available_backends();
+  EXPECT_NE(std::find(names.begin(), names.end(), "threads"), names.end());
+  EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
+}
+
+TEST(RunLocalTest, SizeOneCompletesImmediately) {
+  run_ranks(1, [](ProcessGroup& world) {
+    Tensor t = Tensor::full({4}, DType::F32, 3);
+    auto w = world.all_reduce(t, ReduceOp::Avg);
+    EXPECT_TRUE(w->is_completed());
+    EXPECT_TRUE(t.is_ready());
+    Tensor out = Tensor::empty({4}, DType::F32);
+    EXPECT_TRUE(world.all_gather(out, t)->is_completed());
+    EXPECT_EQ(out.to_vector<float>(), std::vector<float>(4, 3.0f));
+    EXPECT_TRUE(world.barrier_async()->is_completed());
+  });
+}
+
+TEST(RunLocalTest, ResultsOutliveTheRun) {
+  std::vector<Tensor> results(3);
+  run_ranks(3, [&](ProcessGroup& world) {
+    Tensor t = Tensor::full({1000}, DType::I64, world.rank() + 1);
+    world.all_reduce(t, ReduceOp::Sum);  // not waited: run_local drains it
+    results[world.rank()] = t;
+  });
+  for (const Tensor& t : results) EXPECT_EQ(t.to_vector<int64_t>(), std::vector<int64_t>(1000, 6));
+}
+
+TEST(RunLocalTest, BarrierSeparatesPhases) {
+  std::atomic<int> arrived{0};
+  run_ranks(4, [&](ProcessGroup& world) {
+    for (int phase = 1; phase <= 20; ++phase) {
+      arrived.fetch_add(1);
+      world.barrier();
+      // Every rank incremented before anyone passed the first barrier, and nobody increments
+      // again before everyone passed the second.
+      EXPECT_EQ(arrived.load(), 4 * phase);
+      world.barrier();
+    }
+  });
+}
+
+TEST(RunLocalTest, IndependentGroupsOverlap) {
+  // Rank 0/1 finish many collectives on their pair while ranks 2/3 hold theirs open: groups do
+  // not serialize each other.
+  std::atomic<bool> done01{false};
+  run_ranks(4, [&](ProcessGroup& world) {
+    auto pair = world.split_group({{0, 1}, {2, 3}}, "pairs");
+    if (world.rank() < 2) {
+      for (int i = 0; i < 100; ++i) {
+        Tensor t = Tensor::full({64}, DType::F32, 1);
+        pair->all_reduce(t, ReduceOp::Sum);
+        EXPECT_EQ(t.to_vector<float>(), std::vector<float>(64, 2.0f));
+      }
+      done01 = true;
+    } else {
+      await(done01);
+      Tensor t = Tensor::full({1}, DType::F32, 1);
+      pair->all_reduce(t, ReduceOp::Sum);
+      EXPECT_EQ(t.item<float>(), 2.0f);
+    }
+  });
+}
+
+TEST(FailureTest, PeerThrowsBeforeJoining) {
+  auto start = Clock::now();
+  std::string message;
+  try {
+    run_local(2, [&](ProcessGroup& world) {
+      if (world.rank() == 1) throw std::runtime_error("boom");
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      message = comm_error([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); });
+    });
+    ADD_FAILURE() << "run_local did not rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "boom");  // the first failure, not rank 0's CommError
+  }
+  EXPECT_EQ(message,
+            "all_reduce on group 'world' (seq 0): rank 1 departed (threw: boom) before joining; "
+            "missing ranks [1]");
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
+TEST(FailureTest, PendingCollectiveFailsWhenPeerThrowsLater) {
+  auto start = Clock::now();
+  std::atomic<int> issued{0};
+  std::atomic<bool> both_issued{false};
+  std::string message;
+  EXPECT_THROW(run_local(3,
+                         [&](ProcessGroup& world) {
+                           Tensor t = Tensor::full({1 << 16}, DType::F32, 1);
+                           if (world.rank() == 2) {
+                             await(both_issued);
+                             throw std::logic_error("late failure");
+                           }
+                           auto w = world.all_reduce(t, ReduceOp::Sum);
+                           if (issued.fetch_add(1) == 1) both_issued = true;
+                           std::string m = comm_error([&] {
+                             if (world.rank() == 0) {
+                               t.wait();  // through the pending tensor
+                             } else {
+                               w->wait();
+                             }
+                           });
+                           if (world.rank() == 0) message = m;
+                         }),
+               std::logic_error);
+  EXPECT_EQ(message,
+            "all_reduce on group 'world' (seq 0): rank 2 departed (threw: late failure) before "
+            "joining; missing ranks [2]");
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
+TEST(FailureTest, PeerReturnsEarly) {
+  auto start = Clock::now();
+  std::string first, second;
+  EXPECT_THROW(run_local(2,
+                         [&](ProcessGroup& world) {
+                           if (world.rank() == 1) {
+                             Tensor t = Tensor::full({2}, DType::F32, 1);
+                             world.all_reduce(t, ReduceOp::Sum);  // issued, then it leaves
+                             return;
+                           }
+                           Tensor a = Tensor::full({2}, DType::F32, 1);
+                           world.all_reduce(a, ReduceOp::Sum)->wait();  // rank 1 joined this
+                           EXPECT_EQ(a.to_vector<float>(), std::vector<float>(2, 2.0f));
+                           Tensor b = Tensor::full({2}, DType::F32, 1);
+                           first = comm_error([&] { world.all_reduce(b, ReduceOp::Sum)->wait(); });
+                           second = comm_error([&] { world.barrier(); });
+                           throw CommError(first);
+                         }),
+               CommError);
+  EXPECT_EQ(first,
+            "all_reduce on group 'world' (seq 1): rank 1 departed (returned) before joining; "
+            "missing ranks [1]");
+  EXPECT_NE(second.find("barrier on group 'world' (seq 2): rank 1 departed (returned)"),
+            std::string::npos)
+      << second;
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
+TEST(FailureTest, SubgroupPeerDepartureFailsOnlyGroupsThatNeedIt) {
+  run_ranks(4, [](ProcessGroup& world) {
+    auto pairs = world.split_group({{0, 1}, {2, 3}}, "pairs");
+    if (world.rank() == 3) return;
+    Tensor t = Tensor::full({3}, DType::I32, 1);
+    auto w = pairs->all_reduce(t, ReduceOp::Sum);
+    if (world.rank() == 2) {
+      std::string m = comm_error([&] { w->wait(); });
+      EXPECT_NE(m.find("all_reduce on group 'pairs' (seq 0): rank 3 departed (returned)"),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("missing ranks [3]"), std::string::npos) << m;
+    } else {
+      w->wait();
+      EXPECT_EQ(t.to_vector<int>(), std::vector<int>(3, 2));
+    }
+  });
+}
+
+// Each side of a mismatch gets a CommError naming both calls.
+void expect_mismatch(const std::function<std::shared_ptr<Work>(ProcessGroup&)>& issue,
+                     std::initializer_list<std::string> pieces) {
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](ProcessGroup& world) {
+    auto w = issue(world);
+    messages[world.rank()] = comm_error([&] { w->wait(); });
+    // The group stays usable after a mismatch.
+    Tensor t = Tensor::full({2}, DType::F32, 1);
+    world.all_reduce(t, ReduceOp::Sum);
+    EXPECT_EQ(t.to_vector<float>(), std::vector<float>(2, 2.0f));
+  });
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("(seq 0): mismatched"), std::string::npos) << m;
+    for (const auto& p : pieces) EXPECT_NE(m.find(p), std::string::npos) << m << " lacks " << p;
+  }
+  EXPECT_EQ(messages[0], messages[1]);
+}
+
+TEST(FailureTest, MismatchedOp) {
+  expect_mismatch(
+      [](ProcessGroup& pg) -> std::shared_ptr<Work> {
+        Tensor t = Tensor::full({4}, DType::F32, 1);
+        if (pg.rank() == 0) return pg.all_reduce(t, ReduceOp::Sum);
+        Tensor out = Tensor::empty({8}, DType::F32);
+        return pg.all_gather(out, t);
+      },
+      {"rank 0 issued all_reduce(f32[4], op sum) but rank 1 issued all_gather(f32[4])"});
+}
+
+TEST(FailureTest, MismatchedDtype) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = Tensor::full({4}, pg.rank() == 0 ? DType::F32 : DType::F64, 1);
+        return pg.all_reduce(t, ReduceOp::Sum);
+      },
+      {"all_reduce(f32[4], op sum)", "all_reduce(f64[4], op sum)"});
+}
+
+TEST(FailureTest, MismatchedShape) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = Tensor::full({pg.rank() == 0 ? 4 : 5}, DType::I32, 1);
+        return pg.all_reduce(t, ReduceOp::Sum);
+      },
+      {"i32[4]", "i32[5]"});
+}
+
+TEST(FailureTest, MismatchedShapeWithEqualNumel) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = pg.rank() == 0 ? Tensor::full({2, 3}, DType::F32, 1)
+                                  : Tensor::full({3, 2}, DType::F32, 1);
+        Tensor out = Tensor::empty({12}, DType::F32);
+        return pg.all_gather(out, t);
+      },
+      {"all_gather(f32[2,3])", "all_gather(f32[3,2])"});
+}
+
+TEST(FailureTest, MismatchedCoalescedLists) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        std::vector<Tensor> ts = {Tensor::full({2}, DType::F32, 1)};
+        if (pg.rank() == 1) ts.push_back(Tensor::full({3}, DType::I64, 1));
+        return pg.all_reduce_coalesced(ts, ReduceOp::Max);
+      },
+      {"all_reduce_coalesced(1 tensors: f32[2], op max)",
+       "all_reduce_coalesced(2 tensors: f32[2], i64[3], op max)"});
+}
+
+TEST(FailureTest, MismatchedReduceOp) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = Tensor::full({4}, DType::F32, 1);
+        return pg.all_reduce(t, pg.rank() == 0 ? ReduceOp::Sum : ReduceOp::Avg);
+      },
+      {"op sum", "op avg"});
+}
+
+TEST(FailureTest, MismatchedBroadcastRoot) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = Tensor::full({4}, DType::F32, 1);
+        return pg.broadcast(t, pg.rank());
+      },
+      {"src 0", "src 1"});
+}
+
+TEST(FailureTest, MismatchedAllToAllSplits) {
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    Tensor in = Tensor::zeros({3}, DType::F32);
+    Tensor out = Tensor::zeros({3}, DType::F32);
+    // Rank 0 sends 2 rows to rank 1, but rank 1 expects only 1 from rank 0.
+    auto w = pg.rank() == 0 ? pg.all_to_all(out, in, {1, 2}, {1, 2})
+                            : pg.all_to_all(out, in, {1, 2}, {2, 1});
+    messages[pg.rank()] = comm_error([&] { w->wait(); });
+  });
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("mismatched split sizes"), std::string::npos) << m;
+  }
+}
+
+TEST(FailureTest, TimeoutWhenAPeerNeverArrives) {
+  std::atomic<bool> timed_out{false};
+  std::vector<std::string> messages(2);
+  std::vector<double> waited(2);
+  run_local(
+      2,
+      [&](ProcessGroup& world) {
+        Tensor t = Tensor::full({4}, DType::F32, 1);
+        if (world.rank() == 1) {
+          await(timed_out);  // busy elsewhere until rank 0 gave up
+        }
+        auto start = Clock::now();
+        auto w = world.all_reduce(t, ReduceOp::Sum);
+        messages[world.rank()] = comm_error([&] { w->wait(); });
+        waited[world.rank()] = seconds_since(start);
+        if (world.rank() == 0) timed_out = true;
+      },
+      kShortTimeout);
+  EXPECT_EQ(messages[0],
+            "all_reduce on group 'world' (seq 0): timed out after 0.2 s; missing ranks [1]");
+  EXPECT_EQ(messages[1], messages[0]);  // the late rank joins the failed collective
+  EXPECT_GE(waited[0], 0.19);
+  EXPECT_LT(waited[0], 2.0);
+  EXPECT_LT(waited[1], 0.1);
+}
+
+TEST(FailureTest, TimeoutFromEnvironment) {
+  setenv("FUNCOL_TIMEOUT", "0.1", 1);
+  std::string message;
+  std::atomic<bool> gave_up{false};
+  run_local(2, [&](ProcessGroup& world) {
+    if (world.rank() == 1) {
+      await(gave_up);
+      return;
+    }
+    message = comm_error([&] { world.barrier(); });
+    gave_up = true;
+  });
+  unsetenv("FUNCOL_TIMEOUT");
+  EXPECT_EQ(message, "barrier on group 'world' (seq 0): timed out after 0.1 s; missing ranks [1]");
+}
+
+TEST(FailureTest, RethrowsTheFirstFailureAfterEveryRankFinished) {
+  std::atomic<int> finished{0};
+  try {
+    run_local(4, [&](ProcessGroup& world) {
+      struct Count {
+        std::atomic<int>& n;
+        ~Count() { n.fetch_add(1); }
+      } count{finished};
+      if (world.rank() == 2) throw std::runtime_error("first");
+      // Fails because rank 2 departed; only then do the others throw their own errors.
+      comm_error([&] { world.barrier(); });
+      throw std::runtime_error("later " + std::to_string(world.rank()));
+    });
+    ADD_FAILURE() << "no rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "first");
+  }
+  EXPECT_EQ(finished.load(), 4);
+}
+
+TEST(FailureTest, SplitGroupMismatchIsReported) {
+  std::atomic<int> errors{0};
+  run_ranks(2, [&](ProcessGroup& world) {
+    try {
+      world.split_group({world.rank() == 0 ? std::vector<int>{0} : std::vector<int>{1}}, "solo");
+    } catch (const CommError& e) {
+      errors.fetch_add(1);
+      EXPECT_NE(std::string(e.what()).find("split_group on group 'world' (split 0)"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+  EXPECT_EQ(errors.load(), 1);  // the rank that arrived second sees the other's lists
+}
+
+}  // namespace
+}  // namespace funcol

@@ -1,0 +1,111 @@
+// Work: finishing, failing and waiting for one asynchronous collective.
+#include "funcol/dist/work.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "funcol/core/error.h"
+#include "spin.h"
+
+namespace funcol {
+
+namespace {
+// 300 s: torch.distributed's default timeout for non-NCCL process groups.
+constexpr std::chrono::milliseconds kDefaultTimeout{300'000};
+// Upper bound so that deadline arithmetic on steady_clock never overflows (~31 years).
+constexpr double kMaxTimeoutSeconds = 1e9;
+}  // namespace
+
+std::chrono::milliseconds default_timeout() {
+  const char* env = std::getenv("FUNCOL_TIMEOUT");
+  if (env == nullptr || *env == '\0') return kDefaultTimeout;
+  char* end = nullptr;
+  errno = 0;
+  double seconds = std::strtod(env, &end);
+  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
+  if (end == env || *end != '\0' || errno != 0 || !std::isfinite(seconds) || seconds <= 0) {
+    throw InvalidArgument("FUNCOL_TIMEOUT: expected a positive number of seconds, got '" +
+                          std::string(env) + "'");
+  }
+  seconds = std::min(seconds, kMaxTimeoutSeconds);
+  // At least 1 ms, so that a tiny positive value still means "fail fast" rather than zero.
+  auto ms = static_cast<int64_t>(std::ceil(seconds * 1000.0));
+  return std::chrono::milliseconds(std::max<int64_t>(ms, 1));
+}
+
+Work::Work(std::string description) : description_(std::move(description)) {}
+
+void Work::wait() {
+  if (!done_.load(std::memory_order_acquire)) {
+    dist_detail::Backoff backoff;
+    while (!done_.load(std::memory_order_acquire) && backoff.step()) {
+    }
+    if (!done_.load(std::memory_order_acquire)) {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++sleepers_;
+      cv_.wait(lock, [&] { return done_.load(std::memory_order_relaxed); });
+      --sleepers_;
+    }
+  }
+  rethrow_if_failed();
+}
+
+bool Work::failed() const { return is_completed() && error_ != nullptr; }
+
+std::exception_ptr Work::exception() const { return is_completed() ? error_ : nullptr; }
+
+void Work::finish() { set_done(nullptr); }
+
+void Work::fail(std::exception_ptr error) {
+  FUNCOL_CHECK(error != nullptr, "Work::fail needs an exception");
+  set_done(std::move(error));
+}
+
+void Work::set_done(std::exception_ptr error) {
+  bool notify = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    FUNCOL_CHECK(!done_.load(std::memory_order_relaxed),
+                 "Work finished twice: " + description_);
+    error_ = std::move(error);
+    done_.store(true, std::memory_order_release);
+    notify = sleepers_ > 0;
+  }
+  if (notify) cv_.notify_all();
+}
+
+std::shared_ptr<Work> Work::completed(std::string description) {
+  auto work = std::make_shared<Work>(std::move(description));
+  work->finish();
+  return work;
+}
+
+bool Work::sleep_until(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (done_.load(std::memory_order_relaxed)) return true;
+  uint64_t generation = wake_generation_;
+  ++sleepers_;
+  cv_.wait_until(lock, deadline, [&] {
+    return done_.load(std::memory_order_relaxed) || wake_generation_ != generation;
+  });
+  --sleepers_;
+  return done_.load(std::memory_order_relaxed);
+}
+
+void Work::wake_waiters() {
+  bool notify = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++wake_generation_;
+    notify = sleepers_ > 0;
+  }
+  if (notify) cv_.notify_all();
+}
+
+void Work::rethrow_if_failed() const {
+  if (done_.load(std::memory_order_acquire) && error_) std::rethrow_exception(error_);
+}
+
+}  // namespace funcol

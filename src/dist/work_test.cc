@@ -1,0 +1,119 @@
+// Tests of Work: finish/fail exactly once, waiting from many threads, default_timeout parsing.
+#include "funcol/dist/work.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "funcol/core/error.h"
+
+namespace funcol {
+namespace {
+
+TEST(WorkTest, CompletedIsDoneWithoutError) {
+  auto w = Work::completed("nothing");
+  EXPECT_TRUE(w->is_completed());
+  EXPECT_FALSE(w->failed());
+  EXPECT_EQ(w->exception(), nullptr);
+  EXPECT_EQ(w->description(), "nothing");
+  w->wait();
+  w->wait();  // waiting twice costs nothing
+}
+
+TEST(WorkTest, FinishWakesEveryWaiter) {
+  Work w("all_reduce on group 'world' (seq 0)");
+  EXPECT_FALSE(w.is_completed());
+  std::atomic<int> woke{0};
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 4; ++i) {
+    waiters.emplace_back([&] {
+      w.wait();
+      woke.fetch_add(1);
+    });
+  }
+  // Waiters spin, yield, then sleep: finishing must wake the sleepers too.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(woke.load(), 0);
+  w.finish();
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(woke.load(), 4);
+  EXPECT_TRUE(w.is_completed());
+}
+
+TEST(WorkTest, FailRethrowsInEveryWaiter) {
+  Work w("x");
+  std::atomic<int> caught{0};
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 3; ++i) {
+    waiters.emplace_back([&] {
+      try {
+        w.wait();
+      } catch (const CommError& e) {
+        if (std::string(e.what()) == "peer died") caught.fetch_add(1);
+      }
+    });
+  }
+  w.fail(std::make_exception_ptr(CommError("peer died")));
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(caught.load(), 3);
+  EXPECT_TRUE(w.failed());
+  EXPECT_NE(w.exception(), nullptr);
+  EXPECT_THROW(w.wait(), CommError);
+}
+
+TEST(WorkTest, FinishingTwiceIsABug) {
+  Work w("twice");
+  w.finish();
+  EXPECT_THROW(w.finish(), InternalError);
+  EXPECT_THROW(w.fail(std::make_exception_ptr(CommError("late"))), InternalError);
+  EXPECT_FALSE(w.failed());
+}
+
+TEST(WorkTest, AttachedToStorageMakesItPending) {
+  auto storage = std::make_shared<Storage>(16);
+  auto w = std::make_shared<Work>("pending");
+  storage->add_pending(w);
+  EXPECT_FALSE(storage->is_ready());
+  std::thread finisher([&] { w->finish(); });
+  storage->wait();
+  finisher.join();
+  EXPECT_TRUE(storage->is_ready());
+}
+
+// default_timeout reads FUNCOL_TIMEOUT on each call (these tests run single-threaded).
+class DefaultTimeoutTest : public ::testing::Test {
+ protected:
+  void TearDown() override { unsetenv("FUNCOL_TIMEOUT"); }
+};
+
+TEST_F(DefaultTimeoutTest, DefaultIs300Seconds) {
+  unsetenv("FUNCOL_TIMEOUT");
+  EXPECT_EQ(default_timeout(), std::chrono::milliseconds(300'000));
+}
+
+TEST_F(DefaultTimeoutTest, ReadsFractionalSeconds) {
+  setenv("FUNCOL_TIMEOUT", "0.25", 1);
+  EXPECT_EQ(default_timeout(), std::chrono::milliseconds(250));
+  setenv("FUNCOL_TIMEOUT", "12", 1);
+  EXPECT_EQ(default_timeout(), std::chrono::milliseconds(12'000));
+  setenv("FUNCOL_TIMEOUT", "0.0001", 1);  // rounds up to the 1 ms minimum
+  EXPECT_EQ(default_timeout(), std::chrono::milliseconds(1));
+}
+
+TEST_F(DefaultTimeoutTest, RejectsGarbage) {
+  for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf"}) {
+    setenv("FUNCOL_TIMEOUT", bad, 1);
+    try {
+      default_timeout();
+      ADD_FAILURE() << "accepted FUNCOL_TIMEOUT=" << bad;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace funcol

@@ -1,0 +1,328 @@
+// Tests of the IR parser: accepted syntax and one case per error kind with its exact location.
+#include "funcol/graph/parser.h"
+
+#include <gtest/gtest.h>
+
+#include "funcol/core/error.h"
+#include "funcol/graph/printer.h"
+#include "test_ir.h"
+
+namespace funcol {
+namespace {
+
+using testing_ir::parse_error;
+
+TEST(Parser, DesignExample) {
+  Module m = parse_module(testing_ir::kDesignExample);
+  ASSERT_EQ(m.graphs().size(), 1u);
+  const Graph& g = *m.graphs()[0];
+  EXPECT_EQ(g.name(), "fsdp_layer");
+  ASSERT_EQ(g.num_inputs(), 2u);
+  EXPECT_EQ(g.input(0)->name(), "x");
+  EXPECT_EQ(g.input(1)->type(), Type(DType::F32, {4, 16}));
+  ASSERT_EQ(g.num_nodes(), 4u);
+  const Node* ag = g.first_node();
+  EXPECT_EQ(ag->op_name(), "all_gather_into_tensor");
+  EXPECT_EQ(ag->attr("group_size").as_int(), 4);
+  EXPECT_EQ(ag->attr("group").as_string(), "world");
+  EXPECT_EQ(ag->operand(0), g.input(1));
+  EXPECT_EQ(ag->loc(), (SourceLoc{3, 3}));
+  const Node* split = g.last_node();
+  EXPECT_EQ(split->num_results(), 2u);
+  ASSERT_EQ(g.outputs().size(), 2u);
+  EXPECT_EQ(g.outputs()[1], split->result(1));
+  EXPECT_EQ(g.outputs()[0]->ref(), "%y");
+  EXPECT_EQ(g.outputs()[1]->ref(), "%p#1");
+  EXPECT_EQ(g.loc(), (SourceLoc{2, 1}));
+}
+
+TEST(Parser, ResultTypesAreOptionalAndInferred) {
+  Module m = parse_module(R"(graph @g(%x: f32[6,2]) {
+    %a = all_gather_into_tensor(%x) {group_size = 3, group = "world"}
+    %s = split_with_sizes(%a) {split_sizes = [10, 8]}
+    return %s#0
+  })");
+  const Graph& g = *m.graphs()[0];
+  EXPECT_EQ(g.first_node()->result()->type(), Type(DType::F32, {18, 2}));
+  EXPECT_EQ(g.last_node()->num_results(), 2u);
+  EXPECT_EQ(g.last_node()->result(1)->type(), Type(DType::F32, {8, 2}));
+  // The default of an optional attribute is filled in.
+  EXPECT_EQ(g.last_node()->attr("dim").as_int(), 0);
+}
+
+TEST(Parser, MultipleGraphsCommentsAndEmptyFile) {
+  EXPECT_TRUE(parse_module("").graphs().empty());
+  EXPECT_TRUE(parse_module("  // only a comment\n\n").graphs().empty());
+  Module m = parse_module(R"(// a
+graph @a() { return } // trailing
+graph @b(%x: i64[]) {
+  // inside
+  %y = neg(%x) // after a node
+  return %y, %x
+}
+)");
+  ASSERT_EQ(m.graphs().size(), 2u);
+  EXPECT_EQ(m.graphs()[0]->num_nodes(), 0u);
+  EXPECT_TRUE(m.graphs()[0]->outputs().empty());
+  EXPECT_EQ(m.find("b")->num_nodes(), 1u);
+  EXPECT_EQ(m.find("b")->outputs()[1], m.find("b")->input(0));
+  EXPECT_EQ(m.find("c"), nullptr);
+}
+
+TEST(Parser, AttributeValueKinds) {
+  Module m = parse_module(R"(graph @g(%x: f32[4]) {
+    %a = all_reduce(%x) {group = "w\"q\\ \x41\n", reduce_op = "SUM"}
+    %e = empty() {dtype = bf16, shape = []}
+    %s = sum(%x) {keepdim = true}
+    %p = permute(%x) {dims = [-1]}
+    return %a
+  })");
+  const Graph& g = *m.graphs()[0];
+  const Node* ar = g.first_node();
+  EXPECT_EQ(ar->attr("group").as_string(), "w\"q\\ A\n");
+  // reduce_op is case-insensitive in text and canonicalized to lower case.
+  EXPECT_EQ(ar->attr("reduce_op").as_string(), "sum");
+  EXPECT_EQ(ar->next()->attr("dtype").as_dtype(), DType::BF16);
+  EXPECT_TRUE(ar->next()->attr("shape").as_ints().empty());
+  EXPECT_EQ(ar->next()->next()->result()->type(), Type(DType::F32, {1}));
+  EXPECT_EQ(g.last_node()->attr("dims").as_ints(), std::vector<int64_t>{-1});
+}
+
+TEST(Parser, IntegerLimits) {
+  Module m = parse_module(R"(graph @g(%x: f32[4]) {
+    %b = broadcast(%x) {src = 9223372036854775807, group = "w"}
+    return %b
+  })");
+  EXPECT_EQ(m.graphs()[0]->first_node()->attr("src").as_int(), INT64_MAX);
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %n = narrow(%x) {dim = 0, start = "
+                        "-9223372036854775808, length = 0}\n  return %n\n}"),
+            "t.ir:2:8: error: %n: narrow: start (-9223372036854775808) is out of range for size 4 "
+            "of dim 0");
+}
+
+TEST(Parser, ParseGraphWantsExactlyOne) {
+  EXPECT_EQ(parse_graph("graph @a() { return }")->name(), "a");
+  EXPECT_THROW(parse_graph(""), ParseError);
+  EXPECT_THROW(parse_graph("graph @a() { return } graph @b() { return }"), ParseError);
+}
+
+TEST(Parser, FirstLineOffsetsLocations) {
+  try {
+    parse_module("graph @g() {\n  return %x\n}", ParseOptions{.file = "f.ir", .first_line = 10});
+    FAIL();
+  } catch (const ParseError& e) {
+    EXPECT_EQ(e.file(), "f.ir");
+    EXPECT_EQ(e.line(), 11);
+    EXPECT_EQ(e.col(), 10);
+    EXPECT_EQ(e.message(), "use of undefined value %x");
+  }
+}
+
+// ---- one case per error kind, with its exact location ----------------------------------------
+
+TEST(ParserErrors, Syntax) {
+  EXPECT_EQ(parse_error("grph @g() { return }"), "t.ir:1:1: error: expected 'graph', found 'grph'");
+  EXPECT_EQ(parse_error("graph g() { return }"),
+            "t.ir:1:7: error: expected a graph name '@name', found 'g'");
+  EXPECT_EQ(parse_error("graph @g(%x f32[2]) { return }"),
+            "t.ir:1:13: error: expected ':' and the input's type, found 'f32'");
+  EXPECT_EQ(parse_error("graph @g() {\n  %y = neg(%x\n}"),
+            "t.ir:2:12: error: use of undefined value %x");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = neg(%x\n}"),
+            "t.ir:3:1: error: expected ')' or ',', found '}'");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y neg(%x)\n}"),
+            "t.ir:2:6: error: expected '=', found 'neg'");
+  EXPECT_EQ(parse_error("graph @g() {\n  foo\n}"),
+            "t.ir:2:3: error: expected a node ('%name = op(...)') or 'return', found 'foo'");
+  EXPECT_EQ(parse_error("graph @g() { return } }"), "t.ir:1:23: error: expected 'graph', found '}'");
+  EXPECT_EQ(parse_error("graph @g() { return ) }"),
+            "t.ir:1:21: error: expected '}' to close graph @g, found ')'");
+  EXPECT_EQ(parse_error("graph @g() { return $ }"), "t.ir:1:21: error: unexpected character '$'");
+  EXPECT_EQ(parse_error("graph @g() {\x01}"), "t.ir:1:13: error: unexpected byte 0x01");
+  EXPECT_EQ(parse_error("graph @g() { % }"), "t.ir:1:14: error: expected a value name after '%'");
+  EXPECT_EQ(parse_error("graph @g() { / }"), "t.ir:1:14: error: unexpected character '/'");
+}
+
+TEST(ParserErrors, TruncatedFile) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = neg(%x)"),
+            "t.ir:2:15: error: expected a node ('%name = op(...)') or 'return', found end of file");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2"), "t.ir:1:19: error: expected ']' or ',', found end of file");
+  EXPECT_EQ(parse_error("graph"), "t.ir:1:6: error: expected a graph name '@name', found end of file");
+}
+
+TEST(ParserErrors, UnknownOp) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = frobnicate(%x)\n  return %y\n}"),
+            "t.ir:2:8: error: unknown op 'frobnicate'");
+}
+
+TEST(ParserErrors, UnknownAttribute) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = all_reduce(%x) {reduce_op = \"sum\", grop = "
+                        "\"world\"}\n  return %y\n}"),
+            "t.ir:2:43: error: unknown attribute 'grop' for all_reduce (expected: reduce_op, group)");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = neg(%x) {dim = 0}\n  return %y\n}"),
+            "t.ir:2:17: error: unknown attribute 'dim' for neg (it has no attributes)");
+}
+
+TEST(ParserErrors, MissingAttribute) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = all_reduce(%x) {reduce_op = \"sum\"}\n"
+                        "  return %y\n}"),
+            "t.ir:2:8: error: missing attribute 'group' for all_reduce");
+}
+
+TEST(ParserErrors, DuplicateAttribute) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = broadcast(%x) {src = 0, src = 1, group = "
+                        "\"w\"}\n  return %y\n}"),
+            "t.ir:2:32: error: duplicate attribute 'src'");
+}
+
+TEST(ParserErrors, IllTypedAttribute) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = all_gather_into_tensor(%x) {group_size = "
+                        "\"4\", group = \"w\"}\n  return %y\n}"),
+            "t.ir:2:49: error: attribute 'group_size' of all_gather_into_tensor must be an "
+            "integer, got \"4\"");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = view(%x) {shape = [2, \"a\"]}\n  return %y\n}"),
+            "t.ir:2:26: error: attribute 'shape' of view must be a list of integers, got [2, \"a\"]");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = sum(%x) {keepdim = 1}\n  return %y\n}"),
+            "t.ir:2:27: error: attribute 'keepdim' of sum must be a boolean, got 1");
+}
+
+TEST(ParserErrors, BadAttributeValue) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = all_reduce(%x) {reduce_op = \"mean\", "
+                        "group = \"w\"}\n  return %y\n}"),
+            "t.ir:2:36: error: Unrecognized reduce_op: mean");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = all_gather_into_tensor(%x) {group_size = 0, "
+                        "group = \"w\"}\n  return %y\n}"),
+            "t.ir:2:49: error: group_size must be positive, got 0");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = sum(%x) {keepdim = maybe}\n  return %y\n}"),
+            "t.ir:2:27: error: unexpected 'maybe' in the value of attribute 'keepdim'");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = sum(%x) {keepdim = }\n  return %y\n}"),
+            "t.ir:2:27: error: expected a value for attribute 'keepdim', found '}'");
+}
+
+TEST(ParserErrors, BadDtype) {
+  EXPECT_EQ(parse_error("graph @g(%x: f33[8]) { return }"), "t.ir:1:14: error: unknown dtype 'f33'");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = convert_element_type(%x) {dtype = float}\n"
+                        "  return %y\n}"),
+            "t.ir:2:42: error: unknown dtype 'float'");
+}
+
+TEST(ParserErrors, BadType) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[-1]) { return }"), "t.ir:1:18: error: negative dim -1 in type");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4611686018427387904, 4]) { return }"),
+            "t.ir:1:14: error: type of type f32[4611686018427387904,4] is larger than 2^62 bytes");
+  EXPECT_EQ(parse_error("graph @g(%x: f32) { return }"),
+            "t.ir:1:17: error: expected '[' after the dtype, found ')'");
+}
+
+TEST(ParserErrors, UndefinedValue) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = add(%x, %z)\n  return %y\n}"),
+            "t.ir:2:16: error: use of undefined value %z");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  return %q\n}"), "t.ir:2:10: error: use of undefined value %q");
+}
+
+TEST(ParserErrors, UseBeforeDefinition) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = neg(%z)\n  %z = neg(%x)\n  return %y\n}"),
+            "t.ir:2:12: error: use of value %z before its definition at 3:3");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %y = neg(%p#0)\n  %p:2 = split_with_sizes(%x) "
+                        "{split_sizes = [2, 2]}\n  return %y\n}"),
+            "t.ir:2:12: error: use of value %p before its definition at 3:3");
+  // A value of the same name in a later graph is not a later definition.
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = neg(%z)\n  return %y\n}\n"
+                        "graph @h(%x: f32[2]) {\n  %z = neg(%x)\n  return %z\n}"),
+            "t.ir:2:12: error: use of undefined value %z");
+}
+
+TEST(ParserErrors, Redefinition) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %x = neg(%x)\n  return %x\n}"),
+            "t.ir:2:3: error: redefinition of value %x (first defined at 1:10)");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2], %x: f32[2]) { return }"),
+            "t.ir:1:22: error: redefinition of value %x (first defined at 1:10)");
+  EXPECT_EQ(parse_error("graph @g() { return }\ngraph @g() { return }"),
+            "t.ir:2:7: error: redefinition of graph @g (first defined at 1:1)");
+}
+
+TEST(ParserErrors, ResultReferences) {
+  const std::string split = "graph @g(%x: f32[4]) {\n  %p:2 = split_with_sizes(%x) {split_sizes = [2, 2]}\n";
+  EXPECT_EQ(parse_error(split + "  return %p\n}"),
+            "t.ir:3:10: error: %p has 2 result(s); refer to one as %p#0 to %p#1");
+  EXPECT_EQ(parse_error(split + "  return %p#2\n}"),
+            "t.ir:3:10: error: %p#2 does not exist: %p has 2 result(s)");
+  EXPECT_EQ(parse_error(split + "  %q = neg(%x)\n  return %q#0\n}"),
+            "t.ir:4:10: error: %q has a single result; refer to it as %q");
+  EXPECT_EQ(parse_error(split + "  return %x#0\n}"),
+            "t.ir:3:10: error: %x is a graph input; it has no results to index");
+  EXPECT_EQ(parse_error(split + "  %q#1 = neg(%x)\n  return\n}"),
+            "t.ir:3:3: error: a definition cannot name a result ('%q#1'); write '%q' or '%q:k'");
+  EXPECT_EQ(parse_error(split + "  return %p#99999999999\n}"), "t.ir:3:12: error: result index 99999999999 is out of range");
+  EXPECT_EQ(parse_error(split + "  return %p#\n}"), "t.ir:3:12: error: expected a result index after '#'");
+}
+
+TEST(ParserErrors, ResultCount) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:3 = split_with_sizes(%x) {split_sizes = [2, 2]}\n"
+                        "  return\n}"),
+            "t.ir:2:6: error: %p declares 3 result(s) but split_with_sizes produces 2");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:1 = neg(%x)\n  return\n}"),
+            "t.ir:2:6: error: neg has a single result; write %p without ':1'");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:0 = neg(%x)\n  return\n}"),
+            "t.ir:2:6: error: result count must be positive, got 0");
+}
+
+TEST(ParserErrors, OperandCount) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[2]) {\n  %y = add(%x)\n  return %y\n}"),
+            "t.ir:2:8: error: add expects 2 operands, got 1");
+  EXPECT_EQ(parse_error("graph @g() {\n  %y = cat() {dim = 0}\n  return %y\n}"),
+            "t.ir:2:8: error: cat expects at least 1 operand, got 0");
+}
+
+TEST(ParserErrors, TypeMismatch) {
+  EXPECT_EQ(parse_error("graph @g(%w: f32[4,16]) {\n  %ag = all_gather_into_tensor(%w) {group_size = 4, "
+                        "group = \"world\"} : f32[4,16]\n  return %ag\n}"),
+            "t.ir:2:72: error: type f32[4,16] of %ag does not match its inferred type f32[16,16]");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:2 = split_with_sizes(%x) {split_sizes = [1, 3]} : "
+                        "f32[1], f32[1]\n  return\n}"),
+            "t.ir:2:64: error: type f32[1] of %p#1 does not match its inferred type f32[3]");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:2 = split_with_sizes(%x) {split_sizes = [1, 3]} : "
+                        "f32[1]\n  return\n}"),
+            "t.ir:3:3: error: expected 2 result types, found 1");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %y = neg(%x) : f32[4], f32[4]\n  return\n}"),
+            "t.ir:2:26: error: too many result types: neg produces 1 result(s)");
+}
+
+TEST(ParserErrors, ShapeInference) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[6]) {\n  %y = reduce_scatter_tensor(%x) {reduce_op = \"sum\", "
+                        "group_size = 4, group = \"w\"}\n  return %y\n}"),
+            "t.ir:2:8: error: %y: reduce_scatter_tensor: input dim 0 (6) is not a multiple of "
+            "group_size 4");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[6], %y: f32[5]) {\n  %z = add(%x, %y)\n  return %z\n}"),
+            "t.ir:2:8: error: %z: add: operand shapes differ: [6] and [5]");
+}
+
+TEST(ParserErrors, IntegerOverflow) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = broadcast(%x) {src = 1180591620717411303424, "
+                        "group = \"w\"}\n  return %y\n}"),
+            "t.ir:2:29: error: integer literal 1180591620717411303424 does not fit in 64 bits");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[9223372036854775808]) { return }"),
+            "t.ir:1:18: error: integer literal 9223372036854775808 does not fit in 64 bits");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = broadcast(%x) {src = 1e999, group = \"w\"}\n}"),
+            "t.ir:2:29: error: float literal 1e999 is out of range");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = broadcast(%x) {src = 12ab, group = \"w\"}\n}"),
+            "t.ir:2:29: error: invalid number '12ab'");
+}
+
+TEST(ParserErrors, UnterminatedString) {
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = broadcast(%x) {src = 0, group = \"world}\n}"),
+            "t.ir:2:40: error: unterminated string");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = broadcast(%x) {src = 0, group = \"wo"),
+            "t.ir:2:40: error: unterminated string");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = broadcast(%x) {src = 0, group = \"a\\q\"}\n}"),
+            "t.ir:2:42: error: invalid escape '\\q' in string");
+}
+
+TEST(ParserErrors, NestingTooDeep) {
+  std::string deep(40, '[');
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = sum(%x) {dims = " + deep),
+            "t.ir:2:56: error: attribute lists nest deeper than 32 levels");
+}
+
+}  // namespace
+}  // namespace funcol

@@ -1,0 +1,328 @@
+// The tracer: traced meta tensors carry a reference to their graph value; ops append nodes.
+#include "funcol/graph/tracer.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+
+#include "funcol/core/error.h"
+#include "funcol/graph/ops.h"
+#include "funcol/graph/verifier.h"
+
+namespace funcol {
+
+namespace {
+
+thread_local Tracer* t_current_tracer = nullptr;
+std::atomic<uint64_t> g_next_tracer_id{1};
+
+// A short node name for each kind of op, as people write them by hand.
+std::string_view default_hint(const OpDef& op) {
+  switch (op.collective) {
+    case CollectiveKind::AllReduce:
+      return "ar";
+    case CollectiveKind::AllGather:
+      return "ag";
+    case CollectiveKind::ReduceScatter:
+      return "rs";
+    case CollectiveKind::AllToAll:
+      return "a2a";
+    case CollectiveKind::Broadcast:
+      return "bc";
+    case CollectiveKind::Wait:
+      return "w";
+    case CollectiveKind::None:
+      break;
+  }
+  return op.name;
+}
+
+}  // namespace
+
+namespace {
+
+// What a traced tensor's annotation holds.
+struct Ref {
+  uint64_t tracer_id = 0;
+  Value* value = nullptr;
+};
+
+// The deleter type identifies the tracer's annotations (std::get_deleter is type-checked), so a
+// tensor annotated by anything else is never mistaken for a traced one.
+struct RefDeleter {
+  void operator()(Ref* ref) const { delete ref; }
+};
+
+// The tracer reference of `t`, or null when it has none.
+const Ref* ref_of(const Tensor& t) {
+  if (!t.annotation() || !std::get_deleter<RefDeleter>(t.annotation())) return nullptr;
+  return static_cast<const Ref*>(t.annotation().get());
+}
+
+}  // namespace
+
+Tracer::Tracer(std::string graph_name)
+    : id_(g_next_tracer_id.fetch_add(1, std::memory_order_relaxed)),
+      graph_(std::make_unique<Graph>(std::move(graph_name))) {}
+
+Tracer::~Tracer() = default;
+
+Tensor Tracer::wrap(Value* value) const {
+  Tensor t = Tensor::meta(value->shape(), value->dtype());
+  t.set_annotation(std::shared_ptr<Ref>(new Ref{id_, value}, RefDeleter{}));
+  return t;
+}
+
+Tensor Tracer::input(const Type& type, std::string name) {
+  if (!graph_) throw InvalidArgument("tracer: input() after finish()");
+  check_type(type.dtype, type.shape, "traced input");
+  if (name.empty()) name = graph_->fresh_name("x");
+  return wrap(graph_->add_input(std::move(name), type));
+}
+
+bool Tracer::owns(const Tensor& t) const {
+  const Ref* ref = ref_of(t);
+  return ref && ref->tracer_id == id_ && graph_;
+}
+
+Value* Tracer::value(const Tensor& t) const {
+  if (!t.defined()) throw InvalidArgument("tracer: an undefined tensor is not a traced value");
+  const Ref* ref = ref_of(t);
+  if (!ref) {
+    throw InvalidArgument(fmt::format(
+        "tracer: tensor {} is not a traced value (graphs take data only through their inputs; "
+        "use funcol::ops and the functional collectives on traced tensors, not Tensor methods)",
+        type_str(t.dtype(), t.sizes())));
+  }
+  if (ref->tracer_id != id_ || !graph_) {
+    throw InvalidArgument(
+        fmt::format("tracer: tensor {} belongs to another trace", type_str(t.dtype(), t.sizes())));
+  }
+  if (t.dtype() != ref->value->dtype() || t.sizes() != ref->value->shape()) {
+    throw InvalidArgument(
+        fmt::format("tracer: tensor {} does not match its traced value {} of "
+                    "type {}",
+                    type_str(t.dtype(), t.sizes()), ref->value->ref(), ref->value->type().str()));
+  }
+  return ref->value;
+}
+
+std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Tensor> operands,
+                                   const NamedAttrs& attrs, std::string_view name_hint) {
+  if (!graph_) throw InvalidArgument(fmt::format("tracer: {} recorded after finish()", op_name));
+  const OpDef& op = get_op(op_name);
+  std::vector<Value*> values;
+  values.reserve(operands.size());
+  for (size_t i = 0; i < operands.size(); ++i) {
+    try {
+      values.push_back(value(operands[i]));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("{}: operand {}: {}", op.name, i, e.what()));
+    }
+  }
+  Builder b(*graph_);
+  b.set_name_hint(name_hint.empty() ? default_hint(op) : name_hint);
+  Node* node = b.create(op.name, std::move(values), attrs);
+  std::vector<Tensor> results;
+  results.reserve(node->num_results());
+  for (size_t r = 0; r < node->num_results(); ++r) results.push_back(wrap(node->result(r)));
+  return results;
+}
+
+Tensor Tracer::record_one(std::string_view op, std::span<const Tensor> operands,
+                          const NamedAttrs& attrs, std::string_view name_hint) {
+  std::vector<Tensor> r = record(op, operands, attrs, name_hint);
+  if (r.size() != 1) {
+    throw InvalidArgument(fmt::format("tracer: {} has {} results, expected 1", op, r.size()));
+  }
+  return std::move(r[0]);
+}
+
+void Tracer::declare_group(const std::string& name, int size) {
+  if (name.empty()) throw InvalidArgument("tracer: group name must not be empty");
+  if (size < 1) {
+    throw InvalidArgument(
+        fmt::format("tracer: group '{}' must have a positive size, got {}", name, size));
+  }
+  for (auto& [n, s] : groups_) {
+    if (n == name) {
+      s = size;
+      return;
+    }
+  }
+  groups_.emplace_back(name, size);
+}
+
+std::optional<int> Tracer::group_size(const std::string& name) const {
+  for (const auto& [n, s] : groups_) {
+    if (n == name) return s;
+  }
+  return std::nullopt;
+}
+
+void Tracer::set_outputs(std::span<const Tensor> outputs) {
+  if (!graph_) throw InvalidArgument("tracer: set_outputs() after finish()");
+  std::vector<Value*> values;
+  values.reserve(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    try {
+      values.push_back(value(outputs[i]));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("output {}: {}", i, e.what()));
+    }
+  }
+  graph_->set_outputs(std::move(values));
+}
+
+std::unique_ptr<Graph> Tracer::finish() {
+  if (!graph_) throw InvalidArgument("tracer: finish() called twice");
+  verify(*graph_);
+  return std::move(graph_);
+}
+
+Tracer* current_tracer() { return t_current_tracer; }
+
+TraceScope::TraceScope(Tracer& tracer) : previous_(t_current_tracer) { t_current_tracer = &tracer; }
+
+TraceScope::~TraceScope() { t_current_tracer = previous_; }
+
+std::unique_ptr<Graph> trace(
+    std::string graph_name, const std::vector<Type>& inputs,
+    const std::function<std::vector<Tensor>(std::span<const Tensor> inputs)>& fn,
+    const std::vector<std::pair<std::string, int>>& groups) {
+  if (!fn) throw InvalidArgument("trace: the function is empty");
+  Tracer tracer(std::move(graph_name));
+  for (const auto& [name, size] : groups) tracer.declare_group(name, size);
+  std::vector<Tensor> traced_inputs;
+  traced_inputs.reserve(inputs.size());
+  for (const Type& t : inputs) traced_inputs.push_back(tracer.input(t));
+  std::vector<Tensor> outputs;
+  {
+    TraceScope scope(tracer);
+    outputs = fn(traced_inputs);
+  }
+  tracer.set_outputs(outputs);
+  return tracer.finish();
+}
+
+// ---- ops ----------------------------------------------------------------------------------
+
+namespace ops {
+
+std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> operands,
+                         const NamedAttrs& attrs) {
+  const OpDef& op = get_op(op_name);
+  bool traced = false;
+  bool meta = false;
+  for (const Tensor& t : operands) {
+    traced |= ref_of(t) != nullptr;
+    meta |= t.is_meta();
+  }
+  Tracer* tracer = current_tracer();
+  if (traced || (operands.empty() && tracer)) {
+    if (!tracer) {
+      throw InvalidArgument(fmt::format(
+          "{}: a traced tensor is used outside its trace (no tracer is current)", op.name));
+    }
+    return tracer->record(op.name, operands, attrs);
+  }
+  if (op.collective != CollectiveKind::None && op.collective != CollectiveKind::Wait) {
+    throw InvalidArgument(
+        fmt::format("{}: collectives run through the functional API (funcol::{}), not ops::call",
+                    op.name, op.name));
+  }
+  const std::vector<Attr> values = make_attrs(op, attrs);
+  std::vector<Type> types;
+  types.reserve(operands.size());
+  for (size_t i = 0; i < operands.size(); ++i) {
+    if (!operands[i].defined()) {
+      throw InvalidArgument(fmt::format("{}: operand {} is an undefined tensor", op.name, i));
+    }
+    types.emplace_back(operands[i].dtype(), operands[i].sizes());
+  }
+  // Shape inference first: kernels may assume inputs it accepted, and meta operands (with no
+  // tracer) get meta results of the inferred types.
+  std::vector<Type> out_types = infer_types(op, types, values);
+  if (meta) {
+    std::vector<Tensor> out;
+    out.reserve(out_types.size());
+    for (const Type& t : out_types) out.push_back(Tensor::meta(t.shape, t.dtype));
+    return out;
+  }
+  return run_kernel(op, operands, values);
+}
+
+Tensor call_one(std::string_view op, std::span<const Tensor> operands, const NamedAttrs& attrs) {
+  std::vector<Tensor> r = call(op, operands, attrs);
+  if (r.size() != 1) {
+    throw InvalidArgument(fmt::format("{} has {} results, expected 1", op, r.size()));
+  }
+  return std::move(r[0]);
+}
+
+namespace {
+Tensor unary(std::string_view op, const Tensor& a, const NamedAttrs& attrs = {}) {
+  const Tensor in[] = {a};
+  return call_one(op, in, attrs);
+}
+Tensor binary(std::string_view op, const Tensor& a, const Tensor& b) {
+  const Tensor in[] = {a, b};
+  return call_one(op, in);
+}
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) { return binary("add", a, b); }
+Tensor sub(const Tensor& a, const Tensor& b) { return binary("sub", a, b); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary("mul", a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary("div", a, b); }
+Tensor neg(const Tensor& a) { return unary("neg", a); }
+Tensor relu(const Tensor& a) { return unary("relu", a); }
+Tensor matmul(const Tensor& a, const Tensor& b) { return binary("matmul", a, b); }
+Tensor sum(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  return unary("sum", a, {{"dims", dims}, {"keepdim", keepdim}});
+}
+Tensor mean(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim) {
+  return unary("mean", a, {{"dims", dims}, {"keepdim", keepdim}});
+}
+Tensor mse_loss(const Tensor& a, const Tensor& b) { return binary("mse_loss", a, b); }
+Tensor view(const Tensor& a, const std::vector<int64_t>& shape) {
+  return unary("view", a, {{"shape", shape}});
+}
+Tensor reshape(const Tensor& a, const std::vector<int64_t>& shape) {
+  return unary("reshape", a, {{"shape", shape}});
+}
+Tensor flatten(const Tensor& a) { return unary("flatten", a); }
+Tensor clone(const Tensor& a) { return unary("clone", a); }
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
+  return call_one("cat", tensors, {{"dim", dim}});
+}
+std::vector<Tensor> split_with_sizes(const Tensor& a, const std::vector<int64_t>& sizes,
+                                     int64_t dim) {
+  const Tensor in[] = {a};
+  return call("split_with_sizes", in, {{"split_sizes", sizes}, {"dim", dim}});
+}
+Tensor narrow(const Tensor& a, int64_t dim, int64_t start, int64_t length) {
+  return unary("narrow", a, {{"dim", dim}, {"start", start}, {"length", length}});
+}
+Tensor transpose(const Tensor& a, int64_t dim0, int64_t dim1) {
+  return unary("transpose", a, {{"dim0", dim0}, {"dim1", dim1}});
+}
+Tensor permute(const Tensor& a, const std::vector<int64_t>& dims) {
+  return unary("permute", a, {{"dims", dims}});
+}
+Tensor convert_element_type(const Tensor& a, DType dtype) {
+  return unary("convert_element_type", a, {{"dtype", dtype}});
+}
+Tensor view_dtype(const Tensor& a, DType dtype) {
+  return unary("view_dtype", a, {{"dtype", dtype}});
+}
+Tensor zeros(const std::vector<int64_t>& shape, DType dtype) {
+  return call_one("zeros", {}, {{"shape", shape}, {"dtype", dtype}});
+}
+Tensor empty(const std::vector<int64_t>& shape, DType dtype) {
+  return call_one("empty", {}, {{"shape", shape}, {"dtype", dtype}});
+}
+
+}  // namespace ops
+
+}  // namespace funcol

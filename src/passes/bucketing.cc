@@ -1,0 +1,1090 @@
+// Bucketing of all-gathers, reduce-scatters and all-reduces: one routine, a key and a merge
+// function per kind (DESIGN §6; the seed's greedy_bucket_collective_by_mb).
+#include "funcol/passes/bucketing.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <queue>
+#include <unordered_map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "funcol/core/error.h"
+
+namespace funcol {
+namespace {
+
+constexpr int64_t kMinKey = std::numeric_limits<int64_t>::min();
+constexpr int64_t kMaxKey = std::numeric_limits<int64_t>::max();
+constexpr uint32_t kNoId = std::numeric_limits<uint32_t>::max();
+
+// ---- per-kind traits ----------------------------------------------------------------------------
+
+// What differs between the three passes besides the merge function.
+struct KindSpec {
+  CollectiveKind kind;
+  std::string_view pass;    // bucket-all-gather
+  std::string_view op;      // the op bucketed: all_gather_into_tensor
+  std::string_view noun;    // "all gather" (error messages, as the seed words them)
+  std::string_view prefix;  // name hint of new nodes: "ag"
+};
+
+constexpr KindSpec kKinds[] = {
+    {CollectiveKind::AllGather, "bucket-all-gather", "all_gather_into_tensor", "all gather", "ag"},
+    {CollectiveKind::ReduceScatter, "bucket-reduce-scatter", "reduce_scatter_tensor",
+     "reduce scatter", "rs"},
+    {CollectiveKind::AllReduce, "bucket-all-reduce", "all_reduce", "all reduce", "ar"},
+};
+
+const KindSpec* find_kind(CollectiveKind kind) {
+  for (const KindSpec& k : kKinds) {
+    if (k.kind == kind) return &k;
+  }
+  return nullptr;
+}
+
+const KindSpec& kind_spec(CollectiveKind kind) {
+  const KindSpec* k = find_kind(kind);
+  if (!k) {
+    throw InvalidArgument(fmt::format("collectives of kind {} are not bucketed (all_gather, "
+                                      "reduce_scatter and all_reduce are)",
+                                      collective_kind_name(kind)));
+  }
+  return *k;
+}
+
+// Shortest text that reads back as `v` ("0.0001", "25", "1e-12").
+std::string fmt_double(double v) { return fmt::format("{}", v); }
+
+// ---- order keys ---------------------------------------------------------------------------------
+
+// Integer positions of the graph's nodes, kept up to date as the pass inserts, erases and moves
+// nodes, so "is a before b" and "the latest of these" are O(1) lookups. New nodes get keys
+// spread evenly inside the gap of their neighbours; only when a gap is exhausted is the whole
+// graph renumbered (the graph's own order keys renumber globally once 32 nodes land in one
+// gap, which a bucket of many members would trigger on every bucket). Each node also gets a
+// dense id for the per-node scratch arrays of the pass. Pointers are only looked up, never
+// iterated, so nothing depends on their values.
+class OrderIndex {
+ public:
+  static constexpr int64_t kStep = int64_t{1} << 32;
+
+  explicit OrderIndex(const Graph& graph) : graph_(&graph) {
+    ids_.reserve(graph.num_nodes() * 2 + 16);
+    for (const Node& n : graph.nodes()) add(&n);
+    relabel();
+  }
+
+  uint32_t id(const Node* n) const {
+    auto it = ids_.find(n);
+    FUNCOL_CHECK(it != ids_.end(), "bucketing: node without an order key");
+    return it->second;
+  }
+  int64_t key(const Node* n) const { return keys_[id(n)]; }
+  // Key of the node defining `v`; graph inputs come before every node.
+  int64_t def_key(const Value* v) const { return v->node() ? key(v->node()) : kMinKey; }
+  // One more than the largest id handed out (sizes the scratch arrays).
+  size_t id_bound() const { return keys_.size(); }
+
+  uint32_t add(const Node* n) {
+    const auto id = static_cast<uint32_t>(keys_.size());
+    FUNCOL_CHECK(ids_.emplace(n, id).second, "bucketing: node registered twice");
+    keys_.push_back(kMinKey);
+    return id;
+  }
+  void remove(const Node* n) { ids_.erase(n); }
+
+  // Keys the consecutive nodes first..last (count of them) evenly between their neighbours.
+  void rekey(Node* first, Node* last, size_t count) {
+    const Node* prev = first->prev();
+    const Node* next = last->next();
+    const int64_t lo = prev ? key(prev) : kMinKey / 2;
+    const int64_t hi = next ? key(next) : kMaxKey / 2;
+    // Need count distinct keys strictly inside (lo, hi).
+    const auto room = static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo);
+    if (room <= count + 1) {
+      relabel();
+      return;
+    }
+    const uint64_t step = room / (count + 1);
+    uint64_t k = static_cast<uint64_t>(lo);
+    for (Node* n = first;; n = n->next()) {
+      k += step;
+      keys_[id(n)] = static_cast<int64_t>(k);
+      if (n == last) break;
+    }
+  }
+
+  // Renumbers every node kStep apart, in graph order.
+  void relabel() {
+    int64_t k = 0;
+    for (const Node& n : graph_->nodes()) {
+      keys_[id(&n)] = k;
+      k += kStep;
+    }
+  }
+
+ private:
+  const Graph* graph_;
+  std::unordered_map<const Node*, uint32_t> ids_;
+  std::vector<int64_t> keys_;
+};
+
+// ---- bucket keys --------------------------------------------------------------------------------
+
+// Collectives merge only within a run of equal keys. The kind is implicit (one pass, one op).
+struct BucketKey {
+  std::string group;
+  int64_t group_size = 0;  // all-gather and reduce-scatter
+  std::string reduce_op;   // reduce-scatter and all-reduce
+  bool has_dtype = true;   // false for multidtype all-gather
+  DType dtype = DType::F32;
+  friend bool operator==(const BucketKey&, const BucketKey&) = default;
+
+  std::string str() const {
+    std::string s = fmt::format("group \"{}\"", group);
+    if (group_size) s += fmt::format(", group_size {}", group_size);
+    if (!reduce_op.empty()) s += fmt::format(", reduce_op {}", reduce_op);
+    if (has_dtype) s += fmt::format(", dtype {}", dtype_name(dtype));
+    return s;
+  }
+};
+
+// One collective met in wait order.
+struct Entry {
+  Node* coll = nullptr;
+  Node* wait = nullptr;
+  bool eligible = false;
+  std::string ineligible_why;
+  Node* cast = nullptr;      // folded convert_element_type (all-gather), or null
+  bool packed = false;       // an all_gather_into_tensor_packed: a bucket already
+  DType out_dtype = DType::F32;  // the collective's dtype (a folded cast converts into it)
+  int64_t bytes = 0;         // max(input bytes, output bytes)
+  BucketKey key;
+
+  // What gets packed: the cast's input, else the collective's input. Read when needed, never
+  // cached: merging an earlier bucket re-points operands at its unpacked values.
+  Value* source() const { return cast ? cast->operand(0) : coll->operand(0); }
+};
+
+std::string bytes_str(int64_t b) { return fmt::format("{} B", b); }
+
+// ---- node emission ------------------------------------------------------------------------------
+
+// Creates nodes through a Builder and remembers them, in order.
+class Emitter {
+ public:
+  Emitter(Graph& g, Node* before) : b_(g, before) {}
+  Node* node(std::string_view op, std::vector<Value*> operands, const NamedAttrs& attrs,
+             std::string_view hint) {
+    b_.set_name_hint(hint);
+    Node* n = b_.create(op, std::move(operands), attrs);
+    created_.push_back(n);
+    return n;
+  }
+  Value* value(std::string_view op, std::vector<Value*> operands, const NamedAttrs& attrs,
+               std::string_view hint) {
+    return node(op, std::move(operands), attrs, hint)->result(0);
+  }
+  const std::vector<Node*>& created() const { return created_; }
+
+ private:
+  Builder b_;
+  std::vector<Node*> created_;
+};
+
+// ---- the routine --------------------------------------------------------------------------------
+
+class Bucketer {
+ public:
+  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain)
+      : graph_(graph), opt_(options), spec_(kind_spec(options.kind)), explain_(explain),
+        order_(graph) {}
+
+  BucketingStats run();
+
+ private:
+  // Dependency-search states of a node within the current bucket's epoch.
+  enum : uint8_t { kClean = 0, kDirty = 1, kOpen = 2 };
+
+  Graph& graph_;
+  const BucketOptions& opt_;
+  const KindSpec& spec_;
+  std::string* explain_;
+  OrderIndex order_;
+  BucketingStats stats_;
+
+  // Current bucket.
+  std::vector<Entry*> bucket_;
+  int64_t bucket_bytes_ = 0;
+  int64_t first_key_ = kMaxKey;  // smallest key of a member collective
+  int64_t bucket_index_ = 0;
+
+  // Per-node scratch, indexed by OrderIndex id; a slot is valid when its epoch is current.
+  uint32_t epoch_ = 0;
+  std::vector<uint32_t> mark_epoch_;
+  std::vector<uint8_t> state_;
+  std::vector<uint32_t> witness_;  // the dirty operand's id that made a node dirty
+  std::vector<uint32_t> item_;     // region sort: item index of a node
+  uint32_t item_epoch_ = 0;
+  std::vector<uint32_t> item_mark_;
+
+  void grow_scratch() {
+    const size_t n = order_.id_bound();
+    if (mark_epoch_.size() >= n) return;
+    const size_t cap = std::max(n, mark_epoch_.size() * 2);
+    mark_epoch_.resize(cap, 0);
+    state_.resize(cap, kClean);
+    witness_.resize(cap, kNoId);
+    item_.resize(cap, 0);
+    item_mark_.resize(cap, 0);
+  }
+
+  void say(std::string_view line) {
+    if (!explain_) return;
+    explain_->append("  ");
+    explain_->append(line);
+    explain_->push_back('\n');
+  }
+
+  std::vector<Entry> collect();
+  BucketKey key_of(const Node& coll, DType dtype) const;
+  bool depends_on_bucket(const Entry& e, std::string* path);
+  void add_to_bucket(Entry* e);
+  void close_bucket(std::string_view reason);
+  bool merge(std::vector<Entry*>& members);
+  bool place_normally(const std::vector<Entry*>& members);
+  std::optional<std::vector<uint32_t>> plan_region(const std::vector<Entry*>& members,
+                                                   std::vector<Node*>& region);
+  void emit_region(const std::vector<Entry*>& members, const std::vector<Node*>& region,
+                   const std::vector<uint32_t>& order);
+  DType bucket_dtype(const std::vector<Entry*>& members) const;
+  Node* emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket);
+  std::vector<Value*> emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
+                                  DType bucket);
+  void finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements);
+  void key_new_nodes(const std::vector<Node*>& nodes);
+};
+
+BucketKey Bucketer::key_of(const Node& coll, DType dtype) const {
+  BucketKey k;
+  const AttrList a = coll.attrs();
+  k.group = a.get_string("group");
+  if (opt_.kind != CollectiveKind::AllReduce) k.group_size = a.get_int("group_size");
+  if (opt_.kind != CollectiveKind::AllGather) k.reduce_op = a.get_string("reduce_op");
+  k.has_dtype = !(opt_.kind == CollectiveKind::AllGather && is_multidtype(opt_.mode));
+  if (k.has_dtype) k.dtype = dtype;
+  return k;
+}
+
+// The collectives of the pass's op in wait order, each with its eligibility, key and size.
+std::vector<Entry> Bucketer::collect() {
+  std::vector<Entry> entries;
+  std::vector<bool> seen(order_.id_bound(), false);
+  for (Node& wait : graph_.nodes()) {
+    if (wait.op().collective != CollectiveKind::Wait) continue;
+    Value* in = wait.operand(0);
+    Node* coll = in->node();
+    if (!coll) continue;
+    // A packed all-gather (an earlier custom_ops bucket) takes part in runs, caps and
+    // dependencies like the bucket it came from, so that bucketing its output again finds the
+    // same buckets; it is never merged again.
+    const bool packed = coll->op().pack != nullptr && coll->op().collective == opt_.kind;
+    if (coll->op_name() != spec_.op && !packed) continue;
+    const uint32_t cid = order_.id(coll);
+    if (seen[cid]) continue;  // a second wait of one collective: reported with the first
+    seen[cid] = true;
+    Entry e;
+    e.coll = coll;
+    e.wait = &wait;
+    const auto uses = in->uses();
+    e.eligible = uses.size() == 1 && uses[0].user == &wait;
+    if (!e.eligible) {
+      for (const Use& u : uses) {
+        if (u.user == &wait) continue;
+        e.ineligible_why =
+            u.user ? fmt::format("its result is also used by %{} (operand {})", u.user->name(),
+                                 u.index)
+                   : fmt::format("its result is also graph output {}", u.index);
+        break;
+      }
+    }
+    e.packed = packed;
+    Value* coll_in = coll->operand(0);
+    int64_t in_bytes = 0;
+    for (const Value* v : coll->operands()) in_bytes += v->type().nbytes();
+    e.out_dtype = packed ? coll->result(0)->dtype() : coll_in->dtype();
+    // A single-user cast feeding an all-gather is folded into the packing copy.
+    if (!packed && opt_.kind == CollectiveKind::AllGather && coll_in->node() &&
+        coll_in->node()->op_name() == "convert_element_type" && coll_in->num_uses() == 1) {
+      e.cast = coll_in->node();
+    }
+    e.bytes = std::max(in_bytes, coll->result(0)->type().nbytes());
+    e.key = key_of(*coll, e.out_dtype);
+    entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
+// Does `e`'s collective depend on a member of the current bucket? A backward search from it
+// over nodes at or after the bucket's first member (nothing earlier can descend from a member),
+// memoised for the whole bucket: a node found clean stays clean while the bucket grows, since a
+// later member cannot be an ancestor of an earlier candidate (waits come in order). So each
+// node is visited at most once per bucket. On true, `path` gets the chain of nodes.
+bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
+  if (order_.key(e.coll) < first_key_) return false;
+  grow_scratch();
+  struct Frame {
+    const Node* node;
+    uint32_t id;
+    uint32_t next_operand;
+  };
+  std::vector<Frame> stack;
+  const uint32_t root = order_.id(e.coll);
+  bool dirty = false;
+  if (mark_epoch_[root] == epoch_) {
+    FUNCOL_CHECK(state_[root] != kOpen, "bucketing: open node outside a search");
+    dirty = state_[root] == kDirty;
+  } else {
+    mark_epoch_[root] = epoch_;
+    state_[root] = kOpen;
+    stack.push_back({e.coll, root, 0});
+  }
+  while (!stack.empty()) {
+    Frame& f = stack.back();
+    if (dirty) {
+      // Everything on the stack depends on what was found dirty.
+      state_[f.id] = kDirty;
+      stack.pop_back();
+      if (!stack.empty()) witness_[stack.back().id] = f.id;
+      continue;
+    }
+    if (f.next_operand == f.node->num_operands()) {
+      state_[f.id] = kClean;
+      stack.pop_back();
+      continue;
+    }
+    const Node* d = f.node->operand(f.next_operand++)->node();
+    if (!d || order_.key(d) < first_key_) continue;
+    const uint32_t did = order_.id(d);
+    if (mark_epoch_[did] == epoch_) {
+      FUNCOL_CHECK(state_[did] != kOpen, "bucketing: cycle in the graph");
+      if (state_[did] == kDirty) {
+        witness_[f.id] = did;
+        dirty = true;
+      }
+      continue;
+    }
+    mark_epoch_[did] = epoch_;
+    state_[did] = kOpen;
+    stack.push_back({d, did, 0});
+  }
+  if (!dirty || !path) return dirty;
+  // Follow the witnesses from the candidate to the member collective.
+  std::vector<std::string> names;
+  const Node* n = e.coll;
+  uint32_t id = root;
+  constexpr size_t kMaxShown = 12;
+  size_t hops = 0;
+  while (true) {
+    if (hops < kMaxShown) names.push_back("%" + n->name());
+    ++hops;
+    const uint32_t w = witness_[id];
+    if (w == kNoId) break;
+    id = w;
+    // Walk the operands to find the node with that id (ids are not reversible by design).
+    const Node* next = nullptr;
+    for (const Value* v : n->operands()) {
+      if (v->node() && order_.id(v->node()) == w) {
+        next = v->node();
+        break;
+      }
+    }
+    FUNCOL_CHECK(next != nullptr, "bucketing: broken dependency witness");
+    n = next;
+  }
+  *path = fmt::format("{}", fmt::join(names, " <- "));
+  if (hops > kMaxShown) *path += fmt::format(" <- ... ({} nodes in all)", hops);
+  return true;
+}
+
+void Bucketer::add_to_bucket(Entry* e) {
+  grow_scratch();
+  const uint32_t id = order_.id(e->coll);
+  mark_epoch_[id] = epoch_;
+  state_[id] = kDirty;
+  witness_[id] = kNoId;
+  first_key_ = std::min(first_key_, order_.key(e->coll));
+  bucket_.push_back(e);
+  bucket_bytes_ += e->bytes;
+}
+
+void Bucketer::close_bucket(std::string_view reason) {
+  if (bucket_.empty()) return;
+  const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
+  std::string members;
+  if (explain_) {
+    std::vector<std::string> parts;
+    for (const Entry* e : bucket_) {
+      parts.push_back(fmt::format("%{} ({})", e->coll->name(), bytes_str(e->bytes)));
+    }
+    members = fmt::format("{}", fmt::join(parts, ", "));
+  }
+  std::string outcome;
+  const auto packed = std::find_if(bucket_.begin(), bucket_.end(),
+                                   [](const Entry* e) { return e->packed; });
+  if (bucket_.size() == 1) {
+    outcome = "left alone (one collective)";
+  } else if (packed != bucket_.end()) {
+    outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
+  } else {
+    std::vector<Entry*> merged = bucket_;
+    const size_t before = merged.size();
+    const int64_t reorders = stats_.region_reorders;
+    const bool ok = merge(merged);
+    if (merged.size() < before && explain_) {
+      for (size_t i = merged.size(); i < before; ++i) {
+        say(fmt::format("dropped %{} from bucket {}: merging it would change the issue order "
+                        "of collectives that stay unmerged",
+                        bucket_[i]->coll->name(), bucket_index_));
+      }
+    }
+    if (ok) {
+      outcome = fmt::format("merged {} collectives{}", merged.size(),
+                            stats_.region_reorders > reorders ? " (region reordered)" : "");
+      ++stats_.merged_buckets;
+      stats_.merged_collectives += static_cast<int64_t>(merged.size());
+    } else {
+      outcome = "left alone";
+    }
+  }
+  if (explain_) {
+    say(fmt::format("bucket {}: {}; {} of cap {}; closed: {}; {}", bucket_index_, members,
+                    bytes_str(bucket_bytes_), bytes_str(cap), reason, outcome));
+  }
+  ++bucket_index_;
+  ++stats_.buckets;
+  bucket_.clear();
+  bucket_bytes_ = 0;
+  first_key_ = kMaxKey;
+  ++epoch_;
+}
+
+BucketingStats Bucketer::run() {
+  std::vector<Entry> entries = collect();
+  stats_.collectives = static_cast<int64_t>(entries.size());
+  if (explain_) {
+    explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
+                                 graph_.name(), entries.size(), spec_.op,
+                                 format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
+  }
+  epoch_ = 1;
+  item_epoch_ = 0;
+  const BucketKey* run_key = nullptr;  // key of the current run
+  for (Entry& e : entries) {
+    if (!e.eligible) {
+      ++stats_.skipped_ineligible;
+      if (explain_) say(fmt::format("skipped %{}: ineligible: {}", e.coll->name(), e.ineligible_why));
+      continue;
+    }
+    if (!bucket_.empty() && !(e.key == *run_key)) {
+      close_bucket(explain_ ? fmt::format("key change (next %{} has {})", e.coll->name(),
+                                          e.key.str())
+                            : std::string());
+    }
+    std::string path;
+    if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
+      ++stats_.skipped_dependent;
+      if (explain_) say(fmt::format("skipped %{}: depends on bucket {}: {}", e.coll->name(), bucket_index_,
+                      path));
+      continue;
+    }
+    if (!bucket_.empty()) {
+      const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
+      if (e.bytes > cap - bucket_bytes_) {
+        close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})",
+                                            e.coll->name(), bytes_str(e.bytes),
+                                            bytes_str(bucket_bytes_ + e.bytes))
+                              : std::string());
+      }
+    }
+    if (!run_key || !(e.key == *run_key)) {
+      run_key = &e.key;
+      say(fmt::format("run of {}", e.key.str()));
+    }
+    add_to_bucket(&e);
+  }
+  close_bucket("end of run");
+  if (explain_) {
+    say(fmt::format("{} buckets, {} merged ({} collectives); skipped {} dependent, {} "
+                    "ineligible; dropped {}",
+                    stats_.buckets, stats_.merged_buckets, stats_.merged_collectives,
+                    stats_.skipped_dependent, stats_.skipped_ineligible, stats_.dropped));
+  }
+  return stats_;
+}
+
+// ---- merging ------------------------------------------------------------------------------------
+
+// Multidtype all-gather: the members' common dtype, or the dtype of the smallest itemsize
+// (the first such member's; bool packs as u8 so that no byte is ever read as a bool).
+DType Bucketer::bucket_dtype(const std::vector<Entry*>& members) const {
+  DType best = members[0]->out_dtype;
+  for (const Entry* m : members) {
+    if (itemsize(m->out_dtype) < itemsize(best)) best = m->out_dtype;
+  }
+  if (best == DType::Bool) {
+    const bool all_bool = std::all_of(members.begin(), members.end(),
+                                      [](const Entry* m) { return m->out_dtype == DType::Bool; });
+    if (!all_bool) best = DType::U8;
+  }
+  return best;
+}
+
+// True when `v` is contiguous at run time whatever the inputs hold: results of kernels and
+// collectives are fresh contiguous tensors, graph inputs are taken to be contiguous, and the
+// views that keep a contiguous tensor contiguous (view, reshape, flatten, view_dtype, and
+// narrow or split along dim 0) keep it. Anything else may be strided.
+bool known_contiguous(const Value* v) {
+  for (int depth = 0; depth < 64; ++depth) {
+    const Node* n = v->node();
+    if (!n) return true;
+    const OpDef& op = n->op();
+    if (op.collective == CollectiveKind::Wait) {
+      v = n->operand(0);
+      continue;
+    }
+    if (!op.is_view) return true;
+    const std::string_view name = op.name;
+    if (name == "view" || name == "reshape" || name == "flatten" || name == "view_dtype") {
+      v = n->operand(0);
+      continue;
+    }
+    if ((name == "narrow" || name == "split_with_sizes") && n->attr("dim").as_int() == 0) {
+      v = n->operand(0);
+      continue;
+    }
+    return false;
+  }
+  return false;
+}
+
+// The packing nodes and the merged collective (DESIGN §6 point 4; REFERENCE B.4).
+Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket) {
+  const std::string p(spec_.prefix);
+  const Node& first = *members[0]->coll;
+  const std::string& group = first.attr("group").as_string();
+  std::vector<Value*> sources;
+  for (const Entry* m : members) sources.push_back(m->source());
+  auto flat = [&](Value* v) {
+    return v->type().rank() == 1 ? v : x.value("flatten", {v}, {}, p + "_flat");
+  };
+  switch (opt_.kind) {
+    case CollectiveKind::AllGather: {
+      const int64_t g = first.attr("group_size").as_int();
+      if (is_custom_ops(opt_.mode)) {
+        std::vector<Attr> outs;
+        for (const Entry* m : members) outs.emplace_back(m->out_dtype);
+        return x.node("all_gather_into_tensor_packed", sources,
+                      {{"group_size", g},
+                       {"group", group},
+                       {"dtype", bucket},
+                       {"out_dtypes", Attr::list(std::move(outs))}},
+                      p + "_bucket");
+      }
+      std::vector<Value*> parts;
+      for (const Entry* m : members) {
+        Value* v = flat(m->source());
+        if (v->dtype() != m->out_dtype) {
+          v = x.value("convert_element_type", {v}, {{"dtype", m->out_dtype}}, p + "_cast");
+        }
+        if (m->out_dtype != bucket) {
+          // Reading the bytes as another dtype needs a unit-stride tensor.
+          if (!known_contiguous(v)) v = x.value("clone", {v}, {}, p + "_copy");
+          v = x.value("view_dtype", {v}, {{"dtype", bucket}}, p + "_bytes");
+        }
+        parts.push_back(v);
+      }
+      Value* packed = x.value("cat", parts, {{"dim", 0}}, p + "_pack");
+      return x.node(spec_.op, {packed}, {{"group_size", g}, {"group", group}}, p + "_bucket");
+    }
+    case CollectiveKind::ReduceScatter: {
+      const int64_t g = first.attr("group_size").as_int();
+      const std::string& rop = first.attr("reduce_op").as_string();
+      Value* packed;
+      if (is_custom_ops(opt_.mode)) {
+        packed = x.value("bucket_pack", sources, {{"group_size", g}}, p + "_pack");
+      } else {
+        // Row j of [G, n_i / G] is the chunk rank j receives; concatenating rows keeps every
+        // rank's chunks together (a plain concatenation would mix them).
+        std::vector<Value*> rows;
+        for (const Entry* m : members) {
+          const int64_t n = m->source()->type().numel();
+          rows.push_back(x.value("reshape", {m->source()}, {{"shape", std::vector<int64_t>{g, n / g}}},
+                                 p + "_rows"));
+        }
+        Value* cat = x.value("cat", rows, {{"dim", 1}}, p + "_cat");
+        packed = x.value("flatten", {cat}, {}, p + "_pack");
+      }
+      return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group_size", g}, {"group", group}},
+                    p + "_bucket");
+    }
+    case CollectiveKind::AllReduce: {
+      const std::string& rop = first.attr("reduce_op").as_string();
+      Value* packed;
+      if (is_custom_ops(opt_.mode)) {
+        packed = x.value("bucket_pack", sources, {{"group_size", 1}}, p + "_pack");
+      } else {
+        std::vector<Value*> parts;
+        for (const Entry* m : members) parts.push_back(flat(m->source()));
+        packed = x.value("cat", parts, {{"dim", 0}}, p + "_pack");
+      }
+      return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group", group}}, p + "_bucket");
+    }
+    default:
+      FUNCOL_CHECK(false, "bucketing: unexpected kind");
+  }
+  return nullptr;
+}
+
+// The merged wait and the unpacking: one value per member, of exactly its wait's type.
+std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
+                                          DType bucket) {
+  const std::string p(spec_.prefix);
+  Value* w = y.value("wait_tensor", {coll->result(0)}, {}, p + "_wait");
+  std::vector<int64_t> sizes;
+  std::vector<Value*> out;
+  auto finish_block = [&](Value* v, const Entry* m) {
+    const Type& want = m->wait->result(0)->type();
+    if (v->type().shape != want.shape) {
+      v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>(want.shape)}}, p + "_out");
+    }
+    out.push_back(v);
+  };
+  if (opt_.kind == CollectiveKind::AllGather) {
+    const int64_t g = coll->attr("group_size").as_int();
+    const int64_t n = coll->result(0)->type().numel() / g;
+    const auto bsize = static_cast<int64_t>(itemsize(bucket));
+    for (const Entry* m : members) {
+      sizes.push_back(m->coll->operand(0)->type().numel() *
+                      static_cast<int64_t>(itemsize(m->out_dtype)) / bsize);
+    }
+    // Row r of [G, N] is rank r's slot; column block i across the rows is member i's gather.
+    Value* rows = y.value("view", {w}, {{"shape", std::vector<int64_t>{g, n}}}, p + "_rows");
+    Node* split = y.node("split_with_sizes", {rows}, {{"split_sizes", sizes}, {"dim", 1}},
+                         p + "_split");
+    for (size_t i = 0; i < members.size(); ++i) {
+      const Entry* m = members[i];
+      Value* v = split->result(i);
+      if (m->out_dtype != bucket && sizes[i] == 0) {
+        // An empty block: flattened first, since no stride of an empty 2-D block is meaningful
+        // to view_dtype (the data dependency on the wait is kept all the same).
+        v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>{0}}}, p + "_flat");
+        v = y.value("clone", {v}, {}, p + "_copy");
+        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, p + "_view");
+      } else if (m->out_dtype != bucket) {
+        // A column block is strided; copy it so the bytes can be read as the member's dtype.
+        v = y.value("clone", {v}, {}, p + "_copy");
+        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, p + "_view");
+      }
+      finish_block(v, m);
+    }
+    return out;
+  }
+  const int64_t g =
+      opt_.kind == CollectiveKind::ReduceScatter ? coll->attr("group_size").as_int() : 1;
+  for (const Entry* m : members) sizes.push_back(m->source()->type().numel() / g);
+  Node* split = y.node("split_with_sizes", {w}, {{"split_sizes", sizes}, {"dim", 0}}, p + "_split");
+  for (size_t i = 0; i < members.size(); ++i) finish_block(split->result(i), members[i]);
+  return out;
+}
+
+// Points the members' consumers at the replacements and erases the members.
+void Bucketer::finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements) {
+  for (size_t i = 0; i < members.size(); ++i) {
+    graph_.replace_all_uses(members[i]->wait->result(0), replacements[i]);
+  }
+  for (Entry* m : members) {
+    for (Node* n : {m->wait, m->coll, m->cast}) {
+      if (!n) continue;
+      order_.remove(n);
+      graph_.erase(n);
+    }
+    m->wait = m->coll = m->cast = nullptr;
+  }
+}
+
+// Registers new nodes and keys each maximal run of them between keyed neighbours.
+void Bucketer::key_new_nodes(const std::vector<Node*>& nodes) {
+  const uint32_t base = static_cast<uint32_t>(order_.id_bound());
+  for (Node* n : nodes) order_.add(n);
+  auto is_new = [&](const Node* n) { return n && order_.id(n) >= base; };
+  std::vector<bool> done(order_.id_bound() - base, false);
+  for (Node* n : nodes) {
+    if (done[order_.id(n) - base]) continue;
+    Node* first = n;
+    while (is_new(first->prev())) first = first->prev();
+    Node* last = n;
+    while (is_new(last->next())) last = last->next();
+    size_t count = 0;
+    for (Node* k = first;; k = k->next()) {
+      done[order_.id(k) - base] = true;
+      ++count;
+      if (k == last) break;
+    }
+    order_.rekey(first, last, count);
+  }
+}
+
+// The gap case: some place after every input and before every consumer exists. The merged
+// collective goes after the latest member issued before the first consumer (or after the
+// latest input, when that is later), the merged wait before the first member wait after it
+// (or before the first consumer): nothing else moves.
+bool Bucketer::place_normally(const std::vector<Entry*>& members) {
+  int64_t lo = kMinKey;
+  Node* lo_node = nullptr;
+  int64_t hi = kMaxKey;
+  Node* hi_node = nullptr;
+  for (const Entry* m : members) {
+    const int64_t k = order_.def_key(m->source());
+    if (k > lo) {
+      lo = k;
+      lo_node = m->source()->node();
+    }
+    for (const Use& u : m->wait->result(0)->uses()) {
+      if (!u.user) continue;
+      const int64_t uk = order_.key(u.user);
+      if (uk < hi) {
+        hi = uk;
+        hi_node = u.user;
+      }
+    }
+  }
+  if (lo >= hi) return false;
+  int64_t c_key = kMinKey;
+  Node* c_node = nullptr;
+  for (const Entry* m : members) {
+    const int64_t k = order_.key(m->coll);
+    if (k < hi && k > c_key) {
+      c_key = k;
+      c_node = m->coll;
+    }
+  }
+  FUNCOL_CHECK(c_node != nullptr, "bucketing: no member before the first consumer");
+  if (lo > c_key) {
+    c_key = lo;
+    c_node = lo_node;
+  }
+  int64_t w_key = hi;
+  Node* w_node = hi_node;
+  for (const Entry* m : members) {
+    const int64_t k = order_.key(m->wait);
+    if (k > c_key && k < w_key) {
+      w_key = k;
+      w_node = m->wait;
+    }
+  }
+  Node* x_anchor = c_node->next();
+  Node* y_anchor = w_node ? w_node : x_anchor;
+  const DType bucket = bucket_dtype(members);
+  Emitter x(graph_, x_anchor);
+  Node* coll = emit_pack(x, members, bucket);
+  Emitter y(graph_, y_anchor);
+  std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
+  finish(members, repl);
+  std::vector<Node*> created = x.created();
+  created.insert(created.end(), y.created().begin(), y.created().end());
+  key_new_nodes(created);
+  return true;
+}
+
+// The no-gap case (a member's wait is used before another member's input exists): a stable
+// topological order of the region between the first and the last member, with the merged
+// collective X after the inputs and the merged wait Y before the consumers, everything else
+// in graph order as far as the edges allow, and the collectives that stay unmerged kept in
+// their issue order. Returns the order as item indices (region nodes, then X, then Y), or
+// nothing when no such order exists (a member would force two unmerged collectives to swap).
+std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Entry*>& members,
+                                                           std::vector<Node*>& region) {
+  int64_t first = kMaxKey, last = kMinKey;
+  Node* first_node = nullptr;
+  Node* last_node = nullptr;
+  int64_t x_prio = kMinKey, y_prio = kMaxKey;
+  for (const Entry* m : members) {
+    for (Node* n : {m->cast, m->coll}) {
+      if (n && order_.key(n) < first) {
+        first = order_.key(n);
+        first_node = n;
+      }
+    }
+    if (order_.key(m->wait) > last) {
+      last = order_.key(m->wait);
+      last_node = m->wait;
+    }
+    x_prio = std::max(x_prio, order_.key(m->coll));
+    y_prio = std::min(y_prio, order_.key(m->wait));
+  }
+  grow_scratch();
+  ++item_epoch_;
+  // Members are marked with the item index kNoId.
+  for (const Entry* m : members) {
+    for (Node* n : {m->cast, m->coll, m->wait}) {
+      if (!n) continue;
+      const uint32_t id = order_.id(n);
+      item_mark_[id] = item_epoch_;
+      item_[id] = kNoId;
+    }
+  }
+  region.clear();
+  for (Node* n = first_node;; n = n->next()) {
+    const uint32_t id = order_.id(n);
+    if (item_mark_[id] != item_epoch_) {
+      item_mark_[id] = item_epoch_;
+      item_[id] = static_cast<uint32_t>(region.size());
+      region.push_back(n);
+    }
+    if (n == last_node) break;
+  }
+  const auto num_items = static_cast<uint32_t>(region.size() + 2);
+  const uint32_t x_item = num_items - 2, y_item = num_items - 1;
+  auto item_of = [&](const Node* n) -> std::optional<uint32_t> {
+    if (!n) return std::nullopt;
+    const uint32_t id = order_.id(n);
+    if (item_mark_[id] != item_epoch_) return std::nullopt;
+    return item_[id];  // kNoId for members
+  };
+  std::vector<std::pair<uint32_t, uint32_t>> edges;
+  uint32_t prev_coll = kNoId;
+  for (uint32_t i = 0; i < region.size(); ++i) {
+    const Node* n = region[i];
+    for (const Value* v : n->operands()) {
+      auto d = item_of(v->node());
+      if (!d) continue;
+      if (*d == kNoId) {
+        // Only a member's wait can feed a non-member (collectives and casts have one user).
+        edges.emplace_back(y_item, i);
+      } else {
+        edges.emplace_back(*d, i);
+      }
+    }
+    if (n->op().is_collective()) {
+      if (prev_coll != kNoId) edges.emplace_back(prev_coll, i);
+      prev_coll = i;
+    }
+  }
+  for (const Entry* m : members) {
+    auto d = item_of(m->source()->node());
+    if (d && *d != kNoId) edges.emplace_back(*d, x_item);
+  }
+  edges.emplace_back(x_item, y_item);
+  // Kahn's algorithm, always taking the ready item that came first in graph order.
+  std::vector<uint32_t> indeg(num_items, 0), start(num_items + 1, 0), adj(edges.size());
+  for (const auto& [a, b] : edges) {
+    ++start[a + 1];
+    ++indeg[b];
+  }
+  for (uint32_t i = 0; i < num_items; ++i) start[i + 1] += start[i];
+  {
+    std::vector<uint32_t> fill(start.begin(), start.end() - 1);
+    for (const auto& [a, b] : edges) adj[fill[a]++] = b;
+  }
+  auto prio = [&](uint32_t i) {
+    if (i == x_item) return x_prio;
+    if (i == y_item) return y_prio;
+    return order_.key(region[i]);
+  };
+  using QItem = std::pair<int64_t, uint32_t>;
+  std::priority_queue<QItem, std::vector<QItem>, std::greater<>> ready;
+  for (uint32_t i = 0; i < num_items; ++i) {
+    if (indeg[i] == 0) ready.emplace(prio(i), i);
+  }
+  std::vector<uint32_t> order;
+  order.reserve(num_items);
+  while (!ready.empty()) {
+    const uint32_t i = ready.top().second;
+    ready.pop();
+    order.push_back(i);
+    for (uint32_t k = start[i]; k < start[i + 1]; ++k) {
+      if (--indeg[adj[k]] == 0) ready.emplace(prio(adj[k]), adj[k]);
+    }
+  }
+  if (order.size() != num_items) return std::nullopt;
+  return order;
+}
+
+void Bucketer::emit_region(const std::vector<Entry*>& members, const std::vector<Node*>& region,
+                           const std::vector<uint32_t>& order) {
+  // The region's neighbours are not members, so they survive the edit.
+  Node* first_member = nullptr;
+  int64_t first = kMaxKey;
+  Node* last_member = nullptr;
+  int64_t last = kMinKey;
+  for (const Entry* m : members) {
+    for (Node* n : {m->cast, m->coll}) {
+      if (n && order_.key(n) < first) {
+        first = order_.key(n);
+        first_member = n;
+      }
+    }
+    if (order_.key(m->wait) > last) {
+      last = order_.key(m->wait);
+      last_member = m->wait;
+    }
+  }
+  Node* before_region = first_member->prev();
+  Node* anchor = last_member->next();
+  const DType bucket = bucket_dtype(members);
+  Emitter x(graph_, anchor);
+  Node* coll = emit_pack(x, members, bucket);
+  Emitter y(graph_, anchor);
+  std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
+  finish(members, repl);
+  const auto x_item = static_cast<uint32_t>(region.size());
+  for (uint32_t i : order) {
+    if (i < x_item) {
+      graph_.move_before(region[i], anchor);
+    } else {
+      for (Node* n : (i == x_item ? x : y).created()) graph_.move_before(n, anchor);
+    }
+  }
+  for (Node* n : x.created()) order_.add(n);
+  for (Node* n : y.created()) order_.add(n);
+  Node* first_new = before_region ? before_region->next() : graph_.first_node();
+  Node* last_new = anchor ? anchor->prev() : graph_.last_node();
+  size_t count = 0;
+  for (Node* n = first_new;; n = n->next()) {
+    ++count;
+    if (n == last_new) break;
+  }
+  order_.rekey(first_new, last_new, count);
+}
+
+// Merges `members` (two or more). When no valid placement keeps the issue order of the
+// collectives left unmerged, drops members from the end until one does; false when fewer
+// than two remain.
+bool Bucketer::merge(std::vector<Entry*>& members) {
+  std::vector<Node*> region;
+  while (members.size() >= 2) {
+    if (place_normally(members)) return true;
+    if (auto order = plan_region(members, region)) {
+      emit_region(members, region, *order);
+      ++stats_.region_reorders;
+      return true;
+    }
+    members.pop_back();
+    ++stats_.dropped;
+  }
+  return false;
+}
+
+}  // namespace
+
+// ---- options ------------------------------------------------------------------------------------
+
+std::string_view bucket_mode_name(BucketMode mode) {
+  switch (mode) {
+    case BucketMode::Default: return "default";
+    case BucketMode::CustomOps: return "custom_ops";
+    case BucketMode::MultiDtype: return "multidtype";
+    case BucketMode::CustomOpsMultiDtype: return "custom_ops_multidtype";
+  }
+  return "?";
+}
+
+BucketMode parse_bucket_mode(std::string_view text) {
+  for (BucketMode m : {BucketMode::Default, BucketMode::CustomOps, BucketMode::MultiDtype,
+                       BucketMode::CustomOpsMultiDtype}) {
+    if (bucket_mode_name(m) == text) return m;
+  }
+  throw InvalidArgument(fmt::format("unknown bucket mode '{}' (expected default, custom_ops, "
+                                    "multidtype or custom_ops_multidtype)",
+                                    text));
+}
+
+std::vector<double> parse_cap_mb(std::string_view text) {
+  std::vector<double> caps;
+  size_t pos = 0;
+  while (true) {
+    const size_t colon = text.find(':', pos);
+    const std::string_view part =
+        text.substr(pos, colon == std::string_view::npos ? std::string_view::npos : colon - pos);
+    double v = 0;
+    const auto r = std::from_chars(part.data(), part.data() + part.size(), v);
+    if (part.empty() || r.ec != std::errc() || r.ptr != part.data() + part.size() ||
+        !std::isfinite(v) || v <= 0) {
+      throw InvalidArgument(
+          fmt::format("cap-mb: '{}' is not a positive number (in '{}')", part, text));
+    }
+    caps.push_back(v);
+    if (colon == std::string_view::npos) break;
+    pos = colon + 1;
+  }
+  return caps;
+}
+
+std::string format_cap_mb(const std::vector<double>& cap_mb) {
+  std::vector<std::string> parts;
+  for (double v : cap_mb) parts.push_back(fmt_double(v));
+  return fmt::format("{}", fmt::join(parts, ":"));
+}
+
+int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index) {
+  FUNCOL_CHECK(!options.cap_mb.empty(), "bucketing: empty cap list");
+  const auto i = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(index, 0)),
+                                  options.cap_mb.size() - 1);
+  const double bytes = std::floor(options.cap_mb[i] * kBytesPerMb);
+  // Caps beyond any graph's size saturate; a cap under one byte still admits one byte.
+  if (bytes >= 9.0e18) return std::numeric_limits<int64_t>::max();
+  return std::max<int64_t>(1, static_cast<int64_t>(bytes));
+}
+
+void check_bucket_options(const BucketOptions& options) {
+  const KindSpec& spec = kind_spec(options.kind);
+  if (options.cap_mb.empty()) throw InvalidArgument("cap-mb: the cap list is empty");
+  for (double v : options.cap_mb) {
+    if (!std::isfinite(v) || v <= 0) {
+      throw InvalidArgument(fmt::format("cap-mb: '{}' is not a positive number", fmt_double(v)));
+    }
+  }
+  if (is_multidtype(options.mode) && options.kind != CollectiveKind::AllGather) {
+    throw InvalidArgument(fmt::format("{} bucketing does not support multidtype (mode {})",
+                                      spec.noun, bucket_mode_name(options.mode)));
+  }
+}
+
+std::string_view bucket_pass_name(CollectiveKind kind) { return kind_spec(kind).pass; }
+
+BucketPass::BucketPass(BucketOptions options) : options_(std::move(options)) {
+  check_bucket_options(options_);
+}
+
+std::string BucketPass::name() const { return std::string(bucket_pass_name(options_.kind)); }
+
+bool BucketPass::run(Graph& graph) {
+  if (!explain_) return bucket_collectives(graph, options_).changed();
+  std::string text;
+  const BucketingStats stats = bucket_collectives(graph, options_, &text);
+  *explain_ << text;
+  return stats.changed();
+}
+
+std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& options) {
+  BucketOptions o;
+  o.kind = kind;
+  if (const std::string* cap = options.find("cap-mb")) o.cap_mb = parse_cap_mb(*cap);
+  if (const std::string* mode = options.find("mode")) o.mode = parse_bucket_mode(*mode);
+  return std::make_unique<BucketPass>(std::move(o));
+}
+
+BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
+                                  std::string* explain) {
+  check_bucket_options(options);
+  Bucketer b(graph, options, explain);
+  return b.run();
+}
+
+}  // namespace funcol

@@ -1,0 +1,642 @@
+// Tests of the bucketing passes: options, the shared routine's rules in both directions, the
+// buffer layouts (checked by running every rank), placement, explain text and determinism.
+#include "funcol/passes/bucketing.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "bucketing_test_util.h"
+#include "funcol/core/error.h"
+#include "funcol/graph/parser.h"
+#include "funcol/graph/printer.h"
+#include "funcol/graph/verifier.h"
+#include "funcol/passes/pipeline.h"
+
+namespace funcol {
+namespace {
+
+using testing_bucketing::random_inputs;
+using testing_bucketing::same_outputs;
+using testing_bucketing::simulate;
+
+int count_op(const Graph& g, std::string_view op) {
+  int n = 0;
+  for (const Node& node : g.nodes()) n += node.op_name() == op ? 1 : 0;
+  return n;
+}
+
+int count_collectives(const Graph& g) {
+  int n = 0;
+  for (const Node& node : g.nodes()) n += node.op().is_collective() ? 1 : 0;
+  return n;
+}
+
+BucketOptions opts(CollectiveKind kind, std::string_view cap = "2000",
+                   BucketMode mode = BucketMode::Default) {
+  BucketOptions o;
+  o.kind = kind;
+  o.cap_mb = parse_cap_mb(cap);
+  o.mode = mode;
+  return o;
+}
+
+// Parses `text`, buckets a copy, checks it verifies and computes bit-identical outputs on 4
+// ranks, and returns the bucketed graph.
+struct Bucketed {
+  std::unique_ptr<Graph> graph;
+  BucketingStats stats;
+  std::string explain;
+  std::string printed;
+};
+
+Bucketed bucket_checked(std::string_view text, const BucketOptions& o) {
+  std::unique_ptr<Graph> before = parse_graph(text);
+  Bucketed b;
+  b.graph = parse_graph(text);
+  b.stats = bucket_collectives(*b.graph, o, &b.explain);
+  EXPECT_NO_THROW(verify(*b.graph)) << print(*b.graph);
+  b.printed = print(*b.graph);
+  const auto in = random_inputs(*before, 4, 7);
+  std::string why;
+  EXPECT_TRUE(same_outputs(simulate(*before, in), simulate(*b.graph, in), &why))
+      << why << "\n" << b.printed;
+  // Determinism: a second copy buckets to the same text; idempotence: a second run changes
+  // nothing.
+  std::unique_ptr<Graph> again = parse_graph(text);
+  bucket_collectives(*again, o);
+  EXPECT_EQ(print(*again), b.printed);
+  const BucketingStats second = bucket_collectives(*again, o);
+  EXPECT_FALSE(second.changed());
+  EXPECT_EQ(print(*again), b.printed);
+  return b;
+}
+
+// ---- options ------------------------------------------------------------------------------------
+
+TEST(BucketOptions, DefaultCapIs2000Mb) {
+  EXPECT_EQ(bucket_cap_bytes(BucketOptions{}, 0), int64_t{2000} * 1024 * 1024);
+  EXPECT_EQ(bucket_cap_bytes(BucketOptions{}, 99), int64_t{2000} * 1024 * 1024);
+}
+
+TEST(BucketOptions, CapListByBucketIndexLastRepeats) {
+  BucketOptions o;
+  o.cap_mb = parse_cap_mb("1:25");
+  ASSERT_EQ(o.cap_mb, (std::vector<double>{1, 25}));
+  EXPECT_EQ(bucket_cap_bytes(o, 0), 1048576);
+  EXPECT_EQ(bucket_cap_bytes(o, 1), 25 * 1048576);
+  EXPECT_EQ(bucket_cap_bytes(o, 7), 25 * 1048576);
+  o.cap_mb = parse_cap_mb("0.5:0.00024318695068359375");
+  EXPECT_EQ(bucket_cap_bytes(o, 0), 524288);
+  EXPECT_EQ(bucket_cap_bytes(o, 1), 255);
+  EXPECT_EQ(format_cap_mb(o.cap_mb), "0.5:0.00024318695068359375");
+  // A cap under one byte still admits one byte; a huge cap saturates.
+  o.cap_mb = {1e-12, 1e300};
+  EXPECT_EQ(bucket_cap_bytes(o, 0), 1);
+  EXPECT_EQ(bucket_cap_bytes(o, 1), std::numeric_limits<int64_t>::max());
+}
+
+TEST(BucketOptions, BadCapsAreRejected) {
+  for (std::string_view bad : {"", ":", "1:", ":1", "abc", "0", "-1", "inf", "nan", "1e999",
+                               "1:0", "1;2", " 1"}) {
+    EXPECT_THROW(parse_cap_mb(bad), InvalidArgument) << bad;
+  }
+  try {
+    parse_cap_mb("1:x");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "cap-mb: 'x' is not a positive number (in '1:x')");
+  }
+}
+
+TEST(BucketOptions, Modes) {
+  for (BucketMode m : {BucketMode::Default, BucketMode::CustomOps, BucketMode::MultiDtype,
+                       BucketMode::CustomOpsMultiDtype}) {
+    EXPECT_EQ(parse_bucket_mode(bucket_mode_name(m)), m);
+  }
+  EXPECT_THROW(parse_bucket_mode("coalesced"), InvalidArgument);
+  EXPECT_THROW(parse_bucket_mode("Default"), InvalidArgument);
+}
+
+TEST(BucketOptions, MultidtypeOnlyForAllGather) {
+  for (BucketMode m : {BucketMode::MultiDtype, BucketMode::CustomOpsMultiDtype}) {
+    EXPECT_NO_THROW(check_bucket_options(opts(CollectiveKind::AllGather, "1", m)));
+    try {
+      check_bucket_options(opts(CollectiveKind::ReduceScatter, "1", m));
+      FAIL();
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("reduce scatter bucketing does not support multidtype"),
+                std::string::npos)
+          << e.what();
+    }
+    try {
+      check_bucket_options(opts(CollectiveKind::AllReduce, "1", m));
+      FAIL();
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("all reduce bucketing does not support multidtype"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(check_bucket_options(opts(CollectiveKind::AllToAll)), InvalidArgument);
+}
+
+TEST(BucketPasses, RegisteredWithTheirOptions) {
+  const PassRegistry& reg = default_pass_registry();
+  for (std::string_view name : {"bucket-all-gather", "bucket-reduce-scatter", "bucket-all-reduce"}) {
+    const PassInfo* info = reg.find(name);
+    ASSERT_NE(info, nullptr) << name;
+    EXPECT_EQ(info->options, (std::vector<std::string>{"cap-mb", "mode"}));
+    const PassOptions po(std::vector<std::pair<std::string, std::string>>{{"cap-mb", "1:25"}});
+    EXPECT_EQ(reg.create(name, po)->name(), name);
+  }
+  Pipeline p = Pipeline::parse("bucket-all-gather{cap-mb=1:25 mode=multidtype},bucket-reduce-scatter");
+  ASSERT_EQ(p.size(), 2u);
+  const auto* ag = dynamic_cast<const BucketPass*>(p.passes()[0].get());
+  ASSERT_NE(ag, nullptr);
+  EXPECT_EQ(ag->options().cap_mb, (std::vector<double>{1, 25}));
+  EXPECT_EQ(ag->options().mode, BucketMode::MultiDtype);
+  EXPECT_THROW(Pipeline::parse("bucket-reduce-scatter{mode=multidtype}"), InvalidArgument);
+  EXPECT_THROW(Pipeline::parse("bucket-all-reduce{mode=custom_ops_multidtype}"), InvalidArgument);
+  EXPECT_THROW(Pipeline::parse("bucket-all-gather{cap-mb=0}"), InvalidArgument);
+  EXPECT_THROW(Pipeline::parse("bucket-all-gather{mode=fast}"), InvalidArgument);
+}
+
+// ---- merging and layouts ------------------------------------------------------------------------
+
+constexpr std::string_view kTwoAllGathers = R"(graph @g(%a: f32[2,3], %b: f32[4]) {
+  %ag0 = all_gather_into_tensor(%a) {group_size = 4, group = "world"}
+  %w0 = wait_tensor(%ag0)
+  %ag1 = all_gather_into_tensor(%b) {group_size = 4, group = "world"}
+  %w1 = wait_tensor(%ag1)
+  return %w0, %w1
+})";
+
+TEST(BucketAllGather, DefaultLayoutIsFlattenCatGatherViewSplitReshape) {
+  Bucketed b = bucket_checked(kTwoAllGathers, opts(CollectiveKind::AllGather));
+  EXPECT_EQ(b.stats.merged_buckets, 1);
+  EXPECT_EQ(b.stats.merged_collectives, 2);
+  EXPECT_EQ(b.printed, R"(graph @g(%a: f32[2,3], %b: f32[4]) {
+  %ag_flat = flatten(%a) : f32[6]
+  %ag_pack = cat(%ag_flat, %b) {dim = 0} : f32[10]
+  %ag_bucket = all_gather_into_tensor(%ag_pack) {group_size = 4, group = "world"} : f32[40]
+  %ag_wait = wait_tensor(%ag_bucket) : f32[40]
+  %ag_rows = view(%ag_wait) {shape = [4, 10]} : f32[4,10]
+  %ag_split:2 = split_with_sizes(%ag_rows) {split_sizes = [6, 4], dim = 1} : f32[4,6], f32[4,4]
+  %ag_out = reshape(%ag_split#0) {shape = [8, 3]} : f32[8,3]
+  %ag_out.1 = reshape(%ag_split#1) {shape = [16]} : f32[16]
+  return %ag_out, %ag_out.1
+}
+)");
+}
+
+TEST(BucketAllGather, CustomOpsPacksStraightIntoTheGatheredBuffer) {
+  Bucketed b =
+      bucket_checked(kTwoAllGathers, opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
+  EXPECT_EQ(count_op(*b.graph, "all_gather_into_tensor_packed"), 1);
+  EXPECT_EQ(count_op(*b.graph, "all_gather_into_tensor"), 0);
+  EXPECT_EQ(count_op(*b.graph, "cat"), 0);
+  EXPECT_NE(b.printed.find("all_gather_into_tensor_packed(%a, %b) {group_size = 4, group = "
+                           "\"world\", dtype = f32, out_dtypes = [f32, f32]} : f32[40]"),
+            std::string::npos)
+      << b.printed;
+}
+
+TEST(BucketReduceScatter, LayoutRowsPerRankThenConcatenated) {
+  constexpr std::string_view text = R"(graph @g(%a: f32[8,3], %b: i32[4], %c: f32[4]) {
+  %rs0 = reduce_scatter_tensor(%a) {reduce_op = "sum", group_size = 4, group = "world"}
+  %w0 = wait_tensor(%rs0)
+  %rs1 = reduce_scatter_tensor(%c) {reduce_op = "sum", group_size = 4, group = "world"}
+  %w1 = wait_tensor(%rs1)
+  return %w0, %w1
+})";
+  for (BucketMode m : {BucketMode::Default, BucketMode::CustomOps}) {
+    Bucketed b = bucket_checked(text, opts(CollectiveKind::ReduceScatter, "2000", m));
+    EXPECT_EQ(count_op(*b.graph, "reduce_scatter_tensor"), 1);
+    EXPECT_EQ(count_op(*b.graph, "bucket_pack"), m == BucketMode::CustomOps ? 1 : 0);
+  }
+  Bucketed b = bucket_checked(text, opts(CollectiveKind::ReduceScatter));
+  EXPECT_NE(b.printed.find("%rs_rows = reshape(%a) {shape = [4, 6]}"), std::string::npos)
+      << b.printed;
+  EXPECT_NE(b.printed.find("cat(%rs_rows, %rs_rows.1) {dim = 1} : f32[4,7]"), std::string::npos)
+      << b.printed;
+}
+
+TEST(BucketAllReduce, FlattenCatReduceSplitReshape) {
+  constexpr std::string_view text = R"(graph @g(%a: f32[3,2], %b: f32[5], %c: f32[]) {
+  %ar0 = all_reduce(%a) {reduce_op = "avg", group = "world"}
+  %w0 = wait_tensor(%ar0)
+  %m = neg(%a) : f32[3,2]
+  %ar1 = all_reduce(%b) {reduce_op = "avg", group = "world"}
+  %w1 = wait_tensor(%ar1)
+  %ar2 = all_reduce(%c) {reduce_op = "avg", group = "world"}
+  %w2 = wait_tensor(%ar2)
+  return %w0, %w1, %w2, %m
+})";
+  for (BucketMode m : {BucketMode::Default, BucketMode::CustomOps}) {
+    Bucketed b = bucket_checked(text, opts(CollectiveKind::AllReduce, "2000", m));
+    EXPECT_EQ(count_op(*b.graph, "all_reduce"), 1);
+    EXPECT_EQ(b.stats.merged_collectives, 3);
+  }
+}
+
+TEST(BucketAllGather, ScalarsAndEmptyTensors) {
+  constexpr std::string_view text = R"(graph @g(%a: f32[], %b: f32[0,3], %c: f32[2]) {
+  %ag0 = all_gather_into_tensor(%a) {group_size = 2, group = "tp"}
+  %w0 = wait_tensor(%ag0)
+  %ag1 = all_gather_into_tensor(%b) {group_size = 2, group = "tp"}
+  %w1 = wait_tensor(%ag1)
+  %ag2 = all_gather_into_tensor(%c) {group_size = 2, group = "tp"}
+  %w2 = wait_tensor(%ag2)
+  return %w0, %w1, %w2
+})";
+  for (BucketMode m : {BucketMode::Default, BucketMode::CustomOps}) {
+    Bucketed b = bucket_checked(text, opts(CollectiveKind::AllGather, "2000", m));
+    EXPECT_EQ(count_collectives(*b.graph), 1) << b.printed;
+  }
+}
+
+// ---- keys ---------------------------------------------------------------------------------------
+
+TEST(BucketKeys, DifferentGroupReduceOpOrDtypeNeverMerge) {
+  // Alternating keys: no two adjacent collectives share one.
+  Bucketed ag = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4], %c: f32[4]) {
+  %x = all_gather_into_tensor(%a) {group_size = 2, group = "tp"}
+  %wx = wait_tensor(%x)
+  %y = all_gather_into_tensor(%b) {group_size = 2, group = "dp"}
+  %wy = wait_tensor(%y)
+  %z = all_gather_into_tensor(%c) {group_size = 2, group = "tp"}
+  %wz = wait_tensor(%z)
+  return %wx, %wy, %wz
+})",
+                               opts(CollectiveKind::AllGather));
+  EXPECT_FALSE(ag.stats.changed());
+  EXPECT_EQ(ag.stats.buckets, 3);
+  EXPECT_NE(ag.explain.find("closed: key change (next %y has group \"dp\""), std::string::npos)
+      << ag.explain;
+
+  Bucketed rs = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4]) {
+  %x = reduce_scatter_tensor(%a) {reduce_op = "sum", group_size = 4, group = "world"}
+  %wx = wait_tensor(%x)
+  %y = reduce_scatter_tensor(%b) {reduce_op = "avg", group_size = 4, group = "world"}
+  %wy = wait_tensor(%y)
+  return %wx, %wy
+})",
+                               opts(CollectiveKind::ReduceScatter));
+  EXPECT_FALSE(rs.stats.changed());
+
+  Bucketed ar = bucket_checked(R"(graph @g(%a: f32[4], %b: bf16[4]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %wx = wait_tensor(%x)
+  %y = all_reduce(%b) {reduce_op = "sum", group = "world"}
+  %wy = wait_tensor(%y)
+  return %wx, %wy
+})",
+                               opts(CollectiveKind::AllReduce));
+  EXPECT_FALSE(ar.stats.changed());
+}
+
+TEST(BucketKeys, OtherKindsAndComputeInBetweenDoNotBreakARun) {
+  Bucketed b = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %wx = wait_tensor(%x)
+  %r = reduce_scatter_tensor(%b) {reduce_op = "sum", group_size = 4, group = "world"}
+  %wr = wait_tensor(%r)
+  %n = neg(%b)
+  %y = all_reduce(%n) {reduce_op = "sum", group = "world"}
+  %wy = wait_tensor(%y)
+  return %wx, %wy, %wr
+})",
+                              opts(CollectiveKind::AllReduce));
+  EXPECT_EQ(b.stats.merged_buckets, 1);
+  EXPECT_EQ(count_op(*b.graph, "all_reduce"), 1);
+  EXPECT_EQ(count_op(*b.graph, "reduce_scatter_tensor"), 1);
+}
+
+TEST(BucketAllGather, MultidtypeMergesDtypesDefaultDoesNot) {
+  constexpr std::string_view text = R"(graph @g(%a: bf16[3,5], %b: f32[3,5], %c: i8[3]) {
+  %x = all_gather_into_tensor(%a) {group_size = 4, group = "world"}
+  %wx = wait_tensor(%x)
+  %y = all_gather_into_tensor(%b) {group_size = 4, group = "world"}
+  %wy = wait_tensor(%y)
+  %z = all_gather_into_tensor(%c) {group_size = 4, group = "world"}
+  %wz = wait_tensor(%z)
+  return %wx, %wy, %wz
+})";
+  EXPECT_FALSE(bucket_checked(text, opts(CollectiveKind::AllGather)).stats.changed());
+  for (BucketMode m : {BucketMode::MultiDtype, BucketMode::CustomOpsMultiDtype}) {
+    Bucketed b = bucket_checked(text, opts(CollectiveKind::AllGather, "2000", m));
+    EXPECT_EQ(count_collectives(*b.graph), 1) << b.printed;
+    EXPECT_EQ(b.stats.merged_collectives, 3);
+    // Packed in the smallest itemsize (i8); 15 bf16 = 30 bytes, 15 f32 = 60, 3 i8 = 3.
+    EXPECT_NE(b.printed.find(": i8[372]"), std::string::npos) << b.printed;
+  }
+}
+
+TEST(BucketAllGather, MultidtypeWithinOneRankGroupAndBools) {
+  // Group size 1: column blocks are contiguous views at odd byte offsets; the unpacking copies
+  // them before viewing as the member dtype.
+  constexpr std::string_view text = R"(graph @g(%a: bool[3], %b: f32[2], %c: f16[1]) {
+  %x = all_gather_into_tensor(%a) {group_size = 1, group = "solo"}
+  %wx = wait_tensor(%x)
+  %y = all_gather_into_tensor(%b) {group_size = 1, group = "solo"}
+  %wy = wait_tensor(%y)
+  %z = all_gather_into_tensor(%c) {group_size = 1, group = "solo"}
+  %wz = wait_tensor(%z)
+  return %wx, %wy, %wz
+})";
+  for (BucketMode m : {BucketMode::MultiDtype, BucketMode::CustomOpsMultiDtype}) {
+    std::unique_ptr<Graph> before = parse_graph(text);
+    std::unique_ptr<Graph> g = parse_graph(text);
+    const BucketingStats s = bucket_collectives(*g, opts(CollectiveKind::AllGather, "2000", m));
+    EXPECT_EQ(s.merged_collectives, 3);
+    verify(*g);
+    // Bools pack as u8, never read as bool.
+    EXPECT_NE(print(*g).find("u8[13]"), std::string::npos) << print(*g);
+    auto groups = testing_bucketing::mesh_groups_4();
+    groups["solo"] = {{0}, {1}, {2}, {3}};
+    const auto in = random_inputs(*before, 4, 3);
+    std::string why;
+    EXPECT_TRUE(same_outputs(simulate(*before, in, groups), simulate(*g, in, groups), &why))
+        << why;
+  }
+}
+
+// ---- caps ---------------------------------------------------------------------------------------
+
+// Two all-gathers of 128 output bytes each (f32[8] over 4 ranks).
+constexpr std::string_view kTwo128 = R"(graph @g(%a: f32[8], %b: f32[8]) {
+  %x = all_gather_into_tensor(%a) {group_size = 4, group = "world"}
+  %wx = wait_tensor(%x)
+  %y = all_gather_into_tensor(%b) {group_size = 4, group = "world"}
+  %wy = wait_tensor(%y)
+  return %wx, %wy
+})";
+
+TEST(BucketCaps, CapMergesCapMinusOneByteDoesNot) {
+  // 256 bytes = 0.000244140625 MB exactly; 255 bytes = 0.00024318695068359375 MB.
+  Bucketed at_cap = bucket_checked(kTwo128, opts(CollectiveKind::AllGather, "0.000244140625"));
+  EXPECT_EQ(at_cap.stats.merged_buckets, 1);
+  Bucketed below = bucket_checked(kTwo128, opts(CollectiveKind::AllGather, "0.00024318695068359375"));
+  EXPECT_EQ(below.stats.merged_buckets, 0);
+  EXPECT_EQ(below.stats.buckets, 2);
+  EXPECT_NE(below.explain.find("bucket 0: %x (128 B); 128 B of cap 255 B; closed: cap (adding %y "
+                               "of 128 B would make 256 B); left alone (one collective)"),
+            std::string::npos)
+      << below.explain;
+}
+
+TEST(BucketCaps, ALargerCollectiveStartsItsOwnBucket) {
+  Bucketed b = bucket_checked(kTwo128, opts(CollectiveKind::AllGather, "0.00001"));  // 10 bytes
+  EXPECT_FALSE(b.stats.changed());
+  EXPECT_EQ(b.stats.buckets, 2);
+}
+
+TEST(BucketCaps, IndexMovesAcrossBucketsAndRuns) {
+  // cap-mb = 128 B : 1 MB. Within one run: bucket 0 = {a} (cap), bucket 1 = {b, c, d}.
+  constexpr std::string_view four = R"(graph @g(%a: f32[8], %b: f32[8], %c: f32[8], %d: f32[8]) {
+  %xa = all_gather_into_tensor(%a) {group_size = 4, group = "world"}
+  %wa = wait_tensor(%xa)
+  %xb = all_gather_into_tensor(%b) {group_size = 4, group = "world"}
+  %wb = wait_tensor(%xb)
+  %xc = all_gather_into_tensor(%c) {group_size = 4, group = "world"}
+  %wc = wait_tensor(%xc)
+  %xd = all_gather_into_tensor(%d) {group_size = 4, group = "world"}
+  %wd = wait_tensor(%xd)
+  return %wa, %wb, %wc, %wd
+})";
+  const std::string caps = "0.0001220703125:1";
+  Bucketed b = bucket_checked(four, opts(CollectiveKind::AllGather, caps));
+  EXPECT_EQ(b.stats.buckets, 2);
+  EXPECT_EQ(b.stats.merged_collectives, 3);
+  EXPECT_NE(b.explain.find("bucket 0: %xa (128 B); 128 B of cap 128 B; closed: cap"),
+            std::string::npos)
+      << b.explain;
+  EXPECT_NE(b.explain.find("bucket 1: %xb (128 B), %xc (128 B), %xd (128 B); 384 B of cap "
+                           "1048576 B; closed: end of run; merged 3 collectives"),
+            std::string::npos)
+      << b.explain;
+  // A first run of one (group tp) closes bucket 0, so the next run already gets cap 1 MB
+  // (the seed computes the cap once per run from index 0 and would merge nothing here).
+  constexpr std::string_view runs = R"(graph @g(%a: f32[8], %b: f32[8], %c: f32[8]) {
+  %xa = all_gather_into_tensor(%a) {group_size = 2, group = "tp"}
+  %wa = wait_tensor(%xa)
+  %xb = all_gather_into_tensor(%b) {group_size = 4, group = "world"}
+  %wb = wait_tensor(%xb)
+  %xc = all_gather_into_tensor(%c) {group_size = 4, group = "world"}
+  %wc = wait_tensor(%xc)
+  return %wa, %wb, %wc
+})";
+  Bucketed r = bucket_checked(runs, opts(CollectiveKind::AllGather, caps));
+  EXPECT_EQ(r.stats.merged_collectives, 2);
+  // Without the first run, the same pair meets the 128-byte cap and stays apart.
+  Bucketed alone = bucket_checked(kTwo128, opts(CollectiveKind::AllGather, caps));
+  EXPECT_FALSE(alone.stats.changed());
+}
+
+// ---- eligibility and dependencies ---------------------------------------------------------------
+
+TEST(BucketEligibility, ACollectiveWithAnotherUserIsLeftAlone) {
+  Bucketed b = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4], %c: f32[4]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %wx = wait_tensor(%x)
+  %y = all_reduce(%b) {reduce_op = "sum", group = "world"}
+  %peek = neg(%y)
+  %wy = wait_tensor(%y)
+  %z = all_reduce(%c) {reduce_op = "sum", group = "world"}
+  %wz = wait_tensor(%z)
+  return %wx, %wy, %wz, %peek
+})",
+                              opts(CollectiveKind::AllReduce));
+  EXPECT_EQ(b.stats.skipped_ineligible, 1);
+  EXPECT_EQ(b.stats.merged_collectives, 2);  // x and z merge around y
+  EXPECT_EQ(count_op(*b.graph, "all_reduce"), 2);
+  EXPECT_NE(b.explain.find("skipped %y: ineligible: its result is also used by %peek (operand 0)"),
+            std::string::npos)
+      << b.explain;
+  Bucketed out = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %wx = wait_tensor(%x)
+  %y = all_reduce(%b) {reduce_op = "sum", group = "world"}
+  %wy = wait_tensor(%y)
+  return %wx, %wy, %y
+})",
+                                opts(CollectiveKind::AllReduce));
+  EXPECT_FALSE(out.stats.changed());
+  EXPECT_NE(out.explain.find("skipped %y: ineligible: its result is also graph output 2"),
+            std::string::npos)
+      << out.explain;
+}
+
+TEST(BucketDependencies, ADependentCollectiveIsSkippedAndDoesNotCloseTheBucket) {
+  // c's input comes from a's wait: c is skipped; a, b and d merge.
+  Bucketed b = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4], %d: f32[4]) {
+  %ga = all_gather_into_tensor(%a) {group_size = 4, group = "world"}
+  %wa = wait_tensor(%ga)
+  %gb = all_gather_into_tensor(%b) {group_size = 4, group = "world"}
+  %wb = wait_tensor(%gb)
+  %s = sum(%wa) {dims = [0], keepdim = true}
+  %t = reshape(%s) {shape = [1]}
+  %gc = all_gather_into_tensor(%t) {group_size = 4, group = "world"}
+  %wc = wait_tensor(%gc)
+  %gd = all_gather_into_tensor(%d) {group_size = 4, group = "world"}
+  %wd = wait_tensor(%gd)
+  return %wb, %wc, %wd
+})",
+                              opts(CollectiveKind::AllGather));
+  EXPECT_EQ(b.stats.skipped_dependent, 1);
+  EXPECT_EQ(b.stats.merged_collectives, 3);
+  EXPECT_EQ(b.stats.buckets, 1);
+  EXPECT_EQ(count_op(*b.graph, "all_gather_into_tensor"), 2);
+  EXPECT_NE(b.explain.find("skipped %gc: depends on bucket 0: %gc <- %t <- %s <- %wa <- %ga"),
+            std::string::npos)
+      << b.explain;
+}
+
+TEST(BucketDependencies, ChainOfDependentCollectivesNeverMerges) {
+  Bucketed b = bucket_checked(R"(graph @g(%a: f32[4]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %wx = wait_tensor(%x)
+  %y = all_reduce(%wx) {reduce_op = "sum", group = "world"}
+  %wy = wait_tensor(%y)
+  %z = all_reduce(%wy) {reduce_op = "sum", group = "world"}
+  %wz = wait_tensor(%z)
+  return %wz
+})",
+                              opts(CollectiveKind::AllReduce));
+  EXPECT_FALSE(b.stats.changed());
+  EXPECT_EQ(b.stats.skipped_dependent, 2);
+}
+
+// ---- cast folding -------------------------------------------------------------------------------
+
+constexpr std::string_view kCasts = R"(graph @g(%a: f32[4], %b: f32[4]) {
+  %ca = convert_element_type(%a) {dtype = bf16}
+  %x = all_gather_into_tensor(%ca) {group_size = 4, group = "world"}
+  %wx = wait_tensor(%x)
+  %cb = convert_element_type(%b) {dtype = bf16}
+  %y = all_gather_into_tensor(%cb) {group_size = 4, group = "world"}
+  %wy = wait_tensor(%y)
+  return %wx, %wy SECOND
+})";
+
+std::string casts(bool second_user) {
+  std::string s(kCasts);
+  s.replace(s.find(" SECOND"), 7, second_user ? ", %cb" : "");
+  return s;
+}
+
+TEST(BucketAllGather, SingleUserCastIsFoldedIntoThePacking) {
+  Bucketed b = bucket_checked(casts(false),
+                              opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
+  EXPECT_EQ(count_op(*b.graph, "convert_element_type"), 0) << b.printed;
+  EXPECT_NE(b.printed.find("all_gather_into_tensor_packed(%a, %b) {group_size = 4, group = "
+                           "\"world\", dtype = bf16, out_dtypes = [bf16, bf16]}"),
+            std::string::npos)
+      << b.printed;
+  // Default mode moves the conversion into the packing sequence (after the flatten).
+  Bucketed d = bucket_checked(casts(false), opts(CollectiveKind::AllGather));
+  EXPECT_EQ(count_op(*d.graph, "convert_element_type"), 2);
+  EXPECT_EQ(d.graph->find_node("ca"), nullptr);
+}
+
+TEST(BucketAllGather, CastWithTwoUsersIsNotFolded) {
+  Bucketed b = bucket_checked(casts(true),
+                              opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
+  EXPECT_NE(b.graph->find_node("cb"), nullptr);
+  EXPECT_EQ(b.graph->find_node("ca"), nullptr);
+  EXPECT_NE(b.printed.find("all_gather_into_tensor_packed(%a, %cb)"), std::string::npos)
+      << b.printed;
+}
+
+// ---- placement ----------------------------------------------------------------------------------
+
+TEST(BucketPlacement, MergedCollectiveGoesAfterTheLatestInputAndWaitBeforeFirstConsumer) {
+  // a's wait is used (by %m) before b's input %nb is computed, but %m comes after %nb: the gap
+  // between %nb and %m holds the bucket; nothing else moves.
+  Bucketed b = bucket_checked(R"(graph @g(%a: f32[4], %b: f32[4]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %nb = neg(%b)
+  %wx = wait_tensor(%x)
+  %m = neg(%wx)
+  %y = all_reduce(%nb) {reduce_op = "sum", group = "world"}
+  %wy = wait_tensor(%y)
+  return %m, %wy
+})",
+                              opts(CollectiveKind::AllReduce));
+  EXPECT_EQ(b.stats.merged_buckets, 1);
+  EXPECT_EQ(b.stats.region_reorders, 0);
+  const std::string& p = b.printed;
+  EXPECT_LT(p.find("%nb = neg"), p.find("%ar_bucket = all_reduce"));
+  EXPECT_LT(p.find("%ar_bucket = all_reduce"), p.find("%ar_wait = wait_tensor"));
+  EXPECT_LT(p.find("%ar_wait = wait_tensor"), p.find("%m = neg"));
+}
+
+TEST(BucketPlacement, RegionIsReorderedWhenAWaitIsUsedBeforeALaterInputExists) {
+  Bucketed b = bucket_checked(R"(graph @g(%w1: f32[4], %x: f32[4], %u: f32[2]) {
+  %ag1 = all_gather_into_tensor(%w1) {group_size = 4, group = "world"}
+  %wt1 = wait_tensor(%ag1)
+  %y = neg(%wt1)
+  %v = neg(%u)
+  %z = neg(%x)
+  %ag2 = all_gather_into_tensor(%z) {group_size = 4, group = "world"}
+  %wt2 = wait_tensor(%ag2)
+  %after = neg(%v)
+  return %y, %wt2, %after
+})",
+                              opts(CollectiveKind::AllGather));
+  EXPECT_EQ(b.stats.merged_buckets, 1);
+  EXPECT_EQ(b.stats.region_reorders, 1);
+  // Graph order for everything else: %v stays before %z; %y moves after the merged wait.
+  const std::string& p = b.printed;
+  EXPECT_LT(p.find("%v = neg"), p.find("%z = neg"));
+  EXPECT_LT(p.find("%z = neg"), p.find("%ag_bucket ="));
+  EXPECT_LT(p.find("%ag_wait ="), p.find("%y = neg"));
+  EXPECT_LT(p.find("%y = neg"), p.find("%after = neg"));
+}
+
+TEST(BucketPlacement, AMemberThatWouldReorderUnmergedCollectivesIsDropped) {
+  // Merging a1 and a2 would need s2 (feeding a2) issued before s1 (fed by a1's wait).
+  Bucketed b = bucket_checked(R"(graph @g(%w1: f32[4], %x: f32[4]) {
+  %a1 = all_gather_into_tensor(%w1) {group_size = 4, group = "world"}
+  %wt1 = wait_tensor(%a1)
+  %y = neg(%wt1)
+  %s1 = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %s2 = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %ws2 = wait_tensor(%s2)
+  %a2 = all_gather_into_tensor(%ws2) {group_size = 4, group = "world"}
+  %wt2 = wait_tensor(%a2)
+  %ws1 = wait_tensor(%s1)
+  return %ws1, %wt2
+})",
+                              opts(CollectiveKind::AllGather));
+  EXPECT_FALSE(b.stats.changed());
+  EXPECT_EQ(b.stats.dropped, 1);
+  EXPECT_NE(b.explain.find("dropped %a2 from bucket 0"), std::string::npos) << b.explain;
+}
+
+TEST(BucketExplain, HeaderBucketsAndSummary) {
+  Bucketed b = bucket_checked(kTwoAllGathers, opts(CollectiveKind::AllGather, "1:25"));
+  EXPECT_EQ(b.explain,
+            "bucket-all-gather @g: 2 all_gather_into_tensor collectives (cap-mb=1:25 mode=default)\n"
+            "  run of group \"world\", group_size 4, dtype f32\n"
+            "  bucket 0: %ag0 (96 B), %ag1 (64 B); 160 B of cap 1048576 B; closed: end of run; "
+            "merged 2 collectives\n"
+            "  1 buckets, 1 merged (2 collectives); skipped 0 dependent, 0 ineligible; dropped 0\n");
+}
+
+TEST(BucketPasses, PassRunWritesExplainAndReportsChange) {
+  std::unique_ptr<Graph> g = parse_graph(kTwoAllGathers);
+  BucketPass pass(opts(CollectiveKind::AllGather));
+  std::ostringstream os;
+  pass.set_explain(&os);
+  EXPECT_TRUE(pass.run(*g));
+  EXPECT_NE(os.str().find("merged 2 collectives"), std::string::npos);
+  EXPECT_FALSE(pass.run(*g));
+}
+
+}  // namespace
+}  // namespace funcol

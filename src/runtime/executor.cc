@@ -1,0 +1,659 @@
+// The executor: plan once (slots, last uses, groups), then run with little work per node.
+#include "funcol/runtime/executor.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <exception>
+#include <limits>
+#include <new>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/work.h"
+#include "funcol/graph/ops.h"
+#include "funcol/runtime/profile.h"
+
+namespace funcol {
+
+namespace {
+
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+
+// "graph @g, node %ag (line 3)": how every executor error names its node.
+std::string node_context(const Graph& graph, const Node& node) {
+  if (node.loc().known()) {
+    return fmt::format("graph @{}, node %{} (line {})", graph.name(), node.name(), node.loc().line);
+  }
+  return fmt::format("graph @{}, node %{}", graph.name(), node.name());
+}
+
+// Rethrows the exception in flight with `prefix: ` in front of its message, keeping its type.
+[[noreturn]] void rethrow_with_context(const std::string& prefix) {
+  try {
+    throw;
+  } catch (const ShapeError& e) {
+    throw ShapeError(prefix + ": " + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(prefix + ": " + e.what());
+  } catch (const CommError& e) {
+    throw CommError(prefix + ": " + e.what());
+  } catch (const InternalError& e) {
+    throw InternalError(prefix + ": " + e.what());
+  } catch (const Error& e) {
+    throw Error(prefix + ": " + e.what());
+  } catch (const std::bad_alloc&) {
+    throw Error(prefix + ": out of memory");
+  } catch (const std::exception& e) {
+    throw Error(prefix + ": " + e.what());
+  }
+}
+
+// Checks one collective's attributes against the size of the group it names.
+void check_collective(const Graph& graph, const Node& node, const std::string& group_name,
+                      int size) {
+  const OpDef& op = node.op();
+  auto fail = [&](const std::string& message) {
+    throw InvalidArgument(node_context(graph, node) + ": " + message);
+  };
+  if (op.attr_index("group_size") >= 0) {
+    const int64_t group_size = node.attr("group_size").as_int();
+    if (group_size != size) {
+      fail(fmt::format("group_size {} does not match group '{}' of size {}", group_size, group_name,
+                       size));
+    }
+  }
+  if (op.collective == CollectiveKind::Broadcast) {
+    const int64_t src = node.attr("src").as_int();
+    if (src < 0 || src >= size) {
+      fail(fmt::format("src {} is out of range for group '{}' of size {}", src, group_name, size));
+    }
+  }
+  if (op.collective == CollectiveKind::AllToAll) {
+    for (std::string_view name : {"output_split_sizes", "input_split_sizes"}) {
+      const size_t n = node.attr(name).as_ints().size();
+      if (n != static_cast<size_t>(size)) {
+        fail(fmt::format("{} has {} entries but group '{}' has {} ranks", name, n, group_name,
+                         size));
+      }
+    }
+  }
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) {
+    if (!out.empty()) out += ", ";
+    out += n;
+  }
+  return out;
+}
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+void validate_groups(const Graph& graph,
+                     const std::function<std::optional<int>(const std::string&)>& group_size,
+                     const std::vector<std::string>& known) {
+  for (const Node& node : graph.nodes()) {
+    if (!node.op().is_collective()) continue;
+    const std::string& name = node.attr("group").as_string();
+    std::optional<int> size = group_size(name);
+    if (!size) {
+      throw InvalidArgument(fmt::format("{}: unknown group '{}' (known groups: {})",
+                                        node_context(graph, node), name, join_names(known)));
+    }
+    check_collective(graph, node, name, *size);
+  }
+}
+
+uint64_t input_seed(uint64_t seed, uint64_t index, int rank) {
+  return splitmix64(splitmix64(splitmix64(seed) ^ index) ^ static_cast<uint64_t>(rank));
+}
+
+std::vector<Tensor> make_inputs(const Graph& graph, uint64_t seed, int rank) {
+  std::vector<Tensor> inputs;
+  inputs.reserve(graph.num_inputs());
+  for (size_t i = 0; i < graph.num_inputs(); ++i) {
+    const Type& type = graph.input(i)->type();
+    inputs.push_back(Tensor::rand(type.shape, type.dtype, input_seed(seed, i, rank)));
+  }
+  return inputs;
+}
+
+// ---- the plan ---------------------------------------------------------------------------------
+
+namespace {
+
+enum class StepKind : uint8_t { Kernel, Collective, Wait };
+
+// One node, with everything run() needs precomputed.
+struct Step {
+  const Node* node = nullptr;
+  const OpDef* op = nullptr;
+  KernelFn kernel = nullptr;
+  StepKind kind = StepKind::Kernel;
+  // An operand appears twice: copy operands into the scratch list instead of moving them.
+  bool copy_operands = false;
+  uint32_t operands_begin = 0;  // into operand_slots / operand_release
+  uint32_t num_operands = 0;
+  uint32_t results_begin = 0;  // result slots are consecutive
+  uint32_t num_results = 0;
+  uint32_t release_begin = 0;  // into release_slots: slots dead after this step
+  uint32_t num_release = 0;
+  // The node's attributes and result types, so the hot loop never touches the Node.
+  const Attr* attrs = nullptr;
+  uint32_t num_attrs = 0;
+  uint32_t types_begin = 0;  // into result_types
+  // Collectives: the group, the decoded attributes, the Inflight index. Wait: the Inflight
+  // index of the collective it waits (through views), or kNone.
+  ProcessGroup* group = nullptr;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  int src = 0;
+  uint32_t inflight = kNone;
+};
+
+// One collective of the current run between its issue and its completion.
+struct Inflight {
+  std::shared_ptr<Work> work;
+  uint32_t step = 0;
+  int64_t issue_ns = 0;
+  int64_t done_ns = -1;  // when first seen complete (profiling only)
+  bool open = false;
+};
+
+}  // namespace
+
+struct Executor::Impl {
+  const Graph& graph;
+  ProcessGroup& world;
+  ExecutorOptions options;
+  Profiler* prof = nullptr;
+  bool observe = false;
+
+  std::vector<Step> steps;
+  std::vector<uint32_t> operand_slots;
+  std::vector<uint8_t> operand_release;  // 1: this step is the operand's last use
+  std::vector<uint32_t> release_slots;
+  std::vector<uint32_t> initial_release;  // graph inputs nobody uses
+  std::vector<uint32_t> output_slots;
+  // Expected result types of kernel steps, packed: (dtype, rank, dims...) per result.
+  std::vector<int64_t> result_types;
+  std::vector<std::shared_ptr<ProcessGroup>> groups;  // keeps resolved groups alive
+  size_t num_slots = 0;
+
+  // Run state.
+  std::vector<Tensor> slots;
+  std::vector<Tensor> scratch;
+  std::vector<Inflight> inflight;
+  std::vector<uint32_t> open;  // indices into inflight, issue order
+  int runs = 0;
+
+  Impl(const Graph& g, ProcessGroup& w, ExecutorOptions o)
+      : graph(g), world(w), options(std::move(o)) {
+    prof = options.profiler;
+    observe = prof != nullptr || static_cast<bool>(options.on_node);
+  }
+
+  void plan();
+  std::vector<Tensor> run(std::vector<Tensor> inputs);
+  template <bool kObserve>
+  void run_steps(size_t& cur);
+  void issue(const Step& st, std::span<const Tensor> in, uint32_t step_index);
+  void wait(const Step& st, std::span<const Tensor> in);
+  void close(uint32_t index, int64_t now);
+  void poll();
+  void finish(size_t& cur);
+  void abort() noexcept;
+};
+
+void Executor::Impl::plan() {
+  const GroupRegistry& registry = world.registry();
+  std::unordered_map<const Value*, uint32_t> slot_of;
+  std::unordered_map<const Node*, uint32_t> collective_index;
+  uint32_t next_slot = 0;
+  for (const Value* in : graph.inputs()) slot_of.emplace(in, next_slot++);
+
+  size_t max_operands = 0;
+  for (const Node& node : graph.nodes()) {
+    const OpDef& op = node.op();
+    Step st;
+    st.node = &node;
+    st.op = &op;
+    st.operands_begin = static_cast<uint32_t>(operand_slots.size());
+    st.num_operands = static_cast<uint32_t>(node.num_operands());
+    max_operands = std::max<size_t>(max_operands, node.num_operands());
+    for (const Value* v : node.operands()) {
+      auto it = slot_of.find(v);
+      if (it == slot_of.end()) {
+        throw InvalidArgument(fmt::format("{}: operand {} is used before it is defined",
+                                          node_context(graph, node),
+                                          v ? v->ref() : std::string("<null>")));
+      }
+      if (std::find(operand_slots.begin() + st.operands_begin, operand_slots.end(), it->second) !=
+          operand_slots.end()) {
+        st.copy_operands = true;
+      }
+      operand_slots.push_back(it->second);
+    }
+    try {
+      op.check_operand_count(node.num_operands());
+    } catch (...) {
+      rethrow_with_context(node_context(graph, node));
+    }
+    if (op.is_collective()) {
+      st.kind = StepKind::Collective;
+      const std::string& name = node.attr("group").as_string();
+      std::shared_ptr<ProcessGroup> group = registry.find(name);
+      if (!group) {
+        throw InvalidArgument(fmt::format("{}: unknown group '{}' (known groups: {})",
+                                          node_context(graph, node), name,
+                                          join_names(registry.names())));
+      }
+      check_collective(graph, node, name, group->size());
+      st.group = group.get();
+      groups.push_back(std::move(group));
+      if (op.attr_index("reduce_op") >= 0) {
+        try {
+          st.reduce_op = parse_reduce_op(node.attr("reduce_op").as_string());
+        } catch (...) {
+          rethrow_with_context(node_context(graph, node));
+        }
+      }
+      if (op.collective == CollectiveKind::Broadcast) {
+        st.src = static_cast<int>(node.attr("src").as_int());
+      }
+      st.inflight = static_cast<uint32_t>(inflight.size());
+      collective_index.emplace(&node, st.inflight);
+      inflight.emplace_back();
+      inflight.back().step = static_cast<uint32_t>(steps.size());
+    } else if (op.collective == CollectiveKind::Wait) {
+      st.kind = StepKind::Wait;
+      // The collective this wait completes: follow views back to their base.
+      const Value* v = node.num_operands() == 1 ? node.operand(0) : nullptr;
+      while (v && v->node() && v->node()->op().is_view && v->node()->num_operands() > 0) {
+        v = v->node()->operand(0);
+      }
+      if (v && v->node()) {
+        auto it = collective_index.find(v->node());
+        if (it != collective_index.end()) st.inflight = it->second;
+      }
+    } else {
+      if (!op.kernel) {
+        throw InvalidArgument(
+            fmt::format("{}: op {} has no CPU kernel", node_context(graph, node), op.name));
+      }
+      st.kernel = op.kernel;
+      st.attrs = node.attr_values().data();
+      st.num_attrs = static_cast<uint32_t>(node.attr_values().size());
+      st.types_begin = static_cast<uint32_t>(result_types.size());
+      for (size_t r = 0; r < node.num_results(); ++r) {
+        const Type& t = node.result(r)->type();
+        result_types.push_back(static_cast<int64_t>(t.dtype));
+        result_types.push_back(t.rank());
+        result_types.insert(result_types.end(), t.shape.begin(), t.shape.end());
+      }
+    }
+    st.results_begin = next_slot;
+    st.num_results = static_cast<uint32_t>(node.num_results());
+    for (size_t r = 0; r < node.num_results(); ++r) slot_of.emplace(node.result(r), next_slot++);
+    steps.push_back(st);
+  }
+  num_slots = next_slot;
+
+  // Last uses. Graph outputs are never released; a value nobody uses dies with its step.
+  std::vector<uint32_t> last_use(num_slots, kNone);
+  std::vector<uint8_t> keep(num_slots, 0);
+  for (uint32_t s = 0; s < steps.size(); ++s) {
+    const Step& st = steps[s];
+    for (uint32_t i = 0; i < st.num_operands; ++i)
+      last_use[operand_slots[st.operands_begin + i]] = s;
+  }
+  for (const Value* out : graph.outputs()) {
+    auto it = slot_of.find(out);
+    if (it == slot_of.end()) {
+      throw InvalidArgument(fmt::format("graph @{}: output {} is not defined in the graph",
+                                        graph.name(), out ? out->ref() : std::string("<null>")));
+    }
+    keep[it->second] = 1;
+    output_slots.push_back(it->second);
+  }
+  operand_release.assign(operand_slots.size(), 0);
+  for (uint32_t s = 0; s < steps.size(); ++s) {
+    Step& st = steps[s];
+    // The last occurrence of a dying operand releases it.
+    for (uint32_t i = st.num_operands; i-- > 0;) {
+      const uint32_t slot = operand_slots[st.operands_begin + i];
+      if (keep[slot] || last_use[slot] != s) continue;
+      bool later = false;
+      for (uint32_t j = i + 1; j < st.num_operands; ++j) {
+        later |= operand_slots[st.operands_begin + j] == slot;
+      }
+      if (!later) operand_release[st.operands_begin + i] = 1;
+    }
+    st.release_begin = static_cast<uint32_t>(release_slots.size());
+    for (uint32_t r = 0; r < st.num_results; ++r) {
+      const uint32_t slot = st.results_begin + r;
+      if (!keep[slot] && last_use[slot] == kNone) release_slots.push_back(slot);
+    }
+    st.num_release = static_cast<uint32_t>(release_slots.size()) - st.release_begin;
+  }
+  for (uint32_t i = 0; i < graph.num_inputs(); ++i) {
+    if (!keep[i] && last_use[i] == kNone) initial_release.push_back(i);
+  }
+  slots.resize(num_slots);
+  scratch.resize(max_operands);
+  open.reserve(inflight.size());
+}
+
+void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t step_index) {
+  ProcessGroup& g = *st.group;
+  const Node& node = *st.node;
+  Tensor* out = &slots[st.results_begin];
+  const int64_t t0 = prof ? prof->now_ns() : 0;
+  const bool coalesced = st.op->variadic;
+  auto empty_result = [&](size_t r) {
+    const Type& t = node.result(r)->type();
+    return Tensor::empty(t.shape, t.dtype);
+  };
+  std::shared_ptr<Work> work;
+  switch (st.op->collective) {
+    case CollectiveKind::AllReduce:
+      // Out of place as the functional op: clone, then reduce the clone in place.
+      if (!coalesced) {
+        out[0] = in[0].clone();
+        work = g.all_reduce(out[0], st.reduce_op);
+      } else {
+        std::vector<Tensor> outs;
+        outs.reserve(in.size());
+        for (const Tensor& t : in) outs.push_back(t.clone());
+        work = g.all_reduce_coalesced(outs, st.reduce_op);
+        for (size_t r = 0; r < outs.size(); ++r) out[r] = std::move(outs[r]);
+      }
+      break;
+    case CollectiveKind::AllGather:
+    case CollectiveKind::ReduceScatter: {
+      const bool gather = st.op->collective == CollectiveKind::AllGather;
+      if (!coalesced) {
+        Tensor o = empty_result(0);
+        work = gather ? g.all_gather(o, in[0].contiguous())
+                      : g.reduce_scatter(o, in[0].contiguous(), st.reduce_op);
+        out[0] = std::move(o);
+      } else {
+        std::vector<Tensor> outs, ins;
+        outs.reserve(in.size());
+        ins.reserve(in.size());
+        for (size_t r = 0; r < in.size(); ++r) {
+          outs.push_back(empty_result(r));
+          ins.push_back(in[r].contiguous());
+        }
+        work = gather ? g.all_gather_coalesced(outs, ins)
+                      : g.reduce_scatter_coalesced(outs, ins, st.reduce_op);
+        for (size_t r = 0; r < outs.size(); ++r) out[r] = std::move(outs[r]);
+      }
+      break;
+    }
+    case CollectiveKind::AllToAll: {
+      Tensor o = empty_result(0);
+      work = g.all_to_all(o, in[0].contiguous(), node.attr("output_split_sizes").as_ints(),
+                          node.attr("input_split_sizes").as_ints());
+      out[0] = std::move(o);
+      break;
+    }
+    case CollectiveKind::Broadcast:
+      out[0] = in[0].clone();
+      work = g.broadcast(out[0], st.src);
+      break;
+    case CollectiveKind::None:
+    case CollectiveKind::Wait:
+      FUNCOL_CHECK(false, "issue() of a non-collective step");
+  }
+  FUNCOL_CHECK(work != nullptr, fmt::format("{} returned no Work", st.op->name));
+  Inflight& f = inflight[st.inflight];
+  f.work = std::move(work);
+  f.step = step_index;
+  f.issue_ns = t0;
+  f.done_ns = -1;
+  f.open = true;
+  open.push_back(st.inflight);
+}
+
+void Executor::Impl::close(uint32_t index, int64_t now) {
+  Inflight& f = inflight[index];
+  if (!f.open) return;
+  if (prof) {
+    prof->add(Span{.kind = SpanKind::Communication,
+                   .iteration = runs,
+                   .node = steps[f.step].node,
+                   .begin_ns = f.issue_ns,
+                   .end_ns = f.done_ns >= 0 ? f.done_ns : now});
+  }
+  f.open = false;
+  f.work.reset();
+  auto it = std::find(open.begin(), open.end(), index);
+  if (it != open.end()) open.erase(it);
+}
+
+void Executor::Impl::wait(const Step& st, std::span<const Tensor> in) {
+  const int64_t t0 = prof ? prof->now_ns() : 0;
+  if (prof && st.inflight != kNone) {
+    Inflight& f = inflight[st.inflight];
+    if (f.open && f.done_ns < 0 && f.work->is_completed()) f.done_ns = t0;
+  }
+  in[0].wait();
+  if (st.inflight != kNone && inflight[st.inflight].open) {
+    inflight[st.inflight].work->wait();
+    close(st.inflight, prof ? prof->now_ns() : 0);
+  }
+  slots[st.results_begin] = in[0];
+  if (prof) {
+    prof->add(Span{.kind = SpanKind::Wait,
+                   .iteration = runs,
+                   .node = st.node,
+                   .begin_ns = t0,
+                   .end_ns = prof->now_ns()});
+  }
+}
+
+void Executor::Impl::poll() {
+  if (open.empty()) return;
+  const int64_t now = prof->now_ns();
+  for (uint32_t index : open) {
+    Inflight& f = inflight[index];
+    if (f.done_ns < 0 && f.work->is_completed()) f.done_ns = now;
+  }
+}
+
+template <bool kObserve>
+void Executor::Impl::run_steps(size_t& cur) {
+  Tensor* sc = scratch.data();
+  const size_t n = steps.size();
+  for (size_t s = 0; s < n; ++s) {
+    cur = s;
+    const Step& st = steps[s];
+    const uint32_t* ops = operand_slots.data() + st.operands_begin;
+    const uint8_t* rel = operand_release.data() + st.operands_begin;
+    if (st.copy_operands) {
+      for (uint32_t i = 0; i < st.num_operands; ++i) sc[i] = slots[ops[i]];
+    } else {
+      for (uint32_t i = 0; i < st.num_operands; ++i) sc[i] = std::move(slots[ops[i]]);
+    }
+    const std::span<const Tensor> in(sc, st.num_operands);
+    switch (st.kind) {
+      case StepKind::Kernel: {
+        int64_t t0 = 0;
+        if constexpr (kObserve) {
+          if (prof) t0 = prof->now_ns();
+        }
+        std::vector<Tensor> out =
+            st.kernel(in, AttrList(*st.op, std::span<const Attr>(st.attrs, st.num_attrs)));
+        if (out.size() != st.num_results) {
+          throw InternalError(fmt::format("kernel of {} returned {} results, expected {}",
+                                          st.op->name, out.size(), st.num_results));
+        }
+        const int64_t* type = result_types.data() + st.types_begin;
+        for (uint32_t r = 0; r < st.num_results; ++r) {
+          // A kernel that disagrees with shape inference is an op-table bug.
+          const Shape& sizes = out[r].sizes();
+          const auto rank = static_cast<size_t>(type[1]);
+          if (static_cast<int64_t>(out[r].dtype()) != type[0] || sizes.size() != rank ||
+              !std::equal(sizes.begin(), sizes.end(), type + 2)) {
+            throw InternalError(fmt::format("kernel of {} returned {} for result {} of type {}",
+                                            st.op->name, type_str(out[r].dtype(), sizes), r,
+                                            st.node->result(r)->type().str()));
+          }
+          type += 2 + rank;
+          slots[st.results_begin + r] = std::move(out[r]);
+        }
+        if constexpr (kObserve) {
+          if (prof) {
+            prof->add(Span{.kind = SpanKind::Compute,
+                           .iteration = runs,
+                           .node = st.node,
+                           .begin_ns = t0,
+                           .end_ns = prof->now_ns()});
+          }
+        }
+        break;
+      }
+      case StepKind::Collective:
+        issue(st, in, static_cast<uint32_t>(s));
+        break;
+      case StepKind::Wait:
+        wait(st, in);
+        break;
+    }
+    if (st.copy_operands) {
+      for (uint32_t i = 0; i < st.num_operands; ++i) {
+        sc[i] = Tensor();
+        if (rel[i]) slots[ops[i]] = Tensor();
+      }
+    } else {
+      for (uint32_t i = 0; i < st.num_operands; ++i) {
+        if (rel[i]) {
+          sc[i] = Tensor();
+        } else {
+          slots[ops[i]] = std::move(sc[i]);
+        }
+      }
+    }
+    for (uint32_t i = 0; i < st.num_release; ++i)
+      slots[release_slots[st.release_begin + i]] = Tensor();
+    if constexpr (kObserve) {
+      if (prof) poll();
+      if (options.on_node) options.on_node(*st.node);
+    }
+  }
+}
+
+// Waits the collectives the graph never waited, so a run ends with nothing in flight.
+void Executor::Impl::finish(size_t& cur) {
+  while (!open.empty()) {
+    const uint32_t index = open.front();
+    cur = inflight[index].step;
+    inflight[index].work->wait();
+    close(index, prof ? prof->now_ns() : 0);
+  }
+}
+
+void Executor::Impl::abort() noexcept {
+  for (Tensor& t : slots) t = Tensor();
+  for (Tensor& t : scratch) t = Tensor();
+  for (Inflight& f : inflight) {
+    f.work.reset();
+    f.open = false;
+  }
+  open.clear();
+}
+
+std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
+  if (inputs.size() != graph.num_inputs()) {
+    throw InvalidArgument(fmt::format("graph @{} takes {} inputs, got {}", graph.name(),
+                                      graph.num_inputs(), inputs.size()));
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Value* v = graph.input(i);
+    const Tensor& t = inputs[i];
+    if (!t.defined() || t.is_meta()) {
+      throw InvalidArgument(fmt::format("graph @{}: input {} must be a tensor with data, got {}",
+                                        graph.name(), v->ref(),
+                                        t.defined() ? "a meta tensor" : "an undefined tensor"));
+    }
+    if (t.dtype() != v->dtype() || t.sizes() != v->shape()) {
+      throw InvalidArgument(fmt::format("graph @{}: input {} expects {}, got {}", graph.name(),
+                                        v->ref(), v->type().str(), type_str(t.dtype(), t.sizes())));
+    }
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) slots[i] = std::move(inputs[i]);
+  inputs.clear();
+  for (uint32_t slot : initial_release) slots[slot] = Tensor();
+
+  size_t cur = 0;
+  try {
+    if (observe) {
+      run_steps<true>(cur);
+    } else {
+      run_steps<false>(cur);
+    }
+    finish(cur);
+  } catch (...) {
+    abort();
+    ++runs;
+    rethrow_with_context(node_context(graph, *steps[cur].node));
+  }
+  std::vector<Tensor> outputs;
+  outputs.reserve(output_slots.size());
+  for (uint32_t slot : output_slots) outputs.push_back(slots[slot]);
+  for (Tensor& t : slots) t = Tensor();
+  ++runs;
+  return outputs;
+}
+
+// ---- Executor ---------------------------------------------------------------------------------
+
+Executor::Executor(const Graph& graph, ProcessGroup& world, ExecutorOptions options)
+    : impl_(std::make_unique<Impl>(graph, world, std::move(options))) {
+  if (impl_->options.check_same_graph) check_same_graph(graph, world);
+  impl_->plan();
+}
+
+Executor::~Executor() = default;
+
+std::vector<Tensor> Executor::run(std::vector<Tensor> inputs) {
+  return impl_->run(std::move(inputs));
+}
+
+const Graph& Executor::graph() const { return impl_->graph; }
+int Executor::rank() const { return impl_->world.rank(); }
+int Executor::runs() const { return impl_->runs; }
+
+size_t Executor::pending_collectives() const {
+  size_t n = 0;
+  for (uint32_t index : impl_->open) {
+    if (!impl_->inflight[index].work->is_completed()) ++n;
+  }
+  return n;
+}
+
+int64_t Executor::live_bytes() const {
+  std::unordered_set<const Storage*> seen;
+  int64_t bytes = 0;
+  auto count = [&](const Tensor& t) {
+    if (t.storage() && seen.insert(t.storage().get()).second) {
+      bytes += static_cast<int64_t>(t.storage()->nbytes());
+    }
+  };
+  for (const Tensor& t : impl_->slots) count(t);
+  for (const Tensor& t : impl_->scratch) count(t);
+  return bytes;
+}
+
+}  // namespace funcol

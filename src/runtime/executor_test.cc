@@ -1,0 +1,493 @@
+// Tests of the executor: every op kind, memory release, overlap, errors, the graph hash check.
+#include "funcol/runtime/executor.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/device_mesh.h"
+#include "funcol/graph/parser.h"
+#include "funcol/runtime/profile.h"
+
+namespace funcol {
+namespace {
+
+std::unique_ptr<Graph> parse(std::string_view text) {
+  return parse_graph(text, ParseOptions{.file = "t.ir"});
+}
+
+// Runs `text` on n thread ranks; input i of rank r is make(r, i). Returns outputs[rank].
+std::vector<std::vector<Tensor>> run_graph(
+    int n, std::string_view text,
+    const std::function<std::vector<Tensor>(int rank)>& make_inputs_for, int iters = 1) {
+  auto graph = parse(text);
+  std::vector<std::vector<Tensor>> outputs(n);
+  run_local(n, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    for (int i = 0; i < iters; ++i) outputs[world.rank()] = ex.run(make_inputs_for(world.rank()));
+  });
+  return outputs;
+}
+
+std::vector<float> floats(const Tensor& t) { return t.to_vector<float>(); }
+
+std::string fmt_hash(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+TEST(Executor, AllReduceSumOnEveryWorldSize) {
+  for (int n : {1, 2, 4, 8}) {
+    std::vector<Tensor> inputs(n);
+    auto out = run_graph(n, R"(graph @g(%x: f32[3]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[3]
+  %w = wait_tensor(%ar) : f32[3]
+  return %w
+})",
+                         [&](int r) {
+                           inputs[r] = Tensor::from_vector<float>({float(r), float(10 * r), 1.0f});
+                           return std::vector<Tensor>{inputs[r]};
+                         });
+    const float s = n * (n - 1) / 2.0f;
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(floats(out[r][0]), (std::vector<float>{s, 10 * s, float(n)})) << n;
+      // The input is left unmodified (all_reduce clones).
+      EXPECT_EQ(floats(inputs[r]), (std::vector<float>{float(r), float(10 * r), 1.0f}));
+    }
+  }
+}
+
+TEST(Executor, AllGatherReduceScatterBroadcast) {
+  auto out = run_graph(4, R"(graph @g(%x: i32[2], %y: i32[8]) {
+  %ag = all_gather_into_tensor(%x) {group_size = 4, group = "world"} : i32[8]
+  %rs = reduce_scatter_tensor(%y) {reduce_op = "max", group_size = 4, group = "world"} : i32[2]
+  %bc = broadcast(%x) {src = 2, group = "world"} : i32[2]
+  %w1 = wait_tensor(%ag) : i32[8]
+  %w2 = wait_tensor(%rs) : i32[2]
+  %w3 = wait_tensor(%bc) : i32[2]
+  return %w1, %w2, %w3
+})",
+                       [](int r) {
+                         std::vector<int32_t> y(8);
+                         for (int i = 0; i < 8; ++i) y[i] = i * 10 + r;
+                         return std::vector<Tensor>{Tensor::from_vector<int32_t>({r, 100 + r}),
+                                                    Tensor::from_vector<int32_t>(y)};
+                       });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(out[r][0].to_vector<int32_t>(),
+              (std::vector<int32_t>{0, 100, 1, 101, 2, 102, 3, 103}));
+    // Block r of every rank's y, max over ranks: rank 3's values.
+    EXPECT_EQ(out[r][1].to_vector<int32_t>(),
+              (std::vector<int32_t>{2 * r * 10 + 3, (2 * r + 1) * 10 + 3}));
+    EXPECT_EQ(out[r][2].to_vector<int32_t>(), (std::vector<int32_t>{2, 102}));
+  }
+}
+
+TEST(Executor, AllToAllSingleWithSplits) {
+  // Every rank sends 1 row to each peer; row j of the output comes from rank j.
+  auto out = run_graph(3, R"(graph @g(%x: f32[3,2]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [1, 1, 1], input_split_sizes = [1, 1, 1], group = "world"} : f32[3,2]
+  %w = wait_tensor(%a) : f32[3,2]
+  return %w
+})",
+                       [](int r) {
+                         std::vector<float> v;
+                         for (int j = 0; j < 3; ++j) {
+                           v.push_back(10.0f * r + j);
+                           v.push_back(-(10.0f * r + j));
+                         }
+                         return std::vector<Tensor>{Tensor::from_vector<float>(v, {3, 2})};
+                       });
+  for (int r = 0; r < 3; ++r) {
+    std::vector<float> expect;
+    for (int j = 0; j < 3; ++j) {
+      expect.push_back(10.0f * j + r);
+      expect.push_back(-(10.0f * j + r));
+    }
+    EXPECT_EQ(floats(out[r][0]), expect);
+  }
+}
+
+TEST(Executor, CoalescedCollectivesShareOneWork) {
+  auto out = run_graph(2, R"(graph @g(%a: f32[2], %b: i64[4]) {
+  %ar:2 = all_reduce_coalesced(%a, %b) {reduce_op = "sum", group = "world"} : f32[2], i64[4]
+  %ag:2 = all_gather_into_tensor_coalesced(%a, %b) {group_size = 2, group = "world"} : f32[4], i64[8]
+  %rs:2 = reduce_scatter_tensor_coalesced(%a, %b) {reduce_op = "sum", group_size = 2, group = "world"} : f32[1], i64[2]
+  %w0 = wait_tensor(%ar#0) : f32[2]
+  %w1 = wait_tensor(%ar#1) : i64[4]
+  %w2 = wait_tensor(%ag#0) : f32[4]
+  %w3 = wait_tensor(%ag#1) : i64[8]
+  %w4 = wait_tensor(%rs#0) : f32[1]
+  %w5 = wait_tensor(%rs#1) : i64[2]
+  return %w0, %w1, %w2, %w3, %w4, %w5
+})",
+                       [](int r) {
+                         return std::vector<Tensor>{
+                             Tensor::from_vector<float>({float(r + 1), float(2 * (r + 1))}),
+                             Tensor::from_vector<int64_t>({r, r + 10, r + 20, r + 30})};
+                       });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(floats(out[r][0]), (std::vector<float>{3, 6}));
+    EXPECT_EQ(out[r][1].to_vector<int64_t>(), (std::vector<int64_t>{1, 21, 41, 61}));
+    EXPECT_EQ(floats(out[r][2]), (std::vector<float>{1, 2, 2, 4}));
+    EXPECT_EQ(out[r][3].to_vector<int64_t>(), (std::vector<int64_t>{0, 10, 20, 30, 1, 11, 21, 31}));
+    EXPECT_EQ(floats(out[r][4]), (std::vector<float>{r == 0 ? 3.0f : 6.0f}));
+    EXPECT_EQ(out[r][5].to_vector<int64_t>(),
+              r == 0 ? (std::vector<int64_t>{1, 21}) : (std::vector<int64_t>{41, 61}));
+  }
+}
+
+TEST(Executor, ComputeOpsMatchTheirKernels) {
+  auto out = run_graph(1, R"(graph @g(%x: f32[2,3], %w: f32[3,2]) {
+  %y = matmul(%x, %w) : f32[2,2]
+  %t = transpose(%y) {dim0 = 0, dim1 = 1} : f32[2,2]
+  %s = add(%y, %t) : f32[2,2]
+  %n = neg(%s) : f32[2,2]
+  %r = relu(%s) : f32[2,2]
+  %p:2 = split_with_sizes(%x) {split_sizes = [1, 1], dim = 0} : f32[1,3], f32[1,3]
+  %c = cat(%p#1, %p#0) {dim = 0} : f32[2,3]
+  %f = flatten(%c) : f32[6]
+  %m = mean(%f) {dims = [0]} : f32[]
+  %h = convert_element_type(%n) {dtype = f64} : f64[2,2]
+  return %s, %n, %r, %f, %m, %h
+})",
+                       [](int) {
+                         return std::vector<Tensor>{
+                             Tensor::from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3}),
+                             Tensor::from_vector<float>({1, 0, 0, 1, 1, -1}, {3, 2})};
+                       });
+  const auto& o = out[0];
+  // y = [[4, -1], [10, -1]]; y + y^T = [[8, 9], [9, -2]].
+  EXPECT_EQ(floats(o[0]), (std::vector<float>{8, 9, 9, -2}));
+  EXPECT_EQ(floats(o[1]), (std::vector<float>{-8, -9, -9, 2}));
+  EXPECT_EQ(floats(o[2]), (std::vector<float>{8, 9, 9, 0}));
+  EXPECT_EQ(floats(o[3]), (std::vector<float>{4, 5, 6, 1, 2, 3}));
+  EXPECT_EQ(o[4].item<float>(), 3.5f);
+  EXPECT_EQ(o[5].dtype(), DType::F64);
+  EXPECT_EQ(o[5].to_vector<double>(), (std::vector<double>{-8, -9, -9, 2}));
+}
+
+TEST(Executor, ViewOpsShareStorage) {
+  auto graph = parse(R"(graph @g(%x: f32[2,3]) {
+  %v = view(%x) {shape = [6]} : f32[6]
+  %n = narrow(%v) {dim = 0, start = 2, length = 3} : f32[3]
+  %c = clone(%n) : f32[3]
+  return %v, %n, %c
+})");
+  run_local(1, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    Tensor x = Tensor::arange(6, DType::F32).view({2, 3});
+    auto out = ex.run({x});
+    EXPECT_TRUE(out[0].shares_storage(x));
+    EXPECT_TRUE(out[1].shares_storage(x));
+    EXPECT_FALSE(out[2].shares_storage(x));
+    EXPECT_EQ(floats(out[1]), (std::vector<float>{2, 3, 4}));
+  });
+}
+
+// 20 neg in a chain over 4 KiB tensors: with release after last use at most the input of a node
+// and its result are alive (plus the kept output), not all 21.
+TEST(Executor, ReleasesEveryValueAfterItsLastUse) {
+  std::string text = "graph @chain(%x: f32[1024]) {\n  %v0 = neg(%x) : f32[1024]\n";
+  for (int i = 1; i < 20; ++i) {
+    text += "  %v" + std::to_string(i) + " = neg(%v" + std::to_string(i - 1) + ") : f32[1024]\n";
+  }
+  text += "  return %v5, %v19\n}\n";
+  auto graph = parse(text);
+  run_local(1, [&](ProcessGroup& world) {
+    int64_t peak = 0;
+    bool input_freed_after_first = false;
+    std::weak_ptr<Storage> input_storage;
+    Executor* self = nullptr;
+    ExecutorOptions options;
+    options.on_node = [&](const Node& node) {
+      peak = std::max(peak, self->live_bytes());
+      if (node.name() == "v0") input_freed_after_first = input_storage.expired();
+    };
+    Executor ex(*graph, world, options);
+    self = &ex;
+    {
+      Tensor x = Tensor::full({1024}, DType::F32, 1.0);
+      input_storage = x.storage();
+      std::vector<Tensor> inputs;
+      inputs.push_back(std::move(x));
+      auto out = ex.run(std::move(inputs));
+      EXPECT_EQ(floats(out[0])[0], 1.0f);  // v5 = neg^6(1): kept as an output
+      EXPECT_EQ(floats(out[1])[0], 1.0f);  // v19 = neg^20(1)
+    }
+    EXPECT_TRUE(input_freed_after_first);
+    // The kept %v5 plus the live value and the new result: 3 buffers of 4 KiB at most.
+    EXPECT_LE(peak, 3 * 4096);
+    EXPECT_GE(peak, 2 * 4096);
+    EXPECT_EQ(ex.live_bytes(), 0);  // nothing is held between runs
+  });
+}
+
+TEST(Executor, RunsManyTimesFromOnePlan) {
+  auto graph = parse(R"(graph @g(%x: i32[2]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : i32[2]
+  %w = wait_tensor(%ar) : i32[2]
+  %y = add(%w, %x) : i32[2]
+  return %y
+})");
+  std::vector<std::vector<int32_t>> results(2);
+  run_local(2, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    for (int it = 0; it < 5; ++it) {
+      auto out = ex.run({Tensor::from_vector<int32_t>({it, world.rank()})});
+      results[world.rank()] = out[0].to_vector<int32_t>();
+      if (world.rank() == 0) {
+        EXPECT_EQ(results[0], (std::vector<int32_t>{3 * it, 1}));
+      }
+    }
+    EXPECT_EQ(ex.runs(), 5);
+  });
+  EXPECT_EQ(results[1], (std::vector<int32_t>{12, 2}));
+}
+
+TEST(Executor, UnwaitedCollectivesCompleteByTheEndOfARun) {
+  auto out =
+      run_graph(2, R"(graph @g(%x: f32[2]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
+  %unused = all_reduce(%x) {reduce_op = "max", group = "world"} : f32[2]
+  return %ar
+})",
+                [](int r) { return std::vector<Tensor>{Tensor::full({2}, DType::F32, r + 1)}; });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(out[r][0].is_ready());
+    EXPECT_EQ(floats(out[r][0]), (std::vector<float>{3, 3}));
+  }
+}
+
+TEST(Executor, MeshGroupsResolveByDimName) {
+  auto graph = parse(R"(graph @g(%x: i32[1]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "tp"} : i32[1]
+  %b = all_gather_into_tensor(%x) {group_size = 2, group = "dp"} : i32[2]
+  %wa = wait_tensor(%a) : i32[1]
+  %wb = wait_tensor(%b) : i32[2]
+  return %wa, %wb
+})");
+  std::vector<std::vector<int32_t>> a(4), b(4);
+  run_local(4, [&](ProcessGroup& world) {
+    DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+    Executor ex(*graph, world);
+    auto out = ex.run({Tensor::from_vector<int32_t>({world.rank()})});
+    a[world.rank()] = out[0].to_vector<int32_t>();
+    b[world.rank()] = out[1].to_vector<int32_t>();
+  });
+  // tp groups {0,1} {2,3}; dp groups {0,2} {1,3}.
+  EXPECT_EQ(a[0], (std::vector<int32_t>{1}));
+  EXPECT_EQ(a[3], (std::vector<int32_t>{5}));
+  EXPECT_EQ(b[0], (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(b[3], (std::vector<int32_t>{1, 3}));
+}
+
+// Rank 1 issues its all_gather only after rank 0 ran the compute node placed between its
+// all_gather and the wait: so rank 0's compute provably ran while the collective was in flight.
+TEST(Executor, ComputeBetweenACollectiveAndItsWaitOverlapsIt) {
+  auto graph = parse(R"(graph @g(%x: f32[4], %y: f32[4]) {
+  %ag = all_gather_into_tensor(%x) {group_size = 2, group = "world"} : f32[8]
+  %c = neg(%y) : f32[4]
+  %w = wait_tensor(%ag) : f32[8]
+  return %w, %c
+})");
+  std::promise<size_t> pending_at_compute;
+  std::shared_future<size_t> reached = pending_at_compute.get_future().share();
+  Profiler prof0;
+  run_local(2, [&](ProcessGroup& world) {
+    ExecutorOptions options;
+    Executor* self = nullptr;
+    if (world.rank() == 0) {
+      options.profiler = &prof0;
+      options.on_node = [&](const Node& node) {
+        if (node.name() == "c") pending_at_compute.set_value(self->pending_collectives());
+      };
+    }
+    Executor ex(*graph, world, options);
+    self = &ex;
+    if (world.rank() == 1) {
+      // Bounded, so a broken executor fails the test instead of hanging it.
+      ASSERT_EQ(reached.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+    }
+    auto out = ex.run(make_inputs(*graph, 1, world.rank()));
+    EXPECT_EQ(out[0].sizes(), (Shape{8}));
+  });
+  EXPECT_EQ(reached.get(), 1u);
+  // The trace shows it: the compute span lies inside the collective's span, before the wait ends.
+  const Span* comm = nullptr;
+  const Span* compute = nullptr;
+  const Span* wait = nullptr;
+  for (const Span& s : prof0.spans()) {
+    if (s.kind == SpanKind::Communication) comm = &s;
+    if (s.kind == SpanKind::Compute) compute = &s;
+    if (s.kind == SpanKind::Wait) wait = &s;
+  }
+  ASSERT_TRUE(comm && compute && wait);
+  EXPECT_EQ(compute->node->name(), "c");
+  EXPECT_LE(comm->begin_ns, compute->begin_ns);
+  EXPECT_LE(compute->end_ns, wait->begin_ns);
+  EXPECT_GE(comm->end_ns, compute->end_ns);
+  EXPECT_LE(comm->end_ns, wait->end_ns);
+}
+
+template <typename E>
+std::string error_of(int n, std::string_view text, bool run = false) {
+  auto graph = parse(text);
+  try {
+    run_local(n, [&](ProcessGroup& world) {
+      Executor ex(*graph, world);
+      if (run) ex.run(make_inputs(*graph, 0, world.rank()));
+    });
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(ExecutorErrors, GroupSizeMismatchNamesNodeAndLine) {
+  EXPECT_EQ(error_of<InvalidArgument>(2, R"(graph @g(%x: f32[2]) {
+  %y = neg(%x) : f32[2]
+  %ag = all_gather_into_tensor(%y) {group_size = 4, group = "world"} : f32[8]
+  return %ag
+})"),
+            "graph @g, node %ag (line 3): group_size 4 does not match group 'world' of size 2");
+}
+
+TEST(ExecutorErrors, UnknownGroupListsTheKnownOnes) {
+  EXPECT_EQ(error_of<InvalidArgument>(2, R"(graph @g(%x: f32[2]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "tp"} : f32[2]
+  return %ar
+})"),
+            "graph @g, node %ar (line 2): unknown group 'tp' (known groups: world)");
+}
+
+TEST(ExecutorErrors, BroadcastSrcAndAllToAllSplitsAreChecked) {
+  EXPECT_EQ(error_of<InvalidArgument>(2, R"(graph @g(%x: f32[2]) {
+  %b = broadcast(%x) {src = 2, group = "world"} : f32[2]
+  return %b
+})"),
+            "graph @g, node %b (line 2): src 2 is out of range for group 'world' of size 2");
+  EXPECT_EQ(error_of<InvalidArgument>(2, R"(graph @g(%x: f32[3]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [1, 1, 1], input_split_sizes = [1, 1, 1], group = "world"} : f32[3]
+  return %a
+})"),
+            "graph @g, node %a (line 2): output_split_sizes has 3 entries but group 'world' has 2 "
+            "ranks");
+}
+
+TEST(ExecutorErrors, KernelErrorsNameTheNode) {
+  // view of a transposed tensor passes shape inference but not the kernel (not contiguous).
+  const std::string e = error_of<Error>(1, R"(graph @g(%x: f32[2,3]) {
+  %t = transpose(%x) {dim0 = 0, dim1 = 1} : f32[3,2]
+  %v = view(%t) {shape = [6]} : f32[6]
+  return %v
+})",
+                                        /*run=*/true);
+  EXPECT_EQ(e.rfind("graph @g, node %v (line 3): ", 0), 0u) << e;
+}
+
+TEST(ExecutorErrors, InputsAreChecked) {
+  auto graph = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
+  run_local(1, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    try {
+      ex.run({});
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(), "graph @g takes 1 inputs, got 0");
+    }
+    try {
+      ex.run({Tensor::zeros({3}, DType::F32)});
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(), "graph @g: input %x expects f32[2], got f32[3]");
+    }
+    EXPECT_THROW(ex.run({Tensor::meta({2}, DType::F32)}), InvalidArgument);
+    // The executor still works after a failed run.
+    EXPECT_EQ(floats(ex.run({Tensor::full({2}, DType::F32, 2.0)})[0]),
+              (std::vector<float>{-2, -2}));
+  });
+}
+
+TEST(ExecutorErrors, DifferentGraphsOnDifferentRanksFailFast) {
+  auto g0 = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
+  auto g1 = parse("graph @g(%x: f32[2]) {\n  %y = relu(%x) : f32[2]\n  return %y\n}\n");
+  const std::string h0 = fmt_hash(graph_hash(*g0));
+  std::vector<std::string> errors(3);
+  run_local(3, [&](ProcessGroup& world) {
+    try {
+      Executor ex(world.rank() == 1 ? *g1 : *g0, world);
+    } catch (const InvalidArgument& e) {
+      errors[world.rank()] = e.what();
+    }
+  });
+  const std::string expect = "graph @g differs between ranks: ranks 0,2 have " + h0 +
+                             ", rank 1 has " + fmt_hash(graph_hash(*g1)) +
+                             " (every rank must run the same graph)";
+  for (const std::string& e : errors) EXPECT_EQ(e, expect);
+}
+
+TEST(ExecutorErrors, ValidateGroupsWithoutLiveGroups) {
+  auto graph = parse(R"(graph @g(%x: f32[4]) {
+  %rs = reduce_scatter_tensor(%x) {reduce_op = "sum", group_size = 2, group = "tp"} : f32[2]
+  return %rs
+})");
+  auto sizes = [](int tp) {
+    return [tp](const std::string& name) -> std::optional<int> {
+      if (name == "world") return 4;
+      if (name == "tp") return tp;
+      return std::nullopt;
+    };
+  };
+  EXPECT_NO_THROW(validate_groups(*graph, sizes(2), {"world", "tp"}));
+  EXPECT_THROW(validate_groups(*graph, sizes(4), {"world", "tp"}), InvalidArgument);
+  EXPECT_THROW(validate_groups(*graph, [](const std::string&) { return std::optional<int>(); }, {}),
+               InvalidArgument);
+}
+
+TEST(MakeInputs, DeterministicPerSeedIndexAndRank) {
+  auto graph = parse(
+      "graph @g(%a: f32[64], %b: i32[64], %c: bool[64], %d: bf16[2,3]) {\n"
+      "  return %a, %b, %c, %d\n}\n");
+  auto x = make_inputs(*graph, 7, 0);
+  auto y = make_inputs(*graph, 7, 0);
+  ASSERT_EQ(x.size(), 4u);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_TRUE(x[i].equal(y[i]));
+  EXPECT_FALSE(x[0].equal(make_inputs(*graph, 7, 1)[0]));
+  EXPECT_FALSE(x[0].equal(make_inputs(*graph, 8, 0)[0]));
+  for (float v : x[0].to_vector<float>()) {
+    EXPECT_GE(v, -1.0f);
+    EXPECT_LT(v, 1.0f);
+  }
+  for (int32_t v : x[1].to_vector<int32_t>()) {
+    EXPECT_GE(v, 0);
+    EXPECT_LT(v, 100);
+  }
+  EXPECT_EQ(x[3].sizes(), (Shape{2, 3}));
+  EXPECT_EQ(x[3].dtype(), DType::BF16);
+  EXPECT_EQ(input_seed(7, 0, 0), input_seed(7, 0, 0));
+  EXPECT_NE(input_seed(7, 0, 1), input_seed(7, 1, 0));
+}
+
+TEST(Digest, HexOfXxh3OverLogicalBytes) {
+  Tensor a = Tensor::arange(6, DType::I32).view({2, 3});
+  const std::string d = tensor_digest(a);
+  EXPECT_EQ(d.size(), 16u);
+  EXPECT_EQ(d.find_first_not_of("0123456789abcdef"), std::string::npos);
+  // A transposed view hashes its elements in logical order.
+  EXPECT_EQ(tensor_digest(a.transpose(0, 1)), tensor_digest(a.transpose(0, 1).contiguous()));
+  EXPECT_NE(tensor_digest(a.transpose(0, 1)), d);
+  EXPECT_EQ(tensor_digest(Tensor::zeros({0}, DType::F32)), fmt_hash(xxh3_64(nullptr, 0)));
+}
+
+}  // namespace
+}  // namespace funcol

@@ -1,0 +1,1009 @@
+// `funcol bench`: nccl-tests style micro-benchmarks of a ProcessGroup's collective primitives.
+#include "tools/bench.h"
+
+#include <algorithm>
+#include <barrier>
+#include <cctype>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <functional>
+#include <new>
+#include <numeric>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+
+#include <CLI/CLI.hpp>
+#include <Eigen/Core>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/process_group.h"
+#include "funcol/dist/work.h"
+#include "tools/commands.h"
+
+namespace funcol::tools {
+
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string join(const std::vector<std::string>& parts, std::string_view sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i > 0) out += sep;
+    out += parts[i];
+  }
+  return out;
+}
+
+// Calls f(std::type_identity<T>{}) with the C++ type one element of dtype is stored as. bool is
+// one byte holding 0 or 1, so it is read and written as uint8_t.
+template <typename F>
+decltype(auto) visit_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::Bool:
+      return f(std::type_identity<uint8_t>{});
+    case DType::U8:
+      return f(std::type_identity<uint8_t>{});
+    case DType::I8:
+      return f(std::type_identity<int8_t>{});
+    case DType::I16:
+      return f(std::type_identity<int16_t>{});
+    case DType::I32:
+      return f(std::type_identity<int32_t>{});
+    case DType::I64:
+      return f(std::type_identity<int64_t>{});
+    case DType::F16:
+      return f(std::type_identity<Eigen::half>{});
+    case DType::BF16:
+      return f(std::type_identity<Eigen::bfloat16>{});
+    case DType::F32:
+      return f(std::type_identity<float>{});
+    case DType::F64:
+      return f(std::type_identity<double>{});
+  }
+  FUNCOL_CHECK(false, "unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
+
+// An exact integer value as an element of type T (the pattern keeps it in range).
+template <typename T>
+T to_elem(double v) {
+  if constexpr (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>) {
+    return T(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+// The per-period table in the element type.
+template <typename T>
+std::vector<T> typed_table(const std::vector<double>& table) {
+  std::vector<T> out(table.size());
+  for (size_t k = 0; k < table.size(); ++k) out[k] = to_elem<T>(table[k]);
+  return out;
+}
+
+// Bitwise equality for integers; value equality for floats (NaN is never equal: a wrong value).
+template <typename T>
+bool same(T a, T b) {
+  if constexpr (std::is_same_v<T, Eigen::half> || std::is_same_v<T, Eigen::bfloat16>) {
+    return static_cast<float>(a) == static_cast<float>(b);
+  } else {
+    return a == b;
+  }
+}
+
+bool in_place(BenchOp op) { return op == BenchOp::AllReduce || op == BenchOp::Broadcast; }
+
+const char* const kSizeHelp =
+    "expected a byte count with an optional K, M or G suffix (1024-based), e.g. 4K or 64M";
+
+}  // namespace
+
+// ---- names and flag values ----
+
+std::string_view bench_op_name(BenchOp op) {
+  switch (op) {
+    case BenchOp::AllReduce:
+      return "all_reduce";
+    case BenchOp::AllGather:
+      return "all_gather";
+    case BenchOp::ReduceScatter:
+      return "reduce_scatter";
+    case BenchOp::AllToAll:
+      return "all_to_all";
+    case BenchOp::Broadcast:
+      return "broadcast";
+  }
+  FUNCOL_CHECK(false, "unknown bench op " + std::to_string(static_cast<int>(op)));
+}
+
+std::vector<BenchOp> parse_bench_ops(std::string_view text) {
+  if (text == "all") return {std::begin(kAllBenchOps), std::end(kAllBenchOps)};
+  for (BenchOp op : kAllBenchOps) {
+    if (bench_op_name(op) == text) return {op};
+  }
+  throw InvalidArgument(
+      fmt::format("unknown op '{}' for -o/--op: expected all_reduce, all_gather, reduce_scatter, "
+                  "all_to_all, broadcast or all",
+                  text));
+}
+
+bool has_reduce_op(BenchOp op) { return op == BenchOp::AllReduce || op == BenchOp::ReduceScatter; }
+
+int64_t parse_size(std::string_view text, std::string_view flag) {
+  auto fail = [&]() -> int64_t {
+    throw InvalidArgument(fmt::format("invalid size '{}' for {}: {}", text, flag, kSizeHelp));
+  };
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  if (digits == 0 || digits + 1 < text.size()) return fail();
+  int shift = 0;
+  if (digits < text.size()) {
+    switch (text[digits]) {
+      case 'K':
+      case 'k':
+        shift = 10;
+        break;
+      case 'M':
+      case 'm':
+        shift = 20;
+        break;
+      case 'G':
+      case 'g':
+        shift = 30;
+        break;
+      default:
+        return fail();
+    }
+  }
+  const int64_t limit = INT64_MAX >> shift;
+  int64_t value = 0;
+  for (size_t i = 0; i < digits; ++i) {
+    const int d = text[i] - '0';
+    if (value > (limit - d) / 10) {
+      throw InvalidArgument(fmt::format("size '{}' for {} is too large", text, flag));
+    }
+    value = value * 10 + d;
+  }
+  return value << shift;
+}
+
+int64_t parse_int(std::string_view text, std::string_view flag, int64_t min_value) {
+  size_t i = 0;
+  bool negative = false;
+  if (i < text.size() && (text[i] == '-' || text[i] == '+')) negative = text[i++] == '-';
+  const size_t start = i;
+  int64_t value = 0;
+  bool overflow = false;
+  for (; i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); ++i) {
+    const int d = text[i] - '0';
+    if (value > (INT_MAX - d) / 10) overflow = true;
+    if (!overflow) value = value * 10 + d;
+  }
+  if (i == start || i != text.size()) {
+    throw InvalidArgument(
+        fmt::format("invalid value '{}' for {}: expected an integer", text, flag));
+  }
+  if (negative) value = -value;
+  if (overflow || value < min_value) {
+    throw InvalidArgument(
+        fmt::format("invalid value '{}' for {}: expected an integer from {} to {}", text, flag,
+                    min_value, INT_MAX));
+  }
+  return value;
+}
+
+DType parse_bench_dtype(std::string_view text) {
+  if (std::optional<DType> d = parse_dtype(text)) return *d;
+  // nccl-tests' type names, so its command lines carry over.
+  static const std::pair<std::string_view, DType> kAliases[] = {
+      {"float", DType::F32},   {"float32", DType::F32},   {"half", DType::F16},
+      {"float16", DType::F16}, {"bfloat16", DType::BF16}, {"double", DType::F64},
+      {"float64", DType::F64}, {"int8", DType::I8},       {"uint8", DType::U8},
+      {"int32", DType::I32},   {"int", DType::I32},       {"int64", DType::I64}};
+  for (const auto& [name, dtype] : kAliases) {
+    if (name == text) return dtype;
+  }
+  std::vector<std::string> names;
+  for (DType d : kAllDTypes) names.emplace_back(dtype_name(d));
+  throw InvalidArgument(fmt::format("unknown dtype '{}' for -d/--datatype: expected one of {}",
+                                    text, join(names, ", ")));
+}
+
+ReduceOp parse_bench_redop(std::string_view text) {
+  const std::string name = lower(text) == "prod" ? "product" : std::string(text);
+  try {
+    return parse_reduce_op(name);
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument(fmt::format(
+        "unknown reduce op '{}' for -r/--redop: expected sum, avg, product, min, max, band, bor "
+        "or bxor",
+        text));
+  }
+}
+
+// ---- nccl-tests conventions ----
+
+std::vector<int64_t> size_sequence(int64_t min_bytes, int64_t max_bytes, int64_t factor,
+                                   int64_t step_bytes) {
+  FUNCOL_CHECK(factor >= 1 && (factor > 1 || step_bytes >= 1), "bad size step");
+  std::vector<int64_t> sizes;
+  for (int64_t size = min_bytes; size <= max_bytes;) {
+    sizes.push_back(size);
+    int64_t next;
+    if (factor > 1) {
+      if (size == 0) {
+        next = 1;
+      } else if (size > max_bytes / factor) {
+        break;
+      } else {
+        next = size * factor;
+      }
+    } else {
+      if (size > max_bytes - step_bytes) break;
+      next = size + step_bytes;
+    }
+    size = next;
+  }
+  return sizes;
+}
+
+CollSizes coll_sizes(BenchOp op, int64_t bytes, size_t itemsize, int nranks) {
+  const int64_t n = nranks;
+  const int64_t total = bytes / static_cast<int64_t>(itemsize);
+  CollSizes s;
+  switch (op) {
+    case BenchOp::AllReduce:
+    case BenchOp::Broadcast:
+      s.count = total;
+      s.in_numel = s.out_numel = total;
+      break;
+    case BenchOp::AllGather:
+      s.count = total / n;
+      s.in_numel = s.count;
+      s.out_numel = s.count * n;
+      break;
+    case BenchOp::ReduceScatter:
+      s.count = total / n;
+      s.in_numel = s.count * n;
+      s.out_numel = s.count;
+      break;
+    case BenchOp::AllToAll:
+      s.count = total / n;  // per peer
+      s.in_numel = s.out_numel = s.count * n;
+      break;
+  }
+  s.size_bytes = std::max(s.in_numel, s.out_numel) * static_cast<int64_t>(itemsize);
+  return s;
+}
+
+double bus_factor(BenchOp op, int nranks) {
+  const double n = nranks;
+  switch (op) {
+    case BenchOp::AllReduce:
+      return 2.0 * (n - 1) / n;
+    case BenchOp::AllGather:
+    case BenchOp::ReduceScatter:
+    case BenchOp::AllToAll:
+      return (n - 1) / n;
+    case BenchOp::Broadcast:
+      return 1.0;
+  }
+  FUNCOL_CHECK(false, "unknown bench op");
+}
+
+int64_t exact_limit(DType dtype) {
+  switch (dtype) {
+    case DType::Bool:
+      return 1;
+    case DType::U8:
+      return 255;
+    case DType::I8:
+      return 127;
+    case DType::I16:
+      return 32767;
+    case DType::I32:
+      return INT32_MAX;
+    case DType::I64:
+      return int64_t{1} << 62;
+    case DType::F16:
+      return 2048;  // 11-bit significand
+    case DType::BF16:
+      return 256;  // 8-bit significand
+    case DType::F32:
+      return int64_t{1} << 24;
+    case DType::F64:
+      return int64_t{1} << 53;
+  }
+  FUNCOL_CHECK(false, "unknown dtype");
+}
+
+// ---- check data ----
+//
+// Values by op (M = exact_limit(dtype), n = ranks, every value >= 0 so partial results of any
+// reduction order are bounded by the final one):
+//   all_gather, all_to_all, broadcast: (13 r + i) mod P, P = min(M, 250) + 1
+//   sum:      (7 r + i) mod (A + 1), A = min(M / n, 100): the sum of n ranks is <= M
+//   avg:      n * (i mod (A + 1)) on rank (n - i mod n) mod n, 0 elsewhere: the sum divides by n
+//   product:  i mod Q on that rank, 1 elsewhere, Q = min(M, 3) + 1: the product is i mod Q
+//   min, max: (7 r + 3 i) mod P, P = min(M, 100) + 1
+//   band, bor, bxor: (37 r + 11 i) mod P, P = min(M + 1, 256), a power of two for 1-byte types
+CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, int root)
+    : op_(op), redop_(redop), dtype_(dtype), nranks_(nranks), root_(root) {
+  FUNCOL_CHECK(nranks >= 1, "nranks must be positive");
+  const int64_t m = exact_limit(dtype);
+  const int64_t n = nranks;
+  if (!has_reduce_op(op)) {
+    modulus_ = std::min<int64_t>(m, 250) + 1;
+    period_ = modulus_;
+    for (int r = 0; r < nranks; ++r) inputs_.push_back(input_table(r));
+    return;
+  }
+  switch (redop) {
+    case ReduceOp::Sum:
+      modulus_ = std::min<int64_t>(m / n, 100) + 1;
+      period_ = modulus_;
+      break;
+    case ReduceOp::Avg:
+      modulus_ = std::min<int64_t>(m / n, 100) + 1;
+      period_ = std::lcm(n, modulus_);
+      break;
+    case ReduceOp::Product:
+      modulus_ = std::min<int64_t>(m, 3) + 1;
+      period_ = std::lcm(n, modulus_);
+      break;
+    case ReduceOp::Min:
+    case ReduceOp::Max:
+      modulus_ = std::min<int64_t>(m, 100) + 1;
+      period_ = modulus_;
+      break;
+    case ReduceOp::BAnd:
+    case ReduceOp::BOr:
+    case ReduceOp::BXor:
+      modulus_ = std::min<int64_t>(m + 1, 256);
+      period_ = modulus_;
+      break;
+  }
+  // The reduction over ranks, computed here from the inputs: the reference the backend is
+  // checked against.
+  reduced_.resize(static_cast<size_t>(period_));
+  for (int64_t i = 0; i < period_; ++i) {
+    int64_t acc = input(0, i);
+    for (int r = 1; r < nranks; ++r) {
+      const int64_t v = input(r, i);
+      switch (redop) {
+        case ReduceOp::Sum:
+        case ReduceOp::Avg:
+          acc += v;
+          break;
+        case ReduceOp::Product:
+          acc *= v;
+          break;
+        case ReduceOp::Min:
+          acc = std::min(acc, v);
+          break;
+        case ReduceOp::Max:
+          acc = std::max(acc, v);
+          break;
+        case ReduceOp::BAnd:
+          acc &= v;
+          break;
+        case ReduceOp::BOr:
+          acc |= v;
+          break;
+        case ReduceOp::BXor:
+          acc ^= v;
+          break;
+      }
+    }
+    if (redop == ReduceOp::Avg) {
+      FUNCOL_CHECK(acc % n == 0, "avg pattern must divide exactly");
+      acc /= n;
+    }
+    FUNCOL_CHECK(acc >= 0 && acc <= m, "check pattern out of the exact range");
+    reduced_[static_cast<size_t>(i)] = static_cast<double>(acc);
+  }
+}
+
+int64_t CheckPattern::input(int rank, int64_t i) const {
+  const int64_t r = rank;
+  if (!has_reduce_op(op_)) return (13 * r + i) % modulus_;
+  switch (redop_) {
+    case ReduceOp::Sum:
+      return (7 * r + i) % modulus_;
+    case ReduceOp::Avg:
+      return (r + i) % nranks_ == 0 ? nranks_ * (i % modulus_) : 0;
+    case ReduceOp::Product:
+      return (r + i) % nranks_ == 0 ? i % modulus_ : 1;
+    case ReduceOp::Min:
+    case ReduceOp::Max:
+      return (7 * r + 3 * i) % modulus_;
+    case ReduceOp::BAnd:
+    case ReduceOp::BOr:
+    case ReduceOp::BXor:
+      return (37 * r + 11 * i) % modulus_;
+  }
+  FUNCOL_CHECK(false, "unknown reduce op");
+}
+
+int64_t CheckPattern::expected(int rank, int64_t j, int64_t count) const {
+  switch (op_) {
+    case BenchOp::AllReduce:
+      return static_cast<int64_t>(reduced_[static_cast<size_t>(j % period_)]);
+    case BenchOp::ReduceScatter:
+      return static_cast<int64_t>(reduced_[static_cast<size_t>((rank * count + j) % period_)]);
+    case BenchOp::AllGather:
+      return input(static_cast<int>(j / count), j % count);
+    case BenchOp::AllToAll:
+      return input(static_cast<int>(j / count), rank * count + j % count);
+    case BenchOp::Broadcast:
+      return input(root_, j);
+  }
+  FUNCOL_CHECK(false, "unknown bench op");
+}
+
+std::vector<double> CheckPattern::input_table(int rank) const {
+  std::vector<double> table(static_cast<size_t>(period_));
+  for (int64_t i = 0; i < period_; ++i)
+    table[static_cast<size_t>(i)] = static_cast<double>(input(rank, i));
+  return table;
+}
+
+std::vector<CheckPattern::Segment> CheckPattern::expected_segments(int rank, int64_t count) const {
+  switch (op_) {
+    case BenchOp::AllReduce:
+      return {{&reduced_, 0, count}};
+    case BenchOp::ReduceScatter:
+      return {{&reduced_, rank * count, count}};
+    case BenchOp::Broadcast:
+      return {{&inputs_[static_cast<size_t>(root_)], 0, count}};
+    case BenchOp::AllGather:
+    case BenchOp::AllToAll: {
+      // Block j comes from rank j: its input from element 0 (all_gather) or from this rank's
+      // block of it (all_to_all).
+      std::vector<Segment> segs;
+      for (int j = 0; j < nranks_; ++j) {
+        segs.push_back(
+            {&inputs_[static_cast<size_t>(j)], op_ == BenchOp::AllToAll ? rank * count : 0, count});
+      }
+      return segs;
+    }
+  }
+  FUNCOL_CHECK(false, "unknown bench op");
+}
+
+void CheckPattern::fill_input(const Tensor& t, int rank) const {
+  FUNCOL_CHECK(t.dtype() == dtype_ && t.is_contiguous(), "fill_input needs a contiguous buffer");
+  const std::vector<double> table =
+      has_reduce_op(op_) ? input_table(rank) : inputs_[static_cast<size_t>(rank)];
+  const int64_t numel = t.numel();
+  if (numel == 0) return;
+  visit_dtype(dtype_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const std::vector<T> typed = typed_table<T>(table);
+    T* p = static_cast<T*>(t.data_ptr());
+    for (int64_t i = 0; i < numel; i += period_) {
+      const int64_t len = std::min(period_, numel - i);
+      std::memcpy(p + i, typed.data(), static_cast<size_t>(len) * sizeof(T));
+    }
+  });
+}
+
+int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) const {
+  FUNCOL_CHECK(out.dtype() == dtype_ && out.is_contiguous(),
+               "count_wrong needs a contiguous buffer");
+  const std::vector<Segment> segs = expected_segments(rank, count);
+  int64_t total = 0;
+  for (const Segment& s : segs) total += s.length;
+  FUNCOL_CHECK(total == out.numel(), "count_wrong: output has " + std::to_string(out.numel()) +
+                                         " elements, expected " + std::to_string(total));
+  if (total == 0) return 0;
+  return visit_dtype(dtype_, [&](auto tag) -> int64_t {
+    using T = typename decltype(tag)::type;
+    const T* p = static_cast<const T*>(out.data_ptr());
+    int64_t wrong = 0;
+    for (const Segment& s : segs) {
+      const std::vector<T> typed = typed_table<T>(*s.table);
+      int64_t k = s.offset % period_;
+      for (int64_t j = 0; j < s.length; ++j) {
+        wrong += same(p[j], typed[static_cast<size_t>(k)]) ? 0 : 1;
+        if (++k == period_) k = 0;
+      }
+      p += s.length;
+    }
+    return wrong;
+  });
+}
+
+// ---- options ----
+
+void validate(const BenchOptions& o) {
+  const std::vector<std::string> available = available_backends();
+  if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
+    throw InvalidArgument(fmt::format("unknown backend '{}' for --backend: available backends: {}",
+                                      o.backend, join(available, ", ")));
+  }
+  // Process backends (mpi, gloo) slot in at launch_ranks once they can start their ranks here.
+  if (o.backend != "threads") {
+    throw InvalidArgument(fmt::format(
+        "backend '{}' is not supported by funcol bench yet: it runs on the threads backend",
+        o.backend));
+  }
+  if (o.ranks < 1) {
+    throw InvalidArgument(fmt::format("--ranks must be at least 1, got {}", o.ranks));
+  }
+  if (o.min_bytes < 0 || o.max_bytes < 0) throw InvalidArgument("sizes must not be negative");
+  if (o.min_bytes > o.max_bytes) {
+    throw InvalidArgument(fmt::format("-b/--minbytes ({}) is larger than -e/--maxbytes ({})",
+                                      o.min_bytes, o.max_bytes));
+  }
+  if (o.step_factor < 1) {
+    throw InvalidArgument(fmt::format("-f/--stepfactor must be at least 1, got {}", o.step_factor));
+  }
+  if (o.step_factor == 1 && o.step_bytes < 1) {
+    throw InvalidArgument(
+        fmt::format("-i/--stepbytes must be at least 1 with -f 1, got {}", o.step_bytes));
+  }
+  if (o.iters < 1) {
+    throw InvalidArgument(fmt::format("-n/--iters must be at least 1, got {}", o.iters));
+  }
+  if (o.warmup_iters < 0) {
+    throw InvalidArgument(
+        fmt::format("-w/--warmup_iters must not be negative, got {}", o.warmup_iters));
+  }
+  if (o.check < 0) {
+    throw InvalidArgument(fmt::format("-c/--check must not be negative, got {}", o.check));
+  }
+  if (o.ops.empty()) throw InvalidArgument("no op to run");
+  if (o.root < 0 || o.root >= o.ranks) {
+    throw InvalidArgument(fmt::format("--root {} is out of range for {} ranks (0 to {})", o.root,
+                                      o.ranks, o.ranks - 1));
+  }
+  for (BenchOp op : o.ops) {
+    if (has_reduce_op(op)) check_reduce_op_dtype(o.redop, o.dtype, bench_op_name(op));
+  }
+}
+
+// ---- memcpy reference ----
+
+MemcpyRef measure_memcpy(int64_t bytes) {
+  FUNCOL_CHECK(bytes > 0, "memcpy reference needs a positive size");
+  // At least 256 MiB per thread, so small buffers still give a stable figure.
+  const int64_t reps = std::max<int64_t>(4, (int64_t{256} << 20) / bytes);
+  const size_t n = static_cast<size_t>(bytes);
+  // Buffers are allocated and paged in here, so the threads only copy.
+  std::vector<unsigned char> src[2] = {std::vector<unsigned char>(n, 1),
+                                       std::vector<unsigned char>(n, 2)};
+  std::vector<unsigned char> dst[2] = {std::vector<unsigned char>(n, 0),
+                                       std::vector<unsigned char>(n, 0)};
+  double secs[2] = {0, 0};
+  std::barrier start(2);
+  auto body = [&](int t) {
+    std::memcpy(dst[t].data(), src[t].data(), n);  // caches and TLB warm before timing
+    start.arrive_and_wait();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < reps; ++r) {
+      std::memcpy(dst[t].data(), src[t].data(), n);
+      // Keeps the compiler from merging or dropping the repeated copies.
+      asm volatile("" : : "r"(dst[t].data()) : "memory");
+    }
+    secs[t] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::thread a(body, 0);
+  std::thread b;
+  try {
+    b = std::thread(body, 1);
+  } catch (...) {
+    start.arrive_and_drop();  // lets thread a through the barrier alone
+    a.join();
+    throw;
+  }
+  a.join();
+  b.join();
+  const double per_thread_bytes = static_cast<double>(bytes) * static_cast<double>(reps);
+  MemcpyRef ref;
+  ref.bytes = bytes;
+  ref.gbps_per_thread = (per_thread_bytes / secs[0] + per_thread_bytes / secs[1]) / 2 / 1e9;
+  ref.gbps_total = 2 * per_thread_bytes / std::max(secs[0], secs[1]) / 1e9;
+  return ref;
+}
+
+// ---- the run ----
+
+namespace {
+
+// One measurement's buffers; in-place ops use one buffer as both.
+struct Buffers {
+  Tensor in;
+  Tensor out;
+};
+
+// Starts one collective through the ProcessGroup primitive (no functional-API wrapper, so the
+// figure is the backend's).
+std::shared_ptr<Work> issue(ProcessGroup& pg, BenchOp op, const Buffers& b, ReduceOp redop,
+                            int root) {
+  switch (op) {
+    case BenchOp::AllReduce:
+      return pg.all_reduce(b.out, redop);
+    case BenchOp::AllGather:
+      return pg.all_gather(b.out, b.in);
+    case BenchOp::ReduceScatter:
+      return pg.reduce_scatter(b.out, b.in, redop);
+    case BenchOp::AllToAll:
+      return pg.all_to_all(b.out, b.in, {}, {});
+    case BenchOp::Broadcast:
+      return pg.broadcast(b.out, root);
+  }
+  FUNCOL_CHECK(false, "unknown bench op");
+}
+
+void run_once(ProcessGroup& pg, BenchOp op, const Buffers& b, ReduceOp redop, int root) {
+  issue(pg, op, b, redop, root)->wait();
+  b.out.wait();  // detaches the finished Work from the output storage
+}
+
+// Measures one size on this rank; every rank returns the same row (max time, summed #wrong).
+BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const CheckPattern& pattern,
+                 int64_t bytes) {
+  const int rank = pg.rank();
+  const int n = pg.size();
+  BenchRow row;
+  row.op = op;
+  row.sizes = coll_sizes(op, bytes, itemsize(o.dtype), n);
+  Buffers b;
+  try {
+    b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
+    b.out = in_place(op) ? b.in : Tensor::empty({row.sizes.out_numel}, o.dtype);
+  } catch (const std::bad_alloc&) {
+    throw InvalidArgument(fmt::format(
+        "out of memory allocating {} bytes per rank for {} at size {}: lower -e/--maxbytes or "
+        "--ranks",
+        (row.sizes.in_numel + (in_place(op) ? 0 : row.sizes.out_numel)) *
+            static_cast<int64_t>(itemsize(o.dtype)),
+        bench_op_name(op), bytes));
+  }
+
+  // Timed data. An in-place all_reduce feeds each result into the next call, so it starts from
+  // a fixed point of the reduce op (0, or 1 for product): values never grow into overflow.
+  if (op == BenchOp::AllReduce) {
+    b.out.fill_(o.redop == ReduceOp::Product ? 1.0 : 0.0);
+  } else {
+    pattern.fill_input(b.in, rank);
+  }
+  for (int i = 0; i < o.warmup_iters; ++i) run_once(pg, op, b, o.redop, o.root);
+  pg.barrier();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < o.iters; ++i) run_once(pg, op, b, o.redop, o.root);
+  const double mean_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.iters;
+
+  // Check: fresh inputs, a poisoned output, one more call, every element compared. Every rank
+  // runs all -c iterations (stopping early on one rank would desynchronise the collectives).
+  int64_t wrong = 0;
+  for (int c = 0; c < o.check; ++c) {
+    pattern.fill_input(b.in, rank);
+    if (!in_place(op)) {
+      b.out.fill_(static_cast<double>(std::min<int64_t>(exact_limit(o.dtype), 1000)));
+    }
+    run_once(pg, op, b, o.redop, o.root);
+    wrong += pattern.count_wrong(b.out, rank, row.sizes.count);
+  }
+
+  // Every rank's (time, #wrong), gathered so rank 0 reports the slowest rank and every error.
+  Tensor mine = Tensor::from_vector<double>({mean_s, static_cast<double>(wrong)}, {2});
+  Tensor all = Tensor::empty({2 * static_cast<int64_t>(n)}, DType::F64);
+  pg.all_gather(all, mine)->wait();
+  const std::vector<double> v = all.to_vector<double>();
+  double max_s = 0;
+  double wrong_sum = 0;
+  for (int r = 0; r < n; ++r) {
+    max_s = std::max(max_s, v[static_cast<size_t>(2 * r)]);
+    wrong_sum += v[static_cast<size_t>(2 * r + 1)];
+  }
+  row.time_us = max_s * 1e6;
+  row.algbw = max_s > 0 ? static_cast<double>(row.sizes.size_bytes) / max_s / 1e9 : 0;
+  row.busbw = row.algbw * bus_factor(op, n);
+  row.wrong = o.check > 0 ? static_cast<int64_t>(wrong_sum) : -1;
+  return row;
+}
+
+// nccl-tests' time format: fewer decimals as the time grows.
+std::string format_time(double us) {
+  if (us >= 10000.0) return fmt::format("{:7.0f}", us);
+  if (us >= 100.0) return fmt::format("{:7.1f}", us);
+  return fmt::format("{:7.2f}", us);
+}
+
+std::string mib(int64_t bytes) {
+  if (bytes % (int64_t{1} << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
+  return fmt::format("{:.2f} MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+void emit(std::FILE* out, std::string line) {
+  line.erase(line.find_last_not_of(' ') + 1);
+  std::fputs(line.c_str(), out);
+  std::fputc('\n', out);
+  std::fflush(out);
+}
+
+void print_header(std::FILE* out, const BenchOptions& o, const MemcpyRef& ref) {
+  std::vector<std::string> names;
+  for (BenchOp op : o.ops) names.emplace_back(bench_op_name(op));
+  const std::string ops = o.ops.size() == std::size(kAllBenchOps)
+                              ? "all (" + join(names, ", ") + ")"
+                              : join(names, ", ");
+  emit(out,
+       fmt::format("# funcol bench: op {}, backend {}, {} ranks, dtype {}, redop {}, root {}", ops,
+                   o.backend, o.ranks, dtype_name(o.dtype), reduce_op_name(o.redop), o.root));
+  const std::string step = o.step_factor > 1 ? fmt::format("{}(factor)", o.step_factor)
+                                             : fmt::format("{}(bytes)", o.step_bytes);
+  emit(out, fmt::format("# minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} "
+                        "validation: {}",
+                        o.min_bytes, o.max_bytes, step, o.warmup_iters, o.iters, o.check));
+  emit(out, fmt::format("# host: {} hardware threads", std::thread::hardware_concurrency()));
+  emit(out, fmt::format("# memcpy reference: 2 threads, {} each, {:.2f} GB/s per thread, "
+                        "{:.2f} GB/s total",
+                        mib(ref.bytes), ref.gbps_per_thread, ref.gbps_total));
+  emit(out,
+       "# size: bytes of one rank's larger buffer, as nccl-tests (all_gather: the output, "
+       "reduce_scatter: the input,");
+  emit(out,
+       "#   all_to_all: the whole buffer); count: elements per rank per call (all_to_all: "
+       "per peer)");
+  emit(out,
+       "# time: mean per-iteration time in us of the slowest rank (nccl-tests reports the "
+       "mean over ranks by default)");
+  emit(out, fmt::format("# algbw = size / time, busbw = algbw * factor, in GB/s (1e9 B/s); "
+                        "factor for {} ranks: all_reduce 2(n-1)/n = {:.2f},",
+                        o.ranks, bus_factor(BenchOp::AllReduce, o.ranks)));
+  emit(out, fmt::format("#   all_gather, reduce_scatter, all_to_all (n-1)/n = {:.2f}, "
+                        "broadcast 1",
+                        bus_factor(BenchOp::AllGather, o.ranks)));
+  emit(out,
+       "# one group of columns: all_reduce and broadcast run in place (the primitives' "
+       "form), the others out of place");
+  emit(out, "# ratio = busbw / memcpy GB/s per thread");
+}
+
+void print_columns(std::FILE* out, BenchOp op) {
+  emit(out, "#");
+  emit(out, fmt::format("# {}", bench_op_name(op)));
+  emit(out, fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>6}",
+                        "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
+                        "#wrong", "ratio"));
+  emit(out, fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>6}",
+                        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", ""));
+}
+
+void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row, const MemcpyRef& ref) {
+  const bool reduces = has_reduce_op(row.op);
+  const std::string redop = reduces ? std::string(reduce_op_name(o.redop)) : "none";
+  const int root = row.op == BenchOp::Broadcast ? o.root : -1;
+  const double ratio = ref.gbps_per_thread > 0 ? row.busbw / ref.gbps_per_thread : 0;
+  if (o.json) {
+    nlohmann::ordered_json j = {{"op", bench_op_name(row.op)},
+                                {"backend", o.backend},
+                                {"ranks", o.ranks},
+                                {"size", row.sizes.size_bytes},
+                                {"count", row.sizes.count},
+                                {"type", dtype_name(o.dtype)},
+                                {"redop", redop},
+                                {"root", root},
+                                {"time_us", row.time_us},
+                                {"algbw", row.algbw},
+                                {"busbw", row.busbw},
+                                {"memcpy_gbps", ref.gbps_per_thread},
+                                {"busbw_memcpy_ratio", ratio}};
+    if (row.wrong >= 0) {
+      j["wrong"] = row.wrong;
+    } else {
+      j["wrong"] = nullptr;
+    }
+    emit(out, j.dump());
+    return;
+  }
+  const std::string wrong = row.wrong >= 0 ? std::to_string(row.wrong) : "N/A";
+  emit(out, fmt::format("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}  {}  {:6.2f}  {:6.2f}  {:>6}  {:6.2f}",
+                        row.sizes.size_bytes, row.sizes.count, dtype_name(o.dtype), redop, root,
+                        format_time(row.time_us), row.algbw, row.busbw, wrong, ratio));
+}
+
+double mean_busbw(const std::vector<BenchRow>& rows) {
+  if (rows.empty()) return 0;
+  double sum = 0;
+  for (const BenchRow& r : rows) sum += r.busbw;
+  return sum / static_cast<double>(rows.size());
+}
+
+// Starts options.ranks ranks of options.backend, each running fn with its world group. The
+// process backends add their launch here.
+void launch_ranks(const BenchOptions& o, const std::function<void(ProcessGroup&)>& fn) {
+  FUNCOL_CHECK(o.backend == "threads", "validate() admits only the threads backend");
+  run_local(o.ranks, fn);
+}
+
+}  // namespace
+
+BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
+  validate(o);
+  const std::vector<int64_t> sizes =
+      size_sequence(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
+  BenchReport report;
+  // The memcpy reference runs before the ranks start, so nothing else competes with it.
+  // Its size: the run's largest, at least 1 MiB (smaller buffers measure the cache), at most
+  // 64 MiB (beyond that the figure no longer changes; it only costs time).
+  const int64_t ref_bytes =
+      std::clamp<int64_t>(sizes.empty() ? 0 : sizes.back(), int64_t{1} << 20, int64_t{64} << 20);
+  if (o.memcpy_gbps_override > 0) {
+    report.memcpy = {ref_bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
+  } else {
+    report.memcpy = measure_memcpy(ref_bytes);
+  }
+  if (!o.json) print_header(out, o, report.memcpy);
+
+  std::vector<CheckPattern> patterns;
+  for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
+
+  launch_ranks(o, [&](ProcessGroup& world) {
+    const bool printer = world.rank() == 0;
+    for (size_t k = 0; k < o.ops.size(); ++k) {
+      const BenchOp op = o.ops[k];
+      if (printer && !o.json) print_columns(out, op);
+      std::vector<BenchRow> op_rows;
+      for (int64_t bytes : sizes) {
+        BenchRow row = measure(world, o, op, patterns[k], bytes);
+        if (!printer) continue;
+        print_row(out, o, row, report.memcpy);
+        op_rows.push_back(row);
+        report.rows.push_back(row);
+      }
+      if (printer && !o.json && o.ops.size() > 1) {
+        emit(out, fmt::format("# Avg bus bandwidth ({}) : {:g}", bench_op_name(op),
+                              mean_busbw(op_rows)));
+      }
+    }
+  });
+
+  for (const BenchRow& r : report.rows) report.wrong += std::max<int64_t>(r.wrong, 0);
+  report.avg_busbw = mean_busbw(report.rows);
+  if (!o.json) {
+    emit(out, "#");
+    if (o.check > 0) {
+      emit(out, fmt::format("# Out of bounds values : {} {}", report.wrong,
+                            report.wrong == 0 ? "OK" : "FAILED"));
+    } else {
+      emit(out, "# Out of bounds values : N/A (-c 0)");
+    }
+    emit(out, fmt::format("# Avg bus bandwidth    : {:g}", report.avg_busbw));
+    emit(out, "#");
+  }
+  return report;
+}
+
+// ---- the command ----
+
+namespace {
+
+// Flag values as typed, parsed in the callback so every bad value is a funcol error (exit 1)
+// that names the flag.
+struct BenchFlags {
+  std::string min_bytes = "32";
+  std::string max_bytes = "32M";
+  std::string step_factor = "2";
+  std::string step_bytes = "1M";
+  std::string iters = "20";
+  std::string warmup_iters = "5";
+  std::string check = "1";
+  std::string op = "all";
+  std::string dtype = "f32";
+  std::string redop = "sum";
+  std::string root = "0";
+  std::string ranks = "2";
+  std::string backend = "threads";
+  bool json = false;
+};
+
+BenchOptions options_from_flags(const BenchFlags& f) {
+  BenchOptions o;
+  o.min_bytes = parse_size(f.min_bytes, "-b/--minbytes");
+  o.max_bytes = parse_size(f.max_bytes, "-e/--maxbytes");
+  o.step_factor = parse_int(f.step_factor, "-f/--stepfactor", 1);
+  o.step_bytes = parse_size(f.step_bytes, "-i/--stepbytes");
+  o.iters = static_cast<int>(parse_int(f.iters, "-n/--iters", 1));
+  o.warmup_iters = static_cast<int>(parse_int(f.warmup_iters, "-w/--warmup_iters", 0));
+  o.check = static_cast<int>(parse_int(f.check, "-c/--check", 0));
+  o.ops = parse_bench_ops(f.op);
+  o.dtype = parse_bench_dtype(f.dtype);
+  o.redop = parse_bench_redop(f.redop);
+  o.root = static_cast<int>(parse_int(f.root, "--root", 0));
+  o.ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
+  o.backend = f.backend;
+  o.json = f.json;
+  validate(o);
+  return o;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  CLI::App* sub = app.add_subcommand(
+      "bench",
+      "collective micro-benchmarks in the nccl-tests format (size count type redop root "
+      "time algbw busbw #wrong)");
+  auto f = std::make_shared<BenchFlags>();
+  sub->add_option("-b,--minbytes", f->min_bytes,
+                  "smallest size in bytes; K, M, G suffixes are 1024-based")
+      ->type_name("SIZE")
+      ->capture_default_str();
+  sub->add_option("-e,--maxbytes", f->max_bytes, "largest size in bytes")
+      ->type_name("SIZE")
+      ->capture_default_str();
+  sub->add_option("-f,--stepfactor", f->step_factor, "multiply the size by this between rows")
+      ->type_name("INT")
+      ->capture_default_str();
+  sub->add_option("-i,--stepbytes", f->step_bytes, "add this many bytes between rows when -f is 1")
+      ->type_name("SIZE")
+      ->capture_default_str();
+  sub->add_option("-n,--iters", f->iters, "timed iterations per size")
+      ->type_name("INT")
+      ->capture_default_str();
+  sub->add_option("-w,--warmup_iters,--warmup-iters", f->warmup_iters,
+                  "untimed iterations before timing")
+      ->type_name("INT")
+      ->capture_default_str();
+  sub->add_option("-c,--check", f->check,
+                  "check every element this many times after timing (0: no check)")
+      ->type_name("INT")
+      ->capture_default_str();
+  sub->add_option("-o,--op", f->op,
+                  "all_reduce, all_gather, reduce_scatter, all_to_all, broadcast or all")
+      ->type_name("OP")
+      ->capture_default_str();
+  sub->add_option("-d,--datatype", f->dtype,
+                  "element type: bool u8 i8 i16 i32 i64 f16 bf16 f32 f64")
+      ->type_name("DTYPE")
+      ->capture_default_str();
+  sub->add_option("-r,--redop", f->redop,
+                  "reduce op of all_reduce and reduce_scatter: sum avg product min max band bor "
+                  "bxor")
+      ->type_name("REDOP")
+      ->capture_default_str();
+  sub->add_option("--root", f->root, "source rank of broadcast")
+      ->type_name("RANK")
+      ->capture_default_str();
+  sub->add_option("--ranks", f->ranks, "number of ranks")->type_name("N")->capture_default_str();
+  sub->add_option("--backend", f->backend,
+                  "communication backend (built: " + join(available_backends(), ", ") + ")")
+      ->type_name("NAME")
+      ->capture_default_str();
+  sub->add_flag("--json", f->json, "print one JSON object per size instead of the table");
+  sub->callback([f]() {
+    BenchReport report;
+    try {
+      report = run_bench(options_from_flags(*f), stdout);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw InvalidArgument("bench: out of memory: lower -e/--maxbytes or --ranks");
+    } catch (const std::system_error& e) {
+      throw Error(fmt::format("bench: {}", e.what()));
+    }
+    if (report.wrong > 0) {
+      std::fprintf(stderr, "funcol: error: bench: %lld wrong values\n",
+                   static_cast<long long>(report.wrong));
+      throw CLI::RuntimeError(1);  // exit status 1, after the report
+    }
+  });
+}
+
+}  // namespace funcol::tools

@@ -1,0 +1,169 @@
+// `funcol bench` internals: flags, nccl-tests size and bandwidth rules, check data, the runner.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "funcol/core/dtype.h"
+#include "funcol/core/tensor.h"
+
+namespace funcol {
+class ProcessGroup;
+}  // namespace funcol
+
+namespace funcol::tools {
+
+// The collectives `funcol bench` measures, in the order `-o all` runs them.
+enum class BenchOp { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast };
+
+inline constexpr BenchOp kAllBenchOps[] = {BenchOp::AllReduce, BenchOp::AllGather,
+                                           BenchOp::ReduceScatter, BenchOp::AllToAll,
+                                           BenchOp::Broadcast};
+
+// "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast".
+std::string_view bench_op_name(BenchOp op);
+// One op name, or "all" for every op. Throws InvalidArgument naming the value and the choices.
+std::vector<BenchOp> parse_bench_ops(std::string_view text);
+// True for the ops that take a reduce op (all_reduce, reduce_scatter).
+bool has_reduce_op(BenchOp op);
+
+// A byte count: decimal digits with an optional K, M or G suffix (1024-based, either case), as
+// nccl-tests' -b/-e. `flag` names the option in the error: "invalid size '4X' for -b/--minbytes
+// ...". Rejects empty, negative, fractional and overflowing values.
+int64_t parse_size(std::string_view text, std::string_view flag);
+// A decimal integer >= min_value; InvalidArgument naming the flag and the value otherwise.
+int64_t parse_int(std::string_view text, std::string_view flag, int64_t min_value);
+// A contract dtype name, or one of nccl-tests' names (float, half, bfloat16, double, int8, uint8,
+// int32, int64). Throws InvalidArgument listing the contract names.
+DType parse_bench_dtype(std::string_view text);
+// A funcol reduce op name (case-insensitive), or nccl-tests' "prod". Throws InvalidArgument.
+ReduceOp parse_bench_redop(std::string_view text);
+
+// The sizes of one run: min, then times `factor` (factor > 1) or plus `step_bytes` (factor == 1)
+// while <= max, as nccl-tests. A min of 0 is followed by 1 (0 * factor would repeat forever).
+std::vector<int64_t> size_sequence(int64_t min_bytes, int64_t max_bytes, int64_t factor,
+                                   int64_t step_bytes);
+
+// Buffers of one measurement, following nccl-tests' per-op conventions (src/*.cu
+// GetCollByteCount and common.cu's row print): `count` elements per call per rank (per peer for
+// all_to_all), `size_bytes` = the larger of the input and output buffers of one rank. For
+// all_gather, reduce_scatter and all_to_all the requested size is rounded down to a multiple of
+// ranks * itemsize, as nccl-tests does.
+struct CollSizes {
+  int64_t count = 0;       // the count column
+  int64_t in_numel = 0;    // elements of this rank's input (all_reduce/broadcast: the buffer)
+  int64_t out_numel = 0;   // elements of this rank's output
+  int64_t size_bytes = 0;  // the size column; algbw = size_bytes / time
+};
+CollSizes coll_sizes(BenchOp op, int64_t bytes, size_t itemsize, int nranks);
+
+// busbw / algbw (nccl-tests doc/PERFORMANCE.md): all_reduce 2(n-1)/n; all_gather,
+// reduce_scatter, all_to_all (n-1)/n; broadcast 1. One rank moves nothing: 0 (broadcast: 1).
+double bus_factor(BenchOp op, int nranks);
+
+// Largest M such that every integer in [0, M] is exact in dtype (bool 1, u8 255, bf16 256,
+// f16 2048, f32 2^24, ...; i64 is capped at 2^62).
+int64_t exact_limit(DType dtype);
+
+// The integer-valued data `-c` checks with: inputs depend on rank and element index, and every
+// result is exact in the dtype (sums of n ranks stay <= exact_limit, avg divides exactly), so
+// results are compared with ==. Expected outputs are computed here on the host from the inputs,
+// never with a backend's kernels. Inputs are periodic in the element index, so fills and checks
+// walk small tables. Build once per op and share read-only across ranks.
+class CheckPattern {
+ public:
+  CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, int root);
+
+  // Element i of `rank`'s input buffer.
+  int64_t input(int rank, int64_t i) const;
+  // Element j of `rank`'s output, for a call with per-rank `count` (CollSizes::count).
+  int64_t expected(int rank, int64_t j, int64_t count) const;
+  // The period of input(rank, .) in the element index.
+  int64_t period() const { return period_; }
+
+  // Writes input(rank, i) into every element of `t` (contiguous, numel = in_numel).
+  void fill_input(const Tensor& t, int rank) const;
+  // Elements of `out` (contiguous, waited) that differ from expected(rank, j, count).
+  int64_t count_wrong(const Tensor& out, int rank, int64_t count) const;
+
+ private:
+  // One stretch of the output: table[(offset + k) % period] for k in [0, length).
+  struct Segment {
+    const std::vector<double>* table;
+    int64_t offset;
+    int64_t length;
+  };
+  std::vector<Segment> expected_segments(int rank, int64_t count) const;
+  std::vector<double> input_table(int rank) const;
+
+  BenchOp op_;
+  ReduceOp redop_;
+  DType dtype_;
+  int nranks_;
+  int root_;
+  int64_t modulus_ = 1;  // values are < modulus (times nranks for avg)
+  int64_t period_ = 1;
+  std::vector<double> reduced_;              // reduction ops: reduce over ranks, one period
+  std::vector<std::vector<double>> inputs_;  // other ops: every rank's input, one period
+};
+
+// Everything one `funcol bench` run needs; the defaults are nccl-tests' (-b 32 -e 32M -f 2
+// -n 20 -w 5 -c 1) plus funcol's (all ops, f32, sum, root 0, 2 ranks, threads).
+struct BenchOptions {
+  int64_t min_bytes = 32;
+  int64_t max_bytes = int64_t{32} << 20;
+  int64_t step_factor = 2;
+  int64_t step_bytes = int64_t{1} << 20;  // nccl-tests' -i default, used when -f 1
+  int iters = 20;
+  int warmup_iters = 5;
+  int check = 1;
+  std::vector<BenchOp> ops{std::begin(kAllBenchOps), std::end(kAllBenchOps)};
+  DType dtype = DType::F32;
+  ReduceOp redop = ReduceOp::Sum;
+  int root = 0;
+  int ranks = 2;
+  std::string backend = "threads";
+  bool json = false;
+  // 0: measure memcpy; > 0: skip the measurement and report this per-thread GB/s (tests).
+  double memcpy_gbps_override = 0;
+};
+
+// Throws InvalidArgument when the options do not make a run (min > max, root out of range,
+// bitwise reduce op on a floating dtype, unsupported backend, ...).
+void validate(const BenchOptions& options);
+
+// This run's memcpy bandwidth: two threads each copying `bytes` at the same time.
+struct MemcpyRef {
+  int64_t bytes = 0;
+  double gbps_per_thread = 0;  // mean over the two threads
+  double gbps_total = 0;       // both threads' bytes / the slower thread's time
+};
+MemcpyRef measure_memcpy(int64_t bytes);
+
+// One printed row.
+struct BenchRow {
+  BenchOp op;
+  CollSizes sizes;
+  double time_us = 0;  // max over ranks of the mean per-iteration time
+  double algbw = 0;    // GB/s, 1 GB = 1e9 B
+  double busbw = 0;
+  int64_t wrong = 0;  // summed over ranks; -1 when not checked (-c 0)
+};
+
+struct BenchReport {
+  MemcpyRef memcpy;
+  std::vector<BenchRow> rows;
+  int64_t wrong = 0;     // over every row
+  double avg_busbw = 0;  // mean busbw over every row, as nccl-tests' summary
+};
+
+// Runs the benchmark on `options.ranks` ranks of `options.backend` and prints the nccl-tests
+// table (or JSON lines) to `out` from rank 0. Throws on invalid options and communication
+// failures; wrong results are reported, not thrown: the caller decides the exit code.
+BenchReport run_bench(const BenchOptions& options, std::FILE* out);
+
+}  // namespace funcol::tools

@@ -1,0 +1,146 @@
+// End-to-end tests of `funcol bench`: the built command, its exit status, table, JSON and errors.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#ifndef FUNCOL_BIN
+#error "FUNCOL_BIN must name the funcol command"
+#endif
+
+namespace {
+
+struct Result {
+  int status = -1;  // exit status, or -1 when the command did not exit normally
+  std::string out;  // stdout and stderr together
+  std::string out_only;
+};
+
+// Runs `funcol bench ARGS`; stderr goes to a file so both streams can be checked.
+Result bench(const std::string& args) {
+  Result r;
+  char err_path[] = "/tmp/funcol_bench_e2e_XXXXXX";
+  const int fd = mkstemp(err_path);
+  EXPECT_GE(fd, 0);
+  close(fd);
+  const std::string cmd = std::string(FUNCOL_BIN) + " bench " + args + " 2>" + err_path;
+  std::FILE* p = popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr) << cmd;
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t k;
+  while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) r.out_only.append(buf, k);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  std::FILE* e = std::fopen(err_path, "r");
+  std::string err;
+  if (e != nullptr) {
+    while ((k = std::fread(buf, 1, sizeof buf, e)) > 0) err.append(buf, k);
+    std::fclose(e);
+  }
+  std::remove(err_path);
+  r.out = r.out_only + err;
+  return r;
+}
+
+int count_rows(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  int rows = 0;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line[0] != '#') ++rows;
+  }
+  return rows;
+}
+
+const char* const kColumns =
+    "#       size         count      type   redop    root     time   algbw   busbw  #wrong   ratio";
+
+TEST(BenchE2E, EveryOpChecksCleanAndPrintsTheColumns) {
+  for (const char* op : {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}) {
+    for (const char* ranks : {"2", "3"}) {
+      SCOPED_TRACE(std::string(op) + " ranks " + ranks);
+      Result r = bench(std::string("-o ") + op + " --ranks " + ranks +
+                       " -b 32 -e 64K -f 4 -n 3 -w 1 -c 1");
+      EXPECT_EQ(r.status, 0) << r.out;
+      EXPECT_NE(r.out.find(std::string("# funcol bench: op ") + op + ", backend threads, " + ranks +
+                           " ranks"),
+                std::string::npos)
+          << r.out;
+      EXPECT_NE(r.out.find(kColumns), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("# memcpy reference: 2 threads, 1 MiB each, "), std::string::npos)
+          << r.out;
+      EXPECT_NE(r.out.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("# Avg bus bandwidth    : "), std::string::npos) << r.out;
+      EXPECT_EQ(count_rows(r.out_only), 6) << r.out;  // 32 128 512 2K 8K 32K
+    }
+  }
+}
+
+TEST(BenchE2E, DemoFlagsParse) {
+  // The Makefile's demo line with smaller sizes: -b 4K -e 16M -f 4 -n 20 -w 5 -c 1.
+  Result r = bench("--ranks 2 -b 4K -e 64K -f 4 -n 20 -w 5 -c 1");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("minBytes 4096 maxBytes 65536 step: 4(factor) warmup iters: 5 iters: 20"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(count_rows(r.out_only), 5 * 3) << r.out;  // 5 ops x (4K 16K 64K)
+}
+
+TEST(BenchE2E, JsonIsOneObjectPerSize) {
+  Result r = bench("-o reduce_scatter -r max -d bf16 --ranks 2 -b 1K -e 4K --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::istringstream in(r.out_only);
+  std::string line;
+  std::vector<int64_t> sizes;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);  // throws (fails) on anything but JSON
+    EXPECT_EQ(j["op"], "reduce_scatter");
+    EXPECT_EQ(j["type"], "bf16");
+    EXPECT_EQ(j["redop"], "max");
+    EXPECT_EQ(j["wrong"], 0);
+    EXPECT_GT(j["time_us"].get<double>(), 0);
+    EXPECT_DOUBLE_EQ(j["busbw"].get<double>(), j["algbw"].get<double>() * 0.5);
+    EXPECT_GT(j["memcpy_gbps"].get<double>(), 0);
+    sizes.push_back(j["size"].get<int64_t>());
+  }
+  EXPECT_EQ(sizes, (std::vector<int64_t>{1024, 2048, 4096}));
+}
+
+TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
+  struct Case {
+    const char* args;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"-b 4X", "funcol: error: invalid size '4X' for -b/--minbytes"},
+      {"-e 1.5M", "funcol: error: invalid size '1.5M' for -e/--maxbytes"},
+      {"-o allreduce", "funcol: error: unknown op 'allreduce' for -o/--op"},
+      {"--backend nccl",
+       "funcol: error: unknown backend 'nccl' for --backend: available backends: "},
+      {"-d float8", "funcol: error: unknown dtype 'float8' for -d/--datatype"},
+      {"-r mean", "funcol: error: unknown reduce op 'mean' for -r/--redop"},
+      {"-n 0", "funcol: error: invalid value '0' for -n/--iters"},
+      {"-b 1M -e 1K", "funcol: error: -b/--minbytes (1048576) is larger than -e/--maxbytes (1024)"},
+      {"--root 2 --ranks 2", "funcol: error: --root 2 is out of range for 2 ranks"},
+      {"-o all_reduce -r bxor -d f32", "funcol: error: "},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    Result r = bench(c.args);
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_NE(r.out.find(c.message), std::string::npos) << r.out;
+    EXPECT_EQ(r.out_only, "") << "errors go to stderr, before any table";
+  }
+  Result r = bench("--backend nccl");
+  EXPECT_NE(r.out.find("threads"), std::string::npos) << r.out;
+}
+
+}  // namespace

@@ -1,0 +1,512 @@
+// Tests of `funcol bench`'s pieces: flags, nccl-tests conventions, check data, in-process runs.
+#include "tools/bench.h"
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+#include <Eigen/Core>
+#include <gtest/gtest.h>
+
+#include "funcol/core/error.h"
+#include "funcol/core/tensor.h"
+
+namespace funcol::tools {
+namespace {
+
+// ---- flag values ----
+
+TEST(BenchParse, SizesTakeOptional1024BasedSuffixes) {
+  EXPECT_EQ(parse_size("0", "-b"), 0);
+  EXPECT_EQ(parse_size("32", "-b"), 32);
+  EXPECT_EQ(parse_size("4K", "-b"), 4096);
+  EXPECT_EQ(parse_size("4k", "-b"), 4096);
+  EXPECT_EQ(parse_size("64M", "-e"), int64_t{64} << 20);
+  EXPECT_EQ(parse_size("16m", "-e"), int64_t{16} << 20);
+  EXPECT_EQ(parse_size("2G", "-e"), int64_t{2} << 30);
+}
+
+TEST(BenchParse, BadSizesNameTheValueAndTheFlag) {
+  for (const char* bad : {"", "4X", "K", "-1", "1.5M", "4KB", " 4", "4 ", "0x10"}) {
+    try {
+      parse_size(bad, "-b/--minbytes");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(
+                    std::string("invalid size '") + bad + "' for -b/--minbytes: ", 0),
+                0u)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(parse_size("99999999999999999999", "-e"), InvalidArgument);
+  EXPECT_THROW(parse_size("9000000000G", "-e"), InvalidArgument);
+  EXPECT_EQ(parse_size("8589934591G", "-e"), int64_t{8589934591} << 30);  // INT64_MAX >> 30
+}
+
+TEST(BenchParse, Integers) {
+  EXPECT_EQ(parse_int("20", "-n", 1), 20);
+  EXPECT_EQ(parse_int("0", "-w", 0), 0);
+  EXPECT_THROW(parse_int("0", "-n/--iters", 1), InvalidArgument);
+  EXPECT_THROW(parse_int("-1", "-w", 0), InvalidArgument);
+  EXPECT_THROW(parse_int("abc", "-n", 1), InvalidArgument);
+  EXPECT_THROW(parse_int("3x", "-n", 1), InvalidArgument);
+  EXPECT_THROW(parse_int("", "-n", 1), InvalidArgument);
+  EXPECT_THROW(parse_int("99999999999", "-n", 1), InvalidArgument);
+  try {
+    parse_int("0", "-n/--iters", 1);
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'0' for -n/--iters"), std::string::npos) << e.what();
+  }
+}
+
+TEST(BenchParse, Ops) {
+  EXPECT_EQ(parse_bench_ops("all").size(), 5u);
+  EXPECT_EQ(parse_bench_ops("all")[0], BenchOp::AllReduce);
+  EXPECT_EQ(parse_bench_ops("all")[4], BenchOp::Broadcast);
+  for (BenchOp op : kAllBenchOps) {
+    ASSERT_EQ(parse_bench_ops(bench_op_name(op)).size(), 1u);
+    EXPECT_EQ(parse_bench_ops(bench_op_name(op))[0], op);
+  }
+  try {
+    parse_bench_ops("allreduce");
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown op 'allreduce' for -o/--op"), std::string::npos);
+  }
+}
+
+TEST(BenchParse, DtypesAndReduceOps) {
+  EXPECT_EQ(parse_bench_dtype("bf16"), DType::BF16);
+  EXPECT_EQ(parse_bench_dtype("bool"), DType::Bool);
+  EXPECT_EQ(parse_bench_dtype("float"), DType::F32);
+  EXPECT_EQ(parse_bench_dtype("half"), DType::F16);
+  try {
+    parse_bench_dtype("f8");
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("'f8'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("bool, u8, i8, i16, i32, i64, f16, bf16, f32, f64"),
+              std::string::npos);
+  }
+  EXPECT_EQ(parse_bench_redop("sum"), ReduceOp::Sum);
+  EXPECT_EQ(parse_bench_redop("MAX"), ReduceOp::Max);
+  EXPECT_EQ(parse_bench_redop("prod"), ReduceOp::Product);
+  EXPECT_EQ(parse_bench_redop("product"), ReduceOp::Product);
+  EXPECT_EQ(parse_bench_redop("bxor"), ReduceOp::BXor);
+  EXPECT_THROW(parse_bench_redop("mean"), InvalidArgument);
+}
+
+// ---- nccl-tests conventions ----
+
+TEST(BenchSizes, SequenceFollowsNcclTests) {
+  EXPECT_EQ(size_sequence(4096, 16 << 20, 4, 1 << 20),
+            (std::vector<int64_t>{4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20}));
+  EXPECT_EQ(size_sequence(32, 32 << 20, 2, 1 << 20).size(), 21u);
+  EXPECT_EQ(size_sequence(32, 100, 2, 1), (std::vector<int64_t>{32, 64}));
+  EXPECT_EQ(size_sequence(64, 64, 2, 1), (std::vector<int64_t>{64}));
+  EXPECT_EQ(size_sequence(0, 4, 2, 1), (std::vector<int64_t>{0, 1, 2, 4}));
+  EXPECT_EQ(size_sequence(10, 35, 1, 10), (std::vector<int64_t>{10, 20, 30}));
+  // No overflow near the top of int64.
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(size_sequence(big / 2, big, 2, 1).size(), 2u);
+  EXPECT_EQ(size_sequence(big / 2 + 1, big, 2, 1).size(), 1u);
+  EXPECT_EQ(size_sequence(big - 1, big, 1, 1).size(), 2u);
+}
+
+TEST(BenchSizes, CollSizesFollowNcclTests) {
+  // all_reduce, broadcast: one buffer of the requested size.
+  CollSizes ar = coll_sizes(BenchOp::AllReduce, 4096, 4, 2);
+  EXPECT_EQ(ar.count, 1024);
+  EXPECT_EQ(ar.in_numel, 1024);
+  EXPECT_EQ(ar.out_numel, 1024);
+  EXPECT_EQ(ar.size_bytes, 4096);
+  CollSizes bc = coll_sizes(BenchOp::Broadcast, 4096, 2, 4);
+  EXPECT_EQ(bc.count, 2048);
+  EXPECT_EQ(bc.size_bytes, 4096);
+  // all_gather: size is the output, count the per-rank input.
+  CollSizes ag = coll_sizes(BenchOp::AllGather, 4096, 4, 2);
+  EXPECT_EQ(ag.count, 512);
+  EXPECT_EQ(ag.in_numel, 512);
+  EXPECT_EQ(ag.out_numel, 1024);
+  EXPECT_EQ(ag.size_bytes, 4096);
+  // reduce_scatter: size is the input, count the per-rank output.
+  CollSizes rs = coll_sizes(BenchOp::ReduceScatter, 4096, 4, 4);
+  EXPECT_EQ(rs.count, 256);
+  EXPECT_EQ(rs.in_numel, 1024);
+  EXPECT_EQ(rs.out_numel, 256);
+  EXPECT_EQ(rs.size_bytes, 4096);
+  // all_to_all: count is per peer.
+  CollSizes a2a = coll_sizes(BenchOp::AllToAll, 4096, 4, 4);
+  EXPECT_EQ(a2a.count, 256);
+  EXPECT_EQ(a2a.in_numel, 1024);
+  EXPECT_EQ(a2a.out_numel, 1024);
+  EXPECT_EQ(a2a.size_bytes, 4096);
+  // Rounded down to a multiple of ranks * itemsize, as nccl-tests: 32 B of f32 on 3 ranks.
+  CollSizes odd = coll_sizes(BenchOp::AllGather, 32, 4, 3);
+  EXPECT_EQ(odd.count, 2);
+  EXPECT_EQ(odd.out_numel, 6);
+  EXPECT_EQ(odd.size_bytes, 24);
+  CollSizes tiny = coll_sizes(BenchOp::ReduceScatter, 4, 4, 2);
+  EXPECT_EQ(tiny.count, 0);
+  EXPECT_EQ(tiny.size_bytes, 0);
+}
+
+TEST(BenchSizes, BusFactors) {
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::AllReduce, 2), 1.0);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::AllReduce, 4), 1.5);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::AllReduce, 8), 1.75);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::AllGather, 2), 0.5);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::ReduceScatter, 4), 0.75);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::AllToAll, 8), 0.875);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::Broadcast, 8), 1.0);
+  EXPECT_DOUBLE_EQ(bus_factor(BenchOp::AllReduce, 1), 0.0);
+}
+
+// ---- check data ----
+
+template <typename T>
+double round_trip(double v) {
+  return static_cast<double>(static_cast<float>(T(static_cast<float>(v))));
+}
+
+// v converted to dtype and back, to show it is exact.
+double through_dtype(DType dtype, double v) {
+  switch (dtype) {
+    case DType::Bool:
+      return v == 0 ? 0 : (v == 1 ? 1 : -1);
+    case DType::U8:
+      return static_cast<double>(static_cast<uint8_t>(v));
+    case DType::I8:
+      return static_cast<double>(static_cast<int8_t>(v));
+    case DType::I16:
+      return static_cast<double>(static_cast<int16_t>(v));
+    case DType::I32:
+      return static_cast<double>(static_cast<int32_t>(v));
+    case DType::I64:
+      return static_cast<double>(static_cast<int64_t>(v));
+    case DType::F16:
+      return round_trip<Eigen::half>(v);
+    case DType::BF16:
+      return round_trip<Eigen::bfloat16>(v);
+    case DType::F32:
+      return static_cast<double>(static_cast<float>(v));
+    case DType::F64:
+      return v;
+  }
+  return -1;
+}
+
+TEST(BenchCheck, ExactLimitIsTheLastExactInteger) {
+  EXPECT_EQ(exact_limit(DType::BF16), 256);
+  EXPECT_EQ(exact_limit(DType::F16), 2048);
+  EXPECT_EQ(exact_limit(DType::I8), 127);
+  EXPECT_EQ(exact_limit(DType::Bool), 1);
+  for (DType d : {DType::F16, DType::BF16, DType::F32}) {
+    const double m = static_cast<double>(exact_limit(d));
+    EXPECT_EQ(through_dtype(d, m), m) << dtype_name(d);
+    EXPECT_NE(through_dtype(d, m + 1), m + 1) << dtype_name(d);
+  }
+}
+
+bool bitwise(ReduceOp op) {
+  return op == ReduceOp::BAnd || op == ReduceOp::BOr || op == ReduceOp::BXor;
+}
+
+// A second, deliberately plain computation of one reduced element.
+int64_t reduce_over_ranks(const CheckPattern& p, ReduceOp op, int n, int64_t i) {
+  std::vector<int64_t> v;
+  for (int r = 0; r < n; ++r) v.push_back(p.input(r, i));
+  int64_t acc = v[0];
+  for (int r = 1; r < n; ++r) {
+    if (op == ReduceOp::Sum || op == ReduceOp::Avg) acc += v[r];
+    if (op == ReduceOp::Product) acc *= v[r];
+    if (op == ReduceOp::Min) acc = std::min(acc, v[r]);
+    if (op == ReduceOp::Max) acc = std::max(acc, v[r]);
+    if (op == ReduceOp::BAnd) acc &= v[r];
+    if (op == ReduceOp::BOr) acc |= v[r];
+    if (op == ReduceOp::BXor) acc ^= v[r];
+  }
+  if (op == ReduceOp::Avg) {
+    EXPECT_EQ(acc % n, 0);
+    acc /= n;
+  }
+  return acc;
+}
+
+TEST(BenchCheck, EveryPatternIsExactAndMatchesAPlainReduction) {
+  const ReduceOp redops[] = {ReduceOp::Sum, ReduceOp::Avg,  ReduceOp::Product, ReduceOp::Min,
+                             ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr,     ReduceOp::BXor};
+  for (DType dtype : kAllDTypes) {
+    for (int n : {1, 2, 3, 4, 5, 8, 16}) {
+      for (BenchOp op : kAllBenchOps) {
+        for (ReduceOp redop : redops) {
+          if (bitwise(redop) && is_floating(dtype)) continue;
+          if (!has_reduce_op(op) && redop != ReduceOp::Sum) continue;
+          SCOPED_TRACE(std::string(bench_op_name(op)) + " " + std::string(dtype_name(dtype)) + " " +
+                       std::string(reduce_op_name(redop)) + " n=" + std::to_string(n));
+          const int root = n - 1;
+          CheckPattern p(op, redop, dtype, n, root);
+          const int64_t count = 2 * p.period() + 3;  // not a multiple of the period
+          const double m = static_cast<double>(exact_limit(dtype));
+          bool varies_by_rank = false;
+          for (int r = 0; r < n; ++r) {
+            for (int64_t i = 0; i < count; ++i) {  // periodic: one period and a bit is all
+              const double x = static_cast<double>(p.input(r, i));
+              ASSERT_GE(x, 0);
+              ASSERT_LE(x, m);
+              ASSERT_EQ(through_dtype(dtype, x), x);
+              ASSERT_EQ(p.input(r, i), p.input(r, i + p.period()));
+              if (r > 0 && p.input(r, i) != p.input(0, i)) varies_by_rank = true;
+            }
+          }
+          // Inputs depend on the rank whenever the dtype leaves room for more than zeros.
+          const bool degenerate =
+              (redop == ReduceOp::Sum || redop == ReduceOp::Avg) && exact_limit(dtype) / n == 0;
+          if (n > 1 && !degenerate) {
+            EXPECT_TRUE(varies_by_rank);
+          }
+          for (int rank : std::vector<int>{0, std::min(1, n - 1), n - 1}) {
+            const int64_t out_numel =
+                op == BenchOp::AllReduce || op == BenchOp::Broadcast || op == BenchOp::ReduceScatter
+                    ? count
+                    : n * count;
+            for (int64_t j = 0; j < out_numel; ++j) {
+              const int64_t e = p.expected(rank, j, count);
+              ASSERT_GE(e, 0);
+              ASSERT_LE(static_cast<double>(e), m);
+              int64_t want = 0;
+              switch (op) {
+                case BenchOp::AllReduce:
+                  want = reduce_over_ranks(p, redop, n, j);
+                  break;
+                case BenchOp::ReduceScatter:
+                  want = reduce_over_ranks(p, redop, n, rank * count + j);
+                  break;
+                case BenchOp::AllGather:
+                  want = p.input(j / count, j % count);
+                  break;
+                case BenchOp::AllToAll:
+                  want = p.input(j / count, rank * count + j % count);
+                  break;
+                case BenchOp::Broadcast:
+                  want = p.input(root, j);
+                  break;
+              }
+              ASSERT_EQ(e, want) << "rank " << rank << " j " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(BenchCheck, HandComputedValues) {
+  CheckPattern sum(BenchOp::AllReduce, ReduceOp::Sum, DType::F32, 2, 0);
+  EXPECT_EQ(sum.input(0, 0), 0);
+  EXPECT_EQ(sum.input(1, 0), 7);
+  EXPECT_EQ(sum.expected(0, 0, 16), 7);
+  EXPECT_EQ(sum.input(0, 5), 5);
+  EXPECT_EQ(sum.input(1, 5), 12);
+  EXPECT_EQ(sum.expected(1, 5, 16), 17);
+  // avg on 4 ranks: element 1 is held by rank 3 as 4 * 1; the others hold 0.
+  CheckPattern avg(BenchOp::AllReduce, ReduceOp::Avg, DType::I32, 4, 0);
+  EXPECT_EQ(avg.input(3, 1), 4);
+  EXPECT_EQ(avg.input(0, 1), 0);
+  EXPECT_EQ(avg.expected(0, 1, 8), 1);
+  // product on 3 ranks: element 2 is held by rank 1 as 2; the others hold 1.
+  CheckPattern prod(BenchOp::ReduceScatter, ReduceOp::Product, DType::F16, 3, 0);
+  EXPECT_EQ(prod.input(1, 2), 2);
+  EXPECT_EQ(prod.input(0, 2), 1);
+  EXPECT_EQ(prod.expected(0, 2, 4), 2);
+  // reduce_scatter: rank 1 of 2 gets elements [count, 2 count) reduced.
+  CheckPattern rs(BenchOp::ReduceScatter, ReduceOp::Sum, DType::F32, 2, 0);
+  EXPECT_EQ(rs.expected(1, 0, 4), rs.input(0, 4) + rs.input(1, 4));
+  // all_gather on 2 ranks: (13 r + i) mod 251.
+  CheckPattern ag(BenchOp::AllGather, ReduceOp::Sum, DType::F32, 2, 0);
+  EXPECT_EQ(ag.expected(0, 3, 3), 13);  // rank 1's element 0
+  // bf16 sums stay within 256 on 16 ranks.
+  CheckPattern bf(BenchOp::AllReduce, ReduceOp::Sum, DType::BF16, 16, 0);
+  for (int64_t i = 0; i < bf.period(); ++i) EXPECT_LE(bf.expected(0, i, bf.period()), 256);
+}
+
+TEST(BenchCheck, FillAndCountWrongOnTensors) {
+  for (DType dtype : {DType::F32, DType::BF16, DType::F16, DType::I8, DType::Bool, DType::I64}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int n = 3;
+    const int64_t count = 300;
+    CheckPattern ag(BenchOp::AllGather, ReduceOp::Sum, dtype, n, 0);
+    Tensor in = Tensor::empty({count}, dtype);
+    ag.fill_input(in, 2);
+    const std::vector<double> got = in.to_vector<double>();
+    for (int64_t i = 0; i < count; ++i) ASSERT_EQ(got[i], static_cast<double>(ag.input(2, i)));
+
+    // A correct all_gather output, then one and then three corrupted elements.
+    std::vector<double> out_values;
+    for (int r = 0; r < n; ++r) {
+      for (int64_t k = 0; k < count; ++k) out_values.push_back(static_cast<double>(ag.input(r, k)));
+    }
+    Tensor out = Tensor::from_vector<double>(out_values, {n * count}).to(dtype);
+    EXPECT_EQ(ag.count_wrong(out, 1, count), 0);
+    auto corrupt = [&](int64_t j) {
+      out.narrow(0, j, 1).fill_(ag.expected(1, j, count) == 0 ? 1.0 : 0.0);
+    };
+    corrupt(5);
+    EXPECT_EQ(ag.count_wrong(out, 1, count), 1);
+    corrupt(2 * count + 7);
+    corrupt(2 * count + 8);
+    EXPECT_EQ(ag.count_wrong(out, 1, count), 3);
+  }
+}
+
+TEST(BenchCheck, NanAndSwappedBlocksAreWrong) {
+  const int n = 2;
+  const int64_t count = 64;
+  CheckPattern a2a(BenchOp::AllToAll, ReduceOp::Sum, DType::F32, n, 0);
+  std::vector<float> v;
+  for (int src = 0; src < n; ++src) {
+    for (int64_t k = 0; k < count; ++k)
+      v.push_back(static_cast<float>(a2a.input(src, 1 * count + k)));
+  }
+  Tensor out = Tensor::from_vector<float>(v, {n * count});
+  EXPECT_EQ(a2a.count_wrong(out, 1, count), 0);
+  EXPECT_EQ(a2a.count_wrong(out, 0, count), 2 * count);  // rank 0 expects block 0 of each peer
+  out.narrow(0, 3, 1).fill_(std::nan(""));
+  EXPECT_EQ(a2a.count_wrong(out, 1, count), 1);
+}
+
+// ---- validation and runs ----
+
+TEST(BenchRun, ValidateRejectsRunsThatCannotWork) {
+  BenchOptions o;
+  EXPECT_NO_THROW(validate(o));
+  BenchOptions bad = o;
+  bad.min_bytes = 1 << 20;
+  bad.max_bytes = 1024;
+  EXPECT_THROW(validate(bad), InvalidArgument);
+  bad = o;
+  bad.root = 2;
+  EXPECT_THROW(validate(bad), InvalidArgument);
+  bad = o;
+  bad.redop = ReduceOp::BXor;
+  EXPECT_THROW(validate(bad), InvalidArgument);
+  bad.ops = {BenchOp::AllGather};  // no reduce op involved: fine
+  EXPECT_NO_THROW(validate(bad));
+  bad = o;
+  bad.backend = "nccl";
+  try {
+    validate(bad);
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown backend 'nccl'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("threads"), std::string::npos);
+  }
+}
+
+TEST(BenchRun, MemcpyReferenceIsPositive) {
+  MemcpyRef ref = measure_memcpy(1 << 20);
+  EXPECT_EQ(ref.bytes, 1 << 20);
+  EXPECT_GT(ref.gbps_per_thread, 0);
+  EXPECT_GT(ref.gbps_total, 0);
+}
+
+std::string read_all(std::FILE* f) {
+  std::rewind(f);
+  std::string s;
+  char buf[4096];
+  size_t k;
+  while ((k = std::fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, k);
+  return s;
+}
+
+TEST(BenchRun, EveryOpChecksCleanAndPrintsTheTable) {
+  for (int ranks : {1, 2, 3}) {
+    SCOPED_TRACE("ranks " + std::to_string(ranks));
+    BenchOptions o;
+    o.ranks = ranks;
+    o.min_bytes = 0;
+    o.max_bytes = 4096;
+    o.step_factor = 4;
+    o.iters = 2;
+    o.warmup_iters = 1;
+    o.memcpy_gbps_override = 10;
+    std::FILE* out = std::tmpfile();
+    ASSERT_NE(out, nullptr);
+    BenchReport report = run_bench(o, out);
+    const std::string text = read_all(out);
+    std::fclose(out);
+    EXPECT_EQ(report.wrong, 0);
+    const size_t nsizes = size_sequence(0, 4096, 4, 1).size();
+    ASSERT_EQ(report.rows.size(), 5 * nsizes);
+    for (const BenchRow& row : report.rows) {
+      EXPECT_EQ(row.wrong, 0);
+      EXPECT_GT(row.time_us, 0);
+      EXPECT_DOUBLE_EQ(row.busbw, row.algbw * bus_factor(row.op, ranks));
+    }
+    EXPECT_NE(text.find("# funcol bench: op all (all_reduce, all_gather, reduce_scatter, "
+                        "all_to_all, broadcast), backend threads, " +
+                        std::to_string(ranks) + " ranks"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("#       size         count      type   redop    root     time   algbw"
+                        "   busbw  #wrong   ratio"),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("# Out of bounds values : 0 OK"), std::string::npos) << text;
+    EXPECT_NE(text.find("# Avg bus bandwidth    : "), std::string::npos) << text;
+  }
+}
+
+TEST(BenchRun, EveryDtypeAndReduceOpChecksClean) {
+  const ReduceOp redops[] = {ReduceOp::Sum, ReduceOp::Avg,  ReduceOp::Product, ReduceOp::Min,
+                             ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr,     ReduceOp::BXor};
+  for (DType dtype : kAllDTypes) {
+    for (ReduceOp redop : redops) {
+      if (bitwise(redop) && is_floating(dtype)) continue;
+      if (redop == ReduceOp::Avg && dtype == DType::Bool) continue;  // rejected by validate()
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + std::string(reduce_op_name(redop)));
+      BenchOptions o;
+      o.ranks = 3;
+      o.ops = {BenchOp::AllReduce, BenchOp::ReduceScatter};
+      if (redop == ReduceOp::Sum) o.ops = {std::begin(kAllBenchOps), std::end(kAllBenchOps)};
+      o.dtype = dtype;
+      o.redop = redop;
+      o.root = 1;
+      o.min_bytes = 1;
+      o.max_bytes = 2048;
+      o.step_factor = 8;
+      o.iters = 1;
+      o.warmup_iters = 0;
+      o.memcpy_gbps_override = 10;
+      o.json = true;
+      std::FILE* out = std::tmpfile();
+      ASSERT_NE(out, nullptr);
+      BenchReport report = run_bench(o, out);
+      std::fclose(out);
+      EXPECT_EQ(report.wrong, 0);
+      EXPECT_EQ(report.rows.size(), o.ops.size() * size_sequence(1, 2048, 8, 1).size());
+    }
+  }
+}
+
+TEST(BenchRun, UncheckedRowsSayNA) {
+  BenchOptions o;
+  o.ops = {BenchOp::Broadcast};
+  o.min_bytes = o.max_bytes = 64;
+  o.check = 0;
+  o.memcpy_gbps_override = 10;
+  std::FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  BenchReport report = run_bench(o, out);
+  const std::string text = read_all(out);
+  std::fclose(out);
+  ASSERT_EQ(report.rows.size(), 1u);
+  EXPECT_EQ(report.rows[0].wrong, -1);
+  EXPECT_EQ(report.wrong, 0);
+  EXPECT_NE(text.find("N/A"), std::string::npos) << text;
+  EXPECT_NE(text.find("# Out of bounds values : N/A (-c 0)"), std::string::npos) << text;
+}
+
+}  // namespace
+}  // namespace funcol::tools

@@ -1,0 +1,211 @@
+// `funcol opt`: parse and verify IR, run a pass pipeline, print IR or Graphviz (DESIGN §7).
+#include "tools/opt.h"
+
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "funcol/core/error.h"
+#include "funcol/graph/parser.h"
+#include "funcol/graph/printer.h"
+#include "funcol/graph/verifier.h"
+#include "funcol/passes/pipeline.h"
+#include "tools/commands.h"
+
+namespace funcol::tools {
+namespace {
+
+constexpr std::string_view kSplitMarker = "// -----";
+
+// One case of the input: its text and the line it starts on.
+struct Chunk {
+  std::string_view text;
+  uint32_t first_line = 1;
+};
+
+std::vector<Chunk> split_cases(std::string_view text, bool split) {
+  if (!split) return {Chunk{text, 1}};
+  std::vector<Chunk> chunks;
+  size_t start = 0;
+  uint32_t start_line = 1;
+  uint32_t line = 1;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t eol = std::min(text.find('\n', pos), text.size());
+    if (text.substr(pos, kSplitMarker.size()) == kSplitMarker) {
+      chunks.push_back(Chunk{text.substr(start, pos - start), start_line});
+      start = std::min(eol + 1, text.size());
+      start_line = line + 1;
+    }
+    if (eol == text.size()) break;
+    pos = eol + 1;
+    ++line;
+  }
+  chunks.push_back(Chunk{text.substr(start), start_line});
+  return chunks;
+}
+
+// Per-pass totals over every graph and case, in pipeline order.
+struct StatsCollector {
+  std::vector<PassStat> passes;
+  size_t nodes = 0;
+  std::map<std::string, size_t> ops;  // sorted: deterministic JSON
+
+  void add_passes(const std::vector<PassStat>& run) {
+    if (passes.empty()) {
+      passes = run;
+      return;
+    }
+    for (size_t i = 0; i < run.size() && i < passes.size(); ++i) {
+      passes[i].ms += run[i].ms;
+      passes[i].changed = passes[i].changed || run[i].changed;
+    }
+  }
+
+  void add_graph(const Graph& g) {
+    nodes += g.num_nodes();
+    for (const Node& n : g.nodes()) ++ops[std::string(n.op_name())];
+  }
+
+  std::string json() const {
+    nlohmann::ordered_json j;
+    j["nodes"] = nodes;
+    j["ops"] = nlohmann::ordered_json::object();
+    for (const auto& [op, count] : ops) j["ops"][op] = count;
+    j["passes"] = nlohmann::ordered_json::array();
+    for (const PassStat& p : passes) {
+      j["passes"].push_back({{"name", p.name}, {"ms", p.ms}, {"changed", p.changed}});
+    }
+    return j.dump();
+  }
+};
+
+class OptRun {
+ public:
+  OptRun(const OptOptions& options, std::ostream& err) : options_(options), err_(err) {}
+
+  int run(std::ostream& out) {
+    if (options_.emit != "ir" && options_.emit != "dot") {
+      return fail("--emit must be ir or dot, got '" + options_.emit + "'");
+    }
+    Pipeline pipeline;
+    try {
+      pipeline = Pipeline::parse(options_.pipeline);
+    } catch (const Error& e) {
+      return fail(e.what());
+    }
+    if (options_.explain) pipeline.set_explain(&err_);
+
+    std::string text;
+    try {
+      text = read_text_file(options_.file);
+    } catch (const Error& e) {
+      return fail(e.what());
+    }
+    const std::string file = options_.file == "-" ? "<stdin>" : options_.file;
+
+    std::string result;
+    bool ok = true;
+    const std::vector<Chunk> chunks = split_cases(text, options_.split_input_file);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (i) result += std::string(kSplitMarker) + "\n";
+      ok = run_case(chunks[i], file, pipeline, result) && ok;
+    }
+    if (options_.stats) err_ << stats_.json() << "\n";
+    if (!ok && !options_.split_input_file) return 1;
+    if (const int rc = write(out, result); rc != 0) return rc;
+    return ok ? 0 : 1;
+  }
+
+ private:
+  const OptOptions& options_;
+  std::ostream& err_;
+  StatsCollector stats_;
+
+  int fail(const std::string& message) {
+    err_ << "funcol opt: error: " << message << "\n";
+    return 1;
+  }
+
+  // Parses, verifies, transforms and prints one case into `result`; reports its error.
+  bool run_case(const Chunk& chunk, const std::string& file, const Pipeline& pipeline,
+                std::string& result) {
+    Module module;
+    try {
+      module = parse_module(chunk.text, ParseOptions{.file = file, .first_line = chunk.first_line});
+    } catch (const ParseError& e) {
+      err_ << e.what() << "\n";
+      return false;
+    }
+    try {
+      for (auto& g : module.graphs()) {
+        verify(*g);
+        std::vector<PassStat> stats;
+        pipeline.run(*g, &stats);
+        stats_.add_passes(stats);
+        stats_.add_graph(*g);
+      }
+    } catch (const Error& e) {
+      err_ << file << ": error: " << e.what() << "\n";
+      return false;
+    }
+    result += options_.emit == "dot" ? to_dot(module) : print(module);
+    return true;
+  }
+
+  int write(std::ostream& out, const std::string& result) {
+    if (options_.output.empty() || options_.output == "-") {
+      out.write(result.data(), static_cast<std::streamsize>(result.size()));
+      out.flush();
+      return out ? 0 : fail("cannot write the output");
+    }
+    std::ofstream f(options_.output, std::ios::binary);
+    f.write(result.data(), static_cast<std::streamsize>(result.size()));
+    f.close();
+    return f ? 0 : fail("cannot write " + options_.output);
+  }
+};
+
+}  // namespace
+
+int run_opt(const OptOptions& options, std::ostream& out, std::ostream& err) {
+  try {
+    return OptRun(options, err).run(out);
+  } catch (const std::bad_alloc&) {
+    err << "funcol opt: error: out of memory\n";
+  } catch (const std::exception& e) {
+    err << "funcol opt: internal error: " << e.what() << "\n";
+  }
+  return 1;
+}
+
+void add_opt_command(CLI::App& app) {
+  auto options = std::make_shared<OptOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "opt", "parse and verify IR, run a pass pipeline, print the result (IR or Graphviz)");
+  sub->add_option("file", options->file, "IR file ('-': standard input)")->required();
+  sub->add_option("-p,--pipeline", options->pipeline,
+                  "passes to run, e.g. 'bucket-all-gather{cap-mb=25},dce'");
+  sub->add_option("-o,--output", options->output, "write the result here instead of stdout");
+  sub->add_flag("--stats", options->stats,
+                "write {\"nodes\", \"ops\", \"passes\"} as one JSON line to stderr");
+  sub->add_flag("--explain", options->explain,
+                "write the bucketing passes' decisions to stderr");
+  sub->add_option("--emit", options->emit, "output format: ir or dot")
+      ->check(CLI::IsMember({"ir", "dot"}));
+  sub->add_flag("--split-input-file", options->split_input_file,
+                "handle each '// -----'-separated case of FILE on its own");
+  sub->callback([options] {
+    const int rc = run_opt(*options, std::cout, std::cerr);
+    if (rc != 0) throw CLI::RuntimeError(rc);
+  });
+}
+
+}  // namespace funcol::tools

@@ -1,0 +1,549 @@
+// `funcol run`: runs a graph on N ranks (threads, or processes under mpirun or a gloo store).
+#include "tools/run.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <new>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
+#include "funcol/dist/device_mesh.h"
+#include "funcol/graph/parser.h"
+#include "funcol/graph/verifier.h"
+#include "funcol/runtime/executor.h"
+#include "funcol/runtime/profile.h"
+#include "tools/commands.h"
+#include "tools/spawn.h"
+
+namespace funcol::tools {
+
+namespace {
+
+// DESIGN §7: `data` is printed for tensors of at most this many elements.
+constexpr int64_t kMaxDataElements = 4096;
+// Variables a launcher passes to the ranks it starts (gloo); RANK/WORLD_SIZE/FUNCOL_STORE are
+// the gloo backend's own (DESIGN §3).
+constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
+
+// Everything checked before any rank starts.
+struct Prepared {
+  Module module;
+  const Graph* graph = nullptr;
+  std::vector<std::pair<std::string, int>> mesh;
+};
+
+// One rank's results, as the printing rank needs them.
+struct RankReport {
+  int rank = 0;
+  std::string text;    // the JSON line or the summary line
+  std::string events;  // trace events (a JSON array), when tracing
+  double seconds = 0;  // wall time of all iterations
+};
+
+// Rethrows the exception in flight with "rank R: " in front, keeping its type.
+[[noreturn]] void rethrow_for_rank(int rank) {
+  const std::string p = fmt::format("rank {}: ", rank);
+  try {
+    throw;
+  } catch (const ShapeError& e) {
+    throw ShapeError(p + e.what());
+  } catch (const ParseError& e) {
+    throw InvalidArgument(p + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(p + e.what());
+  } catch (const CommError& e) {
+    throw CommError(p + e.what());
+  } catch (const Error& e) {
+    throw Error(p + e.what());
+  } catch (const std::bad_alloc&) {
+    throw Error(p + "out of memory");
+  } catch (const std::exception& e) {
+    throw Error(p + e.what());
+  }
+}
+
+bool is_identifier(std::string_view s) {
+  if (s.empty()) return false;
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.';
+  });
+}
+
+void validate_options(const RunOptions& o) {
+  if (o.ranks < 1)
+    throw InvalidArgument(fmt::format("--ranks must be at least 1, got {}", o.ranks));
+  if (o.iters < 1)
+    throw InvalidArgument(fmt::format("--iters must be at least 1, got {}", o.iters));
+  if (!o.outputs.empty() && o.outputs != "json") {
+    throw InvalidArgument(fmt::format("--outputs must be 'json', got '{}'", o.outputs));
+  }
+  if (o.backend != "threads" && o.backend != "mpi" && o.backend != "gloo") {
+    throw InvalidArgument(fmt::format(
+        "unknown backend '{}' for --backend: expected threads, mpi or gloo", o.backend));
+  }
+  const std::vector<std::string> available = available_backends();
+  if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
+    throw InvalidArgument(fmt::format(
+        "backend '{}' is not compiled into this build (configure with -DFUNCOL_WITH_{}=ON); "
+        "available backends: {}",
+        o.backend, o.backend == "mpi" ? "MPI" : "GLOO", fmt::join(available, ", ")));
+  }
+}
+
+const Graph& select_graph(const Module& module, const RunOptions& o, const std::string& file) {
+  const auto& graphs = module.graphs();
+  std::string names;
+  for (const auto& g : graphs) names += (names.empty() ? "@" : ", @") + g->name();
+  if (!o.graph.empty()) {
+    const std::string name = o.graph[0] == '@' ? o.graph.substr(1) : o.graph;
+    if (const Graph* g = module.find(name)) return *g;
+    throw InvalidArgument(fmt::format("{} has no graph @{} (graphs: {})", file, name,
+                                      names.empty() ? "none" : names));
+  }
+  if (graphs.empty()) throw InvalidArgument(fmt::format("{} holds no graph", file));
+  if (graphs.size() > 1) {
+    throw InvalidArgument(fmt::format("{} holds {} graphs ({}); choose one with --graph", file,
+                                      graphs.size(), names));
+  }
+  return *graphs[0];
+}
+
+// Parses, selects and verifies the graph and checks every collective against the groups the
+// run will have: the same errors on every rank, so they are reported once, before any starts.
+Prepared prepare(const RunOptions& o, const std::string& text) {
+  Prepared p;
+  const std::string file = o.file == "-" ? "<stdin>" : o.file;
+  p.module = parse_module(text, ParseOptions{.file = file});
+  p.graph = &select_graph(p.module, o, file);
+  verify(*p.graph);
+  p.mesh = parse_mesh(o.mesh);
+  if (!p.mesh.empty()) {
+    int64_t product = 1;
+    for (const auto& [name, size] : p.mesh) product *= size;
+    if (product != o.ranks) {
+      throw InvalidArgument(
+          fmt::format("--mesh {} spans {} ranks but --ranks is {}", o.mesh, product, o.ranks));
+    }
+  }
+  std::vector<std::string> known = {"world"};
+  for (const auto& [name, size] : p.mesh) known.push_back(name);
+  validate_groups(
+      *p.graph,
+      [&](const std::string& name) -> std::optional<int> {
+        if (name == "world") return o.ranks;
+        for (const auto& [n, s] : p.mesh) {
+          if (n == name) return s;
+        }
+        return std::nullopt;
+      },
+      known);
+  return p;
+}
+
+std::string summary_text(int rank, const Graph& graph, const std::vector<Tensor>& outputs) {
+  std::string s = fmt::format("rank {}:", rank);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    s += fmt::format("{} {} {} digest {}", i == 0 ? "" : ";", graph.outputs()[i]->ref(),
+                     type_str(outputs[i].dtype(), outputs[i].sizes()), tensor_digest(outputs[i]));
+  }
+  if (outputs.empty()) s += " no outputs";
+  return s;
+}
+
+RankReport run_rank(const Prepared& p, const RunOptions& o, ProcessGroup& world) {
+  const int rank = world.rank();
+  try {
+    std::optional<DeviceMesh> mesh;
+    if (!p.mesh.empty()) mesh.emplace(world, p.mesh);
+    Profiler profiler;
+    ExecutorOptions options;
+    if (!o.trace.empty()) options.profiler = &profiler;
+    Executor executor(*p.graph, world, options);
+    const std::vector<Tensor> inputs = make_inputs(*p.graph, o.seed, rank);
+    if (!o.trace.empty())
+      profiler.reserve(static_cast<size_t>(o.iters) * (p.graph->num_nodes() + 1));
+    // Line the ranks up, so every rank's trace starts at (nearly) the same instant.
+    world.barrier();
+    profiler.reset_epoch();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<Tensor> outputs;
+    for (int i = 0; i < o.iters; ++i) outputs = executor.run(inputs);
+    RankReport r;
+    r.rank = rank;
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.text = o.outputs == "json" ? outputs_json_line(rank, outputs)
+                                 : summary_text(rank, *p.graph, outputs);
+    if (!o.trace.empty()) r.events = trace_events_json(profiler, rank);
+    return r;
+  } catch (...) {
+    rethrow_for_rank(rank);
+  }
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (f) f << text;
+  if (!f) {
+    throw InvalidArgument(
+        fmt::format("cannot write trace file {}: {}", path, std::strerror(errno)));
+  }
+}
+
+// Fails before any rank starts when the trace file cannot be written.
+void check_writable(const std::string& path) {
+  std::ofstream f(path, std::ios::binary | std::ios::app);
+  if (!f) {
+    throw InvalidArgument(
+        fmt::format("cannot write trace file {}: {}", path, std::strerror(errno)));
+  }
+}
+
+// Prints every rank's report in rank order, then writes the trace (the printing process only).
+void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankReport>& reports,
+                   std::FILE* out) {
+  std::sort(reports.begin(), reports.end(),
+            [](const RankReport& a, const RankReport& b) { return a.rank < b.rank; });
+  if (o.outputs != "json") {
+    double slowest = 0;
+    for (const RankReport& r : reports) slowest = std::max(slowest, r.seconds);
+    size_t collectives = 0;
+    for (const Node& n : p.graph->nodes()) collectives += n.op().is_collective();
+    std::fprintf(out,
+                 "graph @%s: %zu nodes, %zu collectives; %d ranks on %s; %d iteration%s, %.3f ms "
+                 "per iteration (slowest rank)\n",
+                 p.graph->name().c_str(), p.graph->num_nodes(), collectives, o.ranks,
+                 o.backend.c_str(), o.iters, o.iters == 1 ? "" : "s", slowest / o.iters * 1e3);
+  }
+  for (const RankReport& r : reports) std::fprintf(out, "%s\n", r.text.c_str());
+  if (!o.trace.empty()) {
+    std::vector<std::string> events;
+    for (const RankReport& r : reports) events.push_back(r.events);
+    write_file(o.trace, chrome_trace_json(events));
+    if (o.outputs != "json") std::fprintf(out, "trace: %s\n", o.trace.c_str());
+  }
+  std::fflush(out);
+}
+
+// All-gathers one string per rank over `world` (lengths first, then padded bytes).
+std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine) {
+  const int n = world.size();
+  Tensor len = Tensor::from_vector<int64_t>({static_cast<int64_t>(mine.size())});
+  Tensor lens = Tensor::empty({n}, DType::I64);
+  world.all_gather(lens, len)->wait();
+  const std::vector<int64_t> sizes = lens.to_vector<int64_t>();
+  const int64_t width = std::max<int64_t>(1, *std::max_element(sizes.begin(), sizes.end()));
+  Tensor buf = Tensor::zeros({width}, DType::U8);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  Tensor all = Tensor::empty({n * width}, DType::U8);
+  world.all_gather(all, buf)->wait();
+  const auto* bytes = static_cast<const char*>(all.data_ptr());
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) out.emplace_back(bytes + r * width, static_cast<size_t>(sizes[r]));
+  return out;
+}
+
+// ---- running the ranks ----------------------------------------------------------------------
+
+int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
+  if (!o.trace.empty()) check_writable(o.trace);
+  std::vector<RankReport> reports(static_cast<size_t>(o.ranks));
+  run_local(o.ranks, [&](ProcessGroup& world) { reports[world.rank()] = run_rank(p, o, world); });
+  print_reports(p, o, reports, out);
+  return 0;
+}
+
+// This process is one rank of an mpi or gloo job: run, then gather the reports to rank 0.
+int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE* err) {
+  if (const char* launcher = std::getenv(kLauncherPidVar)) {
+    die_with_launcher(static_cast<pid_t>(std::atol(launcher)));
+  }
+  std::shared_ptr<ProcessGroup> world = init_process_group(o.backend);
+  const int rank = world->rank();
+  try {
+    if (world->size() != o.ranks) {
+      throw InvalidArgument(
+          fmt::format("--ranks {} does not match the job's {} processes", o.ranks, world->size()));
+    }
+    if (rank == 0 && !o.trace.empty()) check_writable(o.trace);
+    RankReport mine = run_rank(p, o, *world);
+    const nlohmann::json j = {{"rank", mine.rank},
+                              {"text", mine.text},
+                              {"events", mine.events},
+                              {"seconds", mine.seconds}};
+    std::vector<std::string> all = gather_strings(*world, j.dump());
+    if (rank == 0) {
+      std::vector<RankReport> reports;
+      for (const std::string& s : all) {
+        const nlohmann::json r = nlohmann::json::parse(s);
+        reports.push_back(RankReport{r["rank"].get<int>(), r["text"].get<std::string>(),
+                                     r["events"].get<std::string>(), r["seconds"].get<double>()});
+      }
+      print_reports(p, o, reports, out);
+    }
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    const std::string prefix = fmt::format("rank {}: ", rank);
+    std::fprintf(err, "funcol: error: %s%s\n", what.rfind(prefix, 0) == 0 ? "" : prefix.c_str(),
+                 what.c_str());
+    std::fflush(err);
+    destroy_process_group();
+    return 1;
+  }
+  destroy_process_group();
+  return 0;
+}
+
+// The flags a launched rank gets: the same run, as a rank of the job.
+std::vector<std::string> rank_args(const RunOptions& o, const std::string& file) {
+  std::vector<std::string> a = {"run",       file,
+                                "--ranks",   std::to_string(o.ranks),
+                                "--backend", o.backend,
+                                "--seed",    std::to_string(o.seed),
+                                "--iters",   std::to_string(o.iters)};
+  if (!o.mesh.empty()) a.insert(a.end(), {"--mesh", o.mesh});
+  if (!o.outputs.empty()) a.insert(a.end(), {"--outputs", o.outputs});
+  if (!o.trace.empty()) a.insert(a.end(), {"--trace", o.trace});
+  if (!o.graph.empty()) a.insert(a.end(), {"--graph", o.graph});
+  return a;
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Not inside a job: start one. mpi: under mpirun. gloo: N processes of this program with a
+// file store in a temporary directory; the first rank to fail stops the others and its error
+// is the one printed.
+int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
+  if (!o.trace.empty()) check_writable(o.trace);
+  TempDir dir("funcol-run-");
+  std::string file = o.file;
+  if (o.file == "-") {
+    file = dir.path() + "/stdin.ir";
+    std::ofstream(file, std::ios::binary) << text;
+  }
+  const std::string self = self_executable();
+  std::vector<std::string> args = rank_args(o, file);
+  if (o.backend == "mpi") {
+    SpawnOptions s;
+    s.argv = {"mpirun", "-np", std::to_string(o.ranks), "--oversubscribe"};
+    if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
+    s.argv.push_back(self);
+    s.argv.insert(s.argv.end(), args.begin(), args.end());
+    pid_t pid = -1;
+    try {
+      pid = spawn_process(s);
+    } catch (const Error& e) {
+      throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
+    }
+    const ExitStatus st = wait_all({pid}).front();
+    if (st.ok()) return 0;
+    // The ranks printed their errors; add mpirun's own status only when it died oddly.
+    if (st.signaled) std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
+    return 1;
+  }
+  // gloo
+  const std::string store = dir.path() + "/store";
+  std::filesystem::create_directory(store);
+  std::vector<pid_t> pids;
+  std::vector<std::string> err_files;
+  try {
+    for (int r = 0; r < o.ranks; ++r) {
+      SpawnOptions s;
+      s.argv = {self};
+      s.argv.insert(s.argv.end(), args.begin(), args.end());
+      s.env = {{"RANK", std::to_string(r)},
+               {"WORLD_SIZE", std::to_string(o.ranks)},
+               {"FUNCOL_STORE", "file://" + store},
+               {kLauncherPidVar, std::to_string(getpid())}};
+      err_files.push_back(fmt::format("{}/rank{}.err", dir.path(), r));
+      s.stderr_path = err_files.back();
+      pids.push_back(spawn_process(s));
+    }
+  } catch (...) {
+    for (pid_t pid : pids) kill(pid, SIGKILL);
+    wait_all(pids, std::chrono::milliseconds(0));
+    throw;
+  }
+  const std::vector<ExitStatus> statuses = wait_all(pids);
+  auto rank_of = [&](pid_t pid) {
+    return static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+  };
+  const auto failed =
+      std::find_if(statuses.begin(), statuses.end(), [](const ExitStatus& s) { return !s.ok(); });
+  if (failed == statuses.end()) {
+    // Success: pass on whatever the ranks wrote to stderr (warnings), in rank order.
+    for (const std::string& f : err_files) std::fputs(read_all(f).c_str(), err);
+    return 0;
+  }
+  // The first rank that failed explains the failure; the others only saw it fail.
+  const int rank = rank_of(failed->pid);
+  const std::string message = read_all(err_files[static_cast<size_t>(rank)]);
+  if (!message.empty()) std::fputs(message.c_str(), err);
+  if (message.empty() || failed->signaled) {
+    std::fprintf(err, "funcol: error: rank %d %s\n", rank, failed->describe().c_str());
+  }
+  return 1;
+}
+
+int run_command_impl(const RunOptions& o, std::FILE* out, std::FILE* err) {
+  validate_options(o);
+  const std::string text = read_text_file(o.file);
+  const Prepared p = prepare(o, text);
+  if (o.backend == "threads") return run_threads(p, o, out);
+  const bool in_job = o.backend == "mpi" ? std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr
+                                         : std::getenv("RANK") && std::getenv("WORLD_SIZE");
+  if (in_job) return run_in_job(p, o, out, err);
+  return launch(o, text, err);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, int>> parse_mesh(std::string_view text) {
+  std::vector<std::pair<std::string, int>> dims;
+  if (text.empty()) return dims;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string_view item = text.substr(pos, comma - pos);
+    const size_t eq = item.find('=');
+    if (eq == std::string_view::npos) {
+      throw InvalidArgument(fmt::format(
+          "--mesh '{}': expected NAME=SIZE, got '{}' (e.g. --mesh dp=2,tp=2)", text, item));
+    }
+    const std::string name(item.substr(0, eq));
+    const std::string size_text(item.substr(eq + 1));
+    if (!is_identifier(name)) {
+      throw InvalidArgument(fmt::format("--mesh '{}': invalid dimension name '{}'", text, name));
+    }
+    if (name == "world") {
+      throw InvalidArgument(fmt::format(
+          "--mesh '{}': 'world' is the group of all ranks; name the dimension otherwise", text));
+    }
+    char* end = nullptr;
+    errno = 0;
+    const long size = size_text.empty() ? 0 : std::strtol(size_text.c_str(), &end, 10);
+    if (size_text.empty() || *end != '\0' || errno != 0 || size < 1 || size > (1 << 20)) {
+      throw InvalidArgument(
+          fmt::format("--mesh '{}': size of '{}' must be a positive integer, "
+                      "got '{}'",
+                      text, name, size_text));
+    }
+    for (const auto& [n, s] : dims) {
+      if (n == name) {
+        throw InvalidArgument(fmt::format("--mesh '{}': dimension '{}' appears twice", text, name));
+      }
+    }
+    dims.emplace_back(name, static_cast<int>(size));
+    pos = comma + 1;
+  }
+  return dims;
+}
+
+std::string outputs_json_line(int rank, const std::vector<Tensor>& outputs) {
+  std::string s = fmt::format("{{\"rank\": {}, \"outputs\": [", rank);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& t = outputs[i];
+    if (i) s += ", ";
+    s += fmt::format("{{\"dtype\": \"{}\", \"shape\": [{}], \"digest\": \"{}\"",
+                     dtype_name(t.dtype()), fmt::join(t.sizes(), ", "), tensor_digest(t));
+    if (t.numel() <= kMaxDataElements) {
+      s += ", \"data\": [";
+      auto put_float = [&](double v, const char* format) {
+        if (std::isnan(v)) {
+          s += "\"nan\"";
+        } else if (std::isinf(v)) {
+          s += v > 0 ? "\"inf\"" : "\"-inf\"";
+        } else {
+          char buf[40];
+          std::snprintf(buf, sizeof buf, format, v);
+          s += buf;
+        }
+      };
+      const int64_t n = t.numel();
+      if (t.dtype() == DType::F64) {
+        const auto v = t.to_vector<double>();
+        for (int64_t k = 0; k < n; ++k) {
+          if (k) s += ", ";
+          put_float(v[k], "%.17g");
+        }
+      } else if (is_floating(t.dtype())) {
+        const auto v = t.to_vector<float>();
+        for (int64_t k = 0; k < n; ++k) {
+          if (k) s += ", ";
+          put_float(static_cast<double>(v[k]), "%.9g");
+        }
+      } else if (t.dtype() == DType::Bool) {
+        const auto v = t.to_vector<int64_t>();
+        for (int64_t k = 0; k < n; ++k) s += (k ? ", " : "") + std::string(v[k] ? "true" : "false");
+      } else {
+        const auto v = t.to_vector<int64_t>();
+        for (int64_t k = 0; k < n; ++k) s += fmt::format("{}{}", k ? ", " : "", v[k]);
+      }
+      s += "]";
+    }
+    s += "}";
+  }
+  s += "]}";
+  return s;
+}
+
+int run_command(const RunOptions& options, std::FILE* out, std::FILE* err) {
+  try {
+    return run_command_impl(options, out, err);
+  } catch (const ParseError& e) {
+    std::fprintf(err, "%s\n", e.what());
+  } catch (const Error& e) {
+    std::fprintf(err, "funcol: error: %s\n", e.what());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(err, "funcol: error: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(err, "funcol: error: %s\n", e.what());
+  }
+  std::fflush(err);
+  return 1;
+}
+
+void add_run_command(CLI::App& app) {
+  CLI::App* sub = app.add_subcommand(
+      "run", "run a graph on N ranks: generated inputs, collectives over a real backend");
+  auto o = std::make_shared<RunOptions>();
+  sub->add_option("file", o->file, "IR file ('-' reads standard input)")->required();
+  sub->add_option("--ranks", o->ranks, "number of ranks")->required();
+  sub->add_option("--backend", o->backend, "threads, mpi or gloo")->capture_default_str();
+  sub->add_option("--mesh", o->mesh,
+                  "device mesh over the ranks, e.g. dp=2,tp=2; its dim names are group names");
+  sub->add_option("--seed", o->seed, "seed of the generated inputs")->capture_default_str();
+  sub->add_option("--outputs", o->outputs,
+                  "'json': one line per rank with every output's dtype, shape, digest and data");
+  sub->add_option("--iters", o->iters, "runs of the graph (outputs are the last run's)")
+      ->capture_default_str();
+  sub->add_option("--trace", o->trace,
+                  "write a Chrome/Perfetto trace of every rank's compute and communication");
+  sub->add_option("--graph", o->graph, "the graph to run when FILE holds several");
+  sub->callback([o]() {
+    const int rc = run_command(*o, stdout, stderr);
+    if (rc != 0) throw CLI::RuntimeError(rc);
+  });
+}
+
+}  // namespace funcol::tools

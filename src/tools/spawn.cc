@@ -1,0 +1,164 @@
+// Child processes for the launchers: posix_spawn, waitpid polling, kill on first failure.
+#include "tools/spawn.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "funcol/core/error.h"
+
+extern char** environ;
+
+namespace funcol::tools {
+
+namespace {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+ExitStatus decode(pid_t pid, int status) {
+  ExitStatus s;
+  s.pid = pid;
+  if (WIFSIGNALED(status)) {
+    s.signaled = true;
+    s.code = WTERMSIG(status);
+  } else {
+    s.code = WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string ExitStatus::describe() const {
+  if (signaled) {
+    const char* name = strsignal(code);
+    return fmt::format("was killed by signal {} ({})", code, name ? name : "unknown");
+  }
+  return fmt::format("exited with status {}", code);
+}
+
+pid_t spawn_process(const SpawnOptions& options) {
+  if (options.argv.empty()) throw InvalidArgument("spawn_process: empty argv");
+  // The environment: ours, with options.env replacing or adding variables.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string_view entry(*e);
+    const std::string_view key = entry.substr(0, entry.find('='));
+    const bool replaced = std::any_of(options.env.begin(), options.env.end(),
+                                      [&](const auto& kv) { return kv.first == key; });
+    if (!replaced) env_strings.emplace_back(entry);
+  }
+  for (const auto& [k, v] : options.env) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp;
+  for (std::string& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = options.argv;
+  std::vector<char*> argv;
+  for (std::string& s : args) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (!options.stdout_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, options.stdout_path.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
+  if (!options.stderr_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, options.stderr_path.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
+  pid_t pid = -1;
+  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    throw Error(fmt::format("cannot start {}: {}", options.argv[0], errno_text(rc)));
+  }
+  return pid;
+}
+
+std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::milliseconds grace) {
+  std::vector<pid_t> running = pids;
+  std::vector<ExitStatus> done;
+  bool killing = false;
+  auto kill_deadline = std::chrono::steady_clock::now();
+  bool sent_kill = false;
+  auto sleep_for = std::chrono::microseconds(200);
+  while (!running.empty()) {
+    bool progressed = false;
+    for (size_t i = 0; i < running.size();) {
+      int status = 0;
+      const pid_t r = waitpid(running[i], &status, WNOHANG);
+      if (r == running[i] || (r < 0 && errno == ECHILD)) {
+        // ECHILD: reaped elsewhere; count it as a failure we cannot describe better.
+        done.push_back(r == running[i] ? decode(r, status) : ExitStatus{running[i], false, 1});
+        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
+        progressed = true;
+      } else {
+        ++i;
+      }
+    }
+    if (!killing && !running.empty() &&
+        std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); })) {
+      killing = true;
+      for (pid_t p : running) kill(p, SIGTERM);
+      kill_deadline = std::chrono::steady_clock::now() + grace;
+    }
+    if (killing && !sent_kill && std::chrono::steady_clock::now() >= kill_deadline) {
+      for (pid_t p : running) kill(p, SIGKILL);
+      sent_kill = true;
+    }
+    if (running.empty()) break;
+    if (progressed) {
+      sleep_for = std::chrono::microseconds(200);
+    } else {
+      // Back off to 10 ms: a launcher waits for minutes-long runs without burning a core.
+      std::this_thread::sleep_for(sleep_for);
+      sleep_for = std::min<std::chrono::microseconds>(sleep_for * 2, std::chrono::milliseconds(10));
+    }
+  }
+  return done;
+}
+
+std::string self_executable() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw Error(fmt::format("cannot find the running executable: {}", ec.message()));
+  return p.string();
+}
+
+TempDir::TempDir(const std::string& prefix) {
+  const char* base = std::getenv("TMPDIR");
+  std::string templ = std::string(base && *base ? base : "/tmp") + "/" + prefix + "XXXXXX";
+  std::vector<char> buf(templ.begin(), templ.end());
+  buf.push_back('\0');
+  if (!mkdtemp(buf.data())) {
+    throw Error(
+        fmt::format("cannot create a temporary directory {}: {}", templ, errno_text(errno)));
+  }
+  path_ = buf.data();
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+void die_with_launcher(pid_t launcher) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  // The launcher may have died before prctl took effect: then we were re-parented already.
+  if (getppid() != launcher) _exit(1);
+}
+
+}  // namespace funcol::tools

@@ -1,0 +1,67 @@
+// Starting, watching and stopping child processes (the launchers of `funcol run`).
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace funcol::tools {
+
+// How to start one child process.
+struct SpawnOptions {
+  // argv[0] is searched in PATH unless it contains a '/'. Must not be empty.
+  std::vector<std::string> argv;
+  // Variables added to (or replacing those of) this process's environment.
+  std::vector<std::pair<std::string, std::string>> env;
+  // Files that replace the child's stdout / stderr (created or truncated); empty: inherited.
+  std::string stdout_path;
+  std::string stderr_path;
+};
+
+// Starts a child with posix_spawn. Throws funcol::Error naming the program when it cannot be
+// started (not found, not executable, out of processes).
+pid_t spawn_process(const SpawnOptions& options);
+
+// How a child ended.
+struct ExitStatus {
+  pid_t pid = -1;
+  bool signaled = false;  // killed by a signal
+  int code = 0;           // exit code, or the signal number when signaled
+  bool ok() const { return !signaled && code == 0; }
+  // "exited with status 3", "was killed by signal 9 (Killed)".
+  std::string describe() const;
+};
+
+// Waits for every child in `pids`. As soon as one fails (non-zero exit or killed by a signal),
+// the others get SIGTERM, then SIGKILL after `grace`, so nothing is left running. Returns every
+// status in the order the children ended (the first failure is the first non-ok entry); every
+// child is reaped. Polls with waitpid(WNOHANG) so it never reaps children it did not start.
+std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids,
+                                 std::chrono::milliseconds grace = std::chrono::seconds(5));
+
+// The absolute path of the running executable (/proc/self/exe).
+std::string self_executable();
+
+// A fresh private directory (mkdtemp under $TMPDIR or /tmp), removed with its contents when
+// the object dies.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix);
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// For a child started by a launcher: dies with its launcher (PR_SET_PDEATHSIG), so a killed
+// launcher leaves no orphan ranks. `launcher` is the pid the launcher passed down; when it is
+// already gone the process exits at once.
+void die_with_launcher(pid_t launcher);
+
+}  // namespace funcol::tools

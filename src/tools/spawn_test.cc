@@ -1,0 +1,98 @@
+// Tests of the process utilities behind the mpi/gloo launchers of `funcol run`.
+#include "tools/spawn.h"
+
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "funcol/core/error.h"
+
+namespace funcol::tools {
+namespace {
+
+TEST(Spawn, ExitStatusesAndEnvironment) {
+  TempDir dir("funcol-spawn-test-");
+  SpawnOptions s;
+  s.argv = {"sh", "-c", "echo $FUNCOL_SPAWN_TEST; echo oops >&2; exit 3"};
+  s.env = {{"FUNCOL_SPAWN_TEST", "hello"}};
+  s.stdout_path = dir.path() + "/out";
+  s.stderr_path = dir.path() + "/err";
+  const pid_t pid = spawn_process(s);
+  const auto st = wait_all({pid});
+  ASSERT_EQ(st.size(), 1u);
+  EXPECT_FALSE(st[0].ok());
+  EXPECT_FALSE(st[0].signaled);
+  EXPECT_EQ(st[0].code, 3);
+  EXPECT_EQ(st[0].describe(), "exited with status 3");
+  std::ifstream out(s.stdout_path), err(s.stderr_path);
+  std::string line;
+  std::getline(out, line);
+  EXPECT_EQ(line, "hello");
+  std::getline(err, line);
+  EXPECT_EQ(line, "oops");
+}
+
+TEST(Spawn, FirstFailureStopsTheOthers) {
+  // Two long sleepers and one child that fails at once: the sleepers are terminated, so this
+  // returns long before they would end.
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<pid_t> pids;
+  for (const char* cmd : {"sleep 60", "exit 7", "sleep 60"}) {
+    pids.push_back(spawn_process(SpawnOptions{.argv = {"sh", "-c", cmd}}));
+  }
+  const auto st = wait_all(pids, std::chrono::seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  ASSERT_EQ(st.size(), 3u);
+  EXPECT_EQ(st[0].pid, pids[1]);  // the first to end is the failure
+  EXPECT_EQ(st[0].code, 7);
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_TRUE(st[i].signaled);
+    EXPECT_EQ(st[i].code, SIGTERM);
+    EXPECT_NE(st[i].describe().find("was killed by signal 15"), std::string::npos);
+  }
+}
+
+TEST(Spawn, SuccessWaitsForEveryone) {
+  std::vector<pid_t> pids;
+  for (int i = 0; i < 3; ++i) pids.push_back(spawn_process(SpawnOptions{.argv = {"true"}}));
+  const auto st = wait_all(pids);
+  ASSERT_EQ(st.size(), 3u);
+  for (const ExitStatus& s : st) EXPECT_TRUE(s.ok());
+}
+
+TEST(Spawn, MissingProgramIsAnError) {
+  try {
+    spawn_process(SpawnOptions{.argv = {"funcol-no-such-program"}});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot start funcol-no-such-program"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(spawn_process(SpawnOptions{}), InvalidArgument);
+}
+
+TEST(TempDirTest, RemovedWithItsContents) {
+  std::string path;
+  {
+    TempDir dir("funcol-tempdir-test-");
+    path = dir.path();
+    std::filesystem::create_directory(path + "/sub");
+    std::ofstream(path + "/sub/file") << "x";
+    EXPECT_TRUE(std::filesystem::exists(path + "/sub/file"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST(SelfExecutable, IsAnAbsolutePath) {
+  const std::string self = self_executable();
+  EXPECT_EQ(self.front(), '/');
+  EXPECT_TRUE(std::filesystem::exists(self));
+}
+
+}  // namespace
+}  // namespace funcol::tools
