@@ -2,6 +2,9 @@
 // ProcessGroup primitive and return at once; the output's storage stays pending until first use.
 #include "funcol/api/functional.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -11,9 +14,6 @@
 #include <string>
 #include <string_view>
 #include <unordered_set>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "funcol/core/dtype.h"
 #include "funcol/core/error.h"
@@ -152,24 +152,23 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   Tensor result = Tensor::empty(result_shape, t.dtype());
   const size_t block_bytes =
       static_cast<size_t>(prod(s, static_cast<size_t>(dim), s.size())) * t.itemsize();
-  result.storage()->add_pending(
-      std::make_shared<GatherRearrange>(std::move(staging), result.storage(), world, outer,
-                                        block_bytes));
+  result.storage()->add_pending(std::make_shared<GatherRearrange>(
+      std::move(staging), result.storage(), world, outer, block_bytes));
   return result;
 }
 
-// Validates a reduce_scatter input (contiguous, ≥ 1-d, size(dim) divisible by the group size)
-// and returns the normalized scatter dim.
+// Validates a (contiguous) reduce_scatter input: at least 1-d, size(dim) divisible by the group
+// size. Returns the normalized scatter dim.
 int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t world,
                                    std::string_view op, std::string_view suffix) {
-  check_contiguous(t, op, suffix);
   if (t.dim() == 0) {
     throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
   }
   const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
   if (t.size(dim) % world != 0) {
-    throw ShapeError(fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}",
-                                 op, dim, t.size(dim), world, suffix));
+    throw ShapeError(
+        fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}", op, dim,
+                    t.size(dim), world, suffix));
   }
   return dim;
 }
@@ -196,8 +195,9 @@ Shape scattered_shape(const Shape& s, int64_t dim, int64_t world) {
 
 void check_splits(const std::vector<int64_t>& splits, int64_t world, std::string_view name) {
   if (static_cast<int64_t>(splits.size()) != world) {
-    throw InvalidArgument(fmt::format("all_to_all_single: {} has {} entries, expected group_size {}",
-                                      name, splits.size(), world));
+    throw InvalidArgument(
+        fmt::format("all_to_all_single: {} has {} entries, expected group_size {}", name,
+                    splits.size(), world));
   }
   for (size_t i = 0; i < splits.size(); ++i) {
     if (splits[i] < 0) {
@@ -335,7 +335,8 @@ Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
 
 Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const GroupSpec& group) {
   if (current_tracer()) {
-    api_detail::trace_unsupported("permute_tensor", "its split sizes depend on the rank, and a "
+    api_detail::trace_unsupported("permute_tensor",
+                                  "its split sizes depend on the rank, and a "
                                   "graph must be the same on every rank");
   }
   constexpr std::string_view kOp = "permute_tensor";
@@ -343,9 +344,10 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
   ProcessGroup& pg = group.resolve();
   const int world = pg.size();
   if (static_cast<int>(src_dst.size()) != world) {
-    throw InvalidArgument(fmt::format("permute_tensor: src_dst {} has {} entries, expected "
-                                      "group_size {}",
-                                      src_dst, src_dst.size(), world));
+    throw InvalidArgument(
+        fmt::format("permute_tensor: src_dst {} has {} entries, expected "
+                    "group_size {}",
+                    src_dst, src_dst.size(), world));
   }
   std::vector<bool> hit(static_cast<size_t>(world), false);
   for (int dst : src_dst) {
@@ -417,7 +419,7 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
                                                     const GroupSpec& group) {
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_reduce_scatter_tensor_coalesced(*tr, inputs, reduce_op, scatter_dims,
-                                                              group);
+                                                             group);
   }
   constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
   const ReduceOp op = parse_reduce_op(reduce_op);
@@ -435,8 +437,8 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   const int64_t world = pg.size();
   std::vector<int64_t> dims;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    dims.push_back(check_reduce_scatter_input(inputs[i], scatter_dims[i], world, kOp,
-                                              index_suffix(i)));
+    dims.push_back(
+        check_reduce_scatter_input(inputs[i], scatter_dims[i], world, kOp, index_suffix(i)));
   }
   std::vector<Tensor> fronts;
   std::vector<Tensor> outputs;
@@ -463,8 +465,7 @@ void wait_tensors(const std::vector<Tensor>& tensors) {
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
                                  const GroupSpec& group) {
   if (current_tracer()) {
-    api_detail::trace_unsupported("all_reduce_inplace",
-                                  "graphs are functional; use all_reduce");
+    api_detail::trace_unsupported("all_reduce_inplace", "graphs are functional; use all_reduce");
   }
   t.copy_(all_reduce(t, reduce_op, group));
   return t;
@@ -498,7 +499,8 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   for (size_t j = 0; j < tensor_list.size(); ++j) {
     const int64_t jj = static_cast<int64_t>(j);
-    tensor_list[j].copy_(t.dim() == 0 ? gathered.select(0, jj) : gathered.narrow(0, jj * rows, rows));
+    tensor_list[j].copy_(t.dim() == 0 ? gathered.select(0, jj)
+                                      : gathered.narrow(0, jj * rows, rows));
   }
 }
 
@@ -535,8 +537,8 @@ const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
     api_detail::trace_unsupported("all_to_all_inplace",
                                   "graphs are functional; use all_to_all_single");
   }
-  Tensor result = all_to_all_single(input, std::move(output_split_sizes),
-                                    std::move(input_split_sizes), group);
+  Tensor result =
+      all_to_all_single(input, std::move(output_split_sizes), std::move(input_split_sizes), group);
   check_output_shape(output, result, "all_to_all_inplace");
   output.copy_(result);
   return output;

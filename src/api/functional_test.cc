@@ -1,6 +1,10 @@
 // Tests of the functional collectives on the threads backend (REFERENCE-pytorch.md §D 1-30).
 #include "funcol/api/functional.h"
 
+#include <funcol/funcol.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -12,11 +16,6 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
-#include <funcol/funcol.h>
 
 namespace funcol {
 namespace {
@@ -79,6 +78,7 @@ class CountingWaitable : public Waitable {
 
 // ---- the DESIGN §4 contract snippet ----
 
+// clang-format off
 TEST(DesignContract, SnippetRunsVerbatim) {
   // 4 ranks as threads of this process; fn runs once per rank.
   funcol::run_local(4, [](funcol::ProcessGroup& world) {
@@ -91,6 +91,7 @@ TEST(DesignContract, SnippetRunsVerbatim) {
     std::vector<float> v = s.to_vector<float>();                   // waits here
   });
 }
+// clang-format on
 
 TEST(DesignContract, SnippetValues) {
   run_local(4, [](ProcessGroup& world) {
@@ -132,8 +133,8 @@ TEST(AllReduce, EveryOpOnIntegers) {
   run_local(4, [](ProcessGroup& world) {
     Tensor x = Tensor::full({5}, DType::I32, world.rank() + 1);  // 1, 2, 3, 4
     const std::vector<std::pair<std::string, int32_t>> cases = {
-        {"sum", 10}, {"avg", 2}, {"product", 24}, {"min", 1},
-        {"max", 4},  {"band", 0}, {"bor", 7},     {"bxor", 1 ^ 2 ^ 3 ^ 4}};
+        {"sum", 10}, {"avg", 2},  {"product", 24}, {"min", 1},
+        {"max", 4},  {"band", 0}, {"bor", 7},      {"bxor", 1 ^ 2 ^ 3 ^ 4}};
     for (const auto& [op, expect] : cases) {
       EXPECT_EQ(all_reduce(x, op, world).to_vector<int32_t>(), std::vector<int32_t>(5, expect))
           << op;
@@ -185,8 +186,8 @@ TEST(AllReduce, CoalescedAvg) {  // D.3
     for (int i = 0; i < 10; ++i) {
       EXPECT_FALSE(outs[static_cast<size_t>(i)].shares_storage(inputs[static_cast<size_t>(i)]));
       EXPECT_EQ(outs[static_cast<size_t>(i)].to_vector<float>(), repeat(1.5f * i, i * i)) << i;
-      EXPECT_TRUE(inputs[static_cast<size_t>(i)].equal(
-          Tensor::full({i, i}, DType::F32, world.rank() * i)));
+      EXPECT_TRUE(
+          inputs[static_cast<size_t>(i)].equal(Tensor::full({i, i}, DType::F32, world.rank() * i)));
     }
     EXPECT_TRUE(all_reduce_coalesced({}, "sum", world).empty());
   });
@@ -210,9 +211,8 @@ TEST(AllGather, InplaceWritesTheGivenBuffer) {  // D.4, _out variant
     Tensor out = Tensor::zeros({2, 12}, DType::I64);
     const Tensor& ret = all_gather_tensor_inplace(out, x, world, /*gather_dim=*/1);
     EXPECT_EQ(&ret, &out);
-    EXPECT_EQ(out.to_vector<int64_t>(),
-              (std::vector<int64_t>{0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3,
-                                    0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3}));
+    EXPECT_EQ(out.to_vector<int64_t>(), (std::vector<int64_t>{0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3,
+                                                              0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3}));
     Tensor wrong = Tensor::zeros({8, 4}, DType::I64);
     EXPECT_THAT(error_of([&] { all_gather_tensor_inplace(wrong, x, world); }),
                 HasSubstr("output shape [8,4] does not match the result shape [8,3]"));
@@ -225,15 +225,15 @@ TEST(AllGather, ZeroDimGathersToGroupSize) {  // D.5
     Tensor out = all_gather_tensor(x, 0, world);
     EXPECT_EQ(out.sizes(), (Shape{4}));
     EXPECT_EQ(out.to_vector<float>(), (std::vector<float>{0, 2, 4, 6}));
-    EXPECT_EQ(all_gather_tensor(x, -1, world).to_vector<float>(),
-              (std::vector<float>{0, 2, 4, 6}));
+    EXPECT_EQ(all_gather_tensor(x, -1, world).to_vector<float>(), (std::vector<float>{0, 2, 4, 6}));
   });
 }
 
 TEST(AllGather, Coalesced) {  // D.6
   run_local(4, [](ProcessGroup& world) {
     std::vector<Tensor> inputs;
-    for (int i = 0; i < 10; ++i) inputs.push_back(Tensor::full({i, 2}, DType::F32, world.rank() * i));
+    for (int i = 0; i < 10; ++i)
+      inputs.push_back(Tensor::full({i, 2}, DType::F32, world.rank() * i));
     std::vector<Tensor> outs = all_gather_into_tensor_coalesced(inputs, world);
     ASSERT_EQ(outs.size(), 10u);
     for (int i = 0; i < 10; ++i) {
@@ -312,8 +312,7 @@ TEST(ReduceScatter, Coalesced) {  // D.8
     // Mixed scatter dims in one call.
     std::vector<Tensor> mixed = {iota({2, 4}), iota({4, 2})};
     std::vector<Tensor> outs2 = reduce_scatter_tensor_coalesced(mixed, "sum", {1, 0}, world);
-    EXPECT_EQ(outs2[0].to_vector<float>(),
-              (std::vector<float>{4.0f * r, 4.0f * (4 + r)}));
+    EXPECT_EQ(outs2[0].to_vector<float>(), (std::vector<float>{4.0f * r, 4.0f * (4 + r)}));
     EXPECT_EQ(outs2[1].to_vector<float>(), (std::vector<float>{8.0f * r, 8.0f * r + 4}));
     EXPECT_TRUE(mixed[0].equal(iota({2, 4})));
   });
@@ -327,7 +326,9 @@ TEST(ReduceScatter, NonZeroDims) {
         Shape shape{3, 3, 3};
         const int64_t d = dim < 0 ? dim + 3 : dim;
         shape[static_cast<size_t>(d)] = 8;
-        auto input_of = [&](int rank) { return Tensor::rand(shape, DType::I32, 7 + rank).to(dtype); };
+        auto input_of = [&](int rank) {
+          return Tensor::rand(shape, DType::I32, 7 + rank).to(dtype);
+        };
         Tensor x = input_of(world.rank());
         Tensor sum = input_of(0);
         for (int j = 1; j < 4; ++j) sum = add(sum, input_of(j));
@@ -355,11 +356,11 @@ TEST(ReduceScatter, InplaceWritesTheGivenBuffer) {
               (std::vector<float>{2 * base, 2 * base + 2, 2 * (base + 4), 2 * (base + 4) + 2}));
     Tensor dflt = Tensor::zeros({1, 4}, DType::F32);
     reduce_scatter_tensor_inplace(dflt, x, world);  // sum over dim 0
-    EXPECT_EQ(dflt.to_vector<float>(),
-              (std::vector<float>{static_cast<float>(8 * world.rank()),
-                                  static_cast<float>(8 * world.rank() + 2),
-                                  static_cast<float>(8 * world.rank() + 4),
-                                  static_cast<float>(8 * world.rank() + 6)}));
+    EXPECT_EQ(
+        dflt.to_vector<float>(),
+        (std::vector<float>{
+            static_cast<float>(8 * world.rank()), static_cast<float>(8 * world.rank() + 2),
+            static_cast<float>(8 * world.rank() + 4), static_cast<float>(8 * world.rank() + 6)}));
   });
 }
 
@@ -381,21 +382,25 @@ TEST(AllToAll, RandomSplitMatrix) {
       for (int64_t v : s[static_cast<size_t>(rank)]) rows += v;
       std::vector<float> v;
       for (int64_t k = 0; k < rows; ++k) {
-        for (int64_t c = 0; c < kCols; ++c) v.push_back(static_cast<float>(1000 * rank + 10 * k + c));
+        for (int64_t c = 0; c < kCols; ++c)
+          v.push_back(static_cast<float>(1000 * rank + 10 * k + c));
       }
       return Tensor::from_vector(v, {rows, kCols});
     };
     std::vector<int64_t> in_splits = s[static_cast<size_t>(r)];
     std::vector<int64_t> out_splits;
-    for (int j = 0; j < kW; ++j) out_splits.push_back(s[static_cast<size_t>(j)][static_cast<size_t>(r)]);
+    for (int j = 0; j < kW; ++j)
+      out_splits.push_back(s[static_cast<size_t>(j)][static_cast<size_t>(r)]);
     Tensor x = input_of(r);
     Tensor out = all_to_all_single(x, out_splits, in_splits, world);
     std::vector<float> expect;
     for (int j = 0; j < kW; ++j) {
       int64_t offset = 0;
       for (int k = 0; k < r; ++k) offset += s[static_cast<size_t>(j)][static_cast<size_t>(k)];
-      for (int64_t k = offset; k < offset + s[static_cast<size_t>(j)][static_cast<size_t>(r)]; ++k) {
-        for (int64_t c = 0; c < kCols; ++c) expect.push_back(static_cast<float>(1000 * j + 10 * k + c));
+      for (int64_t k = offset; k < offset + s[static_cast<size_t>(j)][static_cast<size_t>(r)];
+           ++k) {
+        for (int64_t c = 0; c < kCols; ++c)
+          expect.push_back(static_cast<float>(1000 * j + 10 * k + c));
       }
     }
     EXPECT_EQ(out.sizes()[1], kCols);
@@ -421,7 +426,8 @@ TEST(AllToAll, EvenSplitWhenNoSizesGiven) {  // D.10
     Tensor out2 = all_to_all_single(two_rows, std::nullopt, std::nullopt, world);
     std::vector<float> expect;
     for (int j = 0; j < 4; ++j) {
-      for (int k = 0; k < 6; ++k) expect.push_back(static_cast<float>(100 * j + 6 * world.rank() + k));
+      for (int k = 0; k < 6; ++k)
+        expect.push_back(static_cast<float>(100 * j + 6 * world.rank() + k));
     }
     EXPECT_EQ(out2.to_vector<float>(), expect);
   });
@@ -462,8 +468,8 @@ TEST(WorldSizeOne, EveryOpIsTheIdentity) {
     EXPECT_TRUE(all_gather_tensor(x, 2, world).equal(x));
     EXPECT_TRUE(reduce_scatter_tensor(x, "avg", 1, world).equal(x));
     EXPECT_TRUE(all_to_all_single(x, std::nullopt, std::nullopt, world).equal(x));
-    EXPECT_TRUE(all_to_all_single(x, std::vector<int64_t>{2}, std::vector<int64_t>{2}, world)
-                    .equal(x));
+    EXPECT_TRUE(
+        all_to_all_single(x, std::vector<int64_t>{2}, std::vector<int64_t>{2}, world).equal(x));
     EXPECT_TRUE(broadcast(x, 0, world).equal(x));
     EXPECT_TRUE(permute_tensor(x, {0}, world).equal(x));
     EXPECT_TRUE(all_gather_into_tensor_coalesced({x, x}, world)[1].equal(x));
@@ -481,7 +487,8 @@ TEST(AllGatherInplace, SlicesIntoTheList) {
     for (int j = 0; j < 3; ++j) list.push_back(Tensor::zeros({2}, DType::I32));
     all_gather_inplace(list, x, world);
     for (int j = 0; j < 3; ++j) {
-      EXPECT_EQ(list[static_cast<size_t>(j)].to_vector<int32_t>(), (std::vector<int32_t>{j + 1, j + 1}));
+      EXPECT_EQ(list[static_cast<size_t>(j)].to_vector<int32_t>(),
+                (std::vector<int32_t>{j + 1, j + 1}));
     }
     // 0-d tensors are indexed, not sliced.
     std::vector<Tensor> scalars;
@@ -500,17 +507,14 @@ TEST(Inputs, AreNeverModified) {
     const Tensor x0 = x.clone();
     const Tensor xt0 = xt.clone();
     std::vector<Tensor> results = {
-        all_reduce(x, "sum", world),
-        all_reduce(xt, "max", world),
-        all_gather_tensor(x, 0, world),
-        all_gather_tensor(x, 1, world),
-        reduce_scatter_tensor(x, "sum", 0, world),
+        all_reduce(x, "sum", world), all_reduce(xt, "max", world), all_gather_tensor(x, 0, world),
+        all_gather_tensor(x, 1, world), reduce_scatter_tensor(x, "sum", 0, world),
         reduce_scatter_tensor(x, "avg", 1, world),
         all_to_all_single(x, std::nullopt, std::nullopt, world),
-        all_to_all_single(x, std::vector<int64_t>{0, 1, 2, 1}, std::vector<int64_t>{1, 1, 1, 1},
-                          world),
-        broadcast(x, world.rank() == 2 ? 2 : 2, world),
-        permute_tensor(x, {2, 3, 0, 1}, world),
+        // Everyone sends its 4 rows to rank 0.
+        all_to_all_single(x, std::vector<int64_t>(4, world.rank() == 0 ? 4 : 0),
+                          std::vector<int64_t>{4, 0, 0, 0}, world),
+        broadcast(x, 2, world), permute_tensor(x, {2, 3, 0, 1}, world),
         permute_tensor(xt, {2, 3, 0, 1}, world)};
     for (const Tensor& t : all_reduce_coalesced({x, xt}, "sum", world)) results.push_back(t);
     for (const Tensor& t : all_gather_into_tensor_coalesced({x, x}, world)) results.push_back(t);
@@ -539,8 +543,8 @@ TEST(Inputs, AreNeverModified) {
 TEST(Inputs, PendingResultsFeedTheNextCollective) {
   run_local(4, [](ProcessGroup& world) {
     Tensor x = Tensor::full({4, 2}, DType::F32, world.rank() + 1);
-    Tensor s = all_reduce(x, "sum", world);             // 10 everywhere
-    Tensor g = all_gather_tensor(s, 1, world);          // lazy, [4, 8]
+    Tensor s = all_reduce(x, "sum", world);                 // 10 everywhere
+    Tensor g = all_gather_tensor(s, 1, world);              // lazy, [4, 8]
     Tensor rs = reduce_scatter_tensor(g, "sum", 1, world);  // [4, 2] of 40
     Tensor p = permute_tensor(rs, {1, 2, 3, 0}, world);
     Tensor a = all_to_all_single(p, std::nullopt, std::nullopt, world);
@@ -558,6 +562,10 @@ TEST(Errors, SeedMessages) {
   run_local(4, [](ProcessGroup& world) {
     Tensor x = Tensor::full({4, 6}, DType::F32, 1);
     Tensor nc = x.transpose(0, 1);
+    EXPECT_THAT(error_of([&] {
+                  reduce_scatter_tensor(Tensor::zeros({3, 3, 3}, DType::F32), "sum", 1, world);
+                }),
+                HasSubstr("input dimension 1 (3) must be a multiple of group_size 4"));
     // D.15: non-contiguous inputs.
     EXPECT_THAT(error_of([&] { all_gather_tensor(nc, 0, world); }),
                 HasSubstr("Tensor must be contiguous for all_gather_tensor"));
@@ -565,7 +573,9 @@ TEST(Errors, SeedMessages) {
                 HasSubstr("Tensor must be contiguous for reduce_scatter_tensor"));
     EXPECT_THAT(error_of([&] { all_to_all_single(nc, std::nullopt, std::nullopt, world); }),
                 HasSubstr("Tensor must be contiguous for all_to_all_single"));
-    EXPECT_THAT(error_of([&] { all_gather_into_tensor_coalesced({x, nc}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  all_gather_into_tensor_coalesced({x, nc}, world);
+                }),
                 HasSubstr("Tensor must be contiguous for all_gather_into_tensor_coalesced for "
                           "tensor at index 1"));
     EXPECT_THROW(all_gather_tensor(nc, 0, world), InvalidArgument);
@@ -581,12 +591,18 @@ TEST(Errors, SeedMessages) {
     EXPECT_THAT(error_of([&] { reduce_scatter_tensor_inplace(x, six, world); }),
                 HasSubstr("input dimension 0 (6) must be a multiple of group_size 4"));
     // D.17: coalesced reduce_scatter.
-    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, x}, "sum", {0}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  reduce_scatter_tensor_coalesced({x, x}, "sum", {0}, world);
+                }),
                 HasSubstr("Length of scatter_dim (1) must equal length of inputs (2)"));
-    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, six}, "sum", {0, 0}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  reduce_scatter_tensor_coalesced({x, six}, "sum", {0, 0}, world);
+                }),
                 HasSubstr("input dimension 0 (6) must be a multiple of group_size 4 for tensor at "
                           "index 1"));
-    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, x}, "sum", {0, 1}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  reduce_scatter_tensor_coalesced({x, x}, "sum", {0, 1}, world);
+                }),
                 HasSubstr("input dimension 1 (6) must be a multiple of group_size 4 for tensor at "
                           "index 1"));
     // D.11: one split list alone.
@@ -653,31 +669,45 @@ TEST(Errors, ShapesSplitsAndArguments) {
                 HasSubstr("reduce_scatter_tensor: input must have at least one dimension"));
     EXPECT_THAT(error_of([&] { all_to_all_single(scalar, std::nullopt, std::nullopt, world); }),
                 HasSubstr("all_to_all_single: input must have at least one dimension"));
-    EXPECT_THAT(error_of([&] {
-                  all_to_all_single(iota({6}), std::nullopt, std::nullopt, world);
-                }),
+    EXPECT_THAT(error_of([&] { all_to_all_single(iota({6}), std::nullopt, std::nullopt, world); }),
                 HasSubstr("input dimension 0 (6) must be a multiple of group_size 4"));
     using Splits = std::vector<int64_t>;
-    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{2, -1, 2, 1}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{2, -1, 2, 1}, world);
+                }),
                 HasSubstr("input_split_sizes[1] is negative (-1)"));
-    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1, -1}, Splits{1, 1, 1, 1}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(x, Splits{1, 1, 1, -1}, Splits{1, 1, 1, 1}, world);
+                }),
                 HasSubstr("output_split_sizes[3] is negative (-1)"));
-    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1}, Splits{1, 1, 1, 1}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(x, Splits{1, 1, 1}, Splits{1, 1, 1, 1}, world);
+                }),
                 HasSubstr("output_split_sizes has 3 entries, expected group_size 4"));
-    EXPECT_THAT(error_of([&] { all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{1, 1, 1, 2}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{1, 1, 1, 2}, world);
+                }),
                 HasSubstr("input_split_sizes [1, 1, 1, 2] sum to 5 but input dimension 0 is 4"));
-    EXPECT_THAT(error_of([&] { permute_tensor(x, {1, 2, 0}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  permute_tensor(x, {1, 2, 0}, world);
+                }),
                 HasSubstr("src_dst [1, 2, 0] has 3 entries, expected group_size 4"));
-    EXPECT_THAT(error_of([&] { permute_tensor(x, {1, 1, 2, 3}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  permute_tensor(x, {1, 1, 2, 3}, world);
+                }),
                 HasSubstr("src_dst [1, 1, 2, 3] is not a permutation of 0..3"));
-    EXPECT_THAT(error_of([&] { permute_tensor(x, {1, 2, 3, 4}, world); }),
+    EXPECT_THAT(error_of([&] {
+                  permute_tensor(x, {1, 2, 3, 4}, world);
+                }),
                 HasSubstr("is not a permutation of 0..3"));
     EXPECT_THAT(error_of([&] { broadcast(x, -1, world); }), HasSubstr("src -1 is not a rank"));
     EXPECT_THAT(error_of([&] { all_reduce(Tensor(), "sum", world); }),
                 HasSubstr("all_reduce: undefined input tensor"));
     EXPECT_THAT(error_of([&] { all_gather_tensor(Tensor::meta({2}, DType::F32), 0, world); }),
                 HasSubstr("all_gather_tensor: input is a meta tensor"));
-    EXPECT_THAT(error_of([&] { all_reduce_coalesced({x, Tensor()}, "sum", world); }),
+    EXPECT_THAT(error_of([&] {
+                  all_reduce_coalesced({x, Tensor()}, "sum", world);
+                }),
                 HasSubstr("undefined input tensor for tensor at index 1"));
     EXPECT_THROW(all_gather_tensor(x, 2, world), ShapeError);
   });
@@ -693,9 +723,10 @@ TEST(Errors, InplaceShapeMismatchOnOneRankDoesNotStallPeers) {
       EXPECT_THAT(error_of([&] { all_gather_tensor_inplace(wrong, x, world); }),
                   HasSubstr("all_gather_tensor_inplace: output shape [3] does not match the result "
                             "shape [4,2]"));
-      EXPECT_THAT(error_of([&] { all_to_all_inplace(wrong, x, std::nullopt, std::nullopt, world); }),
-                  HasSubstr("all_to_all_inplace: output shape [3] does not match the result shape "
-                            "[2,2]"));
+      EXPECT_THAT(
+          error_of([&] { all_to_all_inplace(wrong, x, std::nullopt, std::nullopt, world); }),
+          HasSubstr("all_to_all_inplace: output shape [3] does not match the result shape "
+                    "[2,2]"));
       EXPECT_TRUE(wrong.equal(Tensor::zeros({3}, DType::F32)));
     } else {
       Tensor gathered = Tensor::zeros({4, 2}, DType::F32);
@@ -764,7 +795,9 @@ TEST(GroupSpecTest, RankLists) {
       Tensor x = Tensor::full({2}, DType::F32, r + 1);
       EXPECT_EQ(all_reduce(x, "sum", {0, 1}).to_vector<float>(), repeat(3, 2));
     } else {
-      EXPECT_THAT(error_of([] { GroupSpec({0, 1}).resolve(); }),
+      EXPECT_THAT(error_of([] {
+                    GroupSpec({0, 1}).resolve();
+                  }),
                   HasSubstr("rank " + std::to_string(r) + " is not in the group's ranks [0, 1]"));
     }
     // Order does not matter: any ordering of the whole world is the world group.
@@ -778,17 +811,20 @@ TEST(GroupSpecTest, RankLists) {
       EXPECT_EQ(odd.global_ranks(), (std::vector<int>{1, 3}));
       EXPECT_EQ(odd.rank(), r == 1 ? 0 : 1);
       EXPECT_EQ(&GroupSpec({1, 3}).resolve(), &odd);
-      EXPECT_EQ(all_gather_tensor(y, 0, {1, 3}).to_vector<int32_t>(),
-                (std::vector<int32_t>{1, 3}));
+      EXPECT_EQ(all_gather_tensor(y, 0, {1, 3}).to_vector<int32_t>(), (std::vector<int32_t>{1, 3}));
     } else {
       EXPECT_EQ(new_group(world, {1, 3}), nullptr);
     }
     // Bad lists.
     EXPECT_THAT(error_of([] { GroupSpec(std::vector<int>{}).resolve(); }),
                 HasSubstr("empty rank list"));
-    EXPECT_THAT(error_of([] { GroupSpec({0, 7}).resolve(); }),
+    EXPECT_THAT(error_of([] {
+                  GroupSpec({0, 7}).resolve();
+                }),
                 HasSubstr("rank 7 in group [0, 7] is out of range for world size 4"));
-    EXPECT_THAT(error_of([] { GroupSpec({0, 1, 1}).resolve(); }),
+    EXPECT_THAT(error_of([] {
+                  GroupSpec({0, 1, 1}).resolve();
+                }),
                 HasSubstr("rank 1 appears twice in group [0, 1, 1]"));
   });
 }
@@ -808,16 +844,23 @@ TEST(GroupSpecTest, ListsOfRankLists) {
     // A different partition creates new groups; braces pick the list-of-lists form.
     EXPECT_EQ(all_reduce(x, "sum", {{0, 2}, {1, 3}}).to_vector<float>(),
               repeat(r % 2 == 0 ? 2 : 4, 2));
-    EXPECT_THAT(error_of([] { GroupSpec(Lists{{0}, {1, 2, 3}}).resolve(); }),
+    EXPECT_THAT(error_of([] {
+                  GroupSpec(Lists{{0}, {1, 2, 3}}).resolve();
+                }),
                 HasSubstr("group sizes must be identical found 1 and 3"));
-    EXPECT_THAT(error_of([] { GroupSpec(Lists{{0, 1}, {1, 2}}).resolve(); }),
+    EXPECT_THAT(error_of([] {
+                  GroupSpec(Lists{{0, 1}, {1, 2}}).resolve();
+                }),
                 HasSubstr("rank 1 appears twice"));
     EXPECT_THAT(error_of([] { GroupSpec(Lists{}).resolve(); }),
                 HasSubstr("empty list of rank lists"));
     // Ranks 0 and 1 find their (existing) group; ranks 2 and 3 are in no list.
     if (r >= 2) {
-      EXPECT_THAT(error_of([] { GroupSpec(Lists{{0, 1}}).resolve(); }),
-                  HasSubstr("rank " + std::to_string(r) + " is not in any of the rank lists [[0, 1]]"));
+      EXPECT_THAT(
+          error_of([] {
+            GroupSpec(Lists{{0, 1}}).resolve();
+          }),
+          HasSubstr("rank " + std::to_string(r) + " is not in any of the rank lists [[0, 1]]"));
     } else {
       EXPECT_EQ(&GroupSpec(Lists{{0, 1}}).resolve(), &g);
     }
@@ -835,7 +878,8 @@ TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
     EXPECT_THAT(error_of([&] { all_reduce(ones, "sum", mesh2); }), HasSubstr("Only 1D mesh"));
     ProcessGroup& dim0 = GroupSpec(mesh2, 0).resolve();
     ProcessGroup& dim1 = GroupSpec({&mesh2, 1}).resolve();
-    EXPECT_EQ(dim0.global_ranks(), r % 2 == 0 ? (std::vector<int>{0, 2}) : (std::vector<int>{1, 3}));
+    EXPECT_EQ(dim0.global_ranks(),
+              r % 2 == 0 ? (std::vector<int>{0, 2}) : (std::vector<int>{1, 3}));
     EXPECT_EQ(dim1.global_ranks(), r < 2 ? (std::vector<int>{0, 1}) : (std::vector<int>{2, 3}));
     EXPECT_EQ(&dim0, mesh2.group("dp").get());
     EXPECT_EQ(&GroupSpec(std::make_pair(&mesh2, 1)).resolve(), &dim1);
@@ -844,7 +888,10 @@ TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
                 HasSubstr("mesh dim 2 is out of range for a 2-d DeviceMesh"));
     EXPECT_THAT(error_of([&] { GroupSpec(mesh2, -1).resolve(); }), HasSubstr("mesh dim -1"));
     const DeviceMesh* null_mesh = nullptr;
-    EXPECT_THAT(error_of([&] { GroupSpec({null_mesh, 0}).resolve(); }), HasSubstr("null DeviceMesh"));
+    EXPECT_THAT(error_of([&] {
+                  GroupSpec({null_mesh, 0}).resolve();
+                }),
+                HasSubstr("null DeviceMesh"));
 
     DeviceMesh mesh1(world, {{"all", 4}});
     EXPECT_EQ(all_reduce(ones, "sum", mesh1).to_vector<float>(), repeat(4, 4));
@@ -933,14 +980,15 @@ TEST(Waits, UserDefinedWaitable) {  // D.24, D.25
 
 TEST(Waits, WaitTensorsOfACoalescedOp) {  // D.26
   run_local(2, [](ProcessGroup& world) {
-    std::vector<Tensor> inputs = {Tensor::full({3}, DType::F32, 1), Tensor::full({5}, DType::F32, 2),
+    std::vector<Tensor> inputs = {Tensor::full({3}, DType::F32, 1),
+                                  Tensor::full({5}, DType::F32, 2),
                                   Tensor::full({1}, DType::F32, 3)};
     std::vector<Tensor> outs = all_reduce_coalesced(inputs, "sum", world);
     wait_tensors(outs);
     for (size_t i = 0; i < outs.size(); ++i) {
       EXPECT_EQ(outs[i].storage()->pending_count(), 0u);
-      EXPECT_EQ(outs[i].to_vector<float>(), repeat(2.0f * static_cast<float>(i + 1),
-                                                   inputs[i].numel()));
+      EXPECT_EQ(outs[i].to_vector<float>(),
+                repeat(2.0f * static_cast<float>(i + 1), inputs[i].numel()));
     }
     // A tensor listed twice, and views of one storage, are waited once.
     Tensor g = all_gather_tensor(inputs[0], 0, world);
@@ -1014,13 +1062,20 @@ TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
       EXPECT_FALSE(out.is_ready());
       EXPECT_FALSE(lazy.is_ready());
       EXPECT_FALSE(rs.is_ready());
-      std::vector<Tensor> views = {out.view({6, 4}),         out.reshape({24}),
-                                   out.flatten(),            out.narrow(0, 1, 2),
-                                   out.transpose(0, 1),      out.permute({1, 0}),
-                                   out.view_dtype(DType::I32), out.unsqueeze(0),
-                                   out.select(0, 2),         out.unsqueeze(2).squeeze(2),
-                                   lazy.narrow(1, 6, 6),     lazy.transpose(0, 1),
-                                   lazy.view({48}),          rs.view({12})};
+      std::vector<Tensor> views = {out.view({6, 4}),
+                                   out.reshape({24}),
+                                   out.flatten(),
+                                   out.narrow(0, 1, 2),
+                                   out.transpose(0, 1),
+                                   out.permute({1, 0}),
+                                   out.view_dtype(DType::I32),
+                                   out.unsqueeze(0),
+                                   out.select(0, 2),
+                                   out.unsqueeze(2).squeeze(2),
+                                   lazy.narrow(1, 6, 6),
+                                   lazy.transpose(0, 1),
+                                   lazy.view({48}),
+                                   rs.view({12})};
       for (const Tensor& v : out.chunk(2, 1)) views.push_back(v);
       for (const Tensor& v : out.split(3, 0)) views.push_back(v);
       for (const Tensor& v : lazy.split_with_sizes({6, 6}, 1)) views.push_back(v);

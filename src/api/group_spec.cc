@@ -1,4 +1,7 @@
 // GroupSpec::resolve: turns any of the seed's group forms into the calling rank's ProcessGroup.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <mutex>
@@ -6,9 +9,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "funcol/api/functional.h"
 #include "funcol/core/error.h"

@@ -223,6 +223,7 @@ void Executor::Impl::plan() {
   for (const Value* in : graph.inputs()) slot_of.emplace(in, next_slot++);
 
   size_t max_operands = 0;
+  std::vector<uint32_t> seen;
   for (const Node& node : graph.nodes()) {
     const OpDef& op = node.op();
     Step st;
@@ -238,10 +239,10 @@ void Executor::Impl::plan() {
                                           node_context(graph, node),
                                           v ? v->ref() : std::string("<null>")));
       }
-      if (std::find(operand_slots.begin() + st.operands_begin, operand_slots.end(), it->second) !=
-          operand_slots.end()) {
-        st.copy_operands = true;
-      }
+      // seen[slot] == step + 1: the slot is already an operand of this step.
+      if (seen.size() <= it->second) seen.resize(it->second + 1, 0);
+      if (seen[it->second] == steps.size() + 1) st.copy_operands = true;
+      seen[it->second] = static_cast<uint32_t>(steps.size() + 1);
       operand_slots.push_back(it->second);
     }
     try {
@@ -327,17 +328,16 @@ void Executor::Impl::plan() {
     output_slots.push_back(it->second);
   }
   operand_release.assign(operand_slots.size(), 0);
+  std::vector<uint32_t> released_at(num_slots, 0);
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
-    // The last occurrence of a dying operand releases it.
+    // The last occurrence of a dying operand releases it (walking backwards, the first seen).
     for (uint32_t i = st.num_operands; i-- > 0;) {
       const uint32_t slot = operand_slots[st.operands_begin + i];
       if (keep[slot] || last_use[slot] != s) continue;
-      bool later = false;
-      for (uint32_t j = i + 1; j < st.num_operands; ++j) {
-        later |= operand_slots[st.operands_begin + j] == slot;
-      }
-      if (!later) operand_release[st.operands_begin + i] = 1;
+      if (released_at[slot] == s + 1) continue;
+      released_at[slot] = s + 1;
+      operand_release[st.operands_begin + i] = 1;
     }
     st.release_begin = static_cast<uint32_t>(release_slots.size());
     for (uint32_t r = 0; r < st.num_results; ++r) {
@@ -364,6 +364,9 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t 
     const Type& t = node.result(r)->type();
     return Tensor::empty(t.shape, t.dtype);
   };
+  // The backend reads input bytes directly: an input still produced by an earlier collective
+  // (a graph that skips its wait_tensor) is waited first. Free when it is ready.
+  for (const Tensor& t : in) t.wait();
   std::shared_ptr<Work> work;
   switch (st.op->collective) {
     case CollectiveKind::AllReduce:

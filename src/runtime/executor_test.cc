@@ -176,6 +176,23 @@ TEST(Executor, ComputeOpsMatchTheirKernels) {
   EXPECT_EQ(o[5].to_vector<double>(), (std::vector<double>{-8, -9, -9, 2}));
 }
 
+TEST(Executor, RepeatedOperandsAndManyOperands) {
+  std::string text =
+      "graph @g(%x: i32[2]) {\n  %y = neg(%x) : i32[2]\n  %z = add(%y, %y) : i32[2]\n";
+  text += "  %c = cat(";
+  for (int i = 0; i < 100; ++i) text += std::string(i ? ", " : "") + (i % 2 ? "%z" : "%y");
+  text += ") {dim = 0} : i32[200]\n  return %z, %c\n}\n";
+  auto out = run_graph(1, text, [](int) {
+    return std::vector<Tensor>{Tensor::from_vector<int32_t>({3, 5})};
+  });
+  EXPECT_EQ(out[0][0].to_vector<int32_t>(), (std::vector<int32_t>{-6, -10}));
+  const auto c = out[0][1].to_vector<int32_t>();
+  ASSERT_EQ(c.size(), 200u);
+  EXPECT_EQ(c[0], -3);
+  EXPECT_EQ(c[2], -6);
+  EXPECT_EQ(c[199], -10);
+}
+
 TEST(Executor, ViewOpsShareStorage) {
   auto graph = parse(R"(graph @g(%x: f32[2,3]) {
   %v = view(%x) {shape = [6]} : f32[6]
@@ -266,6 +283,20 @@ TEST(Executor, UnwaitedCollectivesCompleteByTheEndOfARun) {
     EXPECT_TRUE(out[r][0].is_ready());
     EXPECT_EQ(floats(out[r][0]), (std::vector<float>{3, 3}));
   }
+}
+
+// A collective fed by another collective's unwaited result reads its input only once ready.
+TEST(Executor, CollectiveInputsArePendingResultsWaitedFirst) {
+  auto out =
+      run_graph(2, R"(graph @g(%x: f32[2]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
+  %b = all_gather_into_tensor(%a) {group_size = 2, group = "world"} : f32[4]
+  %c = all_reduce(%b) {reduce_op = "sum", group = "world"} : f32[4]
+  %w = wait_tensor(%c) : f32[4]
+  return %w
+})",
+                [](int r) { return std::vector<Tensor>{Tensor::full({2}, DType::F32, r + 1)}; });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(floats(out[r][0]), (std::vector<float>{6, 6, 6, 6}));
 }
 
 TEST(Executor, MeshGroupsResolveByDimName) {

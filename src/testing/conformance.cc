@@ -669,7 +669,6 @@ struct PendingCheck {
 };
 
 void family_stress(Ctx& c, const LargePolicy&) {
-  const int n = c.n;
   const int me = c.pg.global_ranks()[c.r];
   std::vector<int> even, odd;
   for (int r : c.pg.global_ranks()) (r % 2 ? odd : even).push_back(r);

@@ -696,6 +696,9 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
       b.out.fill_(static_cast<double>(std::min<int64_t>(exact_limit(o.dtype), 1000)));
     }
     run_once(pg, op, b, o.redop, o.root);
+    if (o.inject_wrong && rank == 0 && b.out.numel() > 0) {
+      b.out.narrow(0, 0, 1).fill_(pattern.expected(rank, 0, row.sizes.count) == 0 ? 1.0 : 0.0);
+    }
     wrong += pattern.count_wrong(b.out, rank, row.sizes.count);
   }
 
@@ -911,6 +914,7 @@ struct BenchFlags {
   std::string ranks = "2";
   std::string backend = "threads";
   bool json = false;
+  bool inject_wrong = false;
 };
 
 BenchOptions options_from_flags(const BenchFlags& f) {
@@ -929,6 +933,7 @@ BenchOptions options_from_flags(const BenchFlags& f) {
   o.ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
   o.backend = f.backend;
   o.json = f.json;
+  o.inject_wrong = f.inject_wrong;
   validate(o);
   return o;
 }
@@ -987,6 +992,9 @@ void add_bench_command(CLI::App& app) {
       ->type_name("NAME")
       ->capture_default_str();
   sub->add_flag("--json", f->json, "print one JSON object per size instead of the table");
+  // Hidden (no group): proves end to end that a wrong value fails the run.
+  sub->add_flag("--inject-wrong", f->inject_wrong, "corrupt one output element per size")
+      ->group("");
   sub->callback([f]() {
     BenchReport report;
     try {

@@ -130,6 +130,9 @@ struct BenchOptions {
   bool json = false;
   // 0: measure memcpy; > 0: skip the measurement and report this per-thread GB/s (tests).
   double memcpy_gbps_override = 0;
+  // Tests of the failure path: rank 0 overwrites element 0 of each output before checking it,
+  // so every checked row has exactly one wrong value (hidden flag --inject-wrong).
+  bool inject_wrong = false;
 };
 
 // Throws InvalidArgument when the options do not make a run (min > max, root out of range,

@@ -114,6 +114,19 @@ TEST(BenchE2E, JsonIsOneObjectPerSize) {
   EXPECT_EQ(sizes, (std::vector<int64_t>{1024, 2048, 4096}));
 }
 
+TEST(BenchE2E, AWrongValueFailsTheRun) {
+  Result r = bench("-o all_gather --ranks 2 -b 64 -e 256 --inject-wrong");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("# Out of bounds values : 3 FAILED"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("# Avg bus bandwidth    : "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("funcol: error: bench: 3 wrong values"), std::string::npos) << r.out;
+  // The table is complete: every row printed, each with one wrong value.
+  EXPECT_EQ(count_rows(r.out_only), 3) << r.out;
+  Result json = bench("-o all_reduce --ranks 3 -b 64 -e 64 --inject-wrong --json");
+  EXPECT_EQ(json.status, 1) << json.out;
+  EXPECT_NE(json.out_only.find("\"wrong\":1"), std::string::npos) << json.out;
+}
+
 TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
   struct Case {
     const char* args;

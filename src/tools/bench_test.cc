@@ -473,9 +473,9 @@ TEST(BenchRun, EveryDtypeAndReduceOpChecksClean) {
       o.dtype = dtype;
       o.redop = redop;
       o.root = 1;
-      o.min_bytes = 1;
-      o.max_bytes = 2048;
-      o.step_factor = 8;
+      o.min_bytes = 24;  // 24 and 1000 bytes: counts that do not divide evenly
+      o.max_bytes = 1000;
+      o.step_factor = 41;
       o.iters = 1;
       o.warmup_iters = 0;
       o.memcpy_gbps_override = 10;
@@ -485,9 +485,28 @@ TEST(BenchRun, EveryDtypeAndReduceOpChecksClean) {
       BenchReport report = run_bench(o, out);
       std::fclose(out);
       EXPECT_EQ(report.wrong, 0);
-      EXPECT_EQ(report.rows.size(), o.ops.size() * size_sequence(1, 2048, 8, 1).size());
+      EXPECT_EQ(report.rows.size(), o.ops.size() * 2);
     }
   }
+}
+
+TEST(BenchRun, InjectedWrongValuesAreCountedAndReported) {
+  BenchOptions o;
+  o.ranks = 2;
+  o.min_bytes = 64;
+  o.max_bytes = 256;
+  o.iters = 1;
+  o.memcpy_gbps_override = 10;
+  o.inject_wrong = true;
+  std::FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  BenchReport report = run_bench(o, out);
+  const std::string text = read_all(out);
+  std::fclose(out);
+  ASSERT_EQ(report.rows.size(), 5u * 3u);
+  for (const BenchRow& row : report.rows) EXPECT_EQ(row.wrong, 1) << bench_op_name(row.op);
+  EXPECT_EQ(report.wrong, 15);
+  EXPECT_NE(text.find("# Out of bounds values : 15 FAILED"), std::string::npos) << text;
 }
 
 TEST(BenchRun, UncheckedRowsSayNA) {

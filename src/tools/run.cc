@@ -226,11 +226,15 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
     for (const RankReport& r : reports) slowest = std::max(slowest, r.seconds);
     size_t collectives = 0;
     for (const Node& n : p.graph->nodes()) collectives += n.op().is_collective();
-    std::fprintf(out,
-                 "graph @%s: %zu nodes, %zu collectives; %d ranks on %s; %d iteration%s, %.3f ms "
-                 "per iteration (slowest rank)\n",
-                 p.graph->name().c_str(), p.graph->num_nodes(), collectives, o.ranks,
-                 o.backend.c_str(), o.iters, o.iters == 1 ? "" : "s", slowest / o.iters * 1e3);
+    auto count = [](size_t n, const char* what) {
+      return fmt::format("{} {}{}", n, what, n == 1 ? "" : "s");
+    };
+    std::fprintf(out, "graph @%s: %s, %s; %s on %s; %s, %.3f ms per iteration (slowest rank)\n",
+                 p.graph->name().c_str(), count(p.graph->num_nodes(), "node").c_str(),
+                 count(collectives, "collective").c_str(),
+                 count(static_cast<size_t>(o.ranks), "rank").c_str(), o.backend.c_str(),
+                 count(static_cast<size_t>(o.iters), "iteration").c_str(),
+                 slowest / o.iters * 1e3);
   }
   for (const RankReport& r : reports) std::fprintf(out, "%s\n", r.text.c_str());
   if (!o.trace.empty()) {
@@ -277,6 +281,7 @@ int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE
   }
   std::shared_ptr<ProcessGroup> world = init_process_group(o.backend);
   const int rank = world->rank();
+  int status = 0;
   try {
     if (world->size() != o.ranks) {
       throw InvalidArgument(
@@ -304,11 +309,12 @@ int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE
     std::fprintf(err, "funcol: error: %s%s\n", what.rfind(prefix, 0) == 0 ? "" : prefix.c_str(),
                  what.c_str());
     std::fflush(err);
-    destroy_process_group();
-    return 1;
+    status = 1;
   }
+  // No group may outlive the process group (mpi frees communicators before MPI_Finalize).
+  world.reset();
   destroy_process_group();
-  return 0;
+  return status;
 }
 
 // The flags a launched rank gets: the same run, as a rank of the job.

@@ -190,7 +190,7 @@ TEST_F(RunTest, IterationsGiveTheSameOutputsAndASummaryWithoutJson) {
   o.outputs.clear();
   const Captured human = run(o);
   ASSERT_EQ(human.status, 0) << human.err;
-  EXPECT_NE(human.out.find("graph @sum: 2 nodes"), std::string::npos) << human.out;
+  EXPECT_NE(human.out.find("graph @sum: 3 nodes, 1 collective; "), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("2 ranks on threads; 3 iterations"), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("rank 0: %w i32[5] digest "), std::string::npos) << human.out;
   EXPECT_NE(human.out.find("rank 1: %w i32[5] digest "), std::string::npos) << human.out;
@@ -225,7 +225,7 @@ graph @b(%x: f32[2]) {
   o.graph = "b";
   c = run(o);
   EXPECT_EQ(c.status, 0) << c.err;
-  EXPECT_NE(c.out.find("graph @b: 1 nodes"), std::string::npos) << c.out;
+  EXPECT_NE(c.out.find("graph @b: 1 node, 0 collectives; 1 rank on threads; 1 iteration, "), std::string::npos) << c.out;
   o.graph = "c";
   c = run(o);
   EXPECT_EQ(c.err, "funcol: error: " + file + " has no graph @c (graphs: @a, @b)\n");

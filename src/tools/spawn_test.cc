@@ -15,6 +15,12 @@
 namespace funcol::tools {
 namespace {
 
+SpawnOptions command(std::vector<std::string> argv) {
+  SpawnOptions s;
+  s.argv = std::move(argv);
+  return s;
+}
+
 TEST(Spawn, ExitStatusesAndEnvironment) {
   TempDir dir("funcol-spawn-test-");
   SpawnOptions s;
@@ -43,7 +49,7 @@ TEST(Spawn, FirstFailureStopsTheOthers) {
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<pid_t> pids;
   for (const char* cmd : {"sleep 60", "exit 7", "sleep 60"}) {
-    pids.push_back(spawn_process(SpawnOptions{.argv = {"sh", "-c", cmd}}));
+    pids.push_back(spawn_process(command({"sh", "-c", cmd})));
   }
   const auto st = wait_all(pids, std::chrono::seconds(5));
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
@@ -59,7 +65,7 @@ TEST(Spawn, FirstFailureStopsTheOthers) {
 
 TEST(Spawn, SuccessWaitsForEveryone) {
   std::vector<pid_t> pids;
-  for (int i = 0; i < 3; ++i) pids.push_back(spawn_process(SpawnOptions{.argv = {"true"}}));
+  for (int i = 0; i < 3; ++i) pids.push_back(spawn_process(command({"true"})));
   const auto st = wait_all(pids);
   ASSERT_EQ(st.size(), 3u);
   for (const ExitStatus& s : st) EXPECT_TRUE(s.ok());
@@ -67,7 +73,7 @@ TEST(Spawn, SuccessWaitsForEveryone) {
 
 TEST(Spawn, MissingProgramIsAnError) {
   try {
-    spawn_process(SpawnOptions{.argv = {"funcol-no-such-program"}});
+    spawn_process(command({"funcol-no-such-program"}));
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cannot start funcol-no-such-program"), std::string::npos)

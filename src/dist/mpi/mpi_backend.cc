@@ -30,7 +30,7 @@ using Clock = std::chrono::steady_clock;
 // busy stream of collectives keeps low latency.
 constexpr int kSpinPolls = 200;
 constexpr std::chrono::microseconds kMaxIdleSleep{1000};
-// At exit, how long outstanding collectives may take to drain before MPI_Abort.
+// At exit, how long outstanding collectives may take to drain before giving up on them.
 constexpr std::chrono::seconds kExitDrain{10};
 
 std::string mpi_error(int code) {
@@ -268,7 +268,6 @@ class Runtime {
   }
 
   void finalise_at_exit() {
-    bool abort = false;
     std::promise<void> finished;
     auto posted = post([&] {
       // Let healthy collectives still in flight finish first.
@@ -286,17 +285,17 @@ class Runtime {
         }
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
-      abort = unclean_.load() || !active_.empty();
-      if (abort) {
-        // MPI_Finalize synchronises with every rank; after a failure some never come.
+      if (unclean_.load() || !active_.empty()) {
+        // MPI_Finalize synchronises with every rank, and after a failure some never come.
+        // Leave without it: mpirun then ends the job as for a crashed rank. (Not MPI_Abort:
+        // two ranks aborting at once can deadlock Open MPI 4.1's mpirun in PMIx_server_finalize.)
         std::fprintf(stderr,
-                     "funcol mpi: aborting the MPI job at exit because a collective failed or "
-                     "never completed\n");
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-      } else if (owns_mpi_) {
-        MPI_Finalize();
+                     "funcol mpi: exiting with status 1 without MPI_Finalize because a collective "
+                     "failed or never completed\n");
+        std::fflush(nullptr);
+        std::_Exit(1);
       }
+      if (owns_mpi_) MPI_Finalize();
       finished.set_value();
     });
     if (!posted) return;

@@ -245,17 +245,21 @@ std::optional<PeerLoss> PeerMonitor::lost(int rank) const {
 std::vector<PeerLoss> PeerMonitor::wait_for_loss(const std::vector<int>& ranks,
                                                  std::chrono::milliseconds wait) const {
   std::unique_lock lock(mu_);
-  std::vector<PeerLoss> found;
-  auto collect = [&] {
-    found.clear();
+  auto any_death = [&] {
     for (int r : ranks) {
       auto it = lost_.find(r);
-      if (it != lost_.end()) found.push_back(it->second);
+      if (it != lost_.end() && !it->second.clean) return true;
     }
-    return !found.empty();
+    return false;
   };
-  cv_.wait_for(lock, wait, collect);
-  collect();
+  cv_.wait_for(lock, wait, any_death);
+  std::vector<PeerLoss> found;
+  for (bool clean : {false, true}) {
+    for (int r : ranks) {
+      auto it = lost_.find(r);
+      if (it != lost_.end() && it->second.clean == clean) found.push_back(it->second);
+    }
+  }
   return found;
 }
 

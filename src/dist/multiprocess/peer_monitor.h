@@ -61,7 +61,9 @@ class PeerMonitor {
   void set_on_peer_lost(std::function<void(const PeerLoss&)> callback);
   // The loss of `rank`, or nullopt while it is connected.
   std::optional<PeerLoss> lost(int rank) const;
-  // Waits up to `wait` for any of `ranks` to be reported lost; returns the losses found.
+  // Waits up to `wait` until one of `ranks` is reported dead (a departure alone does not end
+  // the wait: a peer often leaves because of another's death, and the death is the cause to
+  // report); returns every loss among `ranks`, deaths first.
   std::vector<PeerLoss> wait_for_loss(const std::vector<int>& ranks,
                                       std::chrono::milliseconds wait) const;
 
