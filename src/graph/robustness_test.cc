@@ -1,5 +1,4 @@
 // Bad and huge inputs: truncated files, binary garbage, huge integers, deep nesting, 1M nodes.
-#include <chrono>
 #include <random>
 #include <string>
 
@@ -116,45 +115,55 @@ TEST(Robustness, DeepNesting) {
 // A file of `n` nodes: chains of compute with an all_reduce + wait_tensor every 8 nodes.
 std::string generate(size_t n) {
   std::string text = "graph @big(%x: f32[4,4], %w: f32[4,4]) {\n";
-  text.reserve(n * 70);
-  std::string prev = "x";
-  for (size_t i = 0; i < n; ++i) {
-    const std::string name = "v" + std::to_string(i);
-    switch (i % 8) {
-      case 0: text += "  %" + name + " = matmul(%" + prev + ", %w) : f32[4,4]\n"; break;
-      case 1: text += "  %" + name + " = all_reduce(%" + prev + ") {reduce_op = \"sum\", group = \"world\"} : f32[4,4]\n"; break;
-      case 2: text += "  %" + name + " = wait_tensor(%" + prev + ") : f32[4,4]\n"; break;
-      case 3: text += "  %" + name + " = relu(%" + prev + ")\n"; break;
-      case 4: text += "  %" + name + " = add(%" + prev + ", %x) : f32[4,4]\n"; break;
-      case 5: text += "  %" + name + " = view(%" + prev + ") {shape = [16]} : f32[16]\n"; break;
-      case 6: text += "  %" + name + " = reshape(%" + prev + ") {shape = [4, -1]} : f32[4,4]\n"; break;
-      default: text += "  %" + name + " = neg(%" + prev + ") : f32[4,4]\n"; break;
+  text.reserve(n * 64);
+  const auto line = [&](size_t i, std::string_view op, std::string_view rest) {
+    text += "  %v";
+    text += std::to_string(i);
+    text += " = ";
+    text += op;
+    text += "(%";
+    if (i == 0) {
+      text += "x";
+    } else {
+      text += "v";
+      text += std::to_string(i - 1);
     }
-    prev = name;
+    text += rest;
+    text += '\n';
+  };
+  for (size_t i = 0; i < n; ++i) {
+    switch (i % 8) {
+      case 0: line(i, "matmul", ", %w) : f32[4,4]"); break;
+      case 1: line(i, "all_reduce", ") {reduce_op = \"sum\", group = \"world\"} : f32[4,4]"); break;
+      case 2: line(i, "wait_tensor", ") : f32[4,4]"); break;
+      case 3: line(i, "relu", ")"); break;
+      case 4: line(i, "add", ", %x) : f32[4,4]"); break;
+      case 5: line(i, "view", ") {shape = [16]} : f32[16]"); break;
+      case 6: line(i, "reshape", ") {shape = [4, -1]} : f32[4,4]"); break;
+      default: line(i, "neg", ") : f32[4,4]"); break;
+    }
   }
-  text += "  return %" + prev + "\n}\n";
+  text += "  return %v" + std::to_string(n - 1) + "\n}\n";
   return text;
 }
 
+// Parses in seconds (bench/ir_bench measures speed; verify and print at scale are covered
+// there). Under sanitizers this is the slowest unit test, hence its own binary and timeout.
 TEST(Robustness, OneMillionNodes) {
   const size_t n = 1'000'000;
-  const std::string text = generate(n);
-  const auto start = std::chrono::steady_clock::now();
-  Module m = parse_module(text, ParseOptions{.file = "big.ir"});
-  ASSERT_EQ(m.graphs().size(), 1u);
-  const Graph& g = *m.graphs()[0];
-  EXPECT_EQ(g.num_nodes(), n);
-  verify(g);
-  const std::string printed = print(m);
-  EXPECT_EQ(printed.size(), text.size() + (n / 8) * std::string(" : f32[4,4]").size());
-  EXPECT_EQ(g.last_node()->name(), "v999999");
-  // Not a speed assertion (bench/ir_bench measures speed): a record in the test log.
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("parse + verify + print of %zu nodes: %.2f s\n", n, s);
+  std::string text = generate(n);
+  {
+    Module m = parse_module(text, ParseOptions{.file = "big.ir"});
+    ASSERT_EQ(m.graphs().size(), 1u);
+    const Graph& g = *m.graphs()[0];
+    EXPECT_EQ(g.num_nodes(), n);
+    EXPECT_EQ(g.last_node()->name(), "v999999");
+    EXPECT_EQ(g.outputs()[0], g.last_node()->result());
+    EXPECT_EQ(g.input(0)->num_uses(), n / 8 + 1);
+  }
   // An error at the very end of a huge file is found and located.
-  std::string bad = text;
-  bad.insert(bad.rfind("  return"), "  %oops = neg(%nope)\n");
-  EXPECT_EQ(parse_error(bad), "t.ir:" + std::to_string(n + 2) + ":15: error: use of undefined value %nope");
+  text.insert(text.rfind("  return"), "  %oops = neg(%nope)\n");
+  EXPECT_EQ(parse_error(text), "t.ir:" + std::to_string(n + 2) + ":15: error: use of undefined value %nope");
 }
 
 }  // namespace

@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <optional>
 #include <queue>
-#include <unordered_map>
 #include <utility>
 
 #include <fmt/format.h>
@@ -62,41 +62,127 @@ std::string fmt_double(double v) { return fmt::format("{}", v); }
 
 // ---- order keys ---------------------------------------------------------------------------------
 
+// Node -> (dense id, order key), open addressing with linear probing: no allocation per node,
+// one cache line per lookup. Lookup only: never iterated, so pointer values decide nothing.
+class NodeTable {
+ public:
+  struct Slot {
+    const Node* node = nullptr;
+    uint32_t id = 0;
+    int64_t key = 0;
+  };
+
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < n * 2) cap *= 2;
+    if (cap > slots_.size()) rehash(cap);
+  }
+  // Null when absent. Valid until the next insert.
+  Slot* find(const Node* n) {
+    if (slots_.empty()) return nullptr;
+    for (size_t i = hash(n) & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.node == n) return &s;
+      if (s.node == nullptr) return nullptr;
+    }
+  }
+  const Slot* find(const Node* n) const { return const_cast<NodeTable*>(this)->find(n); }
+  // False when present already.
+  bool insert(const Node* n, uint32_t id, int64_t key) {
+    if ((used_ + 1) * 2 > slots_.size()) rehash(std::max<size_t>(16, size_ * 4));
+    size_t free_slot = SIZE_MAX;
+    for (size_t i = hash(n) & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (s.node == n) return false;
+      if (s.node == tombstone() && free_slot == SIZE_MAX) free_slot = i;
+      if (s.node == nullptr) {
+        if (free_slot == SIZE_MAX) {
+          free_slot = i;
+          ++used_;
+        }
+        break;
+      }
+    }
+    slots_[free_slot] = {n, id, key};
+    ++size_;
+    return true;
+  }
+  void erase(const Node* n) {
+    if (Slot* s = find(n)) {
+      s->node = tombstone();
+      --size_;
+    }
+  }
+
+ private:
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  size_t size_ = 0;  // live entries
+  size_t used_ = 0;  // live entries + tombstones
+
+  static const Node* tombstone() { return reinterpret_cast<const Node*>(uintptr_t{1}); }
+  static size_t hash(const Node* n) {
+    uint64_t x = reinterpret_cast<uintptr_t>(n);
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return static_cast<size_t>(x);
+  }
+  void rehash(size_t cap) {
+    std::vector<Slot> old = std::move(slots_);
+    slots_.assign(cap, Slot{});
+    mask_ = cap - 1;
+    size_ = used_ = 0;
+    for (const Slot& s : old) {
+      if (s.node != nullptr && s.node != tombstone()) insert(s.node, s.id, s.key);
+    }
+  }
+};
+
 // Integer positions of the graph's nodes, kept up to date as the pass inserts, erases and moves
 // nodes, so "is a before b" and "the latest of these" are O(1) lookups. New nodes get keys
 // spread evenly inside the gap of their neighbours; only when a gap is exhausted is the whole
 // graph renumbered (the graph's own order keys renumber globally once 32 nodes land in one
 // gap, which a bucket of many members would trigger on every bucket). Each node also gets a
-// dense id for the per-node scratch arrays of the pass. Pointers are only looked up, never
-// iterated, so nothing depends on their values.
+// dense id for the per-node scratch arrays of the pass.
 class OrderIndex {
  public:
   static constexpr int64_t kStep = int64_t{1} << 32;
 
-  explicit OrderIndex(const Graph& graph) : graph_(&graph) {
-    ids_.reserve(graph.num_nodes() * 2 + 16);
-    for (const Node& n : graph.nodes()) add(&n);
-    relabel();
+  // Numbers the nodes in graph order, calling visit(node) on each (one walk for both).
+  template <typename Visit>
+  OrderIndex(Graph& graph, Visit&& visit) : graph_(&graph) {
+    table_.reserve(graph.num_nodes() + graph.num_nodes() / 4 + 16);
+    int64_t k = 0;
+    for (Node& n : graph.nodes()) {
+      FUNCOL_CHECK(table_.insert(&n, next_id_++, k), "bucketing: node registered twice");
+      k += kStep;
+      visit(n);
+    }
   }
 
-  uint32_t id(const Node* n) const {
-    auto it = ids_.find(n);
-    FUNCOL_CHECK(it != ids_.end(), "bucketing: node without an order key");
-    return it->second;
+  struct Pos {
+    uint32_t id;
+    int64_t key;
+  };
+  Pos pos(const Node* n) const {
+    const NodeTable::Slot* s = table_.find(n);
+    FUNCOL_CHECK(s != nullptr, "bucketing: node without an order key");
+    return {s->id, s->key};
   }
-  int64_t key(const Node* n) const { return keys_[id(n)]; }
+  uint32_t id(const Node* n) const { return pos(n).id; }
+  int64_t key(const Node* n) const { return pos(n).key; }
   // Key of the node defining `v`; graph inputs come before every node.
   int64_t def_key(const Value* v) const { return v->node() ? key(v->node()) : kMinKey; }
   // One more than the largest id handed out (sizes the scratch arrays).
-  size_t id_bound() const { return keys_.size(); }
+  size_t id_bound() const { return next_id_; }
 
   uint32_t add(const Node* n) {
-    const auto id = static_cast<uint32_t>(keys_.size());
-    FUNCOL_CHECK(ids_.emplace(n, id).second, "bucketing: node registered twice");
-    keys_.push_back(kMinKey);
+    const uint32_t id = next_id_++;
+    FUNCOL_CHECK(table_.insert(n, id, kMinKey), "bucketing: node registered twice");
     return id;
   }
-  void remove(const Node* n) { ids_.erase(n); }
+  void remove(const Node* n) { table_.erase(n); }
 
   // Keys the consecutive nodes first..last (count of them) evenly between their neighbours.
   void rekey(Node* first, Node* last, size_t count) {
@@ -114,7 +200,7 @@ class OrderIndex {
     uint64_t k = static_cast<uint64_t>(lo);
     for (Node* n = first;; n = n->next()) {
       k += step;
-      keys_[id(n)] = static_cast<int64_t>(k);
+      slot(n).key = static_cast<int64_t>(k);
       if (n == last) break;
     }
   }
@@ -123,15 +209,21 @@ class OrderIndex {
   void relabel() {
     int64_t k = 0;
     for (const Node& n : graph_->nodes()) {
-      keys_[id(&n)] = k;
+      slot(&n).key = k;
       k += kStep;
     }
   }
 
  private:
-  const Graph* graph_;
-  std::unordered_map<const Node*, uint32_t> ids_;
-  std::vector<int64_t> keys_;
+  Graph* graph_;
+  NodeTable table_;
+  uint32_t next_id_ = 0;
+
+  NodeTable::Slot& slot(const Node* n) {
+    NodeTable::Slot* s = table_.find(n);
+    FUNCOL_CHECK(s != nullptr, "bucketing: node without an order key");
+    return *s;
+  }
 };
 
 // ---- bucket keys --------------------------------------------------------------------------------
@@ -203,7 +295,27 @@ class Bucketer {
  public:
   Bucketer(Graph& graph, const BucketOptions& options, std::string* explain)
       : graph_(graph), opt_(options), spec_(kind_spec(options.kind)), explain_(explain),
-        order_(graph) {}
+        order_(graph, [this](Node& n) {
+          if (n.op().collective == CollectiveKind::Wait) waits_.push_back(&n);
+        }) {
+    const std::string pre(spec_.prefix);
+    for (auto [field, suffix] : std::initializer_list<std::pair<std::string*, std::string_view>>{
+             {&hints_.bucket, "bucket"},
+             {&hints_.bytes, "bytes"},
+             {&hints_.cast, "cast"},
+             {&hints_.cat, "cat"},
+             {&hints_.copy, "copy"},
+             {&hints_.flat, "flat"},
+             {&hints_.out, "out"},
+             {&hints_.pack, "pack"},
+             {&hints_.rows, "rows"},
+             {&hints_.split, "split"},
+             {&hints_.view, "view"},
+             {&hints_.wait, "wait"},
+         }) {
+      *field = pre + "_" + std::string(suffix);
+    }
+  }
 
   BucketingStats run();
 
@@ -215,8 +327,24 @@ class Bucketer {
   const BucketOptions& opt_;
   const KindSpec& spec_;
   std::string* explain_;
+  std::vector<Node*> waits_;  // every wait_tensor, in graph order (filled by order_'s walk)
   OrderIndex order_;
   BucketingStats stats_;
+  // Name hints of new nodes ("ag_pack", ...), built once.
+  struct Hints {
+    std::string bucket;
+    std::string bytes;
+    std::string cast;
+    std::string cat;
+    std::string copy;
+    std::string flat;
+    std::string out;
+    std::string pack;
+    std::string rows;
+    std::string split;
+    std::string view;
+    std::string wait;
+  } hints_;
 
   // Current bucket.
   std::vector<Entry*> bucket_;
@@ -285,8 +413,8 @@ BucketKey Bucketer::key_of(const Node& coll, DType dtype) const {
 std::vector<Entry> Bucketer::collect() {
   std::vector<Entry> entries;
   std::vector<bool> seen(order_.id_bound(), false);
-  for (Node& wait : graph_.nodes()) {
-    if (wait.op().collective != CollectiveKind::Wait) continue;
+  for (Node* w : waits_) {
+    Node& wait = *w;
     Value* in = wait.operand(0);
     Node* coll = in->node();
     if (!coll) continue;
@@ -369,8 +497,10 @@ bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
       continue;
     }
     const Node* d = f.node->operand(f.next_operand++)->node();
-    if (!d || order_.key(d) < first_key_) continue;
-    const uint32_t did = order_.id(d);
+    if (!d) continue;
+    const OrderIndex::Pos dp = order_.pos(d);
+    if (dp.key < first_key_) continue;
+    const uint32_t did = dp.id;
     if (mark_epoch_[did] == epoch_) {
       FUNCOL_CHECK(state_[did] != kOpen, "bucketing: cycle in the graph");
       if (state_[did] == kDirty) {
@@ -575,13 +705,12 @@ bool known_contiguous(const Value* v) {
 
 // The packing nodes and the merged collective (DESIGN §6 point 4; REFERENCE B.4).
 Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket) {
-  const std::string p(spec_.prefix);
   const Node& first = *members[0]->coll;
   const std::string& group = first.attr("group").as_string();
   std::vector<Value*> sources;
   for (const Entry* m : members) sources.push_back(m->source());
   auto flat = [&](Value* v) {
-    return v->type().rank() == 1 ? v : x.value("flatten", {v}, {}, p + "_flat");
+    return v->type().rank() == 1 ? v : x.value("flatten", {v}, {}, hints_.flat);
   };
   switch (opt_.kind) {
     case CollectiveKind::AllGather: {
@@ -594,30 +723,30 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
                        {"group", group},
                        {"dtype", bucket},
                        {"out_dtypes", Attr::list(std::move(outs))}},
-                      p + "_bucket");
+                      hints_.bucket);
       }
       std::vector<Value*> parts;
       for (const Entry* m : members) {
         Value* v = flat(m->source());
         if (v->dtype() != m->out_dtype) {
-          v = x.value("convert_element_type", {v}, {{"dtype", m->out_dtype}}, p + "_cast");
+          v = x.value("convert_element_type", {v}, {{"dtype", m->out_dtype}}, hints_.cast);
         }
         if (m->out_dtype != bucket) {
           // Reading the bytes as another dtype needs a unit-stride tensor.
-          if (!known_contiguous(v)) v = x.value("clone", {v}, {}, p + "_copy");
-          v = x.value("view_dtype", {v}, {{"dtype", bucket}}, p + "_bytes");
+          if (!known_contiguous(v)) v = x.value("clone", {v}, {}, hints_.copy);
+          v = x.value("view_dtype", {v}, {{"dtype", bucket}}, hints_.bytes);
         }
         parts.push_back(v);
       }
-      Value* packed = x.value("cat", parts, {{"dim", 0}}, p + "_pack");
-      return x.node(spec_.op, {packed}, {{"group_size", g}, {"group", group}}, p + "_bucket");
+      Value* packed = x.value("cat", parts, {{"dim", 0}}, hints_.pack);
+      return x.node(spec_.op, {packed}, {{"group_size", g}, {"group", group}}, hints_.bucket);
     }
     case CollectiveKind::ReduceScatter: {
       const int64_t g = first.attr("group_size").as_int();
       const std::string& rop = first.attr("reduce_op").as_string();
       Value* packed;
       if (is_custom_ops(opt_.mode)) {
-        packed = x.value("bucket_pack", sources, {{"group_size", g}}, p + "_pack");
+        packed = x.value("bucket_pack", sources, {{"group_size", g}}, hints_.pack);
       } else {
         // Row j of [G, n_i / G] is the chunk rank j receives; concatenating rows keeps every
         // rank's chunks together (a plain concatenation would mix them).
@@ -625,25 +754,25 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
         for (const Entry* m : members) {
           const int64_t n = m->source()->type().numel();
           rows.push_back(x.value("reshape", {m->source()}, {{"shape", std::vector<int64_t>{g, n / g}}},
-                                 p + "_rows"));
+                                 hints_.rows));
         }
-        Value* cat = x.value("cat", rows, {{"dim", 1}}, p + "_cat");
-        packed = x.value("flatten", {cat}, {}, p + "_pack");
+        Value* cat = x.value("cat", rows, {{"dim", 1}}, hints_.cat);
+        packed = x.value("flatten", {cat}, {}, hints_.pack);
       }
       return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group_size", g}, {"group", group}},
-                    p + "_bucket");
+                    hints_.bucket);
     }
     case CollectiveKind::AllReduce: {
       const std::string& rop = first.attr("reduce_op").as_string();
       Value* packed;
       if (is_custom_ops(opt_.mode)) {
-        packed = x.value("bucket_pack", sources, {{"group_size", 1}}, p + "_pack");
+        packed = x.value("bucket_pack", sources, {{"group_size", 1}}, hints_.pack);
       } else {
         std::vector<Value*> parts;
         for (const Entry* m : members) parts.push_back(flat(m->source()));
-        packed = x.value("cat", parts, {{"dim", 0}}, p + "_pack");
+        packed = x.value("cat", parts, {{"dim", 0}}, hints_.pack);
       }
-      return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group", group}}, p + "_bucket");
+      return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group", group}}, hints_.bucket);
     }
     default:
       FUNCOL_CHECK(false, "bucketing: unexpected kind");
@@ -654,14 +783,13 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
 // The merged wait and the unpacking: one value per member, of exactly its wait's type.
 std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
                                           DType bucket) {
-  const std::string p(spec_.prefix);
-  Value* w = y.value("wait_tensor", {coll->result(0)}, {}, p + "_wait");
+  Value* w = y.value("wait_tensor", {coll->result(0)}, {}, hints_.wait);
   std::vector<int64_t> sizes;
   std::vector<Value*> out;
   auto finish_block = [&](Value* v, const Entry* m) {
     const Type& want = m->wait->result(0)->type();
     if (v->type().shape != want.shape) {
-      v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>(want.shape)}}, p + "_out");
+      v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>(want.shape)}}, hints_.out);
     }
     out.push_back(v);
   };
@@ -674,22 +802,22 @@ std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll, const std::vec
                       static_cast<int64_t>(itemsize(m->out_dtype)) / bsize);
     }
     // Row r of [G, N] is rank r's slot; column block i across the rows is member i's gather.
-    Value* rows = y.value("view", {w}, {{"shape", std::vector<int64_t>{g, n}}}, p + "_rows");
+    Value* rows = y.value("view", {w}, {{"shape", std::vector<int64_t>{g, n}}}, hints_.rows);
     Node* split = y.node("split_with_sizes", {rows}, {{"split_sizes", sizes}, {"dim", 1}},
-                         p + "_split");
+                         hints_.split);
     for (size_t i = 0; i < members.size(); ++i) {
       const Entry* m = members[i];
       Value* v = split->result(i);
       if (m->out_dtype != bucket && sizes[i] == 0) {
         // An empty block: flattened first, since no stride of an empty 2-D block is meaningful
         // to view_dtype (the data dependency on the wait is kept all the same).
-        v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>{0}}}, p + "_flat");
-        v = y.value("clone", {v}, {}, p + "_copy");
-        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, p + "_view");
+        v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>{0}}}, hints_.flat);
+        v = y.value("clone", {v}, {}, hints_.copy);
+        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, hints_.view);
       } else if (m->out_dtype != bucket) {
         // A column block is strided; copy it so the bytes can be read as the member's dtype.
-        v = y.value("clone", {v}, {}, p + "_copy");
-        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, p + "_view");
+        v = y.value("clone", {v}, {}, hints_.copy);
+        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, hints_.view);
       }
       finish_block(v, m);
     }
@@ -698,7 +826,7 @@ std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll, const std::vec
   const int64_t g =
       opt_.kind == CollectiveKind::ReduceScatter ? coll->attr("group_size").as_int() : 1;
   for (const Entry* m : members) sizes.push_back(m->source()->type().numel() / g);
-  Node* split = y.node("split_with_sizes", {w}, {{"split_sizes", sizes}, {"dim", 0}}, p + "_split");
+  Node* split = y.node("split_with_sizes", {w}, {{"split_sizes", sizes}, {"dim", 0}}, hints_.split);
   for (size_t i = 0; i < members.size(); ++i) finish_block(split->result(i), members[i]);
   return out;
 }

@@ -178,8 +178,11 @@ RankReport run_rank(const Prepared& p, const RunOptions& o, ProcessGroup& world)
     if (!o.trace.empty()) options.profiler = &profiler;
     Executor executor(*p.graph, world, options);
     const std::vector<Tensor> inputs = make_inputs(*p.graph, o.seed, rank);
-    if (!o.trace.empty())
-      profiler.reserve(static_cast<size_t>(o.iters) * (p.graph->num_nodes() + 1));
+    if (!o.trace.empty()) {
+      // Spans of every iteration, up to a million reserved ahead (more grow as needed).
+      profiler.reserve(std::min<size_t>(static_cast<size_t>(o.iters) * (p.graph->num_nodes() + 1),
+                                        size_t{1} << 20));
+    }
     // Line the ranks up, so every rank's trace starts at (nearly) the same instant.
     world.barrier();
     profiler.reset_epoch();
@@ -233,8 +236,7 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
                  p.graph->name().c_str(), count(p.graph->num_nodes(), "node").c_str(),
                  count(collectives, "collective").c_str(),
                  count(static_cast<size_t>(o.ranks), "rank").c_str(), o.backend.c_str(),
-                 count(static_cast<size_t>(o.iters), "iteration").c_str(),
-                 slowest / o.iters * 1e3);
+                 count(static_cast<size_t>(o.iters), "iteration").c_str(), slowest / o.iters * 1e3);
   }
   for (const RankReport& r : reports) std::fprintf(out, "%s\n", r.text.c_str());
   if (!o.trace.empty()) {
@@ -336,11 +338,21 @@ std::string read_all(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
+// The launcher's exit status after a signal stopped the job: 128 + the signal, as a shell's.
+int interrupted(std::FILE* err) {
+  const int sig = InterruptScope::signal();
+  std::fprintf(err, "funcol: error: interrupted by signal %d (%s); stopped every rank\n", sig,
+               strsignal(sig));
+  return 128 + sig;
+}
+
 // Not inside a job: start one. mpi: under mpirun. gloo: N processes of this program with a
 // file store in a temporary directory; the first rank to fail stops the others and its error
 // is the one printed.
 int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   if (!o.trace.empty()) check_writable(o.trace);
+  // Declared before the directory: a signal stops the ranks, then the directory is removed.
+  InterruptScope interrupts;
   TempDir dir("funcol-run-");
   std::string file = o.file;
   if (o.file == "-") {
@@ -362,6 +374,7 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
       throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
     }
     const ExitStatus st = wait_all({pid}).front();
+    if (InterruptScope::signal() != 0) return interrupted(err);
     if (st.ok()) return 0;
     // The ranks printed their errors; add mpirun's own status only when it died oddly.
     if (st.signaled) std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
@@ -391,6 +404,7 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
     throw;
   }
   const std::vector<ExitStatus> statuses = wait_all(pids);
+  if (InterruptScope::signal() != 0) return interrupted(err);
   auto rank_of = [&](pid_t pid) {
     return static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
   };

@@ -39,7 +39,7 @@ std::string outputs_json_line(int rank, const std::vector<Tensor>& outputs);
 // every rank (threads: in this process; mpi/gloo: as this process's rank inside a job, or by
 // starting the job when not inside one), prints results to `out` and errors to `err` as
 // "funcol: error: ..." (parse errors as "FILE:LINE:COL: error: ..."), once. Returns the exit
-// status: 0 on success, 1 on any error.
+// status: 0 on success, 1 on any error, 128 + N when a launcher was stopped by signal N.
 int run_command(const RunOptions& options, std::FILE* out, std::FILE* err);
 
 }  // namespace funcol::tools

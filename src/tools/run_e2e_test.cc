@@ -1,17 +1,22 @@
 // End-to-end tests of `funcol run` as a user runs it: the built command on every backend that is
 // compiled in, exit statuses, output lines and errors printed once.
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -183,6 +188,65 @@ TEST_F(RunE2E, BackendsNotCompiledInAreAClearError) {
         << r.err;
   }
 }
+
+#ifdef FUNCOL_WITH_GLOO
+// The child pids of `pid` (/proc/PID/task/PID/children).
+std::vector<pid_t> children_of(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+  std::vector<pid_t> out;
+  pid_t c;
+  while (f >> c) out.push_back(c);
+  return out;
+}
+
+bool alive(pid_t pid) {
+  // A zombie counts as gone: it has stopped running (init reaps reparented ones).
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return false;
+  const size_t close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
+}
+
+// Polls `cond` every 10 ms for up to `seconds`; a bounded wait, never a fixed sleep.
+bool eventually(const std::function<bool()>& cond, int seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return cond();
+}
+
+// A launcher stopped by SIGTERM stops its ranks, removes its temporary directory and exits
+// with 128 + 15; nothing is left running.
+TEST_F(RunE2E, GlooLauncherStoppedBySignalLeavesNothingBehind) {
+  const std::string file = write("g.ir", kGraph);
+  const std::string tmp = dir_.path() + "/tmp";
+  std::filesystem::create_directory(tmp);
+  SpawnOptions s;
+  s.argv = {FUNCOL_BIN,  "run",       file,   "--ranks", "4",        "--mesh",
+            "dp=2,tp=2", "--backend", "gloo", "--iters", "100000000"};
+  s.env = {{"TMPDIR", tmp}, {"FUNCOL_TIMEOUT", "60"}};
+  s.stdout_path = dir_.path() + "/stdout";
+  s.stderr_path = dir_.path() + "/stderr";
+  const pid_t launcher = spawn_process(s);
+  std::vector<pid_t> ranks;
+  ASSERT_TRUE(eventually(
+      [&] {
+        ranks = children_of(launcher);
+        return ranks.size() == 4;
+      },
+      30));
+  kill(launcher, SIGTERM);
+  const ExitStatus st = wait_all({launcher}, std::chrono::seconds(30)).front();
+  EXPECT_FALSE(st.signaled);
+  EXPECT_EQ(st.code, 128 + SIGTERM);
+  for (pid_t r : ranks) EXPECT_TRUE(eventually([&] { return !alive(r); }, 30)) << r;
+  EXPECT_TRUE(std::filesystem::is_empty(tmp));
+  EXPECT_NE(slurp(s.stderr_path).find("interrupted by signal 15"), std::string::npos);
+}
+#endif
 
 TEST_F(RunE2E, ReadsStandardInput) {
   const std::string file = write("g.ir", kGraph);

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iterator>
 #include <thread>
 
 #include "funcol/core/error.h"
@@ -24,6 +25,14 @@ extern char** environ;
 namespace funcol::tools {
 
 namespace {
+
+volatile sig_atomic_t g_interrupt = 0;
+constexpr int kInterruptSignals[] = {SIGINT, SIGTERM, SIGHUP};
+struct sigaction g_previous[3];
+
+extern "C" void record_interrupt(int sig) {
+  if (g_interrupt == 0) g_interrupt = sig;
+}
 
 std::string errno_text(int err) { return std::strerror(err); }
 
@@ -110,7 +119,8 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
       }
     }
     if (!killing && !running.empty() &&
-        std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); })) {
+        (g_interrupt != 0 ||
+         std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); }))) {
       killing = true;
       for (pid_t p : running) kill(p, SIGTERM);
       kill_deadline = std::chrono::steady_clock::now() + grace;
@@ -130,6 +140,24 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
   }
   return done;
 }
+
+InterruptScope::InterruptScope() {
+  g_interrupt = 0;
+  struct sigaction sa {};
+  sa.sa_handler = record_interrupt;
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
+    sigaction(kInterruptSignals[i], &sa, &g_previous[i]);
+  }
+}
+
+InterruptScope::~InterruptScope() {
+  for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
+    sigaction(kInterruptSignals[i], &g_previous[i], nullptr);
+  }
+}
+
+int InterruptScope::signal() { return g_interrupt; }
 
 std::string self_executable() {
   std::error_code ec;

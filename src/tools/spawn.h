@@ -36,11 +36,25 @@ struct ExitStatus {
 };
 
 // Waits for every child in `pids`. As soon as one fails (non-zero exit or killed by a signal),
-// the others get SIGTERM, then SIGKILL after `grace`, so nothing is left running. Returns every
-// status in the order the children ended (the first failure is the first non-ok entry); every
-// child is reaped. Polls with waitpid(WNOHANG) so it never reaps children it did not start.
+// or an InterruptScope recorded a signal, the others get SIGTERM, then SIGKILL after `grace`, so
+// nothing is left running. Returns every status in the order the children ended (the first failure
+// is the first non-ok entry); every child is reaped. Polls with waitpid(WNOHANG) so it never reaps
+// children it did not start.
 std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids,
                                  std::chrono::milliseconds grace = std::chrono::seconds(5));
+
+// While alive, SIGINT, SIGTERM and SIGHUP do not kill this process but are recorded: wait_all
+// then stops the children as on a failure, and the launcher cleans up and exits with
+// 128 + signal() itself. Children start with default handlers (exec resets them).
+class InterruptScope {
+ public:
+  InterruptScope();
+  ~InterruptScope();
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+  // The first signal received while a scope was alive, or 0.
+  static int signal();
+};
 
 // The absolute path of the running executable (/proc/self/exe).
 std::string self_executable();

@@ -373,7 +373,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   }
 
   ~MpiProcessGroup() override {
-    // A broken communicator may still have requests MPI owns; leave it to MPI_Abort.
+    // A broken communicator may still have requests MPI owns; the process exits without
+    // MPI_Finalize then, so leave it alone.
     if (comm_ != MPI_COMM_NULL && !broken()) {
       MPI_Comm comm = comm_;
       Runtime::get().post([comm]() mutable { MPI_Comm_free(&comm); });

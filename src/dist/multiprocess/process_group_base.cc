@@ -21,6 +21,10 @@ using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kProgressQueryWait{1000};
 // The watchdog's longest sleep; timeouts fire at most this late.
 constexpr std::chrono::milliseconds kWatchdogTick{100};
+// How long a collective in flight when a member died may still complete: the dead rank may
+// have done its part (sent its data) just before dying. A transport that needs the dead rank
+// fails at once anyway (connection reset).
+constexpr std::chrono::milliseconds kDeathGrace{1000};
 
 std::vector<int64_t> displacements(const std::vector<int64_t>& counts) {
   std::vector<int64_t> displs(counts.size(), 0);
@@ -433,19 +437,26 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
 
 std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_point now) {
   std::shared_ptr<CollectiveOp> expired;
+  std::string loss;
   std::optional<Clock::time_point> earliest;
   {
     std::lock_guard lock(mu_);
     for (auto& op : inflight_) {
       if (op->done()) continue;
       if (op->deadline <= now) {
-        if (!expired) expired = op;
+        if (!expired) {
+          expired = op;
+          loss = op->loss;
+        }
       } else if (!earliest || op->deadline < *earliest) {
         earliest = op->deadline;
       }
     }
   }
-  if (expired) fail_op(expired, timeout_message(*expired));
+  if (expired) {
+    fail_op(expired, loss.empty() ? timeout_message(*expired)
+                                  : fmt::format("{}: {}", expired->work->description(), loss));
+  }
   return earliest;
 }
 
@@ -464,22 +475,33 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     // Every later collective on this group would wait for the peer forever.
     if (!broken_) broken_ = reason;
     for (auto& op : inflight_) {
-      // A peer that left cleanly finished what it issued; only what it never issued is lost.
-      if (!op->done() && (peer_issued < 0 || op->seq >= peer_issued)) victims.push_back(op);
+      if (op->done()) continue;
+      if (!loss.clean) {
+        // It may have finished its part before dying: fail soon unless it completes.
+        op->loss = fmt::format("{}; missing ranks {}", reason, dist_detail::format_ranks({loss.rank}));
+        op->deadline = std::min(op->deadline, Clock::now() + kDeathGrace);
+      } else if (op->seq >= peer_issued) {
+        // A peer that left cleanly finished what it issued; only what it never issued is lost.
+        victims.push_back(op);
+      }
     }
     std::erase_if(inflight_, [&](const auto& op) {
       return std::find(victims.begin(), victims.end(), op) != victims.end();
     });
   }
-  // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
-  if (!loss.clean || !victims.empty()) on_broken();
+  if (!loss.clean) {
+    on_broken();
+    return;
+  }
   for (auto& op : victims) {
     if (op->claim()) {
-      op->work->fail(std::make_exception_ptr(CommError(fmt::format(
-          "{}: {}{}; missing ranks {}", op->work->description(), reason,
-          loss.clean ? " before joining" : "", dist_detail::format_ranks({loss.rank})))));
+      op->work->fail(std::make_exception_ptr(
+          CommError(fmt::format("{}: {} before joining; missing ranks {}", op->work->description(),
+                                reason, dist_detail::format_ranks({loss.rank})))));
     }
   }
+  // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
+  if (!victims.empty()) on_broken();
 }
 
 }  // namespace funcol::process

@@ -38,6 +38,9 @@ struct CollectiveOp {
   std::shared_ptr<Work> work;
   std::chrono::steady_clock::time_point issued_at;
   std::chrono::steady_clock::time_point deadline;
+  // Set when a member died while this was in flight: fail with this at the (shortened)
+  // deadline unless it completes first. Guarded by the group's lock.
+  std::string loss;
 
   // True when finished or failed (by the transport, the watchdog or a lost peer).
   bool done() const { return done_.load(std::memory_order_acquire); }
