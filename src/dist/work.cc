@@ -95,6 +95,9 @@ bool Work::sleep_until(std::chrono::steady_clock::time_point deadline) {
 }
 
 void Work::wake_waiters() {
+  // A hint, not a handshake: a waiter that starts sleeping right after this check misses it
+  // and sleeps until the Work finishes, which is still correct.
+  if (sleepers_.load(std::memory_order_acquire) == 0) return;
   bool notify = false;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -138,7 +138,10 @@ void Node::set_operand(size_t i, Value* value) {
 }
 
 bool Node::has_uses() const {
-  return std::any_of(results_.begin(), results_.end(), [](const Value& v) { return v.has_uses(); });
+  for (size_t i = 0; i < num_results_; ++i) {
+    if (result(i)->has_uses()) return true;
+  }
+  return false;
 }
 
 void Node::set_attr(std::string_view name, Attr value) {
@@ -318,11 +321,13 @@ Node* Graph::new_node(const OpDef& op, std::vector<Value*> operands, std::vector
   node->loc_ = loc;
   node->name_ = std::move(name);
   node->operands_ = std::move(operands);
-  node->use_pos_.resize(node->operands_.size());
+  if (node->operands_.size() > 2) node->use_pos_more_.resize(node->operands_.size() - 2);
   node->attrs_ = std::move(attrs);
-  node->results_.resize(types.size());
+  FUNCOL_CHECK(!types.empty(), fmt::format("{} inferred no result", op.name));
+  node->num_results_ = static_cast<uint32_t>(types.size());
+  node->more_results_.resize(types.size() - 1);
   for (size_t i = 0; i < types.size(); ++i) {
-    Value& v = node->results_[i];
+    Value& v = *node->result(i);
     v.type_ = std::move(types[i]);
     v.node_ = node.get();
     v.index_ = static_cast<uint32_t>(i);
@@ -364,7 +369,8 @@ Node* Graph::append_checked_node(const OpDef& op, std::vector<Value*> operands,
 
 void Graph::erase(Node* node) {
   FUNCOL_CHECK(node && node->graph_ == this, "erase of a node of another graph");
-  for (const Value& v : node->results_) {
+  for (size_t i = 0; i < node->num_results(); ++i) {
+    const Value& v = *node->result(i);
     FUNCOL_CHECK(!v.has_uses(), fmt::format("erase of %{} ({}) whose result {} still has {} use(s)",
                                             node->name_, node->op_->name, v.ref(), v.num_uses()));
   }
@@ -403,10 +409,10 @@ void Graph::reinfer(Node* node) {
   in.reserve(node->operands_.size());
   for (Value* v : node->operands_) in.push_back(v->type());
   std::vector<Type> types = infer_types(*node->op_, in, node->attrs_);
-  FUNCOL_CHECK(types.size() == node->results_.size(),
+  FUNCOL_CHECK(types.size() == node->num_results(),
                fmt::format("reinfer of %{} changes its result count from {} to {}", node->name_,
-                           node->results_.size(), types.size()));
-  for (size_t i = 0; i < types.size(); ++i) node->results_[i].type_ = std::move(types[i]);
+                           node->num_results(), types.size()));
+  for (size_t i = 0; i < types.size(); ++i) node->result(i)->type_ = std::move(types[i]);
 }
 
 std::vector<Node*> Graph::node_list() const {

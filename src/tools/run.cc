@@ -88,10 +88,12 @@ bool is_identifier(std::string_view s) {
 }
 
 void validate_options(const RunOptions& o) {
-  if (o.ranks < 1)
+  if (o.ranks < 1) {
     throw InvalidArgument(fmt::format("--ranks must be at least 1, got {}", o.ranks));
-  if (o.iters < 1)
+  }
+  if (o.iters < 1) {
     throw InvalidArgument(fmt::format("--iters must be at least 1, got {}", o.iters));
+  }
   if (!o.outputs.empty() && o.outputs != "json") {
     throw InvalidArgument(fmt::format("--outputs must be 'json', got '{}'", o.outputs));
   }

@@ -62,7 +62,8 @@ class Work : public Waitable {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::exception_ptr error_;  // written under mu_ before done_ is set, read after it is seen
-  int sleepers_ = 0;          // guarded by mu_: notify only when someone sleeps
+  // Written under mu_ (notify only when someone sleeps); read without it by wake_waiters().
+  std::atomic<int> sleepers_{0};
   uint64_t wake_generation_ = 0;  // guarded by mu_: bumped by wake_waiters()
 };
 

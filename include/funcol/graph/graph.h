@@ -87,9 +87,9 @@ class Node {
   void set_operand(size_t i, Value* value);
 
   // ---- results ----
-  size_t num_results() const { return results_.size(); }
-  Value* result(size_t i = 0) { return &results_[i]; }
-  const Value* result(size_t i = 0) const { return &results_[i]; }
+  size_t num_results() const { return num_results_; }
+  Value* result(size_t i = 0) { return i == 0 ? &result0_ : &more_results_[i - 1]; }
+  const Value* result(size_t i = 0) const { return i == 0 ? &result0_ : &more_results_[i - 1]; }
   // True when any result has a use.
   bool has_uses() const;
 
@@ -120,9 +120,17 @@ class Node {
   SourceLoc loc_;
   std::string name_;
   std::vector<Value*> operands_;
-  // use_pos_[i]: where operand i's Use sits in its value's use-list (O(1) removal).
-  std::vector<uint32_t> use_pos_;
-  std::vector<Value> results_;  // never resized after creation: Value* stays valid
+  // Where operand i's Use sits in its value's use-list (O(1) removal): inline for the first
+  // two operands (most nodes), then in use_pos_more_[i - 2].
+  uint32_t use_pos_inline_[2] = {0, 0};
+  std::vector<uint32_t> use_pos_more_;
+  // Result 0 lives in the node (every op has one); the others, for multi-result ops, in a
+  // vector never resized after creation. Either way Value* stays valid.
+  uint32_t num_results_ = 0;
+  Value result0_;
+  std::vector<Value> more_results_;
+
+  uint32_t& use_pos(uint32_t i) { return i < 2 ? use_pos_inline_[i] : use_pos_more_[i - 2]; }
   std::vector<Attr> attrs_;
 };
 
@@ -270,7 +278,9 @@ class Graph {
 
   void add_use(Value* value, Use use);
   void remove_use(Value* value, Use use);
-  uint32_t& use_pos(Use use) { return use.user ? use.user->use_pos_[use.index] : output_use_pos_[use.index]; }
+  uint32_t& use_pos(Use use) {
+    return use.user ? use.user->use_pos(use.index) : output_use_pos_[use.index];
+  }
   void link_before(Node* node, Node* before);
   void unlink(Node* node);
   void claim_name(std::string_view name, Definition entry);

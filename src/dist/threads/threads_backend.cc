@@ -20,6 +20,7 @@
 #include "threads/threads_backend.h"
 
 #include <fmt/format.h>
+#include <cstdio>
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -44,10 +45,13 @@ namespace funcol::threads_detail {
 using Clock = std::chrono::steady_clock;
 using dist_detail::format_ranks;
 
-// Work granularity: 64 KiB keeps a chunk in L2 (reduce then copy re-reads it from cache) and
-// makes the atomic claim (~100 ns) negligible next to the copy (~5 µs).
-constexpr int64_t kPieceBytes = 64 * 1024;
-constexpr int64_t kChunkBytes = 64 * 1024;
+// Work granularity: at most 64 KiB, which keeps a chunk in L2 (reduce then copy re-reads it
+// from cache) and makes the atomic claim (~100 ns) negligible next to the copy (~5 µs). Small
+// collectives are cut into about one chunk per rank (down to 2 KiB) so that the ranks already
+// waiting share the work: moving bytes between cores, not arithmetic, is their cost.
+constexpr int64_t kMaxChunkBytes = 64 * 1024;
+constexpr int64_t kMinChunkBytes = 2 * 1024;
+constexpr int kListedChunks = 8;
 
 // A vector that stores up to N elements inline: a collective usually has one tensor and one or
 // two storages, and allocating for them would dominate the latency of a small collective.
@@ -288,6 +292,9 @@ struct QueueEntry {
 struct RankState {
   std::mutex mu;
   std::deque<QueueEntry> queue;
+  // queue.size(), readable without mu: a completer skips locking a rank whose queue holds
+  // nothing behind the op it completed (the rank pops it itself on its next push).
+  std::atomic<int> queued{0};
   std::atomic<bool> departed{false};
   std::string departed_reason;  // written before departed is set, read after it is seen
 };
@@ -376,19 +383,37 @@ class World {
 void Op::plan() {
   const Post& p0 = members_[0].post;
   const int n = size_;
-  auto add_ranges = [&](int t, int a, int b, int64_t total, int64_t unit) {
-    int64_t step = std::max<int64_t>(1, kPieceBytes / unit);
-    for (int64_t begin = 0; begin < total; begin += step) {
-      pieces_.push_back({t, a, b, begin, std::min(step, total - begin)});
+  // Bytes each kind moves per unit of work, to size the chunks.
+  int64_t total = 0;
+  int64_t row_bytes = 0;
+  switch (p0.kind) {
+    case OpKind::AllReduce:
+    case OpKind::Broadcast:
+      if (n == 1) break;  // in place: nothing to move
+      for (const Slot& s : p0.slots) total += s.count * static_cast<int64_t>(itemsize(s.dtype));
+      break;
+    case OpKind::AllGather:
+    case OpKind::ReduceScatter:
+      for (const Slot& s : p0.slots) total += n * s.count * static_cast<int64_t>(itemsize(s.dtype));
+      break;
+    case OpKind::AllToAll:
+      row_bytes = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
+      for (int j = 0; j < n; ++j) {
+        for (int64_t rows : members_[j].post.input_splits) total += rows * row_bytes;
+      }
+      break;
+    case OpKind::Barrier:
+      break;
+  }
+  const int64_t chunk_bytes = std::clamp(total / n, kMinChunkBytes, kMaxChunkBytes);
+  auto add_ranges = [&](int t, int a, int b, int64_t count, int64_t unit) {
+    int64_t step = std::max<int64_t>(1, chunk_bytes / unit);
+    for (int64_t begin = 0; begin < count; begin += step) {
+      pieces_.push_back({t, a, b, begin, std::min(step, count - begin)});
     }
   };
   switch (p0.kind) {
     case OpKind::AllReduce:
-      if (n == 1) break;  // in place: the reduction of one tensor is itself
-      for (size_t t = 0; t < p0.slots.size(); ++t) {
-        add_ranges(static_cast<int>(t), 0, 0, p0.slots[t].count, itemsize(p0.slots[t].dtype));
-      }
-      break;
     case OpKind::Broadcast:
       if (n == 1) break;
       for (size_t t = 0; t < p0.slots.size(); ++t) {
@@ -404,7 +429,6 @@ void Op::plan() {
       }
       break;
     case OpKind::AllToAll: {
-      int64_t row_bytes = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
       a2a_in_off_.assign(static_cast<size_t>(n) * n, 0);
       a2a_out_off_.assign(static_cast<size_t>(n) * n, 0);
       for (int j = 0; j < n; ++j) {
@@ -426,7 +450,8 @@ void Op::plan() {
     case OpKind::Barrier:
       break;
   }
-  // Group consecutive small pieces so that a chunk holds about kChunkBytes of output.
+  // Group consecutive small pieces (coalesced lists, small per-rank blocks) into chunks of
+  // about chunk_bytes.
   chunk_starts_.clear();
   int64_t acc = 0;
   for (size_t i = 0; i < pieces_.size(); ++i) {
@@ -434,7 +459,7 @@ void Op::plan() {
     int64_t bytes = p0.kind == OpKind::AllToAll
                         ? p.len
                         : p.len * static_cast<int64_t>(itemsize(p0.slots[p.t].dtype));
-    if (chunk_starts_.empty() || acc >= kChunkBytes) {
+    if (chunk_starts_.empty() || acc >= chunk_bytes) {
       chunk_starts_.push_back(static_cast<uint32_t>(i));
       acc = 0;
     }
@@ -522,12 +547,15 @@ void World::start(const std::shared_ptr<Op>& op, OpList& ready) {
     op->pieces_.clear();
     op->num_chunks_ = 0;
   }
+  g_ops++; g_chunks += op->num_chunks_;
   if (op->num_chunks_ == 0) {
     op->state_.store(kRunning, std::memory_order_release);
     complete(op, ready);
     return;
   }
-  if (op->num_chunks_ > 1) {
+  // Big ops are listed for helpers waiting on other ops; the few chunks of a small one are
+  // taken by its own waiters, without touching the shared list.
+  if (op->num_chunks_ > kListedChunks) {
     std::lock_guard<std::mutex> lock(running_mu_);
     running_.push_back(op);
     running_count_.fetch_add(1, std::memory_order_relaxed);
@@ -576,7 +604,13 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
   } else {
     op->finish();
   }
-  for (int m = 0; m < op->size_; ++m) advance(op->group_->global_ranks[m], ready);
+  // Pairs with the fence in push(): either the pusher sees this op completed and pops it, or
+  // we see its push and advance its queue.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int m = 0; m < op->size_; ++m) {
+    int r = op->group_->global_ranks[m];
+    if (ranks_[r]->queued.load(std::memory_order_relaxed) > 1) advance(r, ready);
+  }
 }
 
 void World::advance(int global_rank, OpList& ready) {
@@ -590,6 +624,7 @@ void World::advance_locked(RankState& rs, OpList& ready) {
     QueueEntry& e = rs.queue.front();
     if (e.op->is_completed()) {
       rs.queue.pop_front();
+      rs.queued.fetch_sub(1, std::memory_order_relaxed);
       continue;
     }
     if (!e.op->members_[e.member].head_marked) {
@@ -608,6 +643,8 @@ void World::push(int global_rank, int member, const std::shared_ptr<Op>& op) {
     RankState& rs = *ranks_[global_rank];
     std::lock_guard<std::mutex> lock(rs.mu);
     rs.queue.push_back({op, member});
+    rs.queued.fetch_add(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // see complete()
     advance_locked(rs, ready);
   }
   run_ready(ready);
@@ -818,9 +855,12 @@ std::string World::timeout_message(Op& op) {
   for (auto [m, r] : members) {
     RankState& rs = *ranks_[r];
     std::lock_guard<std::mutex> lock(rs.mu);
-    if (op.members_[m].head_marked || rs.queue.empty()) continue;
+    if (op.members_[m].head_marked) continue;
+    auto it = std::find_if(rs.queue.begin(), rs.queue.end(),
+                           [](const QueueEntry& e) { return !e.op->is_completed(); });
+    if (it == rs.queue.end() || it->op.get() == &op) continue;
     if (!blockers.empty()) blockers += "; ";
-    blockers += fmt::format("rank {} is still in {}", r, rs.queue.front().op->description());
+    blockers += fmt::format("rank {} is still in {}", r, it->op->description());
   }
   return fmt::format("{}: timed out after {:g} s waiting for earlier collectives: {}",
                      op.description(), seconds, blockers.empty() ? "(none found)" : blockers);
@@ -834,13 +874,18 @@ const std::string& Op::description() const {
   return description_;
 }
 
+std::atomic<long> g_waits{0}, g_slow{0}, g_sleeps{0}, g_steps{0}, g_helps{0}, g_own{0}, g_chunks{0}, g_ops{0};
+struct Dump { ~Dump() { fprintf(stderr, "waits %ld slow %ld steps %ld sleeps %ld helps %ld ownhelp %ld ops %ld chunks %ld\n", g_waits.load(), g_slow.load(), g_steps.load(), g_sleeps.load(), g_helps.load(), g_own.load(), g_ops.load(), g_chunks.load()); } } g_dump;
 void Op::wait() {
+  g_waits++;
   if (!is_completed()) {
+    g_slow++;
     dist_detail::Backoff backoff;
     while (!is_completed()) {
       // Help: take chunks of this op, or of any running op (the one this op waits behind).
       if (state_.load(std::memory_order_acquire) == kRunning && has_chunks_left()) {
         OpList ready;
+        g_own++;
         auto self = shared_from_this();
         world_->work(self, ready);
         world_->run_ready(ready);
@@ -848,9 +893,11 @@ void Op::wait() {
         continue;
       }
       if (world_->help_any()) {
+        g_helps++;
         backoff.reset();
         continue;
       }
+      g_steps++;
       if (backoff.step()) continue;
       auto now = Clock::now();
       bool pending = state_.load(std::memory_order_acquire) == kPending;
@@ -860,6 +907,7 @@ void Op::wait() {
         continue;
       }
       // A running op finishes without us; re-check now and then all the same.
+      g_sleeps++;
       sleep_until(pending ? deadline_ : now + std::chrono::milliseconds(100));
       backoff.reset();
     }
