@@ -73,8 +73,7 @@ class NodeTable {
   };
 
   void reserve(size_t n) {
-    size_t cap = 16;
-    while (cap < n * 2) cap *= 2;
+    const size_t cap = capacity_for(n);
     if (cap > slots_.size()) rehash(cap);
   }
   // Null when absent. Valid until the next insert.
@@ -89,7 +88,7 @@ class NodeTable {
   const Slot* find(const Node* n) const { return const_cast<NodeTable*>(this)->find(n); }
   // False when present already.
   bool insert(const Node* n, uint32_t id, int64_t key) {
-    if ((used_ + 1) * 2 > slots_.size()) rehash(std::max<size_t>(16, size_ * 4));
+    if ((used_ + 1) * 2 > slots_.size()) rehash(capacity_for(size_ + 1));
     size_t free_slot = SIZE_MAX;
     for (size_t i = hash(n) & mask_;; i = (i + 1) & mask_) {
       Slot& s = slots_[i];
@@ -121,6 +120,12 @@ class NodeTable {
   size_t used_ = 0;  // live entries + tombstones
 
   static const Node* tombstone() { return reinterpret_cast<const Node*>(uintptr_t{1}); }
+  // A power of two (the probe wraps with a mask) at least twice `n`.
+  static size_t capacity_for(size_t n) {
+    size_t cap = 16;
+    while (cap < n * 2) cap *= 2;
+    return cap;
+  }
   static size_t hash(const Node* n) {
     uint64_t x = reinterpret_cast<uintptr_t>(n);
     x ^= x >> 33;

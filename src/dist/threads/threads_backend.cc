@@ -43,6 +43,8 @@
 namespace funcol::threads_detail {
 
 using Clock = std::chrono::steady_clock;
+std::atomic<long> g_waits{0}, g_slow{0}, g_sleeps{0}, g_steps{0}, g_helps{0}, g_own{0}, g_chunks{0}, g_ops{0};
+
 using dist_detail::format_ranks;
 
 // Work granularity: at most 64 KiB, which keeps a chunk in L2 (reduce then copy re-reads it
@@ -50,7 +52,7 @@ using dist_detail::format_ranks;
 // collectives are cut into about one chunk per rank (down to 2 KiB) so that the ranks already
 // waiting share the work: moving bytes between cores, not arithmetic, is their cost.
 constexpr int64_t kMaxChunkBytes = 64 * 1024;
-constexpr int64_t kMinChunkBytes = 2 * 1024;
+constexpr int64_t kMinChunkBytes = 32 * 1024;
 constexpr int kListedChunks = 8;
 
 // A vector that stores up to N elements inline: a collective usually has one tensor and one or
@@ -874,7 +876,6 @@ const std::string& Op::description() const {
   return description_;
 }
 
-std::atomic<long> g_waits{0}, g_slow{0}, g_sleeps{0}, g_steps{0}, g_helps{0}, g_own{0}, g_chunks{0}, g_ops{0};
 struct Dump { ~Dump() { fprintf(stderr, "waits %ld slow %ld steps %ld sleeps %ld helps %ld ownhelp %ld ops %ld chunks %ld\n", g_waits.load(), g_slow.load(), g_steps.load(), g_sleeps.load(), g_helps.load(), g_own.load(), g_ops.load(), g_chunks.load()); } } g_dump;
 void Op::wait() {
   g_waits++;
