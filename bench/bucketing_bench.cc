@@ -7,7 +7,8 @@
 // and runs bucket-all-gather then bucket-reduce-scatter on it, in a child process of its own
 // so that peak RSS belongs to that size alone. Reports the graph's node count, each pass's
 // time (the thread's CPU time, so time descheduled on a shared machine does not count), the
-// buckets made, the RSS before the passes and the child's peak RSS. With --check it exits 1
+// buckets made, the RSS before the passes and the child's peak RSS, and, as the reference
+// measured side by side, the time to build the graph itself with Builder. With --check it exits 1
 // unless 100,000 collectives (or the largest size) are bucketed in under one second and
 // every graph verifies afterwards.
 #include <sys/resource.h>
@@ -67,6 +68,7 @@ std::unique_ptr<funcol::Graph> fsdp_graph(int64_t collectives) {
 
 struct Result {
   int64_t collectives = 0;
+  double build_ms = 0;  // building the graph with Builder: the reference cost of its nodes
   int64_t nodes_before = 0;
   int64_t nodes_after = 0;
   double ag_ms = 0;
@@ -81,7 +83,9 @@ struct Result {
 Result measure(int64_t n, const std::vector<double>& cap_mb) {
   Result r;
   r.collectives = n;
+  const double b0 = thread_seconds();
   auto g = fsdp_graph(n);
+  r.build_ms = (thread_seconds() - b0) * 1e3;
   r.nodes_before = static_cast<int64_t>(g->num_nodes());
   r.rss_before_mib = current_rss_mib();
   funcol::BucketOptions ag;
@@ -137,9 +141,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bucketing_bench: %s\n", e.what());
     return 2;
   }
-  std::printf("# bucket-all-gather then bucket-reduce-scatter, cap-mb=%s, FSDP graph\n", cap.c_str());
-  std::printf("%12s %10s %10s %10s %10s %10s %10s %10s %12s %12s\n", "collectives", "nodes",
-              "after", "ag_ms", "rs_ms", "total_ms", "buckets", "merged", "rss_in_MiB",
+  std::printf("# bucket-all-gather then bucket-reduce-scatter, cap-mb=%s, FSDP graph\n",
+              cap.c_str());
+  std::printf("%12s %10s %10s %10s %10s %10s %10s %10s %10s %12s %12s\n", "collectives", "nodes",
+              "after", "build_ms", "ag_ms", "rs_ms", "total_ms", "buckets", "merged", "rss_in_MiB",
               "peak_MiB");
   bool ok = true;
   for (int64_t n : sizes) {
@@ -165,10 +170,10 @@ int main(int argc, char** argv) {
       continue;
     }
     const double peak_mib = static_cast<double>(ru.ru_maxrss) / 1024.0;
-    std::printf("%12lld %10lld %10lld %10.1f %10.1f %10.1f %10lld %10lld %12.1f %12.1f\n",
+    std::printf("%12lld %10lld %10lld %10.1f %10.1f %10.1f %10.1f %10lld %10lld %12.1f %12.1f\n",
                 static_cast<long long>(n), static_cast<long long>(r.nodes_before),
-                static_cast<long long>(r.nodes_after), r.ag_ms, r.rs_ms, r.ag_ms + r.rs_ms,
-                static_cast<long long>(r.ag_buckets + r.rs_buckets),
+                static_cast<long long>(r.nodes_after), r.build_ms, r.ag_ms, r.rs_ms,
+                r.ag_ms + r.rs_ms, static_cast<long long>(r.ag_buckets + r.rs_buckets),
                 static_cast<long long>(r.merged), r.rss_before_mib, peak_mib);
     std::fflush(stdout);
     if (!r.verified) ok = false;

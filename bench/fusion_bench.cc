@@ -55,9 +55,7 @@ std::string graph_text(const Case& c, int ranks) {
         text += "reduce_scatter_tensor(%x" + s + ") {reduce_op = \"sum\", group_size = " + g +
                 ", group = \"world\"}";
         break;
-      default:
-        text += "all_reduce(%x" + s + ") {reduce_op = \"sum\", group = \"world\"}";
-        break;
+      default: text += "all_reduce(%x" + s + ") {reduce_op = \"sum\", group = \"world\"}"; break;
     }
     text += "\n  %w" + s + " = wait_tensor(%c" + s + ")\n";
   }
@@ -107,9 +105,10 @@ int main(int argc, char** argv) {
       {K::ReduceScatter, "reduce_scatter", 100, 262144, 1.0},
       {K::AllReduce, "all_reduce", 100, 262144, 1.0},
   };
-  std::printf("# threads backend, %d ranks, %d iterations, mode %s; time = median over iterations "
-              "of the slowest rank\n",
-              ranks, iters, std::string(funcol::bucket_mode_name(mode)).c_str());
+  std::printf(
+      "# threads backend, %d ranks, %d iterations, mode %s; time = median over iterations "
+      "of the slowest rank\n",
+      ranks, iters, std::string(funcol::bucket_mode_name(mode)).c_str());
   std::printf("%-15s %6s %8s %14s %14s %9s %7s %4s %9s\n", "collective", "count", "bytes",
               "unbucketed_ms", "bucketed_ms", "speedup", "target", "met", "identical");
   bool ok = true;
@@ -117,7 +116,7 @@ int main(int argc, char** argv) {
     const std::string text = graph_text(c, ranks);
     funcol::BucketOptions opts;
     opts.kind = c.kind;
-    opts.mode = c.kind == K::AllGather ? mode
+    opts.mode = c.kind == K::AllGather        ? mode
                 : funcol::is_custom_ops(mode) ? funcol::BucketMode::CustomOps
                                               : funcol::BucketMode::Default;
     // times[rank][iter][0: unbucketed, 1: bucketed]

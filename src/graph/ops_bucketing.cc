@@ -32,7 +32,8 @@ void canon_dtype_list(Attr& a) {
   const auto& items = a.as_list();
   for (size_t i = 0; i < items.size(); ++i) {
     if (items[i].kind() != AttrKind::DType) {
-      throw InvalidArgument(fmt::format("out_dtypes[{}] must be a dtype, got {}", i, items[i].str()));
+      throw InvalidArgument(
+          fmt::format("out_dtypes[{}] must be a dtype, got {}", i, items[i].str()));
     }
   }
 }
@@ -97,8 +98,8 @@ Types infer_all_gather_packed(In in, const AttrList& a) {
   const DType bucket = a.get_dtype("dtype");
   const auto& outs = a.get("out_dtypes").as_list();
   if (outs.size() != in.size()) {
-    throw InvalidArgument(fmt::format("out_dtypes has {} entries for {} inputs", outs.size(),
-                                      in.size()));
+    throw InvalidArgument(
+        fmt::format("out_dtypes has {} entries for {} inputs", outs.size(), in.size()));
   }
   const auto bucket_size = static_cast<int64_t>(itemsize(bucket));
   int64_t bytes = 0;
@@ -128,8 +129,8 @@ void pack_all_gather(TIn in, const AttrList& a, const Tensor& dst) {
     want += in[i].numel() * static_cast<int64_t>(itemsize(outs[i].as_dtype()));
   }
   if (static_cast<int64_t>(dst.nbytes()) != want) {
-    throw ShapeError(fmt::format("all_gather_into_tensor_packed: slot of {} bytes for {} packed bytes",
-                                 dst.nbytes(), want));
+    throw ShapeError(fmt::format(
+        "all_gather_into_tensor_packed: slot of {} bytes for {} packed bytes", dst.nbytes(), want));
   }
   auto* base = static_cast<char*>(dst.data_ptr());
   size_t offset = 0;
@@ -146,9 +147,8 @@ void pack_all_gather(TIn in, const AttrList& a, const Tensor& dst) {
 }  // namespace
 
 void add_bucketing_ops(std::vector<OpDef>& t) {
-  const AttrSpec group_size{.name = "group_size",
-                            .kind = AttrKind::Int,
-                            .canonicalize = canon_positive_group_size};
+  const AttrSpec group_size{
+      .name = "group_size", .kind = AttrKind::Int, .canonicalize = canon_positive_group_size};
   const AttrSpec group{.name = "group", .kind = AttrKind::String, .canonicalize = canon_group_name};
   t.push_back(OpDef{.name = "bucket_pack",
                     .num_operands = 1,
@@ -156,17 +156,18 @@ void add_bucketing_ops(std::vector<OpDef>& t) {
                     .attrs = {group_size},
                     .infer = infer_bucket_pack,
                     .kernel = kernel_bucket_pack});
-  t.push_back(OpDef{.name = "all_gather_into_tensor_packed",
-                    .num_operands = 1,
-                    .variadic = true,
-                    .attrs = {group_size, group, {.name = "dtype", .kind = AttrKind::DType},
-                              {.name = "out_dtypes",
-                               .kind = AttrKind::List,
-                               .canonicalize = canon_dtype_list}},
-                    .infer = infer_all_gather_packed,
-                    .has_side_effect = true,
-                    .collective = CollectiveKind::AllGather,
-                    .pack = pack_all_gather});
+  t.push_back(OpDef{
+      .name = "all_gather_into_tensor_packed",
+      .num_operands = 1,
+      .variadic = true,
+      .attrs = {group_size,
+                group,
+                {.name = "dtype", .kind = AttrKind::DType},
+                {.name = "out_dtypes", .kind = AttrKind::List, .canonicalize = canon_dtype_list}},
+      .infer = infer_all_gather_packed,
+      .has_side_effect = true,
+      .collective = CollectiveKind::AllGather,
+      .pack = pack_all_gather});
 }
 
 }  // namespace funcol::detail

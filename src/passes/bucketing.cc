@@ -50,9 +50,10 @@ const KindSpec* find_kind(CollectiveKind kind) {
 const KindSpec& kind_spec(CollectiveKind kind) {
   const KindSpec* k = find_kind(kind);
   if (!k) {
-    throw InvalidArgument(fmt::format("collectives of kind {} are not bucketed (all_gather, "
-                                      "reduce_scatter and all_reduce are)",
-                                      collective_kind_name(kind)));
+    throw InvalidArgument(
+        fmt::format("collectives of kind {} are not bucketed (all_gather, "
+                    "reduce_scatter and all_reduce are)",
+                    collective_kind_name(kind)));
   }
   return *k;
 }
@@ -257,10 +258,10 @@ struct Entry {
   Node* wait = nullptr;
   bool eligible = false;
   std::string ineligible_why;
-  Node* cast = nullptr;      // folded convert_element_type (all-gather), or null
-  bool packed = false;       // an all_gather_into_tensor_packed: a bucket already
+  Node* cast = nullptr;          // folded convert_element_type (all-gather), or null
+  bool packed = false;           // an all_gather_into_tensor_packed: a bucket already
   DType out_dtype = DType::F32;  // the collective's dtype (a folded cast converts into it)
-  int64_t bytes = 0;         // max(input bytes, output bytes)
+  int64_t bytes = 0;             // max(input bytes, output bytes)
   BucketKey key;
 
   // What gets packed: the cast's input, else the collective's input. Read when needed, never
@@ -299,28 +300,15 @@ class Emitter {
 class Bucketer {
  public:
   Bucketer(Graph& graph, const BucketOptions& options, std::string* explain)
-      : graph_(graph), opt_(options), spec_(kind_spec(options.kind)), explain_(explain),
-        order_(graph, [this](Node& n) {
-          if (n.op().collective == CollectiveKind::Wait) waits_.push_back(&n);
-        }) {
-    const std::string pre(spec_.prefix);
-    for (auto [field, suffix] : std::initializer_list<std::pair<std::string*, std::string_view>>{
-             {&hints_.bucket, "bucket"},
-             {&hints_.bytes, "bytes"},
-             {&hints_.cast, "cast"},
-             {&hints_.cat, "cat"},
-             {&hints_.copy, "copy"},
-             {&hints_.flat, "flat"},
-             {&hints_.out, "out"},
-             {&hints_.pack, "pack"},
-             {&hints_.rows, "rows"},
-             {&hints_.split, "split"},
-             {&hints_.view, "view"},
-             {&hints_.wait, "wait"},
-         }) {
-      *field = pre + "_" + std::string(suffix);
-    }
-  }
+      : graph_(graph),
+        opt_(options),
+        spec_(kind_spec(options.kind)),
+        explain_(explain),
+        order_(graph,
+               [this](Node& n) {
+                 if (n.op().collective == CollectiveKind::Wait) waits_.push_back(&n);
+               }),
+        hints_(spec_.prefix) {}
 
   BucketingStats run();
 
@@ -335,20 +323,25 @@ class Bucketer {
   std::vector<Node*> waits_;  // every wait_tensor, in graph order (filled by order_'s walk)
   OrderIndex order_;
   BucketingStats stats_;
-  // Name hints of new nodes ("ag_pack", ...), built once.
+  // Name hints of new nodes ("ag_pack", ...), built once rather than per node.
   struct Hints {
-    std::string bucket;
-    std::string bytes;
-    std::string cast;
-    std::string cat;
-    std::string copy;
-    std::string flat;
-    std::string out;
-    std::string pack;
-    std::string rows;
-    std::string split;
-    std::string view;
-    std::string wait;
+    explicit Hints(std::string_view prefix)
+        : bucket(make(prefix, "bucket")),
+          bytes(make(prefix, "bytes")),
+          cast(make(prefix, "cast")),
+          cat(make(prefix, "cat")),
+          copy(make(prefix, "copy")),
+          flat(make(prefix, "flat")),
+          out(make(prefix, "out")),
+          pack(make(prefix, "pack")),
+          rows(make(prefix, "rows")),
+          split(make(prefix, "split")),
+          view(make(prefix, "view")),
+          wait(make(prefix, "wait")) {}
+    static std::string make(std::string_view prefix, std::string_view suffix) {
+      return fmt::format("{}_{}", prefix, suffix);
+    }
+    std::string bucket, bytes, cast, cat, copy, flat, out, pack, rows, split, view, wait;
   } hints_;
 
   // Current bucket.
@@ -439,10 +432,9 @@ std::vector<Entry> Bucketer::collect() {
     if (!e.eligible) {
       for (const Use& u : uses) {
         if (u.user == &wait) continue;
-        e.ineligible_why =
-            u.user ? fmt::format("its result is also used by %{} (operand {})", u.user->name(),
-                                 u.index)
-                   : fmt::format("its result is also graph output {}", u.index);
+        e.ineligible_why = u.user ? fmt::format("its result is also used by %{} (operand {})",
+                                                u.user->name(), u.index)
+                                  : fmt::format("its result is also graph output {}", u.index);
         break;
       }
     }
@@ -570,8 +562,8 @@ void Bucketer::close_bucket(std::string_view reason) {
     members = fmt::format("{}", fmt::join(parts, ", "));
   }
   std::string outcome;
-  const auto packed = std::find_if(bucket_.begin(), bucket_.end(),
-                                   [](const Entry* e) { return e->packed; });
+  const auto packed =
+      std::find_if(bucket_.begin(), bucket_.end(), [](const Entry* e) { return e->packed; });
   if (bucket_.size() == 1) {
     outcome = "left alone (one collective)";
   } else if (packed != bucket_.end()) {
@@ -583,7 +575,8 @@ void Bucketer::close_bucket(std::string_view reason) {
     const bool ok = merge(merged);
     if (merged.size() < before && explain_) {
       for (size_t i = merged.size(); i < before; ++i) {
-        say(fmt::format("dropped %{} from bucket {}: merging it would change the issue order "
+        say(
+            fmt::format("dropped %{} from bucket {}: merging it would change the issue order "
                         "of collectives that stay unmerged",
                         bucket_[i]->coll->name(), bucket_index_));
       }
@@ -623,27 +616,30 @@ BucketingStats Bucketer::run() {
   for (Entry& e : entries) {
     if (!e.eligible) {
       ++stats_.skipped_ineligible;
-      if (explain_) say(fmt::format("skipped %{}: ineligible: {}", e.coll->name(), e.ineligible_why));
+      if (explain_) {
+        say(fmt::format("skipped %{}: ineligible: {}", e.coll->name(), e.ineligible_why));
+      }
       continue;
     }
     if (!bucket_.empty() && !(e.key == *run_key)) {
-      close_bucket(explain_ ? fmt::format("key change (next %{} has {})", e.coll->name(),
-                                          e.key.str())
-                            : std::string());
+      close_bucket(explain_
+                       ? fmt::format("key change (next %{} has {})", e.coll->name(), e.key.str())
+                       : std::string());
     }
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
       ++stats_.skipped_dependent;
-      if (explain_) say(fmt::format("skipped %{}: depends on bucket {}: {}", e.coll->name(), bucket_index_,
-                      path));
+      if (explain_) {
+        say(fmt::format("skipped %{}: depends on bucket {}: {}", e.coll->name(), bucket_index_,
+                        path));
+      }
       continue;
     }
     if (!bucket_.empty()) {
       const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
       if (e.bytes > cap - bucket_bytes_) {
-        close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})",
-                                            e.coll->name(), bytes_str(e.bytes),
-                                            bytes_str(bucket_bytes_ + e.bytes))
+        close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
+                                            bytes_str(e.bytes), bytes_str(bucket_bytes_ + e.bytes))
                               : std::string());
       }
     }
@@ -655,7 +651,8 @@ BucketingStats Bucketer::run() {
   }
   close_bucket("end of run");
   if (explain_) {
-    say(fmt::format("{} buckets, {} merged ({} collectives); skipped {} dependent, {} "
+    say(
+        fmt::format("{} buckets, {} merged ({} collectives); skipped {} dependent, {} "
                     "ineligible; dropped {}",
                     stats_.buckets, stats_.merged_buckets, stats_.merged_collectives,
                     stats_.skipped_dependent, stats_.skipped_ineligible, stats_.dropped));
@@ -758,8 +755,8 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
         std::vector<Value*> rows;
         for (const Entry* m : members) {
           const int64_t n = m->source()->type().numel();
-          rows.push_back(x.value("reshape", {m->source()}, {{"shape", std::vector<int64_t>{g, n / g}}},
-                                 hints_.rows));
+          rows.push_back(x.value("reshape", {m->source()},
+                                 {{"shape", std::vector<int64_t>{g, n / g}}}, hints_.rows));
         }
         Value* cat = x.value("cat", rows, {{"dim", 1}}, hints_.cat);
         packed = x.value("flatten", {cat}, {}, hints_.pack);
@@ -779,15 +776,14 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
       }
       return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group", group}}, hints_.bucket);
     }
-    default:
-      FUNCOL_CHECK(false, "bucketing: unexpected kind");
+    default: FUNCOL_CHECK(false, "bucketing: unexpected kind");
   }
   return nullptr;
 }
 
 // The merged wait and the unpacking: one value per member, of exactly its wait's type.
-std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
-                                          DType bucket) {
+std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll,
+                                          const std::vector<Entry*>& members, DType bucket) {
   Value* w = y.value("wait_tensor", {coll->result(0)}, {}, hints_.wait);
   std::vector<int64_t> sizes;
   std::vector<Value*> out;
@@ -808,8 +804,8 @@ std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll, const std::vec
     }
     // Row r of [G, N] is rank r's slot; column block i across the rows is member i's gather.
     Value* rows = y.value("view", {w}, {{"shape", std::vector<int64_t>{g, n}}}, hints_.rows);
-    Node* split = y.node("split_with_sizes", {rows}, {{"split_sizes", sizes}, {"dim", 1}},
-                         hints_.split);
+    Node* split =
+        y.node("split_with_sizes", {rows}, {{"split_sizes", sizes}, {"dim", 1}}, hints_.split);
     for (size_t i = 0; i < members.size(); ++i) {
       const Entry* m = members[i];
       Value* v = split->result(i);
@@ -1133,9 +1129,10 @@ BucketMode parse_bucket_mode(std::string_view text) {
                        BucketMode::CustomOpsMultiDtype}) {
     if (bucket_mode_name(m) == text) return m;
   }
-  throw InvalidArgument(fmt::format("unknown bucket mode '{}' (expected default, custom_ops, "
-                                    "multidtype or custom_ops_multidtype)",
-                                    text));
+  throw InvalidArgument(
+      fmt::format("unknown bucket mode '{}' (expected default, custom_ops, "
+                  "multidtype or custom_ops_multidtype)",
+                  text));
 }
 
 std::vector<double> parse_cap_mb(std::string_view text) {
@@ -1167,8 +1164,8 @@ std::string format_cap_mb(const std::vector<double>& cap_mb) {
 
 int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index) {
   FUNCOL_CHECK(!options.cap_mb.empty(), "bucketing: empty cap list");
-  const auto i = std::min<size_t>(static_cast<size_t>(std::max<int64_t>(index, 0)),
-                                  options.cap_mb.size() - 1);
+  const auto i =
+      std::min<size_t>(static_cast<size_t>(std::max<int64_t>(index, 0)), options.cap_mb.size() - 1);
   const double bytes = std::floor(options.cap_mb[i] * kBytesPerMb);
   // Caps beyond any graph's size saturate; a cap under one byte still admits one byte.
   if (bytes >= 9.0e18) return std::numeric_limits<int64_t>::max();

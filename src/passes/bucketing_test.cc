@@ -62,8 +62,8 @@ Bucketed bucket_checked(std::string_view text, const BucketOptions& o) {
   b.printed = print(*b.graph);
   const auto in = random_inputs(*before, 4, 7);
   std::string why;
-  EXPECT_TRUE(same_outputs(simulate(*before, in), simulate(*b.graph, in), &why))
-      << why << "\n" << b.printed;
+  EXPECT_TRUE(same_outputs(simulate(*before, in), simulate(*b.graph, in), &why)) << why << "\n"
+                                                                                 << b.printed;
   // Determinism: a second copy buckets to the same text; idempotence: a second run changes
   // nothing.
   std::unique_ptr<Graph> again = parse_graph(text);
@@ -100,8 +100,8 @@ TEST(BucketOptions, CapListByBucketIndexLastRepeats) {
 }
 
 TEST(BucketOptions, BadCapsAreRejected) {
-  for (std::string_view bad : {"", ":", "1:", ":1", "abc", "0", "-1", "inf", "nan", "1e999",
-                               "1:0", "1;2", " 1"}) {
+  for (std::string_view bad :
+       {"", ":", "1:", ":1", "abc", "0", "-1", "inf", "nan", "1e999", "1:0", "1;2", " 1"}) {
     EXPECT_THROW(parse_cap_mb(bad), InvalidArgument) << bad;
   }
   try {
@@ -146,14 +146,16 @@ TEST(BucketOptions, MultidtypeOnlyForAllGather) {
 
 TEST(BucketPasses, RegisteredWithTheirOptions) {
   const PassRegistry& reg = default_pass_registry();
-  for (std::string_view name : {"bucket-all-gather", "bucket-reduce-scatter", "bucket-all-reduce"}) {
+  for (std::string_view name :
+       {"bucket-all-gather", "bucket-reduce-scatter", "bucket-all-reduce"}) {
     const PassInfo* info = reg.find(name);
     ASSERT_NE(info, nullptr) << name;
     EXPECT_EQ(info->options, (std::vector<std::string>{"cap-mb", "mode"}));
     const PassOptions po(std::vector<std::pair<std::string, std::string>>{{"cap-mb", "1:25"}});
     EXPECT_EQ(reg.create(name, po)->name(), name);
   }
-  Pipeline p = Pipeline::parse("bucket-all-gather{cap-mb=1:25 mode=multidtype},bucket-reduce-scatter");
+  Pipeline p =
+      Pipeline::parse("bucket-all-gather{cap-mb=1:25 mode=multidtype},bucket-reduce-scatter");
   ASSERT_EQ(p.size(), 2u);
   const auto* ag = dynamic_cast<const BucketPass*>(p.passes()[0].get());
   ASSERT_NE(ag, nullptr);
@@ -194,8 +196,8 @@ TEST(BucketAllGather, DefaultLayoutIsFlattenCatGatherViewSplitReshape) {
 }
 
 TEST(BucketAllGather, CustomOpsPacksStraightIntoTheGatheredBuffer) {
-  Bucketed b =
-      bucket_checked(kTwoAllGathers, opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
+  Bucketed b = bucket_checked(kTwoAllGathers,
+                              opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
   EXPECT_EQ(count_op(*b.graph, "all_gather_into_tensor_packed"), 1);
   EXPECT_EQ(count_op(*b.graph, "all_gather_into_tensor"), 0);
   EXPECT_EQ(count_op(*b.graph, "cat"), 0);
@@ -360,8 +362,7 @@ TEST(BucketAllGather, MultidtypeWithinOneRankGroupAndBools) {
     groups["solo"] = {{0}, {1}, {2}, {3}};
     const auto in = random_inputs(*before, 4, 3);
     std::string why;
-    EXPECT_TRUE(same_outputs(simulate(*before, in, groups), simulate(*g, in, groups), &why))
-        << why;
+    EXPECT_TRUE(same_outputs(simulate(*before, in, groups), simulate(*g, in, groups), &why)) << why;
   }
 }
 
@@ -380,7 +381,8 @@ TEST(BucketCaps, CapMergesCapMinusOneByteDoesNot) {
   // 256 bytes = 0.000244140625 MB exactly; 255 bytes = 0.00024318695068359375 MB.
   Bucketed at_cap = bucket_checked(kTwo128, opts(CollectiveKind::AllGather, "0.000244140625"));
   EXPECT_EQ(at_cap.stats.merged_buckets, 1);
-  Bucketed below = bucket_checked(kTwo128, opts(CollectiveKind::AllGather, "0.00024318695068359375"));
+  Bucketed below =
+      bucket_checked(kTwo128, opts(CollectiveKind::AllGather, "0.00024318695068359375"));
   EXPECT_EQ(below.stats.merged_buckets, 0);
   EXPECT_EQ(below.stats.buckets, 2);
   EXPECT_NE(below.explain.find("bucket 0: %x (128 B); 128 B of cap 255 B; closed: cap (adding %y "
@@ -530,8 +532,8 @@ std::string casts(bool second_user) {
 }
 
 TEST(BucketAllGather, SingleUserCastIsFoldedIntoThePacking) {
-  Bucketed b = bucket_checked(casts(false),
-                              opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
+  Bucketed b =
+      bucket_checked(casts(false), opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
   EXPECT_EQ(count_op(*b.graph, "convert_element_type"), 0) << b.printed;
   EXPECT_NE(b.printed.find("all_gather_into_tensor_packed(%a, %b) {group_size = 4, group = "
                            "\"world\", dtype = bf16, out_dtypes = [bf16, bf16]}"),
@@ -544,8 +546,8 @@ TEST(BucketAllGather, SingleUserCastIsFoldedIntoThePacking) {
 }
 
 TEST(BucketAllGather, CastWithTwoUsersIsNotFolded) {
-  Bucketed b = bucket_checked(casts(true),
-                              opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
+  Bucketed b =
+      bucket_checked(casts(true), opts(CollectiveKind::AllGather, "2000", BucketMode::CustomOps));
   EXPECT_NE(b.graph->find_node("cb"), nullptr);
   EXPECT_EQ(b.graph->find_node("ca"), nullptr);
   EXPECT_NE(b.printed.find("all_gather_into_tensor_packed(%a, %cb)"), std::string::npos)
@@ -620,12 +622,13 @@ TEST(BucketPlacement, AMemberThatWouldReorderUnmergedCollectivesIsDropped) {
 
 TEST(BucketExplain, HeaderBucketsAndSummary) {
   Bucketed b = bucket_checked(kTwoAllGathers, opts(CollectiveKind::AllGather, "1:25"));
-  EXPECT_EQ(b.explain,
-            "bucket-all-gather @g: 2 all_gather_into_tensor collectives (cap-mb=1:25 mode=default)\n"
-            "  run of group \"world\", group_size 4, dtype f32\n"
-            "  bucket 0: %ag0 (96 B), %ag1 (64 B); 160 B of cap 1048576 B; closed: end of run; "
-            "merged 2 collectives\n"
-            "  1 buckets, 1 merged (2 collectives); skipped 0 dependent, 0 ineligible; dropped 0\n");
+  EXPECT_EQ(
+      b.explain,
+      "bucket-all-gather @g: 2 all_gather_into_tensor collectives (cap-mb=1:25 mode=default)\n"
+      "  run of group \"world\", group_size 4, dtype f32\n"
+      "  bucket 0: %ag0 (96 B), %ag1 (64 B); 160 B of cap 1048576 B; closed: end of run; "
+      "merged 2 collectives\n"
+      "  1 buckets, 1 merged (2 collectives); skipped 0 dependent, 0 ineligible; dropped 0\n");
 }
 
 TEST(BucketPasses, PassRunWritesExplainAndReportsChange) {

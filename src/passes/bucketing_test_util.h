@@ -89,16 +89,14 @@ inline std::vector<std::vector<Tensor>> simulate(
             break;
           }
           case CollectiveKind::ReduceScatter: {
-            const Tensor full =
-                reduce_ranks(ins, parse_reduce_op(n.attr("reduce_op").as_string()));
+            const Tensor full = reduce_ranks(ins, parse_reduce_op(n.attr("reduce_op").as_string()));
             for (size_t j = 0; j < part.size(); ++j) {
               res[0][static_cast<size_t>(part[j])] =
                   full.narrow(0, static_cast<int64_t>(j) * shape[0], shape[0]).clone();
             }
             break;
           }
-          default:
-            throw InvalidArgument(fmt::format("simulate: {} unsupported", op.name));
+          default: throw InvalidArgument(fmt::format("simulate: {} unsupported", op.name));
         }
       }
     } else {

@@ -88,8 +88,15 @@ pid_t spawn_process(const SpawnOptions& options) {
     posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, options.stderr_path.c_str(),
                                      O_WRONLY | O_CREAT | O_TRUNC, 0644);
   }
+  // Each child leads its own process group, so that stopping it also stops whatever it started
+  // (a shell's command, mpirun's daemons): wait_all signals the whole group.
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+  posix_spawnattr_setpgroup(&attr, 0);
   pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+  const int rc = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
+  posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
     throw Error(fmt::format("cannot start {}: {}", options.argv[0], errno_text(rc)));
@@ -122,11 +129,12 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
         (g_interrupt != 0 ||
          std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); }))) {
       killing = true;
-      for (pid_t p : running) kill(p, SIGTERM);
+      // Whole groups, the ended children's too: what they started may still run.
+      for (pid_t p : pids) kill(-p, SIGTERM);
       kill_deadline = std::chrono::steady_clock::now() + grace;
     }
     if (killing && !sent_kill && std::chrono::steady_clock::now() >= kill_deadline) {
-      for (pid_t p : running) kill(p, SIGKILL);
+      for (pid_t p : pids) kill(-p, SIGKILL);
       sent_kill = true;
     }
     if (running.empty()) break;

@@ -377,7 +377,13 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     // MPI_Finalize then, so leave it alone.
     if (comm_ != MPI_COMM_NULL && !broken()) {
       MPI_Comm comm = comm_;
-      Runtime::get().post([comm]() mutable { MPI_Comm_free(&comm); });
+      // The last reference may go while the runtime finalises (a Work's completion drained at
+      // exit holds the group): after MPI_Finalize, MPI frees communicators itself.
+      Runtime::get().post([comm]() mutable {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (!finalized) MPI_Comm_free(&comm);
+      });
     }
   }
 

@@ -61,13 +61,24 @@ TEST(PeerMonitor, ReportsADeadPeerAtOnce) {
 
 TEST(PeerMonitor, AGoodbyeCarriesProgress) {
   auto m = mesh(2);
+  std::promise<PeerLoss> seen;
+  m[0]->set_on_peer_lost([&](const PeerLoss& loss) { seen.set_value(loss); });
   m[1]->add_group("world", std::make_shared<std::atomic<int64_t>>(7));
+  m[1]->add_group("tp", std::make_shared<std::atomic<int64_t>>(3));
+  // A group already gone still reports its final count.
+  m[1]->remove_group("tp");
   m[1]->shutdown();
-  auto losses = m[0]->wait_for_loss({1}, milliseconds(10000));
+  auto f = seen.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  PeerLoss loss = f.get();
+  EXPECT_TRUE(loss.clean);
+  EXPECT_EQ(loss.issued.at("world"), 7);
+  EXPECT_EQ(loss.issued.at("tp"), 3);
+  EXPECT_EQ(loss.describe(), "rank 1 departed (destroy_process_group)");
+  // A departure alone does not end a wait for a death; the losses are still returned.
+  auto losses = m[0]->wait_for_loss({1}, milliseconds(50));
   ASSERT_EQ(losses.size(), 1u);
   EXPECT_TRUE(losses[0].clean);
-  EXPECT_EQ(losses[0].issued.at("world"), 7);
-  EXPECT_EQ(losses[0].describe(), "rank 1 departed (destroy_process_group)");
 }
 
 TEST(PeerMonitor, ConnectTimesOutNamingMissingRanks) {

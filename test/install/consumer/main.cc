@@ -4,7 +4,15 @@
 
 #include <funcol/funcol.h>
 
-int main() {
+int main(int argc, char** argv) {
+  // `consumer mpi` / `consumer gloo`: links the process backends too (pkg-config must list
+  // their libraries); the install test runs only the threads part.
+  if (argc > 1) {
+    auto world = funcol::init_process_group(argv[1]);
+    std::printf("rank %d of %d\n", world->rank(), world->size());
+    funcol::destroy_process_group();
+    return 0;
+  }
   std::atomic<int> good{0};
   funcol::run_local(4, [&](funcol::ProcessGroup& world) {
     using funcol::DType;

@@ -1,0 +1,130 @@
+// Private test helpers of the bucketing passes: RapidCheck generators of random graphs of
+// collectives and compute, and of random pass pipelines (used inside rc properties only).
+#pragma once
+
+#include <rapidcheck.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "funcol/graph/graph.h"
+#include "funcol/graph/verifier.h"
+
+namespace funcol::testing_bucketing {
+
+template <typename T>
+const T& pick(const std::vector<T>& v) {
+  return v[static_cast<size_t>(*rc::gen::inRange<size_t>(0, v.size()))];
+}
+
+inline bool chance(int one_in) { return *rc::gen::inRange(0, one_in) == 0; }
+
+// A random graph: inputs of assorted dtypes and shapes; all-gathers (some fed by casts, some
+// casts with a second user), reduce-scatters and all-reduces on three groups with assorted
+// reduce ops; waits issued at once or later in random order (so wait order differs from issue
+// order and consumers of early waits precede later inputs); collectives whose result has a
+// second user; compute (neg, add, flatten, casts) on any value, so later collectives depend
+// on earlier ones. Every value nobody uses is an output.
+inline std::unique_ptr<Graph> random_graph() {
+  static const std::vector<DType> kDtypes = {DType::F32, DType::BF16, DType::F16, DType::I32,
+                                             DType::I64, DType::U8,   DType::I8,  DType::Bool};
+  static const std::vector<Shape> kShapes = {{4}, {8}, {4, 2}, {8, 3}, {}, {0, 2}, {4, 1, 3}, {12}};
+  static const std::vector<std::string> kGroups = {"world", "tp", "dp"};
+  static const std::vector<std::string> kOps = {"sum", "avg", "max", "min", "product"};
+  auto g = std::make_unique<Graph>("rand");
+  Builder b(*g);
+  std::vector<Value*> pool;
+  const int inputs = *rc::gen::inRange(1, 5);
+  for (int i = 0; i < inputs; ++i) {
+    pool.push_back(g->add_input("in" + std::to_string(i), Type(pick(kDtypes), pick(kShapes))));
+  }
+  std::vector<Node*> pending;
+  const int steps = *rc::gen::inRange(1, 30);
+  for (int s = 0; s < steps; ++s) {
+    const int what = *rc::gen::inRange(0, 10);
+    if (what < 5) {
+      Value* v = pick(pool);
+      const std::string& group = pick(kGroups);
+      const int64_t gs = group == "world" ? 4 : 2;
+      int kind = *rc::gen::inRange(0, 3);  // 0 all-gather, 1 reduce-scatter, 2 all-reduce
+      const bool is_bool = v->dtype() == DType::Bool;
+      if (kind == 1 && (v->type().rank() == 0 || v->shape()[0] % gs != 0)) kind = 2;
+      if (is_bool) kind = 0;
+      Node* coll;
+      if (kind == 0) {
+        if (chance(3)) {
+          v = b.value("convert_element_type", {v}, {{"dtype", pick(kDtypes)}});
+          if (chance(4)) pool.push_back(v);  // a second user: the cast is not folded
+        }
+        coll = b.create("all_gather_into_tensor", {v}, {{"group_size", gs}, {"group", group}});
+      } else if (kind == 1) {
+        coll = b.create("reduce_scatter_tensor", {v},
+                        {{"reduce_op", pick(kOps)}, {"group_size", gs}, {"group", group}});
+      } else {
+        coll = b.create("all_reduce", {v}, {{"reduce_op", pick(kOps)}, {"group", group}});
+      }
+      if (chance(8)) pool.push_back(b.value("clone", {coll->result(0)}));  // ineligible
+      if (chance(3)) {
+        pool.push_back(b.value("wait_tensor", {coll->result(0)}));
+      } else {
+        pending.push_back(coll);
+      }
+    } else if (what < 7 && !pending.empty()) {
+      const auto i = *rc::gen::inRange<size_t>(0, pending.size());
+      pool.push_back(b.value("wait_tensor", {pending[i]->result(0)}));
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      Value* v = pick(pool);
+      const int op = *rc::gen::inRange(0, 4);
+      if (v->dtype() == DType::Bool || op == 0) {
+        pool.push_back(b.value("clone", {v}));
+      } else if (op == 1) {
+        pool.push_back(b.value("add", {v, v}));
+      } else if (op == 2 && v->type().rank() >= 1) {
+        pool.push_back(b.value("flatten", {v}));
+      } else {
+        pool.push_back(b.value("convert_element_type", {v}, {{"dtype", pick(kDtypes)}}));
+      }
+    }
+  }
+  while (!pending.empty()) {
+    const auto i = *rc::gen::inRange<size_t>(0, pending.size());
+    pool.push_back(b.value("wait_tensor", {pending[i]->result(0)}));
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  for (Value* v : pool) {
+    if (!v->has_uses()) g->add_output(v);
+  }
+  verify(*g);
+  return g;
+}
+
+// One pass of a pipeline: a bucketing pass with random options, or (when allowed) dce. Without
+// allow_packed, all-gathers are never packed by all_gather_into_tensor_packed (custom_ops
+// modes), for executors that cannot run it.
+inline std::string random_pass(bool allow_dce, bool allow_packed = true) {
+  static const std::vector<std::string> kCaps = {
+      "0.0001", "0.0005", "0.0001:0.001", "2000", "0.00005:0.0002:2000", "0.000244140625"};
+  static const std::vector<std::string> kAgModes = {"default", "custom_ops", "multidtype",
+                                                    "custom_ops_multidtype"};
+  static const std::vector<std::string> kModes = {"default", "custom_ops"};
+  static const std::vector<std::string> kUnpackedAgModes = {"default", "multidtype"};
+  switch (*rc::gen::inRange(0, allow_dce ? 4 : 3)) {
+    case 0:
+      return "bucket-all-gather{cap-mb=" + pick(kCaps) +
+             " mode=" + pick(allow_packed ? kAgModes : kUnpackedAgModes) + "}";
+    case 1: return "bucket-reduce-scatter{cap-mb=" + pick(kCaps) + " mode=" + pick(kModes) + "}";
+    case 2: return "bucket-all-reduce{cap-mb=" + pick(kCaps) + " mode=" + pick(kModes) + "}";
+    default: return "dce";
+  }
+}
+
+inline std::string random_pipeline(bool allow_packed = true) {
+  const int n = *rc::gen::inRange(1, 5);
+  std::string p;
+  for (int i = 0; i < n; ++i) p += (i ? "," : "") + random_pass(/*allow_dce=*/true, allow_packed);
+  return p;
+}
+
+}  // namespace funcol::testing_bucketing
