@@ -1097,6 +1097,18 @@ TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
 }
 
 // D.30: waiting a dtype view of a gather finds the work through the shared storage, every time.
+TEST(Waits, PrimitiveReadsALazyGatherAfterItsRearrangement) {
+  // all_gather_tensor along dim 1 rearranges its bytes only when first waited. A result passed
+  // straight to a ProcessGroup primitive must be read rearranged, on every backend.
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = Tensor::from_vector(std::vector<float>{1.0f + world.rank(), 3.0f + world.rank()},
+                                   {2, 1});
+    Tensor g = all_gather_tensor(x, 1, world);  // [[1, 2], [3, 4]] once complete
+    world.all_reduce(g, ReduceOp::Sum)->wait();
+    EXPECT_EQ(g.to_vector<float>(), (std::vector<float>{2, 4, 6, 8})) << "rank " << world.rank();
+  });
+}
+
 TEST(Waits, DtypeViewOfAGatherFindsItsWork) {
   run_local(2, [](ProcessGroup& world) {
     Tensor x = Tensor::full({4, 4}, DType::F32, world.rank() + 1);

@@ -1154,8 +1154,10 @@ class ThreadsGroup final : public ProcessGroup {
       s.ndim = static_cast<int8_t>(in.dim());
       std::copy(in.sizes().begin(), in.sizes().end(), s.dims.begin());
     }
-    if (in.numel() > 0) s.in = static_cast<const char*>(in.raw_data_ptr());
-    if (out.numel() > 0) s.out = static_cast<char*>(out.raw_data_ptr());
+    // data_ptr() waits: an input (or in-place output) still being produced by another
+    // collective must be complete before any rank reads or writes it.
+    if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
+    if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
     p.slots.push_back(s);
     if (in.storage()) p.keep.push_back(in.storage());
     if (out.storage() && out.storage() != in.storage()) p.keep.push_back(out.storage());
