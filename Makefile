@@ -42,8 +42,11 @@ test-tsan: deps
 	@cmake --build build-tsan -j$(JOBS) --target tsan_tests
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1 $(CTEST) -L tsan
 
+# FSDP training of 32 small layers on 4 thread ranks (about 5 s): loss, reference check,
+# collectives and step time with and without bucketing.
 demo: build
-	./build/bin/funcol bench --ranks 2 -b 4K -e 16M -f 4 -n 20 -w 5 -c 1
+	./build/bin/funcol train --ranks 4 --layers 32 --hidden 64 --batch 16 --steps 100 \
+	  --optimizer adam --lr 0.001
 
 install: build
 	cmake --install build --prefix $(PREFIX)

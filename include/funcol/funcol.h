@@ -10,3 +10,4 @@
 #include "funcol/dist/process_group.h"
 #include "funcol/dist/work.h"
 #include "funcol/api/functional.h"
+#include "funcol/api/autograd.h"

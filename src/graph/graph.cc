@@ -2,6 +2,7 @@
 #include "funcol/graph/graph.h"
 
 #include <algorithm>
+#include <charconv>
 #include <limits>
 #include <unordered_map>
 
@@ -164,6 +165,25 @@ Graph::Graph(std::string name) : name_(std::move(name)), names_(std::make_unique
     throw InvalidArgument(
         fmt::format("invalid graph name '{}' (letters, digits, '_', '.')", name_.substr(0, 64)));
   }
+}
+
+Graph::Graph(Graph&& other) noexcept
+    : name_(std::move(other.name_)),
+      source_file_(std::move(other.source_file_)),
+      loc_(other.loc_),
+      input_storage_(std::move(other.input_storage_)),
+      inputs_(std::move(other.inputs_)),
+      outputs_(std::move(other.outputs_)),
+      output_use_pos_(std::move(other.output_use_pos_)),
+      first_(other.first_),
+      last_(other.last_),
+      num_nodes_(other.num_nodes_),
+      order_valid_(other.order_valid_),
+      fresh_counter_(other.fresh_counter_),
+      names_(std::move(other.names_)) {
+  other.first_ = other.last_ = nullptr;
+  other.num_nodes_ = 0;
+  for (Node* n = first_; n; n = n->next_) n->graph_ = this;
 }
 
 Graph::~Graph() {
@@ -341,16 +361,23 @@ Node* Graph::new_node(const OpDef& op, std::vector<Value*> operands, std::vector
 
 Node* Graph::create_node(const OpDef& op, std::vector<Value*> operands, std::vector<Attr> attrs,
                          Node* before, std::string name, std::string_view name_hint) {
-  std::vector<Type> in;
-  in.reserve(operands.size());
-  for (Value* v : operands) {
+  // The operand types go into a vector kept by the graph: assigning a Type over an old one
+  // reuses its shape's storage, so most nodes allocate nothing here.
+  const size_t n = operands.size();
+  if (infer_scratch_.size() < n) infer_scratch_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    Value* v = operands[i];
     FUNCOL_CHECK(v != nullptr, fmt::format("null operand for {}", op.name));
     FUNCOL_CHECK(v->is_input() ? v->index() < inputs_.size() && inputs_[v->index()] == v
                                : v->node()->graph_ == this,
                  fmt::format("operand {} of {} is from another graph", v->ref(), op.name));
-    in.push_back(v->type());
+    infer_scratch_[i] = v->type();
   }
-  std::vector<Type> types = infer_types(op, in, attrs);
+  // A node of very many operands does not leave its types behind.
+  constexpr size_t kKeptTypes = 64;
+  std::vector<Type> types =
+      infer_types(op, std::span<const Type>(infer_scratch_.data(), n), attrs);
+  if (infer_scratch_.size() > kKeptTypes) infer_scratch_.resize(kKeptTypes);
   if (name.empty()) name = fresh_name(name_hint.empty() ? std::string_view("v") : name_hint);
   Node* node = new_node(op, std::move(operands), std::move(attrs), std::move(types),
                         std::move(name), SourceLoc{});
@@ -450,12 +477,25 @@ Value* Graph::find_value(std::string_view ref) const {
 }
 
 std::string Graph::fresh_name(std::string_view hint) {
-  std::string base(hint);
-  if (!is_valid_name(base)) base = "v";
-  if (!names_->contains(base)) return base;
+  const std::string_view base = is_valid_name(hint) ? hint : std::string_view("v");
+  if (!names_->contains(base)) return std::string(base);
+  // Candidates are written into one buffer ("base." once, then only the digits), and a string
+  // is made only for the one returned.
+  constexpr size_t kDigits = std::numeric_limits<uint64_t>::digits10 + 1;
+  std::vector<char> heap;
+  char local[64];
+  char* buf = local;
+  if (base.size() + 1 + kDigits > sizeof(local)) {
+    heap.resize(base.size() + 1 + kDigits);
+    buf = heap.data();
+  }
+  std::copy(base.begin(), base.end(), buf);
+  buf[base.size()] = '.';
+  char* const digits = buf + base.size() + 1;
   for (;;) {
-    std::string candidate = base + "." + std::to_string(++fresh_counter_);
-    if (!names_->contains(candidate)) return candidate;
+    const auto r = std::to_chars(digits, digits + kDigits, ++fresh_counter_);
+    const std::string_view candidate(buf, static_cast<size_t>(r.ptr - buf));
+    if (!names_->contains(candidate)) return std::string(candidate);
   }
 }
 

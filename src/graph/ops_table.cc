@@ -410,6 +410,46 @@ Tensors kernel_zeros(TIn, const AttrList& a) {
   return {Tensor::zeros(a.get_ints("shape"), a.get_dtype("dtype"))};
 }
 
+Types infer_full(In in, const AttrList& a) { return infer_factory(in, a); }
+Tensors kernel_full(TIn, const AttrList& a) {
+  return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), a.get_float("value"))};
+}
+
+// expand: torch.expand's broadcast view (gradients of sum and mean). `shape` may add leading
+// dims; every existing dim must equal its target or be 1; -1 keeps a dim.
+Types infer_expand(In in, const AttrList& a) {
+  const Type& t = in[0];
+  const auto& shape = a.get_ints("shape");
+  if (static_cast<int64_t>(shape.size()) < t.rank()) {
+    throw ShapeError(fmt::format("shape {} has fewer dims than the input {}", list_str(shape),
+                                 shape_str(t.shape)));
+  }
+  const size_t lead = shape.size() - static_cast<size_t>(t.rank());
+  Shape s(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const int64_t want = shape[i];
+    if (i < lead) {
+      if (want < 0) {
+        throw ShapeError(fmt::format("shape {}: a new leading dim must be non-negative, got {}",
+                                     list_str(shape), want));
+      }
+      s[i] = want;
+      continue;
+    }
+    const int64_t have = t.shape[i - lead];
+    if (want == -1 || want == have) {
+      s[i] = have;
+    } else if (have == 1 && want >= 0) {
+      s[i] = want;
+    } else {
+      throw ShapeError(fmt::format("cannot expand {} to {}: dim {} has size {}",
+                                   shape_str(t.shape), list_str(shape), i - lead, have));
+    }
+  }
+  return {result(t.dtype, std::move(s))};
+}
+Tensors kernel_expand(TIn in, const AttrList& a) { return {in[0].expand(a.get_ints("shape"))}; }
+
 // ---- math -----------------------------------------------------------------------------------
 
 Types infer_binary(In in, const AttrList&) {
@@ -431,6 +471,14 @@ Types infer_unary_numeric(In in, const AttrList&) {
 }
 Tensors kernel_relu(TIn in, const AttrList&) { return {relu(in[0])}; }
 Tensors kernel_neg(TIn in, const AttrList&) { return {neg(in[0])}; }
+
+// relu_backward(grad, x): grad where x > 0, else 0 (relu's gradient; x may be relu's input or
+// its result, which are positive at the same places).
+Types infer_relu_backward(In in, const AttrList& a) {
+  require_floating(in[0], "grad");
+  return infer_binary(in, a);
+}
+Tensors kernel_relu_backward(TIn in, const AttrList&) { return {mul(in[0], gt_zero_mask(in[1]))}; }
 
 Types infer_matmul(In in, const AttrList&) {
   const Type& x = in[0];
@@ -587,6 +635,11 @@ std::vector<OpDef> build_op_table() {
   t.push_back(compute("view_dtype", 1, {dtype_attr()}, infer_view_dtype, kernel_view_dtype, true));
   t.push_back(compute("empty", 0, {shape_attr, dtype_attr()}, infer_factory, kernel_empty));
   t.push_back(compute("zeros", 0, {shape_attr, dtype_attr()}, infer_factory, kernel_zeros));
+  // Made by autodiff: constants (the loss seed, 1/N scales) and broadcasts of reduced gradients.
+  t.push_back(compute("full", 0,
+                      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float}},
+                      infer_full, kernel_full));
+  t.push_back(compute("expand", 1, {shape_attr}, infer_expand, kernel_expand, true));
   // Math.
   t.push_back(compute("add", 2, {}, infer_binary, kernel_add));
   t.push_back(compute("sub", 2, {}, infer_binary_numeric, kernel_sub));
@@ -594,12 +647,15 @@ std::vector<OpDef> build_op_table() {
   t.push_back(compute("div", 2, {}, infer_binary_numeric, kernel_div));
   t.push_back(compute("relu", 1, {}, infer_unary_numeric, kernel_relu));
   t.push_back(compute("neg", 1, {}, infer_unary_numeric, kernel_neg));
+  t.push_back(compute("relu_backward", 2, {}, infer_relu_backward, kernel_relu_backward));
   t.push_back(compute("matmul", 2, {}, infer_matmul, kernel_matmul));
   t.push_back(compute("sum", 1, {dims_attr, keepdim_attr}, infer_sum, kernel_sum));
   t.push_back(compute("mean", 1, {dims_attr, keepdim_attr}, infer_mean, kernel_mean));
   t.push_back(compute("mse_loss", 2, {}, infer_mse_loss, kernel_mse_loss));
   // Made by the bucketing passes (custom_ops modes).
   add_bucketing_ops(t);
+  // Gradient rules (ops_grad.cc), set on the entries above by name.
+  add_grad_rules(t);
   return t;
 }
 

@@ -13,4 +13,7 @@ std::vector<OpDef> build_op_table();
 // Appends the packing ops of the bucketing passes' custom_ops modes (ops_bucketing.cc).
 void add_bucketing_ops(std::vector<OpDef>& table);
 
+// Sets the gradient rule (OpDef::grad) of every differentiable op of `table` (ops_grad.cc).
+void add_grad_rules(std::vector<OpDef>& table);
+
 }  // namespace funcol::detail

@@ -54,6 +54,9 @@ inline constexpr std::string_view kEveryOp = R"(graph @every_op(%x: f32[8,16], %
   %sum = sum(%x) {dims = [1], keepdim = false} : f32[8]
   %mean = mean(%x) {dims = [], keepdim = true} : f32[1,1]
   %loss = mse_loss(%x, %neg) : f32[]
+  %full = full() {shape = [8, 16], dtype = f32, value = 0.5} : f32[8,16]
+  %ex = expand(%mean) {shape = [8, 16]} : f32[8,16]
+  %rb = relu_backward(%full, %ex) : f32[8,16]
   %bp = bucket_pack(%x, %w) {group_size = 4} : f32[192]
   %agp = all_gather_into_tensor_packed(%b, %w) {group_size = 2, group = "world", dtype = bf16, out_dtypes = [bf16, f32]} : bf16[304]
   return %loss, %s#1, %mm

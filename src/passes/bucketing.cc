@@ -63,88 +63,6 @@ std::string fmt_double(double v) { return fmt::format("{}", v); }
 
 // ---- order keys ---------------------------------------------------------------------------------
 
-// Node -> (dense id, order key), open addressing with linear probing: no allocation per node,
-// one cache line per lookup. Lookup only: never iterated, so pointer values decide nothing.
-class NodeTable {
- public:
-  struct Slot {
-    const Node* node = nullptr;
-    uint32_t id = 0;
-    int64_t key = 0;
-  };
-
-  void reserve(size_t n) {
-    const size_t cap = capacity_for(n);
-    if (cap > slots_.size()) rehash(cap);
-  }
-  // Null when absent. Valid until the next insert.
-  Slot* find(const Node* n) {
-    if (slots_.empty()) return nullptr;
-    for (size_t i = hash(n) & mask_;; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.node == n) return &s;
-      if (s.node == nullptr) return nullptr;
-    }
-  }
-  const Slot* find(const Node* n) const { return const_cast<NodeTable*>(this)->find(n); }
-  // False when present already.
-  bool insert(const Node* n, uint32_t id, int64_t key) {
-    if ((used_ + 1) * 2 > slots_.size()) rehash(capacity_for(size_ + 1));
-    size_t free_slot = SIZE_MAX;
-    for (size_t i = hash(n) & mask_;; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.node == n) return false;
-      if (s.node == tombstone() && free_slot == SIZE_MAX) free_slot = i;
-      if (s.node == nullptr) {
-        if (free_slot == SIZE_MAX) {
-          free_slot = i;
-          ++used_;
-        }
-        break;
-      }
-    }
-    slots_[free_slot] = {n, id, key};
-    ++size_;
-    return true;
-  }
-  void erase(const Node* n) {
-    if (Slot* s = find(n)) {
-      s->node = tombstone();
-      --size_;
-    }
-  }
-
- private:
-  std::vector<Slot> slots_;
-  size_t mask_ = 0;
-  size_t size_ = 0;  // live entries
-  size_t used_ = 0;  // live entries + tombstones
-
-  static const Node* tombstone() { return reinterpret_cast<const Node*>(uintptr_t{1}); }
-  // A power of two (the probe wraps with a mask) at least twice `n`.
-  static size_t capacity_for(size_t n) {
-    size_t cap = 16;
-    while (cap < n * 2) cap *= 2;
-    return cap;
-  }
-  static size_t hash(const Node* n) {
-    uint64_t x = reinterpret_cast<uintptr_t>(n);
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    return static_cast<size_t>(x);
-  }
-  void rehash(size_t cap) {
-    std::vector<Slot> old = std::move(slots_);
-    slots_.assign(cap, Slot{});
-    mask_ = cap - 1;
-    size_ = used_ = 0;
-    for (const Slot& s : old) {
-      if (s.node != nullptr && s.node != tombstone()) insert(s.node, s.id, s.key);
-    }
-  }
-};
-
 // Integer positions of the graph's nodes, kept up to date as the pass inserts, erases and moves
 // nodes, so "is a before b" and "the latest of these" are O(1) lookups. New nodes get keys
 // spread evenly inside the gap of their neighbours; only when a gap is exhausted is the whole
@@ -158,10 +76,10 @@ class OrderIndex {
   // Numbers the nodes in graph order, calling visit(node) on each (one walk for both).
   template <typename Visit>
   OrderIndex(Graph& graph, Visit&& visit) : graph_(&graph) {
-    table_.reserve(graph.num_nodes() + graph.num_nodes() / 4 + 16);
+    slots_.reserve(graph.num_nodes() + graph.num_nodes() / 4 + 16);
     int64_t k = 0;
     for (Node& n : graph.nodes()) {
-      FUNCOL_CHECK(table_.insert(&n, next_id_++, k), "bucketing: node registered twice");
+      enter(&n, k);
       k += kStep;
       visit(n);
     }
@@ -172,23 +90,31 @@ class OrderIndex {
     int64_t key;
   };
   Pos pos(const Node* n) const {
-    const NodeTable::Slot* s = table_.find(n);
-    FUNCOL_CHECK(s != nullptr, "bucketing: node without an order key");
-    return {s->id, s->key};
+    const uint32_t id = n->scratch();
+    FUNCOL_CHECK(registered(n), "bucketing: node without an order key");
+    return {id, slots_[id].key};
   }
   uint32_t id(const Node* n) const { return pos(n).id; }
   int64_t key(const Node* n) const { return pos(n).key; }
   // Key of the node defining `v`; graph inputs come before every node.
   int64_t def_key(const Value* v) const { return v->node() ? key(v->node()) : kMinKey; }
   // One more than the largest id handed out (sizes the scratch arrays).
-  size_t id_bound() const { return next_id_; }
+  size_t id_bound() const { return slots_.size(); }
 
-  uint32_t add(const Node* n) {
-    const uint32_t id = next_id_++;
-    FUNCOL_CHECK(table_.insert(n, id, kMinKey), "bucketing: node registered twice");
-    return id;
+  // Makes room for `more` nodes to be added without moving the table.
+  void reserve_more(size_t more) {
+    const size_t want = slots_.size() + more;
+    if (want > slots_.capacity()) slots_.reserve(std::max(want, 2 * slots_.capacity()));
   }
-  void remove(const Node* n) { table_.erase(n); }
+  uint32_t add(const Node* n) {
+    FUNCOL_CHECK(!registered(n), "bucketing: node registered twice");
+    return enter(n, kMinKey);
+  }
+  // Forgets `n` (about to be erased); its id is never handed out again.
+  void remove(const Node* n) {
+    FUNCOL_CHECK(registered(n), "bucketing: node without an order key");
+    slots_[n->scratch()].node = nullptr;
+  }
 
   // Keys the consecutive nodes first..last (count of them) evenly between their neighbours.
   void rekey(Node* first, Node* last, size_t count) {
@@ -221,14 +147,30 @@ class OrderIndex {
   }
 
  private:
+  // Indexed by id; the id of a node lives in its scratch word (Node::scratch), so a lookup is
+  // two loads and no hashing. `node` confirms the id (a node the index never entered holds
+  // whatever an earlier pass left there) and is null once the node is removed.
+  struct Slot {
+    const Node* node;
+    int64_t key;
+  };
   Graph* graph_;
-  NodeTable table_;
-  uint32_t next_id_ = 0;
+  std::vector<Slot> slots_;
 
-  NodeTable::Slot& slot(const Node* n) {
-    NodeTable::Slot* s = table_.find(n);
-    FUNCOL_CHECK(s != nullptr, "bucketing: node without an order key");
-    return *s;
+  bool registered(const Node* n) const {
+    const uint32_t id = n->scratch();
+    return id < slots_.size() && slots_[id].node == n;
+  }
+  uint32_t enter(const Node* n, int64_t key) {
+    FUNCOL_CHECK(slots_.size() < kNoId, "bucketing: too many nodes");
+    const auto id = static_cast<uint32_t>(slots_.size());
+    n->set_scratch(id);
+    slots_.push_back({n, key});
+    return id;
+  }
+  Slot& slot(const Node* n) {
+    FUNCOL_CHECK(registered(n), "bucketing: node without an order key");
+    return slots_[n->scratch()];
   }
 };
 
@@ -289,6 +231,7 @@ class Emitter {
     return node(op, std::move(operands), attrs, hint)->result(0);
   }
   const std::vector<Node*>& created() const { return created_; }
+  void reserve(size_t n) { created_.reserve(n); }
 
  private:
   Builder b_;
@@ -358,6 +301,14 @@ class Bucketer {
   std::vector<uint32_t> item_;     // region sort: item index of a node
   uint32_t item_epoch_ = 0;
   std::vector<uint32_t> item_mark_;
+  // depends_on_bucket's search stack, kept between calls.
+  struct Frame {
+    const Node* node;
+    uint32_t id;
+    uint32_t next_operand;
+  };
+  std::vector<Frame> stack_;
+  std::vector<uint8_t> keyed_;  // key_new_nodes: which new nodes are keyed already
 
   void grow_scratch() {
     const size_t n = order_.id_bound();
@@ -393,7 +344,7 @@ class Bucketer {
   std::vector<Value*> emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
                                   DType bucket);
   void finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements);
-  void key_new_nodes(const std::vector<Node*>& nodes);
+  void key_new_nodes(const std::vector<Node*>& first, const std::vector<Node*>& second);
 };
 
 BucketKey Bucketer::key_of(const Node& coll, DType dtype) const {
@@ -410,6 +361,7 @@ BucketKey Bucketer::key_of(const Node& coll, DType dtype) const {
 // The collectives of the pass's op in wait order, each with its eligibility, key and size.
 std::vector<Entry> Bucketer::collect() {
   std::vector<Entry> entries;
+  entries.reserve(waits_.size());
   std::vector<bool> seen(order_.id_bound(), false);
   for (Node* w : waits_) {
     Node& wait = *w;
@@ -463,12 +415,8 @@ std::vector<Entry> Bucketer::collect() {
 bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
   if (order_.key(e.coll) < first_key_) return false;
   grow_scratch();
-  struct Frame {
-    const Node* node;
-    uint32_t id;
-    uint32_t next_operand;
-  };
-  std::vector<Frame> stack;
+  std::vector<Frame>& stack = stack_;
+  stack.clear();
   const uint32_t root = order_.id(e.coll);
   bool dirty = false;
   if (mark_epoch_[root] == epoch_) {
@@ -847,25 +795,31 @@ void Bucketer::finish(const std::vector<Entry*>& members, const std::vector<Valu
   }
 }
 
-// Registers new nodes and keys each maximal run of them between keyed neighbours.
-void Bucketer::key_new_nodes(const std::vector<Node*>& nodes) {
+// Registers the new nodes (first's, then second's) and keys each maximal run of them between
+// keyed neighbours.
+void Bucketer::key_new_nodes(const std::vector<Node*>& first_nodes,
+                             const std::vector<Node*>& second_nodes) {
   const uint32_t base = static_cast<uint32_t>(order_.id_bound());
-  for (Node* n : nodes) order_.add(n);
+  for (Node* n : first_nodes) order_.add(n);
+  for (Node* n : second_nodes) order_.add(n);
   auto is_new = [&](const Node* n) { return n && order_.id(n) >= base; };
-  std::vector<bool> done(order_.id_bound() - base, false);
-  for (Node* n : nodes) {
-    if (done[order_.id(n) - base]) continue;
-    Node* first = n;
-    while (is_new(first->prev())) first = first->prev();
-    Node* last = n;
-    while (is_new(last->next())) last = last->next();
-    size_t count = 0;
-    for (Node* k = first;; k = k->next()) {
-      done[order_.id(k) - base] = true;
-      ++count;
-      if (k == last) break;
+  std::vector<uint8_t>& done = keyed_;
+  done.assign(order_.id_bound() - base, 0);
+  for (const std::vector<Node*>* nodes : {&first_nodes, &second_nodes}) {
+    for (Node* n : *nodes) {
+      if (done[order_.id(n) - base]) continue;
+      Node* first = n;
+      while (is_new(first->prev())) first = first->prev();
+      Node* last = n;
+      while (is_new(last->next())) last = last->next();
+      size_t count = 0;
+      for (Node* k = first;; k = k->next()) {
+        done[order_.id(k) - base] = 1;
+        ++count;
+        if (k == last) break;
+      }
+      order_.rekey(first, last, count);
     }
-    order_.rekey(first, last, count);
   }
 }
 
@@ -920,14 +874,18 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   Node* x_anchor = c_node->next();
   Node* y_anchor = w_node ? w_node : x_anchor;
   const DType bucket = bucket_dtype(members);
+  // At most four new nodes per member on either side (flatten, convert, clone, view_dtype;
+  // reshape, clone, view_dtype, reshape) plus a few per bucket: room for all of them is made
+  // before any is created.
+  order_.reserve_more(8 * members.size() + 8);
   Emitter x(graph_, x_anchor);
+  x.reserve(2 * members.size() + 4);
   Node* coll = emit_pack(x, members, bucket);
   Emitter y(graph_, y_anchor);
+  y.reserve(2 * members.size() + 4);
   std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
   finish(members, repl);
-  std::vector<Node*> created = x.created();
-  created.insert(created.end(), y.created().begin(), y.created().end());
-  key_new_nodes(created);
+  key_new_nodes(x.created(), y.created());
   return true;
 }
 

@@ -272,6 +272,8 @@ void Executor::Impl::plan() {
       if (op.collective == CollectiveKind::Broadcast) {
         st.src = static_cast<int>(node.attr("src").as_int());
       }
+      st.attrs = node.attr_values().data();  // the pack function of packing collectives reads them
+      st.num_attrs = static_cast<uint32_t>(node.attr_values().size());
       st.inflight = static_cast<uint32_t>(inflight.size());
       collective_index.emplace(&node, st.inflight);
       inflight.emplace_back();
@@ -359,7 +361,8 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t 
   const Node& node = *st.node;
   Tensor* out = &slots[st.results_begin];
   const int64_t t0 = prof ? prof->now_ns() : 0;
-  const bool coalesced = st.op->variadic;
+  // Packing collectives are variadic with one result: not coalesced (see PackFn).
+  const bool coalesced = st.op->variadic && st.op->pack == nullptr;
   auto empty_result = [&](size_t r) {
     const Type& t = node.result(r)->type();
     return Tensor::empty(t.shape, t.dtype);
@@ -385,7 +388,16 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t 
     case CollectiveKind::AllGather:
     case CollectiveKind::ReduceScatter: {
       const bool gather = st.op->collective == CollectiveKind::AllGather;
-      if (!coalesced) {
+      if (st.op->pack != nullptr) {
+        // Pack the operands straight into this rank's slot of the result, then gather in
+        // place: the slot is the send buffer, so no packed input buffer exists.
+        Tensor o = empty_result(0);
+        const int64_t per_rank = o.numel() / g.size();
+        Tensor slot = o.flatten().narrow(0, g.rank() * per_rank, per_rank);
+        st.op->pack(in, AttrList(*st.op, std::span<const Attr>(st.attrs, st.num_attrs)), slot);
+        work = g.all_gather(o, slot);
+        out[0] = std::move(o);
+      } else if (!coalesced) {
         Tensor o = empty_result(0);
         work = gather ? g.all_gather(o, in[0].contiguous())
                       : g.reduce_scatter(o, in[0].contiguous(), st.reduce_op);

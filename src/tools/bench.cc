@@ -7,6 +7,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <new>
 #include <numeric>
@@ -25,6 +26,7 @@
 #include "funcol/dist/process_group.h"
 #include "funcol/dist/work.h"
 #include "tools/commands.h"
+#include "tools/launch.h"
 
 namespace funcol::tools {
 
@@ -533,12 +535,6 @@ void validate(const BenchOptions& o) {
     throw InvalidArgument(fmt::format("unknown backend '{}' for --backend: available backends: {}",
                                       o.backend, join(available, ", ")));
   }
-  // Process backends (mpi, gloo) slot in at launch_ranks once they can start their ranks here.
-  if (o.backend != "threads") {
-    throw InvalidArgument(fmt::format(
-        "backend '{}' is not supported by funcol bench yet: it runs on the threads backend",
-        o.backend));
-  }
   if (o.ranks < 1) {
     throw InvalidArgument(fmt::format("--ranks must be at least 1, got {}", o.ranks));
   }
@@ -828,11 +824,94 @@ double mean_busbw(const std::vector<BenchRow>& rows) {
   return sum / static_cast<double>(rows.size());
 }
 
-// Starts options.ranks ranks of options.backend, each running fn with its world group. The
-// process backends add their launch here.
-void launch_ranks(const BenchOptions& o, const std::function<void(ProcessGroup&)>& fn) {
-  FUNCOL_CHECK(o.backend == "threads", "validate() admits only the threads backend");
-  run_local(o.ranks, fn);
+// One rank's benchmark: every op at every size on `world`. Rank 0 prints the rows to `out`
+// and keeps them in `report`; every rank runs the same collectives.
+void bench_rank(ProcessGroup& world, const BenchOptions& o, const std::vector<int64_t>& sizes,
+                const std::vector<CheckPattern>& patterns, BenchReport& report, std::FILE* out) {
+  const bool printer = world.rank() == 0;
+  for (size_t k = 0; k < o.ops.size(); ++k) {
+    const BenchOp op = o.ops[k];
+    if (printer && !o.json) print_columns(out, op);
+    std::vector<BenchRow> op_rows;
+    for (int64_t bytes : sizes) {
+      BenchRow row = measure(world, o, op, patterns[k], bytes);
+      if (!printer) continue;
+      print_row(out, o, row, report.memcpy);
+      op_rows.push_back(row);
+      report.rows.push_back(row);
+    }
+    if (printer && !o.json && o.ops.size() > 1) {
+      emit(out, fmt::format("# Avg bus bandwidth ({}) : {:g}", bench_op_name(op),
+                            mean_busbw(op_rows)));
+    }
+  }
+}
+
+// The memcpy reference of a run with these sizes: the largest, at least 1 MiB (smaller buffers
+// measure the cache), at most 64 MiB (beyond that the figure no longer changes; it only costs
+// time).
+MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& sizes) {
+  const int64_t bytes =
+      std::clamp<int64_t>(sizes.empty() ? 0 : sizes.back(), int64_t{1} << 20, int64_t{64} << 20);
+  if (o.memcpy_gbps_override > 0) {
+    return {bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
+  }
+  return measure_memcpy(bytes);
+}
+
+void print_summary(std::FILE* out, const BenchOptions& o, const BenchReport& report) {
+  if (o.json) return;
+  emit(out, "#");
+  if (o.check > 0) {
+    emit(out, fmt::format("# Out of bounds values : {} {}", report.wrong,
+                          report.wrong == 0 ? "OK" : "FAILED"));
+  } else {
+    emit(out, "# Out of bounds values : N/A (-c 0)");
+  }
+  emit(out, fmt::format("# Avg bus bandwidth    : {:g}", report.avg_busbw));
+  emit(out, "#");
+}
+
+void finish_report(BenchReport& report) {
+  for (const BenchRow& r : report.rows) report.wrong += std::max<int64_t>(r.wrong, 0);
+  report.avg_busbw = mean_busbw(report.rows);
+}
+
+// This process is one rank of an mpi or gloo job: join the world, run, leave. Rank 0 measures
+// the memcpy reference (its peers wait in their first collective) and prints everything.
+BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& sizes,
+                             std::FILE* out) {
+  follow_launcher();
+  std::shared_ptr<ProcessGroup> world = init_process_group(o.backend);
+  const int rank = world->rank();
+  BenchReport report;
+  std::exception_ptr failure;
+  try {
+    if (world->size() != o.ranks) {
+      throw InvalidArgument(fmt::format("--ranks {} does not match the job's {} processes",
+                                        o.ranks, world->size()));
+    }
+    std::vector<CheckPattern> patterns;
+    for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
+    if (rank == 0) {
+      report.memcpy = memcpy_reference(o, sizes);
+      if (!o.json) print_header(out, o, report.memcpy);
+    }
+    bench_rank(*world, o, sizes, patterns, report, out);
+    finish_report(report);
+    if (rank == 0) print_summary(out, o, report);
+  } catch (...) {
+    try {
+      rethrow_for_rank(rank);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  // No group may outlive the process group (mpi frees communicators before MPI_Finalize).
+  world.reset();
+  destroy_process_group();
+  if (failure) std::rethrow_exception(failure);
+  return report;
 }
 
 }  // namespace
@@ -841,56 +920,58 @@ BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
   validate(o);
   const std::vector<int64_t> sizes =
       size_sequence(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
+  if (o.backend != "threads") {
+    if (!inside_job(o.backend)) {
+      throw InvalidArgument(fmt::format(
+          "run_bench: backend '{}' runs in a job's processes (started by funcol bench or mpirun)",
+          o.backend));
+    }
+    return run_process_rank(o, sizes, out);
+  }
   BenchReport report;
   // The memcpy reference runs before the ranks start, so nothing else competes with it.
-  // Its size: the run's largest, at least 1 MiB (smaller buffers measure the cache), at most
-  // 64 MiB (beyond that the figure no longer changes; it only costs time).
-  const int64_t ref_bytes =
-      std::clamp<int64_t>(sizes.empty() ? 0 : sizes.back(), int64_t{1} << 20, int64_t{64} << 20);
-  if (o.memcpy_gbps_override > 0) {
-    report.memcpy = {ref_bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
-  } else {
-    report.memcpy = measure_memcpy(ref_bytes);
-  }
+  report.memcpy = memcpy_reference(o, sizes);
   if (!o.json) print_header(out, o, report.memcpy);
 
   std::vector<CheckPattern> patterns;
   for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
-
-  launch_ranks(o, [&](ProcessGroup& world) {
-    const bool printer = world.rank() == 0;
-    for (size_t k = 0; k < o.ops.size(); ++k) {
-      const BenchOp op = o.ops[k];
-      if (printer && !o.json) print_columns(out, op);
-      std::vector<BenchRow> op_rows;
-      for (int64_t bytes : sizes) {
-        BenchRow row = measure(world, o, op, patterns[k], bytes);
-        if (!printer) continue;
-        print_row(out, o, row, report.memcpy);
-        op_rows.push_back(row);
-        report.rows.push_back(row);
-      }
-      if (printer && !o.json && o.ops.size() > 1) {
-        emit(out, fmt::format("# Avg bus bandwidth ({}) : {:g}", bench_op_name(op),
-                              mean_busbw(op_rows)));
-      }
-    }
+  run_local(o.ranks, [&](ProcessGroup& world) {
+    bench_rank(world, o, sizes, patterns, report, out);
   });
-
-  for (const BenchRow& r : report.rows) report.wrong += std::max<int64_t>(r.wrong, 0);
-  report.avg_busbw = mean_busbw(report.rows);
-  if (!o.json) {
-    emit(out, "#");
-    if (o.check > 0) {
-      emit(out, fmt::format("# Out of bounds values : {} {}", report.wrong,
-                            report.wrong == 0 ? "OK" : "FAILED"));
-    } else {
-      emit(out, "# Out of bounds values : N/A (-c 0)");
-    }
-    emit(out, fmt::format("# Avg bus bandwidth    : {:g}", report.avg_busbw));
-    emit(out, "#");
-  }
+  finish_report(report);
+  print_summary(out, o, report);
   return report;
+}
+
+std::vector<std::string> bench_job_args(const BenchOptions& o) {
+  std::string ops;
+  if (o.ops.size() == 1) {
+    ops = bench_op_name(o.ops[0]);
+  } else if (std::equal(o.ops.begin(), o.ops.end(), std::begin(kAllBenchOps),
+                        std::end(kAllBenchOps))) {
+    ops = "all";
+  } else {
+    throw InvalidArgument(fmt::format(
+        "a {} job of funcol bench runs one op or all of them, got {} ops", o.backend,
+        o.ops.size()));
+  }
+  std::vector<std::string> a = {"bench",
+                                "-b", std::to_string(o.min_bytes),
+                                "-e", std::to_string(o.max_bytes),
+                                "-f", std::to_string(o.step_factor),
+                                "-i", std::to_string(o.step_bytes),
+                                "-n", std::to_string(o.iters),
+                                "-w", std::to_string(o.warmup_iters),
+                                "-c", std::to_string(o.check),
+                                "-o", ops,
+                                "-d", std::string(dtype_name(o.dtype)),
+                                "-r", std::string(reduce_op_name(o.redop)),
+                                "--root", std::to_string(o.root),
+                                "--ranks", std::to_string(o.ranks),
+                                "--backend", o.backend};
+  if (o.json) a.emplace_back("--json");
+  if (o.inject_wrong) a.emplace_back("--inject-wrong");
+  return a;
 }
 
 // ---- the command ----
@@ -998,7 +1079,19 @@ void add_bench_command(CLI::App& app) {
   sub->callback([f]() {
     BenchReport report;
     try {
-      report = run_bench(options_from_flags(*f), stdout);
+      const BenchOptions o = options_from_flags(*f);
+      if (o.backend != "threads" && !inside_job(o.backend)) {
+        // Start the job; its rank 0 prints the table and reports wrong values itself.
+        JobOptions job;
+        job.backend = o.backend;
+        job.ranks = o.ranks;
+        job.temp_prefix = "funcol-bench-";
+        job.rank_args = [&](const std::string&) { return bench_job_args(o); };
+        const int rc = launch_job(job, stderr);
+        if (rc != 0) throw CLI::RuntimeError(rc);
+        return;
+      }
+      report = run_bench(o, stdout);
     } catch (const Error&) {
       throw;
     } catch (const std::bad_alloc&) {

@@ -136,7 +136,7 @@ struct BenchOptions {
 };
 
 // Throws InvalidArgument when the options do not make a run (min > max, root out of range,
-// bitwise reduce op on a floating dtype, unsupported backend, ...).
+// bitwise reduce op on a floating dtype, a backend not compiled in, ...).
 void validate(const BenchOptions& options);
 
 // This run's memcpy bandwidth: two threads each copying `bytes` at the same time.
@@ -164,9 +164,19 @@ struct BenchReport {
   double avg_busbw = 0;  // mean busbw over every row, as nccl-tests' summary
 };
 
-// Runs the benchmark on `options.ranks` ranks of `options.backend` and prints the nccl-tests
-// table (or JSON lines) to `out` from rank 0. Throws on invalid options and communication
-// failures; wrong results are reported, not thrown: the caller decides the exit code.
+// Runs the benchmark and prints the nccl-tests table (or JSON lines) to `out` from rank 0.
+// threads: `options.ranks` thread ranks in this process. mpi, gloo: this process is one rank of
+// a job (inside_job(), launch.h): it joins the world with init_process_group, runs the same
+// collectives as its peers and leaves; rank 0 measures the memcpy reference, prints, and gets
+// the rows (the other ranks' reports are empty); InvalidArgument outside a job. Times are the
+// slowest rank's and #wrong the sum over ranks, gathered with an all_gather on the world.
+// Throws on invalid options and communication failures (process ranks: "rank R: ..."); wrong
+// results are reported, not thrown: the caller decides the exit code.
 BenchReport run_bench(const BenchOptions& options, std::FILE* out);
+
+// The arguments of `funcol bench` (after the executable) that make a process of an mpi or gloo
+// job run `options`: every flag spelled out, sizes in bytes. Throws InvalidArgument when
+// options.ops is neither one op nor all of them (-o cannot say so).
+std::vector<std::string> bench_job_args(const BenchOptions& options);
 
 }  // namespace funcol::tools

@@ -1,15 +1,24 @@
 // End-to-end tests of `funcol bench`: the built command, its exit status, table, JSON and errors.
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+
+#include "tools/spawn.h"
 
 #ifndef FUNCOL_BIN
 #error "FUNCOL_BIN must name the funcol command"
@@ -155,5 +164,183 @@ TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
   Result r = bench("--backend nccl");
   EXPECT_NE(r.out.find("threads"), std::string::npos) << r.out;
 }
+
+// ---- process backends: funcol bench starts the job itself (mpirun, or gloo processes) ----
+
+std::vector<std::string> process_backends() {
+  std::vector<std::string> b;
+#ifdef FUNCOL_WITH_GLOO
+  b.push_back("gloo");
+#endif
+#ifdef FUNCOL_WITH_MPI
+  b.push_back("mpi");
+#endif
+  return b;
+}
+
+// A bounded collective timeout for the ranks the commands below start, so a hang fails.
+class BenchProcessE2E : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    setenv("FUNCOL_TIMEOUT", "60", 1);
+    if (process_backends().empty()) GTEST_SKIP() << "no process backend compiled in";
+  }
+};
+
+TEST_F(BenchProcessE2E, EveryOpChecksCleanOnTwoProcesses) {
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    Result r = bench("--backend " + backend + " --ranks 2 -b 32 -e 8K -f 16 -n 3 -w 1 -c 1");
+    EXPECT_EQ(r.status, 0) << r.out;
+    EXPECT_NE(r.out_only.find("# funcol bench: op all (all_reduce, all_gather, reduce_scatter, "
+                              "all_to_all, broadcast), backend " +
+                              backend + ", 2 ranks, dtype f32, redop sum, root 0"),
+              std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out_only.find(kColumns), std::string::npos) << r.out;
+    // Printed once, by rank 0's process, which measured it.
+    EXPECT_NE(r.out_only.find("# memcpy reference: 2 threads, 1 MiB each, "), std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out_only.find("# memcpy reference"), r.out_only.rfind("# memcpy reference"))
+        << r.out;
+    EXPECT_NE(r.out_only.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out;
+    EXPECT_EQ(count_rows(r.out_only), 5 * 3) << r.out;  // 5 ops x (32 512 8K)
+  }
+}
+
+TEST_F(BenchProcessE2E, JsonNamesTheBackend) {
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    Result r = bench("--backend " + backend +
+                     " -o all_to_all -d i32 --ranks 2 -b 1K -e 4K -n 2 -w 1 -c 1 --json");
+    ASSERT_EQ(r.status, 0) << r.out;
+    std::istringstream in(r.out_only);
+    std::string line;
+    std::vector<int64_t> sizes;
+    while (std::getline(in, line)) {
+      nlohmann::json j = nlohmann::json::parse(line);
+      EXPECT_EQ(j["op"], "all_to_all");
+      EXPECT_EQ(j["backend"], backend);
+      EXPECT_EQ(j["ranks"], 2);
+      EXPECT_EQ(j["type"], "i32");
+      EXPECT_EQ(j["wrong"], 0);
+      EXPECT_GT(j["time_us"].get<double>(), 0);
+      EXPECT_GT(j["memcpy_gbps"].get<double>(), 0);
+      sizes.push_back(j["size"].get<int64_t>());
+    }
+    EXPECT_EQ(sizes, (std::vector<int64_t>{1024, 2048, 4096}));
+  }
+}
+
+TEST_F(BenchProcessE2E, AWrongValueFailsTheRun) {
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    Result r = bench("--backend " + backend +
+                     " -o reduce_scatter --ranks 2 -b 64 -e 256 -n 2 -w 1 --inject-wrong");
+    EXPECT_NE(r.status, 0) << r.out;
+    EXPECT_NE(r.out_only.find("# Out of bounds values : 3 FAILED"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("funcol: error: bench: 3 wrong values"), std::string::npos) << r.out;
+    EXPECT_EQ(count_rows(r.out_only), 3) << r.out;
+  }
+}
+
+TEST_F(BenchProcessE2E, ARankErrorIsPrintedWithItsRank) {
+  // Every rank fails to allocate 1000000 GiB (more than any address space): a clear error.
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    Result r = bench("--backend " + backend +
+                     " -o all_reduce --ranks 2 -b 1000000G -e 1000000G -n 1 -w 0");
+    EXPECT_NE(r.status, 0) << r.out;
+    EXPECT_NE(r.out.find("funcol: error: rank "), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(": out of memory allocating "), std::string::npos) << r.out;
+  }
+}
+
+#if defined(FUNCOL_WITH_GLOO) || defined(FUNCOL_WITH_MPI)
+// Every process below `pid` (children first by /proc's order), for finding the ranks.
+std::vector<pid_t> descendants(pid_t pid) {
+  std::vector<pid_t> out;
+  std::ifstream f("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+  pid_t c;
+  while (f >> c) {
+    out.push_back(c);
+    for (pid_t d : descendants(c)) out.push_back(d);
+  }
+  return out;
+}
+
+// True when /proc/PID/environ holds VAR=VALUE.
+bool has_env(pid_t pid, const std::string& entry) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  std::string item;
+  while (std::getline(f, item, '\0')) {
+    if (item == entry) return true;
+  }
+  return false;
+}
+
+bool alive(pid_t pid) {
+  // A zombie counts as gone: it has stopped running (its parent or init reaps it).
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return false;
+  const size_t close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
+}
+
+// Polls `cond` every 10 ms for up to `seconds`; a bounded wait, never a fixed sleep.
+bool eventually(const std::function<bool()>& cond, int seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return cond();
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// A rank killed mid-run: the command exits non-zero naming rank 1 and leaves no process behind.
+TEST_F(BenchProcessE2E, ADeadRankIsAClearErrorAndLeavesNothingBehind) {
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    funcol::tools::TempDir dir("funcol-bench-e2e-");
+    funcol::tools::SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "bench",     "--backend", backend, "--ranks", "2", "-o",
+              "all_reduce", "-b",      "4K",        "-e",    "4K",      "-n", "1000000000"};
+    s.stdout_path = dir.path() + "/stdout";
+    s.stderr_path = dir.path() + "/stderr";
+    const pid_t launcher = funcol::tools::spawn_process(s);
+    // Rank 0 prints the columns once every rank has joined the world.
+    ASSERT_TRUE(eventually([&] { return slurp(s.stdout_path).find("# all_reduce") !=
+                                        std::string::npos; },
+                           60))
+        << slurp(s.stderr_path);
+    const std::string rank1 = backend == "mpi" ? "OMPI_COMM_WORLD_RANK=1" : "RANK=1";
+    std::vector<pid_t> procs = descendants(launcher);
+    const auto victim =
+        std::find_if(procs.begin(), procs.end(), [&](pid_t p) { return has_env(p, rank1); });
+    ASSERT_NE(victim, procs.end());
+    kill(*victim, SIGKILL);
+    ASSERT_TRUE(eventually([&] { return !alive(launcher); }, 90));
+    const funcol::tools::ExitStatus st = funcol::tools::wait_all({launcher}).front();
+    EXPECT_FALSE(st.signaled);
+    EXPECT_EQ(st.code, 1);
+    const std::string err = slurp(s.stderr_path);
+    if (backend == "gloo") {
+      EXPECT_NE(err.find("funcol: error: rank 1 was killed by signal 9"), std::string::npos)
+          << err;
+    } else {
+      // mpirun's own report names the rank and the signal.
+      EXPECT_NE(err.find("rank 1"), std::string::npos) << err;
+      EXPECT_NE(err.find("signal 9"), std::string::npos) << err;
+    }
+    for (pid_t p : procs) EXPECT_TRUE(eventually([&] { return !alive(p); }, 30)) << p;
+  }
+}
+#endif
 
 }  // namespace

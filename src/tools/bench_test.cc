@@ -5,12 +5,15 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include <Eigen/Core>
 #include <gtest/gtest.h>
 
 #include "funcol/core/error.h"
 #include "funcol/core/tensor.h"
+#include "funcol/dist/backend.h"
+#include "tools/launch.h"
 
 namespace funcol::tools {
 namespace {
@@ -401,6 +404,55 @@ TEST(BenchRun, ValidateRejectsRunsThatCannotWork) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("unknown backend 'nccl'"), std::string::npos);
     EXPECT_NE(std::string(e.what()).find("threads"), std::string::npos);
+  }
+}
+
+TEST(BenchRun, JobArgsSpellOutEveryFlag) {
+  BenchOptions o;
+  o.min_bytes = 4096;
+  o.max_bytes = int64_t{64} << 20;
+  o.step_factor = 4;
+  o.iters = 7;
+  o.warmup_iters = 0;
+  o.check = 2;
+  o.ops = {BenchOp::ReduceScatter};
+  o.dtype = DType::BF16;
+  o.redop = ReduceOp::Max;
+  o.root = 1;
+  o.ranks = 3;
+  o.backend = "gloo";
+  o.json = true;
+  EXPECT_EQ(bench_job_args(o),
+            (std::vector<std::string>{"bench", "-b", "4096", "-e", "67108864", "-f", "4", "-i",
+                                      "1048576", "-n", "7", "-w", "0", "-c", "2", "-o",
+                                      "reduce_scatter", "-d", "bf16", "-r", "max", "--root", "1",
+                                      "--ranks", "3", "--backend", "gloo", "--json"}));
+  o = BenchOptions{};
+  o.inject_wrong = true;
+  const std::vector<std::string> all = bench_job_args(o);
+  EXPECT_EQ(all[16], "all");  // -o all: every op, in order
+  EXPECT_EQ(all.back(), "--inject-wrong");
+  o.ops = {BenchOp::AllReduce, BenchOp::Broadcast};  // -o cannot name two ops
+  EXPECT_THROW(bench_job_args(o), InvalidArgument);
+}
+
+TEST(BenchRun, ProcessBackendsRunOnlyInsideAJob) {
+  BenchOptions o;
+  for (const std::string& backend : available_backends()) {
+    if (backend == "threads" || inside_job(backend)) continue;
+    o.backend = backend;
+    EXPECT_NO_THROW(validate(o));
+    std::FILE* out = std::tmpfile();
+    ASSERT_NE(out, nullptr);
+    try {
+      run_bench(o, out);
+      ADD_FAILURE() << backend;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("backend '" + backend + "' runs in a job's processes"),
+                std::string::npos)
+          << e.what();
+    }
+    std::fclose(out);
   }
 }
 

@@ -11,6 +11,9 @@ void add_bench_command(CLI::App& app);
 // `funcol run`: runs a graph on N ranks over a backend (run.cc).
 void add_run_command(CLI::App& app);
 
+// `funcol train`: trains an MLP with fully sharded data parallelism (train.cc).
+void add_train_command(CLI::App& app);
+
 // `funcol opt`: parses, verifies and transforms IR with a pass pipeline (opt.cc).
 void add_opt_command(CLI::App& app);
 

@@ -1,9 +1,6 @@
 // `funcol run`: runs a graph on N ranks (threads, or processes under mpirun or a gloo store).
 #include "tools/run.h"
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -15,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <new>
@@ -31,7 +27,7 @@
 #include "funcol/runtime/executor.h"
 #include "funcol/runtime/profile.h"
 #include "tools/commands.h"
-#include "tools/spawn.h"
+#include "tools/launch.h"
 
 namespace funcol::tools {
 
@@ -39,9 +35,6 @@ namespace {
 
 // DESIGN §7: `data` is printed for tensors of at most this many elements.
 constexpr int64_t kMaxDataElements = 4096;
-// Variables a launcher passes to the ranks it starts (gloo); RANK/WORLD_SIZE/FUNCOL_STORE are
-// the gloo backend's own (DESIGN §3).
-constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
 
 // Everything checked before any rank starts.
 struct Prepared {
@@ -57,28 +50,6 @@ struct RankReport {
   std::string events;  // trace events (a JSON array), when tracing
   double seconds = 0;  // wall time of all iterations
 };
-
-// Rethrows the exception in flight with "rank R: " in front, keeping its type.
-[[noreturn]] void rethrow_for_rank(int rank) {
-  const std::string p = fmt::format("rank {}: ", rank);
-  try {
-    throw;
-  } catch (const ShapeError& e) {
-    throw ShapeError(p + e.what());
-  } catch (const ParseError& e) {
-    throw InvalidArgument(p + e.what());
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(p + e.what());
-  } catch (const CommError& e) {
-    throw CommError(p + e.what());
-  } catch (const Error& e) {
-    throw Error(p + e.what());
-  } catch (const std::bad_alloc&) {
-    throw Error(p + "out of memory");
-  } catch (const std::exception& e) {
-    throw Error(p + e.what());
-  }
-}
 
 bool is_identifier(std::string_view s) {
   if (s.empty()) return false;
@@ -280,9 +251,7 @@ int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
 
 // This process is one rank of an mpi or gloo job: run, then gather the reports to rank 0.
 int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE* err) {
-  if (const char* launcher = std::getenv(kLauncherPidVar)) {
-    die_with_launcher(static_cast<pid_t>(std::atol(launcher)));
-  }
+  follow_launcher();
   std::shared_ptr<ProcessGroup> world = init_process_group(o.backend);
   const int rank = world->rank();
   int status = 0;
@@ -335,96 +304,23 @@ std::vector<std::string> rank_args(const RunOptions& o, const std::string& file)
   return a;
 }
 
-std::string read_all(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-// The launcher's exit status after a signal stopped the job: 128 + the signal, as a shell's.
-int interrupted(std::FILE* err) {
-  const int sig = InterruptScope::signal();
-  std::fprintf(err, "funcol: error: interrupted by signal %d (%s); stopped every rank\n", sig,
-               strsignal(sig));
-  return 128 + sig;
-}
-
-// Not inside a job: start one. mpi: under mpirun. gloo: N processes of this program with a
-// file store in a temporary directory; the first rank to fail stops the others and its error
-// is the one printed.
+// Not inside a job: start one (launch_job). Standard input is saved to the job's temporary
+// directory, as the ranks read the graph from a file.
 int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   if (!o.trace.empty()) check_writable(o.trace);
-  // Declared before the directory: a signal stops the ranks, then the directory is removed.
-  InterruptScope interrupts;
-  TempDir dir("funcol-run-");
-  std::string file = o.file;
-  if (o.file == "-") {
-    file = dir.path() + "/stdin.ir";
-    std::ofstream(file, std::ios::binary) << text;
-  }
-  const std::string self = self_executable();
-  std::vector<std::string> args = rank_args(o, file);
-  if (o.backend == "mpi") {
-    SpawnOptions s;
-    s.argv = {"mpirun", "-np", std::to_string(o.ranks), "--oversubscribe"};
-    if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
-    s.argv.push_back(self);
-    s.argv.insert(s.argv.end(), args.begin(), args.end());
-    pid_t pid = -1;
-    try {
-      pid = spawn_process(s);
-    } catch (const Error& e) {
-      throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
+  JobOptions job;
+  job.backend = o.backend;
+  job.ranks = o.ranks;
+  job.temp_prefix = "funcol-run-";
+  job.rank_args = [&](const std::string& dir) {
+    std::string file = o.file;
+    if (o.file == "-") {
+      file = dir + "/stdin.ir";
+      std::ofstream(file, std::ios::binary) << text;
     }
-    const ExitStatus st = wait_all({pid}).front();
-    if (InterruptScope::signal() != 0) return interrupted(err);
-    if (st.ok()) return 0;
-    // The ranks printed their errors; add mpirun's own status only when it died oddly.
-    if (st.signaled) std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
-    return 1;
-  }
-  // gloo
-  const std::string store = dir.path() + "/store";
-  std::filesystem::create_directory(store);
-  std::vector<pid_t> pids;
-  std::vector<std::string> err_files;
-  try {
-    for (int r = 0; r < o.ranks; ++r) {
-      SpawnOptions s;
-      s.argv = {self};
-      s.argv.insert(s.argv.end(), args.begin(), args.end());
-      s.env = {{"RANK", std::to_string(r)},
-               {"WORLD_SIZE", std::to_string(o.ranks)},
-               {"FUNCOL_STORE", "file://" + store},
-               {kLauncherPidVar, std::to_string(getpid())}};
-      err_files.push_back(fmt::format("{}/rank{}.err", dir.path(), r));
-      s.stderr_path = err_files.back();
-      pids.push_back(spawn_process(s));
-    }
-  } catch (...) {
-    for (pid_t pid : pids) kill(pid, SIGKILL);
-    wait_all(pids, std::chrono::milliseconds(0));
-    throw;
-  }
-  const std::vector<ExitStatus> statuses = wait_all(pids);
-  if (InterruptScope::signal() != 0) return interrupted(err);
-  auto rank_of = [&](pid_t pid) {
-    return static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+    return rank_args(o, file);
   };
-  const auto failed =
-      std::find_if(statuses.begin(), statuses.end(), [](const ExitStatus& s) { return !s.ok(); });
-  if (failed == statuses.end()) {
-    // Success: pass on whatever the ranks wrote to stderr (warnings), in rank order.
-    for (const std::string& f : err_files) std::fputs(read_all(f).c_str(), err);
-    return 0;
-  }
-  // The first rank that failed explains the failure; the others only saw it fail.
-  const int rank = rank_of(failed->pid);
-  const std::string message = read_all(err_files[static_cast<size_t>(rank)]);
-  if (!message.empty()) std::fputs(message.c_str(), err);
-  if (message.empty() || failed->signaled) {
-    std::fprintf(err, "funcol: error: rank %d %s\n", rank, failed->describe().c_str());
-  }
-  return 1;
+  return launch_job(job, err);
 }
 
 int run_command_impl(const RunOptions& o, std::FILE* out, std::FILE* err) {
@@ -432,9 +328,7 @@ int run_command_impl(const RunOptions& o, std::FILE* out, std::FILE* err) {
   const std::string text = read_text_file(o.file);
   const Prepared p = prepare(o, text);
   if (o.backend == "threads") return run_threads(p, o, out);
-  const bool in_job = o.backend == "mpi" ? std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr
-                                         : std::getenv("RANK") && std::getenv("WORLD_SIZE");
-  if (in_job) return run_in_job(p, o, out, err);
+  if (inside_job(o.backend)) return run_in_job(p, o, out, err);
   return launch(o, text, err);
 }
 

@@ -119,6 +119,7 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
       if (r == running[i] || (r < 0 && errno == ECHILD)) {
         // ECHILD: reaped elsewhere; count it as a failure we cannot describe better.
         done.push_back(r == running[i] ? decode(r, status) : ExitStatus{running[i], false, 1});
+        done.back().stopped = killing;
         running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
         progressed = true;
       } else {

@@ -30,6 +30,7 @@ struct ExitStatus {
   pid_t pid = -1;
   bool signaled = false;  // killed by a signal
   int code = 0;           // exit code, or the signal number when signaled
+  bool stopped = false;   // ended after wait_all began stopping the children (collateral)
   bool ok() const { return !signaled && code == 0; }
   // "exited with status 3", "was killed by signal 9 (Killed)".
   std::string describe() const;

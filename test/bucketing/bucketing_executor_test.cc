@@ -43,10 +43,8 @@ void check_property(Testable&& testable, int min_cases = kMinCases) {
 TEST(BucketingExecutor, RandomPipelinesGiveBitIdenticalOutputsOnFourRanks) {
   check_property([] {
     const std::string original = print(*testing_bucketing::random_graph());
-    // all_gather_into_tensor_packed (the custom_ops all-gather modes) is left out until the
-    // executor dispatches OpDef::pack; the reference interpreter covers it meanwhile
-    // (bucketing_property_test).
-    const std::string pipeline_text = testing_bucketing::random_pipeline(/*allow_packed=*/false);
+    // Every mode, the custom_ops all-gathers (all_gather_into_tensor_packed) included.
+    const std::string pipeline_text = testing_bucketing::random_pipeline();
     RC_LOG() << pipeline_text << "\n" << original;
     std::unique_ptr<Graph> g = parse_graph(original);
     Pipeline::parse(pipeline_text).run(*g);

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   funcol::tools::add_bench_command(app);
   funcol::tools::add_run_command(app);
   funcol::tools::add_opt_command(app);
+  funcol::tools::add_train_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

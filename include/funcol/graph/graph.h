@@ -108,6 +108,13 @@ class Node {
   // True when this node comes before `other` in their graph's order. Amortized O(1).
   bool is_before(const Node& other) const;
 
+  // ---- pass scratch ----
+  // One word a pass may use as it likes while it runs (the bucketing passes keep a dense node
+  // id here instead of hashing Node*); the graph never reads it and its value when a pass
+  // starts is unspecified, so a pass must set it on every node it later reads it from.
+  uint32_t scratch() const { return scratch_; }
+  void set_scratch(uint32_t value) const { scratch_ = value; }
+
  private:
   friend class Graph;
   Node() = default;
@@ -127,6 +134,7 @@ class Node {
   // Result 0 lives in the node (every op has one); the others, for multi-result ops, in a
   // vector never resized after creation. Either way Value* stays valid.
   uint32_t num_results_ = 0;
+  mutable uint32_t scratch_ = 0;
   Value result0_;
   std::vector<Value> more_results_;
 
@@ -172,8 +180,9 @@ class NodeRange {
 };
 
 // A named SSA graph: typed inputs, nodes in a valid topological order (also the order in
-// which collectives are issued), and outputs. Owns its nodes; not copyable or movable, so
-// Node* and Value* handles stay valid (hold graphs by unique_ptr).
+// which collectives are issued), and outputs. Owns its nodes; not copyable. Move construction
+// (for functions that return a Graph, such as build_joint_graph) hands the nodes over, so Node*
+// and Value* handles stay valid; no assignment (hold long-lived graphs by unique_ptr).
 class Graph {
  public:
   // Throws InvalidArgument unless `name` is a valid name (letters, digits, '_', '.').
@@ -181,6 +190,9 @@ class Graph {
   ~Graph();
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
+  // Takes over other's inputs, nodes and outputs; `other` is left empty (destroy it only).
+  Graph(Graph&& other) noexcept;
+  Graph& operator=(Graph&&) = delete;
 
   const std::string& name() const { return name_; }
   // File the graph was parsed from ("" when built in code) and the location of `graph @name`.
@@ -271,6 +283,9 @@ class Graph {
   size_t num_nodes_ = 0;
   mutable bool order_valid_ = true;
   uint64_t fresh_counter_ = 0;
+  // Operand types handed to shape inference by create_node, kept so that their shapes'
+  // storage is reused from node to node.
+  std::vector<Type> infer_scratch_;
   // Name -> definition; keys view the names held by nodes and inputs (which never move). An
   // open-addressing table: one flat array, no allocation per name (graph.cc).
   class NameTable;

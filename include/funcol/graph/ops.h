@@ -82,7 +82,9 @@ using InferFn = std::vector<Type> (*)(std::span<const Type> inputs, const AttrLi
 using KernelFn = std::vector<Tensor> (*)(std::span<const Tensor> inputs, const AttrList& attrs);
 // Gradient rule: given the forward node and the gradients of its results (null where a result
 // has no gradient), emits backward nodes through `b` and returns one gradient per operand
-// (null where an operand gets none). Filled in by autodiff; null means "not differentiable".
+// (null where an operand gets none); it may throw InvalidArgument (a non-sum reduce op). Set in
+// src/graph/ops_grad.cc and applied by append_backward (graph/backward.h); null means "no
+// gradient rule" (an error when autodiff reaches the op).
 using GradFn =
     std::function<std::vector<Value*>(Builder& b, const Node& node, std::span<Value* const> grads)>;
 // Packing collectives only (all_gather_into_tensor_packed, which the bucketing passes' custom_ops

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <condition_variable>
@@ -474,6 +475,12 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
   if (rank < 0 || rank >= world_size) {
     throw InvalidArgument(
         fmt::format("gloo backend: rank {} is out of range for world size {}", rank, world_size));
+  }
+  // Gloo writes to TCP sockets: a peer that died must give this rank an error (EPIPE ->
+  // CommError naming the peer), not kill it with SIGPIPE. A handler the program set is kept.
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
   }
   auto shared = std::make_shared<GlooShared>();
   shared->timeout = process::resolve_timeout(options.timeout);

@@ -1,0 +1,103 @@
+// Eager autograd: a tape that records the ops run on its tensors and differentiates them with
+// the op table's gradient rules (the code the autodiff pass uses), and the `*_autograd`
+// functional collectives of DESIGN §4.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "funcol/api/functional.h"
+#include "funcol/core/tensor.h"
+#include "funcol/graph/graph.h"
+
+namespace funcol {
+
+// Records differentiable eager computation, like torch.autograd's tape. A tensor returned by
+// requires_grad() is a *leaf*; every op run through call() or a `*_autograd` collective with a
+// tracked operand runs eagerly at once and is recorded as a node of the tape's graph, its
+// results tracked too. backward(loss) appends the backward of the recorded graph with the op
+// table's rules (append_backward, as the autodiff pass), runs those nodes eagerly on this rank
+// (collectives through the functional API, each waited) and adds the gradients into grad().
+//
+// One tape per rank (thread); every rank must record the same ops in the same order, since the
+// backward collectives are issued in the order of the recorded graph. Tensors stay tracked as
+// long as the tape lives; a tensor of a destroyed tape counts as untracked. Tensor methods
+// (t.view(...)) are not recorded: use call().
+class GradTape {
+ public:
+  GradTape();
+  ~GradTape();
+  GradTape(const GradTape&) = delete;
+  GradTape& operator=(const GradTape&) = delete;
+
+  // A tensor sharing t's data that the tape tracks as a leaf. t must have a floating dtype and
+  // must not be tracked already (InvalidArgument).
+  Tensor requires_grad(const Tensor& t);
+
+  // Runs op `op` of the op table (not a collective: use the `*_autograd` functions) on
+  // `operands`; records it when an operand is tracked by this tape (results are then tracked).
+  // Untracked operands enter the graph as constants. Throws like ops::call, and InvalidArgument
+  // for an operand tracked by another tape.
+  std::vector<Tensor> call(std::string_view op, std::span<const Tensor> operands,
+                           const NamedAttrs& attrs = {});
+  Tensor call_one(std::string_view op, std::span<const Tensor> operands,
+                  const NamedAttrs& attrs = {});
+
+  // Adds d loss / d leaf to grad(leaf) for every leaf. `loss` must be a tracked scalar of a
+  // floating dtype. Errors when backward runs (InvalidArgument, the graph left unchanged): a
+  // non-sum all_reduce / reduce_scatter on the way ("all_reduce backward only supports 'sum'
+  // reduction, got 'max' (node %ar)"), broadcast, an op without a rule. May be called again
+  // (gradients accumulate, as in PyTorch).
+  void backward(const Tensor& loss);
+
+  // The accumulated gradient of `leaf` (a tensor requires_grad() returned), zeros of its type
+  // when nothing reached it yet. InvalidArgument for any other tensor.
+  Tensor grad(const Tensor& leaf) const;
+  // Forgets every accumulated gradient.
+  void zero_grad();
+
+  // True when `t` is tracked by this tape.
+  bool tracks(const Tensor& t) const;
+  // The recorded forward graph: inputs are the leaves and constants, in order of first use.
+  const Graph& graph() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// True when `t` is tracked by a live GradTape.
+bool is_tracked(const Tensor& t);
+
+// The autograd variants of the functional collectives (DESIGN §4, PyTorch's
+// `*_autograd`): the same eager result as the plain function; when the input is tracked by a
+// tape, the collective and its wait_tensor are recorded (gather_dim / scatter_dim != 0 as the
+// dim-0 collective plus recorded split and cat), so backward applies the rules: all_reduce
+// (sum only) → all_reduce sum; all_gather → reduce_scatter sum; reduce_scatter (sum only) →
+// all_gather; all_to_all_single → splits swapped; coalesced → coalesced. A non-sum reduce op
+// runs forward and fails when backward runs.
+Tensor all_reduce_autograd(const Tensor& t, const std::string& reduce_op, const GroupSpec& group);
+Tensor all_gather_tensor_autograd(const Tensor& t, int64_t gather_dim, const GroupSpec& group);
+Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce_op,
+                                      int64_t scatter_dim, const GroupSpec& group);
+Tensor all_to_all_single_autograd(const Tensor& t,
+                                  std::optional<std::vector<int64_t>> output_split_sizes,
+                                  std::optional<std::vector<int64_t>> input_split_sizes,
+                                  const GroupSpec& group);
+std::vector<Tensor> all_reduce_coalesced_autograd(const std::vector<Tensor>& inputs,
+                                                  const std::string& reduce_op,
+                                                  const GroupSpec& group);
+std::vector<Tensor> all_gather_into_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
+                                                              const GroupSpec& group);
+// Scatters along dim 0 of every input (the coalesced IR op has no scatter dims).
+std::vector<Tensor> reduce_scatter_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
+                                                             const std::string& reduce_op,
+                                                             const GroupSpec& group);
+
+}  // namespace funcol

@@ -1,0 +1,28 @@
+// Reverse-mode differentiation of a graph through the op table's gradient rules (OpDef::grad):
+// the one routine the autodiff pass and the eager autograd tape share.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "funcol/graph/graph.h"
+
+namespace funcol {
+
+// Appends to the end of `graph` the nodes computing d loss / d v for every v of `wrt`, walking
+// the nodes that lead to `loss` in reverse program order and applying each op's gradient rule
+// (a value used several times sums its gradients with `add`). `loss` must be a scalar of a
+// floating dtype (InvalidArgument otherwise); its gradient is seeded with `full(1)`. Returns one
+// gradient per entry of `wrt`, null where the loss does not depend on it (or it is not
+// floating). Throws InvalidArgument naming the node when an op on the way has no gradient rule
+// or its rule refuses (a non-sum all_reduce / reduce_scatter, broadcast); nodes appended before
+// the error stay in the graph (callers that keep the graph erase them, see erase_nodes_after).
+// Deterministic: program order only; maps keyed by pointer are looked up, never iterated.
+std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt);
+
+// Erases every node after `last` (null: every node), last first, so that an append_backward
+// that failed or whose results were consumed leaves the graph as it was. None of those nodes'
+// results may be a graph output or used at or before `last` (FUNCOL_CHECK).
+void erase_nodes_after(Graph& graph, Node* last);
+
+}  // namespace funcol

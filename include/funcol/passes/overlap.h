@@ -1,0 +1,68 @@
+// Overlap scheduling: issues each collective as early and waits as late as dependencies allow.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "funcol/graph/graph.h"
+#include "funcol/passes/pass.h"
+
+namespace funcol {
+
+// Options of the overlap pass. The budget bounds the bytes of collective results held before
+// they are read: a collective's result buffer exists from its issue on, so issuing it earlier
+// holds that memory over more nodes (up to and including the first node that reads the
+// waited result). A collective stops moving up at the first node where the held bytes plus its
+// own would exceed the budget. No budget (the default, as Inductor's reordering without a
+// memory limit): move as far as dependencies allow. Waits move regardless of the budget: where
+// a wait sits changes when the rank blocks, not how long any buffer lives.
+struct OverlapOptions {
+  int64_t memory_budget_bytes = -1;  // < 0: unlimited
+};
+
+// What one run did.
+struct OverlapStats {
+  int64_t collectives_hoisted = 0;  // collectives moved earlier
+  int64_t waits_sunk = 0;           // wait_tensor nodes moved later
+  int64_t budget_stops = 0;         // hoists cut short by the memory budget
+  int64_t operands_hoisted = 0;     // side-effect-free nodes moved up with their collective
+  int64_t unpack_sunk = 0;          // unpacking nodes moved down towards their users
+  bool changed() const { return collectives_hoisted + waits_sunk + unpack_sunk > 0; }
+};
+
+// Reorders `graph` so communication overlaps compute, in two walks in program order:
+//  1. every collective moves up to just after the previous collective, with the
+//     side-effect-free nodes that compute its operands after that point (a bucket's packing),
+//     in their order; when those include a wait, or under a memory budget, the collective alone
+//     moves up to just after the latest of its operands' definitions and the previous
+//     collective. The issue order of collectives never changes (backends run the collectives of
+//     a group in issue order, so hoisting one above another would only delay the other, and
+//     every rank must issue them in one order anyway);
+//  2. every wait_tensor moves down to just before its first user (to the end when its only
+//     uses are graph outputs), after the nodes that only unpack its result (a bucket's view,
+//     split and reshapes) moved down to just before their own first users.
+// Nodes move only after their operands and before their users, so the result verifies and
+// computes the same values. Deterministic (decisions depend only on the graph and
+// the options); O(nodes) per moved node with a budget, O(distance moved) without one. When
+// `explain` is given, appends one line per move.
+OverlapStats schedule_overlap(Graph& graph, const OverlapOptions& options = {},
+                              std::string* explain = nullptr);
+
+// The `overlap` pass (option memory-budget-mb: a positive number of MB, 1 MB = 2^20 bytes).
+class OverlapPass : public Pass {
+ public:
+  explicit OverlapPass(OverlapOptions options = {}) : options_(options) {}
+  std::string name() const override { return "overlap"; }
+  bool run(Graph& graph) override;
+  const OverlapOptions& options() const { return options_; }
+
+ private:
+  OverlapOptions options_;
+};
+
+// The pass from pipeline options; throws InvalidArgument "option memory-budget-mb of pass
+// overlap must be a positive number, got 'x'" for a bad value.
+std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options);
+
+}  // namespace funcol

@@ -1,0 +1,438 @@
+// The eager autograd tape and the `*_autograd` collectives: eager ops recorded as graph nodes,
+// differentiated by append_backward (the op table's rules) and the backward run eagerly.
+#include "funcol/api/autograd.h"
+
+#include <algorithm>
+#include <unordered_map>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
+#include "funcol/graph/backward.h"
+#include "funcol/graph/tracer.h"
+
+namespace funcol {
+
+// What a tape owns: the recorded graph, the eager tensor of every recorded value, the leaves
+// and their accumulated gradients.
+struct GradTape::State {
+  std::unique_ptr<Graph> graph = std::make_unique<Graph>("tape");
+  // Looked up by value, never iterated (so pointer keys do not make anything nondeterministic).
+  std::unordered_map<const Value*, Tensor> values;
+  std::vector<Value*> leaves;
+  std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
+};
+
+namespace {
+
+using State = GradTape::State;
+
+// What a tracked tensor's annotation holds. The tape is referenced weakly: the tape's tensors
+// carry annotations too, so a strong reference would keep the tape alive forever.
+struct TapeRef {
+  std::weak_ptr<State> state;
+  Value* value = nullptr;
+};
+
+// The deleter type marks the annotation as a tape's (std::get_deleter checks it), so tracer
+// references and foreign annotations are never taken for one.
+struct TapeRefDeleter {
+  void operator()(TapeRef* ref) const { delete ref; }
+};
+
+struct Tracked {
+  std::shared_ptr<State> state;
+  Value* value = nullptr;
+};
+
+// The tape and value `t` stands for; empty when untracked (or its tape is gone).
+Tracked tracked(const Tensor& t) {
+  if (!t.defined() || !t.annotation() || !std::get_deleter<TapeRefDeleter>(t.annotation())) {
+    return {};
+  }
+  const auto* ref = static_cast<const TapeRef*>(t.annotation().get());
+  std::shared_ptr<State> state = ref->state.lock();
+  if (!state) return {};
+  if (t.dtype() != ref->value->dtype() || t.sizes() != ref->value->shape()) {
+    throw InvalidArgument(fmt::format("autograd: tensor {} does not match its recorded value {} "
+                                      "of type {}",
+                                      type_str(t.dtype(), t.sizes()), ref->value->ref(),
+                                      ref->value->type().str()));
+  }
+  return {std::move(state), ref->value};
+}
+
+// The one tape the tracked tensors among `ts` belong to (null when none is tracked).
+std::shared_ptr<State> tape_of(std::span<const Tensor> ts, std::string_view op) {
+  std::shared_ptr<State> state;
+  for (const Tensor& t : ts) {
+    Tracked tr = tracked(t);
+    if (!tr.state) continue;
+    if (state && state != tr.state) {
+      throw InvalidArgument(fmt::format("{}: operands are tracked by different tapes", op));
+    }
+    state = std::move(tr.state);
+  }
+  return state;
+}
+
+// Stores `t` as the eager tensor of `value` and returns it annotated as tracked.
+Tensor track(const std::shared_ptr<State>& state, Value* value, const Tensor& t) {
+  Tensor plain = t;
+  plain.set_annotation(nullptr);
+  state->values.insert_or_assign(value, plain);
+  Tensor out = plain;
+  out.set_annotation(std::shared_ptr<TapeRef>(new TapeRef{state, value}, TapeRefDeleter{}));
+  return out;
+}
+
+// Node names as the tracer gives them (%ar, %ag, %w, %matmul, ...), so errors read alike.
+std::string_view name_hint(const OpDef& op) {
+  switch (op.collective) {
+    case CollectiveKind::AllReduce: return "ar";
+    case CollectiveKind::AllGather: return "ag";
+    case CollectiveKind::ReduceScatter: return "rs";
+    case CollectiveKind::AllToAll: return "a2a";
+    case CollectiveKind::Broadcast: return "bc";
+    case CollectiveKind::Wait: return "w";
+    case CollectiveKind::None: break;
+  }
+  return op.name;
+}
+
+// Records node `op` over `operands` whose eager results are `results`; returns them tracked.
+std::vector<Tensor> record(const std::shared_ptr<State>& state, std::string_view op,
+                           std::span<const Tensor> operands, const NamedAttrs& attrs,
+                           const std::vector<Tensor>& results) {
+  Graph& g = *state->graph;
+  std::vector<Value*> values;
+  values.reserve(operands.size());
+  for (const Tensor& t : operands) {
+    Tracked tr = tracked(t);
+    if (tr.state == state) {
+      values.push_back(tr.value);
+      continue;
+    }
+    // An untracked operand: a constant input of the recorded graph.
+    Value* c = g.add_input(g.fresh_name("c"), Type(t.dtype(), t.sizes()));
+    state->values.emplace(c, t);
+    values.push_back(c);
+  }
+  Builder b(g);
+  b.set_name_hint(name_hint(get_op(op)));
+  Node* node = b.create(op, std::move(values), attrs);
+  FUNCOL_CHECK(node->num_results() == results.size(),
+               fmt::format("autograd: {} recorded with {} results for {}", op, results.size(),
+                           node->num_results()));
+  std::vector<Tensor> out;
+  out.reserve(results.size());
+  for (size_t r = 0; r < results.size(); ++r) {
+    out.push_back(track(state, node->result(r), results[r]));
+  }
+  return out;
+}
+
+Tensor record_one(const std::shared_ptr<State>& state, std::string_view op,
+                  std::span<const Tensor> operands, const NamedAttrs& attrs, const Tensor& result) {
+  return record(state, op, operands, attrs, {result})[0];
+}
+
+// A collective's recorded result followed by its recorded wait_tensor (as the tracer does).
+std::vector<Tensor> record_waited(const std::shared_ptr<State>& state, std::string_view op,
+                                  std::span<const Tensor> operands, const NamedAttrs& attrs,
+                                  const std::vector<Tensor>& results) {
+  std::vector<Tensor> rec = record(state, op, operands, attrs, results);
+  std::vector<Tensor> out;
+  out.reserve(rec.size());
+  for (const Tensor& t : rec) {
+    const Tensor in[] = {t};
+    out.push_back(record_one(state, "wait_tensor", in, {}, t));
+  }
+  return out;
+}
+
+// Runs compute op `op` eagerly and records it on `state` (when non-null).
+std::vector<Tensor> call_on(const std::shared_ptr<State>& state, std::string_view op,
+                            std::span<const Tensor> operands, const NamedAttrs& attrs) {
+  const OpDef& def = get_op(op);
+  if (def.collective != CollectiveKind::None) {
+    throw InvalidArgument(fmt::format("autograd: {} is a collective or wait; use the functional "
+                                      "*_autograd collectives",
+                                      op));
+  }
+  std::vector<Tensor> results = ops::call(op, operands, attrs);
+  if (!state) return results;
+  return record(state, op, operands, attrs, results);
+}
+
+Tensor call_one_on(const std::shared_ptr<State>& state, std::string_view op,
+                   std::span<const Tensor> operands, const NamedAttrs& attrs) {
+  std::vector<Tensor> r = call_on(state, op, operands, attrs);
+  if (r.size() != 1) {
+    throw InvalidArgument(fmt::format("{} has {} results, expected 1", op, r.size()));
+  }
+  return r[0];
+}
+
+int64_t wrap_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view what) {
+  const int64_t n = std::max<int64_t>(ndim, 1);
+  if (dim < -n || dim >= n) {
+    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
+                                 what, dim, ndim, -n, n - 1));
+  }
+  return dim < 0 ? dim + n : dim;
+}
+
+// Runs one backward node eagerly: collectives through the functional API (inputs made
+// contiguous, as PyTorch's backward rules do), everything else through its CPU kernel.
+std::vector<Tensor> run_node(const Node& n, const std::vector<Tensor>& in) {
+  const OpDef& op = n.op();
+  if (op.collective == CollectiveKind::None) return run_kernel(op, in, n.attr_values());
+  if (op.collective == CollectiveKind::Wait) return {wait_tensor(in[0])};
+  std::vector<Tensor> c;
+  c.reserve(in.size());
+  for (const Tensor& t : in) c.push_back(t.contiguous());
+  const GroupSpec group(n.attr("group").as_string());
+  switch (op.collective) {
+    case CollectiveKind::AllReduce: {
+      const std::string& rop = n.attr("reduce_op").as_string();
+      if (op.variadic) return all_reduce_coalesced(c, rop, group);
+      return {all_reduce(c[0], rop, group)};
+    }
+    case CollectiveKind::AllGather:
+      if (op.variadic) return all_gather_into_tensor_coalesced(c, group);
+      return {all_gather_tensor(c[0], 0, group)};
+    case CollectiveKind::ReduceScatter: {
+      const std::string& rop = n.attr("reduce_op").as_string();
+      if (op.variadic) {
+        return reduce_scatter_tensor_coalesced(c, rop, std::vector<int64_t>(c.size(), 0), group);
+      }
+      return {reduce_scatter_tensor(c[0], rop, 0, group)};
+    }
+    case CollectiveKind::AllToAll:
+      return {all_to_all_single(c[0], n.attr("output_split_sizes").as_ints(),
+                                n.attr("input_split_sizes").as_ints(), group)};
+    case CollectiveKind::Broadcast:
+      return {broadcast(c[0], static_cast<int>(n.attr("src").as_int()), group)};
+    default:
+      break;
+  }
+  throw InvalidArgument(
+      fmt::format("autograd: cannot run {} eagerly (node %{})", op.name, n.name()));
+}
+
+}  // namespace
+
+// ---- GradTape ---------------------------------------------------------------------------------
+
+GradTape::GradTape() : state_(std::make_shared<State>()) {}
+
+GradTape::~GradTape() = default;
+
+Tensor GradTape::requires_grad(const Tensor& t) {
+  if (!t.defined()) throw InvalidArgument("requires_grad: the tensor is undefined");
+  if (!is_floating(t.dtype())) {
+    throw InvalidArgument(fmt::format("requires_grad: only floating tensors have gradients, got {}",
+                                      type_str(t.dtype(), t.sizes())));
+  }
+  if (tracked(t).state) throw InvalidArgument("requires_grad: the tensor is tracked already");
+  Graph& g = *state_->graph;
+  Value* v = g.add_input(g.fresh_name("x"), Type(t.dtype(), t.sizes()));
+  state_->leaves.push_back(v);
+  state_->grads.emplace_back();
+  return track(state_, v, t);
+}
+
+std::vector<Tensor> GradTape::call(std::string_view op, std::span<const Tensor> operands,
+                                   const NamedAttrs& attrs) {
+  std::shared_ptr<State> state = tape_of(operands, op);
+  if (state && state != state_) {
+    throw InvalidArgument(fmt::format("{}: an operand is tracked by another tape", op));
+  }
+  return call_on(state, op, operands, attrs);
+}
+
+Tensor GradTape::call_one(std::string_view op, std::span<const Tensor> operands,
+                          const NamedAttrs& attrs) {
+  std::vector<Tensor> r = call(op, operands, attrs);
+  if (r.size() != 1) {
+    throw InvalidArgument(fmt::format("{} has {} results, expected 1", op, r.size()));
+  }
+  return r[0];
+}
+
+void GradTape::backward(const Tensor& loss) {
+  State& s = *state_;
+  Tracked tr = tracked(loss);
+  if (tr.state != state_) throw InvalidArgument("backward: the loss is not tracked by this tape");
+  Graph& g = *s.graph;
+  Node* mark = g.last_node();
+  try {
+    const std::vector<Value*> grads = append_backward(g, tr.value, s.leaves);
+    std::unordered_map<const Value*, Tensor> env;  // backward values; looked up only
+    auto get = [&](const Value* v) -> const Tensor& {
+      auto it = env.find(v);
+      return it != env.end() ? it->second : s.values.at(v);
+    };
+    for (Node* n = mark ? mark->next() : g.first_node(); n; n = n->next()) {
+      std::vector<Tensor> in;
+      in.reserve(n->num_operands());
+      for (const Value* v : n->operands()) in.push_back(get(v));
+      std::vector<Tensor> out = run_node(*n, in);
+      FUNCOL_CHECK(out.size() == n->num_results(), "autograd: result count");
+      for (size_t r = 0; r < out.size(); ++r) env.emplace(n->result(r), std::move(out[r]));
+    }
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i]) continue;
+      const Tensor gi = get(grads[i]).contiguous();
+      s.grads[i] = s.grads[i].defined() ? add(s.grads[i], gi) : gi;
+    }
+  } catch (...) {
+    erase_nodes_after(g, mark);
+    throw;
+  }
+  erase_nodes_after(g, mark);
+}
+
+Tensor GradTape::grad(const Tensor& leaf) const {
+  Tracked tr = tracked(leaf);
+  const auto& leaves = state_->leaves;
+  auto it = std::find(leaves.begin(), leaves.end(), tr.value);
+  if (tr.state != state_ || it == leaves.end()) {
+    throw InvalidArgument("grad: the tensor is not a leaf of this tape (use requires_grad)");
+  }
+  const Tensor& g = state_->grads[static_cast<size_t>(it - leaves.begin())];
+  return g.defined() ? g : Tensor::zeros(tr.value->shape(), tr.value->dtype());
+}
+
+void GradTape::zero_grad() {
+  for (Tensor& g : state_->grads) g = Tensor();
+}
+
+bool GradTape::tracks(const Tensor& t) const { return tracked(t).state == state_; }
+
+const Graph& GradTape::graph() const { return *state_->graph; }
+
+bool is_tracked(const Tensor& t) { return tracked(t).state != nullptr; }
+
+// ---- the *_autograd collectives -------------------------------------------------------------
+
+Tensor all_reduce_autograd(const Tensor& t, const std::string& reduce_op, const GroupSpec& group) {
+  const Tensor in[] = {t};
+  std::shared_ptr<State> state = tape_of(in, "all_reduce");
+  if (!state) return all_reduce(t, reduce_op, group);
+  ProcessGroup& pg = group.resolve();
+  const Tensor r = all_reduce(t, reduce_op, pg);
+  return record_waited(state, "all_reduce", in, {{"reduce_op", reduce_op}, {"group", pg.name()}},
+                       {r})[0];
+}
+
+Tensor all_gather_tensor_autograd(const Tensor& t, int64_t gather_dim, const GroupSpec& group) {
+  const Tensor in[] = {t};
+  std::shared_ptr<State> state = tape_of(in, "all_gather_tensor");
+  if (!state) return all_gather_tensor(t, gather_dim, group);
+  ProcessGroup& pg = group.resolve();
+  const int64_t dim = wrap_dim(gather_dim, t.dim(), "all_gather_tensor", "gather_dim");
+  const Tensor r = all_gather_tensor(t, 0, pg);
+  const int64_t w = pg.size();
+  Tensor out = record_waited(state, "all_gather_into_tensor", in,
+                             {{"group_size", w}, {"group", pg.name()}}, {r})[0];
+  if (dim == 0) return out;
+  // The rank-major blocks of dim 0 moved to gather_dim: split, then cat (recorded).
+  const Tensor parts[] = {out};
+  std::vector<Tensor> blocks = call_on(
+      state, "split_with_sizes", parts,
+      {{"split_sizes", std::vector<int64_t>(static_cast<size_t>(w), t.size(0))}, {"dim", 0}});
+  return call_one_on(state, "cat", blocks, {{"dim", dim}});
+}
+
+Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce_op,
+                                      int64_t scatter_dim, const GroupSpec& group) {
+  const Tensor in[] = {t};
+  constexpr std::string_view kOp = "reduce_scatter_tensor";
+  std::shared_ptr<State> state = tape_of(in, kOp);
+  if (!state) return reduce_scatter_tensor(t, reduce_op, scatter_dim, group);
+  ProcessGroup& pg = group.resolve();
+  const int64_t w = pg.size();
+  const int64_t dim = wrap_dim(scatter_dim, t.dim(), kOp, "scatter_dim");
+  Tensor fronted = t;
+  if (dim != 0) {
+    if (t.size(dim) % w != 0) {
+      throw ShapeError(
+          fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}", kOp, dim,
+                      t.size(dim), w));
+    }
+    // scatter_dim's group_size chunks moved to dim 0 (chunk + cat, recorded), as the seed does.
+    std::vector<Tensor> chunks = call_on(
+        state, "split_with_sizes", in,
+        {{"split_sizes", std::vector<int64_t>(static_cast<size_t>(w), t.size(dim) / w)},
+         {"dim", dim}});
+    fronted = call_one_on(state, "cat", chunks, {{"dim", 0}});
+  }
+  const Tensor r = reduce_scatter_tensor(fronted, reduce_op, 0, pg);
+  const Tensor f[] = {fronted};
+  return record_waited(state, kOp, f,
+                       {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}},
+                       {r})[0];
+}
+
+Tensor all_to_all_single_autograd(const Tensor& t,
+                                  std::optional<std::vector<int64_t>> output_split_sizes,
+                                  std::optional<std::vector<int64_t>> input_split_sizes,
+                                  const GroupSpec& group) {
+  const Tensor in[] = {t};
+  std::shared_ptr<State> state = tape_of(in, "all_to_all_single");
+  if (!state) return all_to_all_single(t, output_split_sizes, input_split_sizes, group);
+  ProcessGroup& pg = group.resolve();
+  const Tensor r = all_to_all_single(t, output_split_sizes, input_split_sizes, pg);
+  // Both or neither (the call above checked): neither means an even split of dim 0.
+  const auto w = static_cast<size_t>(pg.size());
+  std::vector<int64_t> outs = output_split_sizes.value_or(
+      std::vector<int64_t>(w, t.size(0) / static_cast<int64_t>(w)));
+  std::vector<int64_t> ins = input_split_sizes.value_or(outs);
+  return record_waited(state, "all_to_all_single", in,
+                       {{"output_split_sizes", outs},
+                        {"input_split_sizes", ins},
+                        {"group", pg.name()}},
+                       {r})[0];
+}
+
+std::vector<Tensor> all_reduce_coalesced_autograd(const std::vector<Tensor>& inputs,
+                                                  const std::string& reduce_op,
+                                                  const GroupSpec& group) {
+  std::shared_ptr<State> state = tape_of(inputs, "all_reduce_coalesced");
+  if (!state || inputs.empty()) return all_reduce_coalesced(inputs, reduce_op, group);
+  ProcessGroup& pg = group.resolve();
+  const std::vector<Tensor> r = all_reduce_coalesced(inputs, reduce_op, pg);
+  return record_waited(state, "all_reduce_coalesced", inputs,
+                       {{"reduce_op", reduce_op}, {"group", pg.name()}}, r);
+}
+
+std::vector<Tensor> all_gather_into_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
+                                                              const GroupSpec& group) {
+  std::shared_ptr<State> state = tape_of(inputs, "all_gather_into_tensor_coalesced");
+  if (!state || inputs.empty()) return all_gather_into_tensor_coalesced(inputs, group);
+  ProcessGroup& pg = group.resolve();
+  const std::vector<Tensor> r = all_gather_into_tensor_coalesced(inputs, pg);
+  return record_waited(state, "all_gather_into_tensor_coalesced", inputs,
+                       {{"group_size", pg.size()}, {"group", pg.name()}}, r);
+}
+
+std::vector<Tensor> reduce_scatter_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
+                                                             const std::string& reduce_op,
+                                                             const GroupSpec& group) {
+  const std::vector<int64_t> dims(inputs.size(), 0);
+  std::shared_ptr<State> state = tape_of(inputs, "reduce_scatter_tensor_coalesced");
+  if (!state || inputs.empty()) {
+    return reduce_scatter_tensor_coalesced(inputs, reduce_op, dims, group);
+  }
+  ProcessGroup& pg = group.resolve();
+  const std::vector<Tensor> r = reduce_scatter_tensor_coalesced(inputs, reduce_op, dims, pg);
+  return record_waited(state, "reduce_scatter_tensor_coalesced", inputs,
+                       {{"reduce_op", reduce_op}, {"group_size", pg.size()}, {"group", pg.name()}},
+                       r);
+}
+
+}  // namespace funcol

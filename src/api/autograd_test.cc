@@ -1,0 +1,270 @@
+// The eager autograd tape and the *_autograd collectives: gradients against central
+// differences on 2 and 4 thread ranks, the non-sum backward error, and the tape's contract.
+#include "funcol/api/autograd.h"
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
+#include "funcol/dist/backend.h"
+
+namespace funcol {
+namespace {
+
+// loss = fn(tape, leaves) on every rank; the gradient is of the sum of all ranks' losses.
+using LossFn = std::function<Tensor(GradTape& tape, const std::vector<Tensor>& leaves, int rank)>;
+
+// Leaf i of `rank`: uniform in [-1, 1), deterministic.
+std::vector<Tensor> make_leaves(const std::vector<Shape>& shapes, int rank) {
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    out.push_back(Tensor::rand(shapes[i], DType::F64, 1000 * static_cast<uint64_t>(rank) + i + 1));
+  }
+  return out;
+}
+
+// Random directions checked on more than 2 ranks.
+constexpr int kDirections = 4;
+
+// Compares tape gradients with central differences: every element on 2 ranks, kDirections
+// random directions on more. Returns the number of comparisons.
+int64_t eager_gradcheck(int world_size, const std::vector<Shape>& shapes, const LossFn& fn) {
+  std::vector<std::vector<std::string>> bad(static_cast<size_t>(world_size));
+  std::vector<int64_t> checked(static_cast<size_t>(world_size), 0);
+  constexpr double kStep = 1e-6;
+  run_local(world_size, [&](ProcessGroup& world) {
+    const int rank = world.rank();
+    const std::vector<Tensor> base = make_leaves(shapes, rank);
+    std::vector<Tensor> analytic;
+    {
+      GradTape tape;
+      std::vector<Tensor> leaves;
+      for (const Tensor& t : base) leaves.push_back(tape.requires_grad(t));
+      tape.backward(fn(tape, leaves, rank));
+      for (const Tensor& l : leaves) analytic.push_back(tape.grad(l));
+    }
+    auto total = [&](const std::vector<Tensor>& in) {
+      GradTape tape;
+      std::vector<Tensor> leaves;
+      for (const Tensor& t : in) leaves.push_back(tape.requires_grad(t));
+      return all_reduce(fn(tape, leaves, rank), "sum", world).item<double>();
+    };
+    if (world_size > 2) {
+      // More ranks: along random directions of every leaf of every rank at once (each
+      // evaluation is a round of collectives, so per-element checks stay on 2 ranks).
+      for (int d = 0; d < kDirections; ++d) {
+        std::vector<Tensor> plus = base, minus = base;
+        double local = 0;
+        for (size_t i = 0; i < shapes.size(); ++i) {
+          const Tensor v = Tensor::rand(shapes[i], DType::F64,
+                                        static_cast<uint64_t>(7000 + 100 * rank + 10 * d) + i);
+          const std::vector<double> vv = v.to_vector<double>();
+          const std::vector<double> g = analytic[i].to_vector<double>();
+          for (size_t e = 0; e < vv.size(); ++e) local += g[e] * vv[e];
+          plus[i] = add(base[i], mul_scalar(v, kStep));
+          minus[i] = sub(base[i], mul_scalar(v, kStep));
+        }
+        const double numeric = (total(plus) - total(minus)) / (2 * kStep);
+        const double got =
+            all_reduce(Tensor::full({}, DType::F64, local), "sum", world).item<double>();
+        if (rank != 0) continue;
+        ++checked[rank];
+        if (std::abs(got - numeric) > 1e-6 * std::max(1.0, std::abs(numeric))) {
+          bad[rank].push_back(
+              fmt::format("direction {}: analytic {} numeric {}", d, got, numeric));
+        }
+      }
+      return;
+    }
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const std::vector<double> a = analytic[i].to_vector<double>();
+      for (int src = 0; src < world_size; ++src) {
+        for (int64_t e = 0; e < base[i].numel(); ++e) {
+          double sides[2];
+          for (int side = 0; side < 2; ++side) {
+            std::vector<Tensor> in = base;
+            if (rank == src) {
+              in[i] = base[i].clone();
+              static_cast<double*>(in[i].data_ptr())[e] += side == 0 ? kStep : -kStep;
+            }
+            sides[side] = total(in);
+          }
+          if (rank != src) continue;
+          const double numeric = (sides[0] - sides[1]) / (2 * kStep);
+          ++checked[rank];
+          const double got = a[static_cast<size_t>(e)];
+          if (std::abs(got - numeric) > 1e-6 * std::max(1.0, std::abs(numeric))) {
+            bad[rank].push_back(fmt::format("rank {} leaf {} element {}: analytic {} numeric {}",
+                                            rank, i, e, got, numeric));
+          }
+        }
+      }
+    }
+  });
+  int64_t n = 0;
+  for (int r = 0; r < world_size; ++r) {
+    n += checked[r];
+    for (const std::string& b : bad[r]) ADD_FAILURE() << b;
+  }
+  return n;
+}
+
+Tensor sum_of_cubes(GradTape& tape, const Tensor& t) {
+  const Tensor sq = tape.call_one("mul", std::vector<Tensor>{t, t});
+  const Tensor cube = tape.call_one("mul", std::vector<Tensor>{sq, t});
+  return tape.call_one("sum", std::vector<Tensor>{cube});
+}
+
+class EagerGradCheck : public ::testing::TestWithParam<int> {
+ protected:
+  // What eager_gradcheck compares for leaves of `elements` elements per rank in all.
+  int64_t expected(int64_t elements) const {
+    return GetParam() <= 2 ? elements * GetParam() : kDirections;
+  }
+};
+
+TEST_P(EagerGradCheck, AllReduceAllGatherReduceScatter) {
+  const int w = GetParam();
+  const int64_t n = eager_gradcheck(w, {{2, 3}, {4, 2}}, [](GradTape& tape, const auto& x, int) {
+    const Tensor ar = all_reduce_autograd(x[0], "sum", "world");
+    // gather_dim 1 and scatter_dim 1 go through recorded split + cat.
+    const Tensor ag = all_gather_tensor_autograd(x[1], 1, "world");
+    const Tensor rs = reduce_scatter_tensor_autograd(ag, "sum", 1, "world");
+    const Tensor a = sum_of_cubes(tape, ar);
+    const Tensor b = sum_of_cubes(tape, rs);
+    return tape.call_one("add", std::vector<Tensor>{a, b});
+  });
+  EXPECT_EQ(n, expected(6 + 8));
+}
+
+TEST_P(EagerGradCheck, AllToAllWithUnevenSplitsPerRank) {
+  const int w = GetParam();
+  const int64_t n = eager_gradcheck(w, {{2 * w, 2}}, [w](GradTape& tape, const auto& x, int rank) {
+    // Even ranks send 3 rows to rank 0 and 1 to rank 1, odd ranks 2 to everyone; every rank
+    // receives what its peers send, so the split lists differ between ranks.
+    std::vector<int64_t> in(static_cast<size_t>(w), 2);
+    std::vector<int64_t> out(static_cast<size_t>(w), 2);
+    if (rank % 2 == 0) {
+      in[0] = 3, in[1] = 1;
+    }
+    for (int src = 0; src < w; ++src) {
+      if (src % 2 == 0 && rank <= 1) out[static_cast<size_t>(src)] = rank == 0 ? 3 : 1;
+    }
+    const Tensor y = all_to_all_single_autograd(x[0], out, in, "world");
+    return sum_of_cubes(tape, y);
+  });
+  EXPECT_EQ(n, expected(4 * w));
+}
+
+TEST_P(EagerGradCheck, Coalesced) {
+  const int w = GetParam();
+  const int64_t n = eager_gradcheck(w, {{2, 3}, {4, 2}}, [](GradTape& tape, const auto& x, int) {
+    const std::vector<Tensor> ar = all_reduce_coalesced_autograd({x[0], x[1]}, "sum", "world");
+    const std::vector<Tensor> ag = all_gather_into_tensor_coalesced_autograd(ar, "world");
+    const std::vector<Tensor> rs = reduce_scatter_tensor_coalesced_autograd(ag, "sum", "world");
+    // Only the first reduce-scatter result is used.
+    const Tensor a = sum_of_cubes(tape, rs[0]);
+    const Tensor b = sum_of_cubes(tape, ar[1]);
+    return tape.call_one("add", std::vector<Tensor>{a, b});
+  });
+  EXPECT_EQ(n, expected(6 + 8));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, EagerGradCheck, ::testing::Values(2, 4),
+                         [](const auto& info) { return fmt::format("ranks{}", info.param); });
+
+TEST(EagerAutograd, AllReduceBackwardIsAllReduceOfTheGradient) {
+  run_local(4, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({3}, DType::F32, 1.0));
+    const Tensor c = Tensor::full({3}, DType::F32, world.rank() + 1);  // a constant
+    const Tensor y = all_reduce_autograd(x, "sum", "world");
+    EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{4, 4, 4}));
+    const Tensor m = tape.call_one("mul", std::vector<Tensor>{y, c});
+    tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+    // d/dx of sum over ranks r of sum((sum_s x_s) * (r + 1)) = 1 + 2 + 3 + 4.
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{10, 10, 10}));
+    // Backward nodes are gone again; a second backward accumulates.
+    tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{20, 20, 20}));
+    tape.zero_grad();
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{0, 0, 0}));
+  });
+}
+
+TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {
+  run_local(2, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, world.rank()));
+    const Tensor y = all_reduce_autograd(x, "MAX", "world");
+    EXPECT_EQ(y.to_vector<double>(), (std::vector<double>{1, 1}));
+    const Tensor l = tape.call_one("sum", std::vector<Tensor>{y});
+    const size_t nodes = tape.graph().num_nodes();
+    try {
+      tape.backward(l);
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(),
+                   "all_reduce backward only supports 'sum' reduction, got 'max' (node %ar)");
+    }
+    EXPECT_EQ(tape.graph().num_nodes(), nodes);
+
+    GradTape tape2;
+    const Tensor z = tape2.requires_grad(Tensor::full({4}, DType::F64, 1.0));
+    const Tensor r = reduce_scatter_tensor_autograd(z, "avg", 0, "world");
+    EXPECT_EQ(r.to_vector<double>(), (std::vector<double>{1, 1}));
+    EXPECT_THROW(tape2.backward(tape2.call_one("sum", std::vector<Tensor>{r})), InvalidArgument);
+  });
+}
+
+TEST(EagerAutograd, TapeContract) {
+  run_local(2, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor plain = Tensor::full({2}, DType::F32, 2.0);
+    EXPECT_FALSE(is_tracked(plain));
+    // Untracked inputs: the plain collective, nothing recorded.
+    const Tensor s = all_reduce_autograd(plain, "sum", "world");
+    EXPECT_FALSE(is_tracked(s));
+    EXPECT_EQ(tape.graph().num_nodes(), 0u);
+    EXPECT_EQ(s.to_vector<float>(), (std::vector<float>{4, 4}));
+
+    const Tensor x = tape.requires_grad(plain);
+    const Tensor unused = tape.requires_grad(Tensor::full({3}, DType::F64, 1.0));
+    EXPECT_TRUE(tape.tracks(x));
+    EXPECT_THROW(tape.requires_grad(x), InvalidArgument);
+    EXPECT_THROW(tape.requires_grad(Tensor::zeros({2}, DType::I32)), InvalidArgument);
+    const Tensor y = tape.call_one("relu", std::vector<Tensor>{x});
+    EXPECT_TRUE(is_tracked(y));
+    EXPECT_THROW(tape.grad(y), InvalidArgument);               // not a leaf
+    EXPECT_THROW(tape.backward(y), InvalidArgument);           // not a scalar
+    EXPECT_THROW(tape.backward(Tensor::full({}, DType::F32, 1)), InvalidArgument);  // untracked
+    EXPECT_THROW(tape.call("all_reduce", std::vector<Tensor>{x}, {}), InvalidArgument);
+    {
+      GradTape other;
+      const Tensor o = other.requires_grad(Tensor::full({2}, DType::F32, 1.0));
+      EXPECT_THROW(tape.call_one("add", std::vector<Tensor>{x, o}), InvalidArgument);
+    }
+    const Tensor l = tape.call_one("mean", std::vector<Tensor>{y});
+    tape.backward(l);
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{0.5f, 0.5f}));
+    // A leaf the loss does not reach: zeros of its type.
+    EXPECT_EQ(tape.grad(unused).to_vector<double>(), (std::vector<double>{0, 0, 0}));
+    // A tensor of a destroyed tape counts as untracked.
+    Tensor orphan;
+    {
+      GradTape gone;
+      orphan = gone.requires_grad(Tensor::full({1}, DType::F32, 1.0));
+    }
+    EXPECT_FALSE(is_tracked(orphan));
+    (void)world;
+  });
+}
+
+}  // namespace
+}  // namespace funcol

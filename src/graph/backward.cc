@@ -1,0 +1,118 @@
+// Reverse-mode differentiation over the op table's gradient rules (see backward.h).
+#include "funcol/graph/backward.h"
+
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "funcol/core/error.h"
+
+namespace funcol {
+
+std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt) {
+  FUNCOL_CHECK(loss != nullptr, "append_backward: null loss");
+  if (!loss->shape().empty() || !is_floating(loss->dtype())) {
+    throw InvalidArgument(fmt::format("autodiff: the loss {} must be a scalar of a floating "
+                                      "dtype, got {}",
+                                      loss->ref(), loss->type().str()));
+  }
+  // Values that depend on some `wrt` value through floating values: only they need gradients.
+  std::unordered_set<const Value*> needs;
+  for (Value* v : wrt) {
+    if (is_floating(v->dtype())) needs.insert(v);
+  }
+  const std::vector<Node*> order = graph.node_list();
+  for (Node* n : order) {
+    // Coalesced ops map operand i to result i alone (so no backward collective is spent on a
+    // result that does not lead back to `wrt`); any other op mixes all its operands.
+    const bool per_operand = n->op().results == ResultArity::PerOperand;
+    bool any = false;
+    for (const Value* v : n->operands()) any |= needs.count(v) != 0;
+    if (!any) continue;
+    for (size_t r = 0; r < n->num_results(); ++r) {
+      if (per_operand && !needs.count(n->operand(r))) continue;
+      if (is_floating(n->result(r)->dtype())) needs.insert(n->result(r));
+    }
+  }
+
+  Builder b(graph);
+  std::unordered_map<const Value*, Value*> grads;
+  auto accumulate = [&](Value* v, Value* g) {
+    FUNCOL_CHECK(g->type() == v->type(),
+                 fmt::format("autodiff: gradient of {} has type {}, expected {}", v->ref(),
+                             g->type().str(), v->type().str()));
+    auto [it, fresh] = grads.emplace(v, g);
+    if (!fresh) it->second = b.value("add", {it->second, g});
+  };
+  b.set_name_hint("d_" + (loss->node() ? loss->node()->name() : loss->name()));
+  if (needs.count(loss)) {
+    accumulate(loss, b.value("full", {}, {{"shape", std::vector<int64_t>{}},
+                                         {"dtype", loss->dtype()},
+                                         {"value", 1.0}}));
+  }
+
+  // Walk back from the loss's node: nothing after it reaches the loss.
+  size_t end = order.size();
+  if (!loss->is_input()) {
+    while (end > 0 && order[end - 1] != loss->node()) --end;
+  } else {
+    end = 0;
+  }
+  for (size_t k = end; k-- > 0;) {
+    Node* n = order[k];
+    const OpDef& op = n->op();
+    std::vector<Value*> result_grads(n->num_results(), nullptr);
+    bool any_result = false;
+    for (size_t r = 0; r < n->num_results(); ++r) {
+      auto it = grads.find(n->result(r));
+      if (it == grads.end()) continue;
+      result_grads[r] = it->second;
+      any_result = true;
+    }
+    if (!any_result) continue;
+    bool any_operand = false;
+    for (const Value* v : n->operands()) any_operand |= needs.count(v) != 0;
+    if (!any_operand) continue;
+    if (!op.grad) {
+      throw InvalidArgument(fmt::format("autodiff: op {} has no gradient rule (node %{})", op.name,
+                                        n->name()));
+    }
+    b.set_name_hint("d_" + n->name());
+    const std::vector<Value*> operand_grads = op.grad(b, *n, result_grads);
+    FUNCOL_CHECK(operand_grads.size() == n->num_operands(),
+                 fmt::format("autodiff: gradient rule of {} returned {} gradients for {} operands",
+                             op.name, operand_grads.size(), n->num_operands()));
+    for (size_t i = 0; i < operand_grads.size(); ++i) {
+      Value* v = n->operand(i);
+      if (operand_grads[i] && needs.count(v)) accumulate(v, operand_grads[i]);
+    }
+  }
+
+  std::vector<Value*> out;
+  out.reserve(wrt.size());
+  for (Value* v : wrt) {
+    auto it = grads.find(v);
+    out.push_back(it == grads.end() ? nullptr : it->second);
+  }
+  // Rules emit gradients for every operand; drop the appended nodes nothing uses (gradients of
+  // operands that need none), never collectives or waits, nor the returned gradients.
+  const Node* forward_last = order.empty() ? nullptr : order.back();
+  std::unordered_set<const Node*> kept;
+  for (const Value* v : out) {
+    if (v && v->node()) kept.insert(v->node());
+  }
+  for (Node* n = graph.last_node(); n && n != forward_last;) {
+    Node* prev = n->prev();
+    if (!n->op().has_side_effect && !n->has_uses() && !kept.count(n)) graph.erase(n);
+    n = prev;
+  }
+  return out;
+}
+
+void erase_nodes_after(Graph& graph, Node* last) {
+  while (graph.last_node() && graph.last_node() != last) graph.erase(graph.last_node());
+}
+
+}  // namespace funcol

@@ -1,0 +1,273 @@
+// Unit tests of the autodiff pass: joint graph structure, options, errors and determinism.
+#include <algorithm>
+
+#include <gtest/gtest.h>
+
+#include "funcol/core/error.h"
+#include "funcol/graph/backward.h"
+#include "funcol/graph/parser.h"
+#include "funcol/graph/printer.h"
+#include "funcol/graph/verifier.h"
+#include "funcol/passes/autodiff.h"
+#include "funcol/passes/pipeline.h"
+
+namespace funcol {
+namespace {
+
+constexpr std::string_view kFsdp = R"(graph @fsdp(%x: f32[8,16], %w: f32[4,16], %t: f32[8,16], %i: i32[3]) {
+  %ag = all_gather_into_tensor(%w) {group_size = 4, group = "world"}
+  %wf = wait_tensor(%ag)
+  %y = matmul(%x, %wf)
+  %r = relu(%y)
+  %l = mse_loss(%r, %t)
+  return %l, %i
+})";
+
+std::vector<std::string> op_names(const Graph& g) {
+  std::vector<std::string> out;
+  for (const Node& n : g.nodes()) out.emplace_back(n.op_name());
+  return out;
+}
+
+TEST(Autodiff, JointGraphOutputsLossAndGradients) {
+  std::unique_ptr<Graph> fwd = parse_graph(kFsdp);
+  const Graph joint = build_joint_graph(*fwd, {1, 0});
+  ASSERT_EQ(joint.outputs().size(), 3u);
+  EXPECT_EQ(joint.outputs()[0]->name(), "l");
+  EXPECT_EQ(joint.outputs()[1]->type(), fwd->input(1)->type());
+  EXPECT_EQ(joint.outputs()[2]->type(), fwd->input(0)->type());
+  EXPECT_EQ(joint.num_inputs(), fwd->num_inputs());
+  EXPECT_NO_THROW(verify(joint));
+  // The forward graph is left as it was.
+  EXPECT_EQ(fwd->outputs().size(), 2u);
+  EXPECT_EQ(fwd->num_nodes(), 5u);
+}
+
+TEST(Autodiff, AllGatherBecomesWaitedReduceScatterAfterTheForward) {
+  std::unique_ptr<Graph> fwd = parse_graph(kFsdp);
+  const Graph joint = build_joint_graph(*fwd, {1});
+  std::vector<const Node*> collectives;
+  for (const Node& n : joint.nodes()) {
+    if (n.op().is_collective()) collectives.push_back(&n);
+  }
+  ASSERT_EQ(collectives.size(), 2u);
+  EXPECT_EQ(collectives[0]->op_name(), "all_gather_into_tensor");
+  const Node& rs = *collectives[1];
+  EXPECT_EQ(rs.op_name(), "reduce_scatter_tensor");
+  EXPECT_EQ(rs.attr("reduce_op").as_string(), "sum");
+  EXPECT_EQ(rs.attr("group_size").as_int(), 4);
+  EXPECT_EQ(rs.attr("group").as_string(), "world");
+  // Its only user is its own wait_tensor, which is the gradient of %w.
+  ASSERT_EQ(rs.result(0)->num_uses(), 1u);
+  const Node* wait = rs.result(0)->uses()[0].user;
+  ASSERT_NE(wait, nullptr);
+  EXPECT_EQ(wait->op_name(), "wait_tensor");
+  EXPECT_EQ(joint.outputs()[1], wait->result(0));
+  // The backward comes after every forward node.
+  EXPECT_TRUE(joint.find_node("l")->is_before(rs));
+}
+
+TEST(Autodiff, EveryBackwardCollectiveHasItsOwnWait) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[4,2], %w: f32[4,2]) {
+    %arc:2 = all_reduce_coalesced(%x, %w) {reduce_op = "sum", group = "world"}
+    %a = wait_tensor(%arc#0)
+    %b = wait_tensor(%arc#1)
+    %rs = reduce_scatter_tensor(%a) {reduce_op = "sum", group_size = 2, group = "world"}
+    %rw = wait_tensor(%rs)
+    %a2a = all_to_all_single(%b) {output_split_sizes = [1, 3], input_split_sizes = [2, 2], group = "world"}
+    %aw = wait_tensor(%a2a)
+    %s1 = sum(%rw)
+    %s2 = sum(%aw)
+    %l = add(%s1, %s2)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {0, 1});
+  int backward_collectives = 0;
+  for (const Node& n : joint.nodes()) {
+    if (!n.op().is_collective() || n.loc().known()) continue;
+    ++backward_collectives;
+    for (size_t r = 0; r < n.num_results(); ++r) {
+      ASSERT_EQ(n.result(r)->num_uses(), 1u) << n.name();
+      EXPECT_EQ(n.result(r)->uses()[0].user->op_name(), "wait_tensor");
+    }
+    if (n.op_name() == "all_to_all_single") {
+      EXPECT_EQ(n.attr("output_split_sizes").as_ints(), (std::vector<int64_t>{2, 2}));
+      EXPECT_EQ(n.attr("input_split_sizes").as_ints(), (std::vector<int64_t>{1, 3}));
+    }
+  }
+  // all_to_all, all_gather (for the reduce_scatter) and one all_reduce_coalesced.
+  EXPECT_EQ(backward_collectives, 3);
+  const std::vector<std::string> ops = op_names(joint);
+  EXPECT_EQ(std::count(ops.begin(), ops.end(), "all_reduce_coalesced"), 2);
+}
+
+TEST(Autodiff, ValueUsedTwiceAccumulatesWithAdd) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[3]) {
+    %m = mul(%x, %x)
+    %l = sum(%m)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {0});
+  const Value* g = joint.outputs()[1];
+  ASSERT_FALSE(g->is_input());
+  EXPECT_EQ(g->node()->op_name(), "add");
+}
+
+TEST(Autodiff, UnreachedInputGetsZeros) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[3], %u: f64[2,2]) {
+    %l = sum(%x)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {1});
+  const Node* z = joint.outputs()[1]->node();
+  ASSERT_NE(z, nullptr);
+  EXPECT_EQ(z->op_name(), "zeros");
+  EXPECT_EQ(joint.outputs()[1]->type(), fwd->input(1)->type());
+}
+
+TEST(Autodiff, LossThatIsAnInputHasGradientOne) {
+  std::unique_ptr<Graph> fwd = parse_graph("graph @g(%l: f32[]) { return %l }");
+  const Graph joint = build_joint_graph(*fwd, {0});
+  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "full");
+  EXPECT_EQ(joint.outputs()[1]->node()->attr("value").as_float(), 1.0);
+}
+
+TEST(Autodiff, ConvertElementTypeGradientGoesBackToTheInputDtype) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[3], %i: i32[3]) {
+    %h = convert_element_type(%x) {dtype = bf16}
+    %c = convert_element_type(%i) {dtype = bf16}
+    %m = mul(%h, %c)
+    %s = sum(%m)
+    %l = convert_element_type(%s) {dtype = f32}
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {0});
+  EXPECT_EQ(joint.outputs()[1]->type(), fwd->input(0)->type());
+  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "convert_element_type");
+}
+
+TEST(Autodiff, ViewDtypeStopsTheGradient) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[4]) {
+    %v = view_dtype(%x) {dtype = i32}
+    %f = view_dtype(%v) {dtype = f32}
+    %l = sum(%f)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {0});
+  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "zeros");
+}
+
+TEST(Autodiff, Errors) {
+  auto joint_error = [](std::string_view ir, std::vector<int> wrt) -> std::string {
+    std::unique_ptr<Graph> fwd = parse_graph(ir);
+    try {
+      (void)build_joint_graph(*fwd, wrt);
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(joint_error("graph @g(%x: f32[2]) { return %x }", {0}),
+            "autodiff: the loss (first output %x of graph @g) must be a scalar of a floating "
+            "dtype, got f32[2]");
+  EXPECT_EQ(joint_error("graph @g(%x: i32[]) { return %x }", {}),
+            "autodiff: the loss (first output %x of graph @g) must be a scalar of a floating "
+            "dtype, got i32[]");
+  EXPECT_EQ(joint_error("graph @g(%x: f32[]) { return }", {}),
+            "autodiff: graph @g has no outputs (the first output is the loss)");
+  EXPECT_EQ(joint_error("graph @g(%x: f32[]) { return %x }", {1}),
+            "autodiff: wrt index 1 is out of range (graph @g has 1 inputs)");
+  EXPECT_EQ(joint_error("graph @g(%x: f32[]) { return %x }", {0, 0}),
+            "autodiff: wrt index 0 is repeated");
+  EXPECT_EQ(joint_error("graph @g(%x: f32[], %i: i64[]) { return %x }", {1}),
+            "autodiff: input 1 (%i) has dtype i64; only floating inputs have gradients");
+  EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4]) {
+    %rs = reduce_scatter_tensor(%x) {reduce_op = "avg", group_size = 2, group = "world"}
+    %w = wait_tensor(%rs)
+    %l = sum(%w)
+    return %l })",
+                        {0}),
+            "reduce_scatter_tensor backward only supports 'sum' reduction, got 'avg' (node %rs)");
+  EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4], %y: f32[4]) {
+    %c:2 = all_reduce_coalesced(%x, %y) {reduce_op = "min", group = "world"}
+    %w = wait_tensor(%c#1)
+    %l = sum(%w)
+    return %l })",
+                        {0, 1}),
+            "all_reduce_coalesced backward only supports 'sum' reduction, got 'min' (node %c)");
+  EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4]) {
+    %b = broadcast(%x) {src = 0, group = "world"}
+    %w = wait_tensor(%b)
+    %l = sum(%w)
+    return %l })",
+                        {0}),
+            "broadcast has no gradient rule (node %b; PyTorch defines none): make its input a "
+            "non-differentiated value or use all_reduce");
+  EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4], %w: f32[4]) {
+    %p = bucket_pack(%x, %w) {group_size = 2}
+    %l = sum(%p)
+    return %l })",
+                        {0}),
+            "autodiff: op bucket_pack has no gradient rule (node %p)");
+}
+
+TEST(Autodiff, FailedBackwardCanBeUndone) {
+  std::unique_ptr<Graph> g = parse_graph(R"(graph @g(%x: f32[4]) {
+    %ar = all_reduce(%x) {reduce_op = "max", group = "world"}
+    %w = wait_tensor(%ar)
+    %m = mul(%w, %w)
+    %l = sum(%m)
+    return %l
+  })");
+  const std::string before = print(*g);
+  Node* last = g->last_node();
+  Value* wrt[] = {g->input(0)};
+  EXPECT_THROW(append_backward(*g, g->outputs()[0], wrt), InvalidArgument);
+  erase_nodes_after(*g, last);
+  EXPECT_EQ(print(*g), before);
+}
+
+TEST(AutodiffPass, PipelineOptionsAndDefault) {
+  const std::string ir(kFsdp);
+  {
+    std::unique_ptr<Graph> g = parse_graph(ir);
+    Pipeline::parse("autodiff").run(*g);
+    // Default: every floating input (%x, %w, %t), not %i.
+    EXPECT_EQ(g->outputs().size(), 4u);
+  }
+  {
+    std::unique_ptr<Graph> g = parse_graph(ir);
+    Pipeline::parse("autodiff{wrt=1}").run(*g);
+    ASSERT_EQ(g->outputs().size(), 2u);
+    EXPECT_EQ(g->outputs()[1]->type(), g->input(1)->type());
+  }
+  {
+    std::unique_ptr<Graph> g = parse_graph(ir);
+    Pipeline::parse("autodiff{wrt=2:0}").run(*g);
+    ASSERT_EQ(g->outputs().size(), 3u);
+    EXPECT_EQ(g->outputs()[1]->type(), g->input(2)->type());
+  }
+  for (const char* bad : {"autodiff{wrt=a}", "autodiff{wrt=1:}", "autodiff{wrt=-1}"}) {
+    EXPECT_THROW(Pipeline::parse(bad), InvalidArgument) << bad;
+  }
+  EXPECT_THROW(Pipeline::parse("autodiff{cap-mb=1}"), InvalidArgument);
+}
+
+TEST(AutodiffPass, DeterministicAndRoundTrips) {
+  std::unique_ptr<Graph> a = parse_graph(kFsdp);
+  std::unique_ptr<Graph> b = parse_graph(kFsdp);
+  Pipeline::parse("autodiff").run(*a);
+  Pipeline::parse("autodiff").run(*b);
+  const std::string printed = print(*a);
+  EXPECT_EQ(printed, print(*b));
+  std::unique_ptr<Graph> again = parse_graph(printed);
+  std::string why;
+  EXPECT_TRUE(structurally_equal(*a, *again, &why)) << why;
+  EXPECT_EQ(print(*again), printed);
+  // And build_joint_graph gives the same graph as the pass.
+  std::unique_ptr<Graph> fwd = parse_graph(kFsdp);
+  EXPECT_EQ(print(build_joint_graph(*fwd, floating_inputs(*fwd))), printed);
+}
+
+}  // namespace
+}  // namespace funcol

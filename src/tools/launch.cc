@@ -1,0 +1,161 @@
+// Process jobs of the funcol command: mpirun or N gloo processes with a file store.
+#include "tools/launch.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <new>
+
+#include "funcol/core/error.h"
+#include "tools/spawn.h"
+
+namespace funcol::tools {
+
+namespace {
+
+// The variable a launcher passes to the ranks it starts (gloo); RANK/WORLD_SIZE/FUNCOL_STORE
+// are the gloo backend's own (DESIGN §3).
+constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// The launcher's exit status after a signal stopped the job: 128 + the signal, as a shell's.
+int interrupted(std::FILE* err) {
+  const int sig = InterruptScope::signal();
+  std::fprintf(err, "funcol: error: interrupted by signal %d (%s); stopped every rank\n", sig,
+               strsignal(sig));
+  return 128 + sig;
+}
+
+int launch_mpi(const JobOptions& o, const std::string& self, const std::vector<std::string>& args,
+               std::FILE* err) {
+  SpawnOptions s;
+  s.argv = {"mpirun", "-np", std::to_string(o.ranks), "--oversubscribe"};
+  if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
+  s.argv.push_back(self);
+  s.argv.insert(s.argv.end(), args.begin(), args.end());
+  pid_t pid = -1;
+  try {
+    pid = spawn_process(s);
+  } catch (const Error& e) {
+    throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
+  }
+  const ExitStatus st = wait_all({pid}).front();
+  if (InterruptScope::signal() != 0) return interrupted(err);
+  if (st.ok()) return 0;
+  // The ranks printed their errors; add mpirun's own status only when it died oddly.
+  if (st.signaled) std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
+  return 1;
+}
+
+int launch_gloo(const JobOptions& o, const std::string& dir, const std::string& self,
+                const std::vector<std::string>& args, std::FILE* err) {
+  const std::string store = dir + "/store";
+  std::filesystem::create_directory(store);
+  std::vector<pid_t> pids;
+  std::vector<std::string> err_files;
+  try {
+    for (int r = 0; r < o.ranks; ++r) {
+      SpawnOptions s;
+      s.argv = {self};
+      s.argv.insert(s.argv.end(), args.begin(), args.end());
+      s.env = {{"RANK", std::to_string(r)},
+               {"WORLD_SIZE", std::to_string(o.ranks)},
+               {"FUNCOL_STORE", "file://" + store},
+               {kLauncherPidVar, std::to_string(getpid())}};
+      err_files.push_back(fmt::format("{}/rank{}.err", dir, r));
+      s.stderr_path = err_files.back();
+      pids.push_back(spawn_process(s));
+    }
+  } catch (...) {
+    for (pid_t pid : pids) kill(pid, SIGKILL);
+    wait_all(pids, std::chrono::milliseconds(0));
+    throw;
+  }
+  const std::vector<ExitStatus> statuses = wait_all(pids);
+  if (InterruptScope::signal() != 0) return interrupted(err);
+  auto rank_of = [&](pid_t pid) {
+    return static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+  };
+  // Among the ranks that failed before the launcher stopped the others, one killed by a signal
+  // explains the failure best (its peers only saw it vanish); else the first rank that failed.
+  auto failed = std::find_if(statuses.begin(), statuses.end(),
+                             [](const ExitStatus& s) { return s.signaled && !s.stopped; });
+  if (failed == statuses.end()) {
+    failed = std::find_if(statuses.begin(), statuses.end(),
+                          [](const ExitStatus& s) { return !s.ok(); });
+  }
+  if (failed == statuses.end()) {
+    // Success: pass on whatever the ranks wrote to stderr (warnings), in rank order.
+    for (const std::string& f : err_files) std::fputs(read_all(f).c_str(), err);
+    return 0;
+  }
+  // The first rank that failed explains the failure; the others only saw it fail.
+  const int rank = rank_of(failed->pid);
+  const std::string message = read_all(err_files[static_cast<size_t>(rank)]);
+  if (!message.empty()) std::fputs(message.c_str(), err);
+  if (message.empty() || failed->signaled) {
+    std::fprintf(err, "funcol: error: rank %d %s\n", rank, failed->describe().c_str());
+  }
+  return 1;
+}
+
+}  // namespace
+
+[[noreturn]] void rethrow_for_rank(int rank) {
+  const std::string p = fmt::format("rank {}: ", rank);
+  try {
+    throw;
+  } catch (const ShapeError& e) {
+    throw ShapeError(p + e.what());
+  } catch (const ParseError& e) {
+    throw InvalidArgument(p + e.what());
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(p + e.what());
+  } catch (const CommError& e) {
+    throw CommError(p + e.what());
+  } catch (const Error& e) {
+    throw Error(p + e.what());
+  } catch (const std::bad_alloc&) {
+    throw Error(p + "out of memory");
+  } catch (const std::exception& e) {
+    throw Error(p + e.what());
+  }
+}
+
+bool inside_job(const std::string& backend) {
+  if (backend == "mpi") return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
+}
+
+void follow_launcher() {
+  if (const char* launcher = std::getenv(kLauncherPidVar)) {
+    die_with_launcher(static_cast<pid_t>(std::atol(launcher)));
+  }
+}
+
+int launch_job(const JobOptions& o, std::FILE* err) {
+  FUNCOL_CHECK(o.backend == "mpi" || o.backend == "gloo", "launch_job: not a process backend");
+  FUNCOL_CHECK(o.ranks >= 1 && o.rank_args, "launch_job: needs ranks and rank_args");
+  // Declared before the directory: a signal stops the ranks, then the directory is removed.
+  InterruptScope interrupts;
+  TempDir dir(o.temp_prefix);
+  const std::vector<std::string> args = o.rank_args(dir.path());
+  const std::string self = self_executable();
+  if (o.backend == "mpi") return launch_mpi(o, self, args, err);
+  return launch_gloo(o, dir.path(), self, args, err);
+}
+
+}  // namespace funcol::tools

@@ -1,0 +1,45 @@
+// Process jobs of the funcol command (mpi, gloo): starting one, and joining one as a rank.
+#pragma once
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace funcol::tools {
+
+// True when this process is a rank of a `backend` job: mpi when mpirun started it
+// (OMPI_COMM_WORLD_SIZE is set), gloo when RANK and WORLD_SIZE are set.
+bool inside_job(const std::string& backend);
+
+// For a rank process: when launch_job started it, die with that launcher, so a killed launcher
+// leaves no orphan ranks. Does nothing in a job started otherwise (a user's own mpirun).
+void follow_launcher();
+
+// How to start a job.
+struct JobOptions {
+  std::string backend;                  // "mpi" or "gloo"
+  int ranks = 0;                        // processes to start
+  std::string temp_prefix = "funcol-";  // name prefix of the job's temporary directory
+  // The arguments every rank process gets after the executable's path, given the job's
+  // temporary directory (which lives until every rank has ended; a command may write files the
+  // ranks read there). Runs after the directory exists and before any rank starts.
+  std::function<std::vector<std::string>(const std::string& dir)> rank_args;
+};
+
+// Starts `ranks` processes of this executable as one job and waits for them. mpi: under
+// `mpirun -np N --oversubscribe` (plus --allow-run-as-root when root); the ranks' output goes
+// through mpirun. gloo: N processes with RANK, WORLD_SIZE and a file store in the temporary
+// directory (FUNCOL_STORE=file://DIR/store); their stdout is this process's, their stderr is
+// kept until the end. The first rank to fail stops the others; its stderr is printed to `err`
+// (with "funcol: error: rank R was killed by signal ..." when it died or said nothing); on
+// success the ranks' stderr is passed on in rank order. A SIGINT, SIGTERM or SIGHUP stops every
+// rank. Returns the exit status: 0 when every rank succeeded, 1 when one failed, 128 + N when
+// signal N stopped the job. Throws Error when a process cannot be started (mpirun missing).
+int launch_job(const JobOptions& options, std::FILE* err);
+
+// Rethrows the exception in flight with "rank R: " in front, keeping funcol's error kinds
+// (a ParseError becomes InvalidArgument: its text no longer starts with FILE:LINE:COL).
+[[noreturn]] void rethrow_for_rank(int rank);
+
+}  // namespace funcol::tools

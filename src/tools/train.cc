@@ -1,0 +1,684 @@
+// `funcol train`: an MLP trained with fully sharded data parallelism through the whole stack.
+//
+// Every rank holds a dim-0 shard of each weight. The forward (traced from the functional API)
+// all-gathers each weight before its matmul; autodiff turns those gathers into gradient
+// reduce-scatters; the bucketing passes fuse the per-layer collectives; overlap moves issues up
+// and waits down; the executor runs the step on every rank. The optimizer (SGD or Adam) runs
+// on the host, on each rank's shards, with the reduce-scattered gradients divided by the number
+// of ranks (the loss is the mean over the global batch, so its gradient is the mean of the
+// ranks' gradients). A single-process reference (full weights, global batch, hand-written
+// backward, same optimizer, same CPU kernels) checks the result.
+#include "tools/train.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <span>
+
+#include <nlohmann/json.hpp>
+
+#include "funcol/api/functional.h"
+#include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
+#include "funcol/dist/backend.h"
+#include "funcol/graph/tracer.h"
+#include "funcol/graph/verifier.h"
+#include "funcol/passes/autodiff.h"
+#include "funcol/passes/bucketing.h"
+#include "funcol/passes/pipeline.h"
+#include "funcol/runtime/executor.h"
+#include "funcol/runtime/profile.h"
+#include "tools/commands.h"
+
+namespace funcol::tools {
+
+namespace {
+
+// torch.optim.Adam's defaults.
+constexpr double kAdamBeta1 = 0.9;
+constexpr double kAdamBeta2 = 0.999;
+constexpr double kAdamEps = 1e-8;
+
+// Seed indices of the generated tensors (input_seed(seed, index, rank) mixes them).
+constexpr uint64_t kSeedInput = 0;
+constexpr uint64_t kSeedTeacher = 1;
+constexpr uint64_t kSeedWeight = 2;  // + layer
+
+int64_t shard_rows(const TrainOptions& o) { return o.hidden / o.ranks; }
+
+// ---- data and initial weights (identical for the ranks and the reference) --------------------
+
+// Rank r's inputs, uniform in [-1, 1).
+Tensor make_x(const TrainOptions& o, int rank) {
+  return Tensor::rand({o.batch, o.hidden}, DType::F32, input_seed(o.seed, kSeedInput, rank));
+}
+
+// The regression targets: a fixed random linear teacher applied to each rank's inputs, scaled
+// so targets have about the inputs' variance.
+Tensor make_target(const TrainOptions& o, const Tensor& x) {
+  const Tensor teacher =
+      Tensor::rand({o.hidden, o.hidden}, DType::F32, input_seed(o.seed, kSeedTeacher, 0));
+  return matmul(x, mul_scalar(teacher, std::sqrt(3.0 / o.hidden)));
+}
+
+// Layer l's full weight: uniform with He's variance 2 / fan_in before a relu (1 / fan_in for
+// the last, linear layer), so activations keep their scale through deep stacks.
+Tensor make_weight(const TrainOptions& o, int layer) {
+  const double gain = layer + 1 < o.layers ? 2.0 : 1.0;
+  const Tensor u = Tensor::rand({o.hidden, o.hidden}, DType::F32,
+                                input_seed(o.seed, kSeedWeight + static_cast<uint64_t>(layer), 0));
+  return mul_scalar(u, std::sqrt(3.0 * gain / o.hidden));
+}
+
+// ---- optimizers --------------------------------------------------------------------------------
+
+// One parameter's optimizer state, templated on the element type so the ranks (f32 shards) and
+// the reference (f32 full weights) run literally the same update.
+class ParamOptimizer {
+ public:
+  ParamOptimizer(const TrainOptions& o, int64_t n) : adam_(o.optimizer == "adam"), lr_(o.lr) {
+    if (adam_) {
+      m_.assign(static_cast<size_t>(n), 0.0f);
+      v_.assign(static_cast<size_t>(n), 0.0f);
+    }
+  }
+  // w -= update(grad * scale); `step` counts from 1 (Adam's bias correction).
+  void update(float* w, const float* grad, int64_t n, float scale, int step) {
+    const auto lr = static_cast<float>(lr_);
+    if (!adam_) {
+      for (int64_t i = 0; i < n; ++i) w[i] -= lr * (grad[i] * scale);
+      return;
+    }
+    const auto b1 = static_cast<float>(kAdamBeta1);
+    const auto b2 = static_cast<float>(kAdamBeta2);
+    const auto c1 = static_cast<float>(1.0 - std::pow(kAdamBeta1, step));
+    const auto c2 = static_cast<float>(1.0 - std::pow(kAdamBeta2, step));
+    const auto eps = static_cast<float>(kAdamEps);
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = grad[i] * scale;
+      float& m = m_[static_cast<size_t>(i)];
+      float& v = v_[static_cast<size_t>(i)];
+      m = b1 * m + (1 - b1) * g;
+      v = b2 * v + (1 - b2) * g * g;
+      w[i] -= lr * (m / c1) / (std::sqrt(v / c2) + eps);
+    }
+  }
+
+ private:
+  bool adam_;
+  double lr_;
+  std::vector<float> m_, v_;
+};
+
+// ---- the single-process reference ------------------------------------------------------------
+
+struct ReferenceResult {
+  std::vector<Tensor> weights;  // full [hidden, hidden] weights after training
+  std::vector<double> losses;
+};
+
+// One process, full weights, the whole global batch, a hand-written backward and the same
+// optimizer; no graph, no collectives. The batch is processed in the ranks' row blocks with the
+// same CPU kernels, and the blocks' weight gradients are summed in rank order (as the threads
+// backend's reduce-scatter sums): the float rounding then matches the distributed run's, so a
+// difference is an error of the distributed path, not of summation order. (A plain relu stack
+// 32 deep is chaotic: rounding-level differences flip a relu after some tens of steps and the
+// trajectories separate, which would hide real errors.)
+ReferenceResult run_reference(const TrainOptions& o, const std::vector<Tensor>& xs,
+                              const std::vector<Tensor>& targets) {
+  ReferenceResult ref;
+  std::vector<ParamOptimizer> opt;
+  for (int l = 0; l < o.layers; ++l) {
+    ref.weights.push_back(make_weight(o, l));
+    opt.emplace_back(o, ref.weights.back().numel());
+  }
+  const size_t n = static_cast<size_t>(o.layers);
+  const size_t ranks = static_cast<size_t>(o.ranks);
+  // d mse / d output of one block: 2 (y - t) / numel, as mse_loss's gradient rule.
+  const double scale = 2.0 / (static_cast<double>(o.batch) * o.hidden);
+  std::vector<std::vector<Tensor>> acts(ranks, std::vector<Tensor>(n + 1));
+  std::vector<std::vector<Tensor>> pre(ranks, std::vector<Tensor>(n));
+  std::vector<Tensor> grad(ranks);
+  for (int step = 1; step <= o.steps; ++step) {
+    double loss = 0;
+    for (size_t r = 0; r < ranks; ++r) {
+      acts[r][0] = xs[r];
+      for (size_t l = 0; l < n; ++l) {
+        pre[r][l] = matmul(acts[r][l], ref.weights[l]);
+        acts[r][l + 1] = l + 1 < n ? relu(pre[r][l]) : pre[r][l];
+      }
+      loss += mse_loss(acts[r][n], targets[r]).item<double>() / o.ranks;
+      grad[r] = mul_scalar(sub(acts[r][n], targets[r]), scale);
+    }
+    ref.losses.push_back(loss);
+    for (size_t l = n; l-- > 0;) {
+      Tensor dw;
+      for (size_t r = 0; r < ranks; ++r) {
+        if (l + 1 < n) grad[r] = mul(grad[r], gt_zero_mask(pre[r][l]));
+        const Tensor part = matmul(acts[r][l].transpose(0, 1), grad[r]);
+        dw = r == 0 ? part : add(dw, part);
+        if (l > 0) grad[r] = matmul(grad[r], ref.weights[l].transpose(0, 1));
+      }
+      opt[l].update(ref.weights[l].data<float>(), dw.data<float>(), dw.numel(),
+                    1.0f / static_cast<float>(o.ranks), step);
+    }
+  }
+  return ref;
+}
+
+// ---- the ranks ----------------------------------------------------------------------------------
+
+int64_t count_collectives(const Graph& g) {
+  int64_t n = 0;
+  for (const Node& node : g.nodes()) n += node.op().is_collective();
+  return n;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+// One variant (unbucketed or bucketed) on one rank: its graph, executor and span totals.
+struct Variant {
+  std::unique_ptr<Graph> graph;
+  Profiler profiler;
+  std::unique_ptr<Executor> executor;
+  size_t seen_spans = 0;
+  double span_ms[3] = {0, 0, 0};  // by SpanKind
+  std::map<std::string, double> compute_ms_by_op;
+  std::vector<Tensor> outputs;
+
+  // Adds the spans recorded since the last call (one run); forgets them unless `keep`
+  // (tracing). Communication counts the time at least one collective was in flight (the union
+  // of the collectives' spans), not their sum.
+  void collect(bool timed, bool keep) {
+    const std::vector<Span>& spans = profiler.spans();
+    std::vector<std::pair<int64_t, int64_t>> comm;
+    for (size_t i = seen_spans; timed && i < spans.size(); ++i) {
+      const Span& sp = spans[i];
+      if (sp.kind == SpanKind::Communication) {
+        comm.emplace_back(sp.begin_ns, sp.end_ns);
+        continue;
+      }
+      const double ms = static_cast<double>(sp.end_ns - sp.begin_ns) / 1e6;
+      span_ms[static_cast<int>(sp.kind)] += ms;
+      if (sp.kind == SpanKind::Compute && sp.node) {
+        compute_ms_by_op[std::string(sp.node->op_name())] += ms;
+      }
+    }
+    std::sort(comm.begin(), comm.end());
+    int64_t covered_ns = 0, end = INT64_MIN;
+    for (const auto& [b, e] : comm) {
+      const int64_t from = std::max(b, end);
+      if (e > from) covered_ns += e - from;
+      end = std::max(end, e);
+    }
+    span_ms[static_cast<int>(SpanKind::Communication)] += static_cast<double>(covered_ns) / 1e6;
+    if (keep) {
+      seen_spans = spans.size();
+    } else {
+      profiler.clear();
+      seen_spans = 0;
+    }
+  }
+};
+
+// What the ranks hand back (written by rank 0, or by each rank into its own slot).
+struct Shared {
+  std::vector<double> losses;
+  std::vector<double> ms_unbucketed, ms_bucketed;
+  std::vector<Tensor> final_weights;
+  double split[6] = {0, 0, 0, 0, 0, 0};
+  bool identical = true;
+  std::vector<std::string> trace_events;
+  int64_t nodes[2] = {0, 0};
+  int64_t collectives[2] = {0, 0};
+  std::map<std::string, double> compute_ms_by_op[2];  // rank 0's, summed over timed steps
+};
+
+bool same_outputs(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!a[i].equal(b[i])) return false;
+  }
+  return true;
+}
+
+void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on_step, Shared& sh) {
+  const int rank = world.rank();
+  const bool tracing = !o.trace.empty();
+  const Tensor x = make_x(o, rank);
+  const Tensor target = make_target(o, x);
+
+  // Every rank builds its own graphs (as separate processes would); the executors check that
+  // they hash the same on every rank before running.
+  Variant variants[2];
+  const bool run_variant[2] = {true, !o.no_bucketing};
+  const int trained = o.no_bucketing ? 0 : 1;
+  for (int v = 0; v < 2; ++v) {
+    if (!run_variant[v]) continue;
+    variants[v].graph = build_step_graph(o, /*bucketed=*/v == 1);
+    ExecutorOptions eo;
+    eo.profiler = &variants[v].profiler;
+    variants[v].executor = std::make_unique<Executor>(*variants[v].graph, world, eo);
+    if (rank == 0) {
+      sh.nodes[v] = static_cast<int64_t>(variants[v].graph->num_nodes());
+      sh.collectives[v] = count_collectives(*variants[v].graph);
+    }
+  }
+
+  std::vector<Tensor> shards;
+  std::vector<ParamOptimizer> opt;
+  for (int l = 0; l < o.layers; ++l) {
+    shards.push_back(make_weight(o, l).narrow(0, rank * shard_rows(o), shard_rows(o)).clone());
+    opt.emplace_back(o, shards.back().numel());
+  }
+  const float grad_scale = 1.0f / static_cast<float>(o.ranks);
+  bool identical = true;
+
+  world.barrier();
+  for (Variant& v : variants) v.profiler.reset_epoch();
+  for (int step = 1; step <= o.steps; ++step) {
+    // The first step warms caches and allocators up; it is not timed (unless it is the only one).
+    const bool timed = step > 1 || o.steps == 1;
+    std::vector<Tensor> inputs = {x, target};
+    inputs.insert(inputs.end(), shards.begin(), shards.end());
+    double ms[2] = {0, 0};
+    // Side by side: both variants on the same inputs, alternating which goes first.
+    for (int k = 0; k < 2; ++k) {
+      const int v = (step % 2 == 0) ? k : 1 - k;
+      if (!run_variant[v]) continue;
+      world.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      variants[v].outputs = variants[v].executor->run(inputs);
+      ms[v] =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      variants[v].collect(timed, tracing && v == trained);
+    }
+    if (run_variant[0] && run_variant[1] &&
+        !same_outputs(variants[0].outputs, variants[1].outputs)) {
+      identical = false;
+    }
+    const std::vector<Tensor>& out = variants[trained].outputs;
+    for (int l = 0; l < o.layers; ++l) {
+      const Tensor& g = out[static_cast<size_t>(l) + 1];
+      opt[static_cast<size_t>(l)].update(shards[static_cast<size_t>(l)].data<float>(),
+                                         g.contiguous().data<float>(), g.numel(), grad_scale, step);
+    }
+    // The global loss (mean over ranks) and the slowest rank's times, outside the timed runs.
+    Tensor loss = Tensor::from_vector<double>({out[0].item<double>() / o.ranks});
+    world.all_reduce(loss, ReduceOp::Sum)->wait();
+    Tensor times = Tensor::from_vector<double>({ms[0], ms[1]});
+    world.all_reduce(times, ReduceOp::Max)->wait();
+    if (rank == 0) {
+      const double l = loss.item<double>();
+      sh.losses.push_back(l);
+      const std::vector<double> t = times.to_vector<double>();
+      if (timed) {
+        sh.ms_unbucketed.push_back(t[0]);
+        if (run_variant[1]) sh.ms_bucketed.push_back(t[1]);
+      }
+      if (on_step) on_step(step, l);
+    }
+  }
+
+  // Where the time went, summed over ranks (divided by ranks and steps by the caller).
+  Tensor split = Tensor::from_vector<double>({variants[0].span_ms[0], variants[0].span_ms[1],
+                                              variants[0].span_ms[2], variants[1].span_ms[0],
+                                              variants[1].span_ms[1], variants[1].span_ms[2]});
+  world.all_reduce(split, ReduceOp::Sum)->wait();
+  Tensor same = Tensor::from_vector<int32_t>({identical ? 1 : 0});
+  world.all_reduce(same, ReduceOp::Min)->wait();
+  // The trained weights, whole, on rank 0.
+  std::vector<Tensor> full;
+  for (const Tensor& s : shards) {
+    Tensor w = Tensor::empty({o.hidden, o.hidden}, DType::F32);
+    world.all_gather(w, s)->wait();
+    full.push_back(w);
+  }
+  if (tracing) {
+    sh.trace_events[static_cast<size_t>(rank)] =
+        trace_events_json(variants[trained].profiler, rank);
+  }
+  if (rank == 0) {
+    const std::vector<double> s = split.to_vector<double>();
+    std::copy(s.begin(), s.end(), sh.split);
+    sh.identical = same.item<int32_t>() == 1;
+    sh.final_weights = std::move(full);
+    for (int v = 0; v < 2; ++v) sh.compute_ms_by_op[v] = variants[v].compute_ms_by_op;
+  }
+}
+
+void write_text_file(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (f) f << text;
+  if (!f) {
+    throw InvalidArgument(
+        fmt::format("cannot write trace file {}: {}", path, std::strerror(errno)));
+  }
+}
+
+std::string format_ms(double ms) { return fmt::format("{:.3f} ms", ms); }
+
+}  // namespace
+
+void validate(const TrainOptions& o) {
+  auto at_least = [](const char* flag, int64_t value, int64_t min) {
+    if (value < min) {
+      throw InvalidArgument(fmt::format("{} must be at least {}, got {}", flag, min, value));
+    }
+  };
+  at_least("--ranks", o.ranks, 1);
+  at_least("--layers", o.layers, 1);
+  at_least("--hidden", o.hidden, 1);
+  at_least("--batch", o.batch, 1);
+  at_least("--steps", o.steps, 1);
+  if (o.hidden % o.ranks != 0) {
+    throw InvalidArgument(fmt::format(
+        "--hidden {} is not divisible by --ranks {} (each weight is sharded along dim 0 over "
+        "the ranks)",
+        o.hidden, o.ranks));
+  }
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) {
+    throw InvalidArgument(fmt::format("--lr must be a positive number, got {}", o.lr));
+  }
+  if (o.optimizer != "sgd" && o.optimizer != "adam") {
+    throw InvalidArgument(
+        fmt::format("unknown optimizer '{}' for --optimizer: expected sgd or adam", o.optimizer));
+  }
+  try {
+    parse_cap_mb(o.bucket_cap_mb);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("--bucket-cap-mb: {}", e.what()));
+  }
+  if (o.backend != "threads" && o.backend != "mpi" && o.backend != "gloo") {
+    throw InvalidArgument(fmt::format(
+        "unknown backend '{}' for --backend: expected threads, mpi or gloo", o.backend));
+  }
+  if (o.backend != "threads") {
+    throw InvalidArgument(fmt::format(
+        "--backend {} is not supported by funcol train yet (use --backend threads; funcol run "
+        "and funcol bench support it)",
+        o.backend));
+  }
+  // Keep a run within memory: every rank holds the full gathered weights for the backward.
+  const double bytes = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 2);
+  if (bytes > 8e9) {
+    throw InvalidArgument(fmt::format(
+        "--layers {} x --hidden {} on --ranks {} needs about {:.0f} GB; use a smaller model",
+        o.layers, o.hidden, o.ranks, bytes / 1e9));
+  }
+}
+
+std::unique_ptr<Graph> trace_forward(const TrainOptions& o) {
+  std::vector<Type> inputs = {Type(DType::F32, {o.batch, o.hidden}),
+                              Type(DType::F32, {o.batch, o.hidden})};
+  for (int l = 0; l < o.layers; ++l)
+    inputs.emplace_back(DType::F32, Shape{shard_rows(o), o.hidden});
+  return trace("fsdp_mlp", inputs,
+               [&](std::span<const Tensor> in) {
+                 Tensor h = in[0];
+                 for (int l = 0; l < o.layers; ++l) {
+                   const Tensor w = all_gather_tensor(in[2 + static_cast<size_t>(l)], 0, "world");
+                   h = ops::matmul(h, w);
+                   if (l + 1 < o.layers) h = ops::relu(h);
+                 }
+                 return std::vector<Tensor>{ops::mse_loss(h, in[1])};
+               },
+               {{"world", o.ranks}});
+}
+
+std::string step_pipeline(const TrainOptions& o, bool bucketed) {
+  const std::string tail = o.no_overlap ? "dce" : "overlap,dce";
+  if (!bucketed) return tail;
+  const std::string cap = format_cap_mb(parse_cap_mb(o.bucket_cap_mb));
+  return fmt::format("bucket-all-gather{{cap-mb={0}}},bucket-reduce-scatter{{cap-mb={0}}},{1}", cap,
+                     tail);
+}
+
+std::unique_ptr<Graph> build_step_graph(const TrainOptions& o, bool bucketed) {
+  const std::unique_ptr<Graph> forward = trace_forward(o);
+  std::vector<int> wrt;
+  for (int l = 0; l < o.layers; ++l) wrt.push_back(2 + l);
+  auto joint = std::make_unique<Graph>(build_joint_graph(*forward, wrt));
+  Pipeline::parse(step_pipeline(o, bucketed)).run(*joint);
+  verify(*joint);
+  return joint;
+}
+
+TrainReport run_train(const TrainOptions& o, const StepCallback& on_step) {
+  validate(o);
+  Shared sh;
+  sh.trace_events.resize(static_cast<size_t>(o.ranks));
+  run_local(o.ranks, [&](ProcessGroup& world) { run_rank(world, o, on_step, sh); });
+
+  std::vector<Tensor> xs, targets;
+  for (int r = 0; r < o.ranks; ++r) {
+    xs.push_back(make_x(o, r));
+    targets.push_back(make_target(o, xs.back()));
+  }
+  const ReferenceResult ref = run_reference(o, xs, targets);
+
+  TrainReport report;
+  report.losses = sh.losses;
+  report.initial_loss = sh.losses.front();
+  report.final_loss = sh.losses.back();
+  report.reference_final_loss = ref.losses.back();
+  for (size_t l = 0; l < ref.weights.size(); ++l) {
+    const std::vector<float> got = sh.final_weights[l].to_vector<float>();
+    const std::vector<float> want = ref.weights[l].to_vector<float>();
+    for (size_t i = 0; i < got.size(); ++i) {
+      report.max_abs_diff_vs_reference = std::max(report.max_abs_diff_vs_reference,
+                                                  std::fabs(static_cast<double>(got[i]) - want[i]));
+    }
+  }
+  report.timed_steps = static_cast<int>(sh.ms_unbucketed.size());
+  report.trained_bucketed = !o.no_bucketing;
+  report.variants_identical = sh.identical;
+  const double per = static_cast<double>(o.ranks) * std::max(report.timed_steps, 1);
+  auto fill = [&](VariantReport& v, int index, const std::vector<double>& ms) {
+    v.ran = true;
+    v.nodes = sh.nodes[index];
+    v.collectives_per_step = sh.collectives[index];
+    v.step_ms = median(ms);
+    for (double m : ms) v.mean_step_ms += m / static_cast<double>(ms.size());
+    v.split.compute_ms = sh.split[index * 3 + static_cast<int>(SpanKind::Compute)] / per;
+    v.split.communication_ms =
+        sh.split[index * 3 + static_cast<int>(SpanKind::Communication)] / per;
+    v.split.wait_ms = sh.split[index * 3 + static_cast<int>(SpanKind::Wait)] / per;
+    v.split.other_ms = std::max(0.0, v.mean_step_ms - v.split.compute_ms - v.split.wait_ms);
+    for (const auto& [op, ms] : sh.compute_ms_by_op[index]) {
+      v.compute_ms_by_op.emplace_back(op, ms / std::max(report.timed_steps, 1));
+    }
+    std::stable_sort(v.compute_ms_by_op.begin(), v.compute_ms_by_op.end(),
+                     [](const auto& a, const auto& b) { return a.second > b.second; });
+  };
+  fill(report.unbucketed, 0, sh.ms_unbucketed);
+  if (!o.no_bucketing) fill(report.bucketed, 1, sh.ms_bucketed);
+  if (!o.trace.empty()) write_text_file(o.trace, chrome_trace_json(sh.trace_events));
+  return report;
+}
+
+std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
+  using json = nlohmann::ordered_json;
+  json j;
+  j["initial_loss"] = r.initial_loss;
+  j["final_loss"] = r.final_loss;
+  j["max_abs_diff_vs_reference"] = r.max_abs_diff_vs_reference;
+  j["collectives_per_step"] = {{"unbucketed", r.unbucketed.collectives_per_step},
+                               {"bucketed", r.bucketed.ran ? r.bucketed.collectives_per_step
+                                                           : r.unbucketed.collectives_per_step}};
+  j["step_ms"] = {{"unbucketed", r.unbucketed.step_ms},
+                  {"bucketed", r.bucketed.ran ? json(r.bucketed.step_ms) : json(nullptr)}};
+  j["reference_final_loss"] = r.reference_final_loss;
+  j["bucketed_over_unbucketed"] = r.bucketed.ran && r.unbucketed.step_ms > 0
+                                      ? json(r.bucketed.step_ms / r.unbucketed.step_ms)
+                                      : json(nullptr);
+  auto split = [](const VariantReport& v) {
+    return json{{"compute_ms", v.split.compute_ms},
+                {"wait_ms", v.split.wait_ms},
+                {"communication_ms", v.split.communication_ms},
+                {"other_ms", v.split.other_ms}};
+  };
+  j["time_split"] = {{"unbucketed", split(r.unbucketed)},
+                     {"bucketed", r.bucketed.ran ? split(r.bucketed) : json(nullptr)}};
+  auto by_op = [](const VariantReport& v) {
+    json ops = json::object();
+    for (const auto& [op, ms] : v.compute_ms_by_op) ops[op] = ms;
+    return ops;
+  };
+  j["compute_ms_by_op"] = {{"unbucketed", by_op(r.unbucketed)},
+                           {"bucketed", r.bucketed.ran ? by_op(r.bucketed) : json(nullptr)}};
+  j["variants_identical"] = r.variants_identical;
+  j["timed_steps"] = r.timed_steps;
+  j["config"] = {{"ranks", o.ranks},
+                 {"layers", o.layers},
+                 {"hidden", o.hidden},
+                 {"batch", o.batch},
+                 {"steps", o.steps},
+                 {"lr", o.lr},
+                 {"optimizer", o.optimizer},
+                 {"bucket_cap_mb", o.bucket_cap_mb},
+                 {"no_bucketing", o.no_bucketing},
+                 {"backend", o.backend}};
+  return j.dump();
+}
+
+std::string train_summary(const TrainOptions& o, const TrainReport& r) {
+  std::string s;
+  s += fmt::format(
+      "funcol train: {}-layer MLP, hidden {}, FSDP over {} ranks ({}), batch {} per rank ({} "
+      "global), {} lr {}, {} steps\n",
+      o.layers, o.hidden, o.ranks, o.backend, o.batch, o.batch * o.ranks, o.optimizer, o.lr,
+      o.steps);
+  s += fmt::format("  loss                 {:.6g} -> {:.6g} (step 1 -> {})\n", r.initial_loss,
+                   r.final_loss, o.steps);
+  s += fmt::format(
+      "  vs reference         max abs weight difference {:.3g} (1 process, full weights, "
+      "global batch; its last loss {:.6g})\n",
+      r.max_abs_diff_vs_reference, r.reference_final_loss);
+  if (r.bucketed.ran) {
+    s += fmt::format("  collectives per step {} unbucketed -> {} bucketed (cap {} MB)\n",
+                     r.unbucketed.collectives_per_step, r.bucketed.collectives_per_step,
+                     o.bucket_cap_mb);
+    s += fmt::format(
+        "  step time            {} unbucketed, {} bucketed: {:.2f}x (median of {} steps, side "
+        "by side, slowest rank)\n",
+        format_ms(r.unbucketed.step_ms), format_ms(r.bucketed.step_ms),
+        r.unbucketed.step_ms > 0 ? r.bucketed.step_ms / r.unbucketed.step_ms : 0.0, r.timed_steps);
+  } else {
+    s += fmt::format("  collectives per step {} (bucketing off)\n",
+                     r.unbucketed.collectives_per_step);
+    s += fmt::format("  step time            {} (median of {} steps, slowest rank)\n",
+                     format_ms(r.unbucketed.step_ms), r.timed_steps);
+  }
+  s += "  where the time went  per step, mean over ranks (communication: time with a collective "
+       "in flight, overlapping the rest):\n";
+  auto line = [&](const char* name, const VariantReport& v) {
+    s += fmt::format("    {:<11} compute {}, waiting {}, other {}; communication in flight {}\n",
+                     name, format_ms(v.split.compute_ms), format_ms(v.split.wait_ms),
+                     format_ms(v.split.other_ms), format_ms(v.split.communication_ms));
+    std::string ops;
+    for (size_t i = 0; i < std::min<size_t>(4, v.compute_ms_by_op.size()); ++i) {
+      ops += fmt::format("{}{} {}", i ? ", " : "", v.compute_ms_by_op[i].first,
+                         format_ms(v.compute_ms_by_op[i].second));
+    }
+    if (!ops.empty()) s += fmt::format("    {:<11} compute by op (rank 0): {}\n", "", ops);
+  };
+  line("unbucketed", r.unbucketed);
+  if (r.bucketed.ran) {
+    line("bucketed", r.bucketed);
+    s += fmt::format("  bucketed vs unbucketed results: {}\n",
+                     r.variants_identical ? "bit-identical at every step" : "DIFFERENT");
+  }
+  if (!o.trace.empty()) s += fmt::format("  trace                {}\n", o.trace);
+  return s;
+}
+
+int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
+  try {
+    validate(o);
+    if (!o.trace.empty()) {
+      std::ofstream f(o.trace, std::ios::binary | std::ios::app);
+      if (!f) {
+        throw InvalidArgument(
+            fmt::format("cannot write trace file {}: {}", o.trace, std::strerror(errno)));
+      }
+    }
+    const int every = std::max(1, o.steps / 10);
+    StepCallback progress = [&](int step, double loss) {
+      if (progress_bar) {
+        constexpr int kWidth = 30;
+        const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / o.steps);
+        std::fprintf(err, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
+                     std::string(kWidth - done, '.').c_str(), step, o.steps, loss);
+        if (step == o.steps) std::fputc('\n', err);
+        std::fflush(err);
+      } else if (!o.json && (step == 1 || step % every == 0 || step == o.steps)) {
+        std::fprintf(err, "step %d/%d loss %.6g\n", step, o.steps, loss);
+        std::fflush(err);
+      }
+    };
+    const TrainReport report = run_train(o, progress);
+    const std::string text = o.json ? train_json_line(o, report) + "\n" : train_summary(o, report);
+    std::fputs(text.c_str(), out);
+    std::fflush(out);
+    return 0;
+  } catch (const Error& e) {
+    std::fprintf(err, "funcol: error: %s\n", e.what());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(err, "funcol: error: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(err, "funcol: error: %s\n", e.what());
+  }
+  std::fflush(err);
+  return 1;
+}
+
+void add_train_command(CLI::App& app) {
+  CLI::App* sub = app.add_subcommand(
+      "train",
+      "train an MLP with fully sharded data parallelism: trace, autodiff, bucketing, overlap, "
+      "execute; compare with a single-process reference");
+  auto o = std::make_shared<TrainOptions>();
+  sub->add_option("--ranks", o->ranks, "number of ranks")->capture_default_str();
+  sub->add_option("--layers", o->layers, "number of [hidden, hidden] layers")
+      ->capture_default_str();
+  sub->add_option("--hidden", o->hidden, "width; a multiple of --ranks")->capture_default_str();
+  sub->add_option("--batch", o->batch, "rows per rank")->capture_default_str();
+  sub->add_option("--steps", o->steps, "training steps")->capture_default_str();
+  sub->add_option("--lr", o->lr, "learning rate")->capture_default_str();
+  sub->add_option("--optimizer", o->optimizer, "sgd or adam")->capture_default_str();
+  sub->add_option("--bucket-cap-mb", o->bucket_cap_mb,
+                  "bucket cap in MB (a list such as 1:25 sets the cap of each bucket)")
+      ->capture_default_str();
+  sub->add_flag("--no-bucketing", o->no_bucketing,
+                "train with the unbucketed graph only (no side-by-side comparison)");
+  sub->add_flag(
+      "--no-overlap", o->no_overlap,
+      "leave the overlap pass out of both variants (each collective waited where traced)");
+  sub->add_option("--backend", o->backend, "threads (mpi and gloo: not yet)")
+      ->capture_default_str();
+  sub->add_option("--trace", o->trace,
+                  "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
+  sub->add_flag("--json", o->json, "print one JSON line of results");
+  sub->add_option("--seed", o->seed, "seed of the weights, inputs and targets")
+      ->capture_default_str();
+  sub->callback([o]() {
+    const int rc = train_command(*o, stdout, stderr, isatty(fileno(stderr)) != 0);
+    if (rc != 0) throw CLI::RuntimeError(rc);
+  });
+}
+
+}  // namespace funcol::tools

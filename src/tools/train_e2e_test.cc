@@ -1,0 +1,65 @@
+// End to end: build/bin/funcol train as a user runs it (JSON line, exit status, bad options).
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#ifndef FUNCOL_BIN
+#error "FUNCOL_BIN must name the funcol command"
+#endif
+
+namespace {
+
+struct Result {
+  int status = -1;  // exit status, or -1 when the command did not exit normally
+  std::string out;  // stdout, then stderr
+};
+
+// Runs `funcol train ARGS 2>&1` (stderr is not a terminal: plain progress lines, no bar).
+Result train(const std::string& args) {
+  Result r;
+  const std::string cmd = std::string(FUNCOL_BIN) + " train " + args + " 2>&1";
+  std::FILE* p = popen(cmd.c_str(), "r");
+  EXPECT_NE(p, nullptr) << cmd;
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t k;
+  while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, k);
+  const int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+TEST(TrainE2e, JsonLineLossFallsWeightsMatchReference) {
+  const Result r = train("--ranks 2 --layers 4 --hidden 16 --batch 8 --steps 10 --lr 0.05 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_LT(j["final_loss"].get<double>(), j["initial_loss"].get<double>());
+  EXPECT_LT(j["max_abs_diff_vs_reference"].get<double>(), 1e-4);
+  EXPECT_EQ(j["collectives_per_step"]["unbucketed"], 8);
+  EXPECT_EQ(j["collectives_per_step"]["bucketed"], 2);
+  EXPECT_GT(j["step_ms"]["unbucketed"].get<double>(), 0);
+  EXPECT_GT(j["step_ms"]["bucketed"].get<double>(), 0);
+}
+
+TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
+  Result r = train("--optimizer rmsprop --steps 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out,
+            "funcol: error: unknown optimizer 'rmsprop' for --optimizer: expected sgd or adam\n");
+  r = train("--ranks 4 --hidden 10 --steps 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("funcol: error: --hidden 10 is not divisible by --ranks 4"),
+            std::string::npos)
+      << r.out;
+  r = train("--steps many");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--steps"), std::string::npos) << r.out;
+}
+
+}  // namespace

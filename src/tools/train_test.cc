@@ -1,0 +1,183 @@
+// `funcol train` in-process on the threads backend: the loss falls, the weights match the
+// single-process reference, bucketing fuses the collectives, and bad options fail clearly.
+#include "tools/train.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "funcol/core/error.h"
+#include "funcol/graph/printer.h"
+
+namespace funcol::tools {
+namespace {
+
+TrainOptions small(int ranks = 2) {
+  TrainOptions o;
+  o.ranks = ranks;
+  o.layers = 3;
+  o.hidden = 8;
+  o.batch = 4;
+  o.steps = 8;
+  o.lr = 0.05;
+  return o;
+}
+
+int64_t count_op(const Graph& g, std::string_view op) {
+  int64_t n = 0;
+  for (const Node& node : g.nodes()) n += node.op_name() == op;
+  return n;
+}
+
+TEST(Train, StepGraphsGatherForwardAndReduceScatterBackward) {
+  const TrainOptions o = small(4);
+  const auto unbucketed = build_step_graph(o, /*bucketed=*/false);
+  EXPECT_EQ(count_op(*unbucketed, "all_gather_into_tensor"), 3);
+  EXPECT_EQ(count_op(*unbucketed, "reduce_scatter_tensor"), 3);
+  ASSERT_EQ(unbucketed->outputs().size(), 4u);  // loss, then one gradient per shard
+  EXPECT_EQ(unbucketed->outputs()[0]->type(), Type(DType::F32, {}));
+  for (size_t l = 1; l < 4; ++l) {
+    EXPECT_EQ(unbucketed->outputs()[l]->type(), Type(DType::F32, {2, 8}));
+  }
+  const auto bucketed = build_step_graph(o, /*bucketed=*/true);
+  EXPECT_EQ(count_op(*bucketed, "all_gather_into_tensor"), 1);
+  EXPECT_EQ(count_op(*bucketed, "reduce_scatter_tensor"), 1);
+  // Deterministic: every rank builds the same graph.
+  EXPECT_EQ(print(*build_step_graph(o, true)), print(*bucketed));
+  EXPECT_EQ(step_pipeline(o, true),
+            "bucket-all-gather{cap-mb=25},bucket-reduce-scatter{cap-mb=25},overlap,dce");
+  EXPECT_EQ(step_pipeline(o, false), "overlap,dce");
+}
+
+TEST(Train, SgdLossFallsAndMatchesReference) {
+  const TrainOptions o = small();
+  int calls = 0;
+  const TrainReport r = run_train(o, [&](int step, double loss) {
+    ++calls;
+    EXPECT_EQ(step, calls);
+    EXPECT_TRUE(std::isfinite(loss));
+  });
+  EXPECT_EQ(calls, o.steps);
+  ASSERT_EQ(r.losses.size(), static_cast<size_t>(o.steps));
+  EXPECT_LT(r.final_loss, r.initial_loss);
+  EXPECT_LT(r.max_abs_diff_vs_reference, 1e-4);
+  EXPECT_NEAR(r.final_loss, r.reference_final_loss, 1e-4 * std::max(1.0, r.final_loss));
+  EXPECT_EQ(r.unbucketed.collectives_per_step, 6);
+  EXPECT_EQ(r.bucketed.collectives_per_step, 2);
+  EXPECT_TRUE(r.variants_identical);
+  EXPECT_EQ(r.timed_steps, o.steps - 1);
+  EXPECT_GT(r.unbucketed.step_ms, 0);
+  EXPECT_GT(r.bucketed.step_ms, 0);
+}
+
+TEST(Train, AdamOnFourRanksMatchesReference) {
+  TrainOptions o = small(4);
+  o.optimizer = "adam";
+  o.lr = 0.01;
+  const TrainReport r = run_train(o);
+  EXPECT_LT(r.final_loss, r.initial_loss);
+  EXPECT_LT(r.max_abs_diff_vs_reference, 1e-4);
+  EXPECT_TRUE(r.variants_identical);
+}
+
+TEST(Train, NoBucketingRunsOneVariantAndJsonSaysSo) {
+  TrainOptions o = small();
+  o.no_bucketing = true;
+  o.steps = 3;
+  const TrainReport r = run_train(o);
+  EXPECT_FALSE(r.bucketed.ran);
+  EXPECT_LT(r.max_abs_diff_vs_reference, 1e-4);
+  const nlohmann::json j = nlohmann::json::parse(train_json_line(o, r));
+  EXPECT_TRUE(j["step_ms"]["bucketed"].is_null());
+  EXPECT_EQ(j["collectives_per_step"]["unbucketed"], 6);
+  EXPECT_EQ(j["collectives_per_step"]["bucketed"], 6);
+}
+
+// Runs the command and returns (status, stdout, stderr).
+struct CommandResult {
+  int status;
+  std::string out, err;
+};
+CommandResult command(const TrainOptions& o) {
+  std::FILE* out = std::tmpfile();
+  std::FILE* err = std::tmpfile();
+  const int status = train_command(o, out, err, /*progress_bar=*/false);
+  auto slurp = [](std::FILE* f) {
+    std::string s;
+    std::rewind(f);
+    char buf[4096];
+    size_t k;
+    while ((k = std::fread(buf, 1, sizeof buf, f)) > 0) s.append(buf, k);
+    std::fclose(f);
+    return s;
+  };
+  CommandResult r{status, slurp(out), ""};
+  r.err = slurp(err);
+  return r;
+}
+
+TEST(Train, CommandPrintsJsonLineAndSummary) {
+  TrainOptions o = small();
+  o.steps = 4;
+  o.json = true;
+  CommandResult r = command(o);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");  // no progress lines with --json when stderr is not a terminal
+  ASSERT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  for (const char* key : {"initial_loss", "final_loss", "max_abs_diff_vs_reference"}) {
+    EXPECT_TRUE(j[key].is_number()) << key;
+  }
+  EXPECT_EQ(j["collectives_per_step"]["bucketed"], 2);
+  EXPECT_TRUE(j["step_ms"]["unbucketed"].is_number());
+  EXPECT_TRUE(j["step_ms"]["bucketed"].is_number());
+
+  o.json = false;
+  r = command(o);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("collectives per step 6 unbucketed -> 2 bucketed"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("where the time went"), std::string::npos);
+  EXPECT_NE(r.err.find("step 1/4 loss "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("step 4/4 loss "), std::string::npos) << r.err;
+}
+
+TEST(Train, BadOptionsFailWithClearMessages) {
+  struct Case {
+    void (*edit)(TrainOptions&);
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](TrainOptions& o) { o.optimizer = "rmsprop"; },
+       "unknown optimizer 'rmsprop' for --optimizer: expected sgd or adam"},
+      {[](TrainOptions& o) {
+         o.hidden = 10;
+         o.ranks = 4;
+       },
+       "--hidden 10 is not divisible by --ranks 4"},
+      {[](TrainOptions& o) { o.lr = 0; }, "--lr must be a positive number, got 0"},
+      {[](TrainOptions& o) { o.steps = 0; }, "--steps must be at least 1, got 0"},
+      {[](TrainOptions& o) { o.ranks = 0; }, "--ranks must be at least 1, got 0"},
+      {[](TrainOptions& o) { o.bucket_cap_mb = "x"; }, "--bucket-cap-mb: cap-mb: 'x'"},
+      {[](TrainOptions& o) { o.backend = "nccl"; }, "unknown backend 'nccl' for --backend"},
+      {[](TrainOptions& o) { o.backend = "mpi"; },
+       "--backend mpi is not supported by funcol train yet"},
+  };
+  for (const Case& c : cases) {
+    TrainOptions o = small();
+    c.edit(o);
+    EXPECT_THROW(validate(o), InvalidArgument) << c.message;
+    const CommandResult r = command(o);
+    EXPECT_EQ(r.status, 1) << c.message;
+    EXPECT_EQ(r.out, "");
+    EXPECT_EQ(r.err.rfind("funcol: error: ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
+  }
+}
+
+}  // namespace
+}  // namespace funcol::tools
