@@ -340,11 +340,13 @@ void add_grad_rules(std::vector<OpDef>& table) {
       {"mean", grad_mean},
       {"mse_loss", grad_mse_loss},
   };
-  for (const auto& [name, fn] : rules) {
+  for (const auto& rule : rules) {
+    const std::string_view name = rule.first;  // not a structured binding: clang 14 cannot
+                                               // capture those in the lambda below
     auto it = std::find_if(table.begin(), table.end(),
                            [&](const OpDef& op) { return op.name == name; });
     FUNCOL_CHECK(it != table.end(), fmt::format("gradient rule for unknown op {}", name));
-    it->grad = fn;
+    it->grad = rule.second;
   }
 }
 
