@@ -135,6 +135,22 @@ int launch_gloo(const JobOptions& o, const std::string& dir, const std::string& 
   }
 }
 
+int print_command_error(std::FILE* err) {
+  try {
+    throw;
+  } catch (const ParseError& e) {
+    std::fprintf(err, "%s\n", e.what());
+  } catch (const Error& e) {
+    std::fprintf(err, "funcol: error: %s\n", e.what());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(err, "funcol: error: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(err, "funcol: error: %s\n", e.what());
+  }
+  std::fflush(err);
+  return 1;
+}
+
 bool inside_job(const std::string& backend) {
   if (backend == "mpi") return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;

@@ -42,4 +42,8 @@ int launch_job(const JobOptions& options, std::FILE* err);
 // (a ParseError becomes InvalidArgument: its text no longer starts with FILE:LINE:COL).
 [[noreturn]] void rethrow_for_rank(int rank);
 
+// Prints the exception in flight as a command's one error line ("funcol: error: ..."; a
+// ParseError as its FILE:LINE:COL line) to `err` and returns the exit status 1.
+int print_command_error(std::FILE* err);
+
 }  // namespace funcol::tools

@@ -426,17 +426,9 @@ std::string outputs_json_line(int rank, const std::vector<Tensor>& outputs) {
 int run_command(const RunOptions& options, std::FILE* out, std::FILE* err) {
   try {
     return run_command_impl(options, out, err);
-  } catch (const ParseError& e) {
-    std::fprintf(err, "%s\n", e.what());
-  } catch (const Error& e) {
-    std::fprintf(err, "funcol: error: %s\n", e.what());
-  } catch (const std::bad_alloc&) {
-    std::fprintf(err, "funcol: error: out of memory\n");
-  } catch (const std::exception& e) {
-    std::fprintf(err, "funcol: error: %s\n", e.what());
+  } catch (...) {
+    return print_command_error(err);
   }
-  std::fflush(err);
-  return 1;
 }
 
 void add_run_command(CLI::App& app) {

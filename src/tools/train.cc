@@ -37,6 +37,7 @@
 #include "funcol/runtime/executor.h"
 #include "funcol/runtime/profile.h"
 #include "tools/commands.h"
+#include "tools/launch.h"
 
 namespace funcol::tools {
 
@@ -635,15 +636,9 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
     std::fputs(text.c_str(), out);
     std::fflush(out);
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(err, "funcol: error: %s\n", e.what());
-  } catch (const std::bad_alloc&) {
-    std::fprintf(err, "funcol: error: out of memory\n");
-  } catch (const std::exception& e) {
-    std::fprintf(err, "funcol: error: %s\n", e.what());
+  } catch (...) {
+    return print_command_error(err);
   }
-  std::fflush(err);
-  return 1;
 }
 
 void add_train_command(CLI::App& app) {
