@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tools/e2e_util.h"
 #include "tools/spawn.h"
 
 #ifndef FUNCOL_BIN
@@ -25,6 +26,10 @@
 #endif
 
 namespace {
+
+using funcol::tools::e2e::alive;
+using funcol::tools::e2e::eventually;
+using funcol::tools::e2e::slurp;
 
 struct Result {
   int status = -1;  // exit status, or -1 when the command did not exit normally
@@ -279,29 +284,8 @@ bool has_env(pid_t pid, const std::string& entry) {
   return false;
 }
 
-bool alive(pid_t pid) {
-  // A zombie counts as gone: it has stopped running (its parent or init reaps it).
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(f, stat)) return false;
-  const size_t close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
-}
 
-// Polls `cond` every 10 ms for up to `seconds`; a bounded wait, never a fixed sleep.
-bool eventually(const std::function<bool()>& cond, int seconds) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return cond();
-}
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 // A rank killed mid-run: the command exits non-zero naming rank 1 and leaves no process behind.
 TEST_F(BenchProcessE2E, ADeadRankIsAClearErrorAndLeavesNothingBehind) {

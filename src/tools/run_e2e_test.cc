@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tools/e2e_util.h"
 #include "tools/spawn.h"
 
 #ifndef FUNCOL_BIN
@@ -30,16 +31,16 @@
 namespace funcol::tools {
 namespace {
 
+using funcol::tools::e2e::alive;
+using funcol::tools::e2e::eventually;
+using funcol::tools::e2e::slurp;
+
 struct Result {
   int status = -1;
   std::string out;
   std::string err;
 };
 
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 class RunE2E : public ::testing::Test {
  protected:
@@ -199,24 +200,7 @@ std::vector<pid_t> children_of(pid_t pid) {
   return out;
 }
 
-bool alive(pid_t pid) {
-  // A zombie counts as gone: it has stopped running (init reaps reparented ones).
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(f, stat)) return false;
-  const size_t close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
-}
 
-// Polls `cond` every 10 ms for up to `seconds`; a bounded wait, never a fixed sleep.
-bool eventually(const std::function<bool()>& cond, int seconds) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return cond();
-}
 
 // A launcher stopped by SIGTERM stops its ranks, removes its temporary directory and exits
 // with 128 + 15; nothing is left running.

@@ -1,0 +1,42 @@
+// Helpers of the end-to-end tests that run the funcol command: file contents, process liveness
+// and bounded polling.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <thread>
+
+namespace funcol::tools::e2e {
+
+// The whole file at `path` (empty when it cannot be read).
+inline std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// True while `pid` runs. A zombie counts as gone: it has stopped running (its parent or init
+// reaps it).
+inline bool alive(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return false;
+  const size_t close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
+}
+
+// Polls `cond` every 10 ms for up to `seconds`; a bounded wait, never a fixed sleep.
+inline bool eventually(const std::function<bool()>& cond, int seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return cond();
+}
+
+}  // namespace funcol::tools::e2e
