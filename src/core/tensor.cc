@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "elem.h"
+#include "funcol/core/allocator.h"
 #include "strided.h"
 
 namespace funcol {
@@ -56,7 +57,6 @@ std::string type_str(DType dtype, const Shape& shape) {
 
 namespace {
 
-constexpr size_t kAlignment = 64;  // a cache line; also enough for every SIMD width in use
 
 std::string list_str(const std::vector<int64_t>& v) { return shape_str(v); }
 
@@ -262,12 +262,9 @@ using StorageOf = std::conditional_t<std::is_same_v<T, bool>, BoolByte, T>;
 // ---------------------------------------------------------------------------------------------
 // Storage
 
-Storage::Storage(size_t nbytes) : nbytes_(nbytes) {
-  size_t alloc = (std::max<size_t>(nbytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
-  data_ = ::operator new (alloc, std::align_val_t{kAlignment});
-}
+Storage::Storage(size_t nbytes) : data_(allocate_storage(nbytes)), nbytes_(nbytes) {}
 
-Storage::~Storage() { ::operator delete (data_, std::align_val_t{kAlignment}); }
+Storage::~Storage() { free_storage(data_, nbytes_); }
 
 void Storage::add_pending(std::shared_ptr<Waitable> work) {
   FUNCOL_CHECK(work != nullptr, "add_pending: null work");

@@ -133,7 +133,9 @@ std::vector<Tensor> make_inputs(const Graph& graph, uint64_t seed, int rank) {
 
 namespace {
 
-enum class StepKind : uint8_t { Kernel, Collective, Wait };
+// Skip and Take only appear in lowered bucket chains (see lower_buckets): Skip does nothing,
+// Take moves the bucket's member results into its result slots.
+enum class StepKind : uint8_t { Kernel, Collective, Wait, Skip, Take };
 
 // One node, with everything run() needs precomputed.
 struct Step {
@@ -159,6 +161,18 @@ struct Step {
   ReduceOp reduce_op = ReduceOp::Sum;
   int src = 0;
   uint32_t inflight = kNone;
+  // Lowered bucket chains: the LoweredBucket a collective or Take step belongs to, and for Take
+  // the member index of its first result.
+  uint32_t bucket = kNone;
+  uint32_t take_begin = 0;
+};
+
+// A bucketing chain run as one coalesced primitive on its members (ExecutorOptions::
+// lower_buckets). The collective step allocates `outs` and issues the primitive on them; the
+// Take steps hand them to the chain's last nodes.
+struct LoweredBucket {
+  std::vector<const Type*> out_types;  // member i's result type
+  std::vector<Tensor> outs;            // this run's member results, from issue to Take
 };
 
 // One collective of the current run between its issue and its completion.
@@ -195,6 +209,7 @@ struct Executor::Impl {
   std::vector<Tensor> scratch;
   std::vector<Inflight> inflight;
   std::vector<uint32_t> open;  // indices into inflight, issue order
+  std::vector<LoweredBucket> buckets;
   int runs = 0;
 
   Impl(const Graph& g, ProcessGroup& w, ExecutorOptions o)
@@ -204,10 +219,13 @@ struct Executor::Impl {
   }
 
   void plan();
+  size_t lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
+                       const std::unordered_map<const Node*, uint32_t>& step_of);
   std::vector<Tensor> run(std::vector<Tensor> inputs);
   template <bool kObserve>
   void run_steps(size_t& cur);
-  void issue(const Step& st, std::span<const Tensor> in, uint32_t step_index);
+  void issue(const Step& st, std::span<const Tensor> in, const uint8_t* release,
+             uint32_t step_index);
   void wait(const Step& st, std::span<const Tensor> in);
   void close(uint32_t index, int64_t now);
   void poll();
@@ -219,6 +237,7 @@ void Executor::Impl::plan() {
   const GroupRegistry& registry = world.registry();
   std::unordered_map<const Value*, uint32_t> slot_of;
   std::unordered_map<const Node*, uint32_t> collective_index;
+  std::unordered_map<const Node*, uint32_t> step_of;  // lookups only, never iterated
   uint32_t next_slot = 0;
   for (const Value* in : graph.inputs()) slot_of.emplace(in, next_slot++);
 
@@ -308,9 +327,14 @@ void Executor::Impl::plan() {
     st.results_begin = next_slot;
     st.num_results = static_cast<uint32_t>(node.num_results());
     for (size_t r = 0; r < node.num_results(); ++r) slot_of.emplace(node.result(r), next_slot++);
+    step_of.emplace(&node, static_cast<uint32_t>(steps.size()));
     steps.push_back(st);
   }
   num_slots = next_slot;
+  if (options.lower_buckets) {
+    lower_buckets(slot_of, step_of);
+    for (const Step& st : steps) max_operands = std::max<size_t>(max_operands, st.num_operands);
+  }
 
   // Last uses. Graph outputs are never released; a value nobody uses dies with its step.
   std::vector<uint32_t> last_use(num_slots, kNone);
@@ -356,7 +380,8 @@ void Executor::Impl::plan() {
   open.reserve(inflight.size());
 }
 
-void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t step_index) {
+void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, const uint8_t* release,
+                           uint32_t step_index) {
   ProcessGroup& g = *st.group;
   const Node& node = *st.node;
   Tensor* out = &slots[st.results_begin];
@@ -370,17 +395,38 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t 
   // The backend reads input bytes directly: an input still produced by an earlier collective
   // (a graph that skips its wait_tensor) is waited first. Free when it is ready.
   for (const Tensor& t : in) t.wait();
+  // Out of place as the functional ops: the result is a copy reduced (or overwritten) in place,
+  // unless this is the operand's last use and nothing else holds its storage: then the operand
+  // itself is donated, as a bucket's packed buffer always is.
+  auto own_copy = [&](size_t i) {
+    const Tensor& t = in[i];
+    if (release[i] && !st.copy_operands && t.is_contiguous() && t.storage().use_count() == 1) {
+      return t;
+    }
+    return t.clone();
+  };
   std::shared_ptr<Work> work;
-  switch (st.op->collective) {
+  if (st.bucket != kNone) {
+    // A lowered bucket chain: the members go straight to one coalesced primitive.
+    LoweredBucket& b = buckets[st.bucket];
+    std::vector<Tensor> ins;
+    ins.reserve(in.size());
+    for (const Tensor& t : in) ins.push_back(t.contiguous());
+    b.outs.clear();
+    for (const Type* t : b.out_types) b.outs.push_back(Tensor::empty(t->shape, t->dtype));
+    work = st.op->collective == CollectiveKind::AllGather
+               ? g.all_gather_coalesced(b.outs, ins)
+               : g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
+    out[0] = b.outs.front();  // what the wait_tensor of the chain waits on
+  } else switch (st.op->collective) {
     case CollectiveKind::AllReduce:
-      // Out of place as the functional op: clone, then reduce the clone in place.
       if (!coalesced) {
-        out[0] = in[0].clone();
+        out[0] = own_copy(0);
         work = g.all_reduce(out[0], st.reduce_op);
       } else {
         std::vector<Tensor> outs;
         outs.reserve(in.size());
-        for (const Tensor& t : in) outs.push_back(t.clone());
+        for (size_t i = 0; i < in.size(); ++i) outs.push_back(own_copy(i));
         work = g.all_reduce_coalesced(outs, st.reduce_op);
         for (size_t r = 0; r < outs.size(); ++r) out[r] = std::move(outs[r]);
       }
@@ -424,7 +470,7 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, uint32_t 
       break;
     }
     case CollectiveKind::Broadcast:
-      out[0] = in[0].clone();
+      out[0] = own_copy(0);
       work = g.broadcast(out[0], st.src);
       break;
     case CollectiveKind::None:
@@ -540,11 +586,20 @@ void Executor::Impl::run_steps(size_t& cur) {
         break;
       }
       case StepKind::Collective:
-        issue(st, in, static_cast<uint32_t>(s));
+        issue(st, in, rel, static_cast<uint32_t>(s));
         break;
       case StepKind::Wait:
         wait(st, in);
         break;
+      case StepKind::Skip:
+        break;
+      case StepKind::Take: {
+        LoweredBucket& b = buckets[st.bucket];
+        for (uint32_t r = 0; r < st.num_results; ++r) {
+          slots[st.results_begin + r] = std::move(b.outs[st.take_begin + r]);
+        }
+        break;
+      }
     }
     if (st.copy_operands) {
       for (uint32_t i = 0; i < st.num_operands; ++i) {
@@ -582,11 +637,176 @@ void Executor::Impl::finish(size_t& cur) {
 void Executor::Impl::abort() noexcept {
   for (Tensor& t : slots) t = Tensor();
   for (Tensor& t : scratch) t = Tensor();
+  for (LoweredBucket& b : buckets) b.outs.clear();
   for (Inflight& f : inflight) {
     f.work.reset();
     f.open = false;
   }
   open.clear();
+}
+
+namespace {
+
+// The only node that uses `v` as an operand, when `v` has exactly one use and is no output.
+const Node* sole_user(const Value* v, std::string_view op) {
+  if (v == nullptr || v->num_uses() != 1) return nullptr;
+  const Node* user = v->uses()[0].user;
+  return user != nullptr && user->op_name() == op ? user : nullptr;
+}
+
+// The members of a bucket chain and the nodes that become Skip or Take steps.
+struct Chain {
+  std::vector<const Value*> members;
+  std::vector<const Node*> skip;
+  std::vector<const Node*> take;  // each takes its node's results, members in order
+  std::vector<const Type*> out_types;
+};
+
+// all_gather bucket: cat(x_1..x_k){dim 0} -> all_gather_into_tensor, or
+// all_gather_into_tensor_packed(x_1..x_k) with no dtype change; then wait_tensor, view [G, n],
+// split_with_sizes{dim 1} into numel(x_i), and one reshape of each piece (the member's result).
+bool match_gather_chain(const Node& bucket, int64_t group_size, Chain& c) {
+  if (bucket.op_name() == "all_gather_into_tensor") {
+    const Node* cat = bucket.operand(0)->node();
+    if (cat == nullptr || cat->op_name() != "cat" || cat->attr("dim").as_int() != 0 ||
+        sole_user(cat->result(0), "all_gather_into_tensor") != &bucket) {
+      return false;
+    }
+    for (const Value* x : cat->operands()) {
+      if (x->shape().size() != 1) return false;
+      c.members.push_back(x);
+    }
+    c.skip.push_back(cat);
+  } else if (bucket.op_name() == "all_gather_into_tensor_packed") {
+    const DType dtype = bucket.attr("dtype").as_dtype();
+    const auto& outs = bucket.attr("out_dtypes").as_list();
+    for (size_t i = 0; i < bucket.num_operands(); ++i) {
+      if (bucket.operand(i)->dtype() != dtype || outs[i].as_dtype() != dtype) return false;
+      c.members.push_back(bucket.operand(i));
+    }
+  } else {
+    return false;
+  }
+  const Node* wait = sole_user(bucket.result(0), "wait_tensor");
+  const Node* rows = wait ? sole_user(wait->result(0), "view") : nullptr;
+  const Node* split = rows ? sole_user(rows->result(0), "split_with_sizes") : nullptr;
+  if (split == nullptr || rows->result(0)->shape().size() != 2 ||
+      rows->result(0)->shape()[0] != group_size || split->attr("dim").as_int() != 1 ||
+      split->num_results() != c.members.size()) {
+    return false;
+  }
+  c.skip.push_back(rows);
+  c.skip.push_back(split);
+  for (size_t i = 0; i < c.members.size(); ++i) {
+    const Value* piece = split->result(i);
+    const Node* out = sole_user(piece, "reshape");
+    if (out == nullptr || piece->shape()[1] != c.members[i]->type().numel() ||
+        out->result(0)->type().numel() != group_size * c.members[i]->type().numel()) {
+      return false;
+    }
+    c.take.push_back(out);
+    c.out_types.push_back(&out->result(0)->type());
+  }
+  return true;
+}
+
+// reduce_scatter bucket: bucket_pack(x_1..x_k){group_size G}, or reshape(x_i) to [G, m_i],
+// cat{dim 1} and flatten; then reduce_scatter_tensor, wait_tensor and split_with_sizes{dim 0}
+// into m_i (the members' results).
+bool match_scatter_chain(const Node& bucket, int64_t group_size, Chain& c) {
+  if (bucket.op_name() != "reduce_scatter_tensor") return false;
+  const Node* pack = bucket.operand(0)->node();
+  if (pack == nullptr || sole_user(pack->result(0), "reduce_scatter_tensor") != &bucket) {
+    return false;
+  }
+  if (pack->op_name() == "bucket_pack") {
+    if (pack->attr("group_size").as_int() != group_size) return false;
+    for (const Value* x : pack->operands()) c.members.push_back(x);
+    c.skip.push_back(pack);
+  } else if (pack->op_name() == "flatten") {
+    const Node* cat = pack->operand(0)->node();
+    if (cat == nullptr || cat->op_name() != "cat" || cat->attr("dim").as_int() != 1 ||
+        sole_user(cat->result(0), "flatten") != pack) {
+      return false;
+    }
+    for (const Value* row : cat->operands()) {
+      const Node* reshape = row->node();
+      if (reshape == nullptr || reshape->op_name() != "reshape" ||
+          sole_user(row, "cat") != cat || row->shape().size() != 2 ||
+          row->shape()[0] != group_size) {
+        return false;
+      }
+      c.members.push_back(reshape->operand(0));
+      c.skip.push_back(reshape);
+    }
+    c.skip.push_back(cat);
+    c.skip.push_back(pack);
+  } else {
+    return false;
+  }
+  const Node* wait = sole_user(bucket.result(0), "wait_tensor");
+  const Node* split = wait ? sole_user(wait->result(0), "split_with_sizes") : nullptr;
+  if (split == nullptr || split->attr("dim").as_int() != 0 ||
+      split->num_results() != c.members.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < c.members.size(); ++i) {
+    const Type& t = split->result(i)->type();
+    if (t.numel() * group_size != c.members[i]->type().numel()) return false;
+    c.out_types.push_back(&t);
+  }
+  c.take.push_back(split);
+  return true;
+}
+
+}  // namespace
+
+// Rewrites the steps of every bucket chain that matches (see ExecutorOptions::lower_buckets):
+// the collective's operands become the members, the packing and unpacking nodes Skip steps, the
+// nodes that produce the members' results Take steps. Runs before last uses are computed, so
+// members live until the collective and the skipped values are never materialised.
+size_t Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
+                                     const std::unordered_map<const Node*, uint32_t>& step_of) {
+  for (uint32_t s = 0; s < steps.size(); ++s) {
+    Step& st = steps[s];
+    if (st.kind != StepKind::Collective || st.op->variadic != (st.op->pack != nullptr)) continue;
+    const int64_t g = st.group->size();
+    Chain c;
+    const bool gather = st.op->collective == CollectiveKind::AllGather;
+    if (gather ? !match_gather_chain(*st.node, g, c)
+               : st.op->collective != CollectiveKind::ReduceScatter ||
+                     !match_scatter_chain(*st.node, g, c)) {
+      continue;
+    }
+    const auto index = static_cast<uint32_t>(buckets.size());
+    buckets.push_back(LoweredBucket{.out_types = std::move(c.out_types), .outs = {}});
+    st.bucket = index;
+    st.operands_begin = static_cast<uint32_t>(operand_slots.size());
+    st.num_operands = static_cast<uint32_t>(c.members.size());
+    st.copy_operands = false;
+    for (const Value* m : c.members) {
+      const uint32_t slot = slot_of.at(m);
+      for (uint32_t i = st.operands_begin; i < operand_slots.size(); ++i) {
+        if (operand_slots[i] == slot) st.copy_operands = true;
+      }
+      operand_slots.push_back(slot);
+    }
+    for (const Node* n : c.skip) {
+      Step& skipped = steps[step_of.at(n)];
+      skipped.kind = StepKind::Skip;
+      skipped.num_operands = 0;
+    }
+    uint32_t next = 0;
+    for (const Node* n : c.take) {
+      Step& take = steps[step_of.at(n)];
+      take.kind = StepKind::Take;
+      take.num_operands = 0;
+      take.bucket = index;
+      take.take_begin = next;
+      next += take.num_results;
+    }
+  }
+  return buckets.size();
 }
 
 std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
@@ -657,6 +877,8 @@ size_t Executor::pending_collectives() const {
   }
   return n;
 }
+
+size_t Executor::lowered_buckets() const { return impl_->buckets.size(); }
 
 int64_t Executor::live_bytes() const {
   std::unordered_set<const Storage*> seen;

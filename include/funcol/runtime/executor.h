@@ -26,6 +26,12 @@ struct ExecutorOptions {
   Profiler* profiler = nullptr;
   // Called after every node of every run (tests and debugging); empty: never called.
   std::function<void(const Node& node)> on_node;
+  // Run the pack / collective / unpack chains the bucketing passes write as one coalesced
+  // primitive on the members themselves (all_gather: cat or packed gather, wait, view, split,
+  // reshapes; reduce_scatter: reshapes, cat, flatten, scatter, wait, split), so the members are
+  // neither copied into a bucket nor out of it on backends that fuse coalesced lists (threads).
+  // Results are bit-identical either way; false runs the chain node by node.
+  bool lower_buckets = true;
 };
 
 // Runs one graph on the calling rank. The constructor plans: it resolves every collective's
@@ -63,6 +69,8 @@ class Executor {
   size_t pending_collectives() const;
   // For on_node observers: bytes of the distinct storages held by live values.
   int64_t live_bytes() const;
+  // Bucket chains run as one coalesced primitive (see ExecutorOptions::lower_buckets).
+  size_t lowered_buckets() const;
 
  private:
   struct Impl;

@@ -1,0 +1,177 @@
+// The caching host allocator behind Storage (see funcol/core/allocator.h).
+#include "funcol/core/allocator.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define FUNCOL_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FUNCOL_ASAN 1
+#endif
+#endif
+#ifdef FUNCOL_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
+
+namespace funcol {
+namespace {
+
+constexpr size_t kPage = 4096;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// What the system allocator is asked for: small blocks to the alignment, cached ones to a page
+// (so a request of 4 KiB more or less still finds the same block class).
+size_t block_bytes(size_t nbytes) {
+  const size_t n = std::max<size_t>(nbytes, 1);
+  return n >= kMinCachedBytes ? round_up(n, kPage) : round_up(n, kStorageAlignment);
+}
+
+void* system_alloc(size_t bytes) {
+  return ::operator new (bytes, std::align_val_t{kStorageAlignment});
+}
+void system_free(void* p) { ::operator delete (p, std::align_val_t{kStorageAlignment}); }
+
+void poison(void* p, size_t bytes) {
+#ifdef FUNCOL_ASAN
+  ASAN_POISON_MEMORY_REGION(p, bytes);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+void unpoison(void* p, size_t bytes) {
+#ifdef FUNCOL_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(p, bytes);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+size_t default_limit() {
+  const char* env = std::getenv("FUNCOL_ALLOC_CACHE_MB");
+  if (env == nullptr || *env == '\0') return size_t{1024} << 20;
+  char* end = nullptr;
+  const unsigned long long mb = std::strtoull(env, &end, 10);
+  if (end == env || *end != '\0') return size_t{1024} << 20;  // unreadable: the default
+  return static_cast<size_t>(mb) << 20;
+}
+
+class Cache {
+ public:
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        if (it->second.empty()) free_.erase(it);
+        cached_bytes_ -= bytes;
+        --cached_blocks_;
+        ++hits_;
+        unpoison(p, bytes);
+        return p;
+      }
+      ++misses_;
+    }
+    return system_alloc(bytes);
+  }
+
+  void give(void* p, size_t bytes) {
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (bytes > limit_) {
+        evicted.push_back(p);
+      } else {
+        // Make room by freeing the largest cached blocks first: they are the rarest to reuse
+        // and free the most memory per system call.
+        while (cached_bytes_ + bytes > limit_) evict_largest(evicted);
+        poison(p, bytes);
+        free_[bytes].push_back(p);
+        cached_bytes_ += bytes;
+        ++cached_blocks_;
+      }
+    }
+    for (void* q : evicted) system_free(q);
+  }
+
+  void set_limit(size_t limit) {
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      limit_ = limit;
+      while (cached_bytes_ > limit_) evict_largest(evicted);
+    }
+    for (void* q : evicted) system_free(q);
+  }
+
+  AllocatorStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {static_cast<int64_t>(cached_bytes_), static_cast<int64_t>(cached_blocks_), hits_,
+            misses_, static_cast<int64_t>(limit_)};
+  }
+
+ private:
+  void evict_largest(std::vector<void*>& out) {
+    auto it = std::prev(free_.end());
+    void* p = it->second.back();
+    it->second.pop_back();
+    unpoison(p, it->first);
+    cached_bytes_ -= it->first;
+    --cached_blocks_;
+    if (it->second.empty()) free_.erase(it);
+    out.push_back(p);
+  }
+
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;  // block bytes -> cached blocks (LIFO)
+  size_t cached_bytes_ = 0;
+  int64_t cached_blocks_ = 0;
+  int64_t hits_ = 0;
+  int64_t misses_ = 0;
+  size_t limit_ = default_limit();
+};
+
+// Never destroyed: storages may be freed by other static destructors at exit.
+Cache& cache() {
+  static Cache* c = new Cache();
+  return *c;
+}
+
+}  // namespace
+
+void* allocate_storage(size_t nbytes) {
+  const size_t bytes = block_bytes(nbytes);
+  return bytes >= kMinCachedBytes ? cache().take(bytes) : system_alloc(bytes);
+}
+
+void free_storage(void* ptr, size_t nbytes) {
+  if (ptr == nullptr) return;
+  const size_t bytes = block_bytes(nbytes);
+  if (bytes >= kMinCachedBytes) {
+    cache().give(ptr, bytes);
+  } else {
+    system_free(ptr);
+  }
+}
+
+AllocatorStats allocator_stats() { return cache().stats(); }
+
+void empty_storage_cache() {
+  const size_t limit = static_cast<size_t>(cache().stats().limit_bytes);
+  cache().set_limit(0);
+  cache().set_limit(limit);
+}
+
+void set_allocator_cache_limit(size_t bytes) { cache().set_limit(bytes); }
+
+}  // namespace funcol

@@ -1,0 +1,131 @@
+// Tests of the caching storage allocator.
+#include "funcol/core/allocator.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "funcol/core/tensor.h"
+
+namespace funcol {
+namespace {
+
+// Restores the default bound and empties the cache around each test.
+class AllocatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    limit_ = static_cast<size_t>(allocator_stats().limit_bytes);
+    empty_storage_cache();
+  }
+  void TearDown() override { set_allocator_cache_limit(limit_); }
+  size_t limit_ = 0;
+};
+
+TEST_F(AllocatorTest, BlocksAreAligned) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{63}, size_t{4097}, kMinCachedBytes + 1}) {
+    void* p = allocate_storage(n);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % kStorageAlignment, 0u) << n;
+    std::memset(p, 0xab, n);
+    free_storage(p, n);
+  }
+}
+
+TEST_F(AllocatorTest, LargeBlockIsReusedAfterFree) {
+  const size_t n = size_t{1} << 20;
+  const AllocatorStats before = allocator_stats();
+  void* p = allocate_storage(n);
+  free_storage(p, n);
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(n));
+  void* q = allocate_storage(n - 100);  // same page-rounded class
+  EXPECT_EQ(q, p);
+  const AllocatorStats after = allocator_stats();
+  EXPECT_EQ(after.hits - before.hits, 1);
+  EXPECT_EQ(after.misses - before.misses, 1);
+  EXPECT_EQ(after.cached_bytes, 0);
+  free_storage(q, n - 100);
+}
+
+TEST_F(AllocatorTest, SmallBlocksAreNotCached) {
+  void* p = allocate_storage(kMinCachedBytes - 4096);
+  free_storage(p, kMinCachedBytes - 4096);
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+}
+
+TEST_F(AllocatorTest, DifferentSizeClassIsNotReused) {
+  const size_t n = size_t{256} << 10;
+  void* p = allocate_storage(n);
+  free_storage(p, n);
+  void* q = allocate_storage(2 * n);
+  EXPECT_NE(q, p);
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(n));
+  free_storage(q, 2 * n);
+}
+
+TEST_F(AllocatorTest, BoundEvictsLargestFirst) {
+  const size_t small = size_t{128} << 10, big = size_t{1} << 20;
+  set_allocator_cache_limit(big + small);
+  void* a = allocate_storage(big);
+  void* b = allocate_storage(small);
+  void* c = allocate_storage(small);
+  free_storage(a, big);
+  free_storage(b, small);
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(big + small));
+  free_storage(c, small);  // over the bound: the 1 MiB block goes back to the system
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(2 * small));
+  EXPECT_EQ(allocator_stats().cached_blocks, 2);
+  // A block larger than the whole bound is never cached.
+  void* d = allocate_storage(4 * big);
+  free_storage(d, 4 * big);
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(2 * small));
+}
+
+TEST_F(AllocatorTest, ZeroLimitDisablesCaching) {
+  set_allocator_cache_limit(0);
+  void* p = allocate_storage(size_t{1} << 20);
+  free_storage(p, size_t{1} << 20);
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+}
+
+TEST_F(AllocatorTest, EmptyCacheReleasesEverythingAndKeepsTheBound) {
+  void* p = allocate_storage(size_t{1} << 20);
+  free_storage(p, size_t{1} << 20);
+  ASSERT_EQ(allocator_stats().cached_blocks, 1);
+  const int64_t limit = allocator_stats().limit_bytes;
+  empty_storage_cache();
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+  EXPECT_EQ(allocator_stats().limit_bytes, limit);
+}
+
+TEST_F(AllocatorTest, TensorsReuseStorageAcrossIterations) {
+  const AllocatorStats before = allocator_stats();
+  for (int i = 0; i < 10; ++i) {
+    Tensor t = Tensor::full({int64_t{1} << 16}, DType::F32, 1.0 * i);  // 256 KiB
+    EXPECT_EQ(t.narrow(0, 123, 1).item<float>(), static_cast<float>(i));
+  }
+  const AllocatorStats after = allocator_stats();
+  EXPECT_EQ(after.misses - before.misses, 1);
+  EXPECT_EQ(after.hits - before.hits, 9);
+}
+
+TEST_F(AllocatorTest, ConcurrentUseFromManyThreads) {
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([t] {
+      for (int i = 0; i < 200; ++i) {
+        const size_t n = (size_t{64} << 10) * static_cast<size_t>(1 + (i + t) % 3);
+        auto* p = static_cast<unsigned char*>(allocate_storage(n));
+        std::memset(p, t, n);
+        EXPECT_EQ(p[n - 1], t);
+        free_storage(p, n);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_LE(allocator_stats().cached_blocks, 12);
+}
+
+}  // namespace
+}  // namespace funcol

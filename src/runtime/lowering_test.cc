@@ -1,0 +1,245 @@
+// Tests of the executor's bucket lowering (ExecutorOptions::lower_buckets) and of donation: a
+// collective's operand at its last use is reduced in place instead of copied.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "funcol/core/allocator.h"
+#include "funcol/dist/backend.h"
+#include "funcol/graph/parser.h"
+#include "funcol/runtime/executor.h"
+
+namespace funcol {
+namespace {
+
+struct Result {
+  std::vector<std::vector<Tensor>> outputs;  // [rank][output]
+  size_t lowered = 0;
+};
+
+// Runs `text` twice per rank (the second run reuses the plan and the cached buffers) on n thread
+// ranks with generated inputs; returns the second run's outputs.
+Result run(int n, const std::string& text, bool lower) {
+  auto graph = parse_graph(text, ParseOptions{.file = "t.ir"});
+  Result res;
+  res.outputs.resize(static_cast<size_t>(n));
+  std::vector<size_t> lowered(static_cast<size_t>(n));
+  run_local(n, [&](ProcessGroup& world) {
+    ExecutorOptions options;
+    options.lower_buckets = lower;
+    Executor ex(*graph, world, options);
+    const auto r = static_cast<size_t>(world.rank());
+    ex.run(make_inputs(*graph, 7, world.rank()));
+    res.outputs[r] = ex.run(make_inputs(*graph, 7, world.rank()));
+    lowered[r] = ex.lowered_buckets();
+  });
+  for (size_t l : lowered) EXPECT_EQ(l, lowered[0]);
+  res.lowered = lowered[0];
+  return res;
+}
+
+// Lowered and node-by-node runs agree bit for bit on every rank; returns the lowered count.
+size_t expect_same_either_way(int n, const std::string& text) {
+  const Result a = run(n, text, true);
+  const Result b = run(n, text, false);
+  EXPECT_EQ(b.lowered, 0u);
+  for (size_t r = 0; r < a.outputs.size(); ++r) {
+    EXPECT_EQ(a.outputs[r].size(), b.outputs[r].size());
+    for (size_t i = 0; i < a.outputs[r].size() && i < b.outputs[r].size(); ++i) {
+      EXPECT_TRUE(a.outputs[r][i].equal(b.outputs[r][i]))
+          << "rank " << r << " output " << i << ": " << a.outputs[r][i].to_string() << " vs "
+          << b.outputs[r][i].to_string();
+    }
+  }
+  return a.lowered;
+}
+
+std::string g(int n) { return std::to_string(n); }
+
+// The default-mode all-gather bucket of bucket-all-gather for inputs f32[3] and f32[2,2]
+// (flattened), with a consumer of one member result.
+std::string gather_default(int n) {
+  return "graph @g(%a: f32[3], %b: f32[2,2]) {\n"
+         "  %bf = flatten(%b)\n"
+         "  %pack = cat(%a, %bf) {dim = 0}\n"
+         "  %bucket = all_gather_into_tensor(%pack) {group_size = " + g(n) +
+         ", group = \"world\"}\n"
+         "  %w = wait_tensor(%bucket)\n"
+         "  %rows = view(%w) {shape = [" + g(n) + ", 7]}\n"
+         "  %s:2 = split_with_sizes(%rows) {split_sizes = [3, 4], dim = 1}\n"
+         "  %o0 = reshape(%s#0) {shape = [" + g(3 * n) + "]}\n"
+         "  %o1 = reshape(%s#1) {shape = [" + g(2 * n) + ", 2]}\n"
+         "  %y = neg(%o1)\n"
+         "  return %o0, %y\n"
+         "}\n";
+}
+
+TEST(LowerBuckets, GatherBucketOfEveryWorldSize) {
+  for (int n : {1, 2, 4}) EXPECT_EQ(expect_same_either_way(n, gather_default(n)), 1u) << n;
+}
+
+TEST(LowerBuckets, PackedGatherBucket) {
+  const std::string text =
+      "graph @g(%a: i32[3], %b: i32[5]) {\n"
+      "  %bucket = all_gather_into_tensor_packed(%a, %b) {group_size = 4, group = \"world\", "
+      "dtype = i32, out_dtypes = [i32, i32]}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %rows = view(%w) {shape = [4, 8]}\n"
+      "  %s:2 = split_with_sizes(%rows) {split_sizes = [3, 5], dim = 1}\n"
+      "  %o0 = reshape(%s#0) {shape = [12]}\n"
+      "  %o1 = reshape(%s#1) {shape = [20]}\n"
+      "  return %o0, %o1\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(4, text), 1u);
+}
+
+TEST(LowerBuckets, PackedGatherWithACastIsNotLowered) {
+  const std::string text =
+      "graph @g(%a: f32[4], %b: bf16[4]) {\n"
+      "  %bucket = all_gather_into_tensor_packed(%a, %b) {group_size = 2, group = \"world\", "
+      "dtype = bf16, out_dtypes = [bf16, bf16]}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %rows = view(%w) {shape = [2, 8]}\n"
+      "  %s:2 = split_with_sizes(%rows) {split_sizes = [4, 4], dim = 1}\n"
+      "  %o0 = reshape(%s#0) {shape = [8]}\n"
+      "  %o1 = reshape(%s#1) {shape = [8]}\n"
+      "  return %o0, %o1\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(2, text), 0u);
+}
+
+TEST(LowerBuckets, ScatterBucketDefaultAndPackedModes) {
+  const std::string rows =
+      "graph @g(%a: f32[8], %b: f32[4,3]) {\n"
+      "  %ra = reshape(%a) {shape = [4, 2]}\n"
+      "  %rb = reshape(%b) {shape = [4, 3]}\n"
+      "  %c = cat(%ra, %rb) {dim = 1}\n"
+      "  %pack = flatten(%c)\n"
+      "  %bucket = reduce_scatter_tensor(%pack) {reduce_op = \"sum\", group_size = 4, "
+      "group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [2, 3], dim = 0}\n"
+      "  %y = neg(%s#1)\n"
+      "  return %s#0, %y\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(4, rows), 1u);
+  const std::string packed =
+      "graph @g(%a: i64[8], %b: i64[4,3]) {\n"
+      "  %pack = bucket_pack(%a, %b) {group_size = 4}\n"
+      "  %bucket = reduce_scatter_tensor(%pack) {reduce_op = \"max\", group_size = 4, "
+      "group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [2, 3], dim = 0}\n"
+      "  return %s#0, %s#1\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(4, packed), 1u);
+}
+
+// A 2-rank gather bucket of f32[3] and f32[4] whose results are %o0 and %o1, then `tail`
+// (more nodes) and `outputs`.
+std::string gather_chain(const std::string& tail, const std::string& outputs) {
+  return "graph @g(%a: f32[3], %b: f32[4]) {\n"
+         "  %pack = cat(%a, %b) {dim = 0}\n"
+         "  %bucket = all_gather_into_tensor(%pack) {group_size = 2, group = \"world\"}\n"
+         "  %w = wait_tensor(%bucket)\n"
+         "  %rows = view(%w) {shape = [2, 7]}\n"
+         "  %s:2 = split_with_sizes(%rows) {split_sizes = [3, 4], dim = 1}\n"
+         "  %o0 = reshape(%s#0) {shape = [6]}\n"
+         "  %o1 = reshape(%s#1) {shape = [8]}\n" +
+         tail + "  return " + outputs + "\n}\n";
+}
+
+TEST(LowerBuckets, ChainsWhoseIntermediatesAreUsedElsewhereAreNotLowered) {
+  EXPECT_EQ(expect_same_either_way(2, gather_chain("", "%o0, %o1")), 1u);
+  // The packed buffer is also an output: the chain must run as written.
+  EXPECT_EQ(expect_same_either_way(2, gather_chain("", "%o0, %o1, %pack")), 0u);
+  // A piece with two users; the waited bucket read directly.
+  EXPECT_EQ(expect_same_either_way(2, gather_chain("  %n = neg(%s#1)\n", "%o0, %o1, %n")), 0u);
+  EXPECT_EQ(expect_same_either_way(2, gather_chain("  %n = neg(%w)\n", "%o0, %o1, %n")), 0u);
+  const std::string wait_is_output =
+      "graph @g(%a: f32[8], %b: f32[4]) {\n"
+      "  %pack = bucket_pack(%a, %b) {group_size = 2}\n"
+      "  %bucket = reduce_scatter_tensor(%pack) {reduce_op = \"sum\", group_size = 2, "
+      "group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [4, 2], dim = 0}\n"
+      "  return %s#0, %s#1, %w\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(2, wait_is_output), 0u);
+}
+
+TEST(LowerBuckets, SameMemberTwiceInOneBucket) {
+  const std::string text =
+      "graph @g(%a: f32[3]) {\n"
+      "  %pack = cat(%a, %a) {dim = 0}\n"
+      "  %bucket = all_gather_into_tensor(%pack) {group_size = 2, group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %rows = view(%w) {shape = [2, 6]}\n"
+      "  %s:2 = split_with_sizes(%rows) {split_sizes = [3, 3], dim = 1}\n"
+      "  %o0 = reshape(%s#0) {shape = [6]}\n"
+      "  %o1 = reshape(%s#1) {shape = [6]}\n"
+      "  %sum = add(%o0, %o1)\n"
+      "  return %sum, %a\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(2, text), 1u);
+}
+
+// ---- donation ----
+
+TEST(Donation, AnIntermediateAtItsLastUseIsReducedInPlace) {
+  const std::string text =
+      "graph @g(%x: f32[70000]) {\n"
+      "  %y = neg(%x)\n"
+      "  %ar = all_reduce(%y) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%ar)\n"
+      "  return %w\n"
+      "}\n";
+  auto graph = parse_graph(text);
+  int64_t large_allocations = 0;
+  run_local(2, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    const Tensor x = Tensor::full({70000}, DType::F32, 1.0 + world.rank());
+    for (int i = 0; i < 3; ++i) {
+      world.barrier();
+      const AllocatorStats before = allocator_stats();
+      world.barrier();
+      const auto out = ex.run({x});
+      world.barrier();
+      const AllocatorStats after = allocator_stats();
+      if (world.rank() == 0) large_allocations = after.hits + after.misses - before.hits - before.misses;
+      EXPECT_EQ(out[0].to_vector<float>()[69999], -3.0f);
+      EXPECT_EQ(x.to_vector<float>()[0], 1.0f + world.rank());  // the caller's input is intact
+      world.barrier();
+    }
+  });
+  // One 280 KB buffer per rank and run (neg's result, reduced in place), not two (a clone).
+  EXPECT_EQ(large_allocations, 2);
+}
+
+TEST(Donation, AnOperandUsedLaterOrHeldByTheCallerIsCopied) {
+  const std::string text =
+      "graph @g(%x: f32[4]) {\n"
+      "  %y = neg(%x)\n"
+      "  %ar = all_reduce(%y) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %bc = broadcast(%x) {src = 1, group = \"world\"}\n"
+      "  %w = wait_tensor(%ar)\n"
+      "  %w2 = wait_tensor(%bc)\n"
+      "  %z = add(%y, %w)\n"
+      "  return %z, %w2, %x\n"
+      "}\n";
+  auto graph = parse_graph(text);
+  run_local(2, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    const float v = 1.0f + static_cast<float>(world.rank());
+    const Tensor x = Tensor::full({4}, DType::F32, v);
+    const auto out = ex.run({x});
+    EXPECT_EQ(out[0].to_vector<float>()[0], -v - 3.0f);  // %y was not reduced in place
+    EXPECT_EQ(out[1].to_vector<float>()[0], 2.0f);
+    EXPECT_EQ(out[2].to_vector<float>()[0], v);  // %x is an output: not broadcast in place
+    EXPECT_EQ(x.to_vector<float>()[0], v);
+  });
+}
+
+}  // namespace
+}  // namespace funcol
