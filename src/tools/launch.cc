@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -16,6 +17,7 @@
 #include <new>
 
 #include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
 #include "tools/spawn.h"
 
 namespace funcol::tools {
@@ -151,6 +153,20 @@ int print_command_error(std::FILE* err) {
   return 1;
 }
 
+void check_backend_option(const std::string& backend) {
+  if (backend != "threads" && backend != "mpi" && backend != "gloo") {
+    throw InvalidArgument(fmt::format(
+        "unknown backend '{}' for --backend: expected threads, mpi or gloo", backend));
+  }
+  const std::vector<std::string> available = available_backends();
+  if (std::find(available.begin(), available.end(), backend) == available.end()) {
+    throw InvalidArgument(fmt::format(
+        "backend '{}' is not compiled into this build (configure with -DFUNCOL_WITH_{}=ON); "
+        "available backends: {}",
+        backend, backend == "mpi" ? "MPI" : "GLOO", fmt::join(available, ", ")));
+  }
+}
+
 bool inside_job(const std::string& backend) {
   if (backend == "mpi") return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
@@ -172,6 +188,49 @@ int launch_job(const JobOptions& o, std::FILE* err) {
   const std::string self = self_executable();
   if (o.backend == "mpi") return launch_mpi(o, self, args, err);
   return launch_gloo(o, dir.path(), self, args, err);
+}
+
+int run_as_rank(const std::string& backend, int ranks, std::FILE* err,
+                const std::function<void(ProcessGroup& world)>& body) {
+  follow_launcher();
+  std::shared_ptr<ProcessGroup> world = init_process_group(backend);
+  const int rank = world->rank();
+  int status = 0;
+  try {
+    if (world->size() != ranks) {
+      throw InvalidArgument(
+          fmt::format("--ranks {} does not match the job's {} processes", ranks, world->size()));
+    }
+    body(*world);
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    const std::string prefix = fmt::format("rank {}: ", rank);
+    std::fprintf(err, "funcol: error: %s%s\n", what.rfind(prefix, 0) == 0 ? "" : prefix.c_str(),
+                 what.c_str());
+    std::fflush(err);
+    status = 1;
+  }
+  world.reset();
+  destroy_process_group();
+  return status;
+}
+
+std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine) {
+  // Lengths first, then every string padded to the longest.
+  const int n = world.size();
+  Tensor len = Tensor::from_vector<int64_t>({static_cast<int64_t>(mine.size())});
+  Tensor lens = Tensor::empty({n}, DType::I64);
+  world.all_gather(lens, len)->wait();
+  const std::vector<int64_t> sizes = lens.to_vector<int64_t>();
+  const int64_t width = std::max<int64_t>(1, *std::max_element(sizes.begin(), sizes.end()));
+  Tensor buf = Tensor::zeros({width}, DType::U8);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  Tensor all = Tensor::empty({n * width}, DType::U8);
+  world.all_gather(all, buf)->wait();
+  const auto* bytes = static_cast<const char*>(all.data_ptr());
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) out.emplace_back(bytes + r * width, static_cast<size_t>(sizes[r]));
+  return out;
 }
 
 }  // namespace funcol::tools

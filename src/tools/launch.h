@@ -6,7 +6,15 @@
 #include <string>
 #include <vector>
 
+namespace funcol {
+class ProcessGroup;
+}
+
 namespace funcol::tools {
+
+// Throws InvalidArgument unless `backend` is threads, mpi or gloo and compiled into this build
+// ("backend 'mpi' is not compiled into this build (configure with -DFUNCOL_WITH_MPI=ON); ...").
+void check_backend_option(const std::string& backend);
 
 // True when this process is a rank of a `backend` job: mpi when mpirun started it
 // (OMPI_COMM_WORLD_SIZE is set), gloo when RANK and WORLD_SIZE are set.
@@ -37,6 +45,16 @@ struct JobOptions {
 // rank. Returns the exit status: 0 when every rank succeeded, 1 when one failed, 128 + N when
 // signal N stopped the job. Throws Error when a process cannot be started (mpirun missing).
 int launch_job(const JobOptions& options, std::FILE* err);
+
+// Runs `body` as this process's rank of a `backend` job that must have `ranks` processes:
+// follows the launcher, joins the job (init_process_group), checks its size, runs body(world).
+// A failure is printed to `err` as "funcol: error: rank R: ..." and gives exit status 1. The
+// process group is torn down before returning (mpi frees communicators before MPI_Finalize).
+int run_as_rank(const std::string& backend, int ranks, std::FILE* err,
+                const std::function<void(ProcessGroup& world)>& body);
+
+// All-gathers one string per rank over `world`: every rank gets every rank's, in rank order.
+std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine);
 
 // Rethrows the exception in flight with "rank R: " in front, keeping funcol's error kinds
 // (a ParseError becomes InvalidArgument: its text no longer starts with FILE:LINE:COL).

@@ -68,17 +68,7 @@ void validate_options(const RunOptions& o) {
   if (!o.outputs.empty() && o.outputs != "json") {
     throw InvalidArgument(fmt::format("--outputs must be 'json', got '{}'", o.outputs));
   }
-  if (o.backend != "threads" && o.backend != "mpi" && o.backend != "gloo") {
-    throw InvalidArgument(fmt::format(
-        "unknown backend '{}' for --backend: expected threads, mpi or gloo", o.backend));
-  }
-  const std::vector<std::string> available = available_backends();
-  if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
-    throw InvalidArgument(fmt::format(
-        "backend '{}' is not compiled into this build (configure with -DFUNCOL_WITH_{}=ON); "
-        "available backends: {}",
-        o.backend, o.backend == "mpi" ? "MPI" : "GLOO", fmt::join(available, ", ")));
-  }
+  check_backend_option(o.backend);
 }
 
 const Graph& select_graph(const Module& module, const RunOptions& o, const std::string& file) {
@@ -221,24 +211,6 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
   std::fflush(out);
 }
 
-// All-gathers one string per rank over `world` (lengths first, then padded bytes).
-std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine) {
-  const int n = world.size();
-  Tensor len = Tensor::from_vector<int64_t>({static_cast<int64_t>(mine.size())});
-  Tensor lens = Tensor::empty({n}, DType::I64);
-  world.all_gather(lens, len)->wait();
-  const std::vector<int64_t> sizes = lens.to_vector<int64_t>();
-  const int64_t width = std::max<int64_t>(1, *std::max_element(sizes.begin(), sizes.end()));
-  Tensor buf = Tensor::zeros({width}, DType::U8);
-  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-  Tensor all = Tensor::empty({n * width}, DType::U8);
-  world.all_gather(all, buf)->wait();
-  const auto* bytes = static_cast<const char*>(all.data_ptr());
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) out.emplace_back(bytes + r * width, static_cast<size_t>(sizes[r]));
-  return out;
-}
-
 // ---- running the ranks ----------------------------------------------------------------------
 
 int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
@@ -251,43 +223,23 @@ int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
 
 // This process is one rank of an mpi or gloo job: run, then gather the reports to rank 0.
 int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE* err) {
-  follow_launcher();
-  std::shared_ptr<ProcessGroup> world = init_process_group(o.backend);
-  const int rank = world->rank();
-  int status = 0;
-  try {
-    if (world->size() != o.ranks) {
-      throw InvalidArgument(
-          fmt::format("--ranks {} does not match the job's {} processes", o.ranks, world->size()));
-    }
-    if (rank == 0 && !o.trace.empty()) check_writable(o.trace);
-    RankReport mine = run_rank(p, o, *world);
+  return run_as_rank(o.backend, o.ranks, err, [&](ProcessGroup& world) {
+    if (world.rank() == 0 && !o.trace.empty()) check_writable(o.trace);
+    RankReport mine = run_rank(p, o, world);
     const nlohmann::json j = {{"rank", mine.rank},
                               {"text", mine.text},
                               {"events", mine.events},
                               {"seconds", mine.seconds}};
-    std::vector<std::string> all = gather_strings(*world, j.dump());
-    if (rank == 0) {
-      std::vector<RankReport> reports;
-      for (const std::string& s : all) {
-        const nlohmann::json r = nlohmann::json::parse(s);
-        reports.push_back(RankReport{r["rank"].get<int>(), r["text"].get<std::string>(),
-                                     r["events"].get<std::string>(), r["seconds"].get<double>()});
-      }
-      print_reports(p, o, reports, out);
+    std::vector<std::string> all = gather_strings(world, j.dump());
+    if (world.rank() != 0) return;
+    std::vector<RankReport> reports;
+    for (const std::string& s : all) {
+      const nlohmann::json r = nlohmann::json::parse(s);
+      reports.push_back(RankReport{r["rank"].get<int>(), r["text"].get<std::string>(),
+                                   r["events"].get<std::string>(), r["seconds"].get<double>()});
     }
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    const std::string prefix = fmt::format("rank {}: ", rank);
-    std::fprintf(err, "funcol: error: %s%s\n", what.rfind(prefix, 0) == 0 ? "" : prefix.c_str(),
-                 what.c_str());
-    std::fflush(err);
-    status = 1;
-  }
-  // No group may outlive the process group (mpi frees communicators before MPI_Finalize).
-  world.reset();
-  destroy_process_group();
-  return status;
+    print_reports(p, o, reports, out);
+  });
 }
 
 // The flags a launched rank gets: the same run, as a rank of the job.

@@ -403,16 +403,7 @@ void validate(const TrainOptions& o) {
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(fmt::format("--bucket-cap-mb: {}", e.what()));
   }
-  if (o.backend != "threads" && o.backend != "mpi" && o.backend != "gloo") {
-    throw InvalidArgument(fmt::format(
-        "unknown backend '{}' for --backend: expected threads, mpi or gloo", o.backend));
-  }
-  if (o.backend != "threads") {
-    throw InvalidArgument(fmt::format(
-        "--backend {} is not supported by funcol train yet (use --backend threads; funcol run "
-        "and funcol bench support it)",
-        o.backend));
-  }
+  check_backend_option(o.backend);
   // Keep a run within memory: every rank holds the full gathered weights for the backward.
   const double bytes = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 2);
   if (bytes > 8e9) {
@@ -458,12 +449,10 @@ std::unique_ptr<Graph> build_step_graph(const TrainOptions& o, bool bucketed) {
   return joint;
 }
 
-TrainReport run_train(const TrainOptions& o, const StepCallback& on_step) {
-  validate(o);
-  Shared sh;
-  sh.trace_events.resize(static_cast<size_t>(o.ranks));
-  run_local(o.ranks, [&](ProcessGroup& world) { run_rank(world, o, on_step, sh); });
+namespace {
 
+// Rank 0's part once every rank has trained: the reference run and the report.
+TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   std::vector<Tensor> xs, targets;
   for (int r = 0; r < o.ranks; ++r) {
     xs.push_back(make_x(o, r));
@@ -509,6 +498,22 @@ TrainReport run_train(const TrainOptions& o, const StepCallback& on_step) {
   if (!o.no_bucketing) fill(report.bucketed, 1, sh.ms_bucketed);
   if (!o.trace.empty()) write_text_file(o.trace, chrome_trace_json(sh.trace_events));
   return report;
+}
+
+}  // namespace
+
+TrainReport run_train(const TrainOptions& o, const StepCallback& on_step) {
+  validate(o);
+  if (o.backend != "threads") {
+    throw InvalidArgument(fmt::format(
+        "run_train runs the threads backend in this process; --backend {} runs through "
+        "train_command, which starts a job",
+        o.backend));
+  }
+  Shared sh;
+  sh.trace_events.resize(static_cast<size_t>(o.ranks));
+  run_local(o.ranks, [&](ProcessGroup& world) { run_rank(world, o, on_step, sh); });
+  return make_report(o, sh);
 }
 
 std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
@@ -607,9 +612,59 @@ std::string train_summary(const TrainOptions& o, const TrainReport& r) {
   return s;
 }
 
+namespace {
+
+// The flags a launched rank gets: the same training, as a rank of the job.
+std::vector<std::string> train_rank_args(const TrainOptions& o) {
+  std::vector<std::string> a = {"train",
+                                "--ranks", std::to_string(o.ranks),
+                                "--layers", std::to_string(o.layers),
+                                "--hidden", std::to_string(o.hidden),
+                                "--batch", std::to_string(o.batch),
+                                "--steps", std::to_string(o.steps),
+                                "--lr", fmt::format("{}", o.lr),
+                                "--optimizer", o.optimizer,
+                                "--bucket-cap-mb", o.bucket_cap_mb,
+                                "--backend", o.backend,
+                                "--seed", std::to_string(o.seed)};
+  if (o.no_bucketing) a.emplace_back("--no-bucketing");
+  if (o.no_overlap) a.emplace_back("--no-overlap");
+  if (o.json) a.emplace_back("--json");
+  if (!o.trace.empty()) a.insert(a.end(), {"--trace", o.trace});
+  return a;
+}
+
+// This process is one rank of an mpi or gloo job: train; rank 0 reports.
+int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* out,
+                 std::FILE* err) {
+  return run_as_rank(o.backend, o.ranks, err, [&](ProcessGroup& world) {
+    Shared sh;
+    sh.trace_events.resize(static_cast<size_t>(o.ranks));
+    run_rank(world, o, world.rank() == 0 ? on_step : StepCallback(), sh);
+    if (!o.trace.empty()) {
+      sh.trace_events = gather_strings(world, sh.trace_events[static_cast<size_t>(world.rank())]);
+    }
+    if (world.rank() != 0) return;
+    const TrainReport report = make_report(o, sh);
+    const std::string text = o.json ? train_json_line(o, report) + "\n" : train_summary(o, report);
+    std::fputs(text.c_str(), out);
+    std::fflush(out);
+  });
+}
+
+}  // namespace
+
 int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
   try {
     validate(o);
+    if (o.backend != "threads" && !inside_job(o.backend)) {
+      JobOptions job;
+      job.backend = o.backend;
+      job.ranks = o.ranks;
+      job.temp_prefix = "funcol-train-";
+      job.rank_args = [&](const std::string&) { return train_rank_args(o); };
+      return launch_job(job, err);
+    }
     if (!o.trace.empty()) {
       std::ofstream f(o.trace, std::ios::binary | std::ios::app);
       if (!f) {
@@ -631,6 +686,7 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
         std::fflush(err);
       }
     };
+    if (o.backend != "threads") return train_in_job(o, progress, out, err);
     const TrainReport report = run_train(o, progress);
     const std::string text = o.json ? train_json_line(o, report) + "\n" : train_summary(o, report);
     std::fputs(text.c_str(), out);
@@ -663,7 +719,8 @@ void add_train_command(CLI::App& app) {
   sub->add_flag(
       "--no-overlap", o->no_overlap,
       "leave the overlap pass out of both variants (each collective waited where traced)");
-  sub->add_option("--backend", o->backend, "threads (mpi and gloo: not yet)")
+  sub->add_option("--backend", o->backend,
+                  "threads, mpi (relaunches under mpirun) or gloo (spawns processes)")
       ->capture_default_str();
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");

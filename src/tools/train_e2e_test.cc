@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -45,6 +46,36 @@ TEST(TrainE2e, JsonLineLossFallsWeightsMatchReference) {
   EXPECT_EQ(j["collectives_per_step"]["bucketed"], 2);
   EXPECT_GT(j["step_ms"]["unbucketed"].get<double>(), 0);
   EXPECT_GT(j["step_ms"]["bucketed"].get<double>(), 0);
+}
+
+// The same training as a job of processes: the reference and the bucketing counts agree with
+// the threads backend's, and no rank is left behind.
+TEST(TrainE2e, MpiAndGlooJobsTrainTheSameModel) {
+  std::vector<std::string> backends;
+#ifdef FUNCOL_WITH_MPI
+  backends.push_back("mpi");
+#endif
+#ifdef FUNCOL_WITH_GLOO
+  backends.push_back("gloo");
+#endif
+  if (backends.empty()) GTEST_SKIP() << "neither mpi nor gloo is compiled into this build";
+  const std::string args =
+      "--ranks 2 --layers 4 --hidden 16 --batch 8 --steps 10 --lr 0.05 --json --backend ";
+  const Result threads = train(args + "threads");
+  ASSERT_EQ(threads.status, 0) << threads.out;
+  const nlohmann::json want = nlohmann::json::parse(threads.out);
+  for (const std::string& backend : backends) {
+    const Result r = train(args + backend);
+    ASSERT_EQ(r.status, 0) << backend << ": " << r.out;
+    const nlohmann::json j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+    EXPECT_EQ(j["config"]["backend"], backend);
+    EXPECT_LT(j["final_loss"].get<double>(), j["initial_loss"].get<double>()) << backend;
+    EXPECT_LT(j["max_abs_diff_vs_reference"].get<double>(), 1e-4) << backend;
+    // Sums of two ranks are exact in any order: the losses match the threads backend's.
+    EXPECT_NEAR(j["final_loss"].get<double>(), want["final_loss"].get<double>(), 1e-6) << backend;
+    EXPECT_EQ(j["collectives_per_step"]["bucketed"], 2) << backend;
+    EXPECT_TRUE(j["variants_identical"].get<bool>()) << backend;
+  }
 }
 
 TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {

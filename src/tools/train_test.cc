@@ -164,8 +164,6 @@ TEST(Train, BadOptionsFailWithClearMessages) {
       {[](TrainOptions& o) { o.ranks = 0; }, "--ranks must be at least 1, got 0"},
       {[](TrainOptions& o) { o.bucket_cap_mb = "x"; }, "--bucket-cap-mb: cap-mb: 'x'"},
       {[](TrainOptions& o) { o.backend = "nccl"; }, "unknown backend 'nccl' for --backend"},
-      {[](TrainOptions& o) { o.backend = "mpi"; },
-       "--backend mpi is not supported by funcol train yet"},
   };
   for (const Case& c : cases) {
     TrainOptions o = small();
@@ -177,6 +175,10 @@ TEST(Train, BadOptionsFailWithClearMessages) {
     EXPECT_EQ(r.err.rfind("funcol: error: ", 0), 0u) << r.err;
     EXPECT_NE(r.err.find(c.message), std::string::npos) << r.err;
   }
+  // Process backends run as jobs through train_command, never inside this process.
+  TrainOptions o = small();
+  o.backend = "gloo";
+  EXPECT_THROW(run_train(o), InvalidArgument);
 }
 
 }  // namespace
