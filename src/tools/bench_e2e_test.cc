@@ -37,31 +37,11 @@ struct Result {
   std::string out_only;
 };
 
-// Runs `funcol bench ARGS`; stderr goes to a file so both streams can be checked.
+// Runs `funcol bench ARGS`; both streams are kept apart and together.
 Result bench(const std::string& args) {
-  Result r;
-  char err_path[] = "/tmp/funcol_bench_e2e_XXXXXX";
-  const int fd = mkstemp(err_path);
-  EXPECT_GE(fd, 0);
-  close(fd);
-  const std::string cmd = std::string(FUNCOL_BIN) + " bench " + args + " 2>" + err_path;
-  std::FILE* p = popen(cmd.c_str(), "r");
-  EXPECT_NE(p, nullptr) << cmd;
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t k;
-  while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) r.out_only.append(buf, k);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  std::FILE* e = std::fopen(err_path, "r");
-  std::string err;
-  if (e != nullptr) {
-    while ((k = std::fread(buf, 1, sizeof buf, e)) > 0) err.append(buf, k);
-    std::fclose(e);
-  }
-  std::remove(err_path);
-  r.out = r.out_only + err;
-  return r;
+  const funcol::tools::e2e::ShellResult sh =
+      funcol::tools::e2e::run_shell(std::string(FUNCOL_BIN) + " bench " + args);
+  return Result{sh.status, sh.out + sh.err, sh.out};
 }
 
 int count_rows(const std::string& text) {

@@ -3,8 +3,12 @@
 #pragma once
 
 #include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -37,6 +41,33 @@ inline bool eventually(const std::function<bool()>& cond, int seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return cond();
+}
+
+// What a shell command did.
+struct ShellResult {
+  int status = -1;  // exit status, or -1 when it did not exit normally (or could not start)
+  std::string out;  // standard output
+  std::string err;  // standard error
+};
+
+// Runs `command` through /bin/sh, its stderr into a temporary file, and waits for it.
+inline ShellResult run_shell(const std::string& command) {
+  ShellResult r;
+  char err_path[] = "/tmp/funcol_e2e_err_XXXXXX";
+  const int fd = mkstemp(err_path);
+  if (fd < 0) return r;
+  ::close(fd);
+  std::FILE* p = popen((command + " 2>" + err_path).c_str(), "r");
+  if (p != nullptr) {
+    char buf[4096];
+    size_t k;
+    while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, k);
+    const int st = pclose(p);
+    r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+  r.err = slurp(err_path);
+  std::remove(err_path);
+  return r;
 }
 
 }  // namespace funcol::tools::e2e

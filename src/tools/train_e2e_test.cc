@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tools/e2e_util.h"
+
 #ifndef FUNCOL_BIN
 #error "FUNCOL_BIN must name the funcol command"
 #endif
@@ -20,19 +22,11 @@ struct Result {
   std::string out;  // stdout, then stderr
 };
 
-// Runs `funcol train ARGS 2>&1` (stderr is not a terminal: plain progress lines, no bar).
+// Runs `funcol train ARGS` (stderr is not a terminal: plain progress lines, no bar).
 Result train(const std::string& args) {
-  Result r;
-  const std::string cmd = std::string(FUNCOL_BIN) + " train " + args + " 2>&1";
-  std::FILE* p = popen(cmd.c_str(), "r");
-  EXPECT_NE(p, nullptr) << cmd;
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t k;
-  while ((k = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, k);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  const funcol::tools::e2e::ShellResult sh =
+      funcol::tools::e2e::run_shell(std::string(FUNCOL_BIN) + " train " + args);
+  return Result{sh.status, sh.out + sh.err};
 }
 
 TEST(TrainE2e, JsonLineLossFallsWeightsMatchReference) {
