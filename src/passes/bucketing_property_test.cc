@@ -19,29 +19,10 @@
 namespace funcol {
 namespace {
 
+using testing_bucketing::check_property;
 using testing_bucketing::random_graph;
 using testing_bucketing::random_pass;
 using testing_bucketing::random_pipeline;
-
-// CI runs at least this many cases per property (RC_PARAMS may ask for more).
-constexpr int kMinCases = 1000;
-
-// Runs a RapidCheck property inside a gtest with at least `min_cases` successes.
-template <typename Testable>
-void check_property(Testable&& testable, int min_cases = kMinCases) {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  rc::detail::TestMetadata metadata;
-  metadata.id = std::string(info->test_suite_name()) + "/" + info->name();
-  metadata.description = info->name();
-  rc::detail::TestParams params = rc::detail::configuration().testParams;
-  params.maxSuccess = std::max(params.maxSuccess, min_cases);
-  const auto result = rc::detail::checkTestable(std::forward<Testable>(testable), metadata, params);
-  if (!result.template is<rc::detail::SuccessResult>()) {
-    std::ostringstream ss;
-    rc::detail::printResultMessage(result, ss);
-    FAIL() << ss.str();
-  }
-}
 
 int count_collectives(const Graph& g) {
   int n = 0;

@@ -1,17 +1,42 @@
 // Private test helpers of the bucketing passes: RapidCheck generators of random graphs of
-// collectives and compute, and of random pass pipelines (used inside rc properties only).
+// collectives and compute, of random pass pipelines (used inside rc properties only), and the
+// gtest wrapper that runs a property.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <rapidcheck.h>
 
+#include <algorithm>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "funcol/graph/graph.h"
 #include "funcol/graph/verifier.h"
 
 namespace funcol::testing_bucketing {
+
+// CI runs at least this many cases per property (RC_PARAMS may ask for more).
+constexpr int kMinCases = 1000;
+
+// Runs a RapidCheck property inside a gtest with at least `min_cases` successes.
+template <typename Testable>
+void check_property(Testable&& testable, int min_cases = kMinCases) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  rc::detail::TestMetadata metadata;
+  metadata.id = std::string(info->test_suite_name()) + "/" + info->name();
+  metadata.description = info->name();
+  rc::detail::TestParams params = rc::detail::configuration().testParams;
+  params.maxSuccess = std::max(params.maxSuccess, min_cases);
+  const auto result = rc::detail::checkTestable(std::forward<Testable>(testable), metadata, params);
+  if (!result.template is<rc::detail::SuccessResult>()) {
+    std::ostringstream ss;
+    rc::detail::printResultMessage(result, ss);
+    FAIL() << ss.str();
+  }
+}
 
 template <typename T>
 const T& pick(const std::vector<T>& v) {

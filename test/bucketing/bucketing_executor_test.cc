@@ -20,25 +20,8 @@
 namespace funcol {
 namespace {
 
-// CI runs at least this many cases (RC_PARAMS may ask for more).
-constexpr int kMinCases = 1000;
+using testing_bucketing::check_property;
 constexpr int kRanks = 4;
-
-template <typename Testable>
-void check_property(Testable&& testable, int min_cases = kMinCases) {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  rc::detail::TestMetadata metadata;
-  metadata.id = std::string(info->test_suite_name()) + "/" + info->name();
-  metadata.description = info->name();
-  rc::detail::TestParams params = rc::detail::configuration().testParams;
-  params.maxSuccess = std::max(params.maxSuccess, min_cases);
-  const auto result = rc::detail::checkTestable(std::forward<Testable>(testable), metadata, params);
-  if (!result.template is<rc::detail::SuccessResult>()) {
-    std::ostringstream ss;
-    rc::detail::printResultMessage(result, ss);
-    FAIL() << ss.str();
-  }
-}
 
 TEST(BucketingExecutor, RandomPipelinesGiveBitIdenticalOutputsOnFourRanks) {
   check_property([] {
