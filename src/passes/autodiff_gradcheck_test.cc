@@ -269,20 +269,27 @@ TEST_P(GradCheck, CoalescedCollectives) {
             expected(6 + 8 + 6));
 }
 
-// The FSDP pattern of `funcol train`: sharded weights gathered for a two-layer MLP.
-TEST_P(GradCheck, ShardedMlp) {
-  EXPECT_EQ(check(R"(graph @g(%x: f64[4,$2W], %w1: f64[2,3], %w2: f64[1,3], %t: f64[4,$W]) {
-    %ag1 = all_gather_into_tensor(%w1) {group_size = $W, group = "world"}
+// The FSDP pattern of `funcol train`: sharded weights gathered for a two-layer MLP, in `dtype`
+// ($W and $2W still to instantiate).
+std::string sharded_mlp(const std::string& dtype) {
+  return fmt::format(R"(graph @g(%x: {0}[4,$2W], %w1: {0}[2,3], %w2: {0}[1,3], %t: {0}[4,$W]) {{
+    %ag1 = all_gather_into_tensor(%w1) {{group_size = $W, group = "world"}}
     %w1f = wait_tensor(%ag1)
     %h = matmul(%x, %w1f)
     %a = relu(%h)
-    %ag2 = all_gather_into_tensor(%w2) {group_size = $W, group = "world"}
+    %ag2 = all_gather_into_tensor(%w2) {{group_size = $W, group = "world"}}
     %w2f = wait_tensor(%ag2)
-    %w2t = transpose(%w2f) {dim0 = 0, dim1 = 1}
+    %w2t = transpose(%w2f) {{dim0 = 0, dim1 = 1}}
     %y = matmul(%a, %w2t)
     %l = mse_loss(%y, %t)
     return %l
-  })"),
+  }})",
+                     dtype);
+}
+
+// Gradients of the weight shards through their gathers.
+TEST_P(GradCheck, ShardedMlp) {
+  EXPECT_EQ(check(sharded_mlp("f64")),
             expected(8 * GetParam() + 6 + 3 + 4 * GetParam()));
 }
 
@@ -320,19 +327,7 @@ TEST(AutodiffNonSum, ForwardRunsBackwardFails) {
 // both ways gives bit-identical gradients on every rank.
 TEST(AutodiffEagerAgreement, TapeMatchesJointGraphBitForBit) {
   constexpr int kRanks = 4;
-  const std::string ir = instantiate(R"(graph @g(%x: f32[4,$2W], %w1: f32[2,3], %w2: f32[1,3], %t: f32[4,$W]) {
-    %ag1 = all_gather_into_tensor(%w1) {group_size = $W, group = "world"}
-    %w1f = wait_tensor(%ag1)
-    %h = matmul(%x, %w1f)
-    %a = relu(%h)
-    %ag2 = all_gather_into_tensor(%w2) {group_size = $W, group = "world"}
-    %w2f = wait_tensor(%ag2)
-    %w2t = transpose(%w2f) {dim0 = 0, dim1 = 1}
-    %y = matmul(%a, %w2t)
-    %l = mse_loss(%y, %t)
-    return %l
-  })",
-                                     kRanks);
+  const std::string ir = instantiate(sharded_mlp("f32"), kRanks);
   std::unique_ptr<Graph> fwd = parse_graph(ir);
   const Graph joint = build_joint_graph(*fwd, {1, 2});
   std::vector<int> compared(kRanks, 0);
