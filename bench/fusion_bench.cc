@@ -1,30 +1,43 @@
-// fusion_bench: bucketed vs unbucketed collectives on the threads backend, side by side.
+// fusion_bench: bucketed vs unbucketed collectives on the threads, mpi or gloo backend.
 //
-// Usage: fusion_bench [--ranks N] [--iters K] [--mode MODE] [--check]
+// Usage: fusion_bench [--backend threads|mpi|gloo] [--ranks N] [--iters K] [--mode MODE]
+//                     [--check]
 // For each kind (all_gather, reduce_scatter, all_reduce) and each shape (1000 collectives of
 // 4 KiB, 100 of 256 KiB; the size is each collective's input on one rank), builds a graph of
 // independent collectives, each followed by its wait_tensor, and the same graph after the
 // kind's bucketing pass (default cap: one bucket; --mode picks the packing, default "default").
 // Every rank runs both graphs through its own Executor, interleaved, K times after two warm-up
 // runs; an iteration's time is the slowest rank's wall time for that run (ranks start each
-// run after a barrier). Reports the median of each and speedup = unbucketed / bucketed.
-// Targets: 1000 x 4 KiB >= 10x, 100 x 256 KiB >= 1.0x ("bucketing is never slower"). Outputs
-// of the two graphs are compared bit for bit on every rank. With --check it exits 1 when a
-// target is missed or an output differs.
+// run after a barrier; the per-rank times are combined with an all_reduce max). Reports the
+// median of each and speedup = unbucketed / bucketed. Targets: 1000 x 4 KiB >= 10x,
+// 100 x 256 KiB >= 1.0x ("bucketing is never slower"). Outputs of the two graphs are compared
+// bit for bit on every rank; "identical" is yes only when every rank found them equal. With
+// --check it exits 1 when a target is missed or an output differs.
+//
+// threads runs the ranks as threads of this process. mpi and gloo run them as N processes of
+// this executable, started the way `funcol run --backend mpi|gloo` starts its ranks (under
+// `mpirun -np N`, or N processes with a temporary file store); rank 0 prints the table. A
+// process started by a user's own mpirun (or with RANK/WORLD_SIZE/FUNCOL_STORE set for gloo) is
+// one rank of that job; --ranks then defaults to the job's size. A rank that fails prints
+// "fusion_bench: rank R: ..." and the job ends with status 1 (its peers get CommError).
+// --fail-rank R (for testing that path) makes rank R throw halfway through the first case.
 #include <algorithm>
-#include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "funcol/graph/parser.h"
 #include "funcol/passes/bucketing.h"
 #include "funcol/runtime/executor.h"
+#include "tools/launch.h"
 
 namespace {
 
@@ -34,6 +47,24 @@ struct Case {
   int count;
   int64_t bytes;
   double target;
+};
+
+struct Options {
+  std::string backend = "threads";
+  int ranks = 4;
+  bool ranks_given = false;
+  int iters = 20;
+  funcol::BucketMode mode = funcol::BucketMode::Default;
+  bool check = false;
+  int fail_rank = -1;  // testing: this rank throws halfway through the first case
+};
+
+// One case's figures, the same on every rank (combined over the ranks).
+struct CaseResult {
+  double plain_ms = 0;   // median over iterations of the slowest rank's unbucketed run
+  double bucket_ms = 0;  // same, bucketed
+  bool identical = true;  // every rank's outputs were equal bit for bit
+  double max_diff = 0;    // else the largest |unbucketed - bucketed| element on any rank
 };
 
 std::string graph_text(const Case& c, int ranks) {
@@ -70,34 +101,9 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  int ranks = 4;
-  int iters = 20;
-  bool check = false;
-  funcol::BucketMode mode = funcol::BucketMode::Default;
-  try {
-    for (int i = 1; i < argc; ++i) {
-      if (!std::strcmp(argv[i], "--check")) {
-        check = true;
-      } else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) {
-        ranks = std::max(1, std::atoi(argv[++i]));
-      } else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
-        iters = std::max(1, std::atoi(argv[++i]));
-      } else if (!std::strcmp(argv[i], "--mode") && i + 1 < argc) {
-        mode = funcol::parse_bucket_mode(argv[++i]);
-      } else {
-        std::fprintf(stderr, "usage: fusion_bench [--ranks N] [--iters K] [--mode M] [--check]\n");
-        return 2;
-      }
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "fusion_bench: %s\n", e.what());
-    return 2;
-  }
+const std::vector<Case>& cases() {
   using K = funcol::CollectiveKind;
-  const std::vector<Case> cases = {
+  static const std::vector<Case> kCases = {
       {K::AllGather, "all_gather", 1000, 4096, 10.0},
       {K::ReduceScatter, "reduce_scatter", 1000, 4096, 10.0},
       {K::AllReduce, "all_reduce", 1000, 4096, 10.0},
@@ -105,76 +111,269 @@ int main(int argc, char** argv) {
       {K::ReduceScatter, "reduce_scatter", 100, 262144, 1.0},
       {K::AllReduce, "all_reduce", 100, 262144, 1.0},
   };
+  return kCases;
+}
+
+funcol::BucketOptions bucket_options(const Case& c, funcol::BucketMode mode) {
+  funcol::BucketOptions opts;
+  opts.kind = c.kind;
+  opts.mode = c.kind == funcol::CollectiveKind::AllGather ? mode
+              : funcol::is_custom_ops(mode)                ? funcol::BucketMode::CustomOps
+                                                           : funcol::BucketMode::Default;
+  return opts;
+}
+
+// One rank's part of a case: both graphs, warm-up, K timed iterations each, then the ranks'
+// times and comparisons combined (all_reduce max / min), so every rank returns the same result.
+CaseResult run_case(funcol::ProcessGroup& world, const Case& c, const Options& o,
+                    bool first_case) {
+  const std::string text = graph_text(c, world.size());
+  // Each rank owns its graphs (graphs are not shared across threads).
+  const auto plain = funcol::parse_graph(text);
+  auto bucketed = funcol::parse_graph(text);
+  funcol::bucket_collectives(*bucketed, bucket_options(c, o.mode));
+  funcol::Executor ex_plain(*plain, world);
+  funcol::Executor ex_bucket(*bucketed, world);
+  const auto inputs = funcol::make_inputs(*plain, 1, world.rank());
+  int32_t identical = 1;
+  double max_diff = 0;  // tells rounding (a different reduction order) from wrong data
+  {
+    const auto a = ex_plain.run(inputs);
+    const auto b = ex_bucket.run(inputs);
+    if (a.size() != b.size()) identical = 0;
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+      if (a[i].equal(b[i])) continue;
+      identical = 0;
+      const std::vector<float> x = a[i].to_vector<float>(), y = b[i].to_vector<float>();
+      if (x.size() != y.size()) max_diff = HUGE_VAL;
+      for (size_t k = 0; k < x.size() && k < y.size(); ++k) {
+        max_diff = std::max(max_diff, static_cast<double>(std::fabs(x[k] - y[k])));
+      }
+    }
+  }
+  ex_plain.run(inputs);
+  ex_bucket.run(inputs);
+  // ms[2 * it + which], which 0: unbucketed, 1: bucketed
+  std::vector<double> ms(2 * static_cast<size_t>(o.iters));
+  for (int it = 0; it < o.iters; ++it) {
+    if (first_case && world.rank() == o.fail_rank && it == o.iters / 2) {
+      throw funcol::Error("injected failure (--fail-rank " + std::to_string(o.fail_rank) +
+                          ") at iteration " + std::to_string(it));
+    }
+    for (int which = 0; which < 2; ++which) {
+      world.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      auto out = (which == 0 ? ex_plain : ex_bucket).run(inputs);
+      const auto t1 = std::chrono::steady_clock::now();
+      ms[2 * static_cast<size_t>(it) + static_cast<size_t>(which)] =
+          std::chrono::duration<double, std::milli>(t1 - t0).count();
+    }
+  }
+  // The slowest rank's time of each run, and whether every rank's outputs were identical.
+  funcol::Tensor slowest = funcol::Tensor::from_vector<double>(ms);
+  world.all_reduce(slowest, funcol::ReduceOp::Max)->wait();
+  funcol::Tensor same = funcol::Tensor::from_vector<int32_t>({identical});
+  world.all_reduce(same, funcol::ReduceOp::Min)->wait();
+  funcol::Tensor diff = funcol::Tensor::from_vector<double>({max_diff});
+  world.all_reduce(diff, funcol::ReduceOp::Max)->wait();
+  const std::vector<double> all = slowest.to_vector<double>();
+  std::vector<double> plain_ms, bucket_ms;
+  for (int it = 0; it < o.iters; ++it) {
+    plain_ms.push_back(all[2 * static_cast<size_t>(it)]);
+    bucket_ms.push_back(all[2 * static_cast<size_t>(it) + 1]);
+  }
+  CaseResult r;
+  r.plain_ms = median(plain_ms);
+  r.bucket_ms = median(bucket_ms);
+  r.identical = same.to_vector<int32_t>()[0] != 0;
+  r.max_diff = diff.to_vector<double>()[0];
+  return r;
+}
+
+void print_header(const Options& o, int ranks) {
   std::printf(
-      "# threads backend, %d ranks, %d iterations, mode %s; time = median over iterations "
+      "# %s backend, %d ranks, %d iterations, mode %s; time = median over iterations "
       "of the slowest rank\n",
-      ranks, iters, std::string(funcol::bucket_mode_name(mode)).c_str());
+      o.backend.c_str(), ranks, o.iters, std::string(funcol::bucket_mode_name(o.mode)).c_str());
   std::printf("%-15s %6s %8s %14s %14s %9s %7s %4s %9s\n", "collective", "count", "bytes",
               "unbucketed_ms", "bucketed_ms", "speedup", "target", "met", "identical");
+  std::fflush(stdout);
+}
+
+// Prints a case's row; returns whether its speedup met the target.
+bool print_row(const Case& c, const CaseResult& r) {
+  const double speedup = r.bucket_ms > 0 ? r.plain_ms / r.bucket_ms : 0;
+  const bool met = speedup >= c.target;
+  std::printf("%-15s %6d %8lld %14.3f %14.3f %8.2fx %6.1fx %4s %9s\n", c.name, c.count,
+              static_cast<long long>(c.bytes), r.plain_ms, r.bucket_ms, speedup, c.target,
+              met ? "yes" : "no", r.identical ? "yes" : "NO");
+  std::fflush(stdout);
+  if (!r.identical) {
+    std::fprintf(stderr,
+                 "fusion_bench: %s x %d: bucketed and unbucketed outputs differ (largest "
+                 "element difference %g)\n",
+                 c.name, c.count, r.max_diff);
+  }
+  return met;
+}
+
+int run_threads(const Options& o) {
+  print_header(o, o.ranks);
   bool ok = true;
-  for (const Case& c : cases) {
-    const std::string text = graph_text(c, ranks);
-    funcol::BucketOptions opts;
-    opts.kind = c.kind;
-    opts.mode = c.kind == K::AllGather        ? mode
-                : funcol::is_custom_ops(mode) ? funcol::BucketMode::CustomOps
-                                              : funcol::BucketMode::Default;
-    // times[rank][iter][0: unbucketed, 1: bucketed]
-    std::vector<std::vector<std::array<double, 2>>> times(
-        static_cast<size_t>(ranks), std::vector<std::array<double, 2>>(static_cast<size_t>(iters)));
-    std::vector<int> identical(static_cast<size_t>(ranks), 1);
+  bool first = true;
+  for (const Case& c : cases()) {
+    CaseResult result;
     try {
-      funcol::run_local(ranks, [&](funcol::ProcessGroup& world) {
-        // Each rank owns its graphs (graphs are not shared across threads).
-        const auto plain = funcol::parse_graph(text);
-        auto bucketed = funcol::parse_graph(text);
-        funcol::bucket_collectives(*bucketed, opts);
-        funcol::Executor ex_plain(*plain, world);
-        funcol::Executor ex_bucket(*bucketed, world);
-        const auto inputs = funcol::make_inputs(*plain, 1, world.rank());
-        auto a = ex_plain.run(inputs);
-        auto b = ex_bucket.run(inputs);
-        for (size_t i = 0; i < a.size(); ++i) {
-          if (!a[i].equal(b[i])) identical[static_cast<size_t>(world.rank())] = 0;
-        }
-        ex_plain.run(inputs);
-        ex_bucket.run(inputs);
-        auto& mine = times[static_cast<size_t>(world.rank())];
-        for (int it = 0; it < iters; ++it) {
-          for (int which = 0; which < 2; ++which) {
-            world.barrier();
-            const auto t0 = std::chrono::steady_clock::now();
-            auto out = (which == 0 ? ex_plain : ex_bucket).run(inputs);
-            const auto t1 = std::chrono::steady_clock::now();
-            mine[static_cast<size_t>(it)][static_cast<size_t>(which)] =
-                std::chrono::duration<double, std::milli>(t1 - t0).count();
-          }
-        }
+      funcol::run_local(o.ranks, [&](funcol::ProcessGroup& world) {
+        const CaseResult r = run_case(world, c, o, first);
+        if (world.rank() == 0) result = r;
       });
     } catch (const std::exception& e) {
       std::fprintf(stderr, "fusion_bench: %s x %d: %s\n", c.name, c.count, e.what());
       ok = false;
+      first = false;
       continue;
     }
-    std::vector<double> plain_ms, bucket_ms;
-    for (int it = 0; it < iters; ++it) {
-      double p = 0, b = 0;
-      for (int r = 0; r < ranks; ++r) {
-        p = std::max(p, times[static_cast<size_t>(r)][static_cast<size_t>(it)][0]);
-        b = std::max(b, times[static_cast<size_t>(r)][static_cast<size_t>(it)][1]);
-      }
-      plain_ms.push_back(p);
-      bucket_ms.push_back(b);
-    }
-    const double p = median(plain_ms), b = median(bucket_ms);
-    const double speedup = b > 0 ? p / b : 0;
-    const bool same = std::all_of(identical.begin(), identical.end(), [](int v) { return v; });
-    const bool met = speedup >= c.target;
-    std::printf("%-15s %6d %8lld %14.3f %14.3f %8.2fx %6.1fx %4s %9s\n", c.name, c.count,
-                static_cast<long long>(c.bytes), p, b, speedup, c.target, met ? "yes" : "no",
-                same ? "yes" : "NO");
-    std::fflush(stdout);
-    if (!same || (check && !met)) ok = false;
+    first = false;
+    const bool met = print_row(c, result);
+    if (!result.identical || (o.check && !met)) ok = false;
   }
   return ok ? 0 : 1;
+}
+
+// This process is one rank of an mpi or gloo job: join the world, run every case, leave.
+// Rank 0 prints the table and returns the run's status; a failing rank prints its error.
+int run_in_job(Options o) {
+  funcol::tools::follow_launcher();
+  std::shared_ptr<funcol::ProcessGroup> world;
+  try {
+    world = funcol::init_process_group(o.backend);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fusion_bench: %s\n", e.what());
+    return 1;
+  }
+  const int rank = world->rank();
+  int status = 0;
+  const Case* current = nullptr;
+  try {
+    if (!o.ranks_given) o.ranks = world->size();
+    if (world->size() != o.ranks) {
+      throw funcol::InvalidArgument("--ranks " + std::to_string(o.ranks) +
+                                    " does not match the job's " +
+                                    std::to_string(world->size()) + " processes");
+    }
+    if (rank == 0) print_header(o, o.ranks);
+    int differ = 0;
+    int missed = 0;
+    bool first = true;
+    for (const Case& c : cases()) {
+      current = &c;
+      const CaseResult r = run_case(*world, c, o, first);
+      first = false;
+      if (rank == 0) {
+        const bool met = print_row(c, r);
+        differ += !r.identical;
+        missed += !met;
+      }
+    }
+    current = nullptr;
+    // Only rank 0 reports a failed run: the launcher then names one rank, with its message.
+    if (differ > 0) {
+      std::fprintf(stderr,
+                   "fusion_bench: bucketed and unbucketed outputs differ in %d case(s)\n",
+                   differ);
+      status = 1;
+    } else if (o.check && missed > 0) {
+      std::fprintf(stderr, "fusion_bench: --check: %d case(s) missed the speedup target\n",
+                   missed);
+      status = 1;
+    }
+  } catch (const std::exception& e) {
+    if (current) {
+      std::fprintf(stderr, "fusion_bench: rank %d: %s x %d: %s\n", rank, current->name,
+                   current->count, e.what());
+    } else {
+      std::fprintf(stderr, "fusion_bench: rank %d: %s\n", rank, e.what());
+    }
+    status = 1;
+  }
+  std::fflush(nullptr);
+  // No group may outlive the process group (mpi frees communicators before MPI_Finalize).
+  world.reset();
+  funcol::destroy_process_group();
+  return status;
+}
+
+// Not inside a job: start one whose ranks are this executable with the same options.
+int launch(const Options& o) {
+  funcol::tools::JobOptions job;
+  job.backend = o.backend;
+  job.ranks = o.ranks;
+  job.temp_prefix = "fusion-bench-";
+  job.rank_args = [&](const std::string&) {
+    std::vector<std::string> a = {"--backend", o.backend,
+                                  "--ranks",   std::to_string(o.ranks),
+                                  "--iters",   std::to_string(o.iters),
+                                  "--mode",    std::string(funcol::bucket_mode_name(o.mode))};
+    if (o.check) a.emplace_back("--check");
+    if (o.fail_rank >= 0) a.insert(a.end(), {"--fail-rank", std::to_string(o.fail_rank)});
+    return a;
+  };
+  try {
+    return funcol::tools::launch_job(job, stderr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fusion_bench: %s\n", e.what());
+    return 1;
+  }
+}
+
+constexpr const char* kUsage =
+    "usage: fusion_bench [--backend threads|mpi|gloo] [--ranks N] [--iters K] [--mode M] "
+    "[--check]\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      if (!std::strcmp(argv[i], "--check")) {
+        o.check = true;
+      } else if (!std::strcmp(argv[i], "--backend") && i + 1 < argc) {
+        o.backend = argv[++i];
+      } else if (!std::strcmp(argv[i], "--ranks") && i + 1 < argc) {
+        o.ranks = std::max(1, std::atoi(argv[++i]));
+        o.ranks_given = true;
+      } else if (!std::strcmp(argv[i], "--iters") && i + 1 < argc) {
+        o.iters = std::max(1, std::atoi(argv[++i]));
+      } else if (!std::strcmp(argv[i], "--mode") && i + 1 < argc) {
+        o.mode = funcol::parse_bucket_mode(argv[++i]);
+      } else if (!std::strcmp(argv[i], "--fail-rank") && i + 1 < argc) {
+        o.fail_rank = std::atoi(argv[++i]);
+      } else {
+        std::fputs(kUsage, stderr);
+        return 2;
+      }
+    }
+    if (o.backend != "threads" && o.backend != "mpi" && o.backend != "gloo") {
+      throw funcol::InvalidArgument("unknown backend '" + o.backend +
+                                    "' for --backend: expected threads, mpi or gloo");
+    }
+    const std::vector<std::string> available = funcol::available_backends();
+    if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
+      std::string names;
+      for (const std::string& b : available) names += (names.empty() ? "" : ", ") + b;
+      throw funcol::InvalidArgument("backend '" + o.backend +
+                                    "' is not compiled into this build (configure with "
+                                    "-DFUNCOL_WITH_" +
+                                    (o.backend == "mpi" ? "MPI" : "GLOO") +
+                                    "=ON); available backends: " + names);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fusion_bench: %s\n", e.what());
+    return 2;
+  }
+  if (o.backend == "threads") return run_threads(o);
+  if (funcol::tools::inside_job(o.backend)) return run_in_job(o);
+  return launch(o);
 }

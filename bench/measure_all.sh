@@ -7,6 +7,7 @@ echo "== ir_bench --repeat 3"; build/bin/ir_bench --repeat 3
 echo "== executor_bench"; build/bin/executor_bench
 echo "== fusion_bench --ranks 2"; build/bin/fusion_bench --ranks 2
 echo "== fusion_bench --ranks 2 --mode custom_ops"; build/bin/fusion_bench --ranks 2 --mode custom_ops
+for b in mpi gloo; do for m in default custom_ops; do echo "== fusion_bench --backend $b --ranks 2 --mode $m"; build/bin/fusion_bench --backend $b --ranks 2 --mode $m; done; done
 echo "== uptime"; uptime
 echo "== run_issue2.sh REPEATS=1"; REPEATS=1 bench/run_issue2.sh
 echo "== train 32x64"; build/bin/funcol train --ranks 4 --layers 32 --hidden 64 --batch 16 --steps 200 --json
