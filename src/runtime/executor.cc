@@ -769,7 +769,10 @@ size_t Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint
                                      const std::unordered_map<const Node*, uint32_t>& step_of) {
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
-    if (st.kind != StepKind::Collective || st.op->variadic != (st.op->pack != nullptr)) continue;
+    if (st.kind != StepKind::Collective || st.op->variadic != (st.op->pack != nullptr) ||
+        !st.group->fuses_coalesced()) {
+      continue;
+    }
     const int64_t g = st.group->size();
     Chain c;
     const bool gather = st.op->collective == CollectiveKind::AllGather;

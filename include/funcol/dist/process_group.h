@@ -60,6 +60,11 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
                                                          const std::vector<Tensor>& inputs,
                                                          ReduceOp op);
+  // True when the coalesced forms cost one collective for the whole list (the default forms
+  // stage the list in one buffer per dtype; threads fuses it natively, copying nothing more).
+  // False where a backend runs one collective per tensor (mpi, gloo): there a bucket must keep
+  // its packed buffer to be one collective.
+  virtual bool fuses_coalesced() const { return true; }
 
   // A subgroup of this group's members, given as global ranks. Collective over this group:
   // every rank of this group calls it with the same lists in the same order. `rank_lists`

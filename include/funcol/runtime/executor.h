@@ -29,7 +29,8 @@ struct ExecutorOptions {
   // Run the pack / collective / unpack chains the bucketing passes write as one coalesced
   // primitive on the members themselves (all_gather: cat or packed gather, wait, view, split,
   // reshapes; reduce_scatter: reshapes, cat, flatten, scatter, wait, split), so the members are
-  // neither copied into a bucket nor out of it on backends that fuse coalesced lists (threads).
+  // neither copied into a bucket nor out of it where the group fuses coalesced lists
+  // (ProcessGroup::fuses_coalesced: threads; not mpi and gloo, which loop over the list).
   // Results are bit-identical either way; false runs the chain node by node.
   bool lower_buckets = true;
 };

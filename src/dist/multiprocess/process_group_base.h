@@ -122,6 +122,8 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
                                                  const std::vector<Tensor>& inputs,
                                                  ReduceOp op) override;
+  // The transports run a coalesced list as one collective per tensor.
+  bool fuses_coalesced() const override { return false; }
 
   const std::shared_ptr<ProcessJob>& job() const { return job_; }
   // This process's global rank.
