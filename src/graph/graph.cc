@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <charconv>
 #include <limits>
+#include <optional>
 #include <unordered_map>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -21,19 +23,20 @@ constexpr int64_t kOrderStep = int64_t{1} << 32;
 
 // ---- NameTable ------------------------------------------------------------------------------
 
-// Linear probing over a power-of-two array of {hash, key, definition}, at most half full;
-// deletion shifts later entries back, so there are no tombstones. A lookup usually touches one
-// slot plus the key's bytes.
+// Names live in one of two places. Names fresh_name makes from the graph's counter
+// ("ag_flat.17": its number is unique to it) and that then name a node go into `numbered_`,
+// indexed by that number: new nodes get consecutive numbers, so creating and erasing them
+// touches memory in order instead of one random hash slot each. Every other name goes into
+// the hash table: linear probing over a power-of-two array of {hash, key, definition}, at
+// most half full; deletion shifts later entries back, so there are no tombstones. A lookup
+// usually touches one slot plus the key's bytes.
 class Graph::NameTable {
  public:
   NameTable() : slots_(16) {}
 
   Definition find(std::string_view key) const {
-    const uint32_t h = hash(key);
-    for (size_t i = h & mask(); slots_[i].hash != 0; i = (i + 1) & mask()) {
-      if (slots_[i].hash == h && slots_[i].key() == key) return slots_[i].definition();
-    }
-    return Definition{};
+    if (Node* n = numbered(key)) return Definition{n, nullptr};
+    return hashed_find(key);
   }
 
   bool contains(std::string_view key) const {
@@ -43,6 +46,20 @@ class Graph::NameTable {
 
   // False (and no change) when `key` is present.
   bool insert(std::string_view key, Definition def) {
+    if (pending_ != 0 && def.node && key == pending_name_) {
+      // The name fresh() made last: its number is no other numbered name's, and no hashed
+      // name is equal to it when its number is past every hashed one's.
+      const uint64_t n = std::exchange(pending_, 0);
+      const Definition same = n > suffix_floor_ ? Definition{} : hashed_find(key);
+      if (!same.node && !same.input) {
+        if (numbered_.size() <= n) {
+          numbered_.resize(std::max(static_cast<size_t>(n) + 1, 2 * numbered_.size()));
+        }
+        numbered_[n] = def.node;
+        return true;
+      }
+    }
+    if (numbered(key)) return false;
     if (2 * (size_ + 1) > slots_.size()) grow();
     const uint32_t h = hash(key);
     size_t i = h & mask();
@@ -51,10 +68,15 @@ class Graph::NameTable {
     }
     slots_[i] = Slot(key, h, def);
     ++size_;
+    note_suffix(key);
     return true;
   }
 
   void erase(std::string_view key) {
+    if (const auto n = numbered_index(key)) {
+      numbered_[*n] = nullptr;
+      return;
+    }
     const uint32_t h = hash(key);
     size_t i = h & mask();
     for (;; i = (i + 1) & mask()) {
@@ -73,6 +95,36 @@ class Graph::NameTable {
     }
     slots_[hole] = Slot{};
     --size_;
+  }
+
+  // Graph::fresh_name, with the graph's counter.
+  std::string fresh(std::string_view hint, uint64_t& counter) {
+    const std::string_view base = is_valid_name(hint) ? hint : std::string_view("v");
+    if (!contains(base)) return std::string(base);
+    // Candidates are written into one buffer ("base." once, then only the digits), and a
+    // string is made only for the one returned.
+    constexpr size_t kDigits = std::numeric_limits<uint64_t>::digits10 + 1;
+    std::vector<char> heap;
+    char local[64];
+    char* buf = local;
+    if (base.size() + 1 + kDigits > sizeof(local)) {
+      heap.resize(base.size() + 1 + kDigits);
+      buf = heap.data();
+    }
+    std::copy(base.begin(), base.end(), buf);
+    buf[base.size()] = '.';
+    char* const digits = buf + base.size() + 1;
+    for (;;) {
+      const auto r = std::to_chars(digits, digits + kDigits, ++counter);
+      const std::string_view candidate(buf, static_cast<size_t>(r.ptr - buf));
+      // A number past every hashed name's is free without a lookup (the counter only grows,
+      // so the numbered names made before have smaller numbers).
+      if (counter > suffix_floor_ || !contains(candidate)) {
+        pending_name_.assign(candidate);
+        pending_ = counter;
+        return pending_name_;
+      }
+    }
   }
 
  private:
@@ -99,6 +151,57 @@ class Graph::NameTable {
   static_assert(alignof(Value) >= 2 && alignof(Node) >= 2);
   std::vector<Slot> slots_;
   size_t size_ = 0;
+  // No hashed name ends in '.' and a number larger than this.
+  uint64_t suffix_floor_ = 0;
+  // Numbered names: the node named with counter value n is numbered_[n] (null: none).
+  std::vector<Node*> numbered_;
+  // The name fresh() returned last and its number (0: none, or already inserted): inserting
+  // exactly that name for a node numbers it.
+  std::string pending_name_;
+  uint64_t pending_ = 0;
+
+  // The number after the last '.' of `key` (saturating at the largest uint64_t), or
+  // nothing when `key` does not end in '.' and digits.
+  static std::optional<uint64_t> suffix(std::string_view key) {
+    const size_t dot = key.rfind('.');
+    if (dot == std::string_view::npos || dot + 1 == key.size()) return std::nullopt;
+    uint64_t n = 0;
+    for (size_t i = dot + 1; i < key.size(); ++i) {
+      const char c = key[i];
+      if (c < '0' || c > '9') return std::nullopt;
+      const auto d = static_cast<uint64_t>(c - '0');
+      n = n > (std::numeric_limits<uint64_t>::max() - d) / 10 ? std::numeric_limits<uint64_t>::max()
+                                                               : n * 10 + d;
+    }
+    return n;
+  }
+
+  void note_suffix(std::string_view key) {
+    if (const auto n = suffix(key)) suffix_floor_ = std::max(suffix_floor_, *n);
+  }
+
+  // Where in numbered_ the node named `key` is, or nothing when `key` is not numbered.
+  std::optional<size_t> numbered_index(std::string_view key) const {
+    if (numbered_.empty()) return std::nullopt;
+    const auto n = suffix(key);
+    if (!n || *n >= numbered_.size()) return std::nullopt;
+    const Node* node = numbered_[*n];
+    if (!node || node->name() != key) return std::nullopt;
+    return static_cast<size_t>(*n);
+  }
+  // The node whose numbered name is `key`, or null.
+  Node* numbered(std::string_view key) const {
+    const auto n = numbered_index(key);
+    return n ? numbered_[*n] : nullptr;
+  }
+
+  Definition hashed_find(std::string_view key) const {
+    const uint32_t h = hash(key);
+    for (size_t i = h & mask(); slots_[i].hash != 0; i = (i + 1) & mask()) {
+      if (slots_[i].hash == h && slots_[i].key() == key) return slots_[i].definition();
+    }
+    return Definition{};
+  }
 
   size_t mask() const { return slots_.size() - 1; }
   static uint32_t hash(std::string_view key) {
@@ -116,6 +219,63 @@ class Graph::NameTable {
     }
   }
 };
+
+// ---- node storage ---------------------------------------------------------------------------
+
+// Raw storage for one Node; while free, it holds the next free slot instead.
+struct Graph::NodeSlot {
+  alignas(Node) unsigned char bytes[sizeof(Node)];
+};
+
+namespace {
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kPoolNodes = false;  // one allocation per node, so ASan sees use after erase
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kPoolNodes = false;
+#else
+constexpr bool kPoolNodes = true;
+#endif
+#else
+constexpr bool kPoolNodes = true;
+#endif
+
+// Blocks start small (most graphs are small) and double up to this many slots.
+constexpr size_t kMinBlockSlots = 16;
+constexpr size_t kMaxBlockSlots = 4096;
+
+}  // namespace
+
+void* Graph::allocate_node() {
+  if constexpr (!kPoolNodes) return ::operator new(sizeof(Node));
+  if (free_slots_) {
+    NodeSlot* slot = free_slots_;
+    free_slots_ = *reinterpret_cast<NodeSlot**>(slot->bytes);
+    return slot->bytes;
+  }
+  if (block_used_ == block_size_) {
+    block_size_ = block_size_ == 0 ? kMinBlockSlots : std::min(2 * block_size_, kMaxBlockSlots);
+    node_blocks_.push_back(std::make_unique_for_overwrite<NodeSlot[]>(block_size_));
+    block_used_ = 0;
+  }
+  return node_blocks_.back()[block_used_++].bytes;
+}
+
+void Graph::release_node(void* slot) {
+  if constexpr (!kPoolNodes) {
+    ::operator delete(slot);
+    return;
+  }
+  auto* s = static_cast<NodeSlot*>(slot);
+  *reinterpret_cast<NodeSlot**>(s->bytes) = free_slots_;
+  free_slots_ = s;
+}
+
+void Graph::destroy_node(Node* node) {
+  node->~Node();
+  release_node(node);
+}
 
 // ---- Value ----------------------------------------------------------------------------------
 
@@ -180,9 +340,16 @@ Graph::Graph(Graph&& other) noexcept
       num_nodes_(other.num_nodes_),
       order_valid_(other.order_valid_),
       fresh_counter_(other.fresh_counter_),
-      names_(std::move(other.names_)) {
+      names_(std::move(other.names_)),
+      node_blocks_(std::move(other.node_blocks_)),
+      block_used_(other.block_used_),
+      block_size_(other.block_size_),
+      free_slots_(other.free_slots_) {
   other.first_ = other.last_ = nullptr;
   other.num_nodes_ = 0;
+  other.node_blocks_.clear();
+  other.block_used_ = other.block_size_ = 0;
+  other.free_slots_ = nullptr;
   for (Node* n = first_; n; n = n->next_) n->graph_ = this;
 }
 
@@ -190,7 +357,7 @@ Graph::~Graph() {
   Node* n = first_;
   while (n) {
     Node* next = n->next_;
-    delete n;
+    destroy_node(n);
     n = next;
   }
 }
@@ -335,12 +502,23 @@ void Graph::renumber() const {
 
 Node* Graph::new_node(const OpDef& op, std::vector<Value*> operands, std::vector<Attr> attrs,
                       std::vector<Type> types, std::string name, SourceLoc loc) {
-  auto node = std::unique_ptr<Node>(new Node());
+  // The slot goes back to the pool when anything below throws.
+  struct Owner {
+    Graph* graph;
+    Node* node;
+    ~Owner() {
+      if (node) graph->destroy_node(node);
+    }
+    Node* get() const { return node; }
+    Node* operator->() const { return node; }
+    Node* release() { return std::exchange(node, nullptr); }
+  };
+  Owner node{this, new (allocate_node()) Node()};
   node->op_ = &op;
   node->graph_ = this;
   node->loc_ = loc;
   node->name_ = std::move(name);
-  node->operands_ = std::move(operands);
+  node->operands_.assign(operands);
   if (node->operands_.size() > 2) node->use_pos_more_.resize(node->operands_.size() - 2);
   node->attrs_ = std::move(attrs);
   FUNCOL_CHECK(!types.empty(), fmt::format("{} inferred no result", op.name));
@@ -406,7 +584,7 @@ void Graph::erase(Node* node) {
   }
   names_->erase(node->name_);
   unlink(node);
-  delete node;
+  destroy_node(node);
 }
 
 void Graph::move_before(Node* node, Node* before) {
@@ -419,8 +597,20 @@ void Graph::move_before(Node* node, Node* before) {
 void Graph::replace_all_uses(Value* from, Value* to) {
   FUNCOL_CHECK(from && to, "null value in replace_all_uses");
   if (from == to) return;
-  std::vector<Use> uses = std::move(from->uses_);
-  from->uses_.clear();
+  if (to->uses_.empty()) {
+    // The common case: `to` is new. The list moves over whole and every use keeps its
+    // position, so only the operands (and outputs) need re-pointing.
+    to->uses_ = std::move(from->uses_);
+    for (const Use& u : to->uses_) {
+      if (u.user) {
+        u.user->operands_[u.index] = to;
+      } else {
+        outputs_[u.index] = to;
+      }
+    }
+    return;
+  }
+  auto uses = std::move(from->uses_);
   for (const Use& u : uses) {
     if (u.user) {
       u.user->operands_[u.index] = to;
@@ -477,26 +667,7 @@ Value* Graph::find_value(std::string_view ref) const {
 }
 
 std::string Graph::fresh_name(std::string_view hint) {
-  const std::string_view base = is_valid_name(hint) ? hint : std::string_view("v");
-  if (!names_->contains(base)) return std::string(base);
-  // Candidates are written into one buffer ("base." once, then only the digits), and a string
-  // is made only for the one returned.
-  constexpr size_t kDigits = std::numeric_limits<uint64_t>::digits10 + 1;
-  std::vector<char> heap;
-  char local[64];
-  char* buf = local;
-  if (base.size() + 1 + kDigits > sizeof(local)) {
-    heap.resize(base.size() + 1 + kDigits);
-    buf = heap.data();
-  }
-  std::copy(base.begin(), base.end(), buf);
-  buf[base.size()] = '.';
-  char* const digits = buf + base.size() + 1;
-  for (;;) {
-    const auto r = std::to_chars(digits, digits + kDigits, ++fresh_counter_);
-    const std::string_view candidate(buf, static_cast<size_t>(r.ptr - buf));
-    if (!names_->contains(candidate)) return std::string(candidate);
-  }
+  return names_->fresh(hint, fresh_counter_);
 }
 
 // ---- Module ---------------------------------------------------------------------------------

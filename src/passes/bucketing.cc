@@ -215,10 +215,48 @@ std::string bytes_str(int64_t b) { return fmt::format("{} B", b); }
 
 // ---- node emission ------------------------------------------------------------------------------
 
+// The ops made once per member, looked up once (not by name per node).
+struct MemberOps {
+  const OpDef& clone = get_op("clone");
+  const OpDef& convert = get_op("convert_element_type");
+  const OpDef& flatten = get_op("flatten");
+  const OpDef& reshape = get_op("reshape");
+  const OpDef& view_dtype = get_op("view_dtype");
+};
+
+const MemberOps& member_ops() {
+  static const MemberOps ops;
+  return ops;
+}
+
+// The attribute vector of an op with one attribute, `value` moved in.
+std::vector<Attr> attrs1(Attr value) {
+  std::vector<Attr> attrs;
+  attrs.reserve(1);
+  attrs.push_back(std::move(value));
+  return attrs;
+}
+
 // Creates nodes through a Builder and remembers them, in order.
 class Emitter {
  public:
   Emitter(Graph& g, Node* before) : b_(g, before) {}
+  // A node of `op` whose full attribute vector (schema order) the caller built: no op lookup
+  // by name and no copies of the values, for the nodes made once per member. What make_attrs
+  // would do is checked instead: one value per schema entry, each of its entry's kind, and no
+  // entry that canonicalizes its value.
+  Value* value(const OpDef& op, std::vector<Value*> operands, std::vector<Attr> attrs,
+               const std::string& hint) {
+    FUNCOL_CHECK(attrs.size() == op.attrs.size(), "bucketing: incomplete attributes");
+    for (size_t i = 0; i < attrs.size(); ++i) {
+      FUNCOL_CHECK(attrs[i].kind() == op.attrs[i].kind && !op.attrs[i].canonicalize,
+                   "bucketing: attribute of the wrong kind");
+    }
+    Node* n = b_.graph().create_node(op, std::move(operands), std::move(attrs),
+                                     b_.insertion_point(), {}, hint);
+    created_.push_back(n);
+    return n->result(0);
+  }
   Node* node(std::string_view op, std::vector<Value*> operands, const NamedAttrs& attrs,
              std::string_view hint) {
     b_.set_name_hint(hint);
@@ -308,7 +346,7 @@ class Bucketer {
     uint32_t next_operand;
   };
   std::vector<Frame> stack_;
-  std::vector<uint8_t> keyed_;  // key_new_nodes: which new nodes are keyed already
+  std::vector<std::pair<int64_t, int64_t>> member_keys_;  // place_normally's scratch
 
   void grow_scratch() {
     const size_t n = order_.id_bound();
@@ -656,11 +694,13 @@ bool known_contiguous(const Value* v) {
 // The packing nodes and the merged collective (DESIGN §6 point 4; REFERENCE B.4).
 Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket) {
   const Node& first = *members[0]->coll;
+  const MemberOps& ops = member_ops();
   const std::string& group = first.attr("group").as_string();
   std::vector<Value*> sources;
+  sources.reserve(members.size());
   for (const Entry* m : members) sources.push_back(m->source());
   auto flat = [&](Value* v) {
-    return v->type().rank() == 1 ? v : x.value("flatten", {v}, {}, hints_.flat);
+    return v->type().rank() == 1 ? v : x.value(ops.flatten, {v}, {}, hints_.flat);
   };
   switch (opt_.kind) {
     case CollectiveKind::AllGather: {
@@ -676,15 +716,16 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
                       hints_.bucket);
       }
       std::vector<Value*> parts;
+      parts.reserve(members.size());
       for (const Entry* m : members) {
         Value* v = flat(m->source());
         if (v->dtype() != m->out_dtype) {
-          v = x.value("convert_element_type", {v}, {{"dtype", m->out_dtype}}, hints_.cast);
+          v = x.value(ops.convert, {v}, attrs1(m->out_dtype), hints_.cast);
         }
         if (m->out_dtype != bucket) {
           // Reading the bytes as another dtype needs a unit-stride tensor.
-          if (!known_contiguous(v)) v = x.value("clone", {v}, {}, hints_.copy);
-          v = x.value("view_dtype", {v}, {{"dtype", bucket}}, hints_.bytes);
+          if (!known_contiguous(v)) v = x.value(ops.clone, {v}, {}, hints_.copy);
+          v = x.value(ops.view_dtype, {v}, attrs1(bucket), hints_.bytes);
         }
         parts.push_back(v);
       }
@@ -701,10 +742,11 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
         // Row j of [G, n_i / G] is the chunk rank j receives; concatenating rows keeps every
         // rank's chunks together (a plain concatenation would mix them).
         std::vector<Value*> rows;
+        rows.reserve(members.size());
         for (const Entry* m : members) {
           const int64_t n = m->source()->type().numel();
-          rows.push_back(x.value("reshape", {m->source()},
-                                 {{"shape", std::vector<int64_t>{g, n / g}}}, hints_.rows));
+          rows.push_back(x.value(ops.reshape, {m->source()},
+                                 attrs1(std::vector<int64_t>{g, n / g}), hints_.rows));
         }
         Value* cat = x.value("cat", rows, {{"dim", 1}}, hints_.cat);
         packed = x.value("flatten", {cat}, {}, hints_.pack);
@@ -719,6 +761,7 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
         packed = x.value("bucket_pack", sources, {{"group_size", 1}}, hints_.pack);
       } else {
         std::vector<Value*> parts;
+        parts.reserve(members.size());
         for (const Entry* m : members) parts.push_back(flat(m->source()));
         packed = x.value("cat", parts, {{"dim", 0}}, hints_.pack);
       }
@@ -732,13 +775,16 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
 // The merged wait and the unpacking: one value per member, of exactly its wait's type.
 std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll,
                                           const std::vector<Entry*>& members, DType bucket) {
+  const MemberOps& ops = member_ops();
   Value* w = y.value("wait_tensor", {coll->result(0)}, {}, hints_.wait);
   std::vector<int64_t> sizes;
+  sizes.reserve(members.size());
   std::vector<Value*> out;
+  out.reserve(members.size());
   auto finish_block = [&](Value* v, const Entry* m) {
     const Type& want = m->wait->result(0)->type();
     if (v->type().shape != want.shape) {
-      v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>(want.shape)}}, hints_.out);
+      v = y.value(ops.reshape, {v}, attrs1(std::vector<int64_t>(want.shape)), hints_.out);
     }
     out.push_back(v);
   };
@@ -760,13 +806,13 @@ std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll,
       if (m->out_dtype != bucket && sizes[i] == 0) {
         // An empty block: flattened first, since no stride of an empty 2-D block is meaningful
         // to view_dtype (the data dependency on the wait is kept all the same).
-        v = y.value("reshape", {v}, {{"shape", std::vector<int64_t>{0}}}, hints_.flat);
-        v = y.value("clone", {v}, {}, hints_.copy);
-        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, hints_.view);
+        v = y.value(ops.reshape, {v}, attrs1(std::vector<int64_t>{0}), hints_.flat);
+        v = y.value(ops.clone, {v}, {}, hints_.copy);
+        v = y.value(ops.view_dtype, {v}, attrs1(m->out_dtype), hints_.view);
       } else if (m->out_dtype != bucket) {
         // A column block is strided; copy it so the bytes can be read as the member's dtype.
-        v = y.value("clone", {v}, {}, hints_.copy);
-        v = y.value("view_dtype", {v}, {{"dtype", m->out_dtype}}, hints_.view);
+        v = y.value(ops.clone, {v}, {}, hints_.copy);
+        v = y.value(ops.view_dtype, {v}, attrs1(m->out_dtype), hints_.view);
       }
       finish_block(v, m);
     }
@@ -803,20 +849,20 @@ void Bucketer::key_new_nodes(const std::vector<Node*>& first_nodes,
   for (Node* n : first_nodes) order_.add(n);
   for (Node* n : second_nodes) order_.add(n);
   auto is_new = [&](const Node* n) { return n && order_.id(n) >= base; };
-  std::vector<uint8_t>& done = keyed_;
-  done.assign(order_.id_bound() - base, 0);
+  // A new node's key is kMinKey until it is keyed (rekey and relabel never hand that key out).
   for (const std::vector<Node*>* nodes : {&first_nodes, &second_nodes}) {
     for (Node* n : *nodes) {
-      if (done[order_.id(n) - base]) continue;
+      if (order_.key(n) != kMinKey) continue;
+      size_t count = 1;
       Node* first = n;
-      while (is_new(first->prev())) first = first->prev();
-      Node* last = n;
-      while (is_new(last->next())) last = last->next();
-      size_t count = 0;
-      for (Node* k = first;; k = k->next()) {
-        done[order_.id(k) - base] = 1;
+      while (is_new(first->prev())) {
+        first = first->prev();
         ++count;
-        if (k == last) break;
+      }
+      Node* last = n;
+      while (is_new(last->next())) {
+        last = last->next();
+        ++count;
       }
       order_.rekey(first, last, count);
     }
@@ -832,7 +878,12 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   Node* lo_node = nullptr;
   int64_t hi = kMaxKey;
   Node* hi_node = nullptr;
+  // The members' collective and wait keys, read once here for the two scans below.
+  std::vector<std::pair<int64_t, int64_t>>& keys = member_keys_;
+  keys.clear();
+  keys.reserve(members.size());
   for (const Entry* m : members) {
+    keys.emplace_back(order_.key(m->coll), order_.key(m->wait));
     const int64_t k = order_.def_key(m->source());
     if (k > lo) {
       lo = k;
@@ -850,11 +901,11 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   if (lo >= hi) return false;
   int64_t c_key = kMinKey;
   Node* c_node = nullptr;
-  for (const Entry* m : members) {
-    const int64_t k = order_.key(m->coll);
+  for (size_t i = 0; i < members.size(); ++i) {
+    const int64_t k = keys[i].first;
     if (k < hi && k > c_key) {
       c_key = k;
-      c_node = m->coll;
+      c_node = members[i]->coll;
     }
   }
   FUNCOL_CHECK(c_node != nullptr, "bucketing: no member before the first consumer");
@@ -864,11 +915,11 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   }
   int64_t w_key = hi;
   Node* w_node = hi_node;
-  for (const Entry* m : members) {
-    const int64_t k = order_.key(m->wait);
+  for (size_t i = 0; i < members.size(); ++i) {
+    const int64_t k = keys[i].second;
     if (k > c_key && k < w_key) {
       w_key = k;
-      w_node = m->wait;
+      w_node = members[i]->wait;
     }
   }
   Node* x_anchor = c_node->next();

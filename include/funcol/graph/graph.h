@@ -1,13 +1,16 @@
 // The graph IR: SSA graphs of op nodes over typed values, with use-lists for passes (DESIGN §5).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "funcol/graph/ops.h"
@@ -17,6 +20,91 @@ namespace funcol {
 
 class Graph;
 class Node;
+
+namespace detail {
+
+// A vector of trivially copyable T that keeps up to N elements in the object itself and moves
+// to the heap beyond that: operand and use lists, most of which are short, then cost no
+// allocation. Only what the graph needs.
+template <typename T, uint32_t N>
+class SmallVec {
+  static_assert(std::is_trivially_copyable_v<T> && N > 0);
+
+ public:
+  SmallVec() = default;
+  SmallVec(const SmallVec&) = delete;
+  SmallVec& operator=(const SmallVec&) = delete;
+  SmallVec(SmallVec&& other) noexcept { take(other); }
+  SmallVec& operator=(SmallVec&& other) noexcept {
+    if (this != &other) {
+      free_heap();
+      take(other);
+    }
+    return *this;
+  }
+  ~SmallVec() { free_heap(); }
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* data() { return heap_ ? heap_ : inline_; }
+  const T* data() const { return heap_ ? heap_ : inline_; }
+  T* begin() { return data(); }
+  T* end() { return data() + size_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size_; }
+  T& operator[](size_t i) { return data()[i]; }
+  const T& operator[](size_t i) const { return data()[i]; }
+  T& back() { return data()[size_ - 1]; }
+  operator std::span<const T>() const { return {data(), size_}; }
+
+  void push_back(const T& value) {
+    if (size_ == cap_) grow(size_t{cap_} + 1);
+    data()[size_++] = value;
+  }
+  void pop_back() { --size_; }
+  // Keeps the storage.
+  void clear() { size_ = 0; }
+  // Replaces the contents with `values`.
+  void assign(std::span<const T> values) {
+    if (values.size() > cap_) grow(values.size());
+    if (!values.empty()) std::memcpy(data(), values.data(), values.size() * sizeof(T));
+    size_ = static_cast<uint32_t>(values.size());
+  }
+
+ private:
+  T* heap_ = nullptr;  // null: the elements are in inline_
+  uint32_t size_ = 0;
+  uint32_t cap_ = N;
+  T inline_[N];
+
+  void grow(size_t want) {
+    const size_t cap = std::max<size_t>(want, 2 * size_t{cap_});
+    T* fresh = std::allocator<T>().allocate(cap);
+    if (size_) std::memcpy(fresh, data(), size_ * sizeof(T));
+    free_heap();
+    heap_ = fresh;
+    cap_ = static_cast<uint32_t>(cap);
+  }
+  void free_heap() {
+    if (heap_) std::allocator<T>().deallocate(heap_, cap_);
+    heap_ = nullptr;
+    cap_ = N;
+  }
+  void take(SmallVec& other) {
+    size_ = other.size_;
+    if (other.heap_) {
+      heap_ = other.heap_;
+      cap_ = other.cap_;
+    } else if (size_) {
+      std::memcpy(inline_, other.inline_, size_ * sizeof(T));
+    }
+    other.heap_ = nullptr;
+    other.cap_ = N;
+    other.size_ = 0;
+  }
+};
+
+}  // namespace detail
 
 // One use of a value: operand `index` of `user`, or (user == nullptr) graph output `index`.
 struct Use {
@@ -61,7 +149,7 @@ class Value {
   Node* node_ = nullptr;
   uint32_t index_ = 0;
   SourceLoc loc_;
-  std::vector<Use> uses_;
+  detail::SmallVec<Use, 1> uses_;  // one use (the commonest case) without an allocation
   const std::string* input_name_ = nullptr;  // graph inputs only (owned by the graph)
 };
 
@@ -80,7 +168,7 @@ class Node {
   SourceLoc loc() const { return loc_; }
 
   // ---- operands ----
-  std::span<Value* const> operands() const { return operands_; }
+  std::span<Value* const> operands() const { return {operands_.data(), operands_.size()}; }
   size_t num_operands() const { return operands_.size(); }
   Value* operand(size_t i) const { return operands_[i]; }
   // Replaces operand i (keeps use-lists right). The caller keeps types consistent.
@@ -126,7 +214,7 @@ class Node {
   mutable int64_t order_ = 0;
   SourceLoc loc_;
   std::string name_;
-  std::vector<Value*> operands_;
+  detail::SmallVec<Value*, 2> operands_;  // up to two without an allocation
   // Where operand i's Use sits in its value's use-list (O(1) removal): inline for the first
   // two operands (most nodes), then in use_pos_more_[i - 2].
   uint32_t use_pos_inline_[2] = {0, 0};
@@ -290,6 +378,14 @@ class Graph {
   // open-addressing table: one flat array, no allocation per name (graph.cc).
   class NameTable;
   std::unique_ptr<NameTable> names_;
+  // Storage of the nodes: blocks of node-sized slots, and the slots of erased nodes on a free
+  // list, so creating and erasing nodes (which passes do by the hundred thousand) seldom calls
+  // malloc. Sanitizer builds allocate each node on its own instead (graph.cc).
+  struct NodeSlot;
+  std::vector<std::unique_ptr<NodeSlot[]>> node_blocks_;
+  size_t block_used_ = 0;  // slots handed out from the last block
+  size_t block_size_ = 0;  // slots in the last block
+  NodeSlot* free_slots_ = nullptr;
 
   void add_use(Value* value, Use use);
   void remove_use(Value* value, Use use);
@@ -299,6 +395,9 @@ class Graph {
   void link_before(Node* node, Node* before);
   void unlink(Node* node);
   void claim_name(std::string_view name, Definition entry);
+  void* allocate_node();
+  void release_node(void* slot);
+  void destroy_node(Node* node);
   Node* new_node(const OpDef& op, std::vector<Value*> operands, std::vector<Attr> attrs,
                  std::vector<Type> types, std::string name, SourceLoc loc);
 };
