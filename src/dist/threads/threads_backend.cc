@@ -10,14 +10,17 @@
 // Nobody owns an op's execution: the thread that makes it eligible (the last rank to issue it,
 // or the thread that completed the op ahead of it) runs it at once, and every thread that waits
 // on an op helps: the work is cut into chunks (32-64 KiB; one chunk below 32 KiB, where moving
-// cache lines between cores costs more than the copy) claimed through an atomic counter, and
-// each chunk reads the peers' buffers directly and writes every destination (all_reduce: reduce
-// the chunk of all inputs, in rank order, into rank 0's buffer and copy it to the others). No
-// staging copies, no communication threads, no handoff when the caller waits at once. Outputs
-// stay pending on the Op (attached to their Storage) until the last chunk finished.
+// cache lines between cores costs more than the copy) claimed through atomic cursors, one per
+// member over its own range of chunks (a rank takes its range first, then what is left of the
+// others'), and each chunk reads the peers' buffers directly and writes every destination
+// (all_reduce: reduce the chunk of all inputs, in rank order, into rank 0's buffer and copy it
+// to the others). No staging copies, no communication threads, no handoff when the caller
+// waits at once. Outputs stay pending on the Op (attached to their Storage) until the last
+// chunk finished.
 //
 // Failure is never a hang: waits spin a few µs, yield, then sleep with the op's deadline
-// (issue time + timeout); a departed rank fails every op it has not joined at once.
+// (issue time + timeout); a departed rank fails every op it has not joined at once. The short
+// critical sections of joining and queueing use a spin-then-yield-then-nap lock (SpinMutex).
 #include "threads/threads_backend.h"
 
 #include <fmt/format.h>
@@ -32,8 +35,9 @@
 #endif
 #include <deque>
 #include <map>
-#include <utility>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -46,7 +50,12 @@
 namespace funcol::threads_detail {
 
 using Clock = std::chrono::steady_clock;
+using dist_detail::Backoff;
 using dist_detail::format_ranks;
+
+// The global rank this thread last issued a collective as (-1: none): where it starts taking
+// chunks of a running op (see Op::claim).
+thread_local int tl_rank = -1;
 
 // Work granularity: at most 64 KiB, which keeps a chunk in L2 (reduce then copy re-reads it
 // from cache) and makes the atomic claim (~100 ns) negligible next to the copy (~5 µs). Mid-size
@@ -137,6 +146,39 @@ class InlineVec {
   std::array<T, N> inline_{};
   std::vector<T> heap_;
   size_t size_ = 0;
+};
+
+// A lock for the short critical sections of joining and queueing (a few hundred ns, no
+// syscalls inside): ranks issuing the same collective contend for it at the same moment, and a
+// std::mutex then parks the loser in the kernel (futex wait + wake cost several µs, more than
+// the whole collective). The loser spins briefly, then yields (an oversubscribed holder gets
+// the core), then sleeps in short naps: never an unbounded spin.
+class SpinMutex {
+ public:
+  void lock() {
+    if (!locked_.exchange(true, std::memory_order_acquire)) return;
+    lock_slow();
+  }
+  void unlock() { locked_.store(false, std::memory_order_release); }
+
+ private:
+  void lock_slow() {
+    for (int attempt = 0;; ++attempt) {
+      if (attempt < 256) {
+        dist_detail::cpu_relax();
+      } else if (attempt < 256 + 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      if (!locked_.load(std::memory_order_relaxed) &&
+          !locked_.exchange(true, std::memory_order_acquire)) {
+        return;
+      }
+    }
+  }
+
+  std::atomic<bool> locked_{false};
 };
 
 enum class OpKind : uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Barrier };
@@ -293,6 +335,17 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   int num_chunks_ = 0;
   bool stream_ = false;  // copy with streaming stores (big collectives)
   std::vector<int64_t> a2a_in_off_, a2a_out_off_;  // bytes, [src * n + dst] / [dst * n + src]
+  // Chunks are handed out from one cursor per member over a contiguous range of them (the
+  // member's own blocks for all_gather/reduce_scatter/all_to_all, its share of all_reduce):
+  // each rank starts with its range, so the same rank handles the same bytes in every call
+  // (they stay in its cache, and two ranks never pull the same lines back and forth), then
+  // takes what is left of the others' ranges. One cursor (next_chunk_) when at most one chunk.
+  struct alignas(64) Cursor {
+    std::atomic<int> next{0};
+    int end = 0;
+  };
+  std::unique_ptr<Cursor[]> cursors_;
+  int num_cursors_ = 0;
   std::atomic<int> next_chunk_{0};
   std::atomic<int> done_chunks_{0};
   std::mutex error_mu_;
@@ -302,9 +355,30 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   void plan();
   void run_chunk(int c);
   void run_piece(const Piece& p);
+  // Only once the plan is visible (state_ kRunning seen, or under running_mu_).
   bool has_chunks_left() const {
-    return next_chunk_.load(std::memory_order_relaxed) < num_chunks_;
+    if (num_cursors_ == 0) return next_chunk_.load(std::memory_order_relaxed) < num_chunks_;
+    for (int i = 0; i < num_cursors_; ++i) {
+      if (cursors_[i].next.load(std::memory_order_relaxed) < cursors_[i].end) return true;
+    }
+    return false;
   }
+  // The next chunk for the calling thread to run, or -1 when none is left.
+  int claim() {
+    if (num_cursors_ == 0) {
+      int c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
+      return c < num_chunks_ ? c : -1;
+    }
+    const int home = home_cursor();
+    for (int i = 0; i < num_cursors_; ++i) {
+      Cursor& cur = cursors_[(home + i) % num_cursors_];
+      if (cur.next.load(std::memory_order_relaxed) >= cur.end) continue;
+      int c = cur.next.fetch_add(1, std::memory_order_relaxed);
+      if (c < cur.end) return c;
+    }
+    return -1;
+  }
+  int home_cursor() const;
 };
 
 // The state of one group shared by its members: name, ranks and the ops not yet joined by all.
@@ -312,7 +386,7 @@ struct SharedGroup {
   int id = 0;
   std::string name;
   std::vector<int> global_ranks;
-  std::mutex mu;
+  SpinMutex mu;
   // Ops not yet joined by every member, at seq - pending_base (null: not created yet, or
   // joined by all). Sequence numbers are dense, so a deque window beats a map.
   std::deque<std::shared_ptr<Op>> pending;
@@ -340,7 +414,7 @@ struct QueueEntry {
 
 // One rank: its ordered queue of unfinished collectives and whether it departed.
 struct RankState {
-  std::mutex mu;
+  SpinMutex mu;
   std::deque<QueueEntry> queue;
   // queue.size(), readable without mu: a completer skips locking a rank whose queue holds
   // nothing behind the op it completed (the rank pops it itself on its next push).
@@ -518,6 +592,22 @@ void Op::plan() {
   }
   num_chunks_ = static_cast<int>(chunk_starts_.size());
   chunk_starts_.push_back(static_cast<uint32_t>(pieces_.size()));
+  if (num_chunks_ > 1) {
+    const int nc = std::min(n, num_chunks_);
+    cursors_ = std::make_unique<Cursor[]>(static_cast<size_t>(nc));
+    for (int k = 0; k < nc; ++k) {
+      cursors_[k].next.store(static_cast<int>(int64_t{num_chunks_} * k / nc),
+                             std::memory_order_relaxed);
+      cursors_[k].end = static_cast<int>(int64_t{num_chunks_} * (k + 1) / nc);
+    }
+    num_cursors_ = nc;
+  }
+}
+
+int Op::home_cursor() const {
+  const std::vector<int>& ranks = group_->global_ranks;
+  auto it = std::find(ranks.begin(), ranks.end(), tl_rank);
+  return it == ranks.end() ? 0 : static_cast<int>(it - ranks.begin()) % num_cursors_;
 }
 
 void Op::run_chunk(int c) {
@@ -600,6 +690,7 @@ void World::start(const std::shared_ptr<Op>& op, OpList& ready) {
     op->chunk_error_ = std::current_exception();
     op->pieces_.clear();
     op->num_chunks_ = 0;
+    op->num_cursors_ = 0;
   }
   if (op->num_chunks_ == 0) {
     op->state_.store(kRunning, std::memory_order_release);
@@ -622,8 +713,8 @@ void World::start(const std::shared_ptr<Op>& op, OpList& ready) {
 
 void World::work(const std::shared_ptr<Op>& op, OpList& ready) {
   for (;;) {
-    int c = op->next_chunk_.fetch_add(1, std::memory_order_relaxed);
-    if (c >= op->num_chunks_) return;
+    int c = op->claim();
+    if (c < 0) return;
     try {
       op->run_chunk(c);
     } catch (...) {
@@ -668,7 +759,7 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
 
 void World::advance(int global_rank, OpList& ready) {
   RankState& rs = *ranks_[global_rank];
-  std::lock_guard<std::mutex> lock(rs.mu);
+  std::lock_guard<SpinMutex> lock(rs.mu);
   advance_locked(rs, ready);
 }
 
@@ -694,7 +785,7 @@ void World::push(int global_rank, int member, const std::shared_ptr<Op>& op) {
   OpList ready;
   {
     RankState& rs = *ranks_[global_rank];
-    std::lock_guard<std::mutex> lock(rs.mu);
+    std::lock_guard<SpinMutex> lock(rs.mu);
     rs.queue.push_back({op, member});
     rs.queued.fetch_add(1, std::memory_order_acq_rel);  // see complete()
     advance_locked(rs, ready);
@@ -737,7 +828,7 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message) {
   std::vector<std::shared_ptr<Storage>> keep;
   std::vector<int> joined;
   {
-    std::lock_guard<std::mutex> lock(op->group_->mu);
+    std::lock_guard<SpinMutex> lock(op->group_->mu);
     for (int m = 0; m < op->size_; ++m) {
       for (auto& s : op->members_[m].post.keep) keep.push_back(std::move(s));
       op->members_[m].post.keep.clear();
@@ -766,7 +857,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
   std::shared_ptr<Op> op;
   std::string failure;
   {
-    std::lock_guard<std::mutex> lock(group.mu);
+    std::lock_guard<SpinMutex> lock(group.mu);
     std::shared_ptr<Op>& slot = group.pending_slot(seq);
     if (!slot) {
       slot = std::make_shared<Op>(this, &group, seq, post.kind, post.coalesced,
@@ -852,7 +943,7 @@ void World::depart(int rank, const std::string& reason) {
   for (SharedGroup* g : groups) {
     std::vector<std::pair<std::shared_ptr<Op>, std::string>> victims;
     {
-      std::lock_guard<std::mutex> lock(g->mu);
+      std::lock_guard<SpinMutex> lock(g->mu);
       int member = static_cast<int>(
           std::find(g->global_ranks.begin(), g->global_ranks.end(), rank) - g->global_ranks.begin());
       for (auto& op : g->pending) {
@@ -872,7 +963,7 @@ void World::drain(int rank) {
   std::vector<std::shared_ptr<Op>> ops;
   {
     RankState& rs = *ranks_[rank];
-    std::lock_guard<std::mutex> lock(rs.mu);
+    std::lock_guard<SpinMutex> lock(rs.mu);
     for (auto& e : rs.queue) ops.push_back(e.op);
   }
   for (auto& op : ops) {
@@ -889,7 +980,7 @@ std::string World::timeout_message(Op& op) {
   std::vector<int> missing;
   std::vector<std::pair<int, int>> members;  // (member, global rank) of joined members
   {
-    std::lock_guard<std::mutex> lock(op.group_->mu);
+    std::lock_guard<SpinMutex> lock(op.group_->mu);
     for (int m = 0; m < op.size_; ++m) {
       if (!op.members_[m].joined) {
         missing.push_back(op.group_->global_ranks[m]);
@@ -906,7 +997,7 @@ std::string World::timeout_message(Op& op) {
   std::string blockers;
   for (auto [m, r] : members) {
     RankState& rs = *ranks_[r];
-    std::lock_guard<std::mutex> lock(rs.mu);
+    std::lock_guard<SpinMutex> lock(rs.mu);
     if (op.members_[m].head_marked) continue;
     auto it = std::find_if(rs.queue.begin(), rs.queue.end(),
                            [](const QueueEntry& e) { return !e.op->is_completed(); });
@@ -928,7 +1019,7 @@ const std::string& Op::description() const {
 
 void Op::wait() {
   if (!is_completed()) {
-    dist_detail::Backoff backoff;
+    Backoff backoff;
     while (!is_completed()) {
       // Help: take chunks of this op, or of any running op (the one this op waits behind).
       if (state_.load(std::memory_order_acquire) == kRunning && has_chunks_left()) {
@@ -1165,6 +1256,7 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::shared_ptr<Work> issue(Post&& post, const std::vector<const Tensor*>& outputs) {
     uint64_t seq = next_seq_++;
+    tl_rank = global_rank_;
     std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post));
     world_->push(global_rank_, rank(), op);
     // Attach after pushing: when this call completed the op (the usual case for the last rank

@@ -149,6 +149,37 @@ TEST(RunLocalTest, IndependentGroupsOverlap) {
   });
 }
 
+TEST(RunLocalTest, WaiterRunsTheChunksOfAPeerThatDoesNotWait) {
+  // Each rank first takes the chunks of its own range of a big collective; rank 1 issues and
+  // then does not wait until rank 0 saw the result, so rank 0 must run rank 1's range too.
+  for (DType dtype : {DType::F32, DType::I64}) {
+    std::atomic<bool> issued1{false};
+    std::atomic<bool> done0{false};
+    const int64_t numel = (int64_t{1} << 20) / static_cast<int64_t>(itemsize(dtype));
+    run_ranks(2, [&](ProcessGroup& world) {
+      const int r = world.rank();
+      Tensor ar = Tensor::full({numel}, dtype, r + 1);
+      Tensor rs_in = Tensor::full({2 * numel}, dtype, 10 * (r + 1));
+      Tensor rs_out = Tensor::empty({numel}, dtype);
+      if (r == 1) {
+        auto w1 = world.all_reduce(ar, ReduceOp::Sum);
+        auto w2 = world.reduce_scatter(rs_out, rs_in, ReduceOp::Sum);
+        issued1 = true;
+        await(done0);
+        w1->wait();
+        w2->wait();
+      } else {
+        await(issued1);
+        world.all_reduce(ar, ReduceOp::Sum)->wait();
+        world.reduce_scatter(rs_out, rs_in, ReduceOp::Sum)->wait();
+        done0 = true;
+      }
+      EXPECT_EQ(ar.to_vector<double>(), std::vector<double>(numel, 3.0));
+      EXPECT_EQ(rs_out.to_vector<double>(), std::vector<double>(numel, 30.0));
+    });
+  }
+}
+
 TEST(FailureTest, PeerThrowsBeforeJoining) {
   auto start = Clock::now();
   std::string message;
