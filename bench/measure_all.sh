@@ -14,3 +14,5 @@ echo "== train 32x64"; build/bin/funcol train --ranks 4 --layers 32 --hidden 64 
 echo "== train 32x64 no-overlap"; build/bin/funcol train --ranks 4 --layers 32 --hidden 64 --batch 16 --steps 200 --no-overlap --json
 echo "== train 4x1024"; build/bin/funcol train --ranks 4 --layers 4 --hidden 1024 --batch 16 --steps 20 --json
 echo "== uptime"; uptime
+for b in mpi gloo; do echo "== train 32x64 --backend $b"; build/bin/funcol train --ranks 4 --layers 32 --hidden 64 --batch 16 --steps 50 --backend $b --json; done
+echo "== uptime"; uptime
