@@ -173,6 +173,67 @@ TEST(Graph, FreshNamesAndLookup) {
   EXPECT_FALSE(Graph::is_valid_name("p#1"));
 }
 
+// Counter names ("n.3") and explicit names that look like them share one namespace, in any
+// order of creation; erased names become free again.
+TEST(Graph, CounterNamesAndExplicitNumberedNamesNeverClash) {
+  Small s;
+  Builder b(*s.g);
+  b.set_name_hint("n.2");  // explicit, before the counter gets there
+  Value* taken = b.value("neg", {s.x});
+  EXPECT_EQ(taken->name(), "n.2");
+  EXPECT_EQ(s.g->fresh_name("n"), "n.1");
+  EXPECT_EQ(s.g->fresh_name("n"), "n.3");  // n.2 is taken: skipped
+  b.set_name_hint("n");
+  Value* counted = b.value("neg", {s.x});
+  EXPECT_EQ(counted->name(), "n.4");
+  // An explicit name equal to a counter name in use is rejected, and taken once free.
+  EXPECT_THROW(s.g->add_input("n.4", Type(DType::F32, {})), InvalidArgument);
+  s.g->erase(counted->node());
+  EXPECT_EQ(s.g->find_node("n.4"), nullptr);
+  EXPECT_EQ(s.g->add_input("n.4", Type(DType::F32, {}))->name(), "n.4");
+  s.g->erase(taken->node());
+  b.set_name_hint("n.2");
+  EXPECT_EQ(b.value("neg", {s.x})->name(), "n.2");
+  // Far-ahead explicit numbers are skipped by the counter too.
+  b.set_name_hint("v.9");
+  b.value("neg", {s.x});
+  for (int i = 0; i < 12; ++i) EXPECT_NE(s.g->fresh_name("v"), "v.9");
+  verify(*s.g);
+}
+
+// Nodes created and erased in bulk (the node pool reuses erased slots) keep every list and
+// lookup right; long operand and use lists spill past their inline storage.
+TEST(Graph, ManyNodesErasedAndRecreatedAndLongOperandLists) {
+  Small s;
+  Builder b(*s.g);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Value*> made;
+    for (int i = 0; i < 500; ++i) made.push_back(b.value("neg", {s.x}));
+    EXPECT_EQ(s.x->num_uses(), 502u);
+    for (Value* v : made) s.g->erase(v->node());
+    EXPECT_EQ(s.x->num_uses(), 2u);
+    EXPECT_EQ(s.g->num_nodes(), 3u);
+  }
+  std::vector<Value*> parts(40, s.x);
+  Value* c = b.value("cat", parts, {{"dim", 0}});
+  EXPECT_EQ(c->shape(), (Shape{160}));
+  EXPECT_EQ(c->node()->num_operands(), 40u);
+  EXPECT_EQ(s.x->num_uses(), 42u);
+  for (size_t i = 0; i < 40; ++i) EXPECT_EQ(c->node()->operand(i), s.x);
+  // Moving every use (operands past the inline ones included) to a value with none.
+  Value* y = s.g->add_input("y", Type(DType::F32, {4}));
+  s.g->replace_all_uses(s.x, y);
+  EXPECT_FALSE(s.x->has_uses());
+  EXPECT_EQ(y->num_uses(), 42u);
+  for (size_t i = 0; i < 40; ++i) EXPECT_EQ(c->node()->operand(i), y);
+  for (const Use& u : y->uses()) {
+    ASSERT_NE(u.user, nullptr);
+    EXPECT_EQ(u.user->operand(u.index), y);
+  }
+  s.g->add_output(c);
+  verify(*s.g);
+}
+
 TEST(Graph, SetAttrAndReinfer) {
   Module m = parse_module(testing_ir::kDesignExample);
   Graph& g = *m.graphs()[0];
