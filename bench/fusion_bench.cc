@@ -1,11 +1,12 @@
 // fusion_bench: bucketed vs unbucketed collectives on the threads, mpi or gloo backend.
 //
 // Usage: fusion_bench [--backend threads|mpi|gloo] [--ranks N] [--iters K] [--mode MODE]
-//                     [--check]
+//                     [--cap-mb C] [--check]
 // For each kind (all_gather, reduce_scatter, all_reduce) and each shape (1000 collectives of
 // 4 KiB, 100 of 256 KiB; the size is each collective's input on one rank), builds a graph of
 // independent collectives, each followed by its wait_tensor, and the same graph after the
-// kind's bucketing pass (default cap: one bucket; --mode picks the packing, default "default").
+// kind's bucketing pass (default cap 2000 MB: one bucket; --cap-mb sets the passes' cap list,
+// e.g. 1 for 1 MB buckets; --mode picks the packing, default "default").
 // Every rank runs both graphs through its own Executor, interleaved, K times after two warm-up
 // runs; an iteration's time is the slowest rank's wall time for that run (ranks start each
 // run after a barrier; the per-rank times are combined with an all_reduce max). Reports the
@@ -55,6 +56,7 @@ struct Options {
   bool ranks_given = false;
   int iters = 20;
   funcol::BucketMode mode = funcol::BucketMode::Default;
+  std::vector<double> cap_mb{funcol::kDefaultBucketCapMb};  // --cap-mb: the passes' cap list
   bool check = false;
   int fail_rank = -1;  // testing: this rank throws halfway through the first case
 };
@@ -114,9 +116,11 @@ const std::vector<Case>& cases() {
   return kCases;
 }
 
-funcol::BucketOptions bucket_options(const Case& c, funcol::BucketMode mode) {
+funcol::BucketOptions bucket_options(const Case& c, funcol::BucketMode mode,
+                                     const std::vector<double>& cap_mb) {
   funcol::BucketOptions opts;
   opts.kind = c.kind;
+  opts.cap_mb = cap_mb;
   opts.mode = c.kind == funcol::CollectiveKind::AllGather ? mode
               : funcol::is_custom_ops(mode)                ? funcol::BucketMode::CustomOps
                                                            : funcol::BucketMode::Default;
@@ -131,7 +135,7 @@ CaseResult run_case(funcol::ProcessGroup& world, const Case& c, const Options& o
   // Each rank owns its graphs (graphs are not shared across threads).
   const auto plain = funcol::parse_graph(text);
   auto bucketed = funcol::parse_graph(text);
-  funcol::bucket_collectives(*bucketed, bucket_options(c, o.mode));
+  funcol::bucket_collectives(*bucketed, bucket_options(c, o.mode, o.cap_mb));
   funcol::Executor ex_plain(*plain, world);
   funcol::Executor ex_bucket(*bucketed, world);
   const auto inputs = funcol::make_inputs(*plain, 1, world.rank());
@@ -192,9 +196,10 @@ CaseResult run_case(funcol::ProcessGroup& world, const Case& c, const Options& o
 
 void print_header(const Options& o, int ranks) {
   std::printf(
-      "# %s backend, %d ranks, %d iterations, mode %s; time = median over iterations "
-      "of the slowest rank\n",
-      o.backend.c_str(), ranks, o.iters, std::string(funcol::bucket_mode_name(o.mode)).c_str());
+      "# %s backend, %d ranks, %d iterations, mode %s, cap-mb %s; time = median over "
+      "iterations of the slowest rank\n",
+      o.backend.c_str(), ranks, o.iters, std::string(funcol::bucket_mode_name(o.mode)).c_str(),
+      funcol::format_cap_mb(o.cap_mb).c_str());
   std::printf("%-15s %6s %8s %14s %14s %9s %7s %4s %9s\n", "collective", "count", "bytes",
               "unbucketed_ms", "bucketed_ms", "speedup", "target", "met", "identical");
   std::fflush(stdout);
@@ -314,7 +319,8 @@ int launch(const Options& o) {
     std::vector<std::string> a = {"--backend", o.backend,
                                   "--ranks",   std::to_string(o.ranks),
                                   "--iters",   std::to_string(o.iters),
-                                  "--mode",    std::string(funcol::bucket_mode_name(o.mode))};
+                                  "--mode",    std::string(funcol::bucket_mode_name(o.mode)),
+                                  "--cap-mb",  funcol::format_cap_mb(o.cap_mb)};
     if (o.check) a.emplace_back("--check");
     if (o.fail_rank >= 0) a.insert(a.end(), {"--fail-rank", std::to_string(o.fail_rank)});
     return a;
@@ -329,7 +335,7 @@ int launch(const Options& o) {
 
 constexpr const char* kUsage =
     "usage: fusion_bench [--backend threads|mpi|gloo] [--ranks N] [--iters K] [--mode M] "
-    "[--check]\n";
+    "[--cap-mb C] [--check]\n";
 
 }  // namespace
 
@@ -348,6 +354,8 @@ int main(int argc, char** argv) {
         o.iters = std::max(1, std::atoi(argv[++i]));
       } else if (!std::strcmp(argv[i], "--mode") && i + 1 < argc) {
         o.mode = funcol::parse_bucket_mode(argv[++i]);
+      } else if (!std::strcmp(argv[i], "--cap-mb") && i + 1 < argc) {
+        o.cap_mb = funcol::parse_cap_mb(argv[++i]);
       } else if (!std::strcmp(argv[i], "--fail-rank") && i + 1 < argc) {
         o.fail_rank = std::atoi(argv[++i]);
       } else {
