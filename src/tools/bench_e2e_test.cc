@@ -29,6 +29,7 @@ namespace {
 
 using funcol::tools::e2e::alive;
 using funcol::tools::e2e::eventually;
+using funcol::tools::e2e::process_backends;
 using funcol::tools::e2e::slurp;
 
 struct Result {
@@ -151,17 +152,6 @@ TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
 }
 
 // ---- process backends: funcol bench starts the job itself (mpirun, or gloo processes) ----
-
-std::vector<std::string> process_backends() {
-  std::vector<std::string> b;
-#ifdef FUNCOL_WITH_GLOO
-  b.push_back("gloo");
-#endif
-#ifdef FUNCOL_WITH_MPI
-  b.push_back("mpi");
-#endif
-  return b;
-}
 
 // A bounded collective timeout for the ranks the commands below start, so a hang fails.
 class BenchProcessE2E : public ::testing::Test {

@@ -14,6 +14,7 @@
 #include <iterator>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace funcol::tools::e2e {
 
@@ -41,6 +42,19 @@ inline bool eventually(const std::function<bool()>& cond, int seconds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return cond();
+}
+
+// The process backends compiled into this test (its target defines FUNCOL_WITH_GLOO and
+// FUNCOL_WITH_MPI as the build does).
+inline std::vector<std::string> process_backends() {
+  std::vector<std::string> b;
+#ifdef FUNCOL_WITH_GLOO
+  b.push_back("gloo");
+#endif
+#ifdef FUNCOL_WITH_MPI
+  b.push_back("mpi");
+#endif
+  return b;
 }
 
 // What a shell command did.

@@ -85,12 +85,7 @@ const char* const kGraph = R"(graph @g(%x: i32[6], %y: i64[4]) {
 
 std::vector<std::string> backends() {
   std::vector<std::string> b = {"threads"};
-#ifdef FUNCOL_WITH_GLOO
-  b.push_back("gloo");
-#endif
-#ifdef FUNCOL_WITH_MPI
-  b.push_back("mpi");
-#endif
+  for (const std::string& p : e2e::process_backends()) b.push_back(p);
   return b;
 }
 

@@ -45,13 +45,7 @@ TEST(TrainE2e, JsonLineLossFallsWeightsMatchReference) {
 // The same training as a job of processes: the reference and the bucketing counts agree with
 // the threads backend's, and no rank is left behind.
 TEST(TrainE2e, MpiAndGlooJobsTrainTheSameModel) {
-  std::vector<std::string> backends;
-#ifdef FUNCOL_WITH_MPI
-  backends.push_back("mpi");
-#endif
-#ifdef FUNCOL_WITH_GLOO
-  backends.push_back("gloo");
-#endif
+  const std::vector<std::string> backends = funcol::tools::e2e::process_backends();
   if (backends.empty()) GTEST_SKIP() << "neither mpi nor gloo is compiled into this build";
   const std::string args =
       "--ranks 2 --layers 4 --hidden 16 --batch 8 --steps 10 --lr 0.05 --json --backend ";
