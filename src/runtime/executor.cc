@@ -219,8 +219,8 @@ struct Executor::Impl {
   }
 
   void plan();
-  size_t lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
-                       const std::unordered_map<const Node*, uint32_t>& step_of);
+  void lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
+                     const std::unordered_map<const Node*, uint32_t>& step_of);
   std::vector<Tensor> run(std::vector<Tensor> inputs);
   template <bool kObserve>
   void run_steps(size_t& cur);
@@ -765,8 +765,10 @@ bool match_scatter_chain(const Node& bucket, int64_t group_size, Chain& c) {
 // the collective's operands become the members, the packing and unpacking nodes Skip steps, the
 // nodes that produce the members' results Take steps. Runs before last uses are computed, so
 // members live until the collective and the skipped values are never materialised.
-size_t Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
-                                     const std::unordered_map<const Node*, uint32_t>& step_of) {
+void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
+                                   const std::unordered_map<const Node*, uint32_t>& step_of) {
+  // marked[slot] == s + 1: the slot is already a member of step s (a member listed twice).
+  std::vector<uint32_t> marked(num_slots, 0);
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
     if (st.kind != StepKind::Collective || st.op->variadic != (st.op->pack != nullptr) ||
@@ -789,9 +791,8 @@ size_t Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint
     st.copy_operands = false;
     for (const Value* m : c.members) {
       const uint32_t slot = slot_of.at(m);
-      for (uint32_t i = st.operands_begin; i < operand_slots.size(); ++i) {
-        if (operand_slots[i] == slot) st.copy_operands = true;
-      }
+      if (marked[slot] == s + 1) st.copy_operands = true;
+      marked[slot] = s + 1;
       operand_slots.push_back(slot);
     }
     for (const Node* n : c.skip) {
@@ -809,7 +810,6 @@ size_t Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint
       next += take.num_results;
     }
   }
-  return buckets.size();
 }
 
 std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
