@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <functional>
+
 #include "funcol/core/error.h"
 
 namespace funcol::dist_detail {
@@ -155,6 +158,62 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   if (outputs != inputs) {
     throw InvalidArgument(
         fmt::format("{}: {} outputs but {} inputs (the lists must pair up)", op, outputs, inputs));
+  }
+}
+
+void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                           ReduceOp reduce_op) {
+  constexpr std::string_view kOp = "all_reduce_coalesced_into";
+  check_coalesced_lists(kOp, outputs.size(), inputs.size());
+  // Byte ranges of the tensors, an in-place pair counted once as its output.
+  struct Range {
+    const Storage* storage;
+    size_t begin, end;
+    size_t index;
+    bool output;
+  };
+  std::vector<Range> ranges;
+  ranges.reserve(2 * outputs.size());
+  auto range = [](const Tensor& t, size_t i, bool output) {
+    const size_t begin = static_cast<size_t>(t.storage_offset()) * t.itemsize();
+    return Range{t.storage().get(), begin, begin + t.nbytes(), i, output};
+  };
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& out = outputs[i];
+    const Tensor& in = inputs[i];
+    check_buffer(kOp, out, fmt::format("output {}", i));
+    check_buffer(kOp, in, fmt::format("input {}", i));
+    check_same_dtype(kOp, out, fmt::format("output {}", i), in, fmt::format("input {}", i));
+    check_reduce(kOp, reduce_op, in.dtype());
+    if (out.numel() != in.numel()) {
+      throw ShapeError(fmt::format("{}: output {} numel ({}) does not match input {} numel ({})",
+                                   kOp, i, out.numel(), i, in.numel()));
+    }
+    if (out.numel() == 0) continue;
+    Range o = range(out, i, true);
+    Range n = range(in, i, false);
+    ranges.push_back(o);
+    if (n.storage != o.storage || n.begin != o.begin) ranges.push_back(n);
+  }
+  // In begin order, a range overlaps an earlier one iff it starts before the largest end so
+  // far; inputs may overlap each other (they are only read), nothing may overlap an output.
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.storage != b.storage ? std::less<>()(a.storage, b.storage) : a.begin < b.begin;
+  });
+  const Range* last_any = nullptr;     // largest end in this storage
+  const Range* last_output = nullptr;  // largest end of an output in this storage
+  auto name = [](const Range& r) {
+    return fmt::format("{} {}", r.output ? "output" : "input", r.index);
+  };
+  for (const Range& r : ranges) {
+    if (last_any != nullptr && last_any->storage != r.storage) last_any = last_output = nullptr;
+    const Range* hit = r.output ? last_any : last_output;
+    if (hit != nullptr && hit->end > r.begin) {
+      throw InvalidArgument(fmt::format("{}: {} overlaps {} (an output may only be its own input)",
+                                        kOp, name(*hit), name(r)));
+    }
+    if (last_any == nullptr || r.end > last_any->end) last_any = &r;
+    if (r.output && (last_output == nullptr || r.end > last_output->end)) last_output = &r;
   }
 }
 

@@ -150,6 +150,16 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
   return attach(std::move(work), tensors);
 }
 
+std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<Tensor>& outputs,
+                                                              const std::vector<Tensor>& inputs,
+                                                              ReduceOp op) {
+  dist_detail::check_all_reduce_into(outputs, inputs, op);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].data_ptr() != inputs[i].data_ptr()) copy_in(raw_bytes(outputs[i]), inputs[i]);
+  }
+  return all_reduce_coalesced(outputs, op);
+}
+
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                          const std::vector<Tensor>& inputs) {
   dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());

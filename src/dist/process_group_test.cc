@@ -229,6 +229,39 @@ TEST(ArgumentChecksTest, PrimitivesValidateSynchronously) {
         {"rows"});
     expect_error<InvalidArgument>(
         [&] { pg.all_gather_coalesced({f8}, {f4, f4}); }, {"all_gather_coalesced", "1 outputs", "2 inputs"});
+    // all_reduce_coalesced_into: pairs of equal dtype and numel, no output overlapping anything
+    // but its own input.
+    Tensor buf = Tensor::zeros({16}, DType::F32);
+    auto into = [&](std::vector<Tensor> outs, std::vector<Tensor> ins) {
+      pg.all_reduce_coalesced_into(outs, ins, ReduceOp::Sum);
+    };
+    expect_error<InvalidArgument>([&] { into({f4}, {f4, f4}); },
+                                  {"all_reduce_coalesced_into", "1 outputs", "2 inputs"});
+    expect_error<ShapeError>([&] { into({f4}, {f8}); },
+                             {"all_reduce_coalesced_into", "output 0 numel (4)", "input 0 numel (8)"});
+    expect_error<InvalidArgument>([&] { into({f8}, {i8}); }, {"output 0 dtype f32", "input 0 dtype i32"});
+    expect_error<InvalidArgument>([&] { into({strided}, {Tensor::zeros({16}, DType::F32)}); },
+                                  {"output 0 must be contiguous"});
+    expect_error<InvalidArgument>(
+        [&] { into({f4, Tensor::zeros({4}, DType::F32)}, {Tensor::zeros({4}, DType::F32), f4}); },
+        {"all_reduce_coalesced_into", "overlaps", "output 0", "input 1"});
+    expect_error<InvalidArgument>(
+        [&] { into({buf.narrow(0, 0, 8), buf.narrow(0, 4, 8)}, {f8, i8.view_dtype(DType::F32)}); },
+        {"output 0 overlaps output 1"});
+    expect_error<InvalidArgument>([&] { into({buf.narrow(0, 0, 8)}, {buf.narrow(0, 2, 8)}); },
+                                  {"overlaps", "input 0"});
+    // Overlapping inputs are only read, an output may be its own input: both are valid.
+    Tensor shared = Tensor::full({8}, DType::F32, 1);
+    Tensor own = Tensor::full({2}, DType::F32, 3);
+    Tensor o1 = Tensor::empty({8}, DType::F32);
+    Tensor o2 = Tensor::empty({4}, DType::F32);
+    pg.all_reduce_coalesced_into({o1, o2, own}, {shared, shared.narrow(0, 4, 4), own},
+                                 ReduceOp::Sum)
+        ->wait();
+    EXPECT_EQ(o1.to_vector<float>(), std::vector<float>(8, 2.0f));
+    EXPECT_EQ(o2.to_vector<float>(), std::vector<float>(4, 2.0f));
+    EXPECT_EQ(own.to_vector<float>(), std::vector<float>(2, 6.0f));
+    EXPECT_EQ(shared.to_vector<float>(), std::vector<float>(8, 1.0f));
     // Failed validation takes no sequence number: the next collective still matches.
     Tensor t = Tensor::full({3}, DType::F32, 1);
     pg.all_reduce(t, ReduceOp::Sum)->wait();

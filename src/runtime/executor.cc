@@ -414,9 +414,13 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, const uin
     for (const Tensor& t : in) ins.push_back(t.contiguous());
     b.outs.clear();
     for (const Type* t : b.out_types) b.outs.push_back(Tensor::empty(t->shape, t->dtype));
-    work = st.op->collective == CollectiveKind::AllGather
-               ? g.all_gather_coalesced(b.outs, ins)
-               : g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
+    switch (st.op->collective) {
+      case CollectiveKind::AllGather: work = g.all_gather_coalesced(b.outs, ins); break;
+      case CollectiveKind::ReduceScatter:
+        work = g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
+        break;
+      default: work = g.all_reduce_coalesced_into(b.outs, ins, st.reduce_op); break;
+    }
     out[0] = b.outs.front();  // what the wait_tensor of the chain waits on
   } else switch (st.op->collective) {
     case CollectiveKind::AllReduce:
@@ -710,6 +714,26 @@ bool match_gather_chain(const Node& bucket, int64_t group_size, Chain& c) {
   return true;
 }
 
+// The tail of reduce_scatter and all_reduce buckets: wait_tensor, then split_with_sizes{dim 0}
+// whose piece i (the member's result) has numel(x_i) / `divisor` elements of x_i's dtype.
+bool match_split_tail(const Node& bucket, int64_t divisor, Chain& c) {
+  const Node* wait = sole_user(bucket.result(0), "wait_tensor");
+  const Node* split = wait ? sole_user(wait->result(0), "split_with_sizes") : nullptr;
+  if (split == nullptr || split->attr("dim").as_int() != 0 ||
+      split->num_results() != c.members.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < c.members.size(); ++i) {
+    const Type& t = split->result(i)->type();
+    if (t.numel() * divisor != c.members[i]->type().numel() || t.dtype != c.members[i]->dtype()) {
+      return false;
+    }
+    c.out_types.push_back(&t);
+  }
+  c.take.push_back(split);
+  return true;
+}
+
 // reduce_scatter bucket: bucket_pack(x_1..x_k){group_size G}, or reshape(x_i) to [G, m_i],
 // cat{dim 1} and flatten; then reduce_scatter_tensor, wait_tensor and split_with_sizes{dim 0}
 // into m_i (the members' results).
@@ -744,19 +768,36 @@ bool match_scatter_chain(const Node& bucket, int64_t group_size, Chain& c) {
   } else {
     return false;
   }
-  const Node* wait = sole_user(bucket.result(0), "wait_tensor");
-  const Node* split = wait ? sole_user(wait->result(0), "split_with_sizes") : nullptr;
-  if (split == nullptr || split->attr("dim").as_int() != 0 ||
-      split->num_results() != c.members.size()) {
+  return match_split_tail(bucket, group_size, c);
+}
+
+// all_reduce bucket: bucket_pack(x_1..x_k){group_size 1}, or cat{dim 0} of the members, each
+// flattened unless 1-D; then wait_tensor and split_with_sizes{dim 0} into numel(x_i) (which the
+// chain's reshapes view, as they view any tensor).
+bool match_reduce_chain(const Node& bucket, Chain& c) {
+  if (bucket.op_name() != "all_reduce") return false;
+  const Node* pack = bucket.operand(0)->node();
+  if (pack == nullptr || sole_user(pack->result(0), "all_reduce") != &bucket) return false;
+  if (pack->op_name() == "bucket_pack") {
+    if (pack->attr("group_size").as_int() != 1) return false;
+    for (const Value* x : pack->operands()) c.members.push_back(x);
+  } else if (pack->op_name() == "cat" && pack->attr("dim").as_int() == 0) {
+    for (const Value* x : pack->operands()) {
+      const Node* flat = x->node();
+      if (flat != nullptr && flat->op_name() == "flatten" && sole_user(x, "cat") == pack) {
+        c.members.push_back(flat->operand(0));
+        c.skip.push_back(flat);
+      } else if (x->shape().size() == 1) {
+        c.members.push_back(x);
+      } else {
+        return false;
+      }
+    }
+  } else {
     return false;
   }
-  for (size_t i = 0; i < c.members.size(); ++i) {
-    const Type& t = split->result(i)->type();
-    if (t.numel() * group_size != c.members[i]->type().numel()) return false;
-    c.out_types.push_back(&t);
-  }
-  c.take.push_back(split);
-  return true;
+  c.skip.push_back(pack);
+  return match_split_tail(bucket, 1, c);
 }
 
 }  // namespace
@@ -777,12 +818,14 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
     }
     const int64_t g = st.group->size();
     Chain c;
-    const bool gather = st.op->collective == CollectiveKind::AllGather;
-    if (gather ? !match_gather_chain(*st.node, g, c)
-               : st.op->collective != CollectiveKind::ReduceScatter ||
-                     !match_scatter_chain(*st.node, g, c)) {
-      continue;
+    bool matched = false;
+    switch (st.op->collective) {
+      case CollectiveKind::AllGather: matched = match_gather_chain(*st.node, g, c); break;
+      case CollectiveKind::ReduceScatter: matched = match_scatter_chain(*st.node, g, c); break;
+      case CollectiveKind::AllReduce: matched = match_reduce_chain(*st.node, c); break;
+      default: break;
     }
+    if (!matched) continue;
     const auto index = static_cast<uint32_t>(buckets.size());
     buckets.push_back(LoweredBucket{.out_types = std::move(c.out_types), .outs = {}});
     st.bucket = index;

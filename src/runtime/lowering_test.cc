@@ -136,6 +136,55 @@ TEST(LowerBuckets, ScatterBucketDefaultAndPackedModes) {
   EXPECT_EQ(expect_same_either_way(4, packed), 1u);
 }
 
+// The default-mode all-reduce bucket of bucket-all-reduce for f32[3] (1-D: not flattened) and
+// f32[2,3], then the reshape back and a consumer; %b is also an output (read, never written).
+std::string reduce_default(const std::string& op) {
+  return "graph @g(%a: f32[3], %b: f32[2,3]) {\n"
+         "  %bf = flatten(%b)\n"
+         "  %pack = cat(%a, %bf) {dim = 0}\n"
+         "  %bucket = all_reduce(%pack) {reduce_op = \"" + op + "\", group = \"world\"}\n"
+         "  %w = wait_tensor(%bucket)\n"
+         "  %s:2 = split_with_sizes(%w) {split_sizes = [3, 6], dim = 0}\n"
+         "  %o1 = reshape(%s#1) {shape = [2, 3]}\n"
+         "  %y = neg(%o1)\n"
+         "  return %s#0, %y, %b\n"
+         "}\n";
+}
+
+TEST(LowerBuckets, ReduceBucketOfEveryWorldSizeAndOp) {
+  for (int n : {1, 2, 4}) {
+    for (const char* op : {"sum", "avg", "max", "product"}) {
+      EXPECT_EQ(expect_same_either_way(n, reduce_default(op)), 1u) << n << " " << op;
+    }
+  }
+}
+
+TEST(LowerBuckets, PackedReduceBucketAndAMemberTwice) {
+  const std::string packed =
+      "graph @g(%a: i32[5], %b: i32[2,2]) {\n"
+      "  %pack = bucket_pack(%a, %b, %a) {group_size = 1}\n"
+      "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:3 = split_with_sizes(%w) {split_sizes = [5, 4, 5], dim = 0}\n"
+      "  %o1 = reshape(%s#1) {shape = [2, 2]}\n"
+      "  %z = add(%s#0, %s#2)\n"
+      "  return %z, %o1, %a\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(4, packed), 1u);
+  // The pack's group_size must be 1 for an all_reduce; a flatten with another user stays.
+  const std::string flat_used =
+      "graph @g(%a: f32[2,2], %b: f32[3]) {\n"
+      "  %af = flatten(%a)\n"
+      "  %pack = cat(%af, %b) {dim = 0}\n"
+      "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [4, 3], dim = 0}\n"
+      "  %n = neg(%af)\n"
+      "  return %s#0, %s#1, %n\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(2, flat_used), 1u);  // %af itself becomes the member
+}
+
 // A 2-rank gather bucket of f32[3] and f32[4] whose results are %o0 and %o1, then `tail`
 // (more nodes) and `outputs`.
 std::string gather_chain(const std::string& tail, const std::string& outputs) {

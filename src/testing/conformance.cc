@@ -429,23 +429,32 @@ void family_broadcast(Ctx& c, const LargePolicy& large) {
 
 // ---- coalesced ----
 
+// into: out of place (all_reduce_coalesced_into) with tensor 1 in place; the other inputs are
+// checked intact afterwards.
 void run_all_reduce_coalesced(Ctx& c, const std::vector<DType>& dtypes,
-                              const std::vector<int64_t>& counts, ReduceOp op) {
-  std::vector<Tensor> tensors;
+                              const std::vector<int64_t>& counts, ReduceOp op, bool into = false) {
+  std::vector<Tensor> tensors, outputs;
+  std::vector<std::vector<double>> ins;
   for (size_t t = 0; t < dtypes.size(); ++t) {
     std::vector<double> in(counts[t]);
     for (int64_t i = 0; i < counts[t]; ++i) in[i] = reduce_input(dtypes[t], op, c.n, c.r, i + 13 * t);
     tensors.push_back(make(in, {counts[t]}, dtypes[t]));
+    outputs.push_back(into && t != 1 ? Tensor::empty({counts[t]}, dtypes[t]) : tensors.back());
+    ins.push_back(std::move(in));
   }
-  auto work = c.pg.all_reduce_coalesced(tensors, op);
+  auto work = into ? c.pg.all_reduce_coalesced_into(outputs, tensors, op)
+                   : c.pg.all_reduce_coalesced(tensors, op);
+  const char* name = into ? "all_reduce_coalesced_into" : "all_reduce_coalesced";
   for (size_t t = 0; t < dtypes.size(); ++t) {
     std::vector<double> expected(counts[t]);
     for (int64_t i = 0; i < counts[t]; ++i) expected[i] = reduce_expected(dtypes[t], op, c.n, i + 13 * t);
-    expect_values(tensors[t], expected,
-                  c.where(case_name("all_reduce_coalesced", dtypes[t],
-                                    ("tensor " + std::to_string(t) + ", " +
-                                     std::string(reduce_op_name(op))).c_str(),
-                                    counts[t])));
+    const std::string what =
+        "tensor " + std::to_string(t) + ", " + std::string(reduce_op_name(op));
+    expect_values(outputs[t], expected, c.where(case_name(name, dtypes[t], what.c_str(), counts[t])));
+    if (outputs[t].storage() != tensors[t].storage()) {
+      expect_values(tensors[t], ins[t],
+                    c.where(case_name(name, dtypes[t], (what + ", input intact").c_str(), counts[t])));
+    }
   }
   work->wait();
 }
@@ -500,6 +509,7 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
     std::vector<DType> same(counts.size(), dtype);
     for (ReduceOp op : valid_ops(dtype)) {
       run_all_reduce_coalesced(c, same, counts, op);
+      run_all_reduce_coalesced(c, same, counts, op, /*into=*/true);
       run_reduce_scatter_coalesced(c, same, counts, op);
     }
     run_all_gather_coalesced(c, same, counts);
@@ -508,11 +518,13 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
   const std::vector<int64_t> mixed_counts = {1000, 7, 0, 1, 3};
   for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Product}) {
     run_all_reduce_coalesced(c, mixed, mixed_counts, op);
+    run_all_reduce_coalesced(c, mixed, mixed_counts, op, /*into=*/true);
     run_reduce_scatter_coalesced(c, mixed, mixed_counts, op);
   }
   run_all_gather_coalesced(c, mixed, mixed_counts);
   // Empty lists are valid no-ops.
   c.pg.all_reduce_coalesced({}, ReduceOp::Sum)->wait();
+  c.pg.all_reduce_coalesced_into({}, {}, ReduceOp::Sum)->wait();
   c.pg.all_gather_coalesced({}, {})->wait();
   c.pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum)->wait();
   // Reference scenario: int64 reduce_scatter_coalesced of ones(n) and ones(n)+1 -> [n], [2n].

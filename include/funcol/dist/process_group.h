@@ -55,6 +55,14 @@ class ProcessGroup {
   // Coalesced forms: one sequence number and one Work for the whole list.
   virtual std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                                      ReduceOp op);
+  // Out of place: outputs[i] (contiguous, inputs[i]'s dtype and numel) receives the reduction of
+  // every rank's inputs[i]; the inputs are only read. An output may be its own input (in place)
+  // but may not overlap any other tensor of either list. The default copies each input into its
+  // output and runs the in-place form; threads reduces straight from the inputs, so a bucket of
+  // tensors needs neither a pack nor an unpack copy.
+  virtual std::shared_ptr<Work> all_reduce_coalesced_into(const std::vector<Tensor>& outputs,
+                                                          const std::vector<Tensor>& inputs,
+                                                          ReduceOp op);
   virtual std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                      const std::vector<Tensor>& inputs);
   virtual std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,

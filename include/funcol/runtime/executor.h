@@ -28,7 +28,8 @@ struct ExecutorOptions {
   std::function<void(const Node& node)> on_node;
   // Run the pack / collective / unpack chains the bucketing passes write as one coalesced
   // primitive on the members themselves (all_gather: cat or packed gather, wait, view, split,
-  // reshapes; reduce_scatter: reshapes, cat, flatten, scatter, wait, split), so the members are
+  // reshapes; reduce_scatter: reshapes, cat, flatten, scatter, wait, split; all_reduce: flattens,
+  // cat or bucket_pack, all_reduce out of place, wait, split), so the members are
   // neither copied into a bucket nor out of it where the group fuses coalesced lists
   // (ProcessGroup::fuses_coalesced: threads; not mpi and gloo, which loop over the list).
   // Results are bit-identical either way; false runs the chain node by node.

@@ -179,8 +179,15 @@ class Runtime {
     active_.push_back({std::move(requests), std::move(done)});
   }
 
-  // A collective failed or was abandoned: finalising could wait for it forever.
-  void mark_unclean() { unclean_.store(true); }
+  // A collective failed or was abandoned: finalising could wait for it forever. The first
+  // reason is printed when the process leaves without MPI_Finalize.
+  void mark_unclean(const std::string& reason) {
+    {
+      std::lock_guard lock(mu_);
+      if (unclean_reason_.empty()) unclean_reason_ = reason;
+    }
+    unclean_.store(true);
+  }
 
  private:
   struct Active {
@@ -289,9 +296,17 @@ class Runtime {
         // MPI_Finalize synchronises with every rank, and after a failure some never come.
         // Leave without it: mpirun then ends the job as for a crashed rank. (Not MPI_Abort:
         // two ranks aborting at once can deadlock Open MPI 4.1's mpirun in PMIx_server_finalize.)
+        std::string why;
+        {
+          std::lock_guard lock(mu_);
+          why = unclean_.load() ? unclean_reason_
+                                : fmt::format("{} MPI request(s) still pending after {} s",
+                                              active_.size(), kExitDrain.count());
+        }
         std::fprintf(stderr,
                      "funcol mpi: exiting with status 1 without MPI_Finalize because a collective "
-                     "failed or never completed\n");
+                     "failed or never completed (%s)\n",
+                     why.c_str());
         std::fflush(nullptr);
         std::_Exit(1);
       }
@@ -319,6 +334,7 @@ class Runtime {
   std::string init_error_;
   bool owns_mpi_ = false;
   std::atomic<bool> unclean_{false};
+  std::string unclean_reason_;  // guarded by mu_
 };
 
 // Starts a nonblocking MPI operation on the communication thread and waits for it from the
@@ -339,8 +355,9 @@ void run_with_deadline(Runtime& rt, const std::function<int(MPI_Request*)>& star
     throw CommError(fmt::format("mpi: {}: MPI was already finalised", what));
   }
   if (future.wait_until(deadline) != std::future_status::ready) {
-    rt.mark_unclean();
-    throw CommError(fmt::format("mpi: {} timed out; some ranks did not arrive", what));
+    std::string message = fmt::format("mpi: {} timed out; some ranks did not arrive", what);
+    rt.mark_unclean(message);
+    throw CommError(message);
   }
   int rc = future.get();
   if (rc != MPI_SUCCESS) throw CommError(fmt::format("mpi: {} failed: {}", what, mpi_error(rc)));
@@ -390,7 +407,9 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   std::string backend() const override { return "mpi"; }
 
   // MPI may still own requests of this communicator: finalising could wait for them forever.
-  void on_broken() override { Runtime::get().mark_unclean(); }
+  void on_broken(const std::string& reason) override {
+    Runtime::get().mark_unclean(fmt::format("group '{}': {}", name(), reason));
+  }
 
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& name) override {
@@ -439,8 +458,9 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         comm_(comm) {}
 
   void fail_mpi(const std::shared_ptr<Slot>& slot, int rc) {
-    Runtime::get().mark_unclean();
-    fail_op(slot->op, failure_message(*slot->op, mpi_error(rc)));
+    std::string message = failure_message(*slot->op, mpi_error(rc));
+    Runtime::get().mark_unclean(message);
+    fail_op(slot->op, message);
     finished(slot, {});
   }
 

@@ -322,7 +322,7 @@ void ProcessGroupBase::mark_broken(const std::string& reason) {
     if (!broken_) broken_ = reason;
     others.swap(inflight_);
   }
-  on_broken();
+  on_broken(reason);
   // Everything still in flight on this group would wait on the same broken transport.
   for (auto& other : others) {
     if (other->claim()) {
@@ -490,7 +490,7 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     });
   }
   if (!loss.clean) {
-    on_broken();
+    on_broken(reason);
     return;
   }
   for (auto& op : victims) {
@@ -501,7 +501,7 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     }
   }
   // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
-  if (!victims.empty()) on_broken();
+  if (!victims.empty()) on_broken(reason);
 }
 
 }  // namespace funcol::process

@@ -146,7 +146,7 @@ class ProcessGroupBase : public ProcessGroup,
   virtual void submit(const std::shared_ptr<CollectiveOp>& op) = 0;
 
   // Called (on any thread) when the group becomes unusable: a failure, a timeout, a lost peer.
-  virtual void on_broken() {}
+  virtual void on_broken(const std::string& reason) { (void)reason; }
 
   // Finishes the op's Work (no-op when it was already failed).
   void complete(const std::shared_ptr<CollectiveOp>& op);

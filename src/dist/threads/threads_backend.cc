@@ -504,6 +504,12 @@ class World {
 // ---------------------------------------------------------------------------------------------
 // Planning and executing an op.
 
+// Every buffer of the post is its own input (all_reduce out of place copies even on one rank).
+bool in_place(const Post& p) {
+  return std::all_of(p.slots.begin(), p.slots.end(),
+                     [](const Slot& s) { return s.in == s.out; });
+}
+
 void Op::plan() {
   const Post& p0 = members_[0].post;
   const int n = size_;
@@ -513,7 +519,7 @@ void Op::plan() {
   switch (p0.kind) {
     case OpKind::AllReduce:
     case OpKind::Broadcast:
-      if (n == 1) break;  // in place: nothing to move
+      if (n == 1 && in_place(p0)) break;  // nothing to move
       for (const Slot& s : p0.slots) total += s.count * static_cast<int64_t>(itemsize(s.dtype));
       break;
     case OpKind::AllGather:
@@ -540,7 +546,7 @@ void Op::plan() {
   switch (p0.kind) {
     case OpKind::AllReduce:
     case OpKind::Broadcast:
-      if (n == 1) break;
+      if (n == 1 && in_place(p0)) break;
       for (size_t t = 0; t < p0.slots.size(); ++t) {
         add_ranges(static_cast<int>(t), 0, 0, p0.slots[t].count, itemsize(p0.slots[t].dtype));
       }
@@ -1159,6 +1165,22 @@ class ThreadsGroup final : public ProcessGroup {
     for (const Tensor& t : tensors) {
       add_slot(p, t.dtype(), t.numel(), t, t);
       outs.push_back(&t);
+    }
+    return issue(std::move(p), outs);
+  }
+
+  // The in-place form's op with separate buffers: each chunk is reduced from the members'
+  // inputs into rank 0's output and copied to the other outputs (no staging either way).
+  std::shared_ptr<Work> all_reduce_coalesced_into(const std::vector<Tensor>& outputs,
+                                                  const std::vector<Tensor>& inputs,
+                                                  ReduceOp op) override {
+    dist_detail::check_all_reduce_into(outputs, inputs, op);
+    Post p = make_post(OpKind::AllReduce, true);
+    p.reduce_op = op;
+    std::vector<const Tensor*> outs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      add_slot(p, inputs[i].dtype(), inputs[i].numel(), inputs[i], outputs[i]);
+      outs.push_back(&outputs[i]);
     }
     return issue(std::move(p), outs);
   }
