@@ -1,12 +1,13 @@
 // fusion_bench: bucketed vs unbucketed collectives on the threads, mpi or gloo backend.
 //
 // Usage: fusion_bench [--backend threads|mpi|gloo] [--ranks N] [--iters K] [--mode MODE]
-//                     [--cap-mb C] [--check]
+//                     [--cap-mb C] [--only KIND[:COUNT]] [--check]
 // For each kind (all_gather, reduce_scatter, all_reduce) and each shape (1000 collectives of
 // 4 KiB, 100 of 256 KiB; the size is each collective's input on one rank), builds a graph of
 // independent collectives, each followed by its wait_tensor, and the same graph after the
 // kind's bucketing pass (default cap 2000 MB: one bucket; --cap-mb sets the passes' cap list,
-// e.g. 1 for 1 MB buckets; --mode picks the packing, default "default").
+// e.g. 1 for 1 MB buckets; --mode picks the packing, default "default"; --only runs the cases
+// of one kind, e.g. all_reduce, or one case, e.g. all_reduce:1000).
 // Every rank runs both graphs through its own Executor, interleaved, K times after two warm-up
 // runs; an iteration's time is the slowest rank's wall time for that run (ranks start each
 // run after a barrier; the per-rank times are combined with an all_reduce max). Reports the
@@ -58,6 +59,7 @@ struct Options {
   funcol::BucketMode mode = funcol::BucketMode::Default;
   std::vector<double> cap_mb{funcol::kDefaultBucketCapMb};  // --cap-mb: the passes' cap list
   bool check = false;
+  std::string only;  // --only: "" (every case), "KIND" or "KIND:COUNT"
   int fail_rank = -1;  // testing: this rank throws halfway through the first case
 };
 
@@ -114,6 +116,13 @@ const std::vector<Case>& cases() {
       {K::AllReduce, "all_reduce", 100, 262144, 1.0},
   };
   return kCases;
+}
+
+bool selected(const Case& c, const std::string& only) {
+  if (only.empty()) return true;
+  const size_t colon = only.find(':');
+  if (only.substr(0, colon) != c.name) return false;
+  return colon == std::string::npos || only.substr(colon + 1) == std::to_string(c.count);
 }
 
 funcol::BucketOptions bucket_options(const Case& c, funcol::BucketMode mode,
@@ -227,6 +236,7 @@ int run_threads(const Options& o) {
   bool ok = true;
   bool first = true;
   for (const Case& c : cases()) {
+    if (!selected(c, o.only)) continue;
     CaseResult result;
     try {
       funcol::run_local(o.ranks, [&](funcol::ProcessGroup& world) {
@@ -272,6 +282,7 @@ int run_in_job(Options o) {
     int missed = 0;
     bool first = true;
     for (const Case& c : cases()) {
+      if (!selected(c, o.only)) continue;
       current = &c;
       const CaseResult r = run_case(*world, c, o, first);
       first = false;
@@ -322,6 +333,7 @@ int launch(const Options& o) {
                                   "--mode",    std::string(funcol::bucket_mode_name(o.mode)),
                                   "--cap-mb",  funcol::format_cap_mb(o.cap_mb)};
     if (o.check) a.emplace_back("--check");
+    if (!o.only.empty()) a.insert(a.end(), {"--only", o.only});
     if (o.fail_rank >= 0) a.insert(a.end(), {"--fail-rank", std::to_string(o.fail_rank)});
     return a;
   };
@@ -335,7 +347,7 @@ int launch(const Options& o) {
 
 constexpr const char* kUsage =
     "usage: fusion_bench [--backend threads|mpi|gloo] [--ranks N] [--iters K] [--mode M] "
-    "[--cap-mb C] [--check]\n";
+    "[--cap-mb C] [--only KIND[:COUNT]] [--check]\n";
 
 }  // namespace
 
@@ -356,6 +368,14 @@ int main(int argc, char** argv) {
         o.mode = funcol::parse_bucket_mode(argv[++i]);
       } else if (!std::strcmp(argv[i], "--cap-mb") && i + 1 < argc) {
         o.cap_mb = funcol::parse_cap_mb(argv[++i]);
+      } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
+        o.only = argv[++i];
+        if (std::none_of(cases().begin(), cases().end(),
+                         [&](const Case& c) { return selected(c, o.only); })) {
+          throw funcol::InvalidArgument("--only " + o.only +
+                                        ": no such case (kinds all_gather, reduce_scatter, "
+                                        "all_reduce; counts 1000, 100)");
+        }
       } else if (!std::strcmp(argv[i], "--fail-rank") && i + 1 < argc) {
         o.fail_rank = std::atoi(argv[++i]);
       } else {

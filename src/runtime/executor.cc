@@ -173,6 +173,10 @@ struct Step {
 struct LoweredBucket {
   std::vector<const Type*> out_types;  // member i's result type
   std::vector<Tensor> outs;            // this run's member results, from issue to Take
+  // One buffer holds every member's result, back to back (one allocation per run, and the
+  // backend's bookkeeping sees one storage), as the chain's split pieces share the bucket's.
+  std::vector<int64_t> offsets;  // member i's first element in the buffer
+  int64_t numel = 0;
 };
 
 // One collective of the current run between its issue and its completion.
@@ -413,7 +417,12 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, const uin
     ins.reserve(in.size());
     for (const Tensor& t : in) ins.push_back(t.contiguous());
     b.outs.clear();
-    for (const Type* t : b.out_types) b.outs.push_back(Tensor::empty(t->shape, t->dtype));
+    const DType dtype = b.out_types.front()->dtype;
+    const Tensor flat = Tensor::empty({b.numel}, dtype);
+    for (size_t i = 0; i < b.out_types.size(); ++i) {
+      b.outs.push_back(Tensor::from_storage(flat.storage(), b.out_types[i]->shape, dtype,
+                                            b.offsets[i]));
+    }
     switch (st.op->collective) {
       case CollectiveKind::AllGather: work = g.all_gather_coalesced(b.outs, ins); break;
       case CollectiveKind::ReduceScatter:
@@ -826,8 +835,19 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       default: break;
     }
     if (!matched) continue;
+    // Every chain form keeps one dtype (casts are not lowered).
+    if (std::any_of(c.out_types.begin(), c.out_types.end(),
+                    [&](const Type* t) { return t->dtype != c.out_types.front()->dtype; })) {
+      continue;
+    }
     const auto index = static_cast<uint32_t>(buckets.size());
-    buckets.push_back(LoweredBucket{.out_types = std::move(c.out_types), .outs = {}});
+    LoweredBucket lb;
+    for (const Type* t : c.out_types) {
+      lb.offsets.push_back(lb.numel);
+      lb.numel += t->numel();
+    }
+    lb.out_types = std::move(c.out_types);
+    buckets.push_back(std::move(lb));
     st.bucket = index;
     st.operands_begin = static_cast<uint32_t>(operand_slots.size());
     st.num_operands = static_cast<uint32_t>(c.members.size());

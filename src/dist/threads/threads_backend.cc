@@ -1272,8 +1272,15 @@ class ThreadsGroup final : public ProcessGroup {
     if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
     if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
     p.slots.push_back(s);
-    if (in.storage()) p.keep.push_back(in.storage());
-    if (out.storage() && out.storage() != in.storage()) p.keep.push_back(out.storage());
+    // Once per storage in a row: a bucket's members often share one.
+    auto keep = [&](const std::shared_ptr<Storage>& st) {
+      if (st && (p.keep.size() == 0 || p.keep[p.keep.size() - 1] != st) &&
+          (p.keep.size() < 2 || p.keep[p.keep.size() - 2] != st)) {
+        p.keep.push_back(st);
+      }
+    };
+    keep(in.storage());
+    keep(out.storage());
   }
 
   std::shared_ptr<Work> issue(Post&& post, const std::vector<const Tensor*>& outputs) {
@@ -1284,8 +1291,10 @@ class ThreadsGroup final : public ProcessGroup {
     // Attach after pushing: when this call completed the op (the usual case for the last rank
     // to arrive) there is nothing to attach. Nobody else sees the outputs before we return.
     if (!op->is_completed()) {
+      const Storage* last = nullptr;  // outputs sharing a storage attach once
       for (const Tensor* t : outputs) {
-        if (t->storage()) t->storage()->add_pending(op);
+        if (t->storage() && t->storage().get() != last) t->storage()->add_pending(op);
+        last = t->storage().get();
       }
     }
     return op;
