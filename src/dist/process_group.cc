@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <mutex>
 
 #include "checks.h"
@@ -148,6 +149,10 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
         for (auto& c : copies) c();
       });
   return attach(std::move(work), tensors);
+}
+
+int64_t ProcessGroup::all_gather_coalesced_min_bytes() const {
+  return fuses_coalesced() ? 0 : std::numeric_limits<int64_t>::max();
 }
 
 std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<Tensor>& outputs,

@@ -10,11 +10,13 @@
 #include "funcol/dist/backend.h"
 #include "funcol/dist/device_mesh.h"
 #include "testing/conformance.h"
+#include "testing/forwarding_group.h"
 #include "testing/run_ranks.h"
 
 namespace funcol {
 namespace {
 
+using testing::ForwardingGroup;
 using testing::run_ranks;
 
 // Expects `fn` to throw E with a message containing every piece.
@@ -28,40 +30,6 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> pieces) {
     for (const auto& p : pieces) EXPECT_NE(what.find(p), std::string::npos) << what << " lacks " << p;
   }
 }
-
-// Forwards the primitives to another group and keeps the base class's coalesced defaults.
-class ForwardingGroup final : public ProcessGroup {
- public:
-  explicit ForwardingGroup(ProcessGroup& inner)
-      : ProcessGroup(inner.rank(), inner.global_ranks(), inner.name(), &inner.registry()),
-        inner_(inner) {}
-  std::string backend() const override { return "forwarding"; }
-  std::shared_ptr<Work> all_reduce(const Tensor& t, ReduceOp op) override {
-    return inner_.all_reduce(t, op);
-  }
-  std::shared_ptr<Work> all_gather(const Tensor& o, const Tensor& i) override {
-    return inner_.all_gather(o, i);
-  }
-  std::shared_ptr<Work> reduce_scatter(const Tensor& o, const Tensor& i, ReduceOp op) override {
-    return inner_.reduce_scatter(o, i, op);
-  }
-  std::shared_ptr<Work> all_to_all(const Tensor& o, const Tensor& i,
-                                   const std::vector<int64_t>& os,
-                                   const std::vector<int64_t>& is) override {
-    return inner_.all_to_all(o, i, os, is);
-  }
-  std::shared_ptr<Work> broadcast(const Tensor& t, int src) override {
-    return inner_.broadcast(t, src);
-  }
-  std::shared_ptr<Work> barrier_async() override { return inner_.barrier_async(); }
-  std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& lists,
-                                            const std::string& name) override {
-    return inner_.split_group(lists, name);
-  }
-
- private:
-  ProcessGroup& inner_;
-};
 
 // The conformance suite's coalesced family over the base class's staging defaults.
 const bool kRegistered = [] {

@@ -809,6 +809,20 @@ bool match_reduce_chain(const Node& bucket, Chain& c) {
   return match_split_tail(bucket, 1, c);
 }
 
+// Whether `group` runs the chain's members as a coalesced list for less than the chain costs:
+// always where coalesced lists fuse; where the backend loops over the list (one collective per
+// member), only all_gather buckets of members large enough that a collective costs less than
+// the chain's pack and unpack copies (ProcessGroup::all_gather_coalesced_min_bytes).
+bool worth_lowering(const ProcessGroup& group, CollectiveKind kind, const Chain& c) {
+  if (group.fuses_coalesced()) return true;
+  if (kind != CollectiveKind::AllGather || c.members.empty()) return false;
+  int64_t bytes = 0;
+  for (const Value* m : c.members) {
+    bytes += m->type().numel() * static_cast<int64_t>(itemsize(m->dtype()));
+  }
+  return bytes / static_cast<int64_t>(c.members.size()) >= group.all_gather_coalesced_min_bytes();
+}
+
 }  // namespace
 
 // Rewrites the steps of every bucket chain that matches (see ExecutorOptions::lower_buckets):
@@ -821,10 +835,7 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
   std::vector<uint32_t> marked(num_slots, 0);
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
-    if (st.kind != StepKind::Collective || st.op->variadic != (st.op->pack != nullptr) ||
-        !st.group->fuses_coalesced()) {
-      continue;
-    }
+    if (st.kind != StepKind::Collective || st.op->variadic != (st.op->pack != nullptr)) continue;
     const int64_t g = st.group->size();
     Chain c;
     bool matched = false;
@@ -834,7 +845,7 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       case CollectiveKind::AllReduce: matched = match_reduce_chain(*st.node, c); break;
       default: break;
     }
-    if (!matched) continue;
+    if (!matched || !worth_lowering(*st.group, st.op->collective, c)) continue;
     // Every chain form keeps one dtype (casts are not lowered).
     if (std::any_of(c.out_types.begin(), c.out_types.end(),
                     [&](const Type* t) { return t->dtype != c.out_types.front()->dtype; })) {

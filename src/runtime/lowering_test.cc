@@ -2,13 +2,16 @@
 // collective's operand at its last use is reduced in place instead of copied.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "funcol/core/allocator.h"
 #include "funcol/dist/backend.h"
 #include "funcol/graph/parser.h"
 #include "funcol/runtime/executor.h"
+#include "testing/forwarding_group.h"
 
 namespace funcol {
 namespace {
@@ -183,6 +186,63 @@ TEST(LowerBuckets, PackedReduceBucketAndAMemberTwice) {
       "  return %s#0, %s#1, %n\n"
       "}\n";
   EXPECT_EQ(expect_same_either_way(2, flat_used), 1u);  // %af itself becomes the member
+}
+
+// A group that runs coalesced lists one collective per tensor, as mpi does: lowered only for
+// all_gather buckets whose members average at least 64 bytes here.
+class LoopingGroup final : public testing::ForwardingGroup {
+ public:
+  using ForwardingGroup::ForwardingGroup;
+  bool fuses_coalesced() const override { return false; }
+  int64_t all_gather_coalesced_min_bytes() const override { return 64; }
+};
+
+TEST(LowerBuckets, WhereCoalescedListsLoopOnlyLargeGatherMembersAreLowered) {
+  // f32[16] + f32[20] (72 bytes per member on average): lowered; f32[8] + f32[12]: not.
+  auto gather = [](int a, int b) {
+    return "graph @g(%a: f32[" + g(a) + "], %b: f32[" + g(b) + "]) {\n"
+           "  %pack = cat(%a, %b) {dim = 0}\n"
+           "  %bucket = all_gather_into_tensor(%pack) {group_size = 2, group = \"loop\"}\n"
+           "  %w = wait_tensor(%bucket)\n"
+           "  %rows = view(%w) {shape = [2, " + g(a + b) + "]}\n"
+           "  %s:2 = split_with_sizes(%rows) {split_sizes = [" + g(a) + ", " + g(b) +
+           "], dim = 1}\n"
+           "  %o0 = reshape(%s#0) {shape = [" + g(2 * a) + "]}\n"
+           "  %o1 = reshape(%s#1) {shape = [" + g(2 * b) + "]}\n"
+           "  return %o0, %o1\n"
+           "}\n";
+  };
+  const std::string scatter =
+      "graph @g(%a: f32[64], %b: f32[64]) {\n"
+      "  %pack = bucket_pack(%a, %b) {group_size = 2}\n"
+      "  %bucket = reduce_scatter_tensor(%pack) {reduce_op = \"sum\", group_size = 2, "
+      "group = \"loop\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [32, 32], dim = 0}\n"
+      "  return %s#0, %s#1\n"
+      "}\n";
+  for (const auto& [text, lowered] : std::vector<std::pair<std::string, size_t>>{
+           {gather(16, 20), 1}, {gather(8, 12), 0}, {scatter, 0}}) {
+    auto graph = parse_graph(text);
+    std::vector<std::vector<Tensor>> outs[2];
+    for (bool lower : {true, false}) {
+      run_local(2, [&](ProcessGroup& world) {
+        auto loop = std::make_shared<LoopingGroup>(world, "loop");
+        world.registry().add(loop);
+        ExecutorOptions options;
+        options.lower_buckets = lower;
+        Executor ex(*graph, world, options);
+        EXPECT_EQ(ex.lowered_buckets(), lower ? lowered : 0u);
+        const auto out = ex.run(make_inputs(*graph, 3, world.rank()));
+        if (world.rank() == 1) outs[lower].push_back(out);
+      });
+    }
+    ASSERT_EQ(outs[0].size(), 1u);
+    ASSERT_EQ(outs[1].size(), 1u);
+    for (size_t i = 0; i < outs[0][0].size(); ++i) {
+      EXPECT_TRUE(outs[0][0][i].equal(outs[1][0][i])) << text << " output " << i;
+    }
+  }
 }
 
 // A 2-rank gather bucket of f32[3] and f32[4] whose results are %o0 and %o1, then `tail`

@@ -73,6 +73,12 @@ class ProcessGroup {
   // False where a backend runs one collective per tensor (mpi, gloo): there a bucket must keep
   // its packed buffer to be one collective.
   virtual bool fuses_coalesced() const { return true; }
+  // From this mean tensor size (bytes) on, all_gather_coalesced over a list costs less than
+  // packing the list into one all_gather and unpacking the result (two copies of every byte):
+  // 0 where coalesced lists fuse; where a backend loops, the point at which its per-collective
+  // cost falls below the copies (mpi: its nonblocking gathers overlap, 64 KiB); INT64_MAX:
+  // never (gloo runs them one after another).
+  virtual int64_t all_gather_coalesced_min_bytes() const;
 
   // A subgroup of this group's members, given as global ranks. Collective over this group:
   // every rank of this group calls it with the same lists in the same order. `rank_lists`

@@ -31,7 +31,9 @@ struct ExecutorOptions {
   // reshapes; reduce_scatter: reshapes, cat, flatten, scatter, wait, split; all_reduce: flattens,
   // cat or bucket_pack, all_reduce out of place, wait, split), so the members are
   // neither copied into a bucket nor out of it where the group fuses coalesced lists
-  // (ProcessGroup::fuses_coalesced: threads; not mpi and gloo, which loop over the list).
+  // (ProcessGroup::fuses_coalesced: threads). Where the group loops over a list (mpi, gloo) only
+  // all_gather buckets whose members average ProcessGroup::all_gather_coalesced_min_bytes or
+  // more are lowered (mpi: 64 KiB; gloo: never).
   // Results are bit-identical either way; false runs the chain node by node.
   bool lower_buckets = true;
 };

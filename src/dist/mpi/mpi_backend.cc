@@ -406,6 +406,12 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
   std::string backend() const override { return "mpi"; }
 
+  // A coalesced list posts one nonblocking MPI_Iallgather per tensor, all in flight at once:
+  // measured (fusion_bench, 2 ranks, 100 x 256 KiB) 1.3x the unbucketed run, where the packed
+  // bucket with its pack and unpack copies ran 0.55-0.8x; 1000 x 4 KiB: 2.3x coalesced, 3.8-5.5x
+  // packed.
+  int64_t all_gather_coalesced_min_bytes() const override { return 64 * 1024; }
+
   // MPI may still own requests of this communicator: finalising could wait for them forever.
   void on_broken(const std::string& reason) override {
     Runtime::get().mark_unclean(fmt::format("group '{}': {}", name(), reason));
