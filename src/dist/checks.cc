@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
 
 #include "funcol/core/error.h"
 
@@ -202,7 +203,9 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
   // In begin order, a range overlaps an earlier one iff it starts before the largest end so
   // far; inputs may overlap each other (they are only read), nothing may overlap an output.
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
-    return a.storage != b.storage ? std::less<>()(a.storage, b.storage) : a.begin < b.begin;
+    if (a.storage != b.storage) return std::less<>()(a.storage, b.storage);
+    // Ties in a fixed order, so every rank names the same pair.
+    return std::tie(a.begin, a.output, a.index) < std::tie(b.begin, b.output, b.index);
   });
   const Range* last_any = nullptr;     // largest end in this storage
   const Range* last_output = nullptr;  // largest end of an output in this storage

@@ -41,9 +41,9 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
-// all_reduce_coalesced_into: equal list lengths; each output contiguous with its input's dtype
-// and numel; no output overlaps another output or an input other than its own (identical
-// bytes: in place).
+// all_reduce_coalesced_into: equal list lengths; every tensor contiguous, each output with its
+// input's dtype and numel; no output overlaps another output or an input other than its own
+// (identical bytes: in place).
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op);
 

@@ -117,23 +117,32 @@ std::shared_ptr<Work> attach(std::shared_ptr<Work> work, const std::vector<Tenso
 std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                                          ReduceOp op) {
   for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
-  if (tensors.empty()) return Work::completed("all_reduce_coalesced (empty)");
+  return staged_all_reduce("all_reduce_coalesced", tensors, tensors, op);
+}
+
+// Both all_reduce coalesced defaults: inputs[i] packed into its dtype's flat buffer, one
+// all_reduce per dtype, then the results copied to outputs[i] (the same tensors in place).
+std::shared_ptr<Work> ProcessGroup::staged_all_reduce(std::string_view what,
+                                                      const std::vector<Tensor>& outputs,
+                                                      const std::vector<Tensor>& inputs,
+                                                      ReduceOp op) {
+  if (inputs.empty()) return Work::completed(fmt::format("{} (empty)", what));
   std::vector<DType> dtypes;
-  for (const Tensor& t : tensors) dtypes.push_back(t.dtype());
+  for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;
   std::vector<std::function<void()>> copies;
   for (const auto& idx : group_by_dtype(dtypes)) {
     int64_t total = 0;
-    for (size_t i : idx) total += tensors[i].numel();
-    Tensor flat = Tensor::empty({total}, tensors[idx[0]].dtype());
+    for (size_t i : idx) total += inputs[i].numel();
+    Tensor flat = Tensor::empty({total}, inputs[idx[0]].dtype());
     size_t isz = flat.itemsize();
     int64_t off = 0;
     for (size_t i : idx) {
-      copy_in(raw_bytes(flat) + off * isz, tensors[i]);
-      off += tensors[i].numel();
+      copy_in(raw_bytes(flat) + off * isz, inputs[i]);
+      off += inputs[i].numel();
     }
     inner.push_back(all_reduce(flat, op));
-    copies.push_back([flat, idx, outs = out_refs(tensors)]() {
+    copies.push_back([flat, idx, outs = out_refs(outputs)]() {
       size_t o = 0;
       for (size_t i : idx) {
         std::shared_ptr<Storage> hold;
@@ -143,12 +152,11 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tenso
       }
     });
   }
-  auto work = std::make_shared<ThenWork>(
-      fmt::format("all_reduce_coalesced on group '{}'", name()), std::move(inner),
-      [copies = std::move(copies)]() {
-        for (auto& c : copies) c();
-      });
-  return attach(std::move(work), tensors);
+  auto work = std::make_shared<ThenWork>(fmt::format("{} on group '{}'", what, name()),
+                                         std::move(inner), [copies = std::move(copies)]() {
+                                           for (auto& c : copies) c();
+                                         });
+  return attach(std::move(work), outputs);
 }
 
 int64_t ProcessGroup::all_gather_coalesced_min_bytes() const {
@@ -159,10 +167,10 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<
                                                               const std::vector<Tensor>& inputs,
                                                               ReduceOp op) {
   dist_detail::check_all_reduce_into(outputs, inputs, op);
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    if (outputs[i].data_ptr() != inputs[i].data_ptr()) copy_in(raw_bytes(outputs[i]), inputs[i]);
-  }
-  return all_reduce_coalesced(outputs, op);
+  // The results are written when the reduction finishes: an output still being written by an
+  // earlier collective must be done first.
+  for (const Tensor& t : outputs) t.wait();
+  return staged_all_reduce("all_reduce_coalesced_into", outputs, inputs, op);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,

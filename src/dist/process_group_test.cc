@@ -61,6 +61,21 @@ TEST(BaseCoalescedTest, DroppedAndUnwaitedResultsAreSafe) {
   });
 }
 
+// On one rank the out-of-place form copies the bytes as the in-place form leaves them: a bool
+// byte of 2 stays 2 (a reduction of one source would normalise it).
+TEST(AllReduceIntoTest, OneRankKeepsTheBytesAsTheyAre) {
+  run_ranks(1, [](ProcessGroup& world) {
+    ForwardingGroup staged(world);
+    for (ProcessGroup* pg : {&world, static_cast<ProcessGroup*>(&staged)}) {
+      const std::vector<uint8_t> raw = {0, 2, 255, 1};
+      Tensor in = Tensor::from_vector<uint8_t>(raw).view_dtype(DType::Bool);
+      Tensor out = Tensor::empty({4}, DType::Bool);
+      pg->all_reduce_coalesced_into({out}, {in}, ReduceOp::Sum)->wait();
+      EXPECT_EQ(out.view_dtype(DType::U8).to_vector<uint8_t>(), raw) << pg->backend();
+    }
+  });
+}
+
 TEST(GroupRegistryTest, WorldIsRegisteredAndNamesAreUnique) {
   run_ranks(2, [](ProcessGroup& world) {
     GroupRegistry& reg = world.registry();

@@ -173,9 +173,11 @@ struct Step {
 struct LoweredBucket {
   std::vector<const Type*> out_types;  // member i's result type
   std::vector<Tensor> outs;            // this run's member results, from issue to Take
-  // One buffer holds every member's result, back to back (one allocation per run, and the
-  // backend's bookkeeping sees one storage), as the chain's split pieces share the bucket's.
-  std::vector<int64_t> offsets;  // member i's first element in the buffer
+  // all_reduce and reduce_scatter: one buffer holds every member's result, back to back (one
+  // allocation per run, one storage for the backend to track), as the chain's split pieces
+  // share the bucket's. all_gather: a buffer per member, as the chain's reshapes copy.
+  bool shared = false;
+  std::vector<int64_t> offsets;  // member i's first element in the shared buffer
   int64_t numel = 0;
 };
 
@@ -417,11 +419,15 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, const uin
     ins.reserve(in.size());
     for (const Tensor& t : in) ins.push_back(t.contiguous());
     b.outs.clear();
-    const DType dtype = b.out_types.front()->dtype;
-    const Tensor flat = Tensor::empty({b.numel}, dtype);
-    for (size_t i = 0; i < b.out_types.size(); ++i) {
-      b.outs.push_back(Tensor::from_storage(flat.storage(), b.out_types[i]->shape, dtype,
-                                            b.offsets[i]));
+    if (b.shared) {
+      const DType dtype = b.out_types.front()->dtype;
+      const Tensor flat = Tensor::empty({b.numel}, dtype);
+      for (size_t i = 0; i < b.out_types.size(); ++i) {
+        b.outs.push_back(Tensor::from_storage(flat.storage(), b.out_types[i]->shape, dtype,
+                                              b.offsets[i]));
+      }
+    } else {
+      for (const Type* t : b.out_types) b.outs.push_back(Tensor::empty(t->shape, t->dtype));
     }
     switch (st.op->collective) {
       case CollectiveKind::AllGather: work = g.all_gather_coalesced(b.outs, ins); break;
@@ -853,6 +859,7 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
     }
     const auto index = static_cast<uint32_t>(buckets.size());
     LoweredBucket lb;
+    lb.shared = st.op->collective != CollectiveKind::AllGather;
     for (const Type* t : c.out_types) {
       lb.offsets.push_back(lb.numel);
       lb.numel += t->numel();

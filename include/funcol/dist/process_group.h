@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "funcol/core/dtype.h"
@@ -55,10 +56,11 @@ class ProcessGroup {
   // Coalesced forms: one sequence number and one Work for the whole list.
   virtual std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                                      ReduceOp op);
-  // Out of place: outputs[i] (contiguous, inputs[i]'s dtype and numel) receives the reduction of
-  // every rank's inputs[i]; the inputs are only read. An output may be its own input (in place)
-  // but may not overlap any other tensor of either list. The default copies each input into its
-  // output and runs the in-place form; threads reduces straight from the inputs, so a bucket of
+  // Out of place: outputs[i] (inputs[i]'s dtype and numel; every tensor contiguous) receives
+  // the reduction of every rank's inputs[i]; the inputs are only read. An output may be its own
+  // input (in place) but may not overlap any other tensor of either list. The default stages
+  // each dtype's inputs in one buffer, reduces it and copies the result to the outputs (the
+  // same copies as the in-place form); threads reduces straight from the inputs, so a bucket of
   // tensors needs neither a pack nor an unpack copy.
   virtual std::shared_ptr<Work> all_reduce_coalesced_into(const std::vector<Tensor>& outputs,
                                                           const std::vector<Tensor>& inputs,
@@ -95,6 +97,10 @@ class ProcessGroup {
       : rank_(rank), global_ranks_(std::move(global_ranks)), name_(std::move(name)), registry_(registry) {}
 
  private:
+  // The default all_reduce coalesced forms (outputs may be the inputs themselves).
+  std::shared_ptr<Work> staged_all_reduce(std::string_view what, const std::vector<Tensor>& outputs,
+                                          const std::vector<Tensor>& inputs, ReduceOp op);
+
   int rank_;
   std::vector<int> global_ranks_;
   std::string name_;

@@ -644,14 +644,22 @@ void Op::run_piece(const Piece& p) {
   }
   switch (p0.kind) {
     case OpKind::AllReduce: {
-      // Reduce the chunk of every input, in rank order, into rank 0's buffer (in place: it is
-      // also rank 0's input), then copy the result (hot in cache) to every other rank.
-      for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + off;
       char* out0 = members_[0].post.slots[p.t].out + off;
+      if (n == 1) {
+        // Out of place on one rank: the bytes as they are (a reduction of one source could
+        // normalise bool bytes or NaN payloads, and the in-place form leaves them alone).
+        move_bytes(out0, members_[0].post.slots[p.t].in + off, bytes, stream_);
+        break;
+      }
+      // Reduce the chunk of every input, in rank order, into rank 0's output (usually its
+      // input: in place), then copy the result (hot in cache) to every other rank's output.
+      for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + off;
       reduce_buffers(p0.reduce_op, dtype, out0, srcs, n, p.len);
-      // No streaming here: every destination was just read as a source, so it is in cache.
       for (int k = 1; k < n; ++k) {
-        copy_bytes(members_[k].post.slots[p.t].out + off, out0, bytes, /*stream=*/false);
+        const Slot& slot = members_[k].post.slots[p.t];
+        // An in-place destination was just read as a source, so it is in cache; a separate
+        // output (all_reduce_coalesced_into) is cold: stream it when the op is big.
+        copy_bytes(slot.out + off, out0, bytes, stream_ && slot.in != slot.out);
       }
       break;
     }
