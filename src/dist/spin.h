@@ -24,7 +24,10 @@ class Backoff {
   static constexpr std::chrono::nanoseconds kSpin{4000};
   static constexpr std::chrono::nanoseconds kYield{50000};
 
-  Backoff() : start_(std::chrono::steady_clock::now()) {}
+  // `spin`: how long to spin before yielding; 0 where the waiter's spinning would take a core
+  // from a peer that still has to arrive (more ranks than cores).
+  explicit Backoff(std::chrono::nanoseconds spin = kSpin)
+      : start_(std::chrono::steady_clock::now()), spin_(spin) {}
   void reset() {
     start_ = std::chrono::steady_clock::now();
     iterations_ = 0;
@@ -35,14 +38,15 @@ class Backoff {
     ++iterations_;
     // Read the clock only every 32 spins: now() costs ~20 ns.
     if (phase_ == 0) {
-      if ((iterations_ & 31) != 0 || std::chrono::steady_clock::now() - start_ < kSpin) {
+      if (spin_.count() > 0 &&
+          ((iterations_ & 31) != 0 || std::chrono::steady_clock::now() - start_ < spin_)) {
         cpu_relax();
         return true;
       }
       phase_ = 1;
     }
     if (phase_ == 1) {
-      if (std::chrono::steady_clock::now() - start_ < kSpin + kYield) {
+      if (std::chrono::steady_clock::now() - start_ < spin_ + kYield) {
         std::this_thread::yield();
         return true;
       }
@@ -53,6 +57,7 @@ class Backoff {
 
  private:
   std::chrono::steady_clock::time_point start_;
+  std::chrono::nanoseconds spin_;
   unsigned iterations_ = 0;
   int phase_ = 0;
 };
