@@ -11,6 +11,7 @@
 #include "funcol/dist/backend.h"
 #include "funcol/graph/parser.h"
 #include "funcol/runtime/executor.h"
+#include "funcol/runtime/profile.h"
 #include "testing/forwarding_group.h"
 
 namespace funcol {
@@ -159,6 +160,34 @@ TEST(LowerBuckets, ReduceBucketOfEveryWorldSizeAndOp) {
     for (const char* op : {"sum", "avg", "max", "product"}) {
       EXPECT_EQ(expect_same_either_way(n, reduce_default(op)), 1u) << n << " " << op;
     }
+  }
+}
+
+// The observed loop (profiler, on_node) runs lowered chains the same way: every node is still
+// reported once per run, and the bucket is one communication span.
+TEST(LowerBuckets, ObservedRunsLowerTheSameWay) {
+  auto graph = parse_graph(reduce_default("sum"));
+  const Result plain = run(2, reduce_default("sum"), false);
+  std::vector<Profiler> profs(2);
+  std::vector<int> nodes_seen(2, 0);
+  std::vector<std::vector<Tensor>> outs(2);
+  run_local(2, [&](ProcessGroup& world) {
+    const auto r = static_cast<size_t>(world.rank());
+    ExecutorOptions options;
+    options.profiler = &profs[r];
+    options.on_node = [&](const Node&) { ++nodes_seen[r]; };
+    Executor ex(*graph, world, options);
+    EXPECT_EQ(ex.lowered_buckets(), 1u);
+    ex.run(make_inputs(*graph, 7, world.rank()));
+    outs[r] = ex.run(make_inputs(*graph, 7, world.rank()));
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(nodes_seen[r], 2 * static_cast<int>(graph->num_nodes()));
+    int comm = 0;
+    for (const Span& s : profs[r].spans()) comm += s.kind == SpanKind::Communication;
+    EXPECT_EQ(comm, 2);
+    ASSERT_EQ(outs[r].size(), plain.outputs[r].size());
+    for (size_t i = 0; i < outs[r].size(); ++i) EXPECT_TRUE(outs[r][i].equal(plain.outputs[r][i]));
   }
 }
 
