@@ -5,8 +5,10 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <tuple>
+#include <utility>
 
 #include "funcol/core/error.h"
 
@@ -162,17 +164,53 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   }
 }
 
+namespace {
+
+// A tensor's bytes in its storage (an in-place pair is recorded once, as its output).
+struct Range {
+  const Storage* storage;
+  size_t begin, end;
+  size_t index;
+  bool output;
+};
+
+// The common case in O(n), without sorting: the outputs sit in a few storages, each in
+// ascending order without overlap (a bucket's results, views of one buffer), and no input
+// lives in any of those storages. False means "not shown", not "overlapping".
+bool outputs_clearly_apart(const std::vector<Range>& ranges) {
+  constexpr size_t kMaxStorages = 4;
+  std::array<std::pair<const Storage*, size_t>, kMaxStorages> last{};  // storage, end so far
+  size_t used = 0;
+  auto find = [&](const Storage* st) -> std::pair<const Storage*, size_t>* {
+    for (size_t k = 0; k < used; ++k) {
+      if (last[k].first == st) return &last[k];
+    }
+    return nullptr;
+  };
+  for (const Range& r : ranges) {
+    if (!r.output) continue;
+    auto* slot = find(r.storage);
+    if (slot == nullptr) {
+      if (used == kMaxStorages) return false;
+      last[used++] = {r.storage, r.end};
+    } else if (r.begin < slot->second) {
+      return false;
+    } else {
+      slot->second = r.end;
+    }
+  }
+  for (const Range& r : ranges) {
+    if (!r.output && find(r.storage) != nullptr) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce_coalesced_into";
   check_coalesced_lists(kOp, outputs.size(), inputs.size());
-  // Byte ranges of the tensors, an in-place pair counted once as its output.
-  struct Range {
-    const Storage* storage;
-    size_t begin, end;
-    size_t index;
-    bool output;
-  };
   std::vector<Range> ranges;
   ranges.reserve(2 * outputs.size());
   auto range = [](const Tensor& t, size_t i, bool output) {
@@ -200,6 +238,7 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
     ranges.push_back(o);
     if (n.storage != o.storage || n.begin != o.begin) ranges.push_back(n);
   }
+  if (outputs_clearly_apart(ranges)) return;
   // In begin order, a range overlaps an earlier one iff it starts before the largest end so
   // far; inputs may overlap each other (they are only read), nothing may overlap an output.
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {

@@ -230,7 +230,7 @@ struct Executor::Impl {
   std::vector<Tensor> run(std::vector<Tensor> inputs);
   template <bool kObserve>
   void run_steps(size_t& cur);
-  void issue(const Step& st, std::span<const Tensor> in, const uint8_t* release,
+  void issue(const Step& st, std::span<Tensor> in, const uint8_t* release,
              uint32_t step_index);
   void wait(const Step& st, std::span<const Tensor> in);
   void close(uint32_t index, int64_t now);
@@ -386,7 +386,7 @@ void Executor::Impl::plan() {
   open.reserve(inflight.size());
 }
 
-void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, const uint8_t* release,
+void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* release,
                            uint32_t step_index) {
   ProcessGroup& g = *st.group;
   const Node& node = *st.node;
@@ -415,9 +415,27 @@ void Executor::Impl::issue(const Step& st, std::span<const Tensor> in, const uin
   if (st.bucket != kNone) {
     // A lowered bucket chain: the members go straight to one coalesced primitive.
     LoweredBucket& b = buckets[st.bucket];
+    // The members are lent to the primitive's list and handed back afterwards (even when it
+    // throws): a Tensor copy allocates its shape, and a bucket may have thousands of members.
     std::vector<Tensor> ins;
     ins.reserve(in.size());
-    for (const Tensor& t : in) ins.push_back(t.contiguous());
+    std::vector<uint8_t> lent;  // 1: ins[i] is in[i] itself, moved
+    lent.reserve(in.size());
+    struct GiveBack {
+      std::span<Tensor> in;
+      std::vector<Tensor>& ins;
+      std::vector<uint8_t>& lent;
+      ~GiveBack() {
+        for (size_t i = 0; i < lent.size(); ++i) {
+          if (lent[i]) in[i] = std::move(ins[i]);
+        }
+      }
+    } give_back{in, ins, lent};
+    for (Tensor& t : in) {
+      const bool lend = t.is_contiguous();
+      ins.push_back(lend ? std::move(t) : t.contiguous());
+      lent.push_back(lend);
+    }
     b.outs.clear();
     if (b.shared) {
       const DType dtype = b.out_types.front()->dtype;
@@ -605,7 +623,7 @@ void Executor::Impl::run_steps(size_t& cur) {
         break;
       }
       case StepKind::Collective:
-        issue(st, in, rel, static_cast<uint32_t>(s));
+        issue(st, std::span<Tensor>(sc, st.num_operands), rel, static_cast<uint32_t>(s));
         break;
       case StepKind::Wait:
         wait(st, in);

@@ -215,6 +215,21 @@ TEST(LowerBuckets, PackedReduceBucketAndAMemberTwice) {
       "  return %s#0, %s#1, %n\n"
       "}\n";
   EXPECT_EQ(expect_same_either_way(2, flat_used), 1u);  // %af itself becomes the member
+  // A member that is a strided view (copied to contiguous for the primitive) and is read again
+  // after the bucket (handed back intact).
+  const std::string strided =
+      "graph @g(%a: f32[2,3], %b: f32[4]) {\n"
+      "  %t = transpose(%a) {dim0 = 0, dim1 = 1}\n"
+      "  %tf = flatten(%t)\n"
+      "  %pack = cat(%tf, %b) {dim = 0}\n"
+      "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [6, 4], dim = 0}\n"
+      "  %n = neg(%t)\n"
+      "  %m = neg(%b)\n"
+      "  return %s#0, %s#1, %n, %m\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(4, strided), 1u);
 }
 
 // A group that runs coalesced lists one collective per tensor, as mpi does: lowered only for
