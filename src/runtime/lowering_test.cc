@@ -2,9 +2,9 @@
 // collective's operand at its last use is reduced in place instead of copied.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "funcol/core/allocator.h"
@@ -22,9 +22,12 @@ struct Result {
   size_t lowered = 0;
 };
 
+// Called on every rank before its Executor is made: registers groups, sets options.
+using Setup = std::function<void(ProcessGroup& world, ExecutorOptions& options)>;
+
 // Runs `text` twice per rank (the second run reuses the plan and the cached buffers) on n thread
 // ranks with generated inputs; returns the second run's outputs.
-Result run(int n, const std::string& text, bool lower) {
+Result run(int n, const std::string& text, bool lower, const Setup& setup = {}) {
   auto graph = parse_graph(text, ParseOptions{.file = "t.ir"});
   Result res;
   res.outputs.resize(static_cast<size_t>(n));
@@ -32,6 +35,7 @@ Result run(int n, const std::string& text, bool lower) {
   run_local(n, [&](ProcessGroup& world) {
     ExecutorOptions options;
     options.lower_buckets = lower;
+    if (setup) setup(world, options);
     Executor ex(*graph, world, options);
     const auto r = static_cast<size_t>(world.rank());
     ex.run(make_inputs(*graph, 7, world.rank()));
@@ -43,12 +47,10 @@ Result run(int n, const std::string& text, bool lower) {
   return res;
 }
 
-// Lowered and node-by-node runs agree bit for bit on every rank; returns the lowered count.
-size_t expect_same_either_way(int n, const std::string& text) {
-  const Result a = run(n, text, true);
-  const Result b = run(n, text, false);
-  EXPECT_EQ(b.lowered, 0u);
-  for (size_t r = 0; r < a.outputs.size(); ++r) {
+// Both runs' outputs agree bit for bit on every rank.
+void expect_same(const Result& a, const Result& b) {
+  EXPECT_EQ(a.outputs.size(), b.outputs.size());
+  for (size_t r = 0; r < a.outputs.size() && r < b.outputs.size(); ++r) {
     EXPECT_EQ(a.outputs[r].size(), b.outputs[r].size());
     for (size_t i = 0; i < a.outputs[r].size() && i < b.outputs[r].size(); ++i) {
       EXPECT_TRUE(a.outputs[r][i].equal(b.outputs[r][i]))
@@ -56,6 +58,14 @@ size_t expect_same_either_way(int n, const std::string& text) {
           << b.outputs[r][i].to_string();
     }
   }
+}
+
+// Lowered and node-by-node runs agree bit for bit on every rank; returns the lowered count.
+size_t expect_same_either_way(int n, const std::string& text, const Setup& setup = {}) {
+  const Result a = run(n, text, true, setup);
+  const Result b = run(n, text, false, setup);
+  EXPECT_EQ(b.lowered, 0u);
+  expect_same(a, b);
   return a.lowered;
 }
 
@@ -166,29 +176,23 @@ TEST(LowerBuckets, ReduceBucketOfEveryWorldSizeAndOp) {
 // The observed loop (profiler, on_node) runs lowered chains the same way: every node is still
 // reported once per run, and the bucket is one communication span.
 TEST(LowerBuckets, ObservedRunsLowerTheSameWay) {
-  auto graph = parse_graph(reduce_default("sum"));
-  const Result plain = run(2, reduce_default("sum"), false);
+  const std::string text = reduce_default("sum");
+  const size_t num_nodes = parse_graph(text)->num_nodes();
   std::vector<Profiler> profs(2);
   std::vector<int> nodes_seen(2, 0);
-  std::vector<std::vector<Tensor>> outs(2);
-  run_local(2, [&](ProcessGroup& world) {
+  const Result observed = run(2, text, true, [&](ProcessGroup& world, ExecutorOptions& options) {
     const auto r = static_cast<size_t>(world.rank());
-    ExecutorOptions options;
     options.profiler = &profs[r];
-    options.on_node = [&](const Node&) { ++nodes_seen[r]; };
-    Executor ex(*graph, world, options);
-    EXPECT_EQ(ex.lowered_buckets(), 1u);
-    ex.run(make_inputs(*graph, 7, world.rank()));
-    outs[r] = ex.run(make_inputs(*graph, 7, world.rank()));
+    options.on_node = [&nodes_seen, r](const Node&) { ++nodes_seen[r]; };
   });
+  EXPECT_EQ(observed.lowered, 1u);
   for (size_t r = 0; r < 2; ++r) {
-    EXPECT_EQ(nodes_seen[r], 2 * static_cast<int>(graph->num_nodes()));
+    EXPECT_EQ(nodes_seen[r], 2 * static_cast<int>(num_nodes));
     int comm = 0;
     for (const Span& s : profs[r].spans()) comm += s.kind == SpanKind::Communication;
     EXPECT_EQ(comm, 2);
-    ASSERT_EQ(outs[r].size(), plain.outputs[r].size());
-    for (size_t i = 0; i < outs[r].size(); ++i) EXPECT_TRUE(outs[r][i].equal(plain.outputs[r][i]));
   }
+  expect_same(observed, run(2, text, false));
 }
 
 TEST(LowerBuckets, PackedReduceBucketAndAMemberTwice) {
@@ -265,28 +269,12 @@ TEST(LowerBuckets, WhereCoalescedListsLoopOnlyLargeGatherMembersAreLowered) {
       "  %s:2 = split_with_sizes(%w) {split_sizes = [32, 32], dim = 0}\n"
       "  return %s#0, %s#1\n"
       "}\n";
-  for (const auto& [text, lowered] : std::vector<std::pair<std::string, size_t>>{
-           {gather(16, 20), 1}, {gather(8, 12), 0}, {scatter, 0}}) {
-    auto graph = parse_graph(text);
-    std::vector<std::vector<Tensor>> outs[2];
-    for (bool lower : {true, false}) {
-      run_local(2, [&](ProcessGroup& world) {
-        auto loop = std::make_shared<LoopingGroup>(world, "loop");
-        world.registry().add(loop);
-        ExecutorOptions options;
-        options.lower_buckets = lower;
-        Executor ex(*graph, world, options);
-        EXPECT_EQ(ex.lowered_buckets(), lower ? lowered : 0u);
-        const auto out = ex.run(make_inputs(*graph, 3, world.rank()));
-        if (world.rank() == 1) outs[lower].push_back(out);
-      });
-    }
-    ASSERT_EQ(outs[0].size(), 1u);
-    ASSERT_EQ(outs[1].size(), 1u);
-    for (size_t i = 0; i < outs[0][0].size(); ++i) {
-      EXPECT_TRUE(outs[0][0][i].equal(outs[1][0][i])) << text << " output " << i;
-    }
-  }
+  auto add_loop = [](ProcessGroup& world, ExecutorOptions&) {
+    world.registry().add(std::make_shared<LoopingGroup>(world, "loop"));
+  };
+  EXPECT_EQ(expect_same_either_way(2, gather(16, 20), add_loop), 1u);
+  EXPECT_EQ(expect_same_either_way(2, gather(8, 12), add_loop), 0u);
+  EXPECT_EQ(expect_same_either_way(2, scatter, add_loop), 0u);
 }
 
 // A 2-rank gather bucket of f32[3] and f32[4] whose results are %o0 and %o1, then `tail`
