@@ -288,6 +288,27 @@ bool Storage::is_ready() const {
 void Storage::wait() {
   if (!has_pending_.load(std::memory_order_acquire)) return;
   std::exception_ptr first_failure;
+  {
+    // The usual case: one attached operation, already completed (the caller waited on its
+    // Work first). Detach it in one critical section, keeping the list's capacity.
+    std::shared_ptr<Waitable> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pending_.empty()) {
+        has_pending_.store(false, std::memory_order_release);
+        return;
+      }
+      if (pending_.size() == 1 && pending_[0]->is_completed()) {
+        done = std::move(pending_[0]);
+        pending_.clear();
+        has_pending_.store(false, std::memory_order_release);
+      }
+    }
+    if (done) {
+      done->wait();  // completed: returns or rethrows at once
+      return;
+    }
+  }
   while (true) {
     // Snapshot under the lock, wait without it (other threads may wait on the same works, and
     // a work's completion may attach or query this storage), then detach what was waited.

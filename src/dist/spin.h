@@ -26,27 +26,28 @@ class Backoff {
 
   // `spin`: how long to spin before yielding; 0 where the waiter's spinning would take a core
   // from a peer that still has to arrive (more ranks than cores).
-  explicit Backoff(std::chrono::nanoseconds spin = kSpin)
-      : start_(std::chrono::steady_clock::now()), spin_(spin) {}
+  explicit Backoff(std::chrono::nanoseconds spin = kSpin) : spin_(spin) {}
   void reset() {
-    start_ = std::chrono::steady_clock::now();
     iterations_ = 0;
     phase_ = 0;
+    started_ = false;
   }
+  // True while in the spinning phase (before the first yield).
+  bool spinning() const { return phase_ == 0 && spin_.count() > 0; }
   // One backoff step; returns false once the caller should sleep instead.
   bool step() {
     ++iterations_;
-    // Read the clock only every 32 spins: now() costs ~20 ns.
+    // Read the clock only every 32 spins (now() costs ~20 ns), and not at all for a wait that
+    // ends within the first 32: the budget starts at the first reading.
     if (phase_ == 0) {
-      if (spin_.count() > 0 &&
-          ((iterations_ & 31) != 0 || std::chrono::steady_clock::now() - start_ < spin_)) {
+      if (spin_.count() > 0 && ((iterations_ & 31) != 0 || elapsed() < spin_)) {
         cpu_relax();
         return true;
       }
       phase_ = 1;
     }
     if (phase_ == 1) {
-      if (std::chrono::steady_clock::now() - start_ < spin_ + kYield) {
+      if (elapsed() < spin_ + kYield) {
         std::this_thread::yield();
         return true;
       }
@@ -56,10 +57,21 @@ class Backoff {
   }
 
  private:
+  // Time since the first call (zero on the first call).
+  std::chrono::nanoseconds elapsed() {
+    auto now = std::chrono::steady_clock::now();
+    if (!started_) {
+      start_ = now;
+      started_ = true;
+    }
+    return now - start_;
+  }
+
   std::chrono::steady_clock::time_point start_;
   std::chrono::nanoseconds spin_;
   unsigned iterations_ = 0;
   int phase_ = 0;
+  bool started_ = false;
 };
 
 }  // namespace funcol::dist_detail

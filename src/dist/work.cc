@@ -45,7 +45,7 @@ void Work::wait() {
     if (!done_.load(std::memory_order_acquire)) {
       std::unique_lock<std::mutex> lock(mu_);
       ++sleepers_;
-      cv_.wait(lock, [&] { return done_.load(std::memory_order_relaxed); });
+      cv_.wait(lock, [&] { return done_.load(std::memory_order_seq_cst); });
       --sleepers_;
     }
   }
@@ -64,16 +64,17 @@ void Work::fail(std::exception_ptr error) {
 }
 
 void Work::set_done(std::exception_ptr error) {
-  bool notify = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    FUNCOL_CHECK(!done_.load(std::memory_order_relaxed),
-                 "Work finished twice: " + description_);
-    error_ = std::move(error);
-    done_.store(true, std::memory_order_release);
-    notify = sleepers_ > 0;
+  FUNCOL_CHECK(!done_.load(std::memory_order_relaxed), "Work finished twice: " + description_);
+  error_ = std::move(error);
+  // No lock unless someone sleeps: finishing is on the critical path of every collective. The
+  // store and the load below are seq_cst, as are a sleeper's increment of sleepers_ (under
+  // mu_) and its check of done_ that follows: either the sleeper sees done_, or we see it and
+  // notify under mu_ (so the notification cannot fall between its check and its wait).
+  done_.store(true, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv_.notify_all();
   }
-  if (notify) cv_.notify_all();
 }
 
 std::shared_ptr<Work> Work::completed(std::string description) {
@@ -84,14 +85,14 @@ std::shared_ptr<Work> Work::completed(std::string description) {
 
 bool Work::sleep_until(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (done_.load(std::memory_order_relaxed)) return true;
+  if (done_.load(std::memory_order_acquire)) return true;
   uint64_t generation = wake_generation_;
   ++sleepers_;
   cv_.wait_until(lock, deadline, [&] {
-    return done_.load(std::memory_order_relaxed) || wake_generation_ != generation;
+    return done_.load(std::memory_order_seq_cst) || wake_generation_ != generation;
   });
   --sleepers_;
-  return done_.load(std::memory_order_relaxed);
+  return done_.load(std::memory_order_acquire);
 }
 
 void Work::wake_waiters() {

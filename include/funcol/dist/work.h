@@ -61,8 +61,9 @@ class Work : public Waitable {
   std::atomic<bool> done_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::exception_ptr error_;  // written under mu_ before done_ is set, read after it is seen
-  // Written under mu_ (notify only when someone sleeps); read without it by wake_waiters().
+  std::exception_ptr error_;  // written before done_ is set, read after it is seen
+  // Written under mu_; read without it by set_done() and wake_waiters() (notify only when
+  // someone sleeps).
   std::atomic<int> sleepers_{0};
   uint64_t wake_generation_ = 0;  // guarded by mu_: bumped by wake_waiters()
 };

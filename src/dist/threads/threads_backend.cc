@@ -138,6 +138,18 @@ class InlineVec {
   const T* end() const { return begin() + size_; }
   T& operator[](size_t i) { return begin()[i]; }
   const T& operator[](size_t i) const { return begin()[i]; }
+  T& back() { return begin()[size_ - 1]; }
+  void pop_back() {
+    if (size_ <= N) {
+      inline_[--size_] = T();
+      return;
+    }
+    heap_.pop_back();
+    if (--size_ == N) {  // back to inline storage
+      for (size_t i = 0; i < N; ++i) inline_[i] = std::move(heap_[i]);
+      heap_.clear();
+    }
+  }
   void clear() {
     for (auto& x : inline_) x = T();
     heap_.clear();
@@ -288,16 +300,16 @@ enum State : int { kPending = 0, kPlanning = 1, kRunning = 2, kFinished = 3 };
 // One collective shared by the members of a group; also every member's Work.
 class Op final : public Work, public std::enable_shared_from_this<Op> {
  public:
-  Op(World* world, SharedGroup* group, uint64_t seq, OpKind kind, bool coalesced, int size,
-     Clock::time_point deadline)
-      : kind_(kind),
-        coalesced_(coalesced),
-        world_(world),
-        group_(group),
-        seq_(seq),
-        size_(size),
-        deadline_(deadline),
-        members_(size) {}
+  // Created ahead of need by a rank (outside the group's lock); the identity is set by
+  // init() under the lock before any other rank can see it.
+  Op(World* world, SharedGroup* group, int size)
+      : world_(world), group_(group), size_(size), members_(size) {}
+  void init(uint64_t seq, OpKind kind, bool coalesced, Clock::time_point deadline) {
+    seq_ = seq;
+    kind_ = kind;
+    coalesced_ = coalesced;
+    deadline_ = deadline;
+  }
 
   void wait() override;
   // "all_reduce on group 'world' (seq 4)", formatted on first use.
@@ -305,15 +317,17 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   // Wakes sleeping waiters so that they come and help with chunks.
   void wake() { wake_waiters(); }
 
-  const OpKind kind_;  // of the first rank to issue it
-  const bool coalesced_;
+  // Set by init() before the op is published, constant afterwards.
+  OpKind kind_ = OpKind::Barrier;  // of the first rank to issue it
+  bool coalesced_ = false;
+  uint64_t seq_ = 0;
+  Clock::time_point deadline_;
+
   mutable std::once_flag description_once_;
   mutable std::string description_;
-  World* world_;
-  SharedGroup* group_;
-  const uint64_t seq_;
+  World* const world_;
+  SharedGroup* const group_;
   const int size_;
-  const Clock::time_point deadline_;
 
   // ---- guarded by group_->mu ----
   // By group rank. post and joined are guarded by group_->mu (post is read without it once the
@@ -415,13 +429,15 @@ struct QueueEntry {
 };
 
 // One rank: its ordered queue of unfinished collectives and whether it departed.
+// The three parts live on separate cache lines: the owner writes mu and queue on every
+// collective, completers on other threads read `queued`, and joiners read `departed`.
 struct RankState {
   SpinMutex mu;
   std::deque<QueueEntry> queue;
   // queue.size(), readable without mu: a completer skips locking a rank whose queue holds
   // nothing behind the op it completed (the rank pops it itself on its next push).
-  std::atomic<int> queued{0};
-  std::atomic<bool> departed{false};
+  alignas(64) std::atomic<int> queued{0};
+  alignas(64) std::atomic<bool> departed{false};
   std::string departed_reason;  // written before departed is set, read after it is seen
 };
 
@@ -433,7 +449,8 @@ struct SplitEntry {
   int first_rank = 0;
 };
 
-using OpList = std::vector<std::shared_ptr<Op>>;
+// Ops that became eligible, to run. Usually one; inline so that no collective allocates it.
+using OpList = InlineVec<std::shared_ptr<Op>, 4>;
 
 // The cores this process may run on (its affinity mask), at least 1.
 int usable_cores() {
@@ -475,8 +492,11 @@ class World {
                      int global_rank);
 
   // Posts `post` as member `member` of op `seq` on `group`; fails the op on mismatch or when a
-  // member departed before joining. Returns the op (possibly already failed).
-  std::shared_ptr<Op> join(SharedGroup& group, int member, uint64_t seq, Post&& post);
+  // member departed before joining. Returns the op (possibly already failed). The first member
+  // to join publishes `spare` (a fresh Op of this group, allocated outside the group's lock)
+  // as the op; the others leave it for their next collective.
+  std::shared_ptr<Op> join(SharedGroup& group, int member, uint64_t seq, Post&& post,
+                           std::shared_ptr<Op>& spare);
   // Appends op to `global_rank`'s queue and runs whatever became eligible.
   void push(int global_rank, int member, const std::shared_ptr<Op>& op);
   // Pops finished ops off `global_rank`'s queue head and marks the new head; collects ops that
@@ -503,6 +523,9 @@ class World {
   // cores: 4 KiB all_reduce 8.8-13.5 us instead of 13-20 us; funcol train's step 10% shorter).
   std::chrono::nanoseconds wait_spin_;
   std::vector<std::unique_ptr<RankState>> ranks_;
+  // Ranks that departed so far: joins look for departed members only when it is non-zero
+  // (reading every member's RankState on every collective would pull their cache lines).
+  std::atomic<int> departures_{0};
 
  private:
   void start(const std::shared_ptr<Op>& op, OpList& ready);
@@ -766,8 +789,6 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
     if (it != running_.end()) running_.erase(it);
     running_count_.fetch_sub(1, std::memory_order_relaxed);
   }
-  // Every member joined (the op was eligible), so nobody writes the posts any more.
-  for (auto& m : op->members_) m.post.keep.clear();
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(op->error_mu_);
@@ -779,6 +800,10 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
   } else {
     op->finish();
   }
+  // Every member joined (the op was eligible), so nobody writes the posts any more. Released
+  // after finishing: dropping another rank's storage reference pulls its cache line, which
+  // the waiters need not wait for.
+  for (auto& m : op->members_) m.post.keep.clear();
   // Advance only the ranks with something queued behind this op. Both this read and push()'s
   // increment are acq_rel RMWs of `queued`: if ours comes first, the pusher sees this op
   // completed (finish() happened before) and pops it itself; otherwise we see its push.
@@ -884,16 +909,16 @@ std::string World::departed_message(const Op& op, int departed_rank,
                      format_ranks(missing));
 }
 
-std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Post&& post) {
+std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Post&& post,
+                                std::shared_ptr<Op>& spare) {
   std::shared_ptr<Op> op;
   std::string failure;
   {
     std::lock_guard<SpinMutex> lock(group.mu);
     std::shared_ptr<Op>& slot = group.pending_slot(seq);
     if (!slot) {
-      slot = std::make_shared<Op>(this, &group, seq, post.kind, post.coalesced,
-                                        static_cast<int>(group.global_ranks.size()),
-                                        Clock::now() + timeout_);
+      spare->init(seq, post.kind, post.coalesced, Clock::now() + timeout_);
+      slot = std::move(spare);
     }
     op = slot;
     const int me = group.global_ranks[member];
@@ -940,8 +965,10 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     ++op->joined_count_;
     if (op->joined_count_ == op->size_) {
       group.release_pending(seq);
-    } else if (failure.empty()) {
-      // A member that departed will never join: fail now rather than at the timeout.
+    } else if (failure.empty() && departures_.load(std::memory_order_acquire) > 0) {
+      // A member that departed will never join: fail now rather than at the timeout. (depart()
+      // counts itself before it takes this lock to fail the ops it left, so a join that reads
+      // 0 here comes before that and its op is failed there.)
       std::vector<int> missing;
       int departed = -1;
       for (int m = 0; m < op->size_; ++m) {
@@ -962,6 +989,7 @@ void World::depart(int rank, const std::string& reason) {
   RankState& rs = *ranks_[rank];
   rs.departed_reason = reason;
   rs.departed.store(true, std::memory_order_release);
+  departures_.fetch_add(1, std::memory_order_acq_rel);
   std::vector<SharedGroup*> groups;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1051,19 +1079,24 @@ const std::string& Op::description() const {
 void Op::wait() {
   if (!is_completed()) {
     Backoff backoff(world_->wait_spin_);
-    while (!is_completed()) {
+    for (unsigned polls = 0; !is_completed(); ++polls) {
       // Help: take chunks of this op, or of any running op (the one this op waits behind).
-      if (state_.load(std::memory_order_acquire) == kRunning && has_chunks_left()) {
-        OpList ready;
-        auto self = shared_from_this();
-        world_->work(self, ready);
-        world_->run_ready(ready);
-        backoff.reset();
-        continue;
-      }
-      if (world_->help_any()) {
-        backoff.reset();
-        continue;
+      // While spinning, look only every 16th poll: the executor of a small op writes the
+      // op's state and chunk counters, and every read of them here pulls their cache line
+      // away from it (helping pays only for big ops, where 16 polls are nothing).
+      if (!backoff.spinning() || polls % 16 == 0) {
+        if (state_.load(std::memory_order_acquire) == kRunning && has_chunks_left()) {
+          OpList ready;
+          auto self = shared_from_this();
+          world_->work(self, ready);
+          world_->run_ready(ready);
+          backoff.reset();
+          continue;
+        }
+        if (world_->help_any()) {
+          backoff.reset();
+          continue;
+        }
       }
       if (backoff.step()) continue;
       auto now = Clock::now();
@@ -1311,7 +1344,8 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<Work> issue(Post&& post, const std::vector<const Tensor*>& outputs) {
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
-    std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post));
+    if (!spare_) spare_ = std::make_shared<Op>(world_.get(), shared_, size());
+    std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post), spare_);
     world_->push(global_rank_, rank(), op);
     // Attach after pushing: when this call completed the op (the usual case for the last rank
     // to arrive) there is nothing to attach. Nobody else sees the outputs before we return.
@@ -1330,6 +1364,7 @@ class ThreadsGroup final : public ProcessGroup {
   int global_rank_;
   std::atomic<uint64_t> next_seq_{0};
   uint64_t next_split_ = 0;
+  std::shared_ptr<Op> spare_;  // the Op this rank publishes if it is first to join the next one
 };
 
 std::shared_ptr<World> make_world(int world_size, std::chrono::milliseconds timeout) {
