@@ -6,8 +6,9 @@
 #   REPEATS=N               runs per figure; the median is reported (default 3)
 #
 # Each figure comes from its own `funcol bench` run, which measures its own two-thread memcpy
-# reference first, so every ratio is measured side by side with its figure. Every run checks
-# its results (-c 1); a wrong value stops the script.
+# and cache-line handoff references first, so every ratio is measured side by side with its
+# figure: busbw / memcpy GB/s for bandwidths, time / handoff round trip for latencies. Every
+# run checks its results (-c 1); a wrong value stops the script.
 set -euo pipefail
 
 FUNCOL=${FUNCOL:-build/bin/funcol}
@@ -32,23 +33,27 @@ row() {
       exit 1
     fi
     # The single data row: size count type redop root time algbw busbw #wrong ratio.
-    local data memcpy
+    local data memcpy handoff
     data=$(echo "$out" | awk '!/^#/ && NF >= 10 {print; exit}')
     memcpy=$(echo "$out" | sed -n 's/^# memcpy reference: .*, \([0-9.]*\) GB\/s per thread.*/\1/p')
+    handoff=$(echo "$out" | sed -n 's/^# handoff reference: .* round trip \([0-9.]*\) ns.*/\1/p')
     local time busbw ratio
     time=$(echo "$data" | awk '{print $6}')
     busbw=$(echo "$data" | awk '{print $8}')
     ratio=$(echo "$data" | awk '{print $10}')
     local v=$busbw
-    [[ $metric == time ]] && v=$time
+    if [[ $metric == time ]]; then
+      v=$time
+      ratio=$(awk -v t="$time" -v h="$handoff" 'BEGIN {printf "%.1f", t * 1000 / h}')
+    fi
     values+=("$v")
-    pairs+=("$v $ratio $memcpy")
+    pairs+=("$v $ratio $memcpy $handoff")
   done
   local med
   med=$(printf '%s\n' "${values[@]}" | median)
-  # The ratio and memcpy figure of the run that gave the median.
-  local ratio memcpy
-  read -r _ ratio memcpy < <(printf '%s\n' "${pairs[@]}" | awk -v m="$med" '$1 == m {print; exit}')
+  # The ratio and reference figures of the run that gave the median.
+  local ratio memcpy handoff
+  read -r _ ratio memcpy handoff < <(printf '%s\n' "${pairs[@]}" | awk -v m="$med" '$1 == m {print; exit}')
   local unit="GB/s" met
   if [[ $metric == time ]]; then
     unit="us"
@@ -58,16 +63,16 @@ row() {
     met=$(awk -v v="$med" -v g="$goal" 'BEGIN {print (v >= g) ? "yes" : "no"}')
     goal=">= $goal"
   fi
-  printf '| %s | %s %s | %s | %s | %s | %s %s | %s | `funcol bench %s` |\n' \
-    "$label" "$med" "$unit" "$(printf '%s ' "${values[@]}" | sed 's/ $//')" "$memcpy" "$ratio" \
-    "$goal" "$unit" "$met" "$*"
+  printf '| %s | %s %s | %s | %s | %s | %s | %s %s | %s | `funcol bench %s` |\n' \
+    "$label" "$med" "$unit" "$(printf '%s ' "${values[@]}" | sed 's/ $//')" "$memcpy" "$handoff" \
+    "$ratio" "$goal" "$unit" "$met" "$*"
 }
 
 common=(-n 50 -w 10 -c 1)
 echo "host: $(nproc) cores, $(uname -srm), load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
-echo "| figure | median | runs | memcpy GB/s/thread | busbw / memcpy | target | met | command |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| figure | median | runs | memcpy GB/s/thread | handoff ns | busbw / memcpy, or time / handoff | target | met | command |"
+echo "|---|---|---|---|---|---|---|---|---|"
 row "all_reduce busbw @ 64 MiB, 2 ranks" busbw 8 -o all_reduce --ranks 2 -b 64M -e 64M -n 20 -w 5 -c 1
 row "all_reduce busbw @ 1 MiB, 2 ranks" busbw 15 -o all_reduce --ranks 2 -b 1M -e 1M "${common[@]}"
 row "all_reduce time @ 4 KiB, 2 ranks" time 1 -o all_reduce --ranks 2 -b 4K -e 4K -n 2000 -w 200 -c 1

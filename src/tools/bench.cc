@@ -2,6 +2,7 @@
 #include "tools/bench.h"
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cctype>
 #include <chrono>
@@ -614,6 +615,40 @@ MemcpyRef measure_memcpy(int64_t bytes) {
   return ref;
 }
 
+// ---- handoff reference ----
+
+HandoffRef measure_handoff() {
+  struct alignas(64) Flag {
+    std::atomic<int64_t> value{0};
+  };
+  Flag ping, pong;
+  // Waits for `flag` to reach `v`: spins, and yields now and then so that two threads sharing
+  // one core (a loaded machine) still make progress.
+  auto await = [](const Flag& flag, int64_t v) {
+    for (int spins = 1; flag.value.load(std::memory_order_acquire) < v; ++spins) {
+      if (spins % 4096 == 0) std::this_thread::yield();
+    }
+  };
+  constexpr int64_t kWarmup = 1000;
+  constexpr int64_t kIters = 100000;
+  std::thread answerer([&] {
+    for (int64_t i = 1; i <= kWarmup + kIters; ++i) {
+      await(ping, i);
+      pong.value.store(i, std::memory_order_release);
+    }
+  });
+  std::chrono::steady_clock::time_point t0;
+  for (int64_t i = 1; i <= kWarmup + kIters; ++i) {
+    if (i == kWarmup + 1) t0 = std::chrono::steady_clock::now();
+    ping.value.store(i, std::memory_order_release);
+    await(pong, i);
+  }
+  const double ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  answerer.join();
+  return {ns / static_cast<double>(kIters)};
+}
+
 // ---- the run ----
 
 namespace {
@@ -735,7 +770,8 @@ void emit(std::FILE* out, std::string line) {
   std::fflush(out);
 }
 
-void print_header(std::FILE* out, const BenchOptions& o, const MemcpyRef& ref) {
+void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& report) {
+  const MemcpyRef& ref = report.memcpy;
   std::vector<std::string> names;
   for (BenchOp op : o.ops) names.emplace_back(bench_op_name(op));
   const std::string ops = o.ops.size() == std::size(kAllBenchOps)
@@ -753,6 +789,10 @@ void print_header(std::FILE* out, const BenchOptions& o, const MemcpyRef& ref) {
   emit(out, fmt::format("# memcpy reference: 2 threads, {} each, {:.2f} GB/s per thread, "
                         "{:.2f} GB/s total",
                         mib(ref.bytes), ref.gbps_per_thread, ref.gbps_total));
+  if (report.handoff.round_trip_ns > 0) {
+    emit(out, fmt::format("# handoff reference: 2 threads, cache-line round trip {:.0f} ns",
+                          report.handoff.round_trip_ns));
+  }
   emit(out,
        "# size: bytes of one rank's larger buffer, as nccl-tests (all_gather: the output, "
        "reduce_scatter: the input,");
@@ -784,7 +824,9 @@ void print_columns(std::FILE* out, BenchOp op) {
                         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", ""));
 }
 
-void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row, const MemcpyRef& ref) {
+void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row,
+               const BenchReport& report) {
+  const MemcpyRef& ref = report.memcpy;
   const bool reduces = has_reduce_op(row.op);
   const std::string redop = reduces ? std::string(reduce_op_name(o.redop)) : "none";
   const int root = row.op == BenchOp::Broadcast ? o.root : -1;
@@ -803,6 +845,9 @@ void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row, const
                                 {"busbw", row.busbw},
                                 {"memcpy_gbps", ref.gbps_per_thread},
                                 {"busbw_memcpy_ratio", ratio}};
+    if (report.handoff.round_trip_ns > 0) {
+      j["handoff_ns"] = report.handoff.round_trip_ns;
+    }
     if (row.wrong >= 0) {
       j["wrong"] = row.wrong;
     } else {
@@ -836,7 +881,7 @@ void bench_rank(ProcessGroup& world, const BenchOptions& o, const std::vector<in
     for (int64_t bytes : sizes) {
       BenchRow row = measure(world, o, op, patterns[k], bytes);
       if (!printer) continue;
-      print_row(out, o, row, report.memcpy);
+      print_row(out, o, row, report);
       op_rows.push_back(row);
       report.rows.push_back(row);
     }
@@ -857,6 +902,12 @@ MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& si
     return {bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
   }
   return measure_memcpy(bytes);
+}
+
+// The handoff reference, measured unless the memcpy figure is given (tests, which want neither
+// the time nor the noise).
+HandoffRef handoff_reference(const BenchOptions& o) {
+  return o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff();
 }
 
 void print_summary(std::FILE* out, const BenchOptions& o, const BenchReport& report) {
@@ -895,7 +946,8 @@ BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& 
     for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
     if (rank == 0) {
       report.memcpy = memcpy_reference(o, sizes);
-      if (!o.json) print_header(out, o, report.memcpy);
+      report.handoff = handoff_reference(o);
+      if (!o.json) print_header(out, o, report);
     }
     bench_rank(*world, o, sizes, patterns, report, out);
     finish_report(report);
@@ -931,7 +983,8 @@ BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
   BenchReport report;
   // The memcpy reference runs before the ranks start, so nothing else competes with it.
   report.memcpy = memcpy_reference(o, sizes);
-  if (!o.json) print_header(out, o, report.memcpy);
+  report.handoff = handoff_reference(o);
+  if (!o.json) print_header(out, o, report);
 
   std::vector<CheckPattern> patterns;
   for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);

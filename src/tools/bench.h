@@ -147,6 +147,15 @@ struct MemcpyRef {
 };
 MemcpyRef measure_memcpy(int64_t bytes);
 
+// This run's cache-line handoff time: the mean round trip of a flag between two threads. A
+// small collective crosses several such handoffs (posting, completing, waking the waiter), so
+// this is the unit of its latency, and it varies from run to run with where the machine puts
+// the threads (measured here: 60 ns to 600 ns).
+struct HandoffRef {
+  double round_trip_ns = 0;
+};
+HandoffRef measure_handoff();
+
 // One printed row.
 struct BenchRow {
   BenchOp op;
@@ -159,6 +168,7 @@ struct BenchRow {
 
 struct BenchReport {
   MemcpyRef memcpy;
+  HandoffRef handoff;
   std::vector<BenchRow> rows;
   int64_t wrong = 0;     // over every row
   double avg_busbw = 0;  // mean busbw over every row, as nccl-tests' summary

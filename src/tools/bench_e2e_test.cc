@@ -72,6 +72,9 @@ TEST(BenchE2E, EveryOpChecksCleanAndPrintsTheColumns) {
       EXPECT_NE(r.out.find(kColumns), std::string::npos) << r.out;
       EXPECT_NE(r.out.find("# memcpy reference: 2 threads, 1 MiB each, "), std::string::npos)
           << r.out;
+      EXPECT_NE(r.out.find("# handoff reference: 2 threads, cache-line round trip "),
+                std::string::npos)
+          << r.out;
       EXPECT_NE(r.out.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out;
       EXPECT_NE(r.out.find("# Avg bus bandwidth    : "), std::string::npos) << r.out;
       EXPECT_EQ(count_rows(r.out_only), 6) << r.out;  // 32 128 512 2K 8K 32K
@@ -104,6 +107,7 @@ TEST(BenchE2E, JsonIsOneObjectPerSize) {
     EXPECT_GT(j["time_us"].get<double>(), 0);
     EXPECT_DOUBLE_EQ(j["busbw"].get<double>(), j["algbw"].get<double>() * 0.5);
     EXPECT_GT(j["memcpy_gbps"].get<double>(), 0);
+    EXPECT_GT(j["handoff_ns"].get<double>(), 0);
     sizes.push_back(j["size"].get<int64_t>());
   }
   EXPECT_EQ(sizes, (std::vector<int64_t>{1024, 2048, 4096}));

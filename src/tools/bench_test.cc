@@ -463,6 +463,13 @@ TEST(BenchRun, MemcpyReferenceIsPositive) {
   EXPECT_GT(ref.gbps_total, 0);
 }
 
+TEST(BenchRun, HandoffReferenceIsAPlausibleRoundTrip) {
+  HandoffRef ref = measure_handoff();
+  EXPECT_GT(ref.round_trip_ns, 0);
+  // Even two threads on one busy core hand a line back and forth well within 1 ms on average.
+  EXPECT_LT(ref.round_trip_ns, 1e6);
+}
+
 std::string read_all(std::FILE* f) {
   std::rewind(f);
   std::string s;
