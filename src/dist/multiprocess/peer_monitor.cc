@@ -329,6 +329,7 @@ void PeerMonitor::shutdown() {
   std::string bye;
   {
     std::lock_guard lock(mu_);
+    leaving_ = true;
     std::map<std::string, int64_t> counts = removed_groups_;
     for (const auto& [name, issued] : groups_) counts[name] = issued->load();
     for (const auto& [name, count] : counts) {
@@ -381,7 +382,7 @@ void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t>
   std::function<void(const PeerLoss&)> callback;
   {
     std::lock_guard lock(mu_);
-    if (lost_.count(rank) != 0 || stopping_) return;
+    if (lost_.count(rank) != 0 || stopping_ || leaving_) return;
     loss.rank = rank;
     loss.clean = clean;
     loss.issued = std::move(issued);

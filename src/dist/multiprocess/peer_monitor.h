@@ -105,6 +105,10 @@ class PeerMonitor {
   uint64_t next_query_ = 1;
   std::map<uint64_t, std::map<int, int64_t>> answers_;  // query id -> rank -> issued
   bool stopping_ = false;
+  // Set by shutdown() before the goodbyes go out: from then on no loss is reported. A peer
+  // that already closed its end answers our goodbye with a reset, and the reset can discard
+  // its own goodbye before we read it; that peer left cleanly, and we are leaving anyway.
+  bool leaving_ = false;
   bool connected_ = false;
   std::thread thread_;
 };
