@@ -44,8 +44,10 @@ row() {
     local v=$busbw
     if [[ $metric == time ]]; then
       v=$time
-      ratio=$(awk -v t="$time" -v h="$handoff" 'BEGIN {printf "%.1f", t * 1000 / h}')
+      ratio=n/a  # a funcol built before the handoff reference prints none
+      [[ -n $handoff ]] && ratio=$(awk -v t="$time" -v h="$handoff" 'BEGIN {printf "%.1f", t * 1000 / h}')
     fi
+    [[ -n $handoff ]] || handoff=n/a
     values+=("$v")
     pairs+=("$v $ratio $memcpy $handoff")
   done

@@ -64,7 +64,9 @@ void Work::fail(std::exception_ptr error) {
 }
 
 void Work::set_done(std::exception_ptr error) {
-  FUNCOL_CHECK(!done_.load(std::memory_order_relaxed), "Work finished twice: " + description_);
+  // The claim is atomic so that two finishers racing (a backend bug) cannot both write error_.
+  FUNCOL_CHECK(!finishing_.exchange(true, std::memory_order_relaxed),
+               "Work finished twice: " + description_);
   error_ = std::move(error);
   // No lock unless someone sleeps: finishing is on the critical path of every collective. The
   // store and the load below are seq_cst, as are a sleeper's increment of sleepers_ (under

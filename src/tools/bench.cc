@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "dist/spin.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "funcol/dist/process_group.h"
@@ -622,31 +623,51 @@ HandoffRef measure_handoff() {
     std::atomic<int64_t> value{0};
   };
   Flag ping, pong;
-  // Waits for `flag` to reach `v`: spins, and yields now and then so that two threads sharing
-  // one core (a loaded machine) still make progress.
-  auto await = [](const Flag& flag, int64_t v) {
-    for (int spins = 1; flag.value.load(std::memory_order_acquire) < v; ++spins) {
-      if (spins % 4096 == 0) std::this_thread::yield();
+  // Waits until `flag` differs from `seen` and returns its value: spins briefly, then yields,
+  // so that two threads sharing one core (a loaded machine, a sanitizer build) still hand over
+  // within a time slice.
+  auto await_change = [](const Flag& flag, int64_t seen) {
+    for (uint32_t spins = 1;; ++spins) {
+      const int64_t v = flag.value.load(std::memory_order_acquire);
+      if (v != seen) return v;
+      if (spins % 256 == 0) {
+        std::this_thread::yield();
+      } else {
+        dist_detail::cpu_relax();
+      }
     }
   };
-  constexpr int64_t kWarmup = 1000;
-  constexpr int64_t kIters = 100000;
+  // The answerer echoes every ping until it reads -1.
   std::thread answerer([&] {
-    for (int64_t i = 1; i <= kWarmup + kIters; ++i) {
-      await(ping, i);
-      pong.value.store(i, std::memory_order_release);
+    for (int64_t seen = 0;;) {
+      seen = await_change(ping, seen);
+      if (seen < 0) return;
+      pong.value.store(seen, std::memory_order_release);
     }
   });
-  std::chrono::steady_clock::time_point t0;
-  for (int64_t i = 1; i <= kWarmup + kIters; ++i) {
-    if (i == kWarmup + 1) t0 = std::chrono::steady_clock::now();
+  auto round_trip = [&](int64_t i) {
     ping.value.store(i, std::memory_order_release);
-    await(pong, i);
+    while (await_change(pong, i - 1) != i) {
+    }
+  };
+  // 1000 warm-up round trips, then up to 100,000 timed ones or 50 ms of them, whichever ends
+  // first (the clock is read every 1024, so it costs nothing per round trip).
+  constexpr int64_t kWarmup = 1000;
+  constexpr int64_t kIters = 100000;
+  constexpr auto kBudget = std::chrono::milliseconds(50);
+  int64_t i = 1;
+  for (; i <= kWarmup; ++i) round_trip(i);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto t1 = t0;
+  int64_t timed = 0;
+  while (timed < kIters) {
+    round_trip(i++);
+    if (++timed % 1024 == 0 && (t1 = std::chrono::steady_clock::now()) - t0 >= kBudget) break;
   }
-  const double ns =
-      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  if (timed % 1024 != 0) t1 = std::chrono::steady_clock::now();
+  ping.value.store(-1, std::memory_order_release);
   answerer.join();
-  return {ns / static_cast<double>(kIters)};
+  return {std::chrono::duration<double, std::nano>(t1 - t0).count() / static_cast<double>(timed)};
 }
 
 // ---- the run ----

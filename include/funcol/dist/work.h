@@ -59,6 +59,7 @@ class Work : public Waitable {
 
   std::string description_;
   std::atomic<bool> done_{false};
+  std::atomic<bool> finishing_{false};  // claimed by the one finish() or fail()
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::exception_ptr error_;  // written before done_ is set, read after it is seen

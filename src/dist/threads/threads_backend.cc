@@ -789,6 +789,10 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
     if (it != running_.end()) running_.erase(it);
     running_count_.fetch_sub(1, std::memory_order_relaxed);
   }
+  // Every member joined (the op was eligible), so nobody writes the posts any more. Released
+  // before finishing, so that a waiter that returns holds the only references to its buffers
+  // (the runtime reuses a buffer in place when nothing else holds it).
+  for (auto& m : op->members_) m.post.keep.clear();
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(op->error_mu_);
@@ -800,10 +804,6 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
   } else {
     op->finish();
   }
-  // Every member joined (the op was eligible), so nobody writes the posts any more. Released
-  // after finishing: dropping another rank's storage reference pulls its cache line, which
-  // the waiters need not wait for.
-  for (auto& m : op->members_) m.post.keep.clear();
   // Advance only the ranks with something queued behind this op. Both this read and push()'s
   // increment are acq_rel RMWs of `queued`: if ours comes first, the pusher sees this op
   // completed (finish() happened before) and pops it itself; otherwise we see its push.
@@ -1342,6 +1342,9 @@ class ThreadsGroup final : public ProcessGroup {
   }
 
   std::shared_ptr<Work> issue(Post&& post, const std::vector<const Tensor*>& outputs) {
+    // One thread at a time: the ranks must agree on the order of a group's collectives, which
+    // two threads issuing on one rank's group cannot promise (and spare_ is this thread's).
+    IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
     if (!spare_) spare_ = std::make_shared<Op>(world_.get(), shared_, size());
@@ -1362,7 +1365,29 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<World> world_;
   SharedGroup* shared_;
   int global_rank_;
-  std::atomic<uint64_t> next_seq_{0};
+  // Marks an issue in progress; a second thread issuing on the same group meanwhile gets an
+  // error instead of racing on the sequence numbers.
+  class IssueGuard {
+   public:
+    IssueGuard(std::atomic<bool>& flag, const ProcessGroup& group) : flag_(flag) {
+      if (flag_.exchange(true, std::memory_order_acquire)) {
+        throw InvalidArgument(fmt::format(
+            "group '{}' (threads backend, rank {}): collectives issued from two threads at once; "
+            "every rank must issue a group's collectives in one order, so issue them from one "
+            "thread",
+            group.name(), group.rank()));
+      }
+    }
+    ~IssueGuard() { flag_.store(false, std::memory_order_release); }
+    IssueGuard(const IssueGuard&) = delete;
+    IssueGuard& operator=(const IssueGuard&) = delete;
+
+   private:
+    std::atomic<bool>& flag_;
+  };
+
+  std::atomic<bool> issuing_{false};
+  uint64_t next_seq_ = 0;
   uint64_t next_split_ = 0;
   std::shared_ptr<Op> spare_;  // the Op this rank publishes if it is first to join the next one
 };
