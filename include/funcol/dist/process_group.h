@@ -17,7 +17,10 @@ class GroupRegistry;
 // A group of ranks with a backend behind it. Every primitive works on contiguous tensors,
 // starts asynchronously and returns a Work; the output tensors are left pending until then
 // (the Work is attached to their storage). All ranks of the group must issue the same
-// primitives in the same order; each call takes the group's next sequence number.
+// primitives in the same order; each call takes the group's next sequence number. A rank may
+// issue from any thread, but from one at a time (two threads racing could not keep the order;
+// the threads backend throws InvalidArgument when it sees them overlap). Waiting on a Work and
+// reading results are thread-safe.
 //
 // Primitives validate shapes and dtypes and throw InvalidArgument / ShapeError synchronously;
 // communication failures (timeout, departed or dead peer, mismatched collectives) fail the Work.
