@@ -205,6 +205,9 @@ struct Executor::Impl {
   std::vector<uint32_t> release_slots;
   std::vector<uint32_t> initial_release;  // graph inputs nobody uses
   std::vector<uint32_t> output_slots;
+  // 1 where output i is its slot's last listing: run() moves it out instead of copying it
+  // (a copy allocates the shape twice; every slot is cleared after the run anyway).
+  std::vector<uint8_t> output_moves;
   // Expected result types of kernel steps, packed: (dtype, rank, dims...) per result.
   std::vector<int64_t> result_types;
   std::vector<std::shared_ptr<ProcessGroup>> groups;  // keeps resolved groups alive
@@ -358,6 +361,14 @@ void Executor::Impl::plan() {
     }
     keep[it->second] = 1;
     output_slots.push_back(it->second);
+  }
+  output_moves.assign(output_slots.size(), 0);
+  {
+    std::vector<uint8_t> seen(num_slots, 0);
+    for (size_t i = output_slots.size(); i-- > 0;) {
+      if (!seen[output_slots[i]]) output_moves[i] = 1;
+      seen[output_slots[i]] = 1;
+    }
   }
   operand_release.assign(operand_slots.size(), 0);
   std::vector<uint32_t> released_at(num_slots, 0);
@@ -948,7 +959,10 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
   }
   std::vector<Tensor> outputs;
   outputs.reserve(output_slots.size());
-  for (uint32_t slot : output_slots) outputs.push_back(slots[slot]);
+  for (size_t i = 0; i < output_slots.size(); ++i) {
+    Tensor& t = slots[output_slots[i]];
+    outputs.push_back(output_moves[i] ? std::move(t) : t);
+  }
   for (Tensor& t : slots) t = Tensor();
   ++runs;
   return outputs;

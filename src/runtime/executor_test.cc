@@ -271,6 +271,29 @@ TEST(Executor, RunsManyTimesFromOnePlan) {
   EXPECT_EQ(results[1], (std::vector<int32_t>{12, 2}));
 }
 
+// Outputs are moved out of their slots, except where a value is returned more than once: every
+// listing gets it, on every run, and a returned input is the caller's tensor.
+TEST(Executor, AValueReturnedTwiceAndAnInputReturnedAreEveryOutput) {
+  auto graph = parse(R"(graph @g(%x: i32[2]) {
+  %y = add(%x, %x) : i32[2]
+  return %y, %x, %y, %y
+})");
+  run_local(1, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    for (int it = 0; it < 3; ++it) {
+      Tensor x = Tensor::from_vector<int32_t>({it, 5});
+      auto out = ex.run({x});
+      ASSERT_EQ(out.size(), 4u);
+      for (size_t i : {0, 2, 3}) {
+        ASSERT_TRUE(out[i].defined()) << i;
+        EXPECT_EQ(out[i].to_vector<int32_t>(), (std::vector<int32_t>{2 * it, 10})) << i;
+      }
+      EXPECT_EQ(out[1].to_vector<int32_t>(), (std::vector<int32_t>{it, 5}));
+      EXPECT_EQ(out[0].storage(), out[3].storage());
+    }
+  });
+}
+
 TEST(Executor, UnwaitedCollectivesCompleteByTheEndOfARun) {
   auto out =
       run_graph(2, R"(graph @g(%x: f32[2]) {
