@@ -83,13 +83,7 @@ Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   const int total = iters + iters / 10;
   std::vector<double> times(static_cast<size_t>(iters));
   auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
-    for (uint32_t spins = 1; a.load(std::memory_order_acquire) < v; ++spins) {
-      if (spins % 4096 == 0) {
-        std::this_thread::yield();
-      } else {
-        funcol::dist_detail::cpu_relax();
-      }
-    }
+    funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
   };
   auto body = [&](int r) {
     std::vector<float> buf(n, 0.0f);

@@ -15,6 +15,20 @@ inline void cpu_relax() {
 #endif
 }
 
+// Polls until `done()` holds: a pause between polls and a yield every `yield_every`, so that
+// two threads sharing one core still make progress. Unbounded, so only for benchmarks that time
+// handoffs between threads; waiters use Backoff and then sleep.
+template <typename Done>
+void poll_until(Done done, unsigned yield_every) {
+  for (unsigned polls = 1; !done(); ++polls) {
+    if (polls % yield_every == 0) {
+      std::this_thread::yield();
+    } else {
+      cpu_relax();
+    }
+  }
+}
+
 // Backoff for a waiter: spin for kSpin (a handoff between two running cores takes well under
 // a microsecond, so a few µs of spinning catches it without a syscall), then yield the core for
 // kYield (lets an oversubscribed peer, e.g. 4 ranks on 2 cores, run and arrive), then tell the

@@ -627,15 +627,10 @@ HandoffRef measure_handoff() {
   // so that two threads sharing one core (a loaded machine, a sanitizer build) still hand over
   // within a time slice.
   auto await_change = [](const Flag& flag, int64_t seen) {
-    for (uint32_t spins = 1;; ++spins) {
-      const int64_t v = flag.value.load(std::memory_order_acquire);
-      if (v != seen) return v;
-      if (spins % 256 == 0) {
-        std::this_thread::yield();
-      } else {
-        dist_detail::cpu_relax();
-      }
-    }
+    int64_t v = seen;
+    dist_detail::poll_until(
+        [&] { return (v = flag.value.load(std::memory_order_acquire)) != seen; }, 256);
+    return v;
   };
   // The answerer echoes every ping until it reads -1.
   std::thread answerer([&] {
@@ -925,10 +920,13 @@ MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& si
   return measure_memcpy(bytes);
 }
 
-// The handoff reference, measured unless the memcpy figure is given (tests, which want neither
-// the time nor the noise).
-HandoffRef handoff_reference(const BenchOptions& o) {
-  return o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff();
+// Measures the run's references into `report` and prints the header. The handoff reference is
+// skipped when the memcpy figure is given (tests, which want neither the time nor the noise).
+void start_report(std::FILE* out, const BenchOptions& o, const std::vector<int64_t>& sizes,
+                  BenchReport& report) {
+  report.memcpy = memcpy_reference(o, sizes);
+  report.handoff = o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff();
+  if (!o.json) print_header(out, o, report);
 }
 
 void print_summary(std::FILE* out, const BenchOptions& o, const BenchReport& report) {
@@ -966,9 +964,7 @@ BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& 
     std::vector<CheckPattern> patterns;
     for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
     if (rank == 0) {
-      report.memcpy = memcpy_reference(o, sizes);
-      report.handoff = handoff_reference(o);
-      if (!o.json) print_header(out, o, report);
+      start_report(out, o, sizes, report);
     }
     bench_rank(*world, o, sizes, patterns, report, out);
     finish_report(report);
@@ -1002,10 +998,8 @@ BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
     return run_process_rank(o, sizes, out);
   }
   BenchReport report;
-  // The memcpy reference runs before the ranks start, so nothing else competes with it.
-  report.memcpy = memcpy_reference(o, sizes);
-  report.handoff = handoff_reference(o);
-  if (!o.json) print_header(out, o, report);
+  // The references run before the ranks start, so nothing else competes with them.
+  start_report(out, o, sizes, report);
 
   std::vector<CheckPattern> patterns;
   for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
