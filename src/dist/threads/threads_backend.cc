@@ -18,6 +18,10 @@
 // waits at once. Outputs stay pending on the Op (attached to their Storage) until the last
 // chunk finished.
 //
+// Small all_reduces (the common latency-bound call: a loss, a norm, a flag) skip all of this:
+// they meet in a per-group *lane* of persistent slots, one atomic arrival each, and the last to
+// arrive executes (see LaneSlot).
+//
 // Failure is never a hang: waits spin a few µs, yield, then sleep with the op's deadline
 // (issue time + timeout); a departed rank fails every op it has not joined at once. The short
 // critical sections of joining and queueing use a spin-then-yield-then-nap lock (SpinMutex).
@@ -226,6 +230,7 @@ struct Slot {
   std::array<int64_t, kMaxShapeDims> dims{};
   const char* in = nullptr;
   char* out = nullptr;
+  const Storage* in_storage = nullptr;  // identity only: whose bytes `in` reads
 
   bool same_shape(const Slot& o) const {
     if (ndim < 0 || o.ndim < 0) return true;
@@ -281,6 +286,72 @@ struct Post {
     }
     return true;
   }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The lane: small all_reduces (one tensor, at most kLaneMaxBytes, groups of 2..kLaneMaxRanks)
+// skip the Op machinery. Each group has kLaneSlots persistent slots; the collective with
+// sequence number S uses slot S % kLaneSlots. A rank posts its buffers into its record of the
+// slot and sets its bit in the slot's state with one atomic; the rank that completes the mask
+// checks every record against rank 0's and executes at once (reduce into rank 0's buffer, copy
+// to the others), finishes every member's LaneWork and frees the slot. No queue, no group lock,
+// no allocation shared between ranks: a 2-rank call moves a handful of cache lines instead of
+// the Op's dozens (RESULTS.md, issue 2).
+//
+// Every rank takes the lane for the same collectives (the choice depends only on the call), so
+// a slot serves one sequence number at a time: a rank that runs kLaneSlots lane collectives
+// ahead of a peer waits for the slot (every later collective of its would be queued behind the
+// unfinished one anyway). A lane collective is not queued behind the rank's earlier ones; it
+// waits at issue for the earlier ones that still read its buffer (writes and reads of pending
+// outputs already wait through the tensor). Failures: a mismatch between members is found by the
+// executor; a departed member, a timeout, or a member that issued a different collective on the
+// Op path (a mismatch too) by the waiters' checks, which *fail* the slot: the members that
+// arrived get the error, later arrivals get it at once, and the slot is freed once every member
+// arrived or was counted absent.
+constexpr int kLaneMaxRanks = 8;
+constexpr int kLaneSlots = 8;
+constexpr int64_t kLaneMaxBytes = kMinChunkBytes;
+// A slot's state is one word: the bits of the members that arrived (0-7), busy (8: serving the
+// sequence number in bits 9-62) and failed (63). Claiming a free slot, arriving and failing are
+// each one atomic operation on it, and a failer's compare-exchange includes the sequence
+// number, so it can never hit the slot's next collective.
+constexpr uint64_t kLaneArrived = 0xff;
+constexpr uint64_t kLaneBusy = uint64_t{1} << 8;
+constexpr uint64_t kLaneFailed = uint64_t{1} << 63;
+constexpr uint64_t lane_seq_bits(uint64_t seq) { return (seq << 9) & ~kLaneFailed; }
+constexpr uint64_t lane_seq(uint64_t state) { return (state & ~kLaneFailed) >> 9; }
+constexpr bool lane_serves(uint64_t state, uint64_t seq) {
+  return (state & kLaneBusy) != 0 && lane_seq(state) == (lane_seq_bits(seq) >> 9);
+}
+
+class LaneWork;
+
+// One member's part of a lane collective; written by the member before it sets its bit.
+struct alignas(64) LaneRecord {
+  Slot slot;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  std::shared_ptr<LaneWork> work;  // finished (and released) by the executor or a failer
+
+  Post post() const {
+    Post p;
+    p.kind = OpKind::AllReduce;
+    p.reduce_op = reduce_op;
+    p.slots.push_back(slot);
+    return p;
+  }
+  bool same_call(const LaneRecord& o) const {
+    return slot.dtype == o.slot.dtype && slot.count == o.slot.count &&
+           slot.same_shape(o.slot) && reduce_op == o.reduce_op;
+  }
+};
+
+struct LaneSlot {
+  alignas(64) std::atomic<uint64_t> state{0};
+  // After a failure: the failer and the members counted out so far; freed at size + 1.
+  std::atomic<int> exits{0};
+  // Written under the group's mu before kLaneFailed is set; read by whoever sees it set.
+  std::string error;
+  std::array<LaneRecord, kLaneMaxRanks> records;
 };
 
 // A contiguous range of one piece of work (see Op::run_piece for what a, b mean per kind).
@@ -407,6 +478,20 @@ struct SharedGroup {
   // joined by all). Sequence numbers are dense, so a deque window beats a map.
   std::deque<std::shared_ptr<Op>> pending;
   uint64_t pending_base = 0;
+  std::unique_ptr<LaneSlot[]> lane;  // null unless 2..kLaneMaxRanks members
+
+  void init_lane() {
+    const size_t n = global_ranks.size();
+    if (n >= 2 && n <= kLaneMaxRanks) lane = std::make_unique<LaneSlot[]>(kLaneSlots);
+  }
+  LaneSlot& lane_slot(uint64_t seq) { return lane[seq % kLaneSlots]; }
+  uint64_t full_mask() const { return (uint64_t{1} << global_ranks.size()) - 1; }
+  // The op of `seq` if it exists and not every member joined it (null; no creation, unlike
+  // pending_slot).
+  std::shared_ptr<Op> find_pending(uint64_t seq) const {
+    if (seq < pending_base || seq - pending_base >= pending.size()) return nullptr;
+    return pending[seq - pending_base];
+  }
 
   std::shared_ptr<Op>& pending_slot(uint64_t seq) {
     FUNCOL_CHECK(seq >= pending_base, "joined a collective that every member already joined");
@@ -422,6 +507,11 @@ struct SharedGroup {
     }
   }
 };
+
+// "all_reduce on group 'world' (seq 4)".
+std::string collective_name(OpKind kind, bool coalesced, const SharedGroup& group, uint64_t seq) {
+  return fmt::format("{} on group '{}' (seq {})", op_name(kind, coalesced), group.name, seq);
+}
 
 struct QueueEntry {
   std::shared_ptr<Op> op;
@@ -478,6 +568,7 @@ class World {
     g->id = static_cast<int>(groups_.size());
     g->name = std::move(name);
     g->global_ranks = std::move(ranks);
+    g->init_lane();
     groups_.push_back(std::move(g));
     return groups_.back().get();
   }
@@ -516,6 +607,18 @@ class World {
   void depart(int rank, const std::string& reason);
   void drain(int rank);
 
+  // ---- the lane (see LaneSlot) ----
+  // Posts member `member`'s small all_reduce `seq` on `group`; executes it when this completes
+  // the slot. The returned Work may already be finished (or failed).
+  std::shared_ptr<Work> lane_issue(SharedGroup& group, int member, uint64_t seq, const Slot& slot,
+                                   ReduceOp op, std::shared_ptr<Storage> keep);
+  // A waiter's checks once spinning did not finish `work`: a departed member, a member that
+  // issued `seq` on the Op path, and (when `timed_out`) the timeout fail the slot.
+  void lane_check(LaneWork& work, bool timed_out);
+  // Waits for the collectives `global_rank` issued earlier that still read `storage` (before a
+  // lane collective, which is not queued behind them, overwrites it).
+  void wait_readers(int global_rank, const Storage* storage);
+
   int size_;
   std::chrono::milliseconds timeout_;
   // How long a waiter spins before yielding: not at all when there are more ranks than cores,
@@ -530,7 +633,27 @@ class World {
  private:
   void start(const std::shared_ptr<Op>& op, OpList& ready);
   void complete(const std::shared_ptr<Op>& op, OpList& ready);
-  std::string departed_message(const Op& op, int departed_rank, const std::vector<int>& missing);
+  std::string departed_message(const std::string& what, int departed_rank,
+                               const std::vector<int>& missing);
+  void lane_execute(SharedGroup& group, LaneSlot& ls);
+  // Fails the lane collective `seq` with `message` unless it failed already or every member
+  // arrived; `absent` (bits) are members that will never arrive (they issued `seq` on the Op
+  // path). Fails the members that arrived. Needs group.mu.
+  bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
+                        uint64_t absent);
+  // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
+  void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
+  void lane_release(LaneSlot& ls);
+  // Lane members (bits of `mask`) will never join the Op of `seq`: count them joined.
+  void join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask);
+  // The Op-path join of `member` at `seq` when members took the lane for it: the mismatch (or
+  // the lane's failure) message, after counting this member out of the lane slot; empty when
+  // the lane has nobody at `seq`. Needs group.mu.
+  std::string lane_crossed_locked(SharedGroup& group, int member, uint64_t seq, const Post& post,
+                                  Op& op);
+  // "rank A issued X but rank B issued Y", lower rank first.
+  static std::string mismatch_message(const std::string& what, int rank_a, const Post& a,
+                                      int rank_b, const Post& b);
 
   std::mutex mu_;  // groups_ and splits_
   std::vector<std::unique_ptr<SharedGroup>> groups_;
@@ -539,6 +662,42 @@ class World {
   std::mutex running_mu_;  // running_
   std::vector<std::shared_ptr<Op>> running_;  // ops with more than one chunk, for helpers
   std::atomic<int> running_count_{0};
+};
+
+// One member's handle of a lane collective.
+class LaneWork final : public Work {
+ public:
+  LaneWork(World* world, SharedGroup* group, uint64_t seq, int member, Clock::time_point deadline)
+      : world_(world), group_(group), seq_(seq), member_(member), deadline_(deadline) {}
+
+  void wait() override;
+  const std::string& description() const override;
+
+  World* const world_;
+  SharedGroup* const group_;
+  const uint64_t seq_;
+  const int member_;
+  const Clock::time_point deadline_;
+  // The member's buffer, alive until the collective finished (a dropped result must stay
+  // valid); released by whoever finishes this Work, before finishing it.
+  std::shared_ptr<Storage> keep_;
+  void finish_with(const std::exception_ptr& error) {
+    keep_.reset();
+    if (error) {
+      fail(error);
+    } else {
+      finish();
+    }
+  }
+  // Each member gets its own exception object: they are read and released on different threads,
+  // and the reference count inside exception_ptr is invisible to ThreadSanitizer.
+  void fail_with(const std::string& message) {
+    finish_with(std::make_exception_ptr(CommError(message)));
+  }
+
+ private:
+  mutable std::once_flag description_once_;
+  mutable std::string description_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -902,11 +1061,18 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message) {
 // ---------------------------------------------------------------------------------------------
 // Joining, departing, waiting.
 
-std::string World::departed_message(const Op& op, int departed_rank,
+std::string World::departed_message(const std::string& what, int departed_rank,
                                     const std::vector<int>& missing) {
-  return fmt::format("{}: rank {} departed ({}) before joining; missing ranks {}",
-                     op.description(), departed_rank, ranks_[departed_rank]->departed_reason,
-                     format_ranks(missing));
+  return fmt::format("{}: rank {} departed ({}) before joining; missing ranks {}", what,
+                     departed_rank, ranks_[departed_rank]->departed_reason, format_ranks(missing));
+}
+
+std::string World::mismatch_message(const std::string& what, int rank_a, const Post& a,
+                                    int rank_b, const Post& b) {
+  // Lower rank first, so every rank (and every run) reads the same message.
+  if (rank_b < rank_a) return mismatch_message(what, rank_b, b, rank_a, a);
+  return fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}", what,
+                     rank_a, a.summary(), rank_b, b.summary());
 }
 
 std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Post&& post,
@@ -922,18 +1088,14 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     }
     op = slot;
     const int me = group.global_ranks[member];
-    if (op->state_.load(std::memory_order_acquire) == kPending && !op->doomed_) {
+    if (group.lane) failure = lane_crossed_locked(group, member, seq, post, *op);
+    if (failure.empty() && op->state_.load(std::memory_order_acquire) == kPending &&
+        !op->doomed_) {
       if (op->ref_ >= 0) {
         const Post& ref = op->members_[op->ref_].post;
         const int ref_rank = group.global_ranks[op->ref_];
         if (!post.same_call(ref)) {
-          // Lower rank first, so every rank (and every run) reads the same message.
-          bool ref_first = ref_rank < me;
-          failure = fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}",
-                                op->description(), ref_first ? ref_rank : me,
-                                ref_first ? ref.summary() : post.summary(),
-                                ref_first ? me : ref_rank,
-                                ref_first ? post.summary() : ref.summary());
+          failure = mismatch_message(op->description(), ref_rank, ref, me, post);
         } else if (post.kind == OpKind::AllToAll) {
           // Rows rank `me` sends to j must equal the rows j expects from `me`, and back.
           for (int j = 0; j < op->size_ && failure.empty(); ++j) {
@@ -977,7 +1139,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
         missing.push_back(r);
         if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
       }
-      if (departed >= 0) failure = departed_message(*op, departed, missing);
+      if (departed >= 0) failure = departed_message(op->description(), departed, missing);
     }
     if (!failure.empty()) op->doomed_ = true;
   }
@@ -1011,7 +1173,25 @@ void World::depart(int rank, const std::string& reason) {
         for (int m = 0; m < op->size_; ++m) {
           if (!op->members_[m].joined) missing.push_back(g->global_ranks[m]);
         }
-        victims.emplace_back(op, departed_message(*op, rank, missing));
+        victims.emplace_back(op, departed_message(op->description(), rank, missing));
+      }
+      // Lane collectives that others arrived at but this rank did not.
+      for (int i = 0; g->lane && i < kLaneSlots; ++i) {
+        const uint64_t state = g->lane[i].state.load(std::memory_order_seq_cst);
+        const uint64_t arrived = state & kLaneArrived;
+        if ((state & kLaneBusy) == 0 || (state & kLaneFailed) != 0 ||
+            (arrived & (uint64_t{1} << member)) != 0) {
+          continue;
+        }
+        std::vector<int> missing;
+        for (size_t m = 0; m < g->global_ranks.size(); ++m) {
+          if ((arrived & (uint64_t{1} << m)) == 0) missing.push_back(g->global_ranks[m]);
+        }
+        const uint64_t seq = lane_seq(state);
+        lane_fail_locked(*g, seq,
+                         departed_message(collective_name(OpKind::AllReduce, false, *g, seq), rank,
+                                          missing),
+                         0);
       }
     }
     for (auto& [op, message] : victims) fail_op(op, message);
@@ -1032,6 +1212,299 @@ void World::drain(int rank) {
       // An unwaited result's failure has nobody to report to; the rank already finished.
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lane (see LaneSlot).
+
+std::shared_ptr<Work> World::lane_issue(SharedGroup& group, int member, uint64_t seq,
+                                        const Slot& slot, ReduceOp op,
+                                        std::shared_ptr<Storage> keep) {
+  auto work = std::make_shared<LaneWork>(this, &group, seq, member, Clock::now() + timeout_);
+  work->keep_ = std::move(keep);
+  LaneSlot& ls = group.lane_slot(seq);
+  LaneRecord& record = ls.records[member];
+  const uint64_t bit = uint64_t{1} << member;
+  auto post = [&] {
+    record.slot = slot;
+    record.reduce_op = op;
+    record.work = work;
+  };
+  uint64_t prev = ls.state.load(std::memory_order_acquire);
+  Backoff backoff(wait_spin_);
+  for (;;) {
+    if (lane_serves(prev, seq)) {
+      // Another member claimed it; it cannot move on without this member.
+      post();
+      prev = ls.state.fetch_or(bit, std::memory_order_seq_cst);
+      break;
+    }
+    if ((prev & kLaneBusy) == 0) {
+      // Free: every earlier collective of this slot finished, so nobody reads the records.
+      post();
+      if (ls.state.compare_exchange_weak(prev, lane_seq_bits(seq) | kLaneBusy | bit,
+                                         std::memory_order_seq_cst, std::memory_order_acquire)) {
+        prev = lane_seq_bits(seq) | kLaneBusy;
+        break;
+      }
+      continue;
+    }
+    // The slot still serves this rank's collective kLaneSlots earlier (a peer is behind).
+    if (!backoff.step()) {
+      std::string failure;
+      if (Clock::now() >= work->deadline_) {
+        failure = fmt::format(
+            "{}: timed out after {:g} s waiting for {} to finish", work->description(),
+            std::chrono::duration<double>(timeout_).count(),
+            collective_name(OpKind::AllReduce, false, group, lane_seq(prev)));
+      } else if (departures_.load(std::memory_order_acquire) > 0) {
+        std::vector<int> missing;
+        int departed = -1;
+        for (int r : group.global_ranks) {
+          if (r == group.global_ranks[member]) continue;
+          missing.push_back(r);
+          if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
+        }
+        if (departed >= 0) failure = departed_message(work->description(), departed, missing);
+      }
+      if (!failure.empty()) {
+        work->fail_with(failure);
+        return work;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    prev = ls.state.load(std::memory_order_acquire);
+  }
+  if ((prev & kLaneFailed) != 0) {
+    // Failed before this member arrived (timeout, departure, mismatch): the same error.
+    record.work.reset();  // nobody else touches a record that arrived after the failure
+    {
+      std::lock_guard<SpinMutex> lock(group.mu);
+      join_absent_locked(group, seq, bit);
+    }
+    work->fail_with(ls.error);
+    lane_exit(group, ls, 1);
+  } else if (((prev | bit) & kLaneArrived) == group.full_mask()) {
+    lane_execute(group, ls);
+  } else if (departures_.load(std::memory_order_seq_cst) > 0) {
+    // A member may have departed before this arrival (depart() fails only slots it sees).
+    lane_check(*work, false);
+  }
+  return work;
+}
+
+void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
+  const int n = static_cast<int>(group.global_ranks.size());
+  auto& records = ls.records;
+  std::string mismatch;
+  for (int m = 1; m < n && mismatch.empty(); ++m) {
+    if (!records[m].same_call(records[0])) {
+      mismatch = mismatch_message(records[0].work->description(), group.global_ranks[0],
+                                  records[0].post(), group.global_ranks[m], records[m].post());
+    }
+  }
+  std::exception_ptr error;  // of the kernel: cannot happen for a call that passed its checks
+  if (mismatch.empty() && records[0].slot.count > 0) {
+    try {
+      // As an Op's chunk: reduce in rank order into rank 0's buffer, copy it to the others.
+      const Slot& s0 = records[0].slot;
+      std::array<const void*, kLaneMaxRanks> srcs;
+      for (int m = 0; m < n; ++m) srcs[m] = records[m].slot.in;
+      reduce_buffers(records[0].reduce_op, s0.dtype, s0.out, srcs.data(), n, s0.count);
+      const size_t bytes = static_cast<size_t>(s0.count) * itemsize(s0.dtype);
+      for (int m = 1; m < n; ++m) copy_bytes(records[m].slot.out, s0.out, bytes, false);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  for (int m = 0; m < n; ++m) {
+    std::shared_ptr<LaneWork> work = std::move(records[m].work);
+    if (mismatch.empty()) {
+      work->finish_with(error);
+    } else {
+      work->fail_with(mismatch);
+    }
+  }
+  lane_release(ls);
+}
+
+bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
+                             uint64_t absent) {
+  LaneSlot& ls = group.lane_slot(seq);
+  uint64_t prev = ls.state.load(std::memory_order_acquire);
+  for (;;) {
+    if (!lane_serves(prev, seq) || (prev & kLaneFailed) != 0 ||
+        (prev & kLaneArrived) == group.full_mask()) {
+      return false;  // finished, failed already, or being executed
+    }
+    ls.error = message;
+    if (ls.state.compare_exchange_weak(prev, prev | absent | kLaneFailed,
+                                       std::memory_order_seq_cst, std::memory_order_acquire)) {
+      break;
+    }
+  }
+  int exits = 1;  // this failer
+  for (size_t m = 0; m < group.global_ranks.size(); ++m) {
+    const uint64_t bit = uint64_t{1} << m;
+    if ((prev & bit) != 0) {
+      std::shared_ptr<LaneWork> work = std::move(ls.records[m].work);
+      work->fail_with(message);
+      ++exits;
+    } else if ((absent & bit) != 0) {
+      ++exits;
+    }
+  }
+  lane_exit(group, ls, exits);
+  return true;
+}
+
+void World::lane_exit(SharedGroup& group, LaneSlot& ls, int count) {
+  const int last = static_cast<int>(group.global_ranks.size()) + 1;
+  if (ls.exits.fetch_add(count, std::memory_order_acq_rel) + count == last) lane_release(ls);
+}
+
+void World::lane_release(LaneSlot& ls) {
+  for (auto& record : ls.records) record.work.reset();
+  ls.exits.store(0, std::memory_order_relaxed);
+  const uint64_t seq = lane_seq(ls.state.load(std::memory_order_relaxed));
+  ls.state.store(lane_seq_bits(seq), std::memory_order_release);  // free
+}
+
+void World::join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask) {
+  std::shared_ptr<Op> op = group.find_pending(seq);
+  if (!op) return;
+  for (int m = 0; m < op->size_; ++m) {
+    if ((mask & (uint64_t{1} << m)) == 0 || op->members_[m].joined) continue;
+    op->members_[m].joined = 1;
+    ++op->joined_count_;
+  }
+  if (op->joined_count_ == op->size_) group.release_pending(seq);
+}
+
+std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t seq,
+                                       const Post& post, Op& op) {
+  LaneSlot& ls = group.lane_slot(seq);
+  const uint64_t bit = uint64_t{1} << member;
+  const uint64_t state = ls.state.load(std::memory_order_acquire);
+  if (!lane_serves(state, seq) || (state & bit) != 0) return {};
+  const uint64_t arrived = state & kLaneArrived;
+  std::string message;
+  if ((state & kLaneFailed) != 0) {
+    message = ls.error;
+    ls.state.fetch_or(bit, std::memory_order_acq_rel);
+    lane_exit(group, ls, 1);
+  } else {
+    const int first = __builtin_ctzll(arrived);  // a claimed slot has its claimer's bit
+    message = mismatch_message(collective_name(OpKind::AllReduce, false, group, seq),
+                               group.global_ranks[first], ls.records[first].post(),
+                               group.global_ranks[member], post);
+    lane_fail_locked(group, seq, message, bit);
+  }
+  // The members in the lane never join this op.
+  for (int m = 0; m < op.size_; ++m) {
+    if ((arrived & (uint64_t{1} << m)) == 0 || op.members_[m].joined) continue;
+    op.members_[m].joined = 1;
+    ++op.joined_count_;
+  }
+  return message;
+}
+
+void World::lane_check(LaneWork& work, bool timed_out) {
+  SharedGroup& group = *work.group_;
+  const uint64_t seq = work.seq_;
+  LaneSlot& ls = group.lane_slot(seq);
+  std::shared_ptr<Op> crossed;
+  std::string failure;
+  {
+    std::lock_guard<SpinMutex> lock(group.mu);
+    const uint64_t state = ls.state.load(std::memory_order_acquire);
+    const uint64_t arrived = state & kLaneArrived;
+    if (work.is_completed() || !lane_serves(state, seq) || (state & kLaneFailed) != 0 ||
+        arrived == group.full_mask()) {
+      return;  // finished, failed, or being executed
+    }
+    const std::string& what = work.description();
+    std::vector<int> missing;
+    int departed = -1;
+    for (size_t m = 0; m < group.global_ranks.size(); ++m) {
+      if ((arrived & (uint64_t{1} << m)) != 0) continue;
+      const int r = group.global_ranks[m];
+      missing.push_back(r);
+      if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
+    }
+    std::shared_ptr<Op> op = group.find_pending(seq);
+    if (op && op->ref_ >= 0) {
+      // A member issued `seq` on the Op path: a different collective. Both fail.
+      uint64_t absent = 0;
+      for (int m = 0; m < op->size_; ++m) {
+        if (op->members_[m].joined) absent |= uint64_t{1} << m;
+      }
+      failure = mismatch_message(what, group.global_ranks[work.member_],
+                                 ls.records[work.member_].post(), group.global_ranks[op->ref_],
+                                 op->members_[op->ref_].post);
+      if (lane_fail_locked(group, seq, failure, absent)) {
+        op->doomed_ = true;
+        crossed = op;
+        join_absent_locked(group, seq, arrived);
+      }
+    } else if (departed >= 0) {
+      lane_fail_locked(group, seq, departed_message(what, departed, missing), 0);
+    } else if (timed_out) {
+      lane_fail_locked(group, seq,
+                       fmt::format("{}: timed out after {:g} s; missing ranks {}", what,
+                                   std::chrono::duration<double>(timeout_).count(),
+                                   format_ranks(missing)),
+                       0);
+    }
+  }
+  if (crossed) fail_op(crossed, failure);
+}
+
+void World::wait_readers(int global_rank, const Storage* storage) {
+  RankState& rs = *ranks_[global_rank];
+  // Only this rank pushes to its queue, so empty now means empty until it pushes again.
+  if (storage == nullptr || rs.queued.load(std::memory_order_acquire) == 0) return;
+  std::vector<std::shared_ptr<Op>> readers;
+  {
+    std::lock_guard<SpinMutex> lock(rs.mu);
+    for (const QueueEntry& e : rs.queue) {
+      if (e.op->is_completed()) continue;
+      // This rank wrote its post at join, and nobody writes it afterwards.
+      for (const Slot& slot : e.op->members_[e.member].post.slots) {
+        if (slot.in_storage == storage) {
+          readers.push_back(e.op);
+          break;
+        }
+      }
+    }
+  }
+  for (auto& op : readers) {
+    try {
+      op->wait();
+    } catch (const Error&) {
+      // It failed: it no longer reads the buffer, and its waiter gets the error.
+    }
+  }
+}
+
+void LaneWork::wait() {
+  if (!is_completed()) {
+    Backoff backoff(world_->wait_spin_);
+    for (unsigned polls = 0; !is_completed(); ++polls) {
+      // Help any big op while spinning (as Op::wait), every 16th poll.
+      if ((!backoff.spinning() || polls % 16 == 0) && world_->help_any()) {
+        backoff.reset();
+        continue;
+      }
+      if (backoff.step()) continue;
+      // Departures and Op-path mismatches are checked now and then; the timeout at the deadline.
+      auto now = Clock::now();
+      world_->lane_check(*this, now >= deadline_);
+      if (!is_completed()) sleep_until(std::min(deadline_, now + std::chrono::milliseconds(20)));
+      backoff.reset();
+    }
+  }
+  rethrow_if_failed();
 }
 
 std::string World::timeout_message(Op& op) {
@@ -1069,9 +1542,14 @@ std::string World::timeout_message(Op& op) {
 }
 
 const std::string& Op::description() const {
+  std::call_once(description_once_,
+                 [this] { description_ = collective_name(kind_, coalesced_, *group_, seq_); });
+  return description_;
+}
+
+const std::string& LaneWork::description() const {
   std::call_once(description_once_, [this] {
-    description_ =
-        fmt::format("{} on group '{}' (seq {})", op_name(kind_, coalesced_), group_->name, seq_);
+    description_ = collective_name(OpKind::AllReduce, false, *group_, seq_);
   });
   return description_;
 }
@@ -1133,6 +1611,7 @@ SharedGroup* World::split(const SharedGroup& parent, uint64_t index,
       g->id = static_cast<int>(groups_.size());
       g->name = name;
       g->global_ranks = list;
+      g->init_lane();
       groups_.push_back(std::move(g));
       entry.groups.push_back(groups_.back().get());
     }
@@ -1171,6 +1650,10 @@ class ThreadsGroup final : public ProcessGroup {
     Post p = make_post(OpKind::AllReduce, false);
     p.reduce_op = op;
     add_slot(p, tensor.dtype(), tensor.numel(), tensor, tensor);
+    if (shared_->lane &&
+        tensor.numel() * static_cast<int64_t>(itemsize(tensor.dtype())) <= kLaneMaxBytes) {
+      return issue_lane(std::move(p), tensor);
+    }
     return issue(std::move(p), {&tensor});
   }
 
@@ -1327,6 +1810,7 @@ class ThreadsGroup final : public ProcessGroup {
     }
     // data_ptr() waits: an input (or in-place output) still being produced by another
     // collective must be complete before any rank reads or writes it.
+    s.in_storage = in.storage().get();
     if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
     if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
     p.slots.push_back(s);
@@ -1350,16 +1834,32 @@ class ThreadsGroup final : public ProcessGroup {
     if (!spare_) spare_ = std::make_shared<Op>(world_.get(), shared_, size());
     std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post), spare_);
     world_->push(global_rank_, rank(), op);
-    // Attach after pushing: when this call completed the op (the usual case for the last rank
-    // to arrive) there is nothing to attach. Nobody else sees the outputs before we return.
-    if (!op->is_completed()) {
-      const Storage* last = nullptr;  // outputs sharing a storage attach once
-      for (const Tensor* t : outputs) {
-        if (t->storage() && t->storage().get() != last) t->storage()->add_pending(op);
-        last = t->storage().get();
-      }
-    }
+    attach(op, outputs);
     return op;
+  }
+
+  // A small all_reduce through the lane (see LaneSlot).
+  std::shared_ptr<Work> issue_lane(Post&& post, const Tensor& tensor) {
+    IssueGuard guard(issuing_, *this);
+    uint64_t seq = next_seq_++;
+    tl_rank = global_rank_;
+    world_->wait_readers(global_rank_, post.slots[0].in_storage);
+    std::shared_ptr<Storage> keep = post.keep.empty() ? nullptr : std::move(post.keep[0]);
+    std::shared_ptr<Work> work = world_->lane_issue(*shared_, rank(), seq, post.slots[0],
+                                                    post.reduce_op, std::move(keep));
+    attach(work, {&tensor});
+    return work;
+  }
+
+  // Attaches an issued collective to its outputs' storages. Not when this call completed it
+  // (the usual case for the last rank to arrive); nobody else sees the outputs before we return.
+  static void attach(const std::shared_ptr<Work>& work, const std::vector<const Tensor*>& outputs) {
+    if (work->is_completed()) return;
+    const Storage* last = nullptr;  // outputs sharing a storage attach once
+    for (const Tensor* t : outputs) {
+      if (t->storage() && t->storage().get() != last) t->storage()->add_pending(work);
+      last = t->storage().get();
+    }
   }
 
   std::shared_ptr<World> world_;

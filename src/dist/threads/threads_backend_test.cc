@@ -379,6 +379,94 @@ TEST(FailureTest, MismatchedAllToAllSplits) {
   }
 }
 
+// A small all_reduce (the lane) on one rank and a collective of the Op path on the other are a
+// mismatch, whichever arrives first; both get one message, and the group keeps working for more
+// small all_reduces than the lane has slots (the failed slot was freed).
+TEST(LaneTest, MismatchWithTheOpPathInEitherOrder) {
+  for (int late : {0, 1}) {
+    std::vector<std::string> messages(2);
+    run_ranks(2, [&](ProcessGroup& pg) {
+      if (pg.rank() == late) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      Tensor small = Tensor::full({4}, DType::F32, 1);
+      Tensor big = Tensor::full({1 << 16}, DType::F32, 1);
+      auto w = pg.rank() == 0 ? pg.all_reduce(small, ReduceOp::Sum)
+                              : pg.all_reduce(big, ReduceOp::Sum);
+      messages[pg.rank()] = comm_error([&] { w->wait(); });
+      for (int i = 0; i < 20; ++i) {
+        Tensor t = Tensor::full({3}, DType::I32, pg.rank() + i);
+        pg.all_reduce(t, ReduceOp::Sum)->wait();
+        EXPECT_EQ(t.to_vector<int>(), std::vector<int>(3, 1 + 2 * i));
+      }
+    });
+    EXPECT_EQ(messages[0],
+              "all_reduce on group 'world' (seq 0): mismatched collectives: rank 0 issued "
+              "all_reduce(f32[4], op sum) but rank 1 issued all_reduce(f32[65536], op sum)")
+        << "late rank " << late;
+    EXPECT_EQ(messages[1], messages[0]) << "late rank " << late;
+  }
+}
+
+// A rank may run many small all_reduces ahead of its peer without waiting (more than the lane's
+// slots: the extra ones wait for a slot); every result is right.
+TEST(LaneTest, RankRunsFarAhead) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::vector<Tensor> ts;
+    std::vector<std::shared_ptr<Work>> works;
+    for (int i = 0; i < 50; ++i) {
+      ts.push_back(Tensor::full({5}, DType::I64, i * (pg.rank() + 1)));
+      works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+    }
+    for (int i = 0; i < 50; ++i) {
+      works[i]->wait();
+      EXPECT_EQ(ts[i].to_vector<int64_t>(), std::vector<int64_t>(5, 3 * i)) << i;
+    }
+  });
+}
+
+// A small in-place all_reduce is not queued behind the rank's earlier collectives, so it must
+// wait for those that still read its buffer: here an all_gather of the same tensor that cannot
+// run before rank 2 arrives, while the all_reduce's group {0, 1} could run at once.
+TEST(LaneTest, WaitsForEarlierReadersOfItsBuffer) {
+  run_ranks(3, [](ProcessGroup& world) {
+    auto pair = world.split_group({{0, 1}, {2}}, "pair");
+    Tensor t = Tensor::full({4}, DType::F32, world.rank() + 1);
+    Tensor gathered = Tensor::zeros({12}, DType::F32);
+    if (world.rank() == 2) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto gather = world.all_gather(gathered, t);
+    if (pair) pair->all_reduce(t, ReduceOp::Sum)->wait();
+    gather->wait();
+    EXPECT_EQ(gathered.to_vector<float>(),
+              std::vector<float>({1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}));
+    if (pair) {
+      EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 3));
+    }
+  });
+}
+
+// A peer that departs while others wait in the lane fails them at once, with the departure.
+TEST(LaneTest, DepartureWhileWaiting) {
+  auto start = Clock::now();
+  std::vector<std::string> messages(4);
+  EXPECT_THROW(run_local(4,
+                         [&](ProcessGroup& world) {
+                           if (world.rank() == 3) {
+                             std::this_thread::sleep_for(std::chrono::milliseconds(30));
+                             throw std::runtime_error("gone");
+                           }
+                           Tensor t = Tensor::full({8}, DType::F64, 1);
+                           messages[world.rank()] = comm_error(
+                               [&] { world.all_reduce(t, ReduceOp::Max)->wait(); });
+                         }),
+               std::runtime_error);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(messages[r],
+              "all_reduce on group 'world' (seq 0): rank 3 departed (threw: gone) before "
+              "joining; missing ranks [3]");
+  }
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
 TEST(FailureTest, TimeoutWhenAPeerNeverArrives) {
   std::atomic<bool> timed_out{false};
   std::vector<std::string> messages(2);
