@@ -67,7 +67,9 @@ void Work::set_done(std::exception_ptr error) {
   // The claim is atomic so that two finishers racing (a backend bug) cannot both write error_.
   FUNCOL_CHECK(!finishing_.exchange(true, std::memory_order_relaxed),
                "Work finished twice: " + description_);
-  error_ = std::move(error);
+  // Written only on failure: error_ may sit on another cache line than done_, and every write
+  // of a line the waiter reads costs a transfer on the critical path of a small collective.
+  if (error) error_ = std::move(error);
   // No lock unless someone sleeps: finishing is on the critical path of every collective. The
   // store and the load below are seq_cst, as are a sleeper's increment of sleepers_ (under
   // mu_) and its check of done_ that follows: either the sleeper sees done_, or we see it and

@@ -40,6 +40,7 @@
 #include <emmintrin.h>
 #endif
 #include <deque>
+#include <span>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -480,6 +481,11 @@ struct SharedGroup {
   uint64_t pending_base = 0;
   std::unique_ptr<LaneSlot[]> lane;  // null unless 2..kLaneMaxRanks members
 
+  SharedGroup() = default;
+  SharedGroup(const SharedGroup&) = delete;
+  SharedGroup& operator=(const SharedGroup&) = delete;
+  ~SharedGroup();
+
   void init_lane() {
     const size_t n = global_ranks.size();
     if (n >= 2 && n <= kLaneMaxRanks) lane = std::make_unique<LaneSlot[]>(kLaneSlots);
@@ -610,8 +616,9 @@ class World {
   // ---- the lane (see LaneSlot) ----
   // Posts member `member`'s small all_reduce `seq` on `group`; executes it when this completes
   // the slot. The returned Work may already be finished (or failed).
-  std::shared_ptr<Work> lane_issue(SharedGroup& group, int member, uint64_t seq, const Slot& slot,
-                                   ReduceOp op, std::shared_ptr<Storage> keep);
+  std::shared_ptr<LaneWork> lane_issue(SharedGroup& group, int member, uint64_t seq,
+                                       const Slot& slot, ReduceOp op,
+                                       std::shared_ptr<Storage> keep);
   // A waiter's checks once spinning did not finish `work`: a departed member, a member that
   // issued `seq` on the Op path, and (when `timed_out`) the timeout fail the slot.
   void lane_check(LaneWork& work, bool timed_out);
@@ -643,7 +650,10 @@ class World {
                         uint64_t absent);
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
+  // Frees a failed slot: drops the records' Works (their keep already released) and frees it.
   void lane_release(LaneSlot& ls);
+  // Frees the slot for its next collective.
+  static void lane_free(LaneSlot& ls);
   // Lane members (bits of `mask`) will never join the Op of `seq`: count them joined.
   void join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask);
   // The Op-path join of `member` at `seq` when members took the lane for it: the mismatch (or
@@ -679,26 +689,37 @@ class LaneWork final : public Work {
   const int member_;
   const Clock::time_point deadline_;
   // The member's buffer, alive until the collective finished (a dropped result must stay
-  // valid); released by whoever finishes this Work, before finishing it.
+  // valid). The executor does not release it (the storage's reference count is the member's
+  // cache line): whoever sees this Work finished does, once, through release_keep(): a wait,
+  // the member itself when its issue finished it or when it next posts into the same slot.
+  // Released before a wait returns, so a waiter holds the only references to its buffer again
+  // (the runtime donates a buffer nobody else holds).
   std::shared_ptr<Storage> keep_;
-  void finish_with(const std::exception_ptr& error) {
-    keep_.reset();
-    if (error) {
-      fail(error);
-    } else {
-      finish();
-    }
+  std::atomic<bool> keep_released_{false};
+  void release_keep() {
+    if (!keep_released_.exchange(true, std::memory_order_acq_rel)) keep_.reset();
   }
   // Each member gets its own exception object: they are read and released on different threads,
   // and the reference count inside exception_ptr is invisible to ThreadSanitizer.
   void fail_with(const std::string& message) {
-    finish_with(std::make_exception_ptr(CommError(message)));
+    release_keep();
+    fail(std::make_exception_ptr(CommError(message)));
   }
 
  private:
   mutable std::once_flag description_once_;
   mutable std::string description_;
 };
+
+// The last collective of each slot may hold a result nobody waited for, attached to its
+// storage that its Work keeps alive: break the cycle.
+SharedGroup::~SharedGroup() {
+  for (int i = 0; lane && i < kLaneSlots; ++i) {
+    for (auto& record : lane[i].records) {
+      if (record.work) record.work->release_keep();
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Planning and executing an op.
@@ -1217,9 +1238,9 @@ void World::drain(int rank) {
 // ---------------------------------------------------------------------------------------------
 // The lane (see LaneSlot).
 
-std::shared_ptr<Work> World::lane_issue(SharedGroup& group, int member, uint64_t seq,
-                                        const Slot& slot, ReduceOp op,
-                                        std::shared_ptr<Storage> keep) {
+std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint64_t seq,
+                                            const Slot& slot, ReduceOp op,
+                                            std::shared_ptr<Storage> keep) {
   auto work = std::make_shared<LaneWork>(this, &group, seq, member, Clock::now() + timeout_);
   work->keep_ = std::move(keep);
   LaneSlot& ls = group.lane_slot(seq);
@@ -1228,6 +1249,9 @@ std::shared_ptr<Work> World::lane_issue(SharedGroup& group, int member, uint64_t
   auto post = [&] {
     record.slot = slot;
     record.reduce_op = op;
+    // The slot's previous collective finished: its Work's buffer may go (breaking the cycle
+    // storage -> pending Work -> storage of a result nobody waited for).
+    if (record.work && record.work != work) record.work->release_keep();
     record.work = work;
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
@@ -1317,15 +1341,19 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
       error = std::current_exception();
     }
   }
+  // The records keep their Works (each member drops its own when it next posts here): moving
+  // them out would write every member's reference count, one more cache line each.
   for (int m = 0; m < n; ++m) {
-    std::shared_ptr<LaneWork> work = std::move(records[m].work);
-    if (mismatch.empty()) {
-      work->finish_with(error);
-    } else {
+    LaneWork* work = records[m].work.get();
+    if (!mismatch.empty()) {
       work->fail_with(mismatch);
+    } else if (error) {
+      work->fail(error);
+    } else {
+      work->finish();
     }
   }
-  lane_release(ls);
+  lane_free(ls);
 }
 
 bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
@@ -1366,8 +1394,12 @@ void World::lane_exit(SharedGroup& group, LaneSlot& ls, int count) {
 void World::lane_release(LaneSlot& ls) {
   for (auto& record : ls.records) record.work.reset();
   ls.exits.store(0, std::memory_order_relaxed);
+  lane_free(ls);
+}
+
+void World::lane_free(LaneSlot& ls) {
   const uint64_t seq = lane_seq(ls.state.load(std::memory_order_relaxed));
-  ls.state.store(lane_seq_bits(seq), std::memory_order_release);  // free
+  ls.state.store(lane_seq_bits(seq), std::memory_order_release);
 }
 
 void World::join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask) {
@@ -1504,6 +1536,7 @@ void LaneWork::wait() {
       backoff.reset();
     }
   }
+  release_keep();
   rethrow_if_failed();
 }
 
@@ -1647,21 +1680,21 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op) override {
     dist_detail::check_all_reduce(tensor, op);
+    if (shared_->lane &&
+        tensor.numel() * static_cast<int64_t>(itemsize(tensor.dtype())) <= kLaneMaxBytes) {
+      return issue_lane(tensor, op);
+    }
     Post p = make_post(OpKind::AllReduce, false);
     p.reduce_op = op;
     add_slot(p, tensor.dtype(), tensor.numel(), tensor, tensor);
-    if (shared_->lane &&
-        tensor.numel() * static_cast<int64_t>(itemsize(tensor.dtype())) <= kLaneMaxBytes) {
-      return issue_lane(std::move(p), tensor);
-    }
-    return issue(std::move(p), {&tensor});
+    return issue(std::move(p), tensor);
   }
 
   std::shared_ptr<Work> all_gather(const Tensor& output, const Tensor& input) override {
     dist_detail::check_all_gather(output, input, size());
     Post p = make_post(OpKind::AllGather, false);
     add_slot(p, input.dtype(), input.numel(), input, output);
-    return issue(std::move(p), {&output});
+    return issue(std::move(p), output);
   }
 
   std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input,
@@ -1670,7 +1703,7 @@ class ThreadsGroup final : public ProcessGroup {
     Post p = make_post(OpKind::ReduceScatter, false);
     p.reduce_op = op;
     add_slot(p, input.dtype(), output.numel(), input, output);
-    return issue(std::move(p), {&output});
+    return issue(std::move(p), output);
   }
 
   std::shared_ptr<Work> all_to_all(const Tensor& output, const Tensor& input,
@@ -1682,7 +1715,7 @@ class ThreadsGroup final : public ProcessGroup {
     add_slot(p, input.dtype(), layout.row_elems, input, output);
     p.input_splits = std::move(layout.input_splits);
     p.output_splits = std::move(layout.output_splits);
-    return issue(std::move(p), {&output});
+    return issue(std::move(p), output);
   }
 
   std::shared_ptr<Work> broadcast(const Tensor& tensor, int src) override {
@@ -1690,11 +1723,11 @@ class ThreadsGroup final : public ProcessGroup {
     Post p = make_post(OpKind::Broadcast, false);
     p.root = src;
     add_slot(p, tensor.dtype(), tensor.numel(), tensor, tensor);
-    return issue(std::move(p), {&tensor});
+    return issue(std::move(p), tensor);
   }
 
   std::shared_ptr<Work> barrier_async() override {
-    return issue(make_post(OpKind::Barrier, false), {});
+    return issue(make_post(OpKind::Barrier, false), std::span<const Tensor* const>());
   }
 
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
@@ -1800,11 +1833,12 @@ class ThreadsGroup final : public ProcessGroup {
     return p;
   }
 
-  static void add_slot(Post& p, DType dtype, int64_t count, const Tensor& in, const Tensor& out) {
+  static Slot make_slot(OpKind kind, DType dtype, int64_t count, const Tensor& in,
+                        const Tensor& out) {
     Slot s;
     s.dtype = dtype;
     s.count = count;
-    if (p.kind != OpKind::AllToAll && in.dim() <= kMaxShapeDims) {
+    if (kind != OpKind::AllToAll && in.dim() <= kMaxShapeDims) {
       s.ndim = static_cast<int8_t>(in.dim());
       std::copy(in.sizes().begin(), in.sizes().end(), s.dims.begin());
     }
@@ -1813,7 +1847,11 @@ class ThreadsGroup final : public ProcessGroup {
     s.in_storage = in.storage().get();
     if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
     if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
-    p.slots.push_back(s);
+    return s;
+  }
+
+  static void add_slot(Post& p, DType dtype, int64_t count, const Tensor& in, const Tensor& out) {
+    p.slots.push_back(make_slot(p.kind, dtype, count, in, out));
     // Once per storage in a row: a bucket's members often share one.
     auto keep = [&](const std::shared_ptr<Storage>& st) {
       if (st && (p.keep.size() == 0 || p.keep[p.keep.size() - 1] != st) &&
@@ -1825,7 +1863,12 @@ class ThreadsGroup final : public ProcessGroup {
     keep(out.storage());
   }
 
-  std::shared_ptr<Work> issue(Post&& post, const std::vector<const Tensor*>& outputs) {
+  std::shared_ptr<Work> issue(Post&& post, const Tensor& output) {
+    const Tensor* out = &output;
+    return issue(std::move(post), std::span<const Tensor* const>(&out, 1));
+  }
+
+  std::shared_ptr<Work> issue(Post&& post, std::span<const Tensor* const> outputs) {
     // One thread at a time: the ranks must agree on the order of a group's collectives, which
     // two threads issuing on one rank's group cannot promise (and spare_ is this thread's).
     IssueGuard guard(issuing_, *this);
@@ -1838,22 +1881,26 @@ class ThreadsGroup final : public ProcessGroup {
     return op;
   }
 
-  // A small all_reduce through the lane (see LaneSlot).
-  std::shared_ptr<Work> issue_lane(Post&& post, const Tensor& tensor) {
+  // A small all_reduce through the lane (see LaneSlot): no Post, no Op.
+  std::shared_ptr<Work> issue_lane(const Tensor& tensor, ReduceOp op) {
+    const Slot slot = make_slot(OpKind::AllReduce, tensor.dtype(), tensor.numel(), tensor, tensor);
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
-    world_->wait_readers(global_rank_, post.slots[0].in_storage);
-    std::shared_ptr<Storage> keep = post.keep.empty() ? nullptr : std::move(post.keep[0]);
-    std::shared_ptr<Work> work = world_->lane_issue(*shared_, rank(), seq, post.slots[0],
-                                                    post.reduce_op, std::move(keep));
-    attach(work, {&tensor});
+    world_->wait_readers(global_rank_, slot.in_storage);
+    std::shared_ptr<LaneWork> work =
+        world_->lane_issue(*shared_, rank(), seq, slot, op, tensor.storage());
+    if (work->is_completed()) {
+      work->release_keep();  // this rank executed it (or it failed): nothing to attach
+    } else if (tensor.storage()) {
+      tensor.storage()->add_pending(work);
+    }
     return work;
   }
 
   // Attaches an issued collective to its outputs' storages. Not when this call completed it
   // (the usual case for the last rank to arrive); nobody else sees the outputs before we return.
-  static void attach(const std::shared_ptr<Work>& work, const std::vector<const Tensor*>& outputs) {
+  static void attach(const std::shared_ptr<Work>& work, std::span<const Tensor* const> outputs) {
     if (work->is_completed()) return;
     const Storage* last = nullptr;  // outputs sharing a storage attach once
     for (const Tensor* t : outputs) {

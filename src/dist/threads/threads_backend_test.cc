@@ -444,6 +444,27 @@ TEST(LaneTest, WaitsForEarlierReadersOfItsBuffer) {
   });
 }
 
+// The lane keeps a buffer alive only until someone sees its collective finished: after a wait
+// (or an issue that finished it) the caller holds the only reference again, and a result that
+// nobody waited for or kept is freed by the end of the run (no reference cycle through its
+// storage's pending Work).
+TEST(LaneTest, ReleasesBuffers) {
+  std::vector<std::weak_ptr<Storage>> dropped(2);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    for (int i = 0; i < 20; ++i) {
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      auto w = pg.all_reduce(t, ReduceOp::Sum);
+      w->wait();
+      EXPECT_EQ(t.storage().use_count(), 1) << i;
+      EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2));
+    }
+    Tensor t = Tensor::full({4}, DType::F32, 1);
+    dropped[pg.rank()] = t.storage();
+    pg.all_reduce(t, ReduceOp::Sum);  // neither waited for nor kept
+  });
+  for (const auto& d : dropped) EXPECT_TRUE(d.expired());
+}
+
 // A peer that departs while others wait in the lane fails them at once, with the departure.
 TEST(LaneTest, DepartureWhileWaiting) {
   auto start = Clock::now();
