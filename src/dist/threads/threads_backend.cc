@@ -313,16 +313,18 @@ constexpr int kLaneMaxRanks = 8;
 constexpr int kLaneSlots = 8;
 constexpr int64_t kLaneMaxBytes = kMinChunkBytes;
 // A slot's state is one word: the bits of the members that arrived (0-7), busy (8: serving the
-// sequence number in bits 9-62) and failed (63). Claiming a free slot, arriving and failing are
+// sequence number in bits 9-61), absences (62: a member gave up waiting for the slot, see
+// SharedGroup::lane_absences) and failed (63). Claiming a free slot, arriving and failing are
 // each one atomic operation on it, and a failer's compare-exchange includes the sequence
 // number, so it can never hit the slot's next collective.
 constexpr uint64_t kLaneArrived = 0xff;
 constexpr uint64_t kLaneBusy = uint64_t{1} << 8;
+constexpr uint64_t kLaneAbsent = uint64_t{1} << 62;
 constexpr uint64_t kLaneFailed = uint64_t{1} << 63;
-constexpr uint64_t lane_seq_bits(uint64_t seq) { return (seq << 9) & ~kLaneFailed; }
-constexpr uint64_t lane_seq(uint64_t state) { return (state & ~kLaneFailed) >> 9; }
+constexpr uint64_t lane_seq_bits(uint64_t seq) { return (seq << 9) & ~(kLaneFailed | kLaneAbsent); }
+constexpr uint64_t lane_seq(uint64_t state) { return (state & ~(kLaneFailed | kLaneAbsent)) >> 9; }
 constexpr bool lane_serves(uint64_t state, uint64_t seq) {
-  return (state & kLaneBusy) != 0 && lane_seq(state) == (lane_seq_bits(seq) >> 9);
+  return (state & kLaneBusy) != 0 && lane_seq(state) == lane_seq(lane_seq_bits(seq));
 }
 
 class LaneWork;
@@ -480,6 +482,18 @@ struct SharedGroup {
   std::deque<std::shared_ptr<Op>> pending;
   uint64_t pending_base = 0;
   std::unique_ptr<LaneSlot[]> lane;  // null unless 2..kLaneMaxRanks members
+  // Members that gave up waiting for a slot (timeout, departure) before posting `seq`: applied
+  // by whoever claims the slot for `seq` (a failure that counts them as arrived), so that the
+  // slot is freed once the others came. Guarded by mu; kLaneAbsent marks the slot.
+  struct LaneAbsence {
+    uint64_t seq;
+    uint64_t members;
+    std::string message;
+  };
+  std::vector<LaneAbsence> lane_absences;
+  // Whether `pending` holds anything (written under mu): a lane arrival checks the Op path for
+  // a mismatch only then.
+  std::atomic<bool> ops_pending{false};
 
   SharedGroup() = default;
   SharedGroup(const SharedGroup&) = delete;
@@ -502,7 +516,11 @@ struct SharedGroup {
   std::shared_ptr<Op>& pending_slot(uint64_t seq) {
     FUNCOL_CHECK(seq >= pending_base, "joined a collective that every member already joined");
     uint64_t idx = seq - pending_base;
-    if (idx >= pending.size()) pending.resize(idx + 1);
+    if (idx >= pending.size()) {
+      pending.resize(idx + 1);
+      // Before the joiner looks at the lane (see World::lane_issue).
+      ops_pending.store(true, std::memory_order_seq_cst);
+    }
     return pending[idx];
   }
   void release_pending(uint64_t seq) {
@@ -511,6 +529,7 @@ struct SharedGroup {
       pending.pop_front();
       ++pending_base;
     }
+    if (pending.empty()) ops_pending.store(false, std::memory_order_relaxed);
   }
 };
 
@@ -647,7 +666,9 @@ class World {
   // arrived; `absent` (bits) are members that will never arrive (they issued `seq` on the Op
   // path). Fails the members that arrived. Needs group.mu.
   bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
-                        uint64_t absent);
+                        uint64_t absent, uint64_t* failed_arrived = nullptr);
+  // Applies the absences registered for `seq` to the slot this rank just claimed for it.
+  void lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq);
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
   // Frees a failed slot: drops the records' Works (their keep already released) and frees it.
@@ -1172,7 +1193,7 @@ void World::depart(int rank, const std::string& reason) {
   RankState& rs = *ranks_[rank];
   rs.departed_reason = reason;
   rs.departed.store(true, std::memory_order_release);
-  departures_.fetch_add(1, std::memory_order_acq_rel);
+  departures_.fetch_add(1, std::memory_order_seq_cst);
   std::vector<SharedGroup*> groups;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1268,6 +1289,11 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       post();
       if (ls.state.compare_exchange_weak(prev, lane_seq_bits(seq) | kLaneBusy | bit,
                                          std::memory_order_seq_cst, std::memory_order_acquire)) {
+        if ((prev & kLaneAbsent) != 0) {
+          std::lock_guard<SpinMutex> lock(group.mu);
+          lane_apply_absences_locked(group, ls, seq);
+          if (work->is_completed()) return work;  // failed: the absent members' error
+        }
         prev = lane_seq_bits(seq) | kLaneBusy;
         break;
       }
@@ -1292,8 +1318,28 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         if (departed >= 0) failure = departed_message(work->description(), departed, missing);
       }
       if (!failure.empty()) {
-        work->fail_with(failure);
-        return work;
+        // Give up, but leave word for whoever claims the slot for `seq`: the others must not
+        // wait for this member there, and the slot must be freed once they came.
+        std::lock_guard<SpinMutex> lock(group.mu);
+        uint64_t cur = ls.state.load(std::memory_order_acquire);
+        while ((cur & kLaneBusy) != 0 && !lane_serves(cur, seq)) {
+          if (!ls.state.compare_exchange_weak(cur, cur | kLaneAbsent, std::memory_order_seq_cst,
+                                              std::memory_order_acquire)) {
+            continue;
+          }
+          auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
+                                 [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
+          if (it == group.lane_absences.end()) {
+            group.lane_absences.push_back({seq, bit, failure});
+          } else {
+            it->members |= bit;
+            failure = it->message;  // every member reads the first one
+          }
+          work->fail_with(failure);
+          return work;
+        }
+        prev = cur;  // freed or claimed for `seq` meanwhile: arrive after all
+        continue;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
@@ -1310,11 +1356,30 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
     lane_exit(group, ls, 1);
   } else if (((prev | bit) & kLaneArrived) == group.full_mask()) {
     lane_execute(group, ls);
-  } else if (departures_.load(std::memory_order_seq_cst) > 0) {
-    // A member may have departed before this arrival (depart() fails only slots it sees).
+  } else if (group.ops_pending.load(std::memory_order_seq_cst) ||
+             departures_.load(std::memory_order_seq_cst) > 0) {
+    // A member may have issued `seq` on the Op path (a joiner that came first did not see this
+    // arrival: the stores and loads of ops_pending and the state are ordered), or departed
+    // before this arrival (depart() fails only slots it sees): find it now, not at the timeout.
     lane_check(*work, false);
   }
   return work;
+}
+
+void World::lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq) {
+  auto& absences = group.lane_absences;
+  bool later = false;
+  for (size_t i = 0; i < absences.size();) {
+    SharedGroup::LaneAbsence& a = absences[i];
+    if (a.seq % kLaneSlots != seq % kLaneSlots || a.seq > seq) {
+      later = later || a.seq % kLaneSlots == seq % kLaneSlots;
+      ++i;
+      continue;
+    }
+    if (a.seq == seq) lane_fail_locked(group, seq, a.message, a.members);
+    absences.erase(absences.begin() + static_cast<std::ptrdiff_t>(i));  // applied, or stale
+  }
+  if (later) ls.state.fetch_or(kLaneAbsent, std::memory_order_seq_cst);
 }
 
 void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
@@ -1357,7 +1422,7 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
 }
 
 bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
-                             uint64_t absent) {
+                             uint64_t absent, uint64_t* failed_arrived) {
   LaneSlot& ls = group.lane_slot(seq);
   uint64_t prev = ls.state.load(std::memory_order_acquire);
   for (;;) {
@@ -1371,6 +1436,7 @@ bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string
       break;
     }
   }
+  if (failed_arrived != nullptr) *failed_arrived = prev & kLaneArrived;
   int exits = 1;  // this failer
   for (size_t m = 0; m < group.global_ranks.size(); ++m) {
     const uint64_t bit = uint64_t{1} << m;
@@ -1398,8 +1464,8 @@ void World::lane_release(LaneSlot& ls) {
 }
 
 void World::lane_free(LaneSlot& ls) {
-  const uint64_t seq = lane_seq(ls.state.load(std::memory_order_relaxed));
-  ls.state.store(lane_seq_bits(seq), std::memory_order_release);
+  // Keeps the sequence number and kLaneAbsent (a member may set it meanwhile).
+  ls.state.fetch_and(~(kLaneBusy | kLaneArrived | kLaneFailed), std::memory_order_acq_rel);
 }
 
 void World::join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask) {
@@ -1419,20 +1485,25 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
   const uint64_t bit = uint64_t{1} << member;
   const uint64_t state = ls.state.load(std::memory_order_acquire);
   if (!lane_serves(state, seq) || (state & bit) != 0) return {};
-  const uint64_t arrived = state & kLaneArrived;
+  uint64_t arrived = state & kLaneArrived;
   std::string message;
   if ((state & kLaneFailed) != 0) {
     message = ls.error;
-    ls.state.fetch_or(bit, std::memory_order_acq_rel);
+    arrived = ls.state.fetch_or(bit, std::memory_order_acq_rel) & kLaneArrived;
     lane_exit(group, ls, 1);
   } else {
     const int first = __builtin_ctzll(arrived);  // a claimed slot has its claimer's bit
     message = mismatch_message(collective_name(OpKind::AllReduce, false, group, seq),
                                group.global_ranks[first], ls.records[first].post(),
                                group.global_ranks[member], post);
-    lane_fail_locked(group, seq, message, bit);
+    // This member and those that joined the op before the lane was claimed never arrive there.
+    uint64_t absent = bit;
+    for (int m = 0; m < op.size_; ++m) {
+      if (op.members_[m].joined) absent |= uint64_t{1} << m;
+    }
+    lane_fail_locked(group, seq, message, absent, &arrived);
   }
-  // The members in the lane never join this op.
+  // The members in the lane never join this op (bits of Op members are marked already).
   for (int m = 0; m < op.size_; ++m) {
     if ((arrived & (uint64_t{1} << m)) == 0 || op.members_[m].joined) continue;
     op.members_[m].joined = 1;
@@ -1474,10 +1545,11 @@ void World::lane_check(LaneWork& work, bool timed_out) {
       failure = mismatch_message(what, group.global_ranks[work.member_],
                                  ls.records[work.member_].post(), group.global_ranks[op->ref_],
                                  op->members_[op->ref_].post);
-      if (lane_fail_locked(group, seq, failure, absent)) {
+      uint64_t failed = 0;
+      if (lane_fail_locked(group, seq, failure, absent, &failed)) {
         op->doomed_ = true;
         crossed = op;
-        join_absent_locked(group, seq, arrived);
+        join_absent_locked(group, seq, failed);
       }
     } else if (departed >= 0) {
       lane_fail_locked(group, seq, departed_message(what, departed, missing), 0);

@@ -406,6 +406,102 @@ TEST(LaneTest, MismatchWithTheOpPathInEitherOrder) {
   }
 }
 
+// Three ranks: rank 1 takes the Op path first, rank 0 the lane, rank 2 the Op path after the
+// lane was claimed. Every rank gets the mismatch, and the lane slot is freed (the members that
+// never come to it are counted out), so later small all_reduces keep working.
+TEST(LaneTest, MismatchWithTheOpPathOnThreeRanks) {
+  std::vector<std::string> messages(3);
+  run_ranks(3, [&](ProcessGroup& pg) {
+    Tensor small = Tensor::full({4}, DType::F32, 1);
+    Tensor big = Tensor::full({1 << 16}, DType::F32, 1);
+    std::shared_ptr<Work> w;
+    if (pg.rank() == 1) w = pg.all_reduce(big, ReduceOp::Sum);
+    if (pg.rank() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      w = pg.all_reduce(small, ReduceOp::Sum);
+      std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    }
+    if (pg.rank() == 2) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(60));
+      w = pg.all_reduce(big, ReduceOp::Sum);
+    }
+    messages[pg.rank()] = comm_error([&] { w->wait(); });
+    for (int i = 0; i < 20; ++i) {
+      Tensor t = Tensor::full({3}, DType::I32, i);
+      pg.all_reduce(t, ReduceOp::Sum)->wait();
+      EXPECT_EQ(t.to_vector<int>(), std::vector<int>(3, 3 * i));
+    }
+  });
+  EXPECT_EQ(messages[0],
+            "all_reduce on group 'world' (seq 0): mismatched collectives: rank 0 issued "
+            "all_reduce(f32[4], op sum) but rank 1 issued all_reduce(f32[65536], op sum)");
+  EXPECT_EQ(messages[1], messages[0]);
+  EXPECT_EQ(messages[2], messages[0]);
+}
+
+// The mismatch is found when the lane rank arrives, not only when it waits on that collective:
+// here both ranks wait on a barrier first, which the unfinished Op would otherwise block.
+TEST(LaneTest, MismatchFoundWithoutWaitingOnTheLane) {
+  auto start = Clock::now();
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    Tensor small = Tensor::full({4}, DType::F32, 1);
+    Tensor big = Tensor::full({1 << 16}, DType::F32, 1);
+    std::shared_ptr<Work> w;
+    if (pg.rank() == 1) {
+      w = pg.all_reduce(big, ReduceOp::Sum);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      w = pg.all_reduce(small, ReduceOp::Sum);
+    }
+    pg.barrier();
+    messages[pg.rank()] = comm_error([&] { w->wait(); });
+  });
+  EXPECT_NE(messages[0].find("(seq 0): mismatched collectives"), std::string::npos)
+      << messages[0];
+  EXPECT_EQ(messages[1], messages[0]);
+  EXPECT_LT(seconds_since(start), 2.0);
+}
+
+// A rank that runs kLaneSlots (8) small all_reduces ahead waits for a slot; when its peer is
+// late past the timeout it gives up with an error, and its peer gets the same error for that
+// collective instead of waiting for a rank that will never post it. Then the group works again.
+TEST(LaneTest, GivingUpOnABusySlot) {
+  std::atomic<bool> late_issued{false};
+  std::vector<std::string> messages(2);
+  run_local(
+      2,
+      [&](ProcessGroup& pg) {
+        if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+        std::vector<Tensor> ts;
+        std::vector<std::shared_ptr<Work>> works;
+        for (int i = 0; i < 9; ++i) {
+          ts.push_back(Tensor::full({3}, DType::I32, i));
+          works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+        }
+        if (pg.rank() == 1) {
+          late_issued = true;
+        } else {
+          await(late_issued);
+        }
+        for (int i = 0; i < 8; ++i) {
+          works[i]->wait();
+          EXPECT_EQ(ts[i].to_vector<int>(), std::vector<int>(3, 2 * i));
+        }
+        messages[pg.rank()] = comm_error([&] { works[8]->wait(); });
+        for (int i = 0; i < 20; ++i) {
+          Tensor t = Tensor::full({3}, DType::I32, i + pg.rank());
+          pg.all_reduce(t, ReduceOp::Sum)->wait();
+          EXPECT_EQ(t.to_vector<int>(), std::vector<int>(3, 2 * i + 1));
+        }
+      },
+      LocalOptions{std::chrono::milliseconds(300)});
+  EXPECT_EQ(messages[0],
+            "all_reduce on group 'world' (seq 8): timed out after 0.3 s waiting for all_reduce on "
+            "group 'world' (seq 0) to finish");
+  EXPECT_EQ(messages[1], messages[0]);
+}
+
 // A rank may run many small all_reduces ahead of its peer without waiting (more than the lane's
 // slots: the extra ones wait for a slot); every result is right.
 TEST(LaneTest, RankRunsFarAhead) {
