@@ -9,6 +9,8 @@
 // executor (rank 1 always reduces) keeps the data in one core's cache, as a loop that never
 // reads its results allows; it is the floor, not a design.
 //
+// Both sides run one thread per CPU (as `funcol bench`: see LocalOptions::bind_threads).
+//
 // Usage: latency_bench [--iters N]   (prints one table; run on a quiet machine)
 #include <algorithm>
 #include <atomic>
@@ -20,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "dist/affinity.h"
 #include "dist/spin.h"
 #include "funcol/core/kernels.h"
 #include "funcol/funcol.h"
@@ -48,7 +51,9 @@ Stats summarize(std::vector<double> us) {
 // funcol: rank 0's per-call times of ProcessGroup::all_reduce + wait on a f32[numel] tensor.
 Stats funcol_all_reduce(int64_t numel, int iters) {
   std::vector<double> times;
-  funcol::run_local(2, [&](funcol::ProcessGroup& pg) {
+  funcol::LocalOptions bound;
+  bound.bind_threads = true;  // as the minimal protocol's threads: one per CPU
+  auto rank = [&](funcol::ProcessGroup& pg) {
     funcol::Tensor t = funcol::Tensor::zeros({numel}, funcol::DType::F32);
     for (int i = 0; i < iters / 10; ++i) {
       pg.all_reduce(t, funcol::ReduceOp::Sum)->wait();
@@ -64,7 +69,8 @@ Stats funcol_all_reduce(int64_t numel, int iters) {
           std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
     }
     if (pg.rank() == 0) times = std::move(mine);
-  });
+  };
+  funcol::run_local(2, rank, bound);
   return summarize(std::move(times));
 }
 
@@ -85,7 +91,9 @@ Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
     funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
   };
+  const std::vector<int> cpus = funcol::dist_detail::allowed_cpus();
   auto body = [&](int r) {
+    funcol::dist_detail::CpuBinding binding(cpus.size() >= 2 ? cpus[static_cast<size_t>(r)] : -1);
     std::vector<float> buf(n, 0.0f);
     for (int64_t i = 1; i <= total; ++i) {
       const auto t0 = Clock::now();

@@ -8,9 +8,11 @@
 #include <mutex>
 #include <system_error>
 #include <thread>
+#include <vector>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/work.h"
+#include "affinity.h"
 #include "threads/threads_backend.h"
 
 namespace funcol {
@@ -69,8 +71,13 @@ void run_local(int world_size, const std::function<void(ProcessGroup& world)>& f
     registries.back()->add(groups.back());
   }
 
+  std::vector<int> cpus;
+  if (options.bind_threads) cpus = dist_detail::allowed_cpus();
+  const bool bind = static_cast<int>(cpus.size()) >= world_size;
+
   FirstFailure failure;
   auto body = [&](int rank) {
+    dist_detail::CpuBinding binding(bind ? cpus[rank] : -1);
     std::string reason = "returned";
     {
       WorldScope scope(groups[rank].get());

@@ -22,6 +22,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "dist/affinity.h"
 #include "dist/spin.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -572,6 +573,15 @@ void validate(const BenchOptions& o) {
   }
 }
 
+// ---- references ----
+
+// The CPU of a reference's thread t (0 or 1): the t-th one this process may use, as the ranks
+// of the threads backend get (see LocalOptions::bind_threads); -1 (unbound) on a single CPU.
+int reference_cpu(int t) {
+  static const std::vector<int> cpus = dist_detail::allowed_cpus();
+  return cpus.size() >= 2 ? cpus[static_cast<size_t>(t)] : -1;
+}
+
 // ---- memcpy reference ----
 
 MemcpyRef measure_memcpy(int64_t bytes) {
@@ -587,6 +597,7 @@ MemcpyRef measure_memcpy(int64_t bytes) {
   double secs[2] = {0, 0};
   std::barrier start(2);
   auto body = [&](int t) {
+    dist_detail::CpuBinding binding(reference_cpu(t));
     std::memcpy(dst[t].data(), src[t].data(), n);  // caches and TLB warm before timing
     start.arrive_and_wait();
     const auto t0 = std::chrono::steady_clock::now();
@@ -633,7 +644,9 @@ HandoffRef measure_handoff() {
     return v;
   };
   // The answerer echoes every ping until it reads -1.
+  dist_detail::CpuBinding binding(reference_cpu(0));
   std::thread answerer([&] {
+    dist_detail::CpuBinding answerer_binding(reference_cpu(1));
     for (int64_t seen = 0;;) {
       seen = await_change(ping, seen);
       if (seen < 0) return;
@@ -802,6 +815,14 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
                         "validation: {}",
                         o.min_bytes, o.max_bytes, step, o.warmup_iters, o.iters, o.check));
   emit(out, fmt::format("# host: {} hardware threads", std::thread::hardware_concurrency()));
+  const std::vector<int> cpus = dist_detail::allowed_cpus();
+  const bool ranks_bound = o.backend == "threads" && static_cast<int>(cpus.size()) >= o.ranks;
+  emit(out, fmt::format("# binding: reference threads {}; rank threads {}",
+                        cpus.size() >= 2 ? "one per CPU" : "unbound (1 CPU)",
+                        ranks_bound ? fmt::format("one per CPU ({} CPUs)", cpus.size())
+                        : o.backend == "threads"
+                            ? fmt::format("unbound ({} ranks, {} CPUs)", o.ranks, cpus.size())
+                            : "processes of the job"));
   emit(out, fmt::format("# memcpy reference: 2 threads, {} each, {:.2f} GB/s per thread, "
                         "{:.2f} GB/s total",
                         mib(ref.bytes), ref.gbps_per_thread, ref.gbps_total));
@@ -1003,9 +1024,11 @@ BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
 
   std::vector<CheckPattern> patterns;
   for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
-  run_local(o.ranks, [&](ProcessGroup& world) {
-    bench_rank(world, o, sizes, patterns, report, out);
-  });
+  LocalOptions local;
+  local.bind_threads = true;  // one rank per CPU, as the references' threads
+  run_local(
+      o.ranks, [&](ProcessGroup& world) { bench_rank(world, o, sizes, patterns, report, out); },
+      local);
   finish_report(report);
   print_summary(out, o, report);
   return report;

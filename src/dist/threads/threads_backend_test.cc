@@ -1,6 +1,8 @@
 // Tests of the threads backend: the shared conformance suite, run_local, and failure paths
 // (departed ranks, mismatched collectives, timeouts) that must fail fast instead of hanging.
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <atomic>
 #include <chrono>
@@ -111,6 +113,38 @@ TEST(RunLocalTest, ResultsOutliveTheRun) {
     results[world.rank()] = t;
   });
   for (const Tensor& t : results) EXPECT_EQ(t.to_vector<int64_t>(), std::vector<int64_t>(1000, 6));
+}
+
+// The CPUs the calling thread may run on.
+std::vector<int> my_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(pthread_getaffinity_np(pthread_self(), sizeof set, &set), 0);
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
+// ranks alone otherwise, and gives the calling thread its own mask back.
+TEST(RunLocalTest, BindThreads) {
+  const std::vector<int> before = my_cpus();
+  LocalOptions options;
+  options.bind_threads = true;
+  const int fits = static_cast<int>(before.size());
+  std::vector<std::vector<int>> seen(fits);
+  run_local(
+      fits, [&](ProcessGroup& world) { seen[world.rank()] = my_cpus(); }, options);
+  for (int r = 0; r < fits; ++r) EXPECT_EQ(seen[r], std::vector<int>{before[r]}) << r;
+  EXPECT_EQ(my_cpus(), before);
+
+  std::vector<std::vector<int>> unbound(fits + 1);
+  run_local(
+      fits + 1, [&](ProcessGroup& world) { unbound[world.rank()] = my_cpus(); }, options);
+  for (const auto& cpus : unbound) EXPECT_EQ(cpus, before);
+  EXPECT_EQ(my_cpus(), before);
 }
 
 TEST(RunLocalTest, BarrierSeparatesPhases) {
