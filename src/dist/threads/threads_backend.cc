@@ -667,8 +667,13 @@ class World {
   // path). Fails the members that arrived. Needs group.mu.
   bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
                         uint64_t absent, uint64_t* failed_arrived = nullptr);
-  // Applies the absences registered for `seq` to the slot this rank just claimed for it.
-  void lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq);
+  // Whether members gave up on an earlier (or a later) collective of `seq`'s slot.
+  bool lane_absence_locked(const SharedGroup& group, uint64_t seq, bool earlier) const;
+  // Applies the absences registered for `seq` to the slot this rank just claimed for it: fails
+  // it, counting the absent members (and those that issued `seq` on the Op path) as arrived.
+  // Returns that Op, to fail with *op_message once mu is released.
+  std::shared_ptr<Op> lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq,
+                                                 std::string* op_message);
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
   // Frees a failed slot: drops the records' Works (their keep already released) and frees it.
@@ -1277,6 +1282,8 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
   Backoff backoff(wait_spin_);
+  std::shared_ptr<Op> crossed;  // an Op-path collective at `seq`, failed by an absence below
+  std::string crossed_message;
   for (;;) {
     if (lane_serves(prev, seq)) {
       // Another member claimed it; it cannot move on without this member.
@@ -1284,29 +1291,46 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       prev = ls.state.fetch_or(bit, std::memory_order_seq_cst);
       break;
     }
-    if ((prev & kLaneBusy) == 0) {
+    if ((prev & (kLaneBusy | kLaneAbsent)) == 0) {
       // Free: every earlier collective of this slot finished, so nobody reads the records.
       post();
       if (ls.state.compare_exchange_weak(prev, lane_seq_bits(seq) | kLaneBusy | bit,
                                          std::memory_order_seq_cst, std::memory_order_acquire)) {
-        if ((prev & kLaneAbsent) != 0) {
-          std::lock_guard<SpinMutex> lock(group.mu);
-          lane_apply_absences_locked(group, ls, seq);
-          if (work->is_completed()) return work;  // failed: the absent members' error
-        }
         prev = lane_seq_bits(seq) | kLaneBusy;
         break;
       }
       continue;
     }
-    // The slot still serves this rank's collective kLaneSlots earlier (a peer is behind).
+    if ((prev & kLaneBusy) == 0) {
+      // Free, but members gave up on some collective of this slot (kLaneAbsent): claiming and
+      // applying them happen under mu (nothing else changes a free slot with absences then).
+      // A later collective waits until the earlier one with absences was served: its other
+      // members come first.
+      std::unique_lock<SpinMutex> lock(group.mu);
+      prev = ls.state.load(std::memory_order_acquire);
+      if ((prev & kLaneBusy) != 0) continue;
+      if (!lane_absence_locked(group, seq, /*earlier=*/true)) {
+        post();
+        const uint64_t later = lane_absence_locked(group, seq, /*earlier=*/false) ? kLaneAbsent : 0;
+        ls.state.store(lane_seq_bits(seq) | kLaneBusy | bit | later, std::memory_order_seq_cst);
+        crossed = lane_apply_absences_locked(group, ls, seq, &crossed_message);
+        lock.unlock();
+        if (crossed) fail_op(crossed, crossed_message);
+        if (work->is_completed()) return work;  // failed: the absent members' error
+        prev = lane_seq_bits(seq) | kLaneBusy;
+        break;
+      }
+    }
+    // Blocked: the slot serves an earlier collective (a peer is kLaneSlots behind), or waits for
+    // the members of an earlier one with absences.
     if (!backoff.step()) {
       std::string failure;
       if (Clock::now() >= work->deadline_) {
         failure = fmt::format(
             "{}: timed out after {:g} s waiting for {} to finish", work->description(),
             std::chrono::duration<double>(timeout_).count(),
-            collective_name(OpKind::AllReduce, false, group, lane_seq(prev)));
+            collective_name(OpKind::AllReduce, false, group,
+                            (prev & kLaneBusy) != 0 ? lane_seq(prev) : seq - kLaneSlots));
       } else if (departures_.load(std::memory_order_acquire) > 0) {
         std::vector<int> missing;
         int departed = -1;
@@ -1322,23 +1346,27 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         // wait for this member there, and the slot must be freed once they came.
         std::lock_guard<SpinMutex> lock(group.mu);
         uint64_t cur = ls.state.load(std::memory_order_acquire);
-        while ((cur & kLaneBusy) != 0 && !lane_serves(cur, seq)) {
-          if (!ls.state.compare_exchange_weak(cur, cur | kLaneAbsent, std::memory_order_seq_cst,
-                                              std::memory_order_acquire)) {
-            continue;
-          }
+        const bool still_blocked =
+            (cur & kLaneBusy) != 0
+                ? !lane_serves(cur, seq)
+                : (cur & kLaneAbsent) != 0 && lane_absence_locked(group, seq, /*earlier=*/true);
+        if (still_blocked) {
+          ls.state.fetch_or(kLaneAbsent, std::memory_order_seq_cst);
           auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
                                  [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
           if (it == group.lane_absences.end()) {
             group.lane_absences.push_back({seq, bit, failure});
+            it = group.lane_absences.end() - 1;
           } else {
             it->members |= bit;
             failure = it->message;  // every member reads the first one
           }
+          // Nobody comes to `seq` at all: nothing to apply.
+          if (it->members == group.full_mask()) group.lane_absences.erase(it);
           work->fail_with(failure);
           return work;
         }
-        prev = cur;  // freed or claimed for `seq` meanwhile: arrive after all
+        prev = cur;  // unblocked meanwhile: arrive after all
         continue;
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -1366,33 +1394,49 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   return work;
 }
 
-void World::lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq) {
-  auto& absences = group.lane_absences;
-  bool later = false;
-  for (size_t i = 0; i < absences.size();) {
-    SharedGroup::LaneAbsence& a = absences[i];
-    if (a.seq % kLaneSlots != seq % kLaneSlots || a.seq > seq) {
-      later = later || a.seq % kLaneSlots == seq % kLaneSlots;
-      ++i;
-      continue;
-    }
-    if (a.seq == seq) lane_fail_locked(group, seq, a.message, a.members);
-    absences.erase(absences.begin() + static_cast<std::ptrdiff_t>(i));  // applied, or stale
+bool World::lane_absence_locked(const SharedGroup& group, uint64_t seq, bool earlier) const {
+  return std::any_of(group.lane_absences.begin(), group.lane_absences.end(),
+                     [&](const SharedGroup::LaneAbsence& a) {
+                       return a.seq % kLaneSlots == seq % kLaneSlots &&
+                              (earlier ? a.seq < seq : a.seq > seq);
+                     });
+}
+
+std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls,
+                                                      uint64_t seq, std::string* op_message) {
+  auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
+                         [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
+  if (it == group.lane_absences.end()) return nullptr;
+  const SharedGroup::LaneAbsence absence = *it;
+  group.lane_absences.erase(it);
+  // Members that issued `seq` on the Op path never come here either.
+  std::shared_ptr<Op> op = group.find_pending(seq);
+  uint64_t absent = absence.members;
+  for (int m = 0; op && m < op->size_; ++m) {
+    if (op->members_[m].joined) absent |= uint64_t{1} << m;
   }
-  if (later) ls.state.fetch_or(kLaneAbsent, std::memory_order_seq_cst);
+  uint64_t failed = 0;
+  lane_fail_locked(group, seq, absence.message, absent, &failed);
+  if (!op || op->ref_ < 0) return nullptr;
+  // ... and the lane members never join that op, which fails with the same error.
+  op->doomed_ = true;
+  join_absent_locked(group, seq, failed);
+  *op_message = absence.message;
+  (void)ls;
+  return op;
 }
 
 void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
   const int n = static_cast<int>(group.global_ranks.size());
   auto& records = ls.records;
-  std::string mismatch;
+  std::string mismatch;  // or another failure: every member gets it
   for (int m = 1; m < n && mismatch.empty(); ++m) {
     if (!records[m].same_call(records[0])) {
       mismatch = mismatch_message(records[0].work->description(), group.global_ranks[0],
                                   records[0].post(), group.global_ranks[m], records[m].post());
     }
   }
-  std::exception_ptr error;  // of the kernel: cannot happen for a call that passed its checks
+  // A failure of the kernel (cannot happen for a call that passed its checks) fails it too.
   if (mismatch.empty() && records[0].slot.count > 0) {
     try {
       // As an Op's chunk: reduce in rank order into rank 0's buffer, copy it to the others.
@@ -1402,8 +1446,8 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
       reduce_buffers(records[0].reduce_op, s0.dtype, s0.out, srcs.data(), n, s0.count);
       const size_t bytes = static_cast<size_t>(s0.count) * itemsize(s0.dtype);
       for (int m = 1; m < n; ++m) copy_bytes(records[m].slot.out, s0.out, bytes, false);
-    } catch (...) {
-      error = std::current_exception();
+    } catch (const std::exception& e) {
+      mismatch = fmt::format("{}: {}", records[0].work->description(), e.what());
     }
   }
   // The records keep their Works (each member drops its own when it next posts here): moving
@@ -1412,8 +1456,6 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
     LaneWork* work = records[m].work.get();
     if (!mismatch.empty()) {
       work->fail_with(mismatch);
-    } else if (error) {
-      work->fail(error);
     } else {
       work->finish();
     }
@@ -1458,7 +1500,11 @@ void World::lane_exit(SharedGroup& group, LaneSlot& ls, int count) {
 }
 
 void World::lane_release(LaneSlot& ls) {
-  for (auto& record : ls.records) record.work.reset();
+  for (auto& record : ls.records) {
+    // An absent member's record still holds its previous (finished) collective.
+    if (record.work) record.work->release_keep();
+    record.work.reset();
+  }
   ls.exits.store(0, std::memory_order_relaxed);
   lane_free(ls);
 }
@@ -1483,7 +1529,7 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
                                        const Post& post, Op& op) {
   LaneSlot& ls = group.lane_slot(seq);
   const uint64_t bit = uint64_t{1} << member;
-  const uint64_t state = ls.state.load(std::memory_order_acquire);
+  const uint64_t state = ls.state.load(std::memory_order_seq_cst);  // pairs with ops_pending
   if (!lane_serves(state, seq) || (state & bit) != 0) return {};
   uint64_t arrived = state & kLaneArrived;
   std::string message;

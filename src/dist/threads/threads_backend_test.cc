@@ -536,6 +536,73 @@ TEST(LaneTest, GivingUpOnABusySlot) {
   EXPECT_EQ(messages[1], messages[0]);
 }
 
+// After giving up on a busy slot a rank runs on: its next collective of that slot must not be
+// served before the one it gave up on (which its late peer still has to reach).
+TEST(LaneTest, GivingUpThenRunningOn) {
+  std::vector<std::string> messages(2);
+  run_local(
+      2,
+      [&](ProcessGroup& pg) {
+        std::vector<Tensor> t;
+        for (int i = 0; i < 17; ++i) t.push_back(Tensor::full({4}, DType::F32, i + pg.rank()));
+        std::vector<std::shared_ptr<Work>> w(17);
+        if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        if (pg.rank() == 1) {
+          for (int i = 0; i < 8; ++i) w[i]->wait();
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        w[8] = pg.all_reduce(t[8], ReduceOp::Sum);
+        messages[pg.rank()] = comm_error([&] { w[8]->wait(); });
+        for (int i = 9; i < 17; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        for (int i = 9; i < 17; ++i) {
+          w[i]->wait();
+          EXPECT_EQ(t[i].to_vector<float>(), std::vector<float>(4, 2 * i + 1)) << i;
+        }
+        // Rank 0 must not depart before rank 1 is through (a departure fails what is left).
+        pg.barrier();
+      },
+      LocalOptions{std::chrono::milliseconds(300)});
+  EXPECT_EQ(messages[0],
+            "all_reduce on group 'world' (seq 8): timed out after 0.3 s waiting for all_reduce on "
+            "group 'world' (seq 0) to finish");
+  EXPECT_EQ(messages[1], messages[0]);
+}
+
+// A rank gave up on seq 8 of a busy slot; another issued seq 8 on the Op path; the third takes
+// the lane. All three get the first error (the Op path's member too), and the slot is freed.
+TEST(LaneTest, GivingUpMeetsTheOpPath) {
+  std::vector<std::string> messages(3);
+  run_local(
+      3,
+      [&](ProcessGroup& pg) {
+        std::vector<Tensor> t;
+        for (int i = 0; i < 17; ++i) t.push_back(Tensor::full({4}, DType::F32, 1));
+        Tensor big = Tensor::full({1 << 14}, DType::F32, 1);
+        std::vector<std::shared_ptr<Work>> w(17);
+        if (pg.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        if (pg.rank() == 2) {
+          w[8] = pg.all_reduce(big, ReduceOp::Sum);
+        } else {
+          if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+          w[8] = pg.all_reduce(t[8], ReduceOp::Sum);
+        }
+        for (int i = 9; i < 17; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        for (int i = 9; i < 17; ++i) {
+          w[i]->wait();
+          EXPECT_EQ(t[i].to_vector<float>(), std::vector<float>(4, 3)) << i;
+        }
+        messages[pg.rank()] = comm_error([&] { w[8]->wait(); });
+      },
+      LocalOptions{std::chrono::milliseconds(300)});
+  EXPECT_EQ(messages[0],
+            "all_reduce on group 'world' (seq 8): timed out after 0.3 s waiting for all_reduce on "
+            "group 'world' (seq 0) to finish");
+  EXPECT_EQ(messages[1], messages[0]);
+  EXPECT_EQ(messages[2], messages[0]);
+}
+
 // A rank may run many small all_reduces ahead of its peer without waiting (more than the lane's
 // slots: the extra ones wait for a slot); every result is right.
 TEST(LaneTest, RankRunsFarAhead) {
@@ -593,6 +660,27 @@ TEST(LaneTest, ReleasesBuffers) {
     pg.all_reduce(t, ReduceOp::Sum);  // neither waited for nor kept
   });
   for (const auto& d : dropped) EXPECT_TRUE(d.expired());
+
+  // The same when the slot's next collective is a mismatch (rank 0 never posts there again).
+  std::weak_ptr<Storage> before_mismatch;
+  run_ranks(2, [&](ProcessGroup& pg) {
+    if (pg.rank() == 0) {
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      before_mismatch = t.storage();
+      pg.all_reduce(t, ReduceOp::Sum);  // dropped; rank 1 arrives later
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      pg.all_reduce(t, ReduceOp::Sum)->wait();
+    }
+    for (int i = 1; i < 8; ++i) {
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      pg.all_reduce(t, ReduceOp::Sum)->wait();
+    }
+    Tensor t = Tensor::full({pg.rank() == 0 ? 1 << 14 : 4}, DType::F32, 1);
+    comm_error([&] { pg.all_reduce(t, ReduceOp::Sum)->wait(); });
+  });
+  EXPECT_TRUE(before_mismatch.expired());
 }
 
 // A peer that departs while others wait in the lane fails them at once, with the departure.
