@@ -667,21 +667,13 @@ class World {
   // path). Fails the members that arrived. Needs group.mu.
   bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
                         uint64_t absent, uint64_t* failed_arrived = nullptr);
-  // Records that `bits` will not come to the lane at `seq` (they gave up, or issued it on the Op
-  // path); `message`: the error of those that gave up (empty: Op path). Forgets it once every
-  // member is accounted for. Needs group.mu.
-  void lane_absent_locked(SharedGroup& group, uint64_t seq, uint64_t bits,
-                          const std::string& message);
-  void lane_pass_locked(SharedGroup& group, uint64_t seq, uint64_t bit) {
-    lane_absent_locked(group, seq, bit, {});
-  }
   // Whether members gave up on an earlier (or a later) collective of `seq`'s slot.
   bool lane_absence_locked(const SharedGroup& group, uint64_t seq, bool earlier) const;
   // Applies the absences registered for `seq` to the slot this rank just claimed for it: fails
   // it, counting the absent members (and those that issued `seq` on the Op path) as arrived.
   // Returns that Op, to fail with *op_message once mu is released.
   std::shared_ptr<Op> lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq,
-                                                 int member, std::string* op_message);
+                                                 std::string* op_message);
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
   // Frees a failed slot: drops the records' Works (their keep already released) and frees it.
@@ -1321,7 +1313,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         post();
         const uint64_t later = lane_absence_locked(group, seq, /*earlier=*/false) ? kLaneAbsent : 0;
         ls.state.store(lane_seq_bits(seq) | kLaneBusy | bit | later, std::memory_order_seq_cst);
-        crossed = lane_apply_absences_locked(group, ls, seq, member, &crossed_message);
+        crossed = lane_apply_absences_locked(group, ls, seq, &crossed_message);
         lock.unlock();
         if (crossed) fail_op(crossed, crossed_message);
         if (work->is_completed()) return work;  // failed: the absent members' error
@@ -1359,7 +1351,18 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
                 ? !lane_serves(cur, seq)
                 : (cur & kLaneAbsent) != 0 && lane_absence_locked(group, seq, /*earlier=*/true);
         if (still_blocked) {
-          lane_absent_locked(group, seq, bit, failure);
+          ls.state.fetch_or(kLaneAbsent, std::memory_order_seq_cst);
+          auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
+                                 [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
+          if (it == group.lane_absences.end()) {
+            group.lane_absences.push_back({seq, bit, failure});
+            it = group.lane_absences.end() - 1;
+          } else {
+            it->members |= bit;
+            failure = it->message;  // every member reads the first one
+          }
+          // Nobody comes to `seq` at all: nothing to apply.
+          if (it->members == group.full_mask()) group.lane_absences.erase(it);
           work->fail_with(failure);
           return work;
         }
@@ -1399,34 +1402,8 @@ bool World::lane_absence_locked(const SharedGroup& group, uint64_t seq, bool ear
                      });
 }
 
-void World::lane_absent_locked(SharedGroup& group, uint64_t seq, uint64_t bits,
-                               const std::string& message) {
-  LaneSlot& ls = group.lane_slot(seq);
-  auto& absences = group.lane_absences;
-  auto it = std::find_if(absences.begin(), absences.end(),
-                         [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
-  if (it == absences.end()) {
-    absences.push_back({seq, 0, message});
-    it = absences.end() - 1;
-  } else if (it->message.empty()) {
-    it->message = message;  // the first give-up's error is everybody's
-  }
-  it->members |= bits;
-  if (it->members != group.full_mask()) {
-    ls.state.fetch_or(kLaneAbsent, std::memory_order_seq_cst);
-    return;
-  }
-  // Every member is accounted for without the lane: nothing to settle there.
-  absences.erase(it);
-  const bool more = std::any_of(absences.begin(), absences.end(), [&](const auto& a) {
-    return a.seq % kLaneSlots == seq % kLaneSlots;
-  });
-  if (!more) ls.state.fetch_and(~kLaneAbsent, std::memory_order_seq_cst);
-}
-
 std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls,
-                                                      uint64_t seq, int member,
-                                                      std::string* op_message) {
+                                                      uint64_t seq, std::string* op_message) {
   auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
                          [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
   if (it == group.lane_absences.end()) return nullptr;
@@ -1438,26 +1415,14 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSl
   for (int m = 0; op && m < op->size_; ++m) {
     if (op->members_[m].joined) absent |= uint64_t{1} << m;
   }
-  std::string message = absence.message;
-  if (message.empty()) {
-    // Only Op-path members: a mismatch with this rank's all_reduce.
-    const std::string what = collective_name(OpKind::AllReduce, false, group, seq);
-    if (op && op->ref_ >= 0) {
-      message = mismatch_message(what, group.global_ranks[member], ls.records[member].post(),
-                                 group.global_ranks[op->ref_], op->members_[op->ref_].post);
-    } else {
-      message = fmt::format("{}: mismatched collectives: rank {} issued {} but other ranks issued "
-                            "another collective",
-                            what, group.global_ranks[member], ls.records[member].post().summary());
-    }
-  }
   uint64_t failed = 0;
-  lane_fail_locked(group, seq, message, absent, &failed);
+  lane_fail_locked(group, seq, absence.message, absent, &failed);
   if (!op || op->ref_ < 0) return nullptr;
   // ... and the lane members never join that op, which fails with the same error.
   op->doomed_ = true;
   join_absent_locked(group, seq, failed);
-  *op_message = message;
+  *op_message = absence.message;
+  (void)ls;
   return op;
 }
 
@@ -1565,14 +1530,7 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
   LaneSlot& ls = group.lane_slot(seq);
   const uint64_t bit = uint64_t{1} << member;
   const uint64_t state = ls.state.load(std::memory_order_seq_cst);  // pairs with ops_pending
-  if (!lane_serves(state, seq)) {
-    // Nobody in the lane at `seq` yet: note that this member passed it on the Op path, so that
-    // the slot serves no later collective before `seq` is settled (a lane member that comes to
-    // `seq` finds the mismatch), which happens once every member joined the op.
-    lane_pass_locked(group, seq, bit);
-    return {};
-  }
-  if ((state & bit) != 0) return {};
+  if (!lane_serves(state, seq) || (state & bit) != 0) return {};
   uint64_t arrived = state & kLaneArrived;
   std::string message;
   if ((state & kLaneFailed) != 0) {
