@@ -306,9 +306,14 @@ struct Post {
 // waits at issue for the earlier ones that still read its buffer (writes and reads of pending
 // outputs already wait through the tensor). Failures: a mismatch between members is found by the
 // executor; a departed member, a timeout, or a member that issued a different collective on the
-// Op path (a mismatch too) by the waiters' checks, which *fail* the slot: the members that
-// arrived get the error, later arrivals get it at once, and the slot is freed once every member
-// arrived or was counted absent.
+// Op path (a mismatch too; found when either side arrives) by the arrivals' and waiters' checks,
+// which *fail* the slot: the members that arrived get the error, later arrivals get it at once,
+// and the slot is freed once every member arrived or was counted absent. A rank that gives up
+// waiting for a busy slot leaves an absence (SharedGroup::lane_absences) for whoever claims the
+// slot for its collective. Known limit: when the Op-path side of such a mismatch runs
+// kLaneSlots collectives ahead and claims the slot for a later one before the lane side reached
+// the mismatched one, the lane side times out instead of reporting the mismatch (the Op path
+// never blocks at issue for the lane's sake, which would delay correct programs).
 constexpr int kLaneMaxRanks = 8;
 constexpr int kLaneSlots = 8;
 constexpr int64_t kLaneMaxBytes = kMinChunkBytes;
@@ -1325,6 +1330,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
     // the members of an earlier one with absences.
     if (!backoff.step()) {
       std::string failure;
+      bool departure = false;
       if (Clock::now() >= work->deadline_) {
         failure = fmt::format(
             "{}: timed out after {:g} s waiting for {} to finish", work->description(),
@@ -1340,29 +1346,42 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
           if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
         }
         if (departed >= 0) failure = departed_message(work->description(), departed, missing);
+        departure = departed >= 0;
       }
       if (!failure.empty()) {
         // Give up, but leave word for whoever claims the slot for `seq`: the others must not
-        // wait for this member there, and the slot must be freed once they came.
+        // wait for this member there, and the slot must be freed once they came. After a
+        // departure there is nobody to tell (the group cannot complete anything any more).
         std::lock_guard<SpinMutex> lock(group.mu);
         uint64_t cur = ls.state.load(std::memory_order_acquire);
-        const bool still_blocked =
-            (cur & kLaneBusy) != 0
-                ? !lane_serves(cur, seq)
-                : (cur & kLaneAbsent) != 0 && lane_absence_locked(group, seq, /*earlier=*/true);
-        if (still_blocked) {
-          ls.state.fetch_or(kLaneAbsent, std::memory_order_seq_cst);
-          auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
-                                 [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
-          if (it == group.lane_absences.end()) {
-            group.lane_absences.push_back({seq, bit, failure});
-            it = group.lane_absences.end() - 1;
-          } else {
-            it->members |= bit;
-            failure = it->message;  // every member reads the first one
+        for (;;) {
+          const bool busy = (cur & kLaneBusy) != 0;
+          const bool still_blocked =
+              busy ? !lane_serves(cur, seq)
+                   : (cur & kLaneAbsent) != 0 && lane_absence_locked(group, seq, /*earlier=*/true);
+          if (!still_blocked) break;
+          // kLaneAbsent goes on while the slot still serves the earlier collective (one atomic
+          // step): freeing keeps it, so whoever claims the slot next does so under mu and sees
+          // the entry. (Set after a check, a claim on the fast path could slip in between.)
+          if (busy && (cur & kLaneAbsent) == 0 &&
+              !ls.state.compare_exchange_weak(cur, cur | kLaneAbsent, std::memory_order_seq_cst,
+                                              std::memory_order_acquire)) {
+            continue;
           }
-          // Nobody comes to `seq` at all: nothing to apply.
-          if (it->members == group.full_mask()) group.lane_absences.erase(it);
+          if (!departure) {
+            auto it = std::find_if(
+                group.lane_absences.begin(), group.lane_absences.end(),
+                [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
+            if (it == group.lane_absences.end()) {
+              group.lane_absences.push_back({seq, bit, failure});
+              it = group.lane_absences.end() - 1;
+            } else {
+              it->members |= bit;
+              failure = it->message;  // every member reads the first one
+            }
+            // Nobody comes to `seq` at all: nothing to apply.
+            if (it->members == group.full_mask()) group.lane_absences.erase(it);
+          }
           work->fail_with(failure);
           return work;
         }
@@ -1420,7 +1439,7 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSl
   if (!op || op->ref_ < 0) return nullptr;
   // ... and the lane members never join that op, which fails with the same error.
   op->doomed_ = true;
-  join_absent_locked(group, seq, failed);
+  join_absent_locked(group, seq, failed | absence.members);
   *op_message = absence.message;
   (void)ls;
   return op;

@@ -603,6 +603,41 @@ TEST(LaneTest, GivingUpMeetsTheOpPath) {
   EXPECT_EQ(messages[2], messages[0]);
 }
 
+// Lane collectives are not queued behind the Op path: rank 0 issues an all_gather and eight
+// small all_reduces on the world (none waited) and then waits on a small all_reduce of another
+// group, which rank 1 issues first. Nothing here may wait for rank 1 to reach the world ones.
+TEST(LaneTest, NotQueuedBehindOpPathCollectives) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto g2 = pg.split_group({{0, 1}}, "g2");
+    std::vector<std::shared_ptr<Work>> works;
+    std::vector<Tensor> keep;
+    auto world_part = [&] {
+      keep.push_back(Tensor::full({4}, DType::F32, 1));
+      keep.push_back(Tensor::zeros({8}, DType::F32));
+      works.push_back(pg.all_gather(keep.back(), keep[keep.size() - 2]));
+      for (int i = 1; i <= 8; ++i) {
+        keep.push_back(Tensor::full({4}, DType::F32, i));
+        works.push_back(pg.all_reduce(keep.back(), ReduceOp::Sum));
+      }
+    };
+    auto g2_part = [&] {
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      g2->all_reduce(t, ReduceOp::Sum)->wait();
+      EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2));
+    };
+    if (pg.rank() == 0) {
+      world_part();
+      g2_part();
+    } else {
+      g2_part();
+      world_part();
+    }
+    for (auto& w : works) w->wait();
+    EXPECT_EQ(keep[1].to_vector<float>(), std::vector<float>(8, 1));
+    EXPECT_EQ(keep.back().to_vector<float>(), std::vector<float>(4, 16));
+  });
+}
+
 // A rank may run many small all_reduces ahead of its peer without waiting (more than the lane's
 // slots: the extra ones wait for a slot); every result is right.
 TEST(LaneTest, RankRunsFarAhead) {
