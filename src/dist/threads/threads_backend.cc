@@ -224,18 +224,22 @@ bool reduces(OpKind kind) { return kind == OpKind::AllReduce || kind == OpKind::
 // The input's shape is compared across ranks too (as torch.distributed's DETAIL debug mode
 // does), when it has at most kMaxShapeDims dims; all_to_all compares only rows' sizes.
 constexpr int kMaxShapeDims = 6;
+// The shape comes last: a peer comparing two slots of equal count reads it only for two or
+// more dims (one cache line less per member for the lane's executor).
 struct Slot {
   DType dtype = DType::F32;
-  int64_t count = 0;
   int8_t ndim = -1;  // -1: shape not recorded
-  std::array<int64_t, kMaxShapeDims> dims{};
+  int64_t count = 0;
   const char* in = nullptr;
   char* out = nullptr;
   const Storage* in_storage = nullptr;  // identity only: whose bytes `in` reads
+  std::array<int64_t, kMaxShapeDims> dims{};
 
+  // For slots of equal count (a 0- or 1-dim shape is its count then).
   bool same_shape(const Slot& o) const {
     if (ndim < 0 || o.ndim < 0) return true;
-    return ndim == o.ndim && std::equal(dims.begin(), dims.begin() + ndim, o.dims.begin());
+    if (ndim != o.ndim) return false;
+    return ndim <= 1 || std::equal(dims.begin(), dims.begin() + ndim, o.dims.begin());
   }
   // "f32[2,3]", or "f32 row 4" / "f32 numel 6" without a recorded shape.
   std::string describe(bool rows) const {
@@ -335,10 +339,11 @@ constexpr bool lane_serves(uint64_t state, uint64_t seq) {
 class LaneWork;
 
 // One member's part of a lane collective; written by the member before it sets its bit.
+// What the executor reads (the Work, the op, the slot up to its shape) fits the first line.
 struct alignas(64) LaneRecord {
-  Slot slot;
-  ReduceOp reduce_op = ReduceOp::Sum;
   std::shared_ptr<LaneWork> work;  // finished (and released) by the executor or a failer
+  ReduceOp reduce_op = ReduceOp::Sum;
+  Slot slot;
 
   Post post() const {
     Post p;
