@@ -733,7 +733,10 @@ class LaneWork final : public Work {
   std::shared_ptr<Storage> keep_;
   std::atomic<bool> keep_released_{false};
   void release_keep() {
-    if (!keep_released_.exchange(true, std::memory_order_acq_rel)) keep_.reset();
+    if (!keep_released_.load(std::memory_order_acquire) &&
+        !keep_released_.exchange(true, std::memory_order_acq_rel)) {
+      keep_.reset();
+    }
   }
   // Each member gets its own exception object: they are read and released on different threads,
   // and the reference count inside exception_ptr is invisible to ThreadSanitizer.
@@ -1282,13 +1285,20 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   LaneSlot& ls = group.lane_slot(seq);
   LaneRecord& record = ls.records[member];
   const uint64_t bit = uint64_t{1} << member;
+  // This member's Work of the slot's previous collective (finished): its buffer may go now
+  // (breaking the cycle storage -> pending Work -> storage of a result nobody waited for). Both
+  // happen after this arrival, off the path the peers wait on.
+  std::shared_ptr<LaneWork> previous;
+  struct ReleasePrevious {
+    std::shared_ptr<LaneWork>& work;
+    ~ReleasePrevious() {
+      if (work) work->release_keep();
+    }
+  } release_previous{previous};
   auto post = [&] {
     record.slot = slot;
     record.reduce_op = op;
-    // The slot's previous collective finished: its Work's buffer may go (breaking the cycle
-    // storage -> pending Work -> storage of a result nobody waited for).
-    if (record.work && record.work != work) record.work->release_keep();
-    record.work = work;
+    if (record.work != work) previous = std::exchange(record.work, work);
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
   Backoff backoff(wait_spin_);
