@@ -674,7 +674,7 @@ class World {
   void lane_execute(SharedGroup& group, LaneSlot& ls);
   // Fails the lane collective `seq` with `message` unless it failed already or every member
   // arrived; `absent` (bits) are members that will never arrive (they issued `seq` on the Op
-  // path). Fails the members that arrived. Needs group.mu.
+  // path, or gave up waiting for the slot). Fails the members that arrived. Needs group.mu.
   bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
                         uint64_t absent, uint64_t* failed_arrived = nullptr);
   // Whether members gave up on an earlier (or a later) collective of `seq`'s slot.
@@ -682,16 +682,22 @@ class World {
   // Applies the absences registered for `seq` to the slot this rank just claimed for it: fails
   // it, counting the absent members (and those that issued `seq` on the Op path) as arrived.
   // Returns that Op, to fail with *op_message once mu is released.
-  std::shared_ptr<Op> lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls, uint64_t seq,
+  std::shared_ptr<Op> lane_apply_absences_locked(SharedGroup& group, uint64_t seq,
                                                  std::string* op_message);
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
-  // Frees a failed slot: drops the records' Works (their keep already released) and frees it.
+  // Frees a failed slot: releases and drops the records' Works and frees it.
   void lane_release(LaneSlot& ls);
   // Frees the slot for its next collective.
   static void lane_free(LaneSlot& ls);
   // Lane members (bits of `mask`) will never join the Op of `seq`: count them joined.
   void join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask);
+  // Counts the members of `mask` joined to `op` (those not joined yet). Needs group.mu.
+  static void mark_joined(Op& op, uint64_t mask);
+  // The bits of the members that joined `op`. Needs group.mu.
+  static uint64_t joined_mask(const Op& op);
+  // The global ranks of `group`'s members whose bits are not in `arrived`.
+  static std::vector<int> lane_missing(const SharedGroup& group, uint64_t arrived);
   // The Op-path join of `member` at `seq` when members took the lane for it: the mismatch (or
   // the lane's failure) message, after counting this member out of the lane slot; empty when
   // the lane has nobody at `seq`. Needs group.mu.
@@ -1243,14 +1249,10 @@ void World::depart(int rank, const std::string& reason) {
             (arrived & (uint64_t{1} << member)) != 0) {
           continue;
         }
-        std::vector<int> missing;
-        for (size_t m = 0; m < g->global_ranks.size(); ++m) {
-          if ((arrived & (uint64_t{1} << m)) == 0) missing.push_back(g->global_ranks[m]);
-        }
         const uint64_t seq = lane_seq(state);
         lane_fail_locked(*g, seq,
                          departed_message(collective_name(OpKind::AllReduce, false, *g, seq), rank,
-                                          missing),
+                                          lane_missing(*g, arrived)),
                          0);
       }
     }
@@ -1333,7 +1335,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         post();
         const uint64_t later = lane_absence_locked(group, seq, /*earlier=*/false) ? kLaneAbsent : 0;
         ls.state.store(lane_seq_bits(seq) | kLaneBusy | bit | later, std::memory_order_seq_cst);
-        crossed = lane_apply_absences_locked(group, ls, seq, &crossed_message);
+        crossed = lane_apply_absences_locked(group, seq, &crossed_message);
         lock.unlock();
         if (crossed) fail_op(crossed, crossed_message);
         if (work->is_completed()) return work;  // failed: the absent members' error
@@ -1436,8 +1438,8 @@ bool World::lane_absence_locked(const SharedGroup& group, uint64_t seq, bool ear
                      });
 }
 
-std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSlot& ls,
-                                                      uint64_t seq, std::string* op_message) {
+std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, uint64_t seq,
+                                                      std::string* op_message) {
   auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
                          [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
   if (it == group.lane_absences.end()) return nullptr;
@@ -1445,10 +1447,7 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSl
   group.lane_absences.erase(it);
   // Members that issued `seq` on the Op path never come here either.
   std::shared_ptr<Op> op = group.find_pending(seq);
-  uint64_t absent = absence.members;
-  for (int m = 0; op && m < op->size_; ++m) {
-    if (op->members_[m].joined) absent |= uint64_t{1} << m;
-  }
+  const uint64_t absent = absence.members | (op ? joined_mask(*op) : 0);
   uint64_t failed = 0;
   lane_fail_locked(group, seq, absence.message, absent, &failed);
   if (!op || op->ref_ < 0) return nullptr;
@@ -1456,7 +1455,6 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, LaneSl
   op->doomed_ = true;
   join_absent_locked(group, seq, failed | absence.members);
   *op_message = absence.message;
-  (void)ls;
   return op;
 }
 
@@ -1548,14 +1546,34 @@ void World::lane_free(LaneSlot& ls) {
   ls.state.fetch_and(~(kLaneBusy | kLaneArrived | kLaneFailed), std::memory_order_acq_rel);
 }
 
+void World::mark_joined(Op& op, uint64_t mask) {
+  for (int m = 0; m < op.size_; ++m) {
+    if ((mask & (uint64_t{1} << m)) == 0 || op.members_[m].joined) continue;
+    op.members_[m].joined = 1;
+    ++op.joined_count_;
+  }
+}
+
+uint64_t World::joined_mask(const Op& op) {
+  uint64_t mask = 0;
+  for (int m = 0; m < op.size_; ++m) {
+    if (op.members_[m].joined) mask |= uint64_t{1} << m;
+  }
+  return mask;
+}
+
+std::vector<int> World::lane_missing(const SharedGroup& group, uint64_t arrived) {
+  std::vector<int> missing;
+  for (size_t m = 0; m < group.global_ranks.size(); ++m) {
+    if ((arrived & (uint64_t{1} << m)) == 0) missing.push_back(group.global_ranks[m]);
+  }
+  return missing;
+}
+
 void World::join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask) {
   std::shared_ptr<Op> op = group.find_pending(seq);
   if (!op) return;
-  for (int m = 0; m < op->size_; ++m) {
-    if ((mask & (uint64_t{1} << m)) == 0 || op->members_[m].joined) continue;
-    op->members_[m].joined = 1;
-    ++op->joined_count_;
-  }
+  mark_joined(*op, mask);
   if (op->joined_count_ == op->size_) group.release_pending(seq);
 }
 
@@ -1577,18 +1595,10 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
                                group.global_ranks[first], ls.records[first].post(),
                                group.global_ranks[member], post);
     // This member and those that joined the op before the lane was claimed never arrive there.
-    uint64_t absent = bit;
-    for (int m = 0; m < op.size_; ++m) {
-      if (op.members_[m].joined) absent |= uint64_t{1} << m;
-    }
-    lane_fail_locked(group, seq, message, absent, &arrived);
+    lane_fail_locked(group, seq, message, bit | joined_mask(op), &arrived);
   }
   // The members in the lane never join this op (bits of Op members are marked already).
-  for (int m = 0; m < op.size_; ++m) {
-    if ((arrived & (uint64_t{1} << m)) == 0 || op.members_[m].joined) continue;
-    op.members_[m].joined = 1;
-    ++op.joined_count_;
-  }
+  mark_joined(op, arrived);
   return message;
 }
 
@@ -1607,21 +1617,18 @@ void World::lane_check(LaneWork& work, bool timed_out) {
       return;  // finished, failed, or being executed
     }
     const std::string& what = work.description();
-    std::vector<int> missing;
+    const std::vector<int> missing = lane_missing(group, arrived);
     int departed = -1;
-    for (size_t m = 0; m < group.global_ranks.size(); ++m) {
-      if ((arrived & (uint64_t{1} << m)) != 0) continue;
-      const int r = group.global_ranks[m];
-      missing.push_back(r);
-      if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
+    for (int r : missing) {
+      if (ranks_[r]->departed.load(std::memory_order_acquire)) {
+        departed = r;
+        break;
+      }
     }
     std::shared_ptr<Op> op = group.find_pending(seq);
     if (op && op->ref_ >= 0) {
       // A member issued `seq` on the Op path: a different collective. Both fail.
-      uint64_t absent = 0;
-      for (int m = 0; m < op->size_; ++m) {
-        if (op->members_[m].joined) absent |= uint64_t{1} << m;
-      }
+      const uint64_t absent = joined_mask(*op);
       failure = mismatch_message(what, group.global_ranks[work.member_],
                                  ls.records[work.member_].post(), group.global_ranks[op->ref_],
                                  op->members_[op->ref_].post);
