@@ -91,9 +91,8 @@ Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
     funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
   };
-  const std::vector<int> cpus = funcol::dist_detail::allowed_cpus();
   auto body = [&](int r) {
-    funcol::dist_detail::CpuBinding binding(cpus.size() >= 2 ? cpus[static_cast<size_t>(r)] : -1);
+    funcol::dist_detail::CpuBinding binding(funcol::tools::reference_cpu(r));
     std::vector<float> buf(n, 0.0f);
     for (int64_t i = 1; i <= total; ++i) {
       const auto t0 = Clock::now();

@@ -575,8 +575,6 @@ void validate(const BenchOptions& o) {
 
 // ---- references ----
 
-// The CPU of a reference's thread t (0 or 1): the t-th one this process may use, as the ranks
-// of the threads backend get (see LocalOptions::bind_threads); -1 (unbound) on a single CPU.
 int reference_cpu(int t) {
   static const std::vector<int> cpus = dist_detail::allowed_cpus();
   return cpus.size() >= 2 ? cpus[static_cast<size_t>(t)] : -1;
@@ -818,7 +816,7 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
   const std::vector<int> cpus = dist_detail::allowed_cpus();
   const bool ranks_bound = o.backend == "threads" && static_cast<int>(cpus.size()) >= o.ranks;
   emit(out, fmt::format("# binding: reference threads {}; rank threads {}",
-                        cpus.size() >= 2 ? "one per CPU" : "unbound (1 CPU)",
+                        reference_cpu(0) >= 0 ? "one per CPU" : "unbound (1 CPU)",
                         ranks_bound ? fmt::format("one per CPU ({} CPUs)", cpus.size())
                         : o.backend == "threads"
                             ? fmt::format("unbound ({} ranks, {} CPUs)", o.ranks, cpus.size())

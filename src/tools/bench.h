@@ -156,6 +156,10 @@ struct HandoffRef {
 };
 HandoffRef measure_handoff();
 
+// The CPU a reference's thread t (0 or 1) is pinned to: the t-th one this process may use, as
+// the ranks of the threads backend get (LocalOptions::bind_threads); -1 (unbound) on one CPU.
+int reference_cpu(int t);
+
 // One printed row.
 struct BenchRow {
   BenchOp op;
