@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 #include <string>
 
 #include "funcol/core/error.h"
@@ -35,7 +36,26 @@ std::chrono::milliseconds default_timeout() {
   return std::chrono::milliseconds(std::max<int64_t>(ms, 1));
 }
 
+struct Work::Sleep {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t generation = 0;  // bumped by wake_waiters()
+};
+
 Work::Work(std::string description) : description_(std::move(description)) {}
+
+Work::~Work() { delete sleep_.load(std::memory_order_acquire); }
+
+Work::Sleep& Work::sleep_state() {
+  Sleep* s = sleep_.load(std::memory_order_acquire);
+  if (s != nullptr) return *s;
+  auto fresh = std::make_unique<Sleep>();
+  if (sleep_.compare_exchange_strong(s, fresh.get(), std::memory_order_seq_cst,
+                                     std::memory_order_acquire)) {
+    return *fresh.release();
+  }
+  return *s;  // another sleeper made it first
+}
 
 void Work::wait() {
   if (!done_.load(std::memory_order_acquire)) {
@@ -43,9 +63,10 @@ void Work::wait() {
     while (!done_.load(std::memory_order_acquire) && backoff.step()) {
     }
     if (!done_.load(std::memory_order_acquire)) {
-      std::unique_lock<std::mutex> lock(mu_);
+      Sleep& s = sleep_state();
+      std::unique_lock<std::mutex> lock(s.mu);
       ++sleepers_;
-      cv_.wait(lock, [&] { return done_.load(std::memory_order_seq_cst); });
+      s.cv.wait(lock, [&] { return done_.load(std::memory_order_seq_cst); });
       --sleepers_;
     }
   }
@@ -71,13 +92,15 @@ void Work::set_done(std::exception_ptr error) {
   // of a line the waiter reads costs a transfer on the critical path of a small collective.
   if (error) error_ = std::move(error);
   // No lock unless someone sleeps: finishing is on the critical path of every collective. The
-  // store and the load below are seq_cst, as are a sleeper's increment of sleepers_ (under
-  // mu_) and its check of done_ that follows: either the sleeper sees done_, or we see it and
-  // notify under mu_ (so the notification cannot fall between its check and its wait).
+  // store and the load below are seq_cst, as are a sleeper's increment of sleepers_ (under the
+  // Sleep's mutex, after it made the Sleep) and its check of done_ that follows: either the
+  // sleeper sees done_, or we see it and notify under the mutex (so the notification cannot
+  // fall between its check and its wait).
   done_.store(true, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-    { std::lock_guard<std::mutex> lock(mu_); }
-    cv_.notify_all();
+    Sleep& s = *sleep_.load(std::memory_order_acquire);
+    { std::lock_guard<std::mutex> lock(s.mu); }
+    s.cv.notify_all();
   }
 }
 
@@ -88,12 +111,14 @@ std::shared_ptr<Work> Work::completed(std::string description) {
 }
 
 bool Work::sleep_until(std::chrono::steady_clock::time_point deadline) {
-  std::unique_lock<std::mutex> lock(mu_);
   if (done_.load(std::memory_order_acquire)) return true;
-  uint64_t generation = wake_generation_;
+  Sleep& s = sleep_state();
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (done_.load(std::memory_order_acquire)) return true;
+  uint64_t generation = s.generation;
   ++sleepers_;
-  cv_.wait_until(lock, deadline, [&] {
-    return done_.load(std::memory_order_seq_cst) || wake_generation_ != generation;
+  s.cv.wait_until(lock, deadline, [&] {
+    return done_.load(std::memory_order_seq_cst) || s.generation != generation;
   });
   --sleepers_;
   return done_.load(std::memory_order_acquire);
@@ -103,13 +128,14 @@ void Work::wake_waiters() {
   // A hint, not a handshake: a waiter that starts sleeping right after this check misses it
   // and sleeps until the Work finishes, which is still correct.
   if (sleepers_.load(std::memory_order_acquire) == 0) return;
+  Sleep& s = *sleep_.load(std::memory_order_acquire);
   bool notify = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++wake_generation_;
+    std::lock_guard<std::mutex> lock(s.mu);
+    ++s.generation;
     notify = sleepers_ > 0;
   }
-  if (notify) cv_.notify_all();
+  if (notify) s.cv.notify_all();
 }
 
 void Work::rethrow_if_failed() const {

@@ -25,7 +25,7 @@ std::chrono::milliseconds default_timeout();
 class Work : public Waitable {
  public:
   explicit Work(std::string description = {});
-  ~Work() override = default;
+  ~Work() override;
 
   // Blocks until finished; throws the failure (CommError) if the collective failed.
   void wait() override;
@@ -57,16 +57,20 @@ class Work : public Waitable {
  private:
   void set_done(std::exception_ptr error);
 
+  // What sleeping waiters share, made by the first of them: most collectives finish while
+  // their waiter still spins, and a mutex and condition variable in every Work cost their
+  // construction and destruction on every small collective.
+  struct Sleep;
+  Sleep& sleep_state();
+
   std::string description_;
   std::atomic<bool> done_{false};
   std::atomic<bool> finishing_{false};  // claimed by the one finish() or fail()
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
   std::exception_ptr error_;  // written before done_ is set, read after it is seen
-  // Written under mu_; read without it by set_done() and wake_waiters() (notify only when
-  // someone sleeps).
+  std::atomic<Sleep*> sleep_{nullptr};  // set once, freed with the Work
+  // Written under the Sleep's mutex; read without it by set_done() and wake_waiters() (they
+  // touch the Sleep only when someone sleeps, so it exists then).
   std::atomic<int> sleepers_{0};
-  uint64_t wake_generation_ = 0;  // guarded by mu_: bumped by wake_waiters()
 };
 
 }  // namespace funcol

@@ -135,6 +135,10 @@ class InlineVec {
     heap_.push_back(std::move(v));
     ++size_;
   }
+  // Room for n elements without reallocating (a coalesced list of thousands of tensors).
+  void reserve(size_t n) {
+    if (n > N) heap_.reserve(n);
+  }
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   T* begin() { return size_ <= N ? inline_.data() : heap_.data(); }
@@ -1149,7 +1153,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     std::lock_guard<SpinMutex> lock(group.mu);
     std::shared_ptr<Op>& slot = group.pending_slot(seq);
     if (!slot) {
-      spare->init(seq, post.kind, post.coalesced, Clock::now() + timeout_);
+      spare->init(seq, post.kind, post.coalesced, dist_detail::deadline_after(timeout_));
       slot = std::move(spare);
     }
     op = slot;
@@ -1282,7 +1286,8 @@ void World::drain(int rank) {
 std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint64_t seq,
                                             const Slot& slot, ReduceOp op,
                                             std::shared_ptr<Storage> keep) {
-  auto work = std::make_shared<LaneWork>(this, &group, seq, member, Clock::now() + timeout_);
+  auto work =
+      std::make_shared<LaneWork>(this, &group, seq, member, dist_detail::deadline_after(timeout_));
   work->keep_ = std::move(keep);
   LaneSlot& ls = group.lane_slot(seq);
   LaneRecord& record = ls.records[member];
@@ -1892,9 +1897,10 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                              ReduceOp op) override {
     for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
-    Post p = make_post(OpKind::AllReduce, true);
+    Post p = make_post(OpKind::AllReduce, true, tensors.size());
     p.reduce_op = op;
     std::vector<const Tensor*> outs;
+    outs.reserve(tensors.size());
     for (const Tensor& t : tensors) {
       add_slot(p, t.dtype(), t.numel(), t, t);
       outs.push_back(&t);
@@ -1908,9 +1914,10 @@ class ThreadsGroup final : public ProcessGroup {
                                                   const std::vector<Tensor>& inputs,
                                                   ReduceOp op) override {
     dist_detail::check_all_reduce_into(outputs, inputs, op);
-    Post p = make_post(OpKind::AllReduce, true);
+    Post p = make_post(OpKind::AllReduce, true, inputs.size());
     p.reduce_op = op;
     std::vector<const Tensor*> outs;
+    outs.reserve(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       add_slot(p, inputs[i].dtype(), inputs[i].numel(), inputs[i], outputs[i]);
       outs.push_back(&outputs[i]);
@@ -1924,8 +1931,9 @@ class ThreadsGroup final : public ProcessGroup {
     for (size_t i = 0; i < inputs.size(); ++i) {
       dist_detail::check_all_gather(outputs[i], inputs[i], size());
     }
-    Post p = make_post(OpKind::AllGather, true);
+    Post p = make_post(OpKind::AllGather, true, inputs.size());
     std::vector<const Tensor*> outs;
+    outs.reserve(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       add_slot(p, inputs[i].dtype(), inputs[i].numel(), inputs[i], outputs[i]);
       outs.push_back(&outputs[i]);
@@ -1940,9 +1948,10 @@ class ThreadsGroup final : public ProcessGroup {
     for (size_t i = 0; i < inputs.size(); ++i) {
       dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
     }
-    Post p = make_post(OpKind::ReduceScatter, true);
+    Post p = make_post(OpKind::ReduceScatter, true, inputs.size());
     p.reduce_op = op;
     std::vector<const Tensor*> outs;
+    outs.reserve(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       add_slot(p, inputs[i].dtype(), outputs[i].numel(), inputs[i], outputs[i]);
       outs.push_back(&outputs[i]);
@@ -1985,10 +1994,11 @@ class ThreadsGroup final : public ProcessGroup {
   }
 
  private:
-  static Post make_post(OpKind kind, bool coalesced) {
+  static Post make_post(OpKind kind, bool coalesced, size_t slots = 1) {
     Post p;
     p.kind = kind;
     p.coalesced = coalesced;
+    p.slots.reserve(slots);
     return p;
   }
 
@@ -2005,7 +2015,11 @@ class ThreadsGroup final : public ProcessGroup {
     // collective must be complete before any rank reads or writes it.
     s.in_storage = in.storage().get();
     if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
-    if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
+    if (&out == &in) {
+      s.out = const_cast<char*>(s.in);  // in place: one wait and check is enough
+    } else if (out.numel() > 0) {
+      s.out = static_cast<char*>(out.data_ptr());
+    }
     return s;
   }
 
