@@ -79,6 +79,8 @@ row "all_reduce busbw @ 64 MiB, 2 ranks" busbw 8 -o all_reduce --ranks 2 -b 64M 
 row "all_reduce busbw @ 1 MiB, 2 ranks" busbw 15 -o all_reduce --ranks 2 -b 1M -e 1M "${common[@]}"
 row "all_reduce time @ 4 KiB, 2 ranks" time 1 -o all_reduce --ranks 2 -b 4K -e 4K -n 2000 -w 200 -c 1
 row "all_gather busbw @ 64 MiB, 2 ranks" busbw 8 -o all_gather --ranks 2 -b 64M -e 64M -n 20 -w 5 -c 1
+row "all_gather busbw @ 64 MiB, 2 ranks, in place" busbw 8 -o all_gather --ranks 2 -b 64M -e 64M -n 20 -w 5 -c 1 --in-place
 row "reduce_scatter busbw @ 64 MiB, 2 ranks" busbw 8 -o reduce_scatter --ranks 2 -b 64M -e 64M -n 20 -w 5 -c 1
+row "reduce_scatter busbw @ 64 MiB, 2 ranks, in place" busbw 8 -o reduce_scatter --ranks 2 -b 64M -e 64M -n 20 -w 5 -c 1 --in-place
 row "all_to_all busbw @ 64 MiB, 2 ranks" busbw 8 -o all_to_all --ranks 2 -b 64M -e 64M -n 20 -w 5 -c 1
 row "all_reduce time @ 4 KiB, 4 ranks" time 20 -o all_reduce --ranks 4 -b 4K -e 4K -n 2000 -w 200 -c 1

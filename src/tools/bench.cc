@@ -109,6 +109,11 @@ bool same(T a, T b) {
 
 bool in_place(BenchOp op) { return op == BenchOp::AllReduce || op == BenchOp::Broadcast; }
 
+// Whether this run's `op` runs in place (its output and input share bytes).
+bool runs_in_place(const BenchOptions& o, BenchOp op) {
+  return in_place(op) || (o.in_place && op != BenchOp::AllToAll);
+}
+
 const char* const kSizeHelp =
     "expected a byte count with an optional K, M or G suffix (1024-based), e.g. 4K or 64M";
 
@@ -719,22 +724,36 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   row.op = op;
   row.sizes = coll_sizes(op, bytes, itemsize(o.dtype), n);
   Buffers b;
+  const bool aliased = runs_in_place(o, op);
   try {
-    b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
-    b.out = in_place(op) ? b.in : Tensor::empty({row.sizes.out_numel}, o.dtype);
+    if (!aliased) {
+      b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
+      b.out = Tensor::empty({row.sizes.out_numel}, o.dtype);
+    } else if (op == BenchOp::AllGather) {
+      b.out = Tensor::empty({row.sizes.out_numel}, o.dtype);
+      b.in = b.out.narrow(0, rank * row.sizes.in_numel, row.sizes.in_numel);
+    } else if (op == BenchOp::ReduceScatter) {
+      b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
+      b.out = b.in.narrow(0, rank * row.sizes.out_numel, row.sizes.out_numel);
+    } else {
+      b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
+      b.out = b.in;
+    }
   } catch (const std::bad_alloc&) {
     throw InvalidArgument(fmt::format(
         "out of memory allocating {} bytes per rank for {} at size {}: lower -e/--maxbytes or "
         "--ranks",
-        (row.sizes.in_numel + (in_place(op) ? 0 : row.sizes.out_numel)) *
+        (aliased ? std::max(row.sizes.in_numel, row.sizes.out_numel)
+                 : row.sizes.in_numel + row.sizes.out_numel) *
             static_cast<int64_t>(itemsize(o.dtype)),
         bench_op_name(op), bytes));
   }
 
-  // Timed data. An in-place all_reduce feeds each result into the next call, so it starts from
-  // a fixed point of the reduce op (0, or 1 for product): values never grow into overflow.
-  if (op == BenchOp::AllReduce) {
-    b.out.fill_(o.redop == ReduceOp::Product ? 1.0 : 0.0);
+  // Timed data. An in-place all_reduce (or reduce_scatter) feeds each result into the next
+  // call, so it starts from a fixed point of the reduce op (0, or 1 for product): values never
+  // grow into overflow.
+  if (op == BenchOp::AllReduce || (op == BenchOp::ReduceScatter && aliased)) {
+    b.in.fill_(o.redop == ReduceOp::Product ? 1.0 : 0.0);
   } else {
     pattern.fill_input(b.in, rank);
   }
@@ -749,10 +768,12 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   // runs all -c iterations (stopping early on one rank would desynchronise the collectives).
   int64_t wrong = 0;
   for (int c = 0; c < o.check; ++c) {
-    pattern.fill_input(b.in, rank);
+    // The poison goes first: an in-place all_gather's input is a block of its output (an
+    // in-place reduce_scatter's output a block of its input, refilled next).
     if (!in_place(op)) {
       b.out.fill_(static_cast<double>(std::min<int64_t>(exact_limit(o.dtype), 1000)));
     }
+    pattern.fill_input(b.in, rank);
     run_once(pg, op, b, o.redop, o.root);
     if (o.inject_wrong && rank == 0 && b.out.numel() > 0) {
       b.out.narrow(0, 0, 1).fill_(pattern.expected(rank, 0, row.sizes.count) == 0 ? 1.0 : 0.0);
@@ -843,9 +864,19 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
   emit(out, fmt::format("#   all_gather, reduce_scatter, all_to_all (n-1)/n = {:.2f}, "
                         "broadcast 1",
                         bus_factor(BenchOp::AllGather, o.ranks)));
-  emit(out,
-       "# one group of columns: all_reduce and broadcast run in place (the primitives' "
-       "form), the others out of place");
+  if (o.in_place) {
+    emit(out,
+         "# one group of columns, --in-place: all_reduce and broadcast in place (the "
+         "primitives' form), all_gather into");
+    emit(out,
+         "#   the output with its input the rank's block of it, reduce_scatter into the rank's "
+         "block of its input; all_to_all");
+    emit(out, "#   out of place (it has no in-place form)");
+  } else {
+    emit(out,
+         "# one group of columns: all_reduce and broadcast run in place (the primitives' "
+         "form), the others out of place");
+  }
   emit(out, "# ratio = busbw / memcpy GB/s per thread");
 }
 
@@ -878,6 +909,7 @@ void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row,
                                 {"time_us", row.time_us},
                                 {"algbw", row.algbw},
                                 {"busbw", row.busbw},
+                                {"in_place", runs_in_place(o, row.op)},
                                 {"memcpy_gbps", ref.gbps_per_thread},
                                 {"busbw_memcpy_ratio", ratio}};
     if (report.handoff.round_trip_ns > 0) {
@@ -1059,6 +1091,7 @@ std::vector<std::string> bench_job_args(const BenchOptions& o) {
                                 "--ranks", std::to_string(o.ranks),
                                 "--backend", o.backend};
   if (o.json) a.emplace_back("--json");
+  if (o.in_place) a.emplace_back("--in-place");
   if (o.inject_wrong) a.emplace_back("--inject-wrong");
   return a;
 }
@@ -1084,6 +1117,7 @@ struct BenchFlags {
   std::string ranks = "2";
   std::string backend = "threads";
   bool json = false;
+  bool in_place = false;
   bool inject_wrong = false;
 };
 
@@ -1103,6 +1137,7 @@ BenchOptions options_from_flags(const BenchFlags& f) {
   o.ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
   o.backend = f.backend;
   o.json = f.json;
+  o.in_place = f.in_place;
   o.inject_wrong = f.inject_wrong;
   validate(o);
   return o;
@@ -1162,6 +1197,10 @@ void add_bench_command(CLI::App& app) {
       ->type_name("NAME")
       ->capture_default_str();
   sub->add_flag("--json", f->json, "print one JSON object per size instead of the table");
+  sub->add_flag("--in-place", f->in_place,
+                "all_gather's input is the rank's block of its output, reduce_scatter's output "
+                "the rank's block of its input (nccl-tests' in-place columns; all_to_all stays "
+                "out of place)");
   // Hidden (no group): proves end to end that a wrong value fails the run.
   sub->add_flag("--inject-wrong", f->inject_wrong, "corrupt one output element per size")
       ->group("");

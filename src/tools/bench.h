@@ -128,6 +128,11 @@ struct BenchOptions {
   int ranks = 2;
   std::string backend = "threads";
   bool json = false;
+  // --in-place (nccl-tests' in-place columns): all_gather's input is this rank's block of its
+  // output and reduce_scatter's output this rank's block of its input, as FSDP gathers into a
+  // flat buffer; no copy of the rank's own block. all_reduce and broadcast always run in place;
+  // all_to_all has no in-place form and runs out of place either way.
+  bool in_place = false;
   // 0: measure memcpy; > 0: skip the measurement and report this per-thread GB/s (tests).
   double memcpy_gbps_override = 0;
   // Tests of the failure path: rank 0 overwrites element 0 of each output before checking it,

@@ -211,6 +211,30 @@ TEST_F(BenchProcessE2E, JsonNamesTheBackend) {
   }
 }
 
+// --in-place travels to the ranks, and each backend gathers into (reduces from) the buffer
+// its input (output) is a block of: mpi passes MPI_IN_PLACE or a private copy, gloo its own.
+TEST_F(BenchProcessE2E, InPlaceChecksCleanOnThreeProcesses) {
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    for (const char* op : {"all_gather", "reduce_scatter"}) {
+      Result r = bench("--backend " + backend + " -o " + op +
+                       " --in-place --ranks 3 -b 24 -e 40344 -f 41 -n 2 -w 1 -c 2 --json");
+      ASSERT_EQ(r.status, 0) << r.out;
+      std::istringstream in(r.out_only);
+      std::string line;
+      int rows = 0;
+      while (std::getline(in, line)) {
+        nlohmann::json j = nlohmann::json::parse(line);
+        EXPECT_EQ(j["op"], op);
+        EXPECT_EQ(j["in_place"], true);
+        EXPECT_EQ(j["wrong"], 0);
+        ++rows;
+      }
+      EXPECT_EQ(rows, 3);
+    }
+  }
+}
+
 TEST_F(BenchProcessE2E, AWrongValueFailsTheRun) {
   for (const std::string& backend : process_backends()) {
     SCOPED_TRACE(backend);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <Eigen/Core>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "funcol/core/error.h"
@@ -428,9 +429,11 @@ TEST(BenchRun, JobArgsSpellOutEveryFlag) {
                                       "reduce_scatter", "-d", "bf16", "-r", "max", "--root", "1",
                                       "--ranks", "3", "--backend", "gloo", "--json"}));
   o = BenchOptions{};
+  o.in_place = true;
   o.inject_wrong = true;
   const std::vector<std::string> all = bench_job_args(o);
   EXPECT_EQ(all[16], "all");  // -o all: every op, in order
+  EXPECT_EQ(all[all.size() - 2], "--in-place");
   EXPECT_EQ(all.back(), "--inject-wrong");
   o.ops = {BenchOp::AllReduce, BenchOp::Broadcast};  // -o cannot name two ops
   EXPECT_THROW(bench_job_args(o), InvalidArgument);
@@ -566,6 +569,77 @@ TEST(BenchRun, InjectedWrongValuesAreCountedAndReported) {
   for (const BenchRow& row : report.rows) EXPECT_EQ(row.wrong, 1) << bench_op_name(row.op);
   EXPECT_EQ(report.wrong, 15);
   EXPECT_NE(text.find("# Out of bounds values : 15 FAILED"), std::string::npos) << text;
+}
+
+// --in-place: all_gather gathers into the output its input is a block of, reduce_scatter
+// reduces into a block of its input; every element is still checked (the poison goes on
+// before the input, which it would otherwise overwrite), and an injected wrong value counts.
+TEST(BenchRun, InPlaceChecksCleanAndSaysSo) {
+  const std::pair<DType, ReduceOp> cases[] = {{DType::F32, ReduceOp::Sum},
+                                              {DType::I32, ReduceOp::Product},
+                                              {DType::BF16, ReduceOp::Max}};
+  for (int ranks : {1, 2, 3}) {
+    for (auto [dtype, redop] : cases) {
+      for (bool inject : {false, true}) {
+        SCOPED_TRACE(fmt::format("ranks {} {} {} inject {}", ranks, dtype_name(dtype),
+                                 reduce_op_name(redop), inject));
+        BenchOptions o;
+        o.ranks = ranks;
+        o.ops = {BenchOp::AllGather, BenchOp::ReduceScatter, BenchOp::AllToAll};
+        o.dtype = dtype;
+        o.redop = redop;
+        o.min_bytes = 24;  // 24, 984 and 40344 bytes: counts that do not divide evenly
+        o.max_bytes = 40344;
+        o.step_factor = 41;
+        o.iters = 3;
+        o.warmup_iters = 1;
+        o.check = 2;
+        o.memcpy_gbps_override = 10;
+        o.json = true;
+        o.in_place = true;
+        o.inject_wrong = inject;
+        std::FILE* out = std::tmpfile();
+        ASSERT_NE(out, nullptr);
+        BenchReport report = run_bench(o, out);
+        const std::string text = read_all(out);
+        std::fclose(out);
+        ASSERT_EQ(report.rows.size(), 9u);
+        for (const BenchRow& row : report.rows) {
+          // Two checks per row, one injected value each.
+          EXPECT_EQ(row.wrong, inject ? 2 : 0) << bench_op_name(row.op);
+        }
+        EXPECT_NE(text.find(R"("op":"all_gather")"), std::string::npos) << text;
+        size_t lines = 0;
+        for (size_t at = text.find("{\"op\""); at != std::string::npos;
+             at = text.find("{\"op\"", at + 1)) {
+          const std::string line = text.substr(at, text.find('\n', at) - at);
+          const bool a2a = line.find(R"("op":"all_to_all")") != std::string::npos;
+          EXPECT_NE(line.find(a2a ? R"("in_place":false)" : R"("in_place":true)"),
+                    std::string::npos)
+              << line;
+          ++lines;
+        }
+        EXPECT_EQ(lines, 9u);
+      }
+    }
+  }
+  // The table says which ops ran in place.
+  BenchOptions o;
+  o.ops = {BenchOp::AllGather};
+  o.min_bytes = o.max_bytes = 4096;
+  o.iters = 1;
+  o.memcpy_gbps_override = 10;
+  o.in_place = true;
+  std::FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  BenchReport report = run_bench(o, out);
+  const std::string text = read_all(out);
+  std::fclose(out);
+  EXPECT_EQ(report.wrong, 0);
+  EXPECT_NE(text.find("# one group of columns, --in-place: all_reduce and broadcast in place"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("#   out of place (it has no in-place form)"), std::string::npos) << text;
 }
 
 TEST(BenchRun, UncheckedRowsSayNA) {
