@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -482,6 +483,22 @@ std::string read_all(std::FILE* f) {
   return s;
 }
 
+// Runs the bench and returns its report; what it printed goes to *text.
+BenchReport run_captured(const BenchOptions& o, std::string* text) {
+  std::FILE* out = std::tmpfile();
+  if (out == nullptr) throw std::runtime_error("tmpfile failed");
+  BenchReport report;
+  try {
+    report = run_bench(o, out);
+  } catch (...) {
+    std::fclose(out);
+    throw;
+  }
+  *text = read_all(out);
+  std::fclose(out);
+  return report;
+}
+
 TEST(BenchRun, EveryOpChecksCleanAndPrintsTheTable) {
   for (int ranks : {1, 2, 3}) {
     SCOPED_TRACE("ranks " + std::to_string(ranks));
@@ -493,11 +510,8 @@ TEST(BenchRun, EveryOpChecksCleanAndPrintsTheTable) {
     o.iters = 2;
     o.warmup_iters = 1;
     o.memcpy_gbps_override = 10;
-    std::FILE* out = std::tmpfile();
-    ASSERT_NE(out, nullptr);
-    BenchReport report = run_bench(o, out);
-    const std::string text = read_all(out);
-    std::fclose(out);
+    std::string text;
+    BenchReport report = run_captured(o, &text);
     EXPECT_EQ(report.wrong, 0);
     const size_t nsizes = size_sequence(0, 4096, 4, 1).size();
     ASSERT_EQ(report.rows.size(), 5 * nsizes);
@@ -560,11 +574,8 @@ TEST(BenchRun, InjectedWrongValuesAreCountedAndReported) {
   o.iters = 1;
   o.memcpy_gbps_override = 10;
   o.inject_wrong = true;
-  std::FILE* out = std::tmpfile();
-  ASSERT_NE(out, nullptr);
-  BenchReport report = run_bench(o, out);
-  const std::string text = read_all(out);
-  std::fclose(out);
+  std::string text;
+  BenchReport report = run_captured(o, &text);
   ASSERT_EQ(report.rows.size(), 5u * 3u);
   for (const BenchRow& row : report.rows) EXPECT_EQ(row.wrong, 1) << bench_op_name(row.op);
   EXPECT_EQ(report.wrong, 15);
@@ -598,11 +609,8 @@ TEST(BenchRun, InPlaceChecksCleanAndSaysSo) {
         o.json = true;
         o.in_place = true;
         o.inject_wrong = inject;
-        std::FILE* out = std::tmpfile();
-        ASSERT_NE(out, nullptr);
-        BenchReport report = run_bench(o, out);
-        const std::string text = read_all(out);
-        std::fclose(out);
+        std::string text;
+        BenchReport report = run_captured(o, &text);
         ASSERT_EQ(report.rows.size(), 9u);
         for (const BenchRow& row : report.rows) {
           // Two checks per row, one injected value each.
@@ -630,11 +638,8 @@ TEST(BenchRun, InPlaceChecksCleanAndSaysSo) {
   o.iters = 1;
   o.memcpy_gbps_override = 10;
   o.in_place = true;
-  std::FILE* out = std::tmpfile();
-  ASSERT_NE(out, nullptr);
-  BenchReport report = run_bench(o, out);
-  const std::string text = read_all(out);
-  std::fclose(out);
+  std::string text;
+  BenchReport report = run_captured(o, &text);
   EXPECT_EQ(report.wrong, 0);
   EXPECT_NE(text.find("# one group of columns, --in-place: all_reduce and broadcast in place"),
             std::string::npos)
@@ -648,11 +653,8 @@ TEST(BenchRun, UncheckedRowsSayNA) {
   o.min_bytes = o.max_bytes = 64;
   o.check = 0;
   o.memcpy_gbps_override = 10;
-  std::FILE* out = std::tmpfile();
-  ASSERT_NE(out, nullptr);
-  BenchReport report = run_bench(o, out);
-  const std::string text = read_all(out);
-  std::fclose(out);
+  std::string text;
+  BenchReport report = run_captured(o, &text);
   ASSERT_EQ(report.rows.size(), 1u);
   EXPECT_EQ(report.rows[0].wrong, -1);
   EXPECT_EQ(report.wrong, 0);
