@@ -318,10 +318,11 @@ struct Post {
 // which *fail* the slot: the members that arrived get the error, later arrivals get it at once,
 // and the slot is freed once every member arrived or was counted absent. A rank that gives up
 // waiting for a busy slot leaves an absence (SharedGroup::lane_absences) for whoever claims the
-// slot for its collective. Known limit: when the Op-path side of such a mismatch runs
-// kLaneSlots collectives ahead and claims the slot for a later one before the lane side reached
-// the mismatched one, the lane side times out instead of reporting the mismatch (the Op path
-// never blocks at issue for the lane's sake, which would delay correct programs).
+// slot for its collective. When the Op-path side of such a mismatch runs kLaneSlots
+// collectives ahead and claims the slot for a later one before the lane side reached the
+// mismatched one, the lane side finds the slot serving a later collective than its own, which
+// no correct program allows, and reports the mismatch then (the Op path never blocks at issue
+// for the lane's sake, which would delay correct programs).
 constexpr int kLaneMaxRanks = 8;
 constexpr int kLaneSlots = 8;
 constexpr int64_t kLaneMaxBytes = kMinChunkBytes;
@@ -349,7 +350,8 @@ struct alignas(64) LaneRecord {
   ReduceOp reduce_op = ReduceOp::Sum;
   Slot slot;
 
-  Post post() const {
+  Post post() const { return post(slot, reduce_op); }
+  static Post post(const Slot& slot, ReduceOp reduce_op) {
     Post p;
     p.kind = OpKind::AllReduce;
     p.reduce_op = reduce_op;
@@ -1105,6 +1107,18 @@ bool World::help_any() {
   return true;
 }
 
+// The message `work` failed with, or `fallback` when it did not fail (or not with an Error).
+std::string failure_message(const Work& work, const std::string& fallback) {
+  if (!work.failed()) return fallback;
+  try {
+    std::rethrow_exception(work.exception());
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return fallback;
+  }
+}
+
 bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message) {
   int expected = kPending;
   if (!op->state_.compare_exchange_strong(expected, kFinished, std::memory_order_acq_rel)) {
@@ -1346,6 +1360,30 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         if (work->is_completed()) return work;  // failed: the absent members' error
         prev = lane_seq_bits(seq) | kLaneBusy;
         break;
+      }
+    }
+    if ((prev & kLaneBusy) != 0 && lane_seq(prev) > lane_seq(lane_seq_bits(seq))) {
+      // The slot serves a later collective although this member has not come to `seq`: a slot
+      // moves past a collective only once every member arrived or was counted absent, so the
+      // members there issued `seq` on the Op path, a different call. Both sides fail with the
+      // mismatch (every member that finds it reads the first message, the Op's).
+      std::shared_ptr<Op> ahead;
+      std::string message;
+      {
+        std::lock_guard<SpinMutex> lock(group.mu);
+        ahead = group.find_pending(seq);
+        if (ahead && ahead->ref_ >= 0) {
+          message = mismatch_message(work->description(), group.global_ranks[member],
+                                     LaneRecord::post(slot, op), group.global_ranks[ahead->ref_],
+                                     ahead->members_[ahead->ref_].post);
+          ahead->doomed_ = true;
+          join_absent_locked(group, seq, bit);  // this member never joins it
+        }
+      }
+      if (!message.empty()) {
+        if (!fail_op(ahead, message)) message = failure_message(*ahead, message);
+        work->fail_with(message);
+        return work;
       }
     }
     // Blocked: the slot serves an earlier collective (a peer is kLaneSlots behind), or waits for

@@ -502,6 +502,69 @@ TEST(LaneTest, MismatchFoundWithoutWaitingOnTheLane) {
   EXPECT_LT(seconds_since(start), 2.0);
 }
 
+// The Op-path side of a lane/Op mismatch may run kLaneSlots (8) collectives ahead before the
+// lane side comes: its eighth small all_reduce then holds the slot the lane side needs for
+// the mismatched one. The lane side names the mismatch at once (a slot serving a later
+// collective of its own means a peer did not take the lane there) instead of waiting for the
+// timeout, and the peer's Op gets the same message; the later small all_reduces still work.
+// On three ranks both lane ranks find it and report the first message.
+TEST(LaneTest, MismatchWhenTheOpPathSideRunsAhead) {
+  for (int n : {2, 3}) {
+    SCOPED_TRACE(n);
+    auto start = Clock::now();
+    std::vector<std::string> messages(n);
+    std::atomic<bool> ahead{false};
+    run_local(
+        n,
+        [&](ProcessGroup& pg) {
+          Tensor small = Tensor::full({4}, DType::F32, 1);
+          Tensor big = Tensor::full({1 << 16}, DType::F32, 1);
+          std::vector<Tensor> ts;
+          std::vector<std::shared_ptr<Work>> works;
+          std::shared_ptr<Work> w;
+          if (pg.rank() == 1) {
+            w = pg.all_reduce(big, ReduceOp::Sum);
+            for (int i = 1; i <= 8; ++i) {
+              ts.push_back(Tensor::full({3}, DType::I32, i));
+              works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+            }
+            ahead = true;
+          } else {
+            while (!ahead) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            w = pg.all_reduce(small, ReduceOp::Sum);
+          }
+          messages[pg.rank()] = comm_error([&] { w->wait(); });
+          if (pg.rank() != 1) {
+            for (int i = 1; i <= 8; ++i) {
+              ts.push_back(Tensor::full({3}, DType::I32, 10 * i));
+              works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+            }
+          }
+          for (int i = 0; i < 8; ++i) {
+            works[i]->wait();
+            EXPECT_EQ(ts[i].to_vector<int>(), std::vector<int>(3, (10 * (n - 1) + 1) * (i + 1)))
+                << i;
+          }
+        },
+        LocalOptions{std::chrono::milliseconds(5000)});
+    if (n == 2) {
+      EXPECT_EQ(messages[0],
+                "all_reduce on group 'world' (seq 0): mismatched collectives: rank 0 issued "
+                "all_reduce(f32[4], op sum) but rank 1 issued all_reduce(f32[65536], op sum)");
+    } else {
+      // Rank 0 or 2, whichever found it first, is named with rank 1.
+      EXPECT_NE(messages[0].find("all_reduce on group 'world' (seq 0): mismatched collectives: "
+                                 "rank "),
+                std::string::npos)
+          << messages[0];
+      EXPECT_NE(messages[0].find("issued all_reduce(f32[65536], op sum)"), std::string::npos)
+          << messages[0];
+    }
+    for (int r = 1; r < n; ++r) EXPECT_EQ(messages[r], messages[0]) << r;
+    EXPECT_LT(seconds_since(start), 2.0);
+  }
+}
+
 // A rank that runs kLaneSlots (8) small all_reduces ahead waits for a slot; when its peer is
 // late past the timeout it gives up with an error, and its peer gets the same error for that
 // collective instead of waiting for a rank that will never post it. Then the group works again.
