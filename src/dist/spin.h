@@ -18,10 +18,11 @@ inline void cpu_relax() {
 #endif
 }
 
-// now + timeout on steady_clock, never earlier and at most one clock tick (1-4 ms) later, for
-// a deadline taken at every collective's issue: Linux's coarse monotonic clock costs a third of
-// steady_clock::now() (10 vs 32 ns on the 2-core CI machine, where small collectives take
-// 0.5-1 us) and shares its epoch, lagging it by less than its resolution.
+// now + timeout on steady_clock, give or take a clock tick (1-4 ms), for a deadline taken at
+// every collective's issue: Linux's coarse monotonic clock costs a third of steady_clock::now()
+// (10 vs 32 ns on the 2-core CI machine, where small collectives take 0.5-1 us) and shares its
+// epoch. It lags by less than its resolution while the kernel updates it every tick, so adding
+// the resolution keeps the deadline from being early; it is late by at most that much.
 inline std::chrono::steady_clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
 #if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
   static const std::chrono::nanoseconds resolution = [] {
