@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "funcol/core/error.h"
+#include "spin.h"
 
 namespace funcol {
 namespace {
@@ -41,6 +42,52 @@ TEST(WorkTest, FinishWakesEveryWaiter) {
   for (auto& t : waiters) t.join();
   EXPECT_EQ(woke.load(), 4);
   EXPECT_TRUE(w.is_completed());
+}
+
+// A subclass's view of the sleeping helpers the threads backend's waiters use.
+class SleepyWork : public Work {
+ public:
+  using Work::sleep_until;
+  using Work::wake_waiters;
+};
+
+TEST(WorkTest, SleepUntilReturnsOnWakeDeadlineOrFinish) {
+  using Clock = std::chrono::steady_clock;
+  SleepyWork w;
+  std::atomic<bool> woke{false};
+  std::thread sleeper([&] {
+    EXPECT_FALSE(w.sleep_until(Clock::now() + std::chrono::seconds(20)));  // woken, not done
+    woke = true;
+  });
+  while (!woke) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    w.wake_waiters();
+  }
+  sleeper.join();
+  auto t0 = Clock::now();
+  EXPECT_FALSE(w.sleep_until(t0 + std::chrono::milliseconds(30)));  // the deadline
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(30));
+  std::thread finisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    w.finish();
+  });
+  EXPECT_TRUE(w.sleep_until(Clock::now() + std::chrono::seconds(20)));
+  finisher.join();
+  EXPECT_TRUE(w.sleep_until(Clock::now()));  // done: at once
+}
+
+// Collective deadlines read the coarse clock: never early, late by at most its resolution.
+TEST(WorkTest, DeadlineAfterIsNeverEarly) {
+  using Clock = std::chrono::steady_clock;
+  for (auto timeout : {std::chrono::milliseconds(0), std::chrono::milliseconds(250)}) {
+    for (int i = 0; i < 1000; ++i) {
+      const auto before = Clock::now();
+      const auto deadline = dist_detail::deadline_after(timeout);
+      const auto after = Clock::now();
+      ASSERT_GE(deadline, before + timeout);
+      ASSERT_LE(deadline, after + timeout + std::chrono::milliseconds(25));
+    }
+  }
 }
 
 TEST(WorkTest, FailRethrowsInEveryWaiter) {

@@ -1325,6 +1325,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   Backoff backoff(wait_spin_);
   std::shared_ptr<Op> crossed;  // an Op-path collective at `seq`, failed by an absence below
   std::string crossed_message;
+  uint64_t looked_ahead = 0;  // the last state seen serving a later collective
   for (;;) {
     if (lane_serves(prev, seq)) {
       // Another member claimed it; it cannot move on without this member.
@@ -1362,7 +1363,9 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         break;
       }
     }
-    if ((prev & kLaneBusy) != 0 && lane_seq(prev) > lane_seq(lane_seq_bits(seq))) {
+    if ((prev & kLaneBusy) != 0 && lane_seq(prev) > lane_seq(lane_seq_bits(seq)) &&
+        prev != looked_ahead) {
+      looked_ahead = prev;  // once per state: the lookup takes the group's lock
       // The slot serves a later collective although this member has not come to `seq`: a slot
       // moves past a collective only once every member arrived or was counted absent, so the
       // members there issued `seq` on the Op path, a different call. Both sides fail with the
@@ -1381,7 +1384,12 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         }
       }
       if (!message.empty()) {
-        if (!fail_op(ahead, message)) message = failure_message(*ahead, message);
+        if (!fail_op(ahead, message)) {
+          // Another member (or a timeout) failed it first and is setting its error now: the
+          // Op cannot finish otherwise without this member, so this wait is short.
+          while (!ahead->is_completed()) std::this_thread::yield();
+          message = failure_message(*ahead, message);
+        }
         work->fail_with(message);
         return work;
       }
