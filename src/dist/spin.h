@@ -18,23 +18,25 @@ inline void cpu_relax() {
 #endif
 }
 
-// now + timeout on steady_clock, give or take a clock tick (1-4 ms), for a deadline taken at
-// every collective's issue: Linux's coarse monotonic clock costs a third of steady_clock::now()
-// (10 vs 32 ns on the 2-core CI machine, where small collectives take 0.5-1 us) and shares its
-// epoch. It lags by less than its resolution while the kernel updates it every tick, so adding
-// the resolution keeps the deadline from being early; it is late by at most that much.
+// now + timeout on steady_clock, for a deadline taken at every collective's issue. Long
+// timeouts (1 s and more: the default is 300 s) read Linux's coarse monotonic clock, which
+// costs a third of steady_clock::now() (10 vs 32 ns on the 2-core CI machine, where small
+// collectives take 0.5-1 us) and shares its epoch but lags it: by up to 1.4 ticks measured
+// here (5.6 ms at 4 ms ticks), more when ticks are missed. Two ticks are added, so such a
+// deadline is a few ms late rather than early, which is nothing next to the timeout. Short
+// timeouts (tests of failure paths) read steady_clock: exact.
 inline std::chrono::steady_clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
 #if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
-  static const std::chrono::nanoseconds resolution = [] {
+  static const std::chrono::nanoseconds tick = [] {
     timespec res{};
     clock_getres(CLOCK_MONOTONIC_COARSE, &res);
     return std::chrono::seconds(res.tv_sec) + std::chrono::nanoseconds(res.tv_nsec);
   }();
   timespec now{};
-  if (clock_gettime(CLOCK_MONOTONIC_COARSE, &now) == 0) {
+  if (timeout >= std::chrono::seconds(1) && clock_gettime(CLOCK_MONOTONIC_COARSE, &now) == 0) {
     return std::chrono::steady_clock::time_point(std::chrono::seconds(now.tv_sec) +
                                                  std::chrono::nanoseconds(now.tv_nsec) +
-                                                 resolution + timeout);
+                                                 2 * tick + timeout);
   }
 #endif
   return std::chrono::steady_clock::now() + timeout;

@@ -76,17 +76,26 @@ TEST(WorkTest, SleepUntilReturnsOnWakeDeadlineOrFinish) {
   EXPECT_TRUE(w.sleep_until(Clock::now()));  // done: at once
 }
 
-// Collective deadlines read the coarse clock: never early, late by at most its resolution.
-TEST(WorkTest, DeadlineAfterIsNeverEarly) {
+// Collective deadlines: exact for short timeouts; for long ones (the coarse clock) within a
+// few ticks, and late rather than early while the kernel's coarse clock keeps up.
+TEST(WorkTest, DeadlineAfterIsCloseToNowPlusTimeout) {
   using Clock = std::chrono::steady_clock;
-  for (auto timeout : {std::chrono::milliseconds(0), std::chrono::milliseconds(250)}) {
-    for (int i = 0; i < 1000; ++i) {
-      const auto before = Clock::now();
-      const auto deadline = dist_detail::deadline_after(timeout);
-      const auto after = Clock::now();
-      ASSERT_GE(deadline, before + timeout);
-      ASSERT_LE(deadline, after + timeout + std::chrono::milliseconds(25));
-    }
+  for (int i = 0; i < 1000; ++i) {
+    const auto timeout = std::chrono::milliseconds(250);
+    const auto before = Clock::now();
+    const auto deadline = dist_detail::deadline_after(timeout);
+    const auto after = Clock::now();
+    ASSERT_GE(deadline, before + timeout);
+    ASSERT_LE(deadline, after + timeout);
+  }
+  for (int i = 0; i < 1000; ++i) {
+    const auto timeout = std::chrono::seconds(300);
+    const auto before = Clock::now();
+    const auto deadline = dist_detail::deadline_after(timeout);
+    const auto after = Clock::now();
+    // Ticks are 1-10 ms; a late tick on a busy host may add one or two more.
+    ASSERT_GE(deadline, before + timeout - std::chrono::milliseconds(30));
+    ASSERT_LE(deadline, after + timeout + std::chrono::milliseconds(50));
   }
 }
 

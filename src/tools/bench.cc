@@ -1200,7 +1200,8 @@ void add_bench_command(CLI::App& app) {
   sub->add_flag("--in-place", f->in_place,
                 "all_gather's input is the rank's block of its output, reduce_scatter's output "
                 "the rank's block of its input (nccl-tests' in-place columns; all_to_all stays "
-                "out of place)");
+                "out of place; as for all_reduce, -c cannot tell an unwritten element of a "
+                "reduction from one whose input equals the result)");
   // Hidden (no group): proves end to end that a wrong value fails the run.
   sub->add_flag("--inject-wrong", f->inject_wrong, "corrupt one output element per size")
       ->group("");
