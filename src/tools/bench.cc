@@ -361,7 +361,8 @@ CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, 
   }
   switch (redop) {
     case ReduceOp::Sum:
-      modulus_ = std::min<int64_t>(m / n, 100) + 1;
+      // bool sums are ors: a pattern of zeros and ones (see input()), not all zeros.
+      modulus_ = dtype == DType::Bool ? 3 : std::min<int64_t>(m / n, 100) + 1;
       period_ = modulus_;
       break;
     case ReduceOp::Avg:
@@ -369,7 +370,9 @@ CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, 
       period_ = std::lcm(n, modulus_);
       break;
     case ReduceOp::Product:
-      modulus_ = std::min<int64_t>(m, 3) + 1;
+      // Non-bool: the holder's values 0, 2, 3 (never 1, so a product of all ones, which every
+      // rank's own input would equal, never occurs); bool (an and): 0 and 1.
+      modulus_ = dtype == DType::Bool ? 2 : 3;
       period_ = std::lcm(n, modulus_);
       break;
     case ReduceOp::Min:
@@ -394,7 +397,7 @@ CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, 
       switch (redop) {
         case ReduceOp::Sum:
         case ReduceOp::Avg:
-          acc += v;
+          acc = dtype == DType::Bool ? (acc | v) : acc + v;
           break;
         case ReduceOp::Product:
           acc *= v;
@@ -430,11 +433,14 @@ int64_t CheckPattern::input(int rank, int64_t i) const {
   if (!has_reduce_op(op_)) return (13 * r + i) % modulus_;
   switch (redop_) {
     case ReduceOp::Sum:
+      if (dtype_ == DType::Bool) return (7 * r + i) % modulus_ == 0 ? 1 : 0;
       return (7 * r + i) % modulus_;
     case ReduceOp::Avg:
       return (r + i) % nranks_ == 0 ? nranks_ * (i % modulus_) : 0;
     case ReduceOp::Product:
-      return (r + i) % nranks_ == 0 ? i % modulus_ : 1;
+      if ((r + i) % nranks_ != 0) return 1;
+      if (dtype_ == DType::Bool) return i % modulus_;
+      return i % modulus_ == 0 ? 0 : i % modulus_ + 1;
     case ReduceOp::Min:
     case ReduceOp::Max:
       return (7 * r + 3 * i) % modulus_;
@@ -492,8 +498,10 @@ std::vector<CheckPattern::Segment> CheckPattern::expected_segments(int rank, int
   FUNCOL_CHECK(false, "unknown bench op");
 }
 
-void CheckPattern::fill_input(const Tensor& t, int rank) const {
+void CheckPattern::fill_input(const Tensor& t, int rank, int rotation) const {
   FUNCOL_CHECK(t.dtype() == dtype_ && t.is_contiguous(), "fill_input needs a contiguous buffer");
+  FUNCOL_CHECK(rotation == 0 || has_reduce_op(op_), "only a reduction's inputs may rotate");
+  rank = (rank + rotation) % nranks_;
   const std::vector<double> table =
       has_reduce_op(op_) ? input_table(rank) : inputs_[static_cast<size_t>(rank)];
   const int64_t numel = t.numel();
@@ -779,6 +787,13 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
       b.out.narrow(0, 0, 1).fill_(pattern.expected(rank, 0, row.sizes.count) == 0 ? 1.0 : 0.0);
     }
     wrong += pattern.count_wrong(b.out, rank, row.sizes.count);
+    if (aliased && has_reduce_op(op) && n > 1) {
+      // An element left unwritten holds this rank's input, which may equal the result: again
+      // with the inputs rotated (same result, other own values; see fill_input).
+      pattern.fill_input(b.in, rank, 1);
+      run_once(pg, op, b, o.redop, o.root);
+      wrong += pattern.count_wrong(b.out, rank, row.sizes.count);
+    }
   }
 
   // Every rank's (time, #wrong), gathered so rank 0 reports the slowest rank and every error.
@@ -1200,8 +1215,8 @@ void add_bench_command(CLI::App& app) {
   sub->add_flag("--in-place", f->in_place,
                 "all_gather's input is the rank's block of its output, reduce_scatter's output "
                 "the rank's block of its input (nccl-tests' in-place columns; all_to_all stays "
-                "out of place; as for all_reduce, -c cannot tell an unwritten element of a "
-                "reduction from one whose input equals the result)");
+                "out of place; -c checks an in-place reduction twice, the second time with the "
+                "ranks' inputs rotated, so that elements left unwritten show)");
   // Hidden (no group): proves end to end that a wrong value fails the run.
   sub->add_flag("--inject-wrong", f->inject_wrong, "corrupt one output element per size")
       ->group("");

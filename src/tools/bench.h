@@ -85,8 +85,11 @@ class CheckPattern {
   // The period of input(rank, .) in the element index.
   int64_t period() const { return period_; }
 
-  // Writes input(rank, i) into every element of `t` (contiguous, numel = in_numel).
-  void fill_input(const Tensor& t, int rank) const;
+  // Writes input(rank, i) into every element of `t` (contiguous, numel = in_numel); with
+  // `rotation` k, input((rank + k) % nranks, i): the ranks' inputs trade places, which leaves
+  // every reduction's result unchanged but moves what each rank's own buffer holds (how an
+  // in-place reduction's check finds elements the collective left unwritten).
+  void fill_input(const Tensor& t, int rank, int rotation = 0) const;
   // Elements of `out` (contiguous, waited) that differ from expected(rank, j, count).
   int64_t count_wrong(const Tensor& out, int rank, int64_t count) const;
 
@@ -131,11 +134,12 @@ struct BenchOptions {
   // --in-place (nccl-tests' in-place columns): all_gather's input is this rank's block of its
   // output and reduce_scatter's output this rank's block of its input, as FSDP gathers into a
   // flat buffer; no copy of the rank's own block. all_reduce and broadcast always run in place;
-  // all_to_all has no in-place form and runs out of place either way. Checking limit (as for
-  // the in-place all_reduce): an element a reduction leaves unwritten still holds the rank's
-  // input, so it counts as wrong only where that differs from the result (sum on f32 and
-  // integers: about 99% of elements; min, max, product and bitwise ops on 2 ranks: 37-93%;
-  // bool sum, whose pattern is all zeros on 2 or more ranks: none).
+  // all_to_all has no in-place form and runs out of place either way. An element an in-place
+  // reduction (this reduce_scatter, or all_reduce) leaves unwritten still holds the rank's
+  // input; each check of one therefore runs the collective a second time with the ranks'
+  // inputs rotated by one, so such an element is counted wherever either of two ranks' inputs
+  // differs from the result (every element for sum, product, min and max on every dtype but
+  // bool; BenchCheck.RotatedInputsExposeUnwrittenElements has the rest).
   bool in_place = false;
   // 0: measure memcpy; > 0: skip the measurement and report this per-thread GB/s (tests).
   double memcpy_gbps_override = 0;

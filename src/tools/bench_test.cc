@@ -218,13 +218,14 @@ bool bitwise(ReduceOp op) {
   return op == ReduceOp::BAnd || op == ReduceOp::BOr || op == ReduceOp::BXor;
 }
 
-// A second, deliberately plain computation of one reduced element.
-int64_t reduce_over_ranks(const CheckPattern& p, ReduceOp op, int n, int64_t i) {
+// A second, deliberately plain computation of one reduced element (a bool sum is an or).
+int64_t reduce_over_ranks(const CheckPattern& p, ReduceOp op, DType dtype, int n, int64_t i) {
   std::vector<int64_t> v;
   for (int r = 0; r < n; ++r) v.push_back(p.input(r, i));
   int64_t acc = v[0];
   for (int r = 1; r < n; ++r) {
-    if (op == ReduceOp::Sum || op == ReduceOp::Avg) acc += v[r];
+    if (op == ReduceOp::Sum && dtype == DType::Bool) acc |= v[r];
+    if ((op == ReduceOp::Sum && dtype != DType::Bool) || op == ReduceOp::Avg) acc += v[r];
     if (op == ReduceOp::Product) acc *= v[r];
     if (op == ReduceOp::Min) acc = std::min(acc, v[r]);
     if (op == ReduceOp::Max) acc = std::max(acc, v[r]);
@@ -266,8 +267,9 @@ TEST(BenchCheck, EveryPatternIsExactAndMatchesAPlainReduction) {
             }
           }
           // Inputs depend on the rank whenever the dtype leaves room for more than zeros.
-          const bool degenerate =
-              (redop == ReduceOp::Sum || redop == ReduceOp::Avg) && exact_limit(dtype) / n == 0;
+          const bool degenerate = (redop == ReduceOp::Avg || dtype != DType::Bool) &&
+                                  (redop == ReduceOp::Sum || redop == ReduceOp::Avg) &&
+                                  exact_limit(dtype) / n == 0;
           if (n > 1 && !degenerate) {
             EXPECT_TRUE(varies_by_rank);
           }
@@ -283,10 +285,10 @@ TEST(BenchCheck, EveryPatternIsExactAndMatchesAPlainReduction) {
               int64_t want = 0;
               switch (op) {
                 case BenchOp::AllReduce:
-                  want = reduce_over_ranks(p, redop, n, j);
+                  want = reduce_over_ranks(p, redop, dtype, n, j);
                   break;
                 case BenchOp::ReduceScatter:
-                  want = reduce_over_ranks(p, redop, n, rank * count + j);
+                  want = reduce_over_ranks(p, redop, dtype, n, rank * count + j);
                   break;
                 case BenchOp::AllGather:
                   want = p.input(j / count, j % count);
@@ -307,6 +309,49 @@ TEST(BenchCheck, EveryPatternIsExactAndMatchesAPlainReduction) {
   }
 }
 
+// An in-place reduction's check runs twice, the second time with the inputs rotated by one
+// rank (fill_input): an element a rank leaves unwritten holds its own input, and goes unseen
+// only where both its input and its neighbour's equal the result. Sum, product, min and max
+// leave no such element on any dtype but bool, avg one in its modulus (1-7%: all zeros), the
+// bitwise ops and bool at most two thirds; bool xor on an odd number of ranks every element
+// (its inputs alternate with the rank, and rotating by one keeps a wrapped pair equal).
+TEST(BenchCheck, RotatedInputsExposeUnwrittenElements) {
+  const ReduceOp redops[] = {ReduceOp::Sum, ReduceOp::Avg,  ReduceOp::Product, ReduceOp::Min,
+                             ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr,     ReduceOp::BXor};
+  for (DType dtype : kAllDTypes) {
+    for (int n : {2, 3, 4, 5, 8}) {
+      for (ReduceOp redop : redops) {
+        if (bitwise(redop) && is_floating(dtype)) continue;
+        if (redop == ReduceOp::Avg && dtype == DType::Bool) continue;  // rejected by validate()
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + std::string(reduce_op_name(redop)) +
+                     " n=" + std::to_string(n));
+        CheckPattern p(BenchOp::AllReduce, redop, dtype, n, 0);
+        int64_t unseen = 0;
+        for (int64_t i = 0; i < p.period(); ++i) {
+          const int64_t result = p.expected(0, i, p.period());
+          for (int d = 0; d < n; ++d) {
+            if (p.input(d, i) == result && p.input((d + 1) % n, i) == result) {
+              ++unseen;
+              break;
+            }
+          }
+        }
+        const double fraction = static_cast<double>(unseen) / static_cast<double>(p.period());
+        const bool exact = (redop == ReduceOp::Sum || redop == ReduceOp::Product ||
+                            redop == ReduceOp::Min || redop == ReduceOp::Max) &&
+                           dtype != DType::Bool;
+        if (exact) {
+          EXPECT_EQ(unseen, 0);
+        } else if (redop == ReduceOp::Avg) {
+          EXPECT_LT(fraction, 0.1);
+        } else if (!(dtype == DType::Bool && redop == ReduceOp::BXor && n % 2 == 1)) {
+          EXPECT_LT(fraction, 0.7);
+        }
+      }
+    }
+  }
+}
+
 TEST(BenchCheck, HandComputedValues) {
   CheckPattern sum(BenchOp::AllReduce, ReduceOp::Sum, DType::F32, 2, 0);
   EXPECT_EQ(sum.input(0, 0), 0);
@@ -320,11 +365,19 @@ TEST(BenchCheck, HandComputedValues) {
   EXPECT_EQ(avg.input(3, 1), 4);
   EXPECT_EQ(avg.input(0, 1), 0);
   EXPECT_EQ(avg.expected(0, 1, 8), 1);
-  // product on 3 ranks: element 2 is held by rank 1 as 2; the others hold 1.
+  // product on 3 ranks: element 2 is held by rank 1 as 3 (2 % 3 + 1); the others hold 1.
   CheckPattern prod(BenchOp::ReduceScatter, ReduceOp::Product, DType::F16, 3, 0);
-  EXPECT_EQ(prod.input(1, 2), 2);
+  EXPECT_EQ(prod.input(1, 2), 3);
   EXPECT_EQ(prod.input(0, 2), 1);
-  EXPECT_EQ(prod.expected(0, 2, 4), 2);
+  EXPECT_EQ(prod.expected(0, 2, 4), 3);
+  EXPECT_EQ(prod.input(2, 1), 2);  // element 1: rank 2 holds 1 % 3 + 1
+  EXPECT_EQ(prod.input(0, 3), 0);  // element 3: rank 0 holds 0
+  // a bool sum is an or of ones at (7 r + i) % 3 == 0.
+  CheckPattern bor(BenchOp::AllReduce, ReduceOp::Sum, DType::Bool, 2, 0);
+  EXPECT_EQ(bor.input(0, 0), 1);
+  EXPECT_EQ(bor.input(1, 2), 1);
+  EXPECT_EQ(bor.expected(0, 1, 3), 0);
+  EXPECT_EQ(bor.expected(0, 2, 3), 1);
   // reduce_scatter: rank 1 of 2 gets elements [count, 2 count) reduced.
   CheckPattern rs(BenchOp::ReduceScatter, ReduceOp::Sum, DType::F32, 2, 0);
   EXPECT_EQ(rs.expected(1, 0, 4), rs.input(0, 4) + rs.input(1, 4));
