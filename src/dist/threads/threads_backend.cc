@@ -675,6 +675,8 @@ class World {
  private:
   void start(const std::shared_ptr<Op>& op, OpList& ready);
   void complete(const std::shared_ptr<Op>& op, OpList& ready);
+  // The first of `ranks` (global) that departed, or -1.
+  int first_departed(const std::vector<int>& ranks) const;
   std::string departed_message(const std::string& what, int departed_rank,
                                const std::vector<int>& missing);
   void lane_execute(SharedGroup& group, LaneSlot& ls);
@@ -703,7 +705,7 @@ class World {
   // The bits of the members that joined `op`. Needs group.mu.
   static uint64_t joined_mask(const Op& op);
   // The global ranks of `group`'s members whose bits are not in `arrived`.
-  static std::vector<int> lane_missing(const SharedGroup& group, uint64_t arrived);
+  static std::vector<int> missing_ranks(const SharedGroup& group, uint64_t arrived);
   // The Op-path join of `member` at `seq` when members took the lane for it: the mismatch (or
   // the lane's failure) message, after counting this member out of the lane slot; empty when
   // the lane has nobody at `seq`. Needs group.mu.
@@ -1215,14 +1217,8 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       // A member that departed will never join: fail now rather than at the timeout. (depart()
       // counts itself before it takes this lock to fail the ops it left, so a join that reads
       // 0 here comes before that and its op is failed there.)
-      std::vector<int> missing;
-      int departed = -1;
-      for (int m = 0; m < op->size_; ++m) {
-        if (op->members_[m].joined) continue;
-        int r = group.global_ranks[m];
-        missing.push_back(r);
-        if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
-      }
+      const std::vector<int> missing = missing_ranks(group, joined_mask(*op));
+      const int departed = first_departed(missing);
       if (departed >= 0) failure = departed_message(op->description(), departed, missing);
     }
     if (!failure.empty()) op->doomed_ = true;
@@ -1270,7 +1266,7 @@ void World::depart(int rank, const std::string& reason) {
         const uint64_t seq = lane_seq(state);
         lane_fail_locked(*g, seq,
                          departed_message(collective_name(OpKind::AllReduce, false, *g, seq), rank,
-                                          lane_missing(*g, arrived)),
+                                          missing_ranks(*g, arrived)),
                          0);
       }
     }
@@ -1406,13 +1402,8 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
             collective_name(OpKind::AllReduce, false, group,
                             (prev & kLaneBusy) != 0 ? lane_seq(prev) : seq - kLaneSlots));
       } else if (departures_.load(std::memory_order_acquire) > 0) {
-        std::vector<int> missing;
-        int departed = -1;
-        for (int r : group.global_ranks) {
-          if (r == group.global_ranks[member]) continue;
-          missing.push_back(r);
-          if (departed < 0 && ranks_[r]->departed.load(std::memory_order_acquire)) departed = r;
-        }
+        const std::vector<int> missing = missing_ranks(group, bit);
+        const int departed = first_departed(missing);
         if (departed >= 0) failure = departed_message(work->description(), departed, missing);
         departure = departed >= 0;
       }
@@ -1613,7 +1604,14 @@ uint64_t World::joined_mask(const Op& op) {
   return mask;
 }
 
-std::vector<int> World::lane_missing(const SharedGroup& group, uint64_t arrived) {
+int World::first_departed(const std::vector<int>& ranks) const {
+  for (int r : ranks) {
+    if (ranks_[r]->departed.load(std::memory_order_acquire)) return r;
+  }
+  return -1;
+}
+
+std::vector<int> World::missing_ranks(const SharedGroup& group, uint64_t arrived) {
   std::vector<int> missing;
   for (size_t m = 0; m < group.global_ranks.size(); ++m) {
     if ((arrived & (uint64_t{1} << m)) == 0) missing.push_back(group.global_ranks[m]);
@@ -1668,14 +1666,8 @@ void World::lane_check(LaneWork& work, bool timed_out) {
       return;  // finished, failed, or being executed
     }
     const std::string& what = work.description();
-    const std::vector<int> missing = lane_missing(group, arrived);
-    int departed = -1;
-    for (int r : missing) {
-      if (ranks_[r]->departed.load(std::memory_order_acquire)) {
-        departed = r;
-        break;
-      }
-    }
+    const std::vector<int> missing = missing_ranks(group, arrived);
+    const int departed = first_departed(missing);
     std::shared_ptr<Op> op = group.find_pending(seq);
     if (op && op->ref_ >= 0) {
       // A member issued `seq` on the Op path: a different collective. Both fail.
