@@ -699,6 +699,13 @@ Tensor gt_zero_mask(const Tensor& a) {
   });
 }
 
+namespace {
+// A 2-D tensor whose transpose is contiguous: column-major [rows, cols] with no gaps.
+bool is_transposed_contiguous(const Tensor& t) {
+  return t.dim() == 2 && t.stride(0) == 1 && t.stride(1) == t.size(0);
+}
+}  // namespace
+
 Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   check_data(a_in, "matmul");
   check_data(b_in, "matmul");
@@ -719,13 +726,23 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   const int64_t m = a_in.size(0);
   const int64_t k = a_in.size(1);
   const int64_t n = b_in.size(1);
-  const Tensor a = a_in.contiguous();
-  const Tensor b = b_in.contiguous();
+  const DType dtype = a_in.dtype();
+  // f32 / f64 operands that are transposes of contiguous matrices (the backward pass's
+  // matmul(g, w.t()) and matmul(x.t(), g)) are read in place, as column-major, where Eigen runs
+  // its blocked product: no vector shapes and m + n + k >= 20 (below, Eigen's coefficient-wise
+  // and matrix-vector products sum in an order that depends on the layout, so the result would
+  // too). Anything else is made contiguous first.
+  const bool native = (dtype == DType::F32 || dtype == DType::F64) && m > 1 && n > 1 &&
+                      m + n + k >= 20;
+  const bool a_cols = native && !a_in.is_contiguous() && is_transposed_contiguous(a_in);
+  const bool b_cols = native && !b_in.is_contiguous() && is_transposed_contiguous(b_in);
+  const Tensor a = a_cols ? a_in : a_in.contiguous();
+  const Tensor b = b_cols ? b_in : b_in.contiguous();
   a.wait();
   b.wait();
-  if (m == 0 || n == 0 || k == 0) return Tensor::zeros({m, n}, a.dtype());
-  Tensor out = Tensor::empty({m, n}, a.dtype());
-  dispatch(a.dtype(), [&](auto tag) {
+  if (m == 0 || n == 0 || k == 0) return Tensor::zeros({m, n}, dtype);
+  Tensor out = Tensor::empty({m, n}, dtype);
+  dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     const S* pa = static_cast<const S*>(a.data_ptr());
@@ -733,10 +750,20 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
     S* po = static_cast<S*>(out.data_ptr());
     if constexpr (std::is_floating_point_v<S>) {
       using M = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-      Eigen::Map<const M> ma(pa, m, k);
-      Eigen::Map<const M> mb(pb, k, n);
+      using ColM = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
       Eigen::Map<M> mo(po, m, n);
-      mo.noalias() = ma * mb;
+      auto times = [&](const auto& ma) {
+        if (b_cols) {
+          mo.noalias() = ma * Eigen::Map<const ColM>(pb, k, n);
+        } else {
+          mo.noalias() = ma * Eigen::Map<const M>(pb, k, n);
+        }
+      };
+      if (a_cols) {
+        times(Eigen::Map<const ColM>(pa, m, k));
+      } else {
+        times(Eigen::Map<const M>(pa, m, k));
+      }
     } else if constexpr (kIsLowFloat<S>) {
       using M = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
       Eigen::Map<const M> ma(pa, m, k);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 
 namespace funcol {
 namespace {
@@ -449,6 +450,36 @@ TEST(Matmul, MatchesHandLoop) {
     Tensor bt = b.transpose(0, 1).contiguous().transpose(0, 1);
     EXPECT_FALSE(bt.is_contiguous());
     EXPECT_EQ(matmul(a, bt).to_vector<double>(), want.to_vector<double>());
+  }
+}
+
+// matmul reads some f32/f64 operands that are transposes of contiguous matrices in place (the
+// backward pass's x.t() @ g and g @ w.t()); the result must not depend on the operands' layout.
+TEST(Matmul, TransposedOperandsGiveTheContiguousResult) {
+  for (DType d : {DType::F32, DType::F64, DType::BF16, DType::I32}) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    for (int64_t m : {1, 2, 5, 16, 33}) {
+      for (int64_t k : {1, 4, 7, 17, 64}) {
+        for (int64_t n : {1, 3, 6, 16, 65}) {
+          SCOPED_TRACE(std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n));
+          const Tensor a = Tensor::rand({m, k}, d, static_cast<uint64_t>(m * 1000 + k));
+          const Tensor b = Tensor::rand({k, n}, d, static_cast<uint64_t>(n));
+          const Tensor want = matmul(a, b);
+          // The same matrices stored transposed, seen through transpose views.
+          const Tensor at = a.transpose(0, 1).contiguous().transpose(0, 1);
+          const Tensor bt = b.transpose(0, 1).contiguous().transpose(0, 1);
+          EXPECT_TRUE(matmul(at, b).equal(want));
+          EXPECT_TRUE(matmul(a, bt).equal(want));
+          EXPECT_TRUE(matmul(at, bt).equal(want));
+        }
+      }
+    }
+    // A strided view that is no transpose (every other column) is copied first.
+    const Tensor wide = Tensor::rand({16, 128}, d, 3);
+    const Tensor cols = wide.view({16, 64, 2}).select(2, 0);
+    ASSERT_FALSE(cols.is_contiguous());
+    const Tensor b = Tensor::rand({64, 16}, d, 4);
+    EXPECT_TRUE(matmul(cols, b).equal(matmul(cols.contiguous(), b)));
   }
 }
 
