@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "elem.h"
+#include "gemm.h"
 #include "strided.h"
 
 namespace funcol {
@@ -727,17 +728,20 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   const int64_t k = a_in.size(1);
   const int64_t n = b_in.size(1);
   const DType dtype = a_in.dtype();
-  // f32 / f64 operands that are transposes of contiguous matrices (the backward pass's
-  // matmul(g, w.t()) and matmul(x.t(), g)) are read in place, as column-major, where Eigen runs
-  // its blocked product: no vector shapes and m + n + k >= 20 (below, Eigen's coefficient-wise
-  // and matrix-vector products sum in an order that depends on the layout, so the result would
-  // too). Anything else is made contiguous first.
-  const bool native = (dtype == DType::F32 || dtype == DType::F64) && m > 1 && n > 1 &&
+  // f32 on a CPU with AVX2 and FMA goes to detail::gemm_f32, which reads operands of any strides
+  // in place and sums in one order whatever their layout. Otherwise Eigen: f32 / f64 operands
+  // that are transposes of contiguous matrices (the backward pass's matmul(g, w.t()) and
+  // matmul(x.t(), g)) are read in place, as column-major, where Eigen runs its blocked product:
+  // no vector shapes and m + n + k >= 20 (below, Eigen's coefficient-wise and matrix-vector
+  // products sum in an order that depends on the layout, so the result would too). Anything
+  // else is made contiguous first.
+  const bool fast = dtype == DType::F32 && detail::have_gemm_f32();
+  const bool native = !fast && (dtype == DType::F32 || dtype == DType::F64) && m > 1 && n > 1 &&
                       m + n + k >= 20;
   const bool a_cols = native && !a_in.is_contiguous() && is_transposed_contiguous(a_in);
   const bool b_cols = native && !b_in.is_contiguous() && is_transposed_contiguous(b_in);
-  const Tensor a = a_cols ? a_in : a_in.contiguous();
-  const Tensor b = b_cols ? b_in : b_in.contiguous();
+  const Tensor a = fast || a_cols ? a_in : a_in.contiguous();
+  const Tensor b = fast || b_cols ? b_in : b_in.contiguous();
   a.wait();
   b.wait();
   if (m == 0 || n == 0 || k == 0) return Tensor::zeros({m, n}, dtype);
@@ -748,6 +752,12 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
     const S* pa = static_cast<const S*>(a.data_ptr());
     const S* pb = static_cast<const S*>(b.data_ptr());
     S* po = static_cast<S*>(out.data_ptr());
+    if constexpr (std::is_same_v<S, float>) {
+      if (fast) {
+        detail::gemm_f32(m, n, k, pa, a.stride(0), a.stride(1), pb, b.stride(0), b.stride(1), po);
+        return;
+      }
+    }
     if constexpr (std::is_floating_point_v<S>) {
       using M = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
       using ColM = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
