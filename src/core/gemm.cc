@@ -9,6 +9,7 @@
 // registers and runs down the panel with one fused multiply-add per row and 8 columns.
 #include "gemm.h"
 
+#include <atomic>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -17,6 +18,8 @@
 #endif
 
 namespace funcol::detail {
+
+std::atomic<bool> gemm_f32_disabled{false};
 
 #ifdef FUNCOL_GEMM_AVX2
 namespace {
@@ -159,16 +162,23 @@ __attribute__((target("avx2,fma"))) void gemm_avx2(int64_t m, int64_t n, int64_t
 
 bool have_gemm_f32() {
   static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return have;
+  return have && !gemm_f32_disabled.load(std::memory_order_relaxed);
 }
 
 void gemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_row, int64_t a_col,
               const float* b, int64_t b_row, int64_t b_col, float* c) {
-  // One panel per thread, kept between calls (a training step makes hundreds of products).
-  thread_local std::vector<float> panel;
+  // One panel per thread, kept between calls (a training step makes hundreds of products) up to
+  // k = 16384 (1 MiB); a longer one is allocated for the call alone.
+  constexpr size_t kKeptFloats = size_t{1} << 18;
+  thread_local std::vector<float> kept;
   const auto need = static_cast<size_t>(k * kPanel);
-  if (panel.size() < need) panel.resize(need);
-  gemm_avx2(m, n, k, a, a_row, a_col, b, b_row, b_col, c, panel.data());
+  if (need > kKeptFloats) {
+    std::vector<float> panel(need);
+    gemm_avx2(m, n, k, a, a_row, a_col, b, b_row, b_col, c, panel.data());
+    return;
+  }
+  if (kept.size() < need) kept.resize(need);
+  gemm_avx2(m, n, k, a, a_row, a_col, b, b_row, b_col, c, kept.data());
 }
 
 #else

@@ -1,12 +1,15 @@
 // Private f32 matrix product with AVX2 and FMA, chosen at run time (used by kernels.cc).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 namespace funcol::detail {
 
-// True when this CPU runs gemm_f32 (x86-64 with AVX2 and FMA).
+// True when this CPU runs gemm_f32 (x86-64 with AVX2 and FMA) and it is not disabled.
 bool have_gemm_f32();
+// Tests: true sends f32 products to the portable path (Eigen) on every CPU.
+extern std::atomic<bool> gemm_f32_disabled;
 
 // c[m, n] (row-major, contiguous) = a[m, k] * b[k, n], where element (i, p) of a is
 // a[i * a_row + p * a_col] and element (p, j) of b is b[p * b_row + j * b_col]: row-major or

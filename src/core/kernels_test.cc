@@ -10,6 +10,8 @@
 #include <limits>
 #include <string>
 
+#include "gemm.h"
+
 namespace funcol {
 namespace {
 
@@ -457,7 +459,7 @@ TEST(Matmul, MatchesHandLoop) {
 // matmul reads f32/f64 operands that are transposes of contiguous matrices in place (the backward
 // pass's x.t() @ g and g @ w.t(); f32 through detail::gemm_f32 with AVX2, every strided operand);
 // the result must be right and must not depend on the operands' layout.
-TEST(Matmul, TransposedOperandsGiveTheContiguousResult) {
+void expect_layout_independent_products() {
   for (DType d : {DType::F32, DType::F64, DType::BF16, DType::I32}) {
     SCOPED_TRACE(std::string(dtype_name(d)));
     for (int64_t m : {1, 2, 5, 16, 33}) {
@@ -493,6 +495,18 @@ TEST(Matmul, TransposedOperandsGiveTheContiguousResult) {
     const Tensor b = Tensor::rand({64, 16}, d, 4);
     EXPECT_TRUE(matmul(cols, b).equal(matmul(cols.contiguous(), b)));
   }
+}
+
+TEST(Matmul, TransposedOperandsGiveTheContiguousResult) { expect_layout_independent_products(); }
+
+// The same on the portable path, which CPUs without AVX2 and FMA take (f32 through Eigen).
+TEST(Matmul, TransposedOperandsGiveTheContiguousResultWithoutAvx2) {
+  struct Portable {
+    Portable() { detail::gemm_f32_disabled = true; }
+    ~Portable() { detail::gemm_f32_disabled = false; }
+  } portable;
+  ASSERT_FALSE(detail::have_gemm_f32());
+  expect_layout_independent_products();
 }
 
 TEST(Matmul, HalfComputesInFloatAndIntegersWrap) {

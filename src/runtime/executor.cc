@@ -177,7 +177,9 @@ struct LoweredBucket {
   // storage for the backend to track, as the chain's split pieces share the bucket's buffer
   // (all_reduce, reduce_scatter). An all_gather chain's reshapes copy each member out, but its
   // members share one buffer here too, as FSDP's gathered parameters do: a thousand 8 KiB
-  // allocations per run made a bucket of 1000 x 4 KiB all_gathers 5-20% slower.
+  // allocations per run made a bucket of 1000 x 4 KiB all_gathers 5-20% slower. The price: the
+  // buffer lives while any member does, and a member is never donated to a later in-place
+  // collective (its storage is shared), so such a use copies it.
   std::vector<int64_t> offsets;  // member i's first element in the buffer
   int64_t numel = 0;
 };
