@@ -393,7 +393,7 @@ inline A wrap_mul(A a, A b) {
   }
 }
 
-enum class Binary { Add, Sub, Mul, Div };
+enum class Binary { Add, Sub, Mul, Div, ReluGrad };  // ReluGrad: a * (b > 0 ? 1 : 0)
 
 const char* binary_name(Binary op) {
   switch (op) {
@@ -401,6 +401,7 @@ const char* binary_name(Binary op) {
     case Binary::Sub: return "sub";
     case Binary::Mul: return "mul";
     case Binary::Div: return "div";
+    case Binary::ReluGrad: return "relu_backward";
   }
   return "?";
 }
@@ -411,6 +412,7 @@ C apply_binary(C a, C b) {
     case Binary::Add: return wrap_add(a, b);
     case Binary::Sub: return wrap_sub(a, b);
     case Binary::Mul: return wrap_mul(a, b);
+    case Binary::ReluGrad: return wrap_mul(a, b > 0 ? C{1} : C{0});
     case Binary::Div:
       if constexpr (std::is_integral_v<C>) {
         if (b == 0) throw InvalidArgument("div: integer division by zero");
@@ -430,13 +432,20 @@ template <Binary op, typename S>
 void binary_loop(const S* pa, const S* pb, S* po, int64_t n) {
   using C = ComputeOf<S>;
   for (int64_t i = 0; i < n; ++i) {
-    const C x = cvt<C>(pa[i]);
-    const C y = cvt<C>(pb[i]);
     C r;
-    if constexpr (std::is_same_v<C, bool>) {
-      r = op == Binary::Add ? (x || y) : (x && y);
+    if constexpr (op == Binary::ReluGrad && !std::is_same_v<C, bool>) {
+      // The mask first, then the gradient: with the gradient loaded before the comparison
+      // (which may trap on NaN), GCC 12 keeps a branch and does not vectorize the loop.
+      const C mask = cvt<C>(pb[i]) > 0 ? C{1} : C{0};
+      r = wrap_mul(cvt<C>(pa[i]), mask);
     } else {
-      r = apply_binary<op, C>(x, y);
+      const C x = cvt<C>(pa[i]);
+      const C y = cvt<C>(pb[i]);
+      if constexpr (std::is_same_v<C, bool>) {
+        r = op == Binary::Add ? (x || y) : (x && y);
+      } else {
+        r = apply_binary<op, C>(x, y);
+      }
     }
     po[i] = cvt<S>(r);
   }
@@ -464,6 +473,7 @@ Tensor binary(Binary op, const Tensor& a_in, const Tensor& b_in) {
       case Binary::Sub: binary_loop<Binary::Sub>(pa, pb, po, n); break;
       case Binary::Mul: binary_loop<Binary::Mul>(pa, pb, po, n); break;
       case Binary::Div: binary_loop<Binary::Div>(pa, pb, po, n); break;
+      case Binary::ReluGrad: binary_loop<Binary::ReluGrad>(pa, pb, po, n); break;
     }
   });
   return out;
@@ -698,6 +708,10 @@ Tensor mul_scalar(const Tensor& a, double scalar) {
       return cvt<C>(static_cast<double>(x) * scalar);
     }
   });
+}
+
+Tensor relu_backward(const Tensor& grad, const Tensor& x) {
+  return binary(Binary::ReluGrad, grad, x);
 }
 
 Tensor gt_zero_mask(const Tensor& a) {

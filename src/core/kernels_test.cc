@@ -353,6 +353,37 @@ TEST(ConvertBuffer, AllPairsOnExactValues) {
 
 // ---- tensor math ----------------------------------------------------------------------------
 
+// relu_backward is mul(grad, gt_zero_mask(x)) in one pass, bit for bit: NaN and infinite
+// gradients where x <= 0 give NaN, negative ones -0, on every dtype.
+TEST(Elementwise, ReluBackwardIsGradTimesMask) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> g{1.5, -2, inf, -inf, nan, 3, -0.0, 7, -1, 4};
+  const std::vector<double> x{2, -1, -3, 0, -0.0, nan, 5, -inf, inf, 0.25};
+  for (DType d : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64,
+                  DType::I16, DType::I8, DType::U8, DType::Bool}) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    const bool floating = is_floating(d);
+    std::vector<double> gv, xv;
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!floating && (!std::isfinite(g[i]) || !std::isfinite(x[i]))) continue;
+      gv.push_back(g[i]);
+      xv.push_back(x[i]);
+    }
+    const Tensor gt = Tensor::from_vector<double>(gv, {static_cast<int64_t>(gv.size())}).to(d);
+    const Tensor xt = Tensor::from_vector<double>(xv, {static_cast<int64_t>(xv.size())}).to(d);
+    const Tensor want = mul(gt, gt_zero_mask(xt));
+    const Tensor got = relu_backward(gt, xt);
+    ASSERT_EQ(got.dtype(), d);
+    ASSERT_EQ(got.nbytes(), want.nbytes());
+    EXPECT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), got.nbytes()), 0);
+  }
+  EXPECT_EQ(error_of<ShapeError>([] {
+              relu_backward(Tensor::zeros({2}, DType::F32), Tensor::zeros({3}, DType::F32));
+            }),
+            "relu_backward: shape mismatch [2] vs [3]");
+}
+
 TEST(Elementwise, ArithmeticOnFloatsAndIntegers) {
   for (DType d : {DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64,
                   DType::I16, DType::I8}) {

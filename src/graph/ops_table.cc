@@ -478,7 +478,7 @@ Types infer_relu_backward(In in, const AttrList& a) {
   require_floating(in[0], "grad");
   return infer_binary(in, a);
 }
-Tensors kernel_relu_backward(TIn in, const AttrList&) { return {mul(in[0], gt_zero_mask(in[1]))}; }
+Tensors kernel_relu_backward(TIn in, const AttrList&) { return {relu_backward(in[0], in[1])}; }
 
 Types infer_matmul(In in, const AttrList&) {
   const Type& x = in[0];

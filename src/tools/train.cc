@@ -163,7 +163,7 @@ ReferenceResult run_reference(const TrainOptions& o, const std::vector<Tensor>& 
     for (size_t l = n; l-- > 0;) {
       Tensor dw;
       for (size_t r = 0; r < ranks; ++r) {
-        if (l + 1 < n) grad[r] = mul(grad[r], gt_zero_mask(pre[r][l]));
+        if (l + 1 < n) grad[r] = relu_backward(grad[r], pre[r][l]);
         const Tensor part = matmul(acts[r][l].transpose(0, 1), grad[r]);
         dw = r == 0 ? part : add(dw, part);
         if (l > 0) grad[r] = matmul(grad[r], ref.weights[l].transpose(0, 1));
