@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <new>
 #include <numeric>
 #include <optional>
+#include <type_traits>
 
 #include "elem.h"
 #include "funcol/core/allocator.h"
@@ -87,6 +89,37 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* what) {
 
 void check_defined(const Tensor& t, const char* what) {
   if (!t.defined()) throw InvalidArgument(fmt::format("{} on an undefined tensor", what));
+}
+
+// A written tensor whose elements share memory (a stride of 0 on a dim of size > 1, as
+// expand() makes) would be written once per alias: PyTorch refuses such writes, so do we.
+void check_no_internal_overlap(const Tensor& t, const char* what) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) {
+      throw InvalidArgument(fmt::format(
+          "{}: more than one element of the written-to tensor ({}, strides {}) refers to a single "
+          "memory location (dim {} has stride 0); clone() it first",
+          what, type_str(t.dtype(), t.sizes()), shape_str(t.strides()), d));
+    }
+  }
+}
+
+// A value written into an integer dtype must be representable there (no wrap-around): PyTorch's
+// "value cannot be converted to type int8_t without overflow".
+void check_integer_fits(DType dtype, double value, const char* what) {
+  if (!is_integer(dtype)) return;
+  dispatch(dtype, [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    if constexpr (std::is_integral_v<S> && !std::is_same_v<S, bool>) {
+      // [lowest, max + 1): max itself may not be a double (int64), max + 1 is a power of two.
+      const double lo = static_cast<double>(std::numeric_limits<S>::lowest());
+      const double hi = static_cast<double>(std::numeric_limits<S>::max()) + 1.0;
+      if (!(value >= lo && value < hi)) {
+        throw InvalidArgument(fmt::format("{}: value {} cannot be converted to {} without overflow",
+                                          what, value, dtype_name(dtype)));
+      }
+    }
+  });
 }
 
 void check_not_meta(const Tensor& t, const char* what) {
@@ -305,7 +338,15 @@ void Storage::wait() {
       }
     }
     if (done) {
-      done->wait();  // completed: returns or rethrows at once
+      try {
+        done->wait();  // completed: returns or rethrows at once
+      } catch (...) {
+        // A failure stays attached: the bytes were never produced, so every access throws it.
+        std::lock_guard<std::mutex> lock(mu_);
+        pending_.push_back(std::move(done));
+        has_pending_.store(true, std::memory_order_release);
+        throw;
+      }
       return;
     }
   }
@@ -321,17 +362,22 @@ void Storage::wait() {
       }
       snapshot = pending_;
     }
+    std::vector<std::shared_ptr<Waitable>> failed;
     for (const auto& w : snapshot) {
       try {
         w->wait();
       } catch (...) {
         if (!first_failure) first_failure = std::current_exception();
+        failed.push_back(w);
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
+    // Detach what succeeded; a failure stays attached (see above).
     std::erase_if(pending_, [&](const std::shared_ptr<Waitable>& w) {
-      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end();
+      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end() &&
+             std::find(failed.begin(), failed.end(), w) == failed.end();
     });
+    if (!failed.empty()) break;
     if (pending_.empty()) {
       has_pending_.store(false, std::memory_order_release);
       break;
@@ -364,6 +410,7 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype) {
 
 Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
   check_shape(shape, dtype, "full");
+  check_integer_fits(dtype, value, "full");
   Tensor t = empty(shape, dtype);
   t.fill_(value);
   return t;
@@ -371,6 +418,7 @@ Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
 
 Tensor Tensor::arange(int64_t n, DType dtype) {
   if (n < 0) throw InvalidArgument(fmt::format("arange: n must be non-negative, got {}", n));
+  if (n > 1) check_integer_fits(dtype, static_cast<double>(n - 1), "arange");
   Tensor t = empty({n}, dtype);
   dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
@@ -879,6 +927,7 @@ Tensor Tensor::to(DType dtype) const {
 const Tensor& Tensor::copy_(const Tensor& src) const {
   check_not_meta(*this, "copy_");
   check_not_meta(src, "copy_");
+  check_no_internal_overlap(*this, "copy_");
   if (src.sizes_ != sizes_) {
     throw ShapeError(fmt::format("copy_: source shape {} does not match destination shape {}",
                                  shape_str(src.sizes_), shape_str(sizes_)));
@@ -899,6 +948,8 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
 
 const Tensor& Tensor::fill_(double value) const {
   check_not_meta(*this, "fill_");
+  check_no_internal_overlap(*this, "fill_");
+  check_integer_fits(dtype_, value, "fill_");
   storage_->wait();
   char* base = static_cast<char*>(raw_data_ptr());
   dispatch(dtype_, [&](auto tag) {

@@ -112,7 +112,32 @@ TEST(Factories, ArangeEveryDType) {
   EXPECT_EQ(Tensor::arange(0, DType::F32).numel(), 0);
   EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::arange(-1, DType::F32); }),
             "arange: n must be non-negative, got -1");
+  // Integer values never wrap: i8 holds 0..127, u8 0..255.
+  EXPECT_EQ(Tensor::arange(128, DType::I8).to_vector<int>().back(), 127);
+  EXPECT_EQ(Tensor::arange(256, DType::U8).to_vector<int>().back(), 255);
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::arange(300, DType::I8); }),
+            "arange: value 299 cannot be converted to i8 without overflow");
+  EXPECT_THROW(Tensor::arange(257, DType::U8), InvalidArgument);
 }
+
+TEST(Factories, IntegerValuesMustFit) {
+  EXPECT_EQ(Tensor::full({2}, DType::I8, 127).to_vector<int>(), (std::vector<int>{127, 127}));
+  EXPECT_EQ(Tensor::full({1}, DType::I8, -128).item<int>(), -128);
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({2}, DType::I8, 1000); }),
+            "full: value 1000 cannot be converted to i8 without overflow");
+  EXPECT_THROW(Tensor::full({2}, DType::I8, 128), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::U8, -1), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::I32, 2147483648.0), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::I64, 9.3e18), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::I32, std::nan("")), InvalidArgument);
+  EXPECT_EQ(Tensor::full({1}, DType::I64, -9223372036854775808.0).item<int64_t>(),
+            std::numeric_limits<int64_t>::min());
+  // Fractions truncate as before; bool and floating dtypes take any value.
+  EXPECT_EQ(Tensor::full({1}, DType::I32, -2.5).item<int>(), -2);
+  EXPECT_EQ(Tensor::full({1}, DType::Bool, 1000).item<int>(), 1);
+  EXPECT_TRUE(std::isinf(Tensor::full({1}, DType::F16, 1e6).item<float>()));
+}
+
 
 TEST(Factories, RandIsDeterministicAndInRange) {
   for (DType d : kAllDTypes) {
@@ -436,6 +461,14 @@ TEST(Views, Expand) {
   EXPECT_EQ(c.to_vector<int>(), (std::vector<int>{1, 1, 1, 2, 2, 2}));
   EXPECT_THROW(t.expand({2, 4}), ShapeError);
   EXPECT_THROW(t.expand({}), ShapeError);
+  // Writing through aliased elements is refused (as PyTorch does); reading is fine.
+  EXPECT_EQ(error_of<InvalidArgument>([&] { e.copy_(Tensor::zeros({2, 3}, DType::I32)); }),
+            "copy_: more than one element of the written-to tensor (i32[2,3], strides [0,1]) "
+            "refers to a single memory location (dim 0 has stride 0); clone() it first");
+  EXPECT_THROW(e.fill_(0), InvalidArgument);
+  EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{1, 2, 3}));
+  t.expand({1, 3}).fill_(7);  // a stride-0 dim of size 1 aliases nothing
+  EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{7, 7, 7}));
 }
 
 // ---- copies ---------------------------------------------------------------------------------
@@ -648,9 +681,25 @@ TEST(Pending, FailureIsRethrownFromDataAccess) {
               p.t.view({2, 2}).to_vector<int>();
             }),
             "all_reduce: peer 1 timed out");
-  // Every attached work was waited and detached, the failed one included.
+  // Every attached work was waited; the succeeded one is detached, the failed one stays: the
+  // bytes were never produced, so a second access (or a write) throws again.
   EXPECT_EQ(ok->wait_calls(), 1);
-  EXPECT_EQ(p.t.storage()->pending_count(), 0u);
+  EXPECT_EQ(p.t.storage()->pending_count(), 1u);
+  EXPECT_TRUE(p.t.is_ready());
+  EXPECT_EQ(error_of<CommError>([&] { p.t.narrow(0, 1, 1).item<int>(); }),
+            "all_reduce: peer 1 timed out");
+  EXPECT_EQ(error_of<CommError>([&] { p.t.fill_(1); }), "all_reduce: peer 1 timed out");
+  EXPECT_EQ(ok->wait_calls(), 1);
+}
+
+TEST(Pending, FailureAloneStaysAttached) {
+  // The one-work fast path too.
+  Pending p(Tensor::zeros({4}, DType::F32));
+  p.work->fail(std::make_exception_ptr(CommError("all_gather: rank 2 departed")));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(error_of<CommError>([&] { p.t.to_vector<float>(); }), "all_gather: rank 2 departed");
+    EXPECT_EQ(p.t.storage()->pending_count(), 1u);
+  }
 }
 
 TEST(Pending, ReadFromAnotherThreadBlocksUntilReleased) {

@@ -47,8 +47,10 @@ class Storage {
   void add_pending(std::shared_ptr<Waitable> work);
   // True when nothing is attached or every attached operation completed.
   bool is_ready() const;
-  // Waits for and detaches every attached operation; rethrows the first failure. Thread-safe;
-  // cheap (one atomic load) when nothing is pending; waiting twice costs nothing.
+  // Waits for and detaches every attached operation; rethrows the first failure. A failed
+  // operation stays attached: its bytes were never produced, so every later access rethrows
+  // its error too (the storage holds no defined data any more). Thread-safe; cheap (one atomic
+  // load) when nothing is pending; waiting twice costs nothing.
   void wait();
   // Number of attached operations not yet waited (tests and leak checks).
   size_t pending_count() const;

@@ -1179,7 +1179,17 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     if (group.lane) failure = lane_crossed_locked(group, member, seq, post, *op);
     if (failure.empty() && op->state_.load(std::memory_order_acquire) == kPending &&
         !op->doomed_) {
-      if (op->ref_ >= 0) {
+      // The rows a member keeps for itself must agree with themselves too (the pairwise check
+      // below sees only members that joined before it).
+      if (post.kind == OpKind::AllToAll &&
+          post.input_splits[member] != post.output_splits[member]) {
+        failure = fmt::format(
+            "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects {} "
+            "rows from rank {}",
+            op->description(), me, post.input_splits[member], me, me, post.output_splits[member],
+            me);
+      }
+      if (failure.empty() && op->ref_ >= 0) {
         const Post& ref = op->members_[op->ref_].post;
         const int ref_rank = group.global_ranks[op->ref_];
         if (!post.same_call(ref)) {
@@ -2103,18 +2113,20 @@ class ThreadsGroup final : public ProcessGroup {
     world_->wait_readers(global_rank_, slot.in_storage);
     std::shared_ptr<LaneWork> work =
         world_->lane_issue(*shared_, rank(), seq, slot, op, tensor.storage());
-    if (work->is_completed()) {
-      work->release_keep();  // this rank executed it (or it failed): nothing to attach
-    } else if (tensor.storage()) {
-      tensor.storage()->add_pending(work);
-    }
+    const bool succeeded = work->is_completed() && !work->failed();
+    if (work->is_completed()) work->release_keep();
+    // Not when this call completed it (nobody else sees the tensor before we return); a failure
+    // is attached, so that reading the tensor throws it.
+    if (!succeeded && tensor.storage()) tensor.storage()->add_pending(work);
     return work;
   }
 
   // Attaches an issued collective to its outputs' storages. Not when this call completed it
-  // (the usual case for the last rank to arrive); nobody else sees the outputs before we return.
+  // successfully (the usual case for the last rank to arrive): nobody else sees the outputs
+  // before we return. A collective that failed at issue (a member departed, a mismatch) is
+  // attached, so that reading its outputs throws the error instead of returning stale bytes.
   static void attach(const std::shared_ptr<Work>& work, std::span<const Tensor* const> outputs) {
-    if (work->is_completed()) return;
+    if (work->is_completed() && !work->failed()) return;
     const Storage* last = nullptr;  // outputs sharing a storage attach once
     for (const Tensor* t : outputs) {
       if (t->storage() && t->storage().get() != last) t->storage()->add_pending(work);

@@ -291,6 +291,49 @@ TEST(FailureTest, PeerReturnsEarly) {
   EXPECT_LT(seconds_since(start), 2.0);
 }
 
+// A collective issued after a peer left fails at once; its outputs must not read as data (the
+// input's bytes, or whatever the buffer held): every access, with or without a wait, throws.
+// Small all_reduces take the lane, the others the Op path.
+TEST(FailureTest, CollectiveIssuedAfterPeerLeftFailsOnEveryDataAccess) {
+  const char* kinds[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"};
+  for (int64_t numel : {int64_t{4}, int64_t{1} << 18}) {
+    for (int kind = 0; kind < 4; ++kind) {
+      std::atomic<bool> leaving{false};
+      std::string errors[3];
+      run_local(3, [&](ProcessGroup& world) {
+        const int r = world.rank();
+        if (r == 1) {
+          leaving = true;
+          return;
+        }
+        await(leaving);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // rank 1 is gone by now
+        Tensor in = Tensor::full({numel}, DType::F32, 1);
+        Tensor out = in;  // in place: all_reduce, broadcast
+        if (kind == 0) {
+          world.all_reduce(in, ReduceOp::Sum);
+        } else if (kind == 1) {
+          out = Tensor::empty({3 * numel}, DType::F32);
+          world.all_gather(out, in);
+        } else if (kind == 2) {
+          in = Tensor::full({3 * numel}, DType::F32, 1);
+          out = Tensor::empty({numel}, DType::F32);
+          world.reduce_scatter(out, in, ReduceOp::Sum);
+        } else {
+          world.broadcast(in, 2);
+        }
+        for (int i = 0; i < 3; ++i) errors[r] = comm_error([&] { out.to_vector<float>(); });
+      });
+      for (int r : {0, 2}) {
+        const std::string want =
+            std::string(kinds[kind]) + " on group 'world' (seq 0): rank 1 departed (returned)";
+        EXPECT_NE(errors[r].find(want), std::string::npos)
+            << numel << " " << r << ": " << errors[r];
+      }
+    }
+  }
+}
+
 TEST(FailureTest, SubgroupPeerDepartureFailsOnlyGroupsThatNeedIt) {
   run_ranks(4, [](ProcessGroup& world) {
     auto pairs = world.split_group({{0, 1}, {2, 3}}, "pairs");
@@ -410,6 +453,35 @@ TEST(FailureTest, MismatchedAllToAllSplits) {
   });
   for (const auto& m : messages) {
     EXPECT_NE(m.find("mismatched split sizes"), std::string::npos) << m;
+  }
+}
+
+// The rows a rank keeps for itself are checked too, whichever rank it is: here every pair of
+// ranks agrees, but one rank sends itself 3 rows and expects 1 from itself.
+TEST(FailureTest, MismatchedAllToAllSplitsWithItself) {
+  for (int odd : {0, 1}) {
+    std::vector<std::string> messages(2);
+    run_ranks(2, [&](ProcessGroup& pg) {
+      std::shared_ptr<Work> w;
+      if (pg.rank() == odd) {
+        Tensor in = Tensor::zeros({5}, DType::F32);
+        Tensor out = Tensor::zeros({3}, DType::F32);
+        const std::vector<int64_t> out_splits =
+            odd == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
+        const std::vector<int64_t> in_splits =
+            odd == 0 ? std::vector<int64_t>{3, 2} : std::vector<int64_t>{2, 3};
+        w = pg.all_to_all(out, in, out_splits, in_splits);
+      } else {
+        Tensor in = Tensor::zeros({4}, DType::F32);
+        Tensor out = Tensor::zeros({4}, DType::F32);
+        w = pg.all_to_all(out, in, {2, 2}, {2, 2});
+      }
+      messages[pg.rank()] = comm_error([&] { w->wait(); });
+    });
+    const std::string r = std::to_string(odd);
+    const std::string want = "mismatched split sizes: rank " + r + " sends 3 rows to rank " + r +
+                             " but rank " + r + " expects 1 rows from rank " + r;
+    for (const auto& m : messages) EXPECT_NE(m.find(want), std::string::npos) << odd << ": " << m;
   }
 }
 
