@@ -70,6 +70,9 @@ int launch_gloo(const JobOptions& o, const std::string& dir, const std::string& 
   std::vector<std::string> err_files;
   try {
     for (int r = 0; r < o.ranks; ++r) {
+      // Starting many ranks takes a while: a signal, or a rank that already failed (a bad file,
+      // say), stops the starting; wait_all below then stops the ranks started so far.
+      if (InterruptScope::signal() != 0 || any_failed(pids)) break;
       SpawnOptions s;
       s.argv = {self};
       s.argv.insert(s.argv.end(), args.begin(), args.end());
@@ -181,6 +184,12 @@ void follow_launcher() {
 int launch_job(const JobOptions& o, std::FILE* err) {
   FUNCOL_CHECK(o.backend == "mpi" || o.backend == "gloo", "launch_job: not a process backend");
   FUNCOL_CHECK(o.ranks >= 1 && o.rank_args, "launch_job: needs ranks and rank_args");
+  if (o.ranks > kMaxLaunchedRanks) {
+    throw InvalidArgument(fmt::format(
+        "--ranks {}: the launcher starts every rank as a process on this host, at most {} (to "
+        "run more, start the ranks yourself on several hosts)",
+        o.ranks, kMaxLaunchedRanks));
+  }
   // Declared before the directory: a signal stops the ranks, then the directory is removed.
   InterruptScope interrupts;
   TempDir dir(o.temp_prefix);

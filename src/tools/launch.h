@@ -35,6 +35,10 @@ struct JobOptions {
   std::function<std::vector<std::string>(const std::string& dir)> rank_args;
 };
 
+// The most processes launch_job starts on one host: each gloo rank connects to every other, so
+// a mistyped --ranks (5000) would otherwise fork thousands of processes before anything fails.
+inline constexpr int kMaxLaunchedRanks = 512;
+
 // Starts `ranks` processes of this executable as one job and waits for them. mpi: under
 // `mpirun -np N --oversubscribe` (plus --allow-run-as-root when root); the ranks' output goes
 // through mpirun. gloo: N processes with RANK, WORLD_SIZE and a file store in the temporary

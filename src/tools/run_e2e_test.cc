@@ -89,6 +89,21 @@ std::vector<std::string> backends() {
   return b;
 }
 
+// A mistyped --ranks is refused before any process starts, on every process backend.
+TEST_F(RunE2E, TooManyProcessRanksAreRefusedAtOnce) {
+  const std::string file = write("n.ir", "graph @n(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n"
+                                        "  return %y\n}\n");
+  for (const std::string& backend : e2e::process_backends()) {
+    SCOPED_TRACE(backend);
+    const Result r = run({file, "--ranks", "5000", "--backend", backend});
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("funcol: error: --ranks 5000: the launcher starts every rank as a "
+                         "process on this host, at most 512"),
+              std::string::npos)
+        << r.err;
+  }
+}
+
 TEST_F(RunE2E, EveryBackendPrintsTheSameLines) {
   const std::string file = write("g.ir", kGraph);
   std::string reference;

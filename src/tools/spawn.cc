@@ -150,6 +150,25 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
   return done;
 }
 
+bool any_failed(const std::vector<pid_t>& pids) {
+  // One call for all children (a launcher has no others): waitid reports an ended child
+  // without reaping it. One that ended well (which a rank cannot before its peers exist) would
+  // hide the others from that call, so then each is asked.
+  siginfo_t info{};
+  if (waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0) return false;
+  if (info.si_code == CLD_EXITED && info.si_status == 0) {
+    for (pid_t pid : pids) {
+      siginfo_t one{};
+      if (waitid(P_PID, static_cast<id_t>(pid), &one, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+          one.si_pid == pid && (one.si_code != CLD_EXITED || one.si_status != 0)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  return std::find(pids.begin(), pids.end(), info.si_pid) != pids.end();
+}
+
 InterruptScope::InterruptScope() {
   g_interrupt = 0;
   struct sigaction sa {};

@@ -44,6 +44,10 @@ struct ExitStatus {
 std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids,
                                  std::chrono::milliseconds grace = std::chrono::seconds(5));
 
+// True when one of `pids` ended with a failure (non-zero exit or a signal). Does not reap it
+// (wait_all still collects its status). Never blocks.
+bool any_failed(const std::vector<pid_t>& pids);
+
 // While alive, SIGINT, SIGTERM and SIGHUP do not kill this process but are recorded: wait_all
 // then stops the children as on a failure, and the launcher cleans up and exits with
 // 128 + signal() itself. Children start with default handlers (exec resets them).

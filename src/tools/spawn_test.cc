@@ -2,6 +2,7 @@
 #include "tools/spawn.h"
 
 #include <signal.h>
+#include <sys/wait.h>
 
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "funcol/core/error.h"
 
@@ -61,6 +63,38 @@ TEST(Spawn, FirstFailureStopsTheOthers) {
     EXPECT_EQ(st[i].code, SIGTERM);
     EXPECT_NE(st[i].describe().find("was killed by signal 15"), std::string::npos);
   }
+}
+
+// any_failed sees a failed child without reaping it (wait_all still gets its status), and looks
+// past children that ended well.
+TEST(Spawn, AnyFailedSeesAFailureWithoutReapingIt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<pid_t> pids;
+  pids.push_back(spawn_process(command({"true"})));
+  pids.push_back(spawn_process(command({"sleep", "60"})));
+  while (true) {  // until `true` ended (well); the sleeper runs
+    siginfo_t info{};
+    waitid(P_PID, static_cast<id_t>(pids[0]), &info, WEXITED | WNOHANG | WNOWAIT);
+    if (info.si_pid == pids[0]) break;
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_FALSE(any_failed(pids));
+  pids.push_back(spawn_process(command({"sh", "-c", "exit 5"})));
+  while (!any_failed(pids)) {
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  const auto st = wait_all(pids, std::chrono::seconds(5));
+  ASSERT_EQ(st.size(), 3u);
+  int failures = 0;
+  for (const ExitStatus& e : st) {
+    if (e.pid == pids[2]) {
+      EXPECT_EQ(e.code, 5);  // reaped by wait_all, not before
+      ++failures;
+    }
+  }
+  EXPECT_EQ(failures, 1);
 }
 
 TEST(Spawn, SuccessWaitsForEveryone) {

@@ -1,5 +1,8 @@
 // funcol: the command-line tool. Parses the subcommand and hands off to the tools library.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <iostream>
 
 #include <CLI/CLI.hpp>
 
@@ -19,6 +22,14 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const funcol::Error& e) {
     std::fprintf(stderr, "funcol: error: %s\n", e.what());
+    return 1;
+  }
+  // Output that never arrived (a full disk, a closed pipe) is a failure, not a success.
+  std::cout.flush();
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+    std::fprintf(stderr, "funcol: error: cannot write the output: %s\n",
+                 errno != 0 ? std::strerror(errno) : "write error");
     return 1;
   }
   return 0;
