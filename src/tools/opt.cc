@@ -118,7 +118,8 @@ class OptRun {
       if (i) result += std::string(kSplitMarker) + "\n";
       ok = run_case(chunks[i], file, pipeline, result) && ok;
     }
-    if (options_.stats) err_ << stats_.json() << "\n";
+    // Stats describe output graphs: none when the only case failed.
+    if (options_.stats && (ok || options_.split_input_file)) err_ << stats_.json() << "\n";
     if (!ok && !options_.split_input_file) return 1;
     if (const int rc = write(out, result); rc != 0) return rc;
     return ok ? 0 : 1;
@@ -142,6 +143,13 @@ class OptRun {
       module = parse_module(chunk.text, ParseOptions{.file = file, .first_line = chunk.first_line});
     } catch (const ParseError& e) {
       err_ << e.what() << "\n";
+      return false;
+    }
+    if (module.graphs().empty()) {
+      err_ << ParseError(file, static_cast<int>(chunk.first_line), 1,
+                         "expected a graph ('graph @name(...) { ... }'): the input holds none")
+                  .what()
+           << "\n";
       return false;
     }
     try {
