@@ -12,6 +12,7 @@
 #include <functional>
 #include <new>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -554,6 +555,7 @@ void validate(const BenchOptions& o) {
   if (o.ranks < 1) {
     throw InvalidArgument(fmt::format("--ranks must be at least 1, got {}", o.ranks));
   }
+  check_job_options(o.backend, o.join, o.ranks);
   if (o.min_bytes < 0 || o.max_bytes < 0) throw InvalidArgument("sizes must not be negative");
   if (o.min_bytes > o.max_bytes) {
     throw InvalidArgument(fmt::format("-b/--minbytes ({}) is larger than -e/--maxbytes ({})",
@@ -1018,7 +1020,7 @@ void finish_report(BenchReport& report) {
 BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& sizes,
                              std::FILE* out) {
   follow_launcher();
-  std::shared_ptr<ProcessGroup> world = init_process_group(o.backend);
+  std::shared_ptr<ProcessGroup> world = init_process_group(o.backend, o.join);
   const int rank = world->rank();
   BenchReport report;
   std::exception_ptr failure;
@@ -1056,7 +1058,7 @@ BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
   const std::vector<int64_t> sizes =
       size_sequence(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
   if (o.backend != "threads") {
-    if (!inside_job(o.backend)) {
+    if (!inside_job(o.backend, o.join)) {
       throw InvalidArgument(fmt::format(
           "run_bench: backend '{}' runs in a job's processes (started by funcol bench or mpirun)",
           o.backend));
@@ -1130,7 +1132,9 @@ struct BenchFlags {
   std::string redop = "sum";
   std::string root = "0";
   std::string ranks = "2";
+  bool ranks_typed = true;  // false: --ranks defaults to the world size of the job joined
   std::string backend = "threads";
+  JobFlags job;  // --rank, --world-size, --store
   bool json = false;
   bool in_place = false;
   bool inject_wrong = false;
@@ -1149,8 +1153,12 @@ BenchOptions options_from_flags(const BenchFlags& f) {
   o.dtype = parse_bench_dtype(f.dtype);
   o.redop = parse_bench_redop(f.redop);
   o.root = static_cast<int>(parse_int(f.root, "--root", 0));
-  o.ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
   o.backend = f.backend;
+  o.join = parse_job_flags(f.job);
+  const int ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
+  o.ranks =
+      resolve_ranks(o.backend, o.join, f.ranks_typed ? std::optional<int>(ranks) : std::nullopt,
+                    /*fallback=*/ranks);
   o.json = f.json;
   o.in_place = f.in_place;
   o.inject_wrong = f.inject_wrong;
@@ -1206,11 +1214,16 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--root", f->root, "source rank of broadcast")
       ->type_name("RANK")
       ->capture_default_str();
-  sub->add_option("--ranks", f->ranks, "number of ranks")->type_name("N")->capture_default_str();
+  CLI::Option* ranks =
+      sub->add_option("--ranks", f->ranks, "number of ranks (joining a gloo job: its world size)")
+          ->type_name("N")
+          ->capture_default_str();
   sub->add_option("--backend", f->backend,
-                  "communication backend (built: " + join(available_backends(), ", ") + ")")
+                  "communication backend (built: " + join(available_backends(), ", ") +
+                      "); gloo starts processes, or with --rank joins a job as one of them")
       ->type_name("NAME")
       ->capture_default_str();
+  add_job_flags(*sub, f->job);
   sub->add_flag("--json", f->json, "print one JSON object per size instead of the table");
   sub->add_flag("--in-place", f->in_place,
                 "all_gather's input is the rank's block of its output, reduce_scatter's output "
@@ -1220,11 +1233,12 @@ void add_bench_command(CLI::App& app) {
   // Hidden (no group): proves end to end that a wrong value fails the run.
   sub->add_flag("--inject-wrong", f->inject_wrong, "corrupt one output element per size")
       ->group("");
-  sub->callback([f]() {
+  sub->callback([f, ranks]() {
     BenchReport report;
     try {
+      f->ranks_typed = ranks->count() > 0;
       const BenchOptions o = options_from_flags(*f);
-      if (o.backend != "threads" && !inside_job(o.backend)) {
+      if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
         // Start the job; its rank 0 prints the table and reports wrong values itself.
         JobOptions job;
         job.backend = o.backend;

@@ -10,6 +10,7 @@
 
 #include "funcol/core/dtype.h"
 #include "funcol/core/tensor.h"
+#include "funcol/dist/backend.h"
 
 namespace funcol {
 class ProcessGroup;
@@ -128,8 +129,9 @@ struct BenchOptions {
   DType dtype = DType::F32;
   ReduceOp redop = ReduceOp::Sum;
   int root = 0;
-  int ranks = 2;
+  int ranks = 2;  // the CLI defaults it to --world-size when given
   std::string backend = "threads";
+  InitOptions join;  // --rank, --world-size, --store: gloo joins that job (launch.h)
   bool json = false;
   // --in-place (nccl-tests' in-place columns): all_gather's input is this rank's block of its
   // output and reduce_scatter's output this rank's block of its input, as FSDP gathers into a
@@ -193,10 +195,10 @@ struct BenchReport {
 
 // Runs the benchmark and prints the nccl-tests table (or JSON lines) to `out` from rank 0.
 // threads: `options.ranks` thread ranks in this process. mpi, gloo: this process is one rank of
-// a job (inside_job(), launch.h): it joins the world with init_process_group, runs the same
-// collectives as its peers and leaves; rank 0 measures the memcpy reference, prints, and gets
-// the rows (the other ranks' reports are empty); InvalidArgument outside a job. Times are the
-// slowest rank's and #wrong the sum over ranks, gathered with an all_gather on the world.
+// a job (inside_job(backend, options.join), launch.h): it joins the world with init_process_group,
+// runs the same collectives as its peers and leaves; rank 0 measures the memcpy reference, prints,
+// and gets the rows (the other ranks' reports are empty); InvalidArgument outside a job. Times are
+// the slowest rank's and #wrong the sum over ranks, gathered with an all_gather on the world.
 // Throws on invalid options and communication failures (process ranks: "rank R: ..."); wrong
 // results are reported, not thrown: the caller decides the exit code.
 BenchReport run_bench(const BenchOptions& options, std::FILE* out);

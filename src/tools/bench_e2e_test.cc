@@ -259,6 +259,45 @@ TEST_F(BenchProcessE2E, ARankErrorIsPrintedWithItsRank) {
   }
 }
 
+#ifdef FUNCOL_WITH_GLOO
+// Two processes started by hand join one gloo job with --rank/--world-size/--store (--ranks
+// defaults to the world size): rank 0 prints every row, checked clean; the other prints nothing.
+TEST_F(BenchProcessE2E, GlooRanksJoinedWithFlagsRunTheBenchmark) {
+  funcol::tools::TempDir dir("funcol-bench-e2e-");
+  // No launcher variables (empty is unset): only the flags say which job each process joins.
+  const std::string bin = "RANK= WORLD_SIZE= FUNCOL_STORE= " + std::string(FUNCOL_BIN) +
+                          " bench --backend gloo -o all_reduce -b 32 -e 512 -f 4 -n 2 -w 1 "
+                          "--json --world-size 2 --store " +
+                          dir.path() + " --rank ";
+  const funcol::tools::e2e::ShellResult sh = funcol::tools::e2e::run_shell(
+      bin + "1 >" + dir.path() + "/rank1.out 2>&1 & " + bin + "0; s=$?; wait $! || s=1; exit $s");
+  ASSERT_EQ(sh.status, 0) << sh.out << sh.err << slurp(dir.path() + "/rank1.out");
+  EXPECT_EQ(slurp(dir.path() + "/rank1.out"), "");
+  std::istringstream in(sh.out);
+  std::string line;
+  std::vector<int64_t> sizes;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["backend"], "gloo");
+    EXPECT_EQ(j["ranks"], 2);
+    EXPECT_EQ(j["wrong"], 0);
+    sizes.push_back(j["size"].get<int64_t>());
+  }
+  EXPECT_EQ(sizes, (std::vector<int64_t>{32, 128, 512}));
+
+  Result r = bench("--backend gloo --rank 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out,
+            "funcol: error: --rank 0 needs --world-size N (or WORLD_SIZE): the number of "
+            "processes in the job\n");
+  r = bench("--backend threads --world-size 2 --rank 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out,
+            "funcol: error: --rank and --world-size are for --backend gloo (joining a job as one "
+            "of its ranks); --backend threads runs every rank in this process\n");
+}
+#endif
+
 #if defined(FUNCOL_WITH_GLOO) || defined(FUNCOL_WITH_MPI)
 // Every process below `pid` (children first by /proc's order), for finding the ranks.
 std::vector<pid_t> descendants(pid_t pid) {

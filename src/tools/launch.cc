@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <iterator>
 #include <new>
 
+#include "dist/multiprocess/process_env.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "tools/spawn.h"
@@ -117,7 +119,168 @@ int launch_gloo(const JobOptions& o, const std::string& dir, const std::string& 
   return 1;
 }
 
+// An integer flag as typed: nullopt when not given. Throws InvalidArgument naming the flag
+// unless it is an integer >= `min`.
+std::optional<int> flag_int(const std::string& text, const char* flag, int min) {
+  if (text.empty()) return std::nullopt;
+  int v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size() || v < min) {
+    throw InvalidArgument(
+        fmt::format("{} must be an integer of at least {}, got '{}'", flag, min, text));
+  }
+  return v;
+}
+
+// A rank or world size of a gloo job and where it came from, as messages name it ("--rank 2",
+// "RANK=2"): the flag's value (>= 0), else the environment variable's.
+struct Known {
+  int value = 0;
+  std::string said;
+};
+std::optional<Known> known(int option, const char* flag, const char* env) {
+  if (option >= 0) return Known{option, fmt::format("{} {}", flag, option)};
+  if (const std::optional<int> v = process::env_int(env)) {
+    return Known{*v, fmt::format("{}={}", env, *v)};
+  }
+  return std::nullopt;
+}
+
+// "--rank", "--rank and --store", "--rank, --world-size and --store".
+std::string flag_list(const std::vector<std::string>& flags) {
+  std::string s;
+  for (size_t i = 0; i < flags.size(); ++i) {
+    s += (i == 0 ? "" : i + 1 == flags.size() ? " and " : ", ") + flags[i];
+  }
+  return s;
+}
+
+// The checks of --rank/--world-size/--store that need no --ranks: that they fit the backend and
+// that a gloo rank gets both its rank and the world size.
+void check_job_flags_fit(const std::string& backend, const InitOptions& join) {
+  std::vector<std::string> given;
+  if (join.rank >= 0) given.push_back("--rank");
+  if (join.world_size >= 0) given.push_back("--world-size");
+  if (!join.store.empty()) given.push_back("--store");
+  if (given.empty()) return;
+  const std::string flags = flag_list(given);
+  const char* verb = given.size() == 1 ? "is" : "are";
+  if (backend == "threads") {
+    throw InvalidArgument(fmt::format(
+        "{} {} for --backend gloo (joining a job as one of its ranks); --backend threads runs "
+        "every rank in this process",
+        flags, verb));
+  }
+  if (backend == "mpi") {
+    throw InvalidArgument(fmt::format(
+        "{} {} for --backend gloo (joining a job as one of its ranks); --backend mpi takes each "
+        "process's rank and the world size from mpirun",
+        flags, verb));
+  }
+  if (backend != "gloo") return;  // an unknown backend: the command's own check names it
+  const std::optional<Known> rank = known(join.rank, "--rank", "RANK");
+  const std::optional<Known> size = known(join.world_size, "--world-size", "WORLD_SIZE");
+  if (join.rank >= 0 && !size) {
+    throw InvalidArgument(fmt::format(
+        "--rank {} needs --world-size N (or WORLD_SIZE): the number of processes in the job",
+        join.rank));
+  }
+  if (join.world_size >= 0 && !rank) {
+    throw InvalidArgument(fmt::format(
+        "--world-size {} needs --rank R (or RANK): this process's rank in the job, 0 to {}",
+        join.world_size, join.world_size - 1));
+  }
+  if (!join.store.empty() && !(rank && size)) {
+    throw InvalidArgument(
+        fmt::format("--store {} needs --rank and --world-size (or RANK and WORLD_SIZE) to join a "
+                    "job; without them funcol starts the job itself, with a store of its own",
+                    join.store));
+  }
+}
+
 }  // namespace
+
+void add_job_flags(CLI::App& command, JobFlags& flags) {
+  command
+      .add_option("--rank", flags.rank,
+                  "with --backend gloo: join a job as this rank (0 to N-1) instead of starting "
+                  "one; overrides RANK")
+      ->type_name("R");
+  command
+      .add_option("--world-size", flags.world_size,
+                  "with --backend gloo and --rank: the number of processes in the job (--ranks "
+                  "defaults to it); overrides WORLD_SIZE")
+      ->type_name("N");
+  command
+      .add_option("--store", flags.store,
+                  "with --backend gloo and --rank: where the job's processes meet: a directory "
+                  "every rank can reach (file:///dir is the same) or redis://host:port; "
+                  "overrides FUNCOL_STORE")
+      ->type_name("URL");
+}
+
+InitOptions parse_job_flags(const JobFlags& flags) {
+  InitOptions o;
+  if (const std::optional<int> r = flag_int(flags.rank, "--rank", 0)) o.rank = *r;
+  if (const std::optional<int> n = flag_int(flags.world_size, "--world-size", 1)) {
+    o.world_size = *n;
+  }
+  o.store = flags.store;
+  return o;
+}
+
+bool inside_job(const std::string& backend, const InitOptions& join) {
+  if (backend == "gloo") {
+    return known(join.rank, "--rank", "RANK") &&
+           known(join.world_size, "--world-size", "WORLD_SIZE");
+  }
+  return backend == "mpi" && inside_job(backend);
+}
+
+std::optional<int> job_world_size(const std::string& backend, const InitOptions& join) {
+  if (!inside_job(backend, join)) return std::nullopt;
+  if (backend == "mpi") return process::env_int("OMPI_COMM_WORLD_SIZE");
+  return known(join.world_size, "--world-size", "WORLD_SIZE")->value;
+}
+
+int resolve_ranks(const std::string& backend, const InitOptions& join, std::optional<int> typed,
+                  std::optional<int> fallback) {
+  // Flags that do not fit the backend are the error to report, before any about --ranks.
+  check_job_flags_fit(backend, join);
+  if (typed) return *typed;
+  if (const std::optional<int> n = job_world_size(backend, join)) return *n;
+  if (fallback) return *fallback;
+  throw InvalidArgument(
+      "--ranks is required (the number of ranks), unless this process joins a gloo job as one "
+      "rank with --rank and --world-size");
+}
+
+void check_job_options(const std::string& backend, const InitOptions& join, int ranks) {
+  check_job_flags_fit(backend, join);
+  if (backend != "gloo") return;
+  const std::optional<Known> rank = known(join.rank, "--rank", "RANK");
+  const std::optional<Known> size = known(join.world_size, "--world-size", "WORLD_SIZE");
+  if (!rank || !size) return;  // not inside a job: the command starts one
+  if (size->value < 1) {
+    throw InvalidArgument(fmt::format("{}: the world size must be at least 1", size->said));
+  }
+  if (rank->value < 0 || rank->value >= size->value) {
+    throw InvalidArgument(fmt::format("{} is out of range for {} (ranks 0 to {})", rank->said,
+                                      size->said, size->value - 1));
+  }
+  if (ranks != size->value) {
+    throw InvalidArgument(fmt::format("--ranks {} does not match {}", ranks, size->said));
+  }
+  const std::string store = join.store.empty() ? process::env_string("FUNCOL_STORE") : join.store;
+  if (store.empty()) {
+    if (size->value == 1) return;  // a job of one process meets nobody
+    throw InvalidArgument(fmt::format(
+        "rank {} of a gloo job of {} processes needs a store: --store DIR (a directory every "
+        "rank can reach), file:///dir or redis://host:port, or FUNCOL_STORE",
+        rank->value, size->value));
+  }
+  process::parse_store_url(store);  // "invalid store '...': ..." before the job is joined
+}
 
 [[noreturn]] void rethrow_for_rank(int rank) {
   const std::string p = fmt::format("rank {}: ", rank);
@@ -201,8 +364,13 @@ int launch_job(const JobOptions& o, std::FILE* err) {
 
 int run_as_rank(const std::string& backend, int ranks, std::FILE* err,
                 const std::function<void(ProcessGroup& world)>& body) {
+  return run_as_rank(backend, ranks, InitOptions{}, err, body);
+}
+
+int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, std::FILE* err,
+                const std::function<void(ProcessGroup& world)>& body) {
   follow_launcher();
-  std::shared_ptr<ProcessGroup> world = init_process_group(backend);
+  std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
   const int rank = world->rank();
   int status = 0;
   try {

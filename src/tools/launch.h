@@ -3,8 +3,13 @@
 
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "funcol/dist/backend.h"
 
 namespace funcol {
 class ProcessGroup;
@@ -19,6 +24,47 @@ void check_backend_option(const std::string& backend);
 // True when this process is a rank of a `backend` job: mpi when mpirun started it
 // (OMPI_COMM_WORLD_SIZE is set), gloo when RANK and WORLD_SIZE are set.
 bool inside_job(const std::string& backend);
+
+// ---- Joining a gloo job as one of its ranks: --rank, --world-size, --store (DESIGN §3) ----
+// funcol run, train and bench take these flags; with --backend gloo they make the process one
+// rank of a job that someone else starts (on this host or many), instead of starting one.
+
+// The three flags as typed (parsed by parse_job_flags, so a bad value is a funcol error).
+struct JobFlags {
+  std::string rank;        // --rank R
+  std::string world_size;  // --world-size N
+  std::string store;       // --store DIR|file:///DIR|redis://HOST:PORT
+};
+
+// Adds --rank, --world-size and --store to a command, writing into `flags`.
+void add_job_flags(CLI::App& command, JobFlags& flags);
+
+// The InitOptions the flags name (-1 and "" for those not given). Throws InvalidArgument naming
+// the flag when --rank is not an integer >= 0 or --world-size not one >= 1.
+InitOptions parse_job_flags(const JobFlags& flags);
+
+// inside_job, given the flags: gloo when rank and world size each come from `join` or from
+// RANK / WORLD_SIZE (the flags override the variables); mpi as inside_job(backend); threads
+// never.
+bool inside_job(const std::string& backend, const InitOptions& join);
+
+// The world size of the job this process joins, when known before it joins: `join`'s or
+// WORLD_SIZE (gloo), OMPI_COMM_WORLD_SIZE (mpi); nullopt when it joins none.
+std::optional<int> job_world_size(const std::string& backend, const InitOptions& join);
+
+// A command's number of ranks: --ranks when typed (`typed`), else the world size of the job this
+// process joins, else `fallback`. Throws InvalidArgument "--ranks is required ..." when none,
+// and first, when the flags do not fit the backend (as check_job_options).
+int resolve_ranks(const std::string& backend, const InitOptions& join, std::optional<int> typed,
+                  std::optional<int> fallback);
+
+// Throws InvalidArgument when `join` (the flags) does not make sense for `backend` and `ranks`:
+// any of them with threads or mpi; with gloo, --rank without a world size (--world-size or
+// WORLD_SIZE), --world-size without a rank, --store with neither (funcol starts the job and its
+// store then), a rank out of range, no store for a world of more than one, a store that does not
+// parse, and --ranks other than the world size. Environment values that are not integers are
+// errors naming the variable.
+void check_job_options(const std::string& backend, const InitOptions& join, int ranks);
 
 // For a rank process: when launch_job started it, die with that launcher, so a killed launcher
 // leaves no orphan ranks. Does nothing in a job started otherwise (a user's own mpirun).
@@ -55,6 +101,10 @@ int launch_job(const JobOptions& options, std::FILE* err);
 // A failure is printed to `err` as "funcol: error: rank R: ..." and gives exit status 1. The
 // process group is torn down before returning (mpi frees communicators before MPI_Finalize).
 int run_as_rank(const std::string& backend, int ranks, std::FILE* err,
+                const std::function<void(ProcessGroup& world)>& body);
+// The same, joining with `join` (--rank, --world-size, --store; unset fields come from the
+// environment).
+int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, std::FILE* err,
                 const std::function<void(ProcessGroup& world)>& body);
 
 // All-gathers one string per rank over `world`: every rank gets every rank's, in rank order.

@@ -69,6 +69,7 @@ void validate_options(const RunOptions& o) {
     throw InvalidArgument(fmt::format("--outputs must be 'json', got '{}'", o.outputs));
   }
   check_backend_option(o.backend);
+  check_job_options(o.backend, o.join, o.ranks);
 }
 
 const Graph& select_graph(const Module& module, const RunOptions& o, const std::string& file) {
@@ -223,7 +224,7 @@ int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
 
 // This process is one rank of an mpi or gloo job: run, then gather the reports to rank 0.
 int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE* err) {
-  return run_as_rank(o.backend, o.ranks, err, [&](ProcessGroup& world) {
+  return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
     if (world.rank() == 0 && !o.trace.empty()) check_writable(o.trace);
     RankReport mine = run_rank(p, o, world);
     const nlohmann::json j = {{"rank", mine.rank},
@@ -280,7 +281,7 @@ int run_command_impl(const RunOptions& o, std::FILE* out, std::FILE* err) {
   const std::string text = read_text_file(o.file);
   const Prepared p = prepare(o, text);
   if (o.backend == "threads") return run_threads(p, o, out);
-  if (inside_job(o.backend)) return run_in_job(p, o, out, err);
+  if (inside_job(o.backend, o.join)) return run_in_job(p, o, out, err);
   return launch(o, text, err);
 }
 
@@ -387,9 +388,15 @@ void add_run_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "run", "run a graph on N ranks: generated inputs, collectives over a real backend");
   auto o = std::make_shared<RunOptions>();
+  auto job = std::make_shared<JobFlags>();
   sub->add_option("file", o->file, "IR file ('-' reads standard input)")->required();
-  sub->add_option("--ranks", o->ranks, "number of ranks")->required();
-  sub->add_option("--backend", o->backend, "threads, mpi or gloo")->capture_default_str();
+  CLI::Option* ranks = sub->add_option(
+      "--ranks", o->ranks, "number of ranks (required unless this process joins a gloo job)");
+  sub->add_option("--backend", o->backend,
+                  "threads, mpi (starts mpirun) or gloo (starts processes, or with --rank joins "
+                  "a job as one of them)")
+      ->capture_default_str();
+  add_job_flags(*sub, *job);
   sub->add_option("--mesh", o->mesh,
                   "device mesh over the ranks, e.g. dp=2,tp=2; its dim names are group names");
   sub->add_option("--seed", o->seed, "seed of the generated inputs")->capture_default_str();
@@ -400,7 +407,11 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's compute and communication");
   sub->add_option("--graph", o->graph, "the graph to run when FILE holds several");
-  sub->callback([o]() {
+  sub->callback([o, job, ranks]() {
+    o->join = parse_job_flags(*job);
+    o->ranks = resolve_ranks(o->backend, o->join,
+                             ranks->count() > 0 ? std::optional<int>(o->ranks) : std::nullopt,
+                             /*fallback=*/std::nullopt);
     const int rc = run_command(*o, stdout, stderr);
     if (rc != 0) throw CLI::RuntimeError(rc);
   });

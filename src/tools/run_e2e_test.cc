@@ -240,6 +240,180 @@ TEST_F(RunE2E, GlooLauncherStoppedBySignalLeavesNothingBehind) {
   EXPECT_TRUE(std::filesystem::is_empty(tmp));
   EXPECT_NE(slurp(s.stderr_path).find("interrupted by signal 15"), std::string::npos);
 }
+
+// ---- joining a gloo job as one rank: --rank, --world-size, --store ----
+
+// Two ranks, integer data: the launcher's job and one started by hand print the same bits.
+const char* const kGraph2 = R"(graph @g(%x: i32[6], %y: i64[4]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : i32[6]
+  %ag = all_gather_into_tensor(%y) {group_size = 2, group = "world"} : i64[8]
+  %n = neg(%x) : i32[6]
+  %w1 = wait_tensor(%ar) : i32[6]
+  %w2 = wait_tensor(%ag) : i64[8]
+  %s = add(%w1, %n) : i32[6]
+  return %s, %w2
+}
+)";
+
+// The environment of a rank started by hand: none of the launcher's variables (empty is unset),
+// so only the flags say which job it joins; a bounded collective timeout.
+const std::vector<std::pair<std::string, std::string>> kHandEnv = {
+    {"RANK", ""}, {"WORLD_SIZE", ""}, {"FUNCOL_STORE", ""}, {"FUNCOL_TIMEOUT", "60"}};
+
+// DIR/rankR.EXT: where a rank started by a test writes its stdout or stderr.
+std::string rank_file(const std::string& dir, int rank, const char* ext) {
+  return dir + "/rank" + std::to_string(rank) + "." + ext;
+}
+
+// Starts the 2 processes of a gloo job, rank r with `funcol run rank_args(r)` and the
+// environment `env` (in `cwd` when given), and waits for both: what each printed.
+std::vector<Result> run_job_by_hand(const std::string& dir,
+                                    const std::function<std::vector<std::string>(int)>& rank_args,
+                                    const std::vector<std::pair<std::string, std::string>>& env,
+                                    const std::string& cwd = "") {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run"};
+    const std::vector<std::string> args = rank_args(r);
+    s.argv.insert(s.argv.end(), args.begin(), args.end());
+    if (!cwd.empty()) {
+      // posix_spawn has no working directory: a shell changes it, then becomes the rank.
+      std::string line = "cd '" + cwd + "' && exec";
+      for (const std::string& a : s.argv) line += " '" + a + "'";
+      s.argv = {"sh", "-c", line};
+    }
+    s.env = env;
+    s.stdout_path = rank_file(dir, r, "out");
+    s.stderr_path = rank_file(dir, r, "err");
+    pids.push_back(spawn_process(s));
+  }
+  const std::vector<ExitStatus> st = wait_all(pids, std::chrono::seconds(120));
+  std::vector<Result> out(2);
+  for (int r = 0; r < 2; ++r) {
+    out[r].status = st[r].signaled ? -1 : st[r].code;
+    out[r].out = slurp(rank_file(dir, r, "out"));
+    out[r].err = slurp(rank_file(dir, r, "err"));
+  }
+  return out;
+}
+
+class RunJoinE2E : public RunE2E {
+ protected:
+  // Runs a 2-rank job by hand, each rank with --store `store` (and `env`, in `cwd`), and checks
+  // that it prints what the launcher prints for the same run.
+  void expect_same_as_launcher(const std::string& store,
+                               const std::vector<std::pair<std::string, std::string>>& env,
+                               const std::string& cwd = "") {
+    const std::string file = write("g2.ir", kGraph2);
+    const std::vector<std::string> run_flags = {"--outputs", "json", "--seed", "3", "--iters", "2"};
+    std::vector<std::string> launched = {file, "--ranks", "2", "--backend", "gloo"};
+    launched.insert(launched.end(), run_flags.begin(), run_flags.end());
+    const Result reference = run(launched);
+    ASSERT_EQ(reference.status, 0) << reference.err;
+    ASSERT_EQ(std::count(reference.out.begin(), reference.out.end(), '\n'), 2) << reference.out;
+    const std::vector<Result> ranks = run_job_by_hand(
+        dir_.path(),
+        [&](int r) {
+          std::vector<std::string> a = {file,     "--backend",       "gloo",
+                                        "--rank", std::to_string(r), "--world-size",
+                                        "2",      "--store",         store};
+          a.insert(a.end(), run_flags.begin(), run_flags.end());
+          return a;
+        },
+        env, cwd);
+    for (int r = 0; r < 2; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      EXPECT_EQ(ranks[r].status, 0) << ranks[r].err;
+      EXPECT_EQ(ranks[r].err, "");
+    }
+    // Rank 0 prints every rank's line, as the launcher does; the other rank prints nothing.
+    EXPECT_EQ(ranks[0].out, reference.out);
+    EXPECT_EQ(ranks[1].out, "");
+  }
+};
+
+TEST_F(RunJoinE2E, RanksStartedByHandWithAFileUrlStorePrintWhatTheLauncherPrints) {
+  expect_same_as_launcher("file://" + dir_.path() + "/store", kHandEnv);
+}
+
+TEST_F(RunJoinE2E, ABareDirectoryIsAStore) {
+  expect_same_as_launcher(dir_.path() + "/store", kHandEnv);
+}
+
+TEST_F(RunJoinE2E, ARelativeDirectoryIsAStoreUnderTheWorkingDirectory) {
+  expect_same_as_launcher("st", kHandEnv, dir_.path());
+  EXPECT_TRUE(std::filesystem::is_directory(dir_.path() + "/st"));
+}
+
+// The flags override RANK / WORLD_SIZE / FUNCOL_STORE: ranks whose environment names another
+// job (a world of 3, a store that does not parse) join the one their flags name.
+TEST_F(RunJoinE2E, FlagsOverrideTheEnvironment) {
+  expect_same_as_launcher(
+      dir_.path() + "/store",
+      {{"RANK", "2"}, {"WORLD_SIZE", "3"}, {"FUNCOL_STORE", "ftp://x"}, {"FUNCOL_TIMEOUT", "60"}});
+}
+
+// Flags that make no sense for the backend, or together: one line, exit 1, before any rank
+// joins anything.
+TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string store = dir_.path() + "/store";
+  const std::string e = "funcol: error: ";
+  const std::string gloo_only = " for --backend gloo (joining a job as one of its ranks); ";
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--ranks", "2", "--store", store},
+       e + "--store is" + gloo_only + "--backend threads runs every rank in this process\n"},
+      {{"--backend", "threads", "--rank", "0", "--world-size", "2"},
+       e + "--rank and --world-size are" + gloo_only +
+           "--backend threads runs every rank in this process\n"},
+      {{"--backend", "mpi", "--ranks", "2", "--rank", "0", "--world-size", "2", "--store", store},
+       e + "--rank, --world-size and --store are" + gloo_only +
+           "--backend mpi takes each process's rank and the world size from mpirun\n"},
+      {{"--backend", "gloo", "--rank", "0"},
+       e + "--rank 0 needs --world-size N (or WORLD_SIZE): the number of processes in the job\n"},
+      {{"--backend", "gloo", "--world-size", "2", "--store", store},
+       e + "--world-size 2 needs --rank R (or RANK): this process's rank in the job, 0 to 1\n"},
+      {{"--backend", "gloo", "--ranks", "2", "--store", store},
+       e + "--store " + store +
+           " needs --rank and --world-size (or RANK and WORLD_SIZE) to join a job; without them "
+           "funcol starts the job itself, with a store of its own\n"},
+      {{"--backend", "gloo", "--rank", "2", "--world-size", "2", "--store", store},
+       e + "--rank 2 is out of range for --world-size 2 (ranks 0 to 1)\n"},
+      {{"--backend", "gloo", "--rank", "-1", "--world-size", "2", "--store", store},
+       e + "--rank must be an integer of at least 0, got '-1'\n"},
+      {{"--backend", "gloo", "--rank", "x", "--world-size", "2", "--store", store},
+       e + "--rank must be an integer of at least 0, got 'x'\n"},
+      {{"--backend", "gloo", "--rank", "0", "--world-size", "0", "--store", store},
+       e + "--world-size must be an integer of at least 1, got '0'\n"},
+      {{"--backend", "gloo", "--ranks", "3", "--rank", "0", "--world-size", "2", "--store", store},
+       e + "--ranks 3 does not match --world-size 2\n"},
+      {{"--backend", "gloo", "--rank", "0", "--world-size", "2"},
+       e + "rank 0 of a gloo job of 2 processes needs a store: --store DIR (a directory every "
+           "rank can reach), file:///dir or redis://host:port, or FUNCOL_STORE\n"},
+      {{"--backend", "gloo", "--rank", "0", "--world-size", "2", "--store", "ftp://x"},
+       e + "invalid store 'ftp://x': unknown scheme (expected a directory, file:///dir or "
+           "redis://host:port)\n"},
+      {{"--backend", "gloo"},
+       e + "--ranks is required (the number of ranks), unless this process joins a gloo job as "
+           "one rank with --rank and --world-size\n"},
+  };
+  for (const auto& [flags, message] : cases) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run", file};
+    s.argv.insert(s.argv.end(), flags.begin(), flags.end());
+    SCOPED_TRACE(testing::PrintToString(s.argv));
+    s.env = kHandEnv;
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
+    EXPECT_FALSE(st.signaled);
+    EXPECT_EQ(st.code, 1);
+    EXPECT_EQ(slurp(s.stderr_path), message);
+    EXPECT_EQ(slurp(s.stdout_path), "");
+  }
+  EXPECT_FALSE(std::filesystem::exists(store));  // nothing joined, nothing written
+}
 #endif
 
 TEST_F(RunE2E, ReadsStandardInput) {

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <span>
 
 #include <nlohmann/json.hpp>
@@ -404,6 +405,7 @@ void validate(const TrainOptions& o) {
     throw InvalidArgument(fmt::format("--bucket-cap-mb: {}", e.what()));
   }
   check_backend_option(o.backend);
+  check_job_options(o.backend, o.join, o.ranks);
   // Keep a run within memory: every rank holds the full gathered weights for the backward.
   const double bytes = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 2);
   if (bytes > 8e9) {
@@ -637,7 +639,7 @@ std::vector<std::string> train_rank_args(const TrainOptions& o) {
 // This process is one rank of an mpi or gloo job: train; rank 0 reports.
 int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* out,
                  std::FILE* err) {
-  return run_as_rank(o.backend, o.ranks, err, [&](ProcessGroup& world) {
+  return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
     Shared sh;
     sh.trace_events.resize(static_cast<size_t>(o.ranks));
     run_rank(world, o, world.rank() == 0 ? on_step : StepCallback(), sh);
@@ -657,7 +659,7 @@ int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* 
 int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
   try {
     validate(o);
-    if (o.backend != "threads" && !inside_job(o.backend)) {
+    if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
       JobOptions job;
       job.backend = o.backend;
       job.ranks = o.ranks;
@@ -703,7 +705,10 @@ void add_train_command(CLI::App& app) {
       "train an MLP with fully sharded data parallelism: trace, autodiff, bucketing, overlap, "
       "execute; compare with a single-process reference");
   auto o = std::make_shared<TrainOptions>();
-  sub->add_option("--ranks", o->ranks, "number of ranks")->capture_default_str();
+  auto job = std::make_shared<JobFlags>();
+  CLI::Option* ranks =
+      sub->add_option("--ranks", o->ranks, "number of ranks (joining a gloo job: its world size)")
+          ->capture_default_str();
   sub->add_option("--layers", o->layers, "number of [hidden, hidden] layers")
       ->capture_default_str();
   sub->add_option("--hidden", o->hidden, "width; a multiple of --ranks")->capture_default_str();
@@ -720,14 +725,20 @@ void add_train_command(CLI::App& app) {
       "--no-overlap", o->no_overlap,
       "leave the overlap pass out of both variants (each collective waited where traced)");
   sub->add_option("--backend", o->backend,
-                  "threads, mpi (relaunches under mpirun) or gloo (spawns processes)")
+                  "threads, mpi (relaunches under mpirun) or gloo (spawns processes, or with "
+                  "--rank joins a job as one of them)")
       ->capture_default_str();
+  add_job_flags(*sub, *job);
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
   sub->add_flag("--json", o->json, "print one JSON line of results");
   sub->add_option("--seed", o->seed, "seed of the weights, inputs and targets")
       ->capture_default_str();
-  sub->callback([o]() {
+  sub->callback([o, job, ranks]() {
+    o->join = parse_job_flags(*job);
+    o->ranks = resolve_ranks(o->backend, o->join,
+                             ranks->count() > 0 ? std::optional<int>(o->ranks) : std::nullopt,
+                             /*fallback=*/o->ranks);
     const int rc = train_command(*o, stdout, stderr, isatty(fileno(stderr)) != 0);
     if (rc != 0) throw CLI::RuntimeError(rc);
   });

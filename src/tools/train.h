@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "funcol/dist/backend.h"
 #include "funcol/graph/graph.h"
 
 namespace funcol::tools {
@@ -16,7 +17,7 @@ namespace funcol::tools {
 // The flags of `funcol train`. The default model is the demo's: 32 small layers on 4 ranks,
 // where each collective moves 4 KiB and bucketing matters most.
 struct TrainOptions {
-  int ranks = 4;                     // --ranks
+  int ranks = 4;                     // --ranks (the CLI defaults it to --world-size when given)
   int layers = 32;                   // --layers: square weights [hidden, hidden]
   int hidden = 64;                   // --hidden: must be a multiple of --ranks (dim-0 shards)
   int batch = 16;                    // --batch: rows per rank (the global batch is ranks x batch)
@@ -30,6 +31,7 @@ struct TrainOptions {
   std::string trace;                 // --trace OUT.json: Chrome trace of the trained variant
   bool json = false;                 // --json: one line of results on stdout
   uint64_t seed = 0;                 // --seed: weights, data and targets
+  InitOptions join;                  // --rank, --world-size, --store: gloo joins that job
 };
 
 // Throws InvalidArgument naming the flag and value when the options do not make a run.

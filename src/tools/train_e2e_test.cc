@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -80,5 +82,42 @@ TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("--steps"), std::string::npos) << r.out;
 }
+
+#ifdef FUNCOL_WITH_GLOO
+// Two processes started by hand join one gloo job with --rank/--world-size/--store (--ranks
+// defaults to the world size) and train what the launcher's job trains; rank 0 reports.
+TEST(TrainE2e, GlooRanksJoinedWithFlagsTrainWhatTheLauncherTrains) {
+  const std::string model = "--layers 2 --hidden 8 --batch 4 --steps 3 --json --backend gloo";
+  const Result launched = train("--ranks 2 " + model);
+  ASSERT_EQ(launched.status, 0) << launched.out;
+  const nlohmann::json want = nlohmann::json::parse(launched.out.substr(launched.out.find('{')));
+  char dir[] = "/tmp/funcol_train_e2e_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string d = dir;
+  // No launcher variables (empty is unset): only the flags say which job each process joins.
+  const std::string bin = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=60 " +
+                          std::string(FUNCOL_BIN) + " train " + model + " --world-size 2 --store " +
+                          d + "/store --rank ";
+  const funcol::tools::e2e::ShellResult sh = funcol::tools::e2e::run_shell(
+      bin + "1 >" + d + "/rank1.out 2>&1 & " + bin + "0; s=$?; wait $! || s=1; exit $s");
+  const std::string rank1 = funcol::tools::e2e::slurp(d + "/rank1.out");
+  std::filesystem::remove_all(d);
+  ASSERT_EQ(sh.status, 0) << sh.out << sh.err << rank1;
+  EXPECT_EQ(rank1, "");
+  const nlohmann::json j = nlohmann::json::parse(sh.out);
+  EXPECT_EQ(j["config"]["ranks"], 2);
+  EXPECT_EQ(j["initial_loss"], want["initial_loss"]);
+  EXPECT_EQ(j["final_loss"], want["final_loss"]);
+
+  Result r = train("--backend threads --store " + d);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out,
+            "funcol: error: --store is for --backend gloo (joining a job as one of its ranks); "
+            "--backend threads runs every rank in this process\n");
+  r = train("--backend gloo --rank 0 --world-size 2 --ranks 4 --store " + d);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.out, "funcol: error: --ranks 4 does not match --world-size 2\n");
+}
+#endif
 
 }  // namespace

@@ -54,8 +54,8 @@ class WorldScope {
 std::vector<std::string> available_backends();
 
 // How a process backend ("mpi", "gloo") finds its peers. Unset fields come from the
-// environment: RANK, WORLD_SIZE, FUNCOL_STORE (file:///dir or redis://host:port), and
-// FUNCOL_TIMEOUT; mpi takes rank and size from MPI itself.
+// environment: RANK, WORLD_SIZE, FUNCOL_STORE (a directory, file:///dir or redis://host:port),
+// and FUNCOL_TIMEOUT; mpi takes rank and size from MPI itself.
 struct InitOptions {
   int rank = -1;
   int world_size = -1;

@@ -491,7 +491,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     if (store.empty()) {
       throw InvalidArgument(
           "gloo backend needs a store: pass InitOptions::store (--store) or set FUNCOL_STORE to "
-          "file:///dir or redis://host:port");
+          "a directory, file:///dir or redis://host:port");
     }
     shared->url = process::parse_store_url(store);
     // The transport's address: an explicit interface or host, else loopback for a file store

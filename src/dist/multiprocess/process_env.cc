@@ -7,6 +7,8 @@
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
+#include <filesystem>
+#include <system_error>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/work.h"
@@ -44,7 +46,8 @@ StoreUrl parse_store_url(const std::string& url) {
   out.text = url;
   auto bad = [&](const std::string& why) {
     return InvalidArgument(fmt::format(
-        "invalid store '{}': {} (expected file:///dir or redis://host:port)", url, why));
+        "invalid store '{}': {} (expected a directory, file:///dir or redis://host:port)", url,
+        why));
   };
   if (url.rfind("file://", 0) == 0) {
     out.kind = StoreUrl::Kind::File;
@@ -80,7 +83,16 @@ StoreUrl parse_store_url(const std::string& url) {
     return out;
   }
   if (url.empty()) throw bad("empty");
-  throw bad("unknown scheme");
+  if (url.find("://") != std::string::npos) throw bad("unknown scheme");
+  // A bare directory (no scheme): a file store there; a relative one is taken from the working
+  // directory now, so the path in messages and the store's files are the same wherever they go.
+  out.kind = StoreUrl::Kind::File;
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::absolute(url, ec);
+  if (ec) throw bad(fmt::format("cannot make the directory absolute: {}", ec.message()));
+  out.path = dir.lexically_normal().string();
+  if (out.path.size() > 1 && out.path.back() == '/') out.path.pop_back();
+  return out;
 }
 
 }  // namespace funcol::process

@@ -21,7 +21,8 @@ std::string env_string(const char* name);
 // `timeout` when positive, else default_timeout() (FUNCOL_TIMEOUT or 300 s).
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds timeout);
 
-// Where rendezvous happens: file:///dir or redis://host[:port].
+// Where rendezvous happens: file:///dir, a bare directory DIR (the same as file://DIR; a relative
+// one is made absolute against the working directory) or redis://host[:port].
 struct StoreUrl {
   enum class Kind { File, Redis } kind = Kind::File;
   std::string path;  // File
@@ -29,7 +30,8 @@ struct StoreUrl {
   int port = 6379;   // Redis (Redis's default port)
   std::string text;  // as given, for messages
 };
-// Throws InvalidArgument "invalid store 'x': ..." for anything else.
+// Throws InvalidArgument "invalid store 'x': ..." for anything else: an empty string, a scheme
+// other than file:// and redis:// ("unknown scheme"), a relative file:// directory.
 StoreUrl parse_store_url(const std::string& url);
 
 }  // namespace funcol::process

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <string>
 
 #include "funcol/core/error.h"
 
@@ -15,6 +17,23 @@ TEST(StoreUrl, FileStoreNeedsAnAbsoluteDirectory) {
   EXPECT_EQ(u.kind, StoreUrl::Kind::File);
   EXPECT_EQ(u.path, "/tmp/store");
   EXPECT_THROW(parse_store_url("file://relative"), InvalidArgument);
+}
+
+// A path without a scheme is a directory: the same as file://DIR, made absolute.
+TEST(StoreUrl, BareDirectoryIsAFileStore) {
+  auto abs = parse_store_url("/tmp/store");
+  EXPECT_EQ(abs.kind, StoreUrl::Kind::File);
+  EXPECT_EQ(abs.path, "/tmp/store");
+  EXPECT_EQ(abs.text, "/tmp/store");
+  EXPECT_EQ(parse_store_url("/tmp/store/").path, "/tmp/store");
+  const std::string cwd = std::filesystem::current_path().string();
+  auto rel = parse_store_url("st");
+  EXPECT_EQ(rel.kind, StoreUrl::Kind::File);
+  EXPECT_EQ(rel.path, cwd + "/st");
+  EXPECT_EQ(rel.text, "st");
+  EXPECT_EQ(parse_store_url("./a/../st").path, cwd + "/st");
+  // No "scheme://": a directory, even with a colon in its name.
+  EXPECT_EQ(parse_store_url("host:6379").path, cwd + "/host:6379");
 }
 
 TEST(StoreUrl, RedisHostAndPort) {
@@ -31,8 +50,8 @@ TEST(StoreUrl, RedisHostAndPort) {
 }
 
 TEST(StoreUrl, BadUrlsNameTheValue) {
-  for (const char* bad :
-       {"", "tcp://x:1", "redis://", "redis://h:0", "redis://h:70000", "redis://h:x"}) {
+  for (const char* bad : {"", "tcp://x:1", "ftp://x", "redis://", "redis://h:0", "redis://h:70000",
+                          "redis://h:x", "file://relative"}) {
     try {
       parse_store_url(bad);
       ADD_FAILURE() << "accepted " << bad;
@@ -41,6 +60,24 @@ TEST(StoreUrl, BadUrlsNameTheValue) {
           << e.what();
     }
   }
+}
+
+// Bare directories aside, a scheme other than file:// and redis:// and the empty string stay
+// errors that say why.
+TEST(StoreUrl, UnknownSchemeAndEmptyAreErrors) {
+  auto message = [](const std::string& url) {
+    try {
+      parse_store_url(url);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(message("ftp://x"),
+            "invalid store 'ftp://x': unknown scheme (expected a directory, file:///dir or "
+            "redis://host:port)");
+  EXPECT_EQ(message(""),
+            "invalid store '': empty (expected a directory, file:///dir or redis://host:port)");
 }
 
 TEST(EnvInt, UnsetParsedAndMalformed) {
