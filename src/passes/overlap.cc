@@ -3,11 +3,12 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
-#include <optional>
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "funcol/core/error.h"
@@ -82,10 +83,147 @@ class HeldProfile {
   std::vector<int64_t> bytes_;
 };
 
+// The positions of a graph's nodes while the pass moves them: a treap over the node list,
+// ordered as the list (heap-ordered by fixed pseudo-random priorities, so the same graph always
+// gives the same tree), with subtree sizes and parent links. Rank, order comparison and a move
+// cost O(log nodes) expected, where Node::is_before would renumber the whole graph once ~32
+// moves land in one gap (as hoisted collectives do, each right after the previous one), and
+// counting the nodes a move crosses would walk them. Mirrors the graph only as long as every
+// move goes through move_before here too. The node map is for lookups only, never iterated.
+class OrderIndex {
+ public:
+  explicit OrderIndex(const Graph& graph) {
+    const std::vector<Node*> order = graph.node_list();
+    const size_t n = order.size();
+    left_.assign(n + 1, 0);
+    right_.assign(n + 1, 0);
+    parent_.assign(n + 1, 0);
+    size_.assign(n + 1, 0);
+    priority_.assign(n + 1, 0);
+    id_.reserve(n);
+    uint64_t state = 0x9e3779b97f4a7c15ULL;
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t x = static_cast<int32_t>(i + 1);
+      id_.emplace(order[i], x);
+      priority_[x] = splitmix64(state);
+      size_[x] = 1;
+    }
+    // Cartesian tree of the list in one pass: the right spine on a stack.
+    std::vector<int32_t> spine;
+    for (int32_t x = 1; x <= static_cast<int32_t>(n); ++x) {
+      int32_t last = 0;
+      while (!spine.empty() && priority_[spine.back()] < priority_[x]) {
+        last = spine.back();
+        spine.pop_back();
+      }
+      left_[x] = last;
+      if (!spine.empty()) right_[spine.back()] = x;
+      spine.push_back(x);
+    }
+    root_ = spine.empty() ? 0 : spine.front();
+    // Sizes and parents, children before parents (post-order without recursion).
+    std::vector<int32_t> stack;
+    std::vector<int32_t> post;
+    post.reserve(n);
+    if (root_) stack.push_back(root_);
+    while (!stack.empty()) {
+      const int32_t x = stack.back();
+      stack.pop_back();
+      post.push_back(x);
+      if (left_[x]) stack.push_back(left_[x]);
+      if (right_[x]) stack.push_back(right_[x]);
+    }
+    for (auto it = post.rbegin(); it != post.rend(); ++it) pull(*it);
+  }
+
+  // 0-based position of `node` in the list.
+  int64_t rank(const Node& node) const { return rank_of(id(node)); }
+  int64_t size() const { return size_[root_]; }
+  bool before(const Node& a, const Node& b) const { return rank(a) < rank(b); }
+
+  // Mirrors Graph::move_before(node, before) (null `before`: the end).
+  void move_before(const Node& node, const Node* before) {
+    if (&node == before) return;
+    const int32_t x = id(node);
+    int32_t a = 0, b = 0, mid = 0, c = 0;
+    split(root_, rank_of(x), a, b);
+    split(b, 1, mid, c);
+    root_ = merge(a, c);
+    parent_[root_] = 0;
+    const int64_t at = before ? rank(*before) : size_[root_];
+    split(root_, at, a, b);
+    parent_[a] = parent_[b] = parent_[x] = 0;
+    root_ = merge(merge(a, x), b);
+    parent_[root_] = 0;
+  }
+
+ private:
+  static uint64_t splitmix64(uint64_t& state) {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+  int32_t id(const Node& node) const { return id_.at(&node); }
+
+  int64_t rank_of(int32_t x) const {
+    int64_t k = size_[left_[x]];
+    for (int32_t p = parent_[x]; p; x = p, p = parent_[p]) {
+      if (right_[p] == x) k += size_[left_[p]] + 1;
+    }
+    return k;
+  }
+
+  void pull(int32_t x) {
+    size_[x] = 1 + size_[left_[x]] + size_[right_[x]];
+    if (left_[x]) parent_[left_[x]] = x;
+    if (right_[x]) parent_[right_[x]] = x;
+  }
+
+  // Splits tree `t` into its first `k` nodes (`a`) and the rest (`b`).
+  void split(int32_t t, int64_t k, int32_t& a, int32_t& b) {
+    if (!t) {
+      a = b = 0;
+      return;
+    }
+    if (size_[left_[t]] < k) {
+      int32_t rest = 0;
+      split(right_[t], k - size_[left_[t]] - 1, rest, b);
+      right_[t] = rest;
+      a = t;
+    } else {
+      int32_t first = 0;
+      split(left_[t], k, a, first);
+      left_[t] = first;
+      b = t;
+    }
+    pull(t);
+  }
+
+  int32_t merge(int32_t a, int32_t b) {
+    if (!a || !b) return a ? a : b;
+    if (priority_[a] > priority_[b]) {
+      right_[a] = merge(right_[a], b);
+      pull(a);
+      return a;
+    }
+    left_[b] = merge(a, left_[b]);
+    pull(b);
+    return b;
+  }
+
+  std::unordered_map<const Node*, int32_t> id_;  // index 0 is the empty tree
+  std::vector<int32_t> left_, right_, parent_;
+  std::vector<int64_t> size_;
+  std::vector<uint64_t> priority_;
+  int32_t root_ = 0;
+};
+
 class Scheduler {
  public:
   Scheduler(Graph& graph, const OverlapOptions& options, std::string* explain)
-      : graph_(graph), options_(options), explain_(explain) {}
+      : graph_(graph), options_(options), explain_(explain), order_(graph) {}
 
   OverlapStats run() {
     hoist_collectives();
@@ -109,19 +247,39 @@ class Scheduler {
                      moved.name(), at.name(), inflight, bytes, options_.memory_budget_bytes));
   }
 
+  // Order and moves go through order_ (never Node::is_before, see OrderIndex).
+  bool before(const Node& a, const Node& b) const { return order_.before(a, b); }
+
+  void move_before(Node* node, Node* at) {
+    graph_.move_before(node, at);
+    order_.move_before(*node, at);
+  }
+
+  // The number of nodes strictly between `from` and `to` (null: the end), `from` first; only
+  // for the explanation.
+  int64_t between(const Node& from, const Node* to) const {
+    return (to ? order_.rank(*to) : order_.size()) - order_.rank(from) - 1;
+  }
+
   // The earliest node among the users of any result of `n`, or null (graph outputs only).
-  static Node* first_user(Node& n) {
+  Node* first_user(Node& n) const {
     Node* first = nullptr;
     for (size_t i = 0; i < n.num_results(); ++i) {
       for (const Use& u : n.result(i)->uses()) {
-        if (u.user && (!first || u.user->is_before(*first))) first = u.user;
+        if (u.user && (!first || before(*u.user, *first))) first = u.user;
       }
     }
     return first;
   }
 
-  static void sort_in_order(std::vector<Node*>& nodes) {
-    std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->is_before(*b); });
+  // Sorts by position, each looked up once.
+  void sort_in_order(std::vector<Node*>& nodes) const {
+    std::vector<std::pair<int64_t, Node*>> keyed;
+    keyed.reserve(nodes.size());
+    for (Node* n : nodes) keyed.emplace_back(order_.rank(*n), n);
+    std::sort(keyed.begin(), keyed.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t i = 0; i < keyed.size(); ++i) nodes[i] = keyed[i].second;
   }
 
   // Moves `c` together with the side-effect-free nodes it depends on that come after
@@ -129,7 +287,7 @@ class Scheduler {
   // their order. False (nothing done) when that cone is empty or holds a collective or a wait,
   // which cannot move; the caller then moves `c` alone.
   bool hoist_with_operands(Node* c, Node* previous) {
-    auto after_previous = [&](const Node* n) { return !previous || previous->is_before(*n); };
+    auto after_previous = [&](const Node* n) { return !previous || before(*previous, *n); };
     std::vector<Node*> cone;
     std::vector<Node*> stack;
     std::unordered_set<const Node*> seen;  // membership only, never iterated
@@ -156,11 +314,11 @@ class Scheduler {
         at = at->next();
         continue;
       }
-      graph_.move_before(n, at);
+      move_before(n, at);
       ++moved;
     }
     if (moved == 0 && at == c) return true;
-    if (at != c) graph_.move_before(c, at);
+    if (at != c) move_before(c, at);
     ++stats_.collectives_hoisted;
     stats_.operands_hoisted += moved;
     note(fmt::format("%{}: issued earlier with {} operand node{}, {}", c->name(), moved,
@@ -184,24 +342,30 @@ class Scheduler {
       Node* anchor = previous;
       for (Value* v : c->operands()) {
         Node* def = v->node();
-        if (def && (!anchor || anchor->is_before(*def))) anchor = def;
+        if (def && (!anchor || before(*anchor, *def))) anchor = def;
       }
       previous = c;
       Node* stop = c;  // c goes right before `stop`
-      std::optional<HeldProfile> profile;
-      if (has_budget()) profile.emplace(graph_);
-      const int64_t bytes = result_bytes(*c);
       int64_t crossed = 0;
-      for (Node* n = c->prev(); n && n != anchor; n = n->prev()) {
-        if (profile && profile->at(n) + bytes > options_.memory_budget_bytes) {
-          note_budget(*c, *n, profile->at(n), bytes);
-          break;
+      if (!has_budget()) {
+        // Straight to just after the anchor: the nodes in between are only counted.
+        stop = anchor ? anchor->next() : graph_.first_node();
+        if (explain_ && stop != c) crossed = anchor ? between(*anchor, c) : order_.rank(*c);
+      } else {
+        // Up node by node while the budget allows; the profile costs O(nodes) anyway.
+        const HeldProfile profile(graph_);
+        const int64_t bytes = result_bytes(*c);
+        for (Node* n = c->prev(); n && n != anchor; n = n->prev()) {
+          if (profile.at(n) + bytes > options_.memory_budget_bytes) {
+            note_budget(*c, *n, profile.at(n), bytes);
+            break;
+          }
+          stop = n;
+          ++crossed;
         }
-        stop = n;
-        ++crossed;
       }
       if (stop == c) continue;
-      graph_.move_before(c, stop);
+      move_before(c, stop);
       ++stats_.collectives_hoisted;
       note(fmt::format("%{}: issued {} node{} earlier, {}", c->name(), crossed,
                        crossed == 1 ? "" : "s",
@@ -211,7 +375,7 @@ class Scheduler {
 
   // The side-effect-free nodes that only unpack `w`'s result: every operand is w's result or
   // a result of such a node (a bucket's view, split_with_sizes and reshapes), in order.
-  static std::vector<Node*> unpack_chain(Node& w) {
+  std::vector<Node*> unpack_chain(Node& w) const {
     std::unordered_set<const Node*> in = {&w};  // membership only, never iterated
     std::vector<Node*> chain;
     std::vector<Node*> work;
@@ -250,27 +414,23 @@ class Scheduler {
       for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
         Node* user = first_user(**it);
         if (!user || (*it)->next() == user) continue;
-        graph_.move_before(*it, user);
+        move_before(*it, user);
         ++stats_.unpack_sunk;
       }
-      Node* first = first_user(*w);
-      Node* stop = w->next();  // w goes right before `stop` (null: the end)
-      int64_t crossed = 0;
-      for (Node* n = w->next(); n != first; n = n->next()) {
-        stop = n->next();
-        ++crossed;
-      }
-      if (crossed == 0) continue;
-      graph_.move_before(w, stop);
+      Node* first = first_user(*w);  // w goes right before it (null: the end)
+      if (w->next() == first) continue;
+      const int64_t crossed = explain_ ? between(*w, first) : 0;
+      move_before(w, first);
       ++stats_.waits_sunk;
       note(fmt::format("%{}: waited {} node{} later, {}", w->name(), crossed,
-                       crossed == 1 ? "" : "s", stop ? "before %" + stop->name() : "at the end"));
+                       crossed == 1 ? "" : "s", first ? "before %" + first->name() : "at the end"));
     }
   }
 
   Graph& graph_;
   const OverlapOptions& options_;
   std::string* explain_;
+  OrderIndex order_;
   OverlapStats stats_;
 };
 
