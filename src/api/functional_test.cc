@@ -883,6 +883,10 @@ TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
     EXPECT_EQ(dim1.global_ranks(), r < 2 ? (std::vector<int>{0, 1}) : (std::vector<int>{2, 3}));
     EXPECT_EQ(&dim0, mesh2.group("dp").get());
     EXPECT_EQ(&GroupSpec(std::make_pair(&mesh2, 1)).resolve(), &dim1);
+    // A pair of a non-const mesh's address converts where a GroupSpec is expected.
+    DeviceMesh& mutable_mesh = mesh2;
+    EXPECT_EQ(all_reduce(ones, "sum", std::make_pair(&mutable_mesh, 1)).to_vector<float>(),
+              repeat(2, 4));
     EXPECT_EQ(all_reduce(ones, "sum", {mesh2, 1}).to_vector<float>(), repeat(2, 4));
     EXPECT_THAT(error_of([&] { GroupSpec(mesh2, 2).resolve(); }),
                 HasSubstr("mesh dim 2 is out of range for a 2-d DeviceMesh"));

@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "funcol/core/error.h"
+#include "funcol/dist/backend.h"
 
 namespace funcol {
 
@@ -331,6 +332,16 @@ std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<
   }
   std::string group_name = name.empty() ? parent.registry().next_group_name() : name;
   return parent.split_group({sorted}, group_name);
+}
+
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& name) {
+  ProcessGroup* world = current_world();
+  if (world == nullptr) {
+    throw InvalidArgument(
+        "new_group: no world on this thread (call it inside run_local or after "
+        "init_process_group, or pass the parent group)");
+  }
+  return new_group(*world, ranks, name);
 }
 
 }  // namespace funcol

@@ -113,6 +113,25 @@ TEST(NewGroupTest, SortsRanksNamesGroupsAndRegistersThem) {
   });
 }
 
+// new_group(ranks) works over the calling rank's world, as torch.distributed.new_group does.
+TEST(NewGroupTest, OverTheCurrentWorld) {
+  run_ranks(4, [](ProcessGroup& world) {
+    auto g = new_group({2, 0});
+    if (world.rank() == 0 || world.rank() == 2) {
+      ASSERT_NE(g, nullptr);
+      EXPECT_EQ(g->global_ranks(), (std::vector<int>{0, 2}));
+      EXPECT_EQ(g->name(), "group1");
+      Tensor t = Tensor::full({3}, DType::I32, world.rank());
+      g->all_reduce(t, ReduceOp::Sum)->wait();
+      EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{2, 2, 2}));
+    } else {
+      EXPECT_EQ(g, nullptr);
+    }
+    EXPECT_EQ(new_group({0, 1, 2, 3}, "all")->name(), "all");
+  });
+  expect_error<InvalidArgument>([] { new_group({0, 1}); }, {"new_group: no world on this thread"});
+}
+
 TEST(NewGroupTest, RejectsBadRankLists) {
   run_ranks(2, [](ProcessGroup& world) {
     expect_error<InvalidArgument>([&] { new_group(world, {}); }, {"new_group", "empty"});

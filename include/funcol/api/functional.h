@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -49,6 +50,12 @@ class GroupSpec {
   GroupSpec(const std::shared_ptr<ProcessGroup>& group) : value_(group.get()) {}
   GroupSpec(const DeviceMesh& mesh) : value_(&mesh) {}
   GroupSpec(std::pair<const DeviceMesh*, int> mesh_dim) : value_(mesh_dim) {}
+  // std::make_pair(&mesh, dim) of a non-const mesh (a template, so that a braced {&mesh, dim}
+  // still picks the constructor above).
+  template <typename Mesh,
+            typename = std::enable_if_t<std::is_same_v<std::remove_const_t<Mesh>, DeviceMesh>>>
+  GroupSpec(std::pair<Mesh*, int> mesh_dim)
+      : value_(std::pair<const DeviceMesh*, int>(mesh_dim.first, mesh_dim.second)) {}
   GroupSpec(const DeviceMesh& mesh, int dim) : value_(std::make_pair(&mesh, dim)) {}
   // A bare int or nullptr is no group (the seed's "Unsupported group type"): a compile error
   // here rather than a literal 0 silently becoming a null group name.

@@ -136,5 +136,10 @@ class GroupRegistry {
 // calls it, members and non-members alike). Returns null on ranks outside `ranks`.
 std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<int>& ranks,
                                         const std::string& name = {});
+// The same over the calling rank's world (current_world(): inside run_local or after
+// init_process_group), as torch.distributed.new_group(ranks). Throws InvalidArgument outside
+// any world.
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks,
+                                        const std::string& name = {});
 
 }  // namespace funcol
