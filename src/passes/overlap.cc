@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -101,11 +102,11 @@ class OrderIndex {
     size_.assign(n + 1, 0);
     priority_.assign(n + 1, 0);
     id_.reserve(n);
-    uint64_t state = 0x9e3779b97f4a7c15ULL;
+    std::mt19937_64 random(0x9e3779b97f4a7c15ULL);  // the standard fixes its sequence
     for (size_t i = 0; i < n; ++i) {
       const int32_t x = static_cast<int32_t>(i + 1);
       id_.emplace(order[i], x);
-      priority_[x] = splitmix64(state);
+      priority_[x] = random();
       size_[x] = 1;
     }
     // Cartesian tree of the list in one pass: the right spine on a stack.
@@ -158,13 +159,6 @@ class OrderIndex {
   }
 
  private:
-  static uint64_t splitmix64(uint64_t& state) {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-
   int32_t id(const Node& node) const { return id_.at(&node); }
 
   int64_t rank_of(int32_t x) const {

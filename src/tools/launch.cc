@@ -362,11 +362,6 @@ int launch_job(const JobOptions& o, std::FILE* err) {
   return launch_gloo(o, dir.path(), self, args, err);
 }
 
-int run_as_rank(const std::string& backend, int ranks, std::FILE* err,
-                const std::function<void(ProcessGroup& world)>& body) {
-  return run_as_rank(backend, ranks, InitOptions{}, err, body);
-}
-
 int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, std::FILE* err,
                 const std::function<void(ProcessGroup& world)>& body) {
   follow_launcher();

@@ -97,13 +97,10 @@ inline constexpr int kMaxLaunchedRanks = 512;
 int launch_job(const JobOptions& options, std::FILE* err);
 
 // Runs `body` as this process's rank of a `backend` job that must have `ranks` processes:
-// follows the launcher, joins the job (init_process_group), checks its size, runs body(world).
+// follows the launcher, joins the job (init_process_group with `join`: --rank, --world-size,
+// --store; unset fields come from the environment), checks its size, runs body(world).
 // A failure is printed to `err` as "funcol: error: rank R: ..." and gives exit status 1. The
 // process group is torn down before returning (mpi frees communicators before MPI_Finalize).
-int run_as_rank(const std::string& backend, int ranks, std::FILE* err,
-                const std::function<void(ProcessGroup& world)>& body);
-// The same, joining with `join` (--rank, --world-size, --store; unset fields come from the
-// environment).
 int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, std::FILE* err,
                 const std::function<void(ProcessGroup& world)>& body);
 

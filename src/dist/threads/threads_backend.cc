@@ -2113,11 +2113,9 @@ class ThreadsGroup final : public ProcessGroup {
     world_->wait_readers(global_rank_, slot.in_storage);
     std::shared_ptr<LaneWork> work =
         world_->lane_issue(*shared_, rank(), seq, slot, op, tensor.storage());
-    const bool succeeded = work->is_completed() && !work->failed();
-    if (work->is_completed()) work->release_keep();
-    // Not when this call completed it (nobody else sees the tensor before we return); a failure
-    // is attached, so that reading the tensor throws it.
-    if (!succeeded && tensor.storage()) tensor.storage()->add_pending(work);
+    if (work->is_completed()) work->release_keep();  // this rank executed it, or it failed
+    const Tensor* output = &tensor;
+    attach(work, {&output, 1});
     return work;
   }
 
@@ -2125,7 +2123,9 @@ class ThreadsGroup final : public ProcessGroup {
   // successfully (the usual case for the last rank to arrive): nobody else sees the outputs
   // before we return. A collective that failed at issue (a member departed, a mismatch) is
   // attached, so that reading its outputs throws the error instead of returning stale bytes.
-  static void attach(const std::shared_ptr<Work>& work, std::span<const Tensor* const> outputs) {
+  // (A template: the lane passes its LaneWork without a converted copy on its fast path.)
+  template <typename W>
+  static void attach(const std::shared_ptr<W>& work, std::span<const Tensor* const> outputs) {
     if (work->is_completed() && !work->failed()) return;
     const Storage* last = nullptr;  // outputs sharing a storage attach once
     for (const Tensor* t : outputs) {
