@@ -257,7 +257,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& name) override {
     auto mine = my_split_list(rank_lists, name);
-    const int split = splits_++;
+    const int split = agree_on_split(rank_lists, name);
     if (!mine) return nullptr;
     const int my_index =
         static_cast<int>(std::find(mine->begin(), mine->end(), global_rank()) - mine->begin());
@@ -444,7 +444,6 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
 
   std::shared_ptr<GlooShared> shared_;
   std::shared_ptr<gloo::Context> context_;  // null for a group of one rank
-  std::atomic<int> splits_{0};
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

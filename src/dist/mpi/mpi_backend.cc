@@ -429,9 +429,11 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         key = static_cast<int>(it - rank_lists[i].begin());
       }
     }
-    // MPI_Comm_split blocks until every rank of the communicator calls it; a barrier with this
-    // group's timeout first makes a missing rank a CommError instead of a hang.
-    barrier_async()->wait();
+    // MPI_Comm_split blocks until every rank of the communicator calls it, and groups ranks by
+    // their position in rank_lists: agreeing first, with this group's timeout, makes a missing
+    // rank a CommError instead of a hang and different lists an error instead of a group of
+    // other ranks than this one asked for.
+    agree_on_split(rank_lists, name);
     MPI_Comm parent = comm_;
     MPI_Comm comm = Runtime::get().call([&] {
       MPI_Comm out = MPI_COMM_NULL;

@@ -8,9 +8,11 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <regex>
 #include <string>
 
 #include <algorithm>
+#include <chrono>
 #include <thread>
 
 #include "funcol/api/functional.h"
@@ -71,6 +73,38 @@ TEST(ProcessBackend, SplitGroupRejectsBadListsOnEveryRank) {
   EXPECT_THROW(g_world->split_group({{0, 0}}, "bad_dup"), funcol::InvalidArgument);
   EXPECT_THROW(g_world->split_group({{g_world->size()}}, "bad_rank"), funcol::InvalidArgument);
   EXPECT_THROW(g_world->split_group({{0}}, "world"), funcol::InvalidArgument);
+}
+
+// Communicates. Ranks that pass different lists get one CommError each, at once (gloo used to
+// wait out the rendezvous timeout; mpi split by position and gave ranks a group of other
+// members than they asked for), and the world stays usable.
+TEST(ProcessBackend, SplitGroupWithDifferentListsFailsOnEveryRankAtOnce) {
+  using funcol::DType;
+  const int n = g_world->size();
+  const int me = g_world->rank();
+  if (n < 2) GTEST_SKIP() << "needs at least 2 ranks to disagree; this job has " << n;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    // Rank r asks for the group {r}: no two ranks agree.
+    g_world->split_group({{me}}, "disagree");
+    ADD_FAILURE() << "split_group with different lists returned";
+  } catch (const funcol::CommError& e) {
+    // "(split N)": N counts the world's earlier splits.
+    EXPECT_TRUE(std::regex_match(
+        e.what(), std::regex(R"(split_group on group 'world' \(split [0-9]+\): rank 0 passed )"
+                             R"(\[\[0\]\] as 'disagree' but rank 1 passed \[\[1\]\] as 'disagree')")))
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(g_world->registry().find("disagree"), nullptr);
+  // The same name and lists on every rank then work.
+  std::vector<std::vector<int>> singles;
+  for (int r = 0; r < n; ++r) singles.push_back({r});
+  auto group = g_world->split_group(singles, "disagree");
+  ASSERT_NE(group, nullptr);
+  EXPECT_EQ(group->global_ranks(), std::vector<int>{me});
+  funcol::Tensor x = funcol::Tensor::full({3}, DType::I32, 1);
+  EXPECT_EQ(funcol::all_reduce(x, "sum", *g_world).to_vector<int>(), std::vector<int>(3, n));
 }
 
 // Communicates: the functional API finds "world" through current_world().
