@@ -649,6 +649,37 @@ TEST(Inputs, AreNeverModified) {
   });
 }
 
+// The in-place remaps write through strided views of a larger buffer and touch nothing else.
+TEST(Inplace, IntoStridedViews) {
+  run_local(2, [](ProcessGroup& world) {
+    const int r = world.rank();
+    Tensor m = iota({3, 4}, static_cast<float>(100 * r));
+    Tensor col = m.narrow(1, 1, 1);  // [3,1], stride 4
+    all_reduce_inplace(col, "sum", world);
+    EXPECT_EQ(m.to_vector<float>(),
+              (std::vector<float>{0.0f + 100 * r, 102, 2.0f + 100 * r, 3.0f + 100 * r,
+                                  4.0f + 100 * r, 110, 6.0f + 100 * r, 7.0f + 100 * r,
+                                  8.0f + 100 * r, 118, 10.0f + 100 * r, 11.0f + 100 * r}));
+    // The gathered rows land in the columns of one buffer.
+    Tensor buf = Tensor::zeros({2, 2}, DType::I32);
+    all_gather_inplace({buf.select(1, 0), buf.select(1, 1)},
+                       Tensor::from_vector<int32_t>({r + 1, 10 * (r + 1)}, {2}), world);
+    EXPECT_EQ(buf.to_vector<int32_t>(), (std::vector<int32_t>{1, 2, 10, 20}));
+    Tensor gathered = Tensor::zeros({3, 4}, DType::F32);
+    all_gather_tensor_inplace(gathered.transpose(0, 1), iota({2, 3}, 10.0f * r), world);
+    EXPECT_TRUE(gathered.transpose(0, 1).equal(Tensor::cat({iota({2, 3}, 0), iota({2, 3}, 10)})));
+    Tensor exchanged = Tensor::zeros({2, 2}, DType::F32);
+    all_to_all_inplace(exchanged.transpose(0, 1), iota({2, 2}, 10.0f * r), std::nullopt,
+                       std::nullopt, world);
+    EXPECT_TRUE(exchanged.transpose(0, 1).equal(
+        Tensor::cat({iota({2, 2}, 0).narrow(0, r, 1), iota({2, 2}, 10).narrow(0, r, 1)})));
+    Tensor shard = Tensor::zeros({2, 3}, DType::F32);
+    reduce_scatter_tensor_inplace(shard.narrow(0, 1, 1), iota({2, 3}), world);
+    EXPECT_EQ(shard.to_vector<float>(),
+              (std::vector<float>{0, 0, 0, 6.0f * r, 6.0f * r + 2, 6.0f * r + 4}));
+  });
+}
+
 // Views as inputs: a narrowed (contiguous, storage offset > 0) and an expanded (stride 0) one.
 TEST(Inputs, NarrowedAndExpandedViews) {
   run_local(2, [](ProcessGroup& world) {
@@ -1231,7 +1262,8 @@ TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
                                    lazy.narrow(1, 6, 6),
                                    lazy.transpose(0, 1),
                                    lazy.view({48}),
-                                   rs.view({12})};
+                                   rs.view({12}),
+                                   out.select(0, 0).expand({3, 6})};
       for (const Tensor& v : out.chunk(2, 1)) views.push_back(v);
       for (const Tensor& v : out.split(3, 0)) views.push_back(v);
       for (const Tensor& v : lazy.split_with_sizes({6, 6}, 1)) views.push_back(v);
@@ -1246,6 +1278,10 @@ TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
       EXPECT_TRUE(out.is_ready());
       EXPECT_TRUE(views[10].equal(iota({4, 6}, 100)));
       EXPECT_TRUE(lazy.is_ready());
+      // A conversion reads the data: it waits (PyTorch #133421, .to() skipped the wait).
+      EXPECT_EQ(rs.to(DType::BF16).to_vector<float>(),
+                add(iota({4, 6}, 0), iota({4, 6}, 100)).narrow(1, 0, 3).to_vector<float>());
+      EXPECT_TRUE(rs.is_ready());
     }
     EXPECT_TRUE(lazy.equal(Tensor::cat({iota({4, 6}, 0), iota({4, 6}, 100)}, 1)));
     EXPECT_TRUE(rs.equal(add(iota({4, 6}, 0), iota({4, 6}, 100)).narrow(1, 3 * world.rank(), 3)));
