@@ -176,6 +176,20 @@ TEST_P(EagerGradCheck, Coalesced) {
   EXPECT_EQ(n, expected(6 + 8));
 }
 
+// A 0-d input gathers to [group_size]; its gradient (a reduce_scatter, [1]) must come back 0-d.
+TEST_P(EagerGradCheck, ZeroDimAllGather) {
+  const int w = GetParam();
+  const int64_t n = eager_gradcheck(w, {{}, {2}}, [](GradTape& tape, const auto& x, int) {
+    const Tensor g = all_gather_tensor_autograd(x[0], -1, "world");
+    const std::vector<Tensor> c = all_gather_into_tensor_coalesced_autograd({x[0], x[1]}, "world");
+    const Tensor a = sum_of_cubes(tape, g);
+    const Tensor b = sum_of_cubes(tape, tape.call_one("mul", std::vector<Tensor>{c[0], c[0]}));
+    const Tensor ab = tape.call_one("add", std::vector<Tensor>{a, b});
+    return tape.call_one("add", std::vector<Tensor>{ab, sum_of_cubes(tape, c[1])});
+  });
+  EXPECT_EQ(n, expected(1 + 2));
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, EagerGradCheck, ::testing::Values(2, 4),
                          [](const auto& info) { return fmt::format("ranks{}", info.param); });
 

@@ -157,10 +157,12 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   return result;
 }
 
-// Validates a (contiguous) reduce_scatter input: at least 1-d, size(dim) divisible by the group
-// size. Returns the normalized scatter dim.
+// Validates a reduce_scatter input: at least 1-d, size(dim) divisible by the group size,
+// contiguous when scattered along dim 0 (the seed sends only that one as is; any other
+// scatter_dim goes through its chunk + cat copy first). Returns the normalized scatter dim.
 int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t world,
                                    std::string_view op, std::string_view suffix) {
+  if (scatter_dim == 0) check_contiguous(t, op, suffix);
   if (t.dim() == 0) {
     throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
   }
@@ -174,11 +176,13 @@ int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t
 }
 
 // The seed's chunk(world, dim) + cat(dim 0), done eagerly (it needs only the input): the block
-// for rank j becomes the j-th contiguous slab, as reduce_scatter expects.
+// for rank j becomes the j-th contiguous slab, as reduce_scatter expects. A copy, so the input
+// may be non-contiguous unless dim is 0.
 Tensor scatter_dim_to_front(const Tensor& t, int64_t dim, int64_t world) {
   const Shape& s = t.sizes();
   const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
-  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return ready_input(t);
+  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return ready_input(t.contiguous());
+  if (!t.is_contiguous()) return Tensor::cat(t.chunk(world, dim), 0);
   Tensor front = Tensor::empty(s, t.dtype());
   const size_t block_bytes = static_cast<size_t>(s[static_cast<size_t>(dim)] / world *
                                                  prod(s, static_cast<size_t>(dim) + 1, s.size())) *
@@ -261,7 +265,6 @@ Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int6
   check_input(t, kOp);
   const ReduceOp op = parse_reduce_op(reduce_op);
   check_reduce_op_dtype(op, t.dtype(), kOp);
-  check_contiguous(t, kOp);
   ProcessGroup& pg = group.resolve();
   const int64_t world = pg.size();
   const int64_t dim = check_reduce_scatter_input(t, scatter_dim, world, kOp, {});
@@ -430,7 +433,6 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(inputs[i], kOp, index_suffix(i));
     check_reduce_op_dtype(op, inputs[i].dtype(), kOp);
-    check_contiguous(inputs[i], kOp, index_suffix(i));
   }
   ProcessGroup& pg = group.resolve();
   if (inputs.empty()) return {};

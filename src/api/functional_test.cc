@@ -282,6 +282,80 @@ TEST(AllGather, LeadingOnesAndEmptyInputs) {
   });
 }
 
+// Zero-element inputs through every op: right shapes, nothing to move, no hang.
+TEST(ZeroElements, EveryOp) {
+  run_local(3, [](ProcessGroup& world) {
+    const int r = world.rank();
+    Tensor z = Tensor::zeros({0, 5}, DType::F32);
+    EXPECT_EQ(all_reduce(z, "sum", world).sizes(), (Shape{0, 5}));
+    EXPECT_EQ(all_gather_tensor(z, 1, world).sizes(), (Shape{0, 15}));
+    EXPECT_EQ(reduce_scatter_tensor(z, "sum", 0, world).sizes(), (Shape{0, 5}));
+    EXPECT_EQ(reduce_scatter_tensor(Tensor::zeros({0, 6}, DType::I8), "max", 1, world).sizes(),
+              (Shape{0, 2}));
+    EXPECT_EQ(all_to_all_single(z, std::nullopt, std::nullopt, world).sizes(), (Shape{0, 5}));
+    // Rows without elements still move by their split sizes: everyone sends its 3 to rank 0.
+    using Splits = std::vector<int64_t>;
+    Tensor empty_rows = Tensor::zeros({3, 0}, DType::F32);
+    const Splits to_zero = {3, 0, 0};
+    const Splits from_all = r == 0 ? Splits{3, 3, 3} : Splits{0, 0, 0};
+    EXPECT_EQ(all_to_all_single(empty_rows, from_all, to_zero, world).sizes(),
+              (Shape{r == 0 ? 9 : 0, 0}));
+    EXPECT_EQ(broadcast(z, 2, world).sizes(), (Shape{0, 5}));
+    EXPECT_EQ(permute_tensor(z, {1, 2, 0}, world).sizes(), (Shape{0, 5}));
+    std::vector<Tensor> ag = all_gather_into_tensor_coalesced(
+        {z, Tensor::full({}, DType::I8, r), Tensor::zeros({2, 0}, DType::Bool)}, world);
+    EXPECT_EQ(ag[0].sizes(), (Shape{0, 5}));
+    EXPECT_EQ(ag[1].to_vector<int>(), (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(ag[2].sizes(), (Shape{6, 0}));
+    std::vector<Tensor> rs = reduce_scatter_tensor_coalesced(
+        {z, Tensor::full({3}, DType::I16, 1), Tensor::zeros({3, 0}, DType::F16)}, "sum", {0, 0, 1},
+        world);
+    EXPECT_EQ(rs[1].to_vector<int>(), (std::vector<int>{3}));
+    EXPECT_EQ(rs[2].sizes(), (Shape{3, 0}));
+    std::vector<Tensor> ar = all_reduce_coalesced(
+        {z, Tensor::full({}, DType::BF16, 1), Tensor::zeros({0}, DType::U8)}, "sum", world);
+    EXPECT_EQ(ar[1].item<float>(), 3.0f);
+    EXPECT_EQ(ar[2].sizes(), (Shape{0}));
+    std::vector<Tensor> list(3, Tensor());
+    for (Tensor& t : list) t = Tensor::zeros({0, 5}, DType::F32);
+    all_gather_inplace(list, z, world);
+  });
+}
+
+// One coalesced call over tensors of different dtypes and sizes, for every reduce op that the
+// dtypes share; each output must be what its own collective would give.
+TEST(Coalesced, MixedDtypesAndSizes) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    const std::vector<DType> dtypes = {DType::F16, DType::I64, DType::BF16,
+                                       DType::U8,  DType::F64, DType::Bool};
+    const std::vector<Shape> shapes = {{2, 3}, {4}, {3, 2}, {8}, {4, 1}, {4}};
+    std::vector<Tensor> in;
+    for (size_t i = 0; i < dtypes.size(); ++i) {
+      in.push_back(Tensor::full(shapes[i], dtypes[i], dtypes[i] == DType::Bool ? r == 2 : r + 1));
+    }
+    for (const char* op : {"sum", "product", "min", "max"}) {
+      std::vector<Tensor> out = all_reduce_coalesced(in, op, world);
+      for (size_t i = 0; i < in.size(); ++i) {
+        EXPECT_TRUE(out[i].equal(all_reduce(in[i], op, world))) << op << " " << i;
+      }
+    }
+    std::vector<Tensor> ag = all_gather_into_tensor_coalesced(in, world);
+    for (size_t i = 0; i < in.size(); ++i) {
+      EXPECT_TRUE(ag[i].equal(all_gather_tensor(in[i], 0, world))) << i;
+    }
+    // Reduce-scatter needs size(dim) % 4 == 0.
+    const std::vector<int64_t> dims = {1, 0, 0, 0, 0, 0};
+    std::vector<Tensor> rin = {Tensor::full({2, 4}, DType::F16, r + 1), in[1],
+                               Tensor::full({8, 1}, DType::BF16, r + 1), in[3], in[4], in[5]};
+    std::vector<Tensor> rs = reduce_scatter_tensor_coalesced(rin, "sum", dims, world);
+    for (size_t i = 0; i < rin.size(); ++i) {
+      EXPECT_TRUE(rs[i].equal(reduce_scatter_tensor(rin[i], "sum", dims[i], world))) << i;
+    }
+    EXPECT_EQ(rs[0].to_vector<float>(), repeat(10, 2));
+  });
+}
+
 TEST(ReduceScatter, AvgOfRankVector) {  // D.7
   run_local(4, [](ProcessGroup& world) {
     Tensor x = Tensor::arange(4, DType::F32);
@@ -361,6 +435,43 @@ TEST(ReduceScatter, InplaceWritesTheGivenBuffer) {
         (std::vector<float>{
             static_cast<float>(8 * world.rank()), static_cast<float>(8 * world.rank() + 2),
             static_cast<float>(8 * world.rank() + 4), static_cast<float>(8 * world.rank() + 6)}));
+  });
+}
+
+// D.15's other side: the seed rearranges a scatter_dim != 0 input by chunk + cat (a contiguous
+// copy) before the native op checks contiguity, so only scatter_dim 0 needs a contiguous input.
+TEST(ReduceScatter, NonContiguousInputAlongAnotherDim) {
+  run_local(2, [](ProcessGroup& world) {
+    const int r = world.rank();
+    Tensor x = iota({4, 6}).transpose(0, 1);  // [6,4], strides [1,6]
+    ASSERT_FALSE(x.is_contiguous());
+    const Tensor sum = mul_scalar(x.contiguous(), 2);
+    EXPECT_TRUE(reduce_scatter_tensor(x, "sum", 1, world).equal(sum.narrow(1, 2 * r, 2)));
+    EXPECT_TRUE(reduce_scatter_tensor(x, "sum", -1, world).equal(sum.narrow(1, 2 * r, 2)));
+    // -2 is dim 0, but not the literal 0 the seed sends as is: rearranged, so accepted.
+    EXPECT_TRUE(reduce_scatter_tensor(x, "sum", -2, world).equal(sum.narrow(0, 3 * r, 3)));
+    // Only ones precede the dim (no rearrangement, just the copy), and a 3-d input.
+    Tensor y = iota({8, 2}).narrow(1, 0, 1).transpose(0, 1);  // [1,8], strides [1,2]
+    ASSERT_FALSE(y.is_contiguous());
+    EXPECT_TRUE(reduce_scatter_tensor(y, "max", 1, world).equal(y.narrow(1, 4 * r, 4)));
+    Tensor z = iota({2, 3, 4}).permute({2, 0, 1});  // [4,2,3]
+    EXPECT_TRUE(reduce_scatter_tensor(z, "sum", 1, world)
+                    .equal(mul_scalar(z.contiguous(), 2).narrow(1, r, 1)));
+    std::vector<Tensor> outs = reduce_scatter_tensor_coalesced({x, z}, "sum", {1, 1}, world);
+    EXPECT_TRUE(outs[0].equal(sum.narrow(1, 2 * r, 2)));
+    EXPECT_TRUE(outs[1].equal(mul_scalar(z.contiguous(), 2).narrow(1, r, 1)));
+    Tensor into = Tensor::zeros({6, 2}, DType::F32);
+    reduce_scatter_tensor_inplace(into, x, world, "sum", /*scatter_dim=*/1);
+    EXPECT_TRUE(into.equal(sum.narrow(1, 2 * r, 2)));
+    EXPECT_TRUE(x.equal(iota({4, 6}).transpose(0, 1)));
+    // Scattering along dim 0 sends the input as is: it must be contiguous.
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor(x, "sum", 0, world); }),
+                HasSubstr("Tensor must be contiguous for reduce_scatter_tensor"));
+    EXPECT_THAT(error_of([&] {
+                  reduce_scatter_tensor_coalesced({x, x}, "sum", {1, 0}, world);
+                }),
+                HasSubstr("Tensor must be contiguous for reduce_scatter_tensor_coalesced for "
+                          "tensor at index 1"));
   });
 }
 
@@ -535,6 +646,78 @@ TEST(Inputs, AreNeverModified) {
     EXPECT_TRUE(xt.equal(xt0));
     EXPECT_FALSE(xt.is_contiguous());
     EXPECT_EQ(xt.strides(), (Shape{1, 4}));
+  });
+}
+
+// The in-place remaps write through strided views of a larger buffer and touch nothing else.
+TEST(Inplace, IntoStridedViews) {
+  run_local(2, [](ProcessGroup& world) {
+    const int r = world.rank();
+    Tensor m = iota({3, 4}, static_cast<float>(100 * r));
+    Tensor col = m.narrow(1, 1, 1);  // [3,1], stride 4
+    all_reduce_inplace(col, "sum", world);
+    EXPECT_EQ(m.to_vector<float>(),
+              (std::vector<float>{0.0f + 100 * r, 102, 2.0f + 100 * r, 3.0f + 100 * r,
+                                  4.0f + 100 * r, 110, 6.0f + 100 * r, 7.0f + 100 * r,
+                                  8.0f + 100 * r, 118, 10.0f + 100 * r, 11.0f + 100 * r}));
+    // The gathered rows land in the columns of one buffer.
+    Tensor buf = Tensor::zeros({2, 2}, DType::I32);
+    all_gather_inplace({buf.select(1, 0), buf.select(1, 1)},
+                       Tensor::from_vector<int32_t>({r + 1, 10 * (r + 1)}, {2}), world);
+    EXPECT_EQ(buf.to_vector<int32_t>(), (std::vector<int32_t>{1, 2, 10, 20}));
+    Tensor gathered = Tensor::zeros({3, 4}, DType::F32);
+    all_gather_tensor_inplace(gathered.transpose(0, 1), iota({2, 3}, 10.0f * r), world);
+    EXPECT_TRUE(gathered.transpose(0, 1).equal(Tensor::cat({iota({2, 3}, 0), iota({2, 3}, 10)})));
+    Tensor exchanged = Tensor::zeros({2, 2}, DType::F32);
+    all_to_all_inplace(exchanged.transpose(0, 1), iota({2, 2}, 10.0f * r), std::nullopt,
+                       std::nullopt, world);
+    EXPECT_TRUE(exchanged.transpose(0, 1).equal(
+        Tensor::cat({iota({2, 2}, 0).narrow(0, r, 1), iota({2, 2}, 10).narrow(0, r, 1)})));
+    Tensor shard = Tensor::zeros({2, 3}, DType::F32);
+    reduce_scatter_tensor_inplace(shard.narrow(0, 1, 1), iota({2, 3}), world);
+    EXPECT_EQ(shard.to_vector<float>(),
+              (std::vector<float>{0, 0, 0, 6.0f * r, 6.0f * r + 2, 6.0f * r + 4}));
+  });
+}
+
+// Views as inputs: a narrowed (contiguous, storage offset > 0) and an expanded (stride 0) one.
+TEST(Inputs, NarrowedAndExpandedViews) {
+  run_local(2, [](ProcessGroup& world) {
+    const int r = world.rank();
+    auto rows_of = [](int rank) { return iota({8, 4}, 100.0f * rank).narrow(0, 4, 4); };
+    Tensor x = rows_of(r);
+    ASSERT_TRUE(x.is_contiguous());
+    ASSERT_EQ(x.storage_offset(), 16);
+    const Tensor both = add(rows_of(0), rows_of(1));
+    EXPECT_TRUE(all_reduce(x, "sum", world).equal(both));
+    EXPECT_TRUE(all_gather_tensor(x, 0, world).equal(Tensor::cat({rows_of(0), rows_of(1)}, 0)));
+    EXPECT_TRUE(all_gather_tensor(x, 1, world).equal(Tensor::cat({rows_of(0), rows_of(1)}, 1)));
+    EXPECT_TRUE(reduce_scatter_tensor(x, "sum", 0, world).equal(both.narrow(0, 2 * r, 2)));
+    EXPECT_TRUE(reduce_scatter_tensor(x, "sum", 1, world).equal(both.narrow(1, 2 * r, 2)));
+    EXPECT_TRUE(broadcast(x, 1, world).equal(rows_of(1)));
+    EXPECT_TRUE(all_to_all_single(x, std::nullopt, std::nullopt, world)
+                    .equal(Tensor::cat({rows_of(0).narrow(0, 2 * r, 2),
+                                        rows_of(1).narrow(0, 2 * r, 2)})));
+    std::vector<Tensor> ag = all_gather_into_tensor_coalesced({x, x.narrow(0, 1, 1)}, world);
+    EXPECT_TRUE(ag[1].equal(Tensor::cat({rows_of(0).narrow(0, 1, 1), rows_of(1).narrow(0, 1, 1)})));
+    std::vector<Tensor> rs = reduce_scatter_tensor_coalesced({x, x}, "sum", {1, 0}, world);
+    EXPECT_TRUE(rs[0].equal(both.narrow(1, 2 * r, 2)));
+    EXPECT_TRUE(rs[1].equal(both.narrow(0, 2 * r, 2)));
+
+    Tensor e = Tensor::full({1, 3}, DType::F32, r + 1).expand({4, 3});
+    EXPECT_EQ(all_reduce(e, "sum", world).to_vector<float>(), repeat(3, 12));
+    EXPECT_EQ(all_reduce_coalesced({e}, "max", world)[0].to_vector<float>(), repeat(2, 12));
+    EXPECT_EQ(broadcast(e, 1, world).to_vector<float>(), repeat(2, 12));
+    EXPECT_EQ(permute_tensor(e, {1, 0}, world).to_vector<float>(), repeat(2.0f - r, 12));
+    Tensor e4 = Tensor::full({1, 4}, DType::F32, r + 1).expand({3, 4});
+    EXPECT_TRUE(reduce_scatter_tensor(e4, "sum", 1, world)
+                    .equal(Tensor::full({3, 2}, DType::F32, 3)));
+    EXPECT_THAT(error_of([&] { all_gather_tensor(e, 0, world); }),
+                HasSubstr("Tensor must be contiguous for all_gather_tensor"));
+    // Writing the result back into an expanded view would write one element many times.
+    EXPECT_THAT(error_of([&] { all_reduce_inplace(e, "sum", world); }),
+                HasSubstr("refers to a single memory location"));
+    EXPECT_EQ(all_reduce(x, "sum", world).to_vector<float>(), both.to_vector<float>());
   });
 }
 
@@ -1079,7 +1262,8 @@ TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
                                    lazy.narrow(1, 6, 6),
                                    lazy.transpose(0, 1),
                                    lazy.view({48}),
-                                   rs.view({12})};
+                                   rs.view({12}),
+                                   out.select(0, 0).expand({3, 6})};
       for (const Tensor& v : out.chunk(2, 1)) views.push_back(v);
       for (const Tensor& v : out.split(3, 0)) views.push_back(v);
       for (const Tensor& v : lazy.split_with_sizes({6, 6}, 1)) views.push_back(v);
@@ -1094,6 +1278,10 @@ TEST(Waits, ViewsDoNotWaitDataAccessDoes) {
       EXPECT_TRUE(out.is_ready());
       EXPECT_TRUE(views[10].equal(iota({4, 6}, 100)));
       EXPECT_TRUE(lazy.is_ready());
+      // A conversion reads the data: it waits (PyTorch #133421, .to() skipped the wait).
+      EXPECT_EQ(rs.to(DType::BF16).to_vector<float>(),
+                add(iota({4, 6}, 0), iota({4, 6}, 100)).narrow(1, 0, 3).to_vector<float>());
+      EXPECT_TRUE(rs.is_ready());
     }
     EXPECT_TRUE(lazy.equal(Tensor::cat({iota({4, 6}, 0), iota({4, 6}, 100)}, 1)));
     EXPECT_TRUE(rs.equal(add(iota({4, 6}, 0), iota({4, 6}, 100)).narrow(1, 3 * world.rank(), 3)));

@@ -234,11 +234,14 @@ Grads grad_all_reduce(Builder& b, const Node& n, GIn g) {
                             {{"reduce_op", "sum"}, {"group", n.attr("group")}}))};
 }
 
+// A 0-d input gathers to [group_size], whose reduce-scatter is [1]: reshaped back to the
+// input's shape (as PyTorch's engine sums a gradient to its input's shape).
 Grads grad_all_gather(Builder& b, const Node& n, GIn g) {
-  return {waited(b, b.value("reduce_scatter_tensor", {g[0]},
-                            {{"reduce_op", "sum"},
-                             {"group_size", n.attr("group_size")},
-                             {"group", n.attr("group")}}))};
+  Value* rs = waited(b, b.value("reduce_scatter_tensor", {g[0]},
+                                {{"reduce_op", "sum"},
+                                 {"group_size", n.attr("group_size")},
+                                 {"group", n.attr("group")}}));
+  return {reshape_to(b, rs, n.operand(0)->shape())};
 }
 
 Grads grad_reduce_scatter(Builder& b, const Node& n, GIn g) {
@@ -278,10 +281,15 @@ Grads grad_all_reduce_coalesced(Builder& b, const Node& n, GIn g) {
 }
 
 Grads grad_all_gather_coalesced(Builder& b, const Node& n, GIn g) {
-  return coalesced(b, n, g, "reduce_scatter_tensor_coalesced",
-                   {{"reduce_op", "sum"},
-                    {"group_size", n.attr("group_size")},
-                    {"group", n.attr("group")}});
+  Grads out = coalesced(b, n, g, "reduce_scatter_tensor_coalesced",
+                        {{"reduce_op", "sum"},
+                         {"group_size", n.attr("group_size")},
+                         {"group", n.attr("group")}});
+  // 0-d inputs, as grad_all_gather.
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (out[i]) out[i] = reshape_to(b, out[i], n.operand(i)->shape());
+  }
+  return out;
 }
 
 Grads grad_reduce_scatter_coalesced(Builder& b, const Node& n, GIn g) {

@@ -101,6 +101,28 @@ TEST(Autodiff, EveryBackwardCollectiveHasItsOwnWait) {
   EXPECT_EQ(std::count(ops.begin(), ops.end(), "all_reduce_coalesced"), 2);
 }
 
+// A 0-d input gathers to [group_size]; the backward reduce_scatter gives [1], which must go
+// back to the input's shape (PyTorch's engine sums a gradient to its input's shape).
+TEST(Autodiff, ZeroDimAllGatherGradientHasTheInputShape) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%s: f32[], %c: f32[2]) {
+    %ag = all_gather_into_tensor(%s) {group_size = 2, group = "world"}
+    %w = wait_tensor(%ag)
+    %agc:2 = all_gather_into_tensor_coalesced(%s, %c) {group_size = 2, group = "world"}
+    %w0 = wait_tensor(%agc#0)
+    %w1 = wait_tensor(%agc#1)
+    %m = mul(%w, %w0)
+    %s1 = sum(%m)
+    %s2 = sum(%w1)
+    %l = add(%s1, %s2)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {0, 1});
+  EXPECT_NO_THROW(verify(joint));
+  ASSERT_EQ(joint.outputs().size(), 3u);
+  EXPECT_EQ(joint.outputs()[1]->type(), fwd->input(0)->type());
+  EXPECT_EQ(joint.outputs()[2]->type(), fwd->input(1)->type());
+}
+
 TEST(Autodiff, ValueUsedTwiceAccumulatesWithAdd) {
   std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[3]) {
     %m = mul(%x, %x)

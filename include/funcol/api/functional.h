@@ -82,8 +82,9 @@ Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec
 // Gathers along gather_dim (input must be contiguous). A 0-d input gathers to [group_size].
 // gather_dim != 0 is lazy too: the rank-major blocks are moved into place on first use.
 Tensor all_gather_tensor(const Tensor& t, int64_t gather_dim, const GroupSpec& group);
-// size(scatter_dim) must be a multiple of the group size; the input must be contiguous and at
-// least 1-d. scatter_dim != 0 rearranges a copy of the input before the collective.
+// size(scatter_dim) must be a multiple of the group size; the input must be at least 1-d.
+// scatter_dim != 0 rearranges a copy of the input before the collective (the seed's chunk +
+// cat), so only scatter_dim 0 requires a contiguous input, as in the seed.
 Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int64_t scatter_dim,
                              const GroupSpec& group);
 // Both split lists or neither (neither: even split of dim 0, which must divide). Sizes count
