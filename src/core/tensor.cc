@@ -11,6 +11,7 @@
 #include <numeric>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "elem.h"
 #include "funcol/core/allocator.h"
@@ -105,16 +106,23 @@ void check_no_internal_overlap(const Tensor& t, const char* what) {
 }
 
 // A value written into an integer dtype must be representable there (no wrap-around): PyTorch's
-// "value cannot be converted to type int8_t without overflow".
-void check_integer_fits(DType dtype, double value, const char* what) {
+// "value cannot be converted to type int8_t without overflow". V is double or int64_t.
+template <typename V>
+void check_integer_fits(DType dtype, V value, const char* what) {
   if (!is_integer(dtype)) return;
   dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     if constexpr (std::is_integral_v<S> && !std::is_same_v<S, bool>) {
-      // [lowest, max + 1): max itself may not be a double (int64), max + 1 is a power of two.
-      const double lo = static_cast<double>(std::numeric_limits<S>::lowest());
-      const double hi = static_cast<double>(std::numeric_limits<S>::max()) + 1.0;
-      if (!(value >= lo && value < hi)) {
+      bool fits;
+      if constexpr (std::is_integral_v<V>) {
+        fits = std::in_range<S>(value);
+      } else {
+        // [lowest, max + 1): max itself may not be a double (int64), max + 1 is a power of two.
+        const double lo = static_cast<double>(std::numeric_limits<S>::lowest());
+        const double hi = static_cast<double>(std::numeric_limits<S>::max()) + 1.0;
+        fits = value >= lo && value < hi;
+      }
+      if (!fits) {
         throw InvalidArgument(fmt::format("{}: value {} cannot be converted to {} without overflow",
                                           what, value, dtype_name(dtype)));
       }
@@ -408,17 +416,30 @@ Tensor Tensor::zeros(const Shape& shape, DType dtype) {
   return t;
 }
 
-Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
+namespace {
+
+template <typename V>
+Tensor full_of(const Shape& shape, DType dtype, V value) {
   check_shape(shape, dtype, "full");
   check_integer_fits(dtype, value, "full");
-  Tensor t = empty(shape, dtype);
+  Tensor t = Tensor::empty(shape, dtype);
   t.fill_(value);
   return t;
 }
 
+}  // namespace
+
+Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
+  return full_of(shape, dtype, value);
+}
+
+Tensor Tensor::full_integer(const Shape& shape, DType dtype, int64_t value) {
+  return full_of(shape, dtype, value);
+}
+
 Tensor Tensor::arange(int64_t n, DType dtype) {
   if (n < 0) throw InvalidArgument(fmt::format("arange: n must be non-negative, got {}", n));
-  if (n > 1) check_integer_fits(dtype, static_cast<double>(n - 1), "arange");
+  if (n > 1) check_integer_fits(dtype, n - 1, "arange");
   Tensor t = empty({n}, dtype);
   dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
@@ -946,23 +967,38 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   return *this;
 }
 
-const Tensor& Tensor::fill_(double value) const {
-  check_not_meta(*this, "fill_");
-  check_no_internal_overlap(*this, "fill_");
-  check_integer_fits(dtype_, value, "fill_");
-  storage_->wait();
-  char* base = static_cast<char*>(raw_data_ptr());
-  dispatch(dtype_, [&](auto tag) {
+namespace {
+
+template <typename V>
+void fill_with(const Tensor& t, V value) {
+  check_not_meta(t, "fill_");
+  check_no_internal_overlap(t, "fill_");
+  check_integer_fits(t.dtype(), value, "fill_");
+  t.storage()->wait();
+  char* base = static_cast<char*>(t.raw_data_ptr());
+  const Shape& strides = t.strides();
+  dispatch(t.dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
     const S v = cvt<S>(value);
     for_each_row<1>(
-        sizes_, {&strides_},
+        t.sizes(), {&strides},
         [&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& inner) {
           char* p = base + off[0] * static_cast<int64_t>(sizeof(S));
           const int64_t step = inner[0] * static_cast<int64_t>(sizeof(S));
           for (int64_t i = 0; i < n; ++i) store_elem<S>(p + i * step, v);
         });
   });
+}
+
+}  // namespace
+
+const Tensor& Tensor::fill_(double value) const {
+  fill_with(*this, value);
+  return *this;
+}
+
+const Tensor& Tensor::fill_integer_(int64_t value) const {
+  fill_with(*this, value);
   return *this;
 }
 

@@ -138,6 +138,31 @@ TEST(Factories, IntegerValuesMustFit) {
   EXPECT_TRUE(std::isinf(Tensor::full({1}, DType::F16, 1e6).item<float>()));
 }
 
+// Integer values are not rounded through a double: 2^53 + 1 and INT64_MAX survive.
+TEST(Factories, IntegerValuesAreExact) {
+  const int64_t odd = (int64_t{1} << 53) + 1;
+  EXPECT_EQ(Tensor::full({2}, DType::I64, odd).to_vector<int64_t>(),
+            (std::vector<int64_t>{odd, odd}));
+  EXPECT_EQ(Tensor::full({1}, DType::I64, std::numeric_limits<int64_t>::max()).item<int64_t>(),
+            std::numeric_limits<int64_t>::max());
+  EXPECT_EQ(Tensor::full({1}, DType::I64, std::numeric_limits<int64_t>::min()).item<int64_t>(),
+            std::numeric_limits<int64_t>::min());
+  Tensor t = Tensor::zeros({3}, DType::I64);
+  t.narrow(0, 1, 2).fill_(odd);
+  EXPECT_EQ(t.to_vector<int64_t>(), (std::vector<int64_t>{0, odd, odd}));
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({1}, DType::I32, int64_t{1} << 40); }),
+            "full: value 1099511627776 cannot be converted to i32 without overflow");
+  EXPECT_EQ(error_of<InvalidArgument>(
+                [] { Tensor::full({1}, DType::U8, 1).fill_(uint64_t{1} << 63); }),
+            "fill_: value 9.223372036854776e+18 cannot be converted to u8 without overflow");
+  // Floating dtypes round the integer once, as a cast does.
+  EXPECT_EQ(Tensor::full({1}, DType::F64, odd).item<double>(), static_cast<double>(odd));
+  EXPECT_EQ(Tensor::full({1}, DType::F32, 16777217).item<float>(), 16777216.0f);
+  EXPECT_EQ(Tensor::full({1}, DType::F64, std::numeric_limits<uint64_t>::max()).item<double>(),
+            18446744073709551616.0);
+  EXPECT_EQ(Tensor::full({1}, DType::Bool, int64_t{1} << 40).item<int>(), 1);
+}
+
 
 TEST(Factories, RandIsDeterministicAndInRange) {
   for (DType d : kAllDTypes) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -77,8 +78,15 @@ class Tensor {
   // ---- factories ----
   static Tensor empty(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype);
-  // `value` is converted to dtype (bool: value != 0).
+  // `value` is converted to dtype (bool: value != 0); an integer dtype refuses a value it
+  // cannot hold (InvalidArgument). An integer value is taken as an integer: an i64 tensor holds
+  // it exactly, where a double would round those above 2^53.
   static Tensor full(const Shape& shape, DType dtype, double value);
+  template <std::integral T>
+  static Tensor full(const Shape& shape, DType dtype, T value) {
+    if (above_int64(value)) return full(shape, dtype, static_cast<double>(value));
+    return full_integer(shape, dtype, static_cast<int64_t>(value));
+  }
   // [0, 1, ..., n-1] as a 1-D tensor.
   static Tensor arange(int64_t n, DType dtype);
   // Deterministic in seed: floats uniform in [-1, 1), integers in [0, 100), bool at random.
@@ -163,8 +171,13 @@ class Tensor {
   Tensor to(DType dtype) const;
   // Copies src into *this (shapes must match; dtypes may differ: converts). Returns *this.
   const Tensor& copy_(const Tensor& src) const;
-  // Fills every element with value (converted to dtype).
+  // Fills every element with value (converted to dtype; integers as full()).
   const Tensor& fill_(double value) const;
+  template <std::integral T>
+  const Tensor& fill_(T value) const {
+    if (above_int64(value)) return fill_(static_cast<double>(value));
+    return fill_integer_(static_cast<int64_t>(value));
+  }
   // Concatenation along dim; all inputs share dtype and every other dim.
   static Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
 
@@ -188,6 +201,17 @@ class Tensor {
   bool defined_ = false;
 
   Tensor with_layout(Shape sizes, Shape strides, int64_t offset) const;
+  static Tensor full_integer(const Shape& shape, DType dtype, int64_t value);
+  const Tensor& fill_integer_(int64_t value) const;
+  // An unsigned value no int64_t holds (no integer dtype holds it either).
+  template <std::integral T>
+  static bool above_int64(T value) {
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) >= sizeof(int64_t)) {
+      return value > static_cast<T>(INT64_MAX);
+    } else {
+      return false;
+    }
+  }
 };
 
 // Row-major (contiguous) strides of a shape.
