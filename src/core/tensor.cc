@@ -770,6 +770,15 @@ std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
 
 Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
   check_defined(*this, "transpose");
+  if (dim() == 0) {
+    // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, and the op table's).
+    for (const int64_t d : {dim0, dim1}) {
+      if (d != 0 && d != -1) {
+        throw ShapeError(fmt::format("transpose: dim {} is out of range for a scalar (0 or -1)", d));
+      }
+    }
+    return *this;
+  }
   const int64_t a = wrap_dim(dim0, dim(), "transpose");
   const int64_t b = wrap_dim(dim1, dim(), "transpose");
   Shape sizes = sizes_;

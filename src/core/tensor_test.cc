@@ -358,6 +358,17 @@ TEST(Views, PermuteUnsqueezeSqueeze) {
             "select: index 3 is out of range for size 3 of dim 1");
 }
 
+// A scalar takes dims 0 and -1, as the op table's shape inference says (and PyTorch does).
+TEST(Views, TransposeOfScalar) {
+  const Tensor s = Tensor::full({}, DType::F32, 3.0);
+  const Tensor t = s.transpose(0, -1);
+  EXPECT_EQ(t.sizes(), Shape{});
+  EXPECT_TRUE(t.shares_storage(s));
+  EXPECT_EQ(t.item<float>(), 3.0f);
+  EXPECT_EQ(error_of<ShapeError>([&] { s.transpose(1, 0); }),
+            "transpose: dim 1 is out of range for a scalar (0 or -1)");
+}
+
 TEST(Views, ViewAndReshape) {
   Tensor t = iota({2, 3, 4});
   EXPECT_EQ(t.view({6, -1}).sizes(), (Shape{6, 4}));

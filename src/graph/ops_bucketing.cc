@@ -88,9 +88,16 @@ Tensors kernel_bucket_pack(TIn in, const AttrList& a) {
 //                                         dtype)...))
 // but without the concatenated input buffer: see PackFn.
 
-// Bytes of input i once converted; FUNCOL_CHECK-free: callers validated the attributes.
-int64_t packed_bytes(const Type& t, DType out) {
-  return t.numel() * static_cast<int64_t>(itemsize(out));
+// Bytes of `t` once converted to `out`; a wider dtype can leave the range of a value
+// (i8[2^62] as f64), which is a ShapeError naming input `i`.
+int64_t packed_bytes(const Type& t, DType out, size_t i) {
+  const int64_t n = t.numel();
+  const auto size = static_cast<int64_t>(itemsize(out));
+  if (n > kMaxTypeBytes / size) {
+    throw ShapeError(fmt::format("input {} ({} as {}) is larger than 2^62 bytes", i, t.str(),
+                                 dtype_name(out)));
+  }
+  return n * size;
 }
 
 Types infer_all_gather_packed(In in, const AttrList& a) {
@@ -104,7 +111,7 @@ Types infer_all_gather_packed(In in, const AttrList& a) {
   const auto bucket_size = static_cast<int64_t>(itemsize(bucket));
   int64_t bytes = 0;
   for (size_t i = 0; i < in.size(); ++i) {
-    const int64_t b = packed_bytes(in[i], outs[i].as_dtype());
+    const int64_t b = packed_bytes(in[i], outs[i].as_dtype(), i);
     if (b % bucket_size != 0) {
       throw ShapeError(fmt::format(
           "input {} ({} as {}) packs {} bytes, not a multiple of the itemsize of {} ({})", i,

@@ -368,7 +368,8 @@ Types infer_permute(In in, const AttrList& a) {
 }
 Tensors kernel_permute(TIn in, const AttrList& a) { return {in[0].permute(a.get_ints("dims"))}; }
 
-Types infer_convert(In in, const AttrList& a) { return {Type(a.get_dtype("dtype"), in[0].shape)}; }
+// A wider dtype can push the value past kMaxTypeBytes (i8[2^62] as f64): checked like any result.
+Types infer_convert(In in, const AttrList& a) { return {result(a.get_dtype("dtype"), in[0].shape)}; }
 Tensors kernel_convert(TIn in, const AttrList& a) { return {in[0].to(a.get_dtype("dtype"))}; }
 
 Types infer_view_dtype(In in, const AttrList& a) {

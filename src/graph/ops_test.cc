@@ -262,6 +262,18 @@ TEST(ShapeInference, Dtypes) {
             "view_dtype: cannot view u8[6] as f32: the last dim (6) is not a multiple of 4");
   EXPECT_EQ(infer_error<ShapeError>("view_dtype", {f32({})}, {{"dtype", DType::F16}}),
             "view_dtype: cannot view a scalar of f32 as f16: their itemsizes differ");
+  // A wider dtype can take a value past 2^62 bytes: an error, not an overflowed size.
+  const Type huge(DType::I8, {int64_t{1} << 61});
+  EXPECT_EQ(infer_error<ShapeError>("convert_element_type", {huge}, {{"dtype", DType::F64}}),
+            "convert_element_type: result of type f64[2305843009213693952] is larger than 2^62 "
+            "bytes");
+  EXPECT_EQ(infer_error<ShapeError>("all_gather_into_tensor_packed", {huge},
+                                    {{"group_size", 1},
+                                     {"group", "w"},
+                                     {"dtype", DType::I8},
+                                     {"out_dtypes", Attr::list({Attr(DType::F64)})}}),
+            "all_gather_into_tensor_packed: input 0 (i8[2305843009213693952] as f64) is larger "
+            "than 2^62 bytes");
   EXPECT_EQ(infer1("zeros", {}, {{"shape", {2, 0}}, {"dtype", DType::Bool}}), Type(DType::Bool, {2, 0}));
   EXPECT_EQ(infer_error<ShapeError>("empty", {}, {{"shape", {-1}}, {"dtype", DType::F32}}),
             "empty: shape [-1] has a negative dim -1");

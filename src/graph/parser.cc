@@ -449,7 +449,7 @@ class Parser {
     }
     expect(Tok::RBracket, "']' or ','");
     try {
-      check_type(*dtype, shape, "type");
+      check_type(*dtype, shape, "value");
     } catch (const ShapeError& e) {
       error(loc, e.what());
     }

@@ -209,7 +209,7 @@ TEST(ParserErrors, BadDtype) {
 TEST(ParserErrors, BadType) {
   EXPECT_EQ(parse_error("graph @g(%x: f32[-1]) { return }"), "t.ir:1:18: error: negative dim -1 in type");
   EXPECT_EQ(parse_error("graph @g(%x: f32[4611686018427387904, 4]) { return }"),
-            "t.ir:1:14: error: type of type f32[4611686018427387904,4] is larger than 2^62 bytes");
+            "t.ir:1:14: error: value of type f32[4611686018427387904,4] is larger than 2^62 bytes");
   EXPECT_EQ(parse_error("graph @g(%x: f32) { return }"),
             "t.ir:1:17: error: expected '[' after the dtype, found ')'");
 }

@@ -87,7 +87,7 @@ TEST(Robustness, HugeIntegers) {
             "t.ir:1:18: error: integer literal " + std::string(40, '7') + "... does not fit in 64 bits");
   // Dims that fit in 64 bits but make a value larger than 2^62 bytes.
   EXPECT_EQ(parse_error("graph @g(%x: f64[4611686018427387903]) { return }"),
-            "t.ir:1:14: error: type of type f64[4611686018427387903] is larger than 2^62 bytes");
+            "t.ir:1:14: error: value of type f64[4611686018427387903] is larger than 2^62 bytes");
   // Shape inference never overflows either.
   EXPECT_EQ(parse_error("graph @g(%x: u8[4611686018427387903]) {\n  %y = all_gather_into_tensor(%x) "
                         "{group_size = 2, group = \"w\"}\n  return %y\n}"),

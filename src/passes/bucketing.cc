@@ -1176,8 +1176,9 @@ int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index) {
   const auto i =
       std::min<size_t>(static_cast<size_t>(std::max<int64_t>(index, 0)), options.cap_mb.size() - 1);
   const double bytes = std::floor(options.cap_mb[i] * kBytesPerMb);
-  // Caps beyond any graph's size saturate; a cap under one byte still admits one byte.
-  if (bytes >= 9.0e18) return std::numeric_limits<int64_t>::max();
+  // Caps beyond any value's size saturate at kMaxTypeBytes, so a bucket's packed buffer is
+  // never too large to be a value; a cap under one byte still admits one byte.
+  if (bytes >= static_cast<double>(kMaxTypeBytes)) return kMaxTypeBytes;
   return std::max<int64_t>(1, static_cast<int64_t>(bytes));
 }
 

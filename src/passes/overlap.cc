@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <unordered_map>
 #include <unordered_set>
@@ -18,10 +19,16 @@ namespace funcol {
 
 namespace {
 
-// Bytes of every result of `node` (a coalesced collective has several).
+// Counts of held bytes saturate here: a value has at most kMaxTypeBytes = 2^62 bytes, so a
+// saturated count plus one value's bytes still fits in int64, and no budget is larger.
+constexpr int64_t kMaxHeldBytes = std::numeric_limits<int64_t>::max() / 2;
+
+// Bytes of every result of `node` (a coalesced collective has several), saturated.
 int64_t result_bytes(const Node& node) {
   int64_t bytes = 0;
-  for (size_t i = 0; i < node.num_results(); ++i) bytes += node.result(i)->type().nbytes();
+  for (size_t i = 0; i < node.num_results(); ++i) {
+    bytes = std::min(kMaxHeldBytes, bytes + node.result(i)->type().nbytes());
+  }
   return bytes;
 }
 
@@ -60,7 +67,8 @@ class HeldProfile {
     const size_t n = order.size();
     pos_.reserve(n);
     for (size_t i = 0; i < n; ++i) pos_.emplace(order[i], i);
-    std::vector<int64_t> diff(n + 1, 0);
+    // Exact sums (many collectives of up to 2^62 bytes each), saturated when stored.
+    std::vector<__int128> diff(n + 1, 0);
     for (size_t i = 0; i < n; ++i) {
       Node& node = *order[i];
       if (!node.op().is_collective()) continue;
@@ -71,10 +79,10 @@ class HeldProfile {
       diff[end + 1] -= bytes;
     }
     bytes_.resize(n);
-    int64_t running = 0;
+    __int128 running = 0;
     for (size_t i = 0; i < n; ++i) {
       running += diff[i];
-      bytes_[i] = running;
+      bytes_[i] = static_cast<int64_t>(std::min<__int128>(running, kMaxHeldBytes));
     }
   }
   int64_t at(const Node* node) const { return bytes_[pos_.at(node)]; }
@@ -455,8 +463,12 @@ std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options) {
       throw InvalidArgument(fmt::format(
           "option memory-budget-mb of pass overlap must be a positive number, got '{}'", *text));
     }
-    // MB as the bucketing passes count them (DESIGN §6: int(MB * 1024 * 1024) bytes).
-    o.memory_budget_bytes = static_cast<int64_t>(mb * 1024.0 * 1024.0);
+    // MB as the bucketing passes count them (DESIGN §6: int(MB * 1024 * 1024) bytes); a budget
+    // beyond any count of held bytes saturates.
+    const double bytes = mb * 1024.0 * 1024.0;
+    o.memory_budget_bytes = bytes >= static_cast<double>(kMaxHeldBytes)
+                                ? kMaxHeldBytes
+                                : static_cast<int64_t>(bytes);
   }
   return std::make_unique<OverlapPass>(o);
 }

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "funcol/core/error.h"
 #include "funcol/graph/parser.h"
 #include "funcol/graph/printer.h"
@@ -150,12 +152,35 @@ TEST(Overlap, MemoryBudgetLimitsHowFarCollectivesMove) {
   EXPECT_EQ(run_overlap(kFsdp, {.memory_budget_bytes = 2048}), run_overlap(kFsdp));
 }
 
+// Counts of held bytes do not overflow with values near the 2^62-byte limit: %y would hold
+// 2^62 bytes on top of %x's 2^62, more than a budget of 2^62, so it stays where it is.
+TEST(Overlap, MemoryBudgetWithHugeValues) {
+  constexpr std::string_view kHuge = R"(graph @g(%a: f32[1152921504606846976], %b: f32[1152921504606846976]) {
+  %x = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %wx = wait_tensor(%x)
+  %n = neg(%wx)
+  %y = all_reduce(%b) {reduce_op = "sum", group = "world"}
+  %wy = wait_tensor(%y)
+  return %n, %wy
+})";
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kHuge, {.memory_budget_bytes = kMaxTypeBytes}, &stats),
+            print(parse_module(kHuge)));
+  EXPECT_EQ(stats.budget_stops, 1);
+}
+
 TEST(Overlap, PipelineOptionAndErrors) {
   const Pipeline ok = Pipeline::parse("overlap{memory-budget-mb=0.5}");
   ASSERT_EQ(ok.size(), 1u);
   const auto* pass = dynamic_cast<const OverlapPass*>(ok.passes()[0].get());
   ASSERT_NE(pass, nullptr);
   EXPECT_EQ(pass->options().memory_budget_bytes, 512 * 1024);
+  // A budget beyond any count of bytes saturates (no float-to-integer overflow).
+  EXPECT_EQ(dynamic_cast<const OverlapPass*>(
+                Pipeline::parse("overlap{memory-budget-mb=1e300}").passes()[0].get())
+                ->options()
+                .memory_budget_bytes,
+            std::numeric_limits<int64_t>::max() / 2);
   EXPECT_EQ(pass->name(), "overlap");
   EXPECT_EQ(dynamic_cast<const OverlapPass*>(Pipeline::parse("overlap").passes()[0].get())
                 ->options()

@@ -735,6 +735,19 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   row.sizes = coll_sizes(op, bytes, itemsize(o.dtype), n);
   Buffers b;
   const bool aliased = runs_in_place(o, op);
+  // A double: in + out of a size near 8 EiB does not fit in int64.
+  const double need =
+      (aliased ? static_cast<double>(std::max(row.sizes.in_numel, row.sizes.out_numel))
+               : static_cast<double>(row.sizes.in_numel) + static_cast<double>(row.sizes.out_numel)) *
+      static_cast<double>(itemsize(o.dtype));
+  const auto out_of_memory = [&] {
+    return InvalidArgument(fmt::format(
+        "out of memory allocating {:.0f} bytes per rank for {} at size {}: lower -e/--maxbytes or "
+        "--ranks",
+        need, bench_op_name(op), bytes));
+  };
+  // The buffers are written below: more than the machine holds would be an out-of-memory kill.
+  if (!fits_in_memory(o.backend, o.ranks, need)) throw out_of_memory();
   try {
     if (!aliased) {
       b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
@@ -750,13 +763,7 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
       b.out = b.in;
     }
   } catch (const std::bad_alloc&) {
-    throw InvalidArgument(fmt::format(
-        "out of memory allocating {} bytes per rank for {} at size {}: lower -e/--maxbytes or "
-        "--ranks",
-        (aliased ? std::max(row.sizes.in_numel, row.sizes.out_numel)
-                 : row.sizes.in_numel + row.sizes.out_numel) *
-            static_cast<int64_t>(itemsize(o.dtype)),
-        bench_op_name(op), bytes));
+    throw out_of_memory();
   }
 
   // Timed data. An in-place all_reduce (or reduce_scatter) feeds each result into the next

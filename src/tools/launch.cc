@@ -319,6 +319,14 @@ int print_command_error(std::FILE* err) {
   return 1;
 }
 
+bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank) {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return true;
+  const double held = bytes_per_rank * (backend == "threads" ? ranks : 1);
+  return held <= static_cast<double>(pages) * static_cast<double>(page_size);
+}
+
 void check_backend_option(const std::string& backend) {
   if (backend != "threads" && backend != "mpi" && backend != "gloo") {
     throw InvalidArgument(fmt::format(

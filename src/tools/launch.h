@@ -25,6 +25,12 @@ void check_backend_option(const std::string& backend);
 // (OMPI_COMM_WORLD_SIZE is set), gloo when RANK and WORLD_SIZE are set.
 bool inside_job(const std::string& backend);
 
+// True unless `bytes_per_rank` on every rank this process holds (all `ranks` on the threads
+// backend, one otherwise) is more than this machine's physical memory. Allocations under the
+// RAM size succeed and fail only when written, as an out-of-memory kill, so the tools check
+// what they are about to write first. True when the memory size is unknown.
+bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank);
+
 // ---- Joining a gloo job as one of its ranks: --rank, --world-size, --store (DESIGN §3) ----
 // funcol run, train and bench take these flags; with --backend gloo they make the process one
 // rank of a job that someone else starts (on this host or many), instead of starting one.

@@ -1,6 +1,8 @@
 // `funcol opt`: parse and verify IR, run a pass pipeline, print IR or Graphviz (DESIGN §7).
 #include "tools/opt.h"
 
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -174,10 +176,14 @@ class OptRun {
       out.flush();
       return out ? 0 : fail("cannot write the output");
     }
+    errno = 0;
     std::ofstream f(options_.output, std::ios::binary);
     f.write(result.data(), static_cast<std::streamsize>(result.size()));
     f.close();
-    return f ? 0 : fail("cannot write " + options_.output);
+    if (f) return 0;
+    // The reason (a directory, a full disk), as run's trace file and the other tools say it.
+    return fail("cannot write " + options_.output + ": " +
+                (errno != 0 ? std::strerror(errno) : "write error"));
   }
 };
 

@@ -90,6 +90,19 @@ const Graph& select_graph(const Module& module, const RunOptions& o, const std::
   return *graphs[0];
 }
 
+// Every rank generates (and writes) its inputs before the graph runs: inputs larger than this
+// machine's memory are an error here, not an out-of-memory kill while they are written.
+void check_input_memory(const Graph& graph, const RunOptions& o) {
+  double per_rank = 0;  // a double: each input has up to 2^62 bytes, so the sum may not fit
+  for (const Value* v : graph.inputs()) per_rank += static_cast<double>(v->type().nbytes());
+  if (fits_in_memory(o.backend, o.ranks, per_rank)) return;
+  throw InvalidArgument(fmt::format(
+      "graph @{}'s inputs take {:.0f} bytes per rank: more than this machine's memory holds for "
+      "{} rank{} in this process",
+      graph.name(), per_rank, o.backend == "threads" ? o.ranks : 1,
+      o.backend == "threads" && o.ranks != 1 ? "s" : ""));
+}
+
 // Parses, selects and verifies the graph and checks every collective against the groups the
 // run will have: the same errors on every rank, so they are reported once, before any starts.
 Prepared prepare(const RunOptions& o, const std::string& text) {
@@ -119,6 +132,7 @@ Prepared prepare(const RunOptions& o, const std::string& text) {
         return std::nullopt;
       },
       known);
+  check_input_memory(*p.graph, o);
   return p;
 }
 

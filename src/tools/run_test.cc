@@ -2,6 +2,8 @@
 // meshes, traces, iterations, output formatting and every user error.
 #include "tools/run.h"
 
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -20,6 +22,7 @@
 #include "funcol/core/error.h"
 #include "funcol/graph/parser.h"
 #include "funcol/runtime/executor.h"
+#include "tools/launch.h"
 #include "tools/spawn.h"
 
 namespace funcol::tools {
@@ -323,6 +326,18 @@ TEST(ParseMesh, NamesAndSizes) {
                           "d p=2", "dp=-1"}) {
     EXPECT_THROW(parse_mesh(bad), InvalidArgument) << bad;
   }
+}
+
+// The threads backend holds every rank in this process; the others one per process.
+TEST(FitsInMemory, CountsTheRanksThisProcessHolds) {
+  EXPECT_TRUE(fits_in_memory("threads", 4, 1024));
+  EXPECT_FALSE(fits_in_memory("threads", 1, 1e30));
+  EXPECT_FALSE(fits_in_memory("gloo", 2, 1e30));
+  const double most = 0.6 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<double>(sysconf(_SC_PAGESIZE));
+  EXPECT_TRUE(fits_in_memory("threads", 1, most));
+  EXPECT_FALSE(fits_in_memory("threads", 2, most));
+  EXPECT_TRUE(fits_in_memory("mpi", 2, most));
 }
 
 TEST(OutputsJson, FormatsEveryDtype) {

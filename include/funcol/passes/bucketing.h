@@ -54,7 +54,8 @@ struct BucketOptions {
 std::vector<double> parse_cap_mb(std::string_view text);
 // "1:25", each entry in the shortest form that reads back exactly.
 std::string format_cap_mb(const std::vector<double>& cap_mb);
-// Cap of bucket `index` in bytes: int(cap_mb[min(index, size - 1)] * 1024 * 1024), at least 1.
+// Cap of bucket `index` in bytes: int(cap_mb[min(index, size - 1)] * 1024 * 1024), at least 1
+// and at most kMaxTypeBytes (a bucket's buffer is a value).
 int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index);
 // Throws InvalidArgument for a kind that is not bucketed, an empty or non-positive cap list,
 // or a multidtype mode outside all-gather ("reduce scatter bucketing does not support
