@@ -143,6 +143,10 @@ TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
       {"-b 1M -e 1K", "funcol: error: -b/--minbytes (1048576) is larger than -e/--maxbytes (1024)"},
       {"--root 2 --ranks 2", "funcol: error: --root 2 is out of range for 2 ranks"},
       {"-o all_reduce -r bxor -d f32", "funcol: error: "},
+      // What the option parser refuses reads the same.
+      {"-n abc", "funcol: error: invalid value 'abc' for -n/--iters: expected an integer"},
+      {"-o", "funcol: error: --op: 1 required OP missing\nRun 'funcol bench --help'"},
+      {"--frobnicate", "funcol: error: The following argument was not expected: --frobnicate"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);

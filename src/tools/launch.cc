@@ -319,6 +319,18 @@ int print_command_error(std::FILE* err) {
   return 1;
 }
 
+void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description) {
+  command.add_option("--seed", seed, description)
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            return text.empty() || text[0] != '-'
+                       ? std::string()
+                       : "a seed is a non-negative integer, got " + text;
+          },
+          "UINT64"))
+      ->capture_default_str();
+}
+
 bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank) {
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);

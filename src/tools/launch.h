@@ -44,6 +44,8 @@ struct JobFlags {
 
 // Adds --rank, --world-size and --store to a command, writing into `flags`.
 void add_job_flags(CLI::App& command, JobFlags& flags);
+// Adds --seed (an unsigned 64-bit seed; "-1" is an error, not 2^64 - 1).
+void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description);
 
 // The InitOptions the flags name (-1 and "" for those not given). Throws InvalidArgument naming
 // the flag when --rank is not an integer >= 0 or --world-size not one >= 1.

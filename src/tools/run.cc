@@ -413,7 +413,7 @@ void add_run_command(CLI::App& app) {
   add_job_flags(*sub, *job);
   sub->add_option("--mesh", o->mesh,
                   "device mesh over the ranks, e.g. dp=2,tp=2; its dim names are group names");
-  sub->add_option("--seed", o->seed, "seed of the generated inputs")->capture_default_str();
+  add_seed_option(*sub, o->seed, "seed of the generated inputs");
   sub->add_option("--outputs", o->outputs,
                   "'json': one line per rank with every output's dtype, shape, digest and data");
   sub->add_option("--iters", o->iters, "runs of the graph (outputs are the last run's)")

@@ -732,8 +732,7 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
   sub->add_flag("--json", o->json, "print one JSON line of results");
-  sub->add_option("--seed", o->seed, "seed of the weights, inputs and targets")
-      ->capture_default_str();
+  add_seed_option(*sub, o->seed, "seed of the weights, inputs and targets");
   sub->callback([o, job, ranks]() {
     o->join = parse_job_flags(*job);
     o->ranks = resolve_ranks(o->backend, o->join,

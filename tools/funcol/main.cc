@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -19,7 +20,22 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Help, and a command's own failure (it printed its error and chose the status).
+    if (e.get_exit_code() == 0 || dynamic_cast<const CLI::RuntimeError*>(&e) != nullptr) {
+      return app.exit(e);
+    }
+    // A command line that does not parse is an error like every other ("funcol: error: ...",
+    // exit status 1), not CLI11's own message and codes (104-115).
+    std::string what = e.what();
+    std::string command = "funcol";
+    if (!app.get_subcommands().empty()) {
+      command += " " + app.get_subcommands().front()->get_name();
+    } else if (argc > 1 && argv[1][0] != '-') {
+      what = std::string("unknown command '") + argv[1] + "' (commands: bench, opt, run, train)";
+    }
+    std::fprintf(stderr, "funcol: error: %s\nRun '%s --help' for more information.\n",
+                 what.c_str(), command.c_str());
+    return 1;
   } catch (const funcol::Error& e) {
     std::fprintf(stderr, "funcol: error: %s\n", e.what());
     return 1;
