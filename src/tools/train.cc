@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -471,8 +472,13 @@ TrainReport make_report(const TrainOptions& o, const Shared& sh) {
     const std::vector<float> got = sh.final_weights[l].to_vector<float>();
     const std::vector<float> want = ref.weights[l].to_vector<float>();
     for (size_t i = 0; i < got.size(); ++i) {
-      report.max_abs_diff_vs_reference = std::max(report.max_abs_diff_vs_reference,
-                                                  std::fabs(static_cast<double>(got[i]) - want[i]));
+      const double d = std::fabs(static_cast<double>(got[i]) - want[i]);
+      if (std::isnan(d) && got[i] != want[i]) {
+        // A NaN weight matches nothing: the difference is NaN too, not ignored by max.
+        report.max_abs_diff_vs_reference = std::numeric_limits<double>::quiet_NaN();
+      } else if (d > report.max_abs_diff_vs_reference) {  // also false once it is NaN
+        report.max_abs_diff_vs_reference = d;
+      }
     }
   }
   report.timed_steps = static_cast<int>(sh.ms_unbucketed.size());
@@ -637,6 +643,22 @@ std::vector<std::string> train_rank_args(const TrainOptions& o) {
 }
 
 // This process is one rank of an mpi or gloo job: train; rank 0 reports.
+// The summary or JSON line to `out`; a warning to `err` when the loss stopped being finite
+// (a NaN weight differs from the reference by NaN, which JSON writes as null).
+void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, std::FILE* err) {
+  const std::string text = o.json ? train_json_line(o, r) + "\n" : train_summary(o, r);
+  std::fputs(text.c_str(), out);
+  std::fflush(out);
+  for (size_t i = 0; i < r.losses.size(); ++i) {
+    if (std::isfinite(r.losses[i])) continue;
+    std::fprintf(err,
+                 "funcol train: warning: the loss is %g from step %zu on: training diverged "
+                 "(lower --lr)\n",
+                 r.losses[i], i + 1);
+    break;
+  }
+}
+
 int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* out,
                  std::FILE* err) {
   return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
@@ -647,10 +669,7 @@ int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* 
       sh.trace_events = gather_strings(world, sh.trace_events[static_cast<size_t>(world.rank())]);
     }
     if (world.rank() != 0) return;
-    const TrainReport report = make_report(o, sh);
-    const std::string text = o.json ? train_json_line(o, report) + "\n" : train_summary(o, report);
-    std::fputs(text.c_str(), out);
-    std::fflush(out);
+    print_report(o, make_report(o, sh), out, err);
   });
 }
 
@@ -689,10 +708,7 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       }
     };
     if (o.backend != "threads") return train_in_job(o, progress, out, err);
-    const TrainReport report = run_train(o, progress);
-    const std::string text = o.json ? train_json_line(o, report) + "\n" : train_summary(o, report);
-    std::fputs(text.c_str(), out);
-    std::fflush(out);
+    print_report(o, run_train(o, progress), out, err);
     return 0;
   } catch (...) {
     return print_command_error(err);

@@ -146,6 +146,24 @@ TEST(Train, CommandPrintsJsonLineAndSummary) {
   EXPECT_NE(r.err.find("step 4/4 loss "), std::string::npos) << r.err;
 }
 
+
+// A learning rate that blows the weights up: the reference check must not report a match
+// (a NaN weight used to count as a difference of 0), and the command says what happened.
+TEST(Train, DivergedTrainingIsReportedNotMatched) {
+  TrainOptions o = small();
+  o.steps = 4;
+  o.lr = 1e308;
+  const TrainReport r = run_train(o);
+  EXPECT_TRUE(std::isfinite(r.initial_loss));
+  EXPECT_FALSE(std::isfinite(r.final_loss));
+  EXPECT_TRUE(std::isnan(r.max_abs_diff_vs_reference)) << r.max_abs_diff_vs_reference;
+  o.json = true;
+  const CommandResult c = command(o);
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_TRUE(nlohmann::json::parse(c.out)["max_abs_diff_vs_reference"].is_null()) << c.out;
+  EXPECT_NE(c.err.find("funcol train: warning: the loss is "), std::string::npos) << c.err;
+  EXPECT_NE(c.err.find("training diverged (lower --lr)"), std::string::npos) << c.err;
+}
 TEST(Train, BadOptionsFailWithClearMessages) {
   struct Case {
     void (*edit)(TrainOptions&);
