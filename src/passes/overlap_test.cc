@@ -152,6 +152,59 @@ TEST(Overlap, MemoryBudgetLimitsHowFarCollectivesMove) {
   EXPECT_EQ(run_overlap(kFsdp, {.memory_budget_bytes = 2048}), run_overlap(kFsdp));
 }
 
+// A hoisted collective that reads another's result becomes that one's first reader: %a's
+// buffer is then held only up to %b, not up to %m, so %c (1024 bytes on top of %b's 1024)
+// fits a budget of 2048 all the way up. Had %a's reader stayed %m, %c would stop after %m.
+TEST(Overlap, MemoryBudgetFollowsAHoistedReader) {
+  constexpr std::string_view kReaders = R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %wa = wait_tensor(%a)
+  %n1 = neg(%x)
+  %m = neg(%wa)
+  %b = all_reduce(%wa) {reduce_op = "sum", group = "world"}
+  %wb = wait_tensor(%b)
+  %n2 = neg(%n1)
+  %c = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %wc = wait_tensor(%c)
+  return %m, %wb, %n2, %wc
+})";
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kReaders, {.memory_budget_bytes = 2048}, &stats),
+            R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %wa = wait_tensor(%a) : f32[16,16]
+  %b = all_reduce(%wa) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %c = all_reduce(%y) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %n1 = neg(%x) : f32[16,16]
+  %m = neg(%wa) : f32[16,16]
+  %n2 = neg(%n1) : f32[16,16]
+  %wb = wait_tensor(%b) : f32[16,16]
+  %wc = wait_tensor(%c) : f32[16,16]
+  return %m, %wb, %n2, %wc
+}
+)");
+  EXPECT_EQ(stats.collectives_hoisted, 2);
+  EXPECT_EQ(stats.budget_stops, 0);
+  // One byte less: %b may not cross %m (which still reads %a), and %c may not cross %n2
+  // (%b's buffer is held to the end).
+  EXPECT_EQ(run_overlap(kReaders, {.memory_budget_bytes = 2047}, &stats),
+            R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %n1 = neg(%x) : f32[16,16]
+  %wa = wait_tensor(%a) : f32[16,16]
+  %m = neg(%wa) : f32[16,16]
+  %b = all_reduce(%wa) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %n2 = neg(%n1) : f32[16,16]
+  %c = all_reduce(%y) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %wb = wait_tensor(%b) : f32[16,16]
+  %wc = wait_tensor(%c) : f32[16,16]
+  return %m, %wb, %n2, %wc
+}
+)");
+  EXPECT_EQ(stats.collectives_hoisted, 0);
+  EXPECT_EQ(stats.budget_stops, 2);
+}
+
 // Counts of held bytes do not overflow with values near the 2^62-byte limit: %y would hold
 // 2^62 bytes on top of %x's 2^62, more than a budget of 2^62, so it stays where it is.
 TEST(Overlap, MemoryBudgetWithHugeValues) {

@@ -45,10 +45,10 @@ struct OverlapStats {
 // Nodes move only after their operands and before their users, so the result verifies and
 // computes the same values. Deterministic (decisions depend only on the graph and
 // the options); positions come from an order-statistic tree kept beside the node list, so
-// without a budget the pass is O(nodes log nodes) in all (a move, an order comparison and
-// the count of nodes crossed cost O(log nodes), never a walk); with a budget, O(nodes) per
-// collective (the held-bytes profile is rebuilt for each). When `explain` is given, appends
-// one line per move.
+// the pass is O(nodes log nodes) in all (a move, an order comparison and the count of nodes
+// crossed cost O(log nodes), never a walk; with a budget, a segment tree of the held bytes
+// finds where each hoist stops and follows each move in O(log nodes) too). When `explain` is
+// given, appends one line per move.
 OverlapStats schedule_overlap(Graph& graph, const OverlapOptions& options = {},
                               std::string* explain = nullptr);
 
