@@ -41,6 +41,9 @@ using Clock = std::chrono::steady_clock;
 // Gloo's own per-operation timeout runs this much past the collective's deadline, so the
 // job's watchdog (which can name the ranks that did not arrive) reports a timeout first.
 constexpr std::chrono::milliseconds kGlooGrace{2000};
+// How long a rendezvous that saw only departures waits to see the death that probably caused
+// them, so that the error names it.
+constexpr std::chrono::milliseconds kLossWait{500};
 
 // Gloo's messages start with "[/path/to/file.cc:123] "; users need only the rest.
 std::string gloo_message(const std::exception& e) {
@@ -144,11 +147,17 @@ struct GlooShared {
 
   // A fresh connection per rendezvous: concurrent splits in different threads never share one.
   std::unique_ptr<KeyStore> open_store() const {
+    if (url.kind == process::StoreUrl::Kind::File) {
+      // Like PyTorch's FileStore, create the directory on first use.
+      std::error_code ec;
+      std::filesystem::create_directories(url.path, ec);
+      if (ec) {
+        throw CommError(fmt::format("gloo: cannot create the store directory '{}': {}", url.path,
+                                    ec.message()));
+      }
+    }
     try {
       if (url.kind == process::StoreUrl::Kind::File) {
-        // Like PyTorch's FileStore, create the directory on first use.
-        std::error_code ignored;
-        std::filesystem::create_directories(url.path, ignored);
         return std::make_unique<FileKeyStore>(url.path);
       }
       return std::make_unique<RedisKeyStore>(url.host, url.port);
@@ -158,44 +167,57 @@ struct GlooShared {
   }
 };
 
-// Waits until every rank in `ranks` wrote "<prefix>/arrive/<rank>"; names the missing ones on
-// timeout.
-void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::vector<int>& ranks,
-                       std::chrono::milliseconds timeout, const std::string& what,
-                       const std::string& url) {
+// Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
+// names the missing ones on timeout. A member that `watch` (the job's peer monitor, when there
+// is one) reports dead or departed fails the wait at once: it will never arrive.
+void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::vector<int>& members,
+                       const process::PeerMonitor* watch, std::chrono::milliseconds timeout,
+                       const std::string& what, const std::string& url) {
   const auto deadline = Clock::now() + timeout;
-  std::vector<int> missing = ranks;
+  std::vector<int> missing(members.size());
+  std::iota(missing.begin(), missing.end(), 0);
   while (true) {
     std::vector<int> still;
-    for (int r : missing) {
-      if (!store.check({fmt::format("{}/arrive/{}", prefix, r)})) still.push_back(r);
+    for (int i : missing) {
+      if (!store.check({fmt::format("{}/arrive/{}", prefix, i)})) still.push_back(i);
     }
     missing.swap(still);
     if (missing.empty()) return;
+    std::vector<int> ranks;
+    for (int i : missing) ranks.push_back(members[i]);
+    if (watch != nullptr) {
+      const auto losses = watch->losses(ranks, kLossWait);
+      if (!losses.empty()) {
+        throw CommError(fmt::format(
+            "gloo: rendezvous of {} at '{}' failed: {}; ranks that did not arrive: [{}]", what,
+            url, losses.front().describe(), fmt::join(ranks, ", ")));
+      }
+    }
     if (Clock::now() > deadline) {
       throw CommError(
           fmt::format("gloo: rendezvous of {} at '{}' timed out after {} ms; ranks "
                       "that did not arrive: [{}]",
-                      what, url, timeout.count(), fmt::join(missing, ", ")));
+                      what, url, timeout.count(), fmt::join(ranks, ", ")));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }
 
 // Connects a Gloo context for `members` (global ranks; this process is members[my_index]) under
-// `prefix`, and, when `monitor` is given, exchanges and connects the peer monitor too.
+// `prefix`, and, when `monitor` is given, exchanges and connects the peer monitor too (the
+// world). `watch`, the job's connected monitor (groups split later), fails the rendezvous at
+// once when a member dies before arriving.
 std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::string& prefix,
                                           const std::vector<int>& members, int my_index,
-                                          const std::string& what, process::PeerMonitor* monitor) {
+                                          const std::string& what, process::PeerMonitor* monitor,
+                                          const process::PeerMonitor* watch) {
   auto store = shared.open_store();
   const int n = static_cast<int>(members.size());
   try {
     gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
     std::string mine = monitor ? monitor->address() : std::string("-");
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
-    std::vector<int> indices(n);
-    std::iota(indices.begin(), indices.end(), 0);
-    wait_for_arrivals(*store, prefix, indices, shared.timeout, what, shared.url.text);
+    wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text);
 
     auto context = std::make_shared<gloo::rendezvous::Context>(my_index, n);
     context->setTimeout(shared.timeout);
@@ -217,8 +239,12 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     store->erase_own_keys();
     return context;
   } catch (const Error&) {
+    // A failed rendezvous takes its keys away too: the ranks that got this error can run the
+    // next job on the same directory or Redis server (RedisStore refuses keys that exist).
+    store->erase_own_keys();
     throw;
   } catch (const std::exception& e) {
+    store->erase_own_keys();
     std::string msg = gloo_message(e);
     if (msg.find("already") != std::string::npos) {
       msg += fmt::format(" (a previous job left its keys in '{}'; use a fresh store)",
@@ -267,7 +293,8 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       std::string prefix =
           fmt::format("funcol/{}/split{}/{}/{}", this->name(), split, name, fmt::join(*mine, "-"));
       context = rendezvous(*shared_, prefix, *mine, my_index,
-                           fmt::format("group '{}' [{}]", name, fmt::join(*mine, ", ")), nullptr);
+                           fmt::format("group '{}' [{}]", name, fmt::join(*mine, ", ")),
+                           /*monitor=*/nullptr, job()->monitor());
     }
     auto group = create(my_index, *mine, name, &registry(), job(), shared_, std::move(context));
     registry().add(group);
@@ -519,7 +546,8 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     std::vector<int> members(world_size);
     std::iota(members.begin(), members.end(), 0);
     context = rendezvous(*shared, "funcol/world", members, rank,
-                         fmt::format("the world ({} ranks)", world_size), monitor.get());
+                         fmt::format("the world ({} ranks)", world_size), monitor.get(),
+                         /*watch=*/nullptr);
   }
   auto job = std::make_shared<process::ProcessJob>("gloo", rank, world_size, shared->timeout,
                                                    process::debug_detail(), std::move(monitor));

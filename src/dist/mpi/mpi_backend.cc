@@ -3,8 +3,10 @@
 #include "dist/mpi/mpi_backend.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -32,6 +34,10 @@ constexpr int kSpinPolls = 200;
 constexpr std::chrono::microseconds kMaxIdleSleep{1000};
 // At exit, how long outstanding collectives may take to drain before giving up on them.
 constexpr std::chrono::seconds kExitDrain{10};
+// How often a caller blocked on the communication thread (call_until) checks for lost ranks.
+constexpr std::chrono::milliseconds kGiveUpPoll{50};
+// How long a rank that saw only departures waits to see the death that probably caused them.
+constexpr std::chrono::milliseconds kLossWait{500};
 
 std::string mpi_error(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -152,17 +158,56 @@ class Runtime {
     using R = decltype(fn());
     auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(fn));
     auto future = task->get_future();
-    if (!post([task] { (*task)(); })) {
-      throw CommError("mpi: MPI was already finalised (the process is exiting)");
+    if (!post([task] { (*task)(); })) throw CommError("mpi: " + unusable());
+    return future.get();
+  }
+
+  // Runs fn on the communication thread, like call(), for a blocking MPI call that needs every
+  // rank (MPI_Comm_split, described by `what`): gives up with CommError when `give_up()`
+  // returns a reason (a rank died, so the call can never return) or after `timeout`. MPI then
+  // keeps the communication thread for good: the runtime is stuck, later work fails at once
+  // and the process exits without MPI_Finalize. fn must own what it uses: it may run after
+  // this returns.
+  template <typename F, typename G>
+  auto call_until(const std::string& what, F fn, std::chrono::milliseconds timeout, G&& give_up)
+      -> decltype(fn()) {
+    const auto deadline = Clock::now() + timeout;
+    using R = decltype(fn());
+    auto task = std::make_shared<std::packaged_task<R()>>(std::move(fn));
+    auto future = task->get_future();
+    if (!post([task] { (*task)(); })) throw CommError(unusable());
+    while (future.wait_for(kGiveUpPoll) != std::future_status::ready) {
+      std::string why = give_up();
+      if (why.empty() && Clock::now() < deadline) continue;
+      {
+        std::lock_guard lock(mu_);
+        // The call may have returned meanwhile; then the runtime is fine.
+        if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) break;
+        if (why.empty()) {
+          why = fmt::format("{} timed out after {} ms; some ranks did not arrive", what,
+                            timeout.count());
+        }
+        if (stuck_.empty()) stuck_ = why;
+      }
+      mark_unclean(why);
+      throw CommError(why);
     }
     return future.get();
   }
 
-  // Queues fn for the communication thread; false once MPI is finalised.
+  // Why work cannot be queued: the communication thread is stuck, or MPI is finalised.
+  std::string unusable() {
+    std::lock_guard lock(mu_);
+    if (!stuck_.empty()) return "the MPI communication thread is blocked for good: " + stuck_;
+    return "MPI was already finalised (the process is exiting)";
+  }
+
+  // Queues fn for the communication thread; false once MPI is finalised or the thread is
+  // stuck in a call that cannot return.
   bool post(std::function<void()> fn) {
     {
       std::lock_guard lock(mu_);
-      if (stopped_) return false;
+      if (stopped_ || !stuck_.empty()) return false;
       tasks_.push_back(std::move(fn));
     }
     cv_.notify_one();
@@ -274,7 +319,20 @@ class Runtime {
     }
   }
 
+  [[noreturn]] static void exit_without_finalize(const char* because, const std::string& why) {
+    std::fprintf(stderr,
+                 "funcol mpi: exiting with status 1 without MPI_Finalize because %s (%s)\n",
+                 because, why.c_str());
+    std::fflush(nullptr);
+    std::_Exit(1);
+  }
+
   void finalise_at_exit() {
+    {
+      std::lock_guard lock(mu_);
+      // Neither MPI_Finalize nor a normal exit: the communication thread is still inside MPI.
+      if (!stuck_.empty()) exit_without_finalize("an MPI call can never return", stuck_);
+    }
     std::promise<void> finished;
     auto posted = post([&] {
       // Let healthy collectives still in flight finish first.
@@ -303,12 +361,7 @@ class Runtime {
                                 : fmt::format("{} MPI request(s) still pending after {} s",
                                               active_.size(), kExitDrain.count());
         }
-        std::fprintf(stderr,
-                     "funcol mpi: exiting with status 1 without MPI_Finalize because a collective "
-                     "failed or never completed (%s)\n",
-                     why.c_str());
-        std::fflush(nullptr);
-        std::_Exit(1);
+        exit_without_finalize("a collective failed or never completed", why);
       }
       if (owns_mpi_) MPI_Finalize();
       finished.set_value();
@@ -335,6 +388,7 @@ class Runtime {
   bool owns_mpi_ = false;
   std::atomic<bool> unclean_{false};
   std::string unclean_reason_;  // guarded by mu_
+  std::string stuck_;           // guarded by mu_: why the thread is blocked in MPI for good
 };
 
 // Starts a nonblocking MPI operation on the communication thread and waits for it from the
@@ -433,18 +487,33 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     // their position in rank_lists: agreeing first, with this group's timeout, makes a missing
     // rank a CommError instead of a hang and different lists an error instead of a group of
     // other ranks than this one asked for.
-    agree_on_split(rank_lists, name);
+    const int split = agree_on_split(rank_lists, name);
+    const std::string what = fmt::format("mpi: split_group '{}' on group '{}' (split {})", name,
+                                         this->name(), split);
+    // A rank that dies after agreeing never calls MPI_Comm_split, which then blocks for good
+    // (mpirun --enable-recovery keeps the survivors running): give up when the monitor reports
+    // a loss, or after the group's timeout.
+    auto lost = [this, &what]() -> std::string {
+      if (job()->monitor() == nullptr) return {};
+      const auto losses = job()->monitor()->losses(global_ranks(), kLossWait);
+      if (losses.empty()) return {};
+      std::vector<int> missing;
+      for (const auto& loss : losses) missing.push_back(loss.rank);
+      std::sort(missing.begin(), missing.end());
+      return fmt::format("{}: {} before MPI_Comm_split; missing ranks [{}]", what,
+                         losses.front().describe(), fmt::join(missing, ", "));
+    };
     MPI_Comm parent = comm_;
-    MPI_Comm comm = Runtime::get().call([&] {
-      MPI_Comm out = MPI_COMM_NULL;
-      int rc = MPI_Comm_split(parent, color, key, &out);
-      if (rc != MPI_SUCCESS) {
-        throw CommError(fmt::format("mpi: split_group '{}' of group '{}' failed: {}", name,
-                                    this->name(), mpi_error(rc)));
-      }
-      if (out != MPI_COMM_NULL) MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
-      return out;
-    });
+    MPI_Comm comm = Runtime::get().call_until(
+        what,
+        [parent, color, key, what] {
+          MPI_Comm out = MPI_COMM_NULL;
+          int rc = MPI_Comm_split(parent, color, key, &out);
+          if (rc != MPI_SUCCESS) throw CommError(fmt::format("{} failed: {}", what, mpi_error(rc)));
+          if (out != MPI_COMM_NULL) MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+          return out;
+        },
+        job()->timeout(), lost);
     if (!mine) return nullptr;
     auto group = create(key, *mine, name, &registry(), job(), comm);
     registry().add(group);
@@ -455,7 +524,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   void submit(const std::shared_ptr<CollectiveOp>& op) override {
     auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
     if (!Runtime::get().post([self, op] { self->start(op); })) {
-      fail_op(op, failure_message(*op, "MPI was already finalised"));
+      fail_op(op, failure_message(*op, Runtime::get().unusable()));
     }
   }
 

@@ -263,6 +263,13 @@ std::vector<PeerLoss> PeerMonitor::wait_for_loss(const std::vector<int>& ranks,
   return found;
 }
 
+std::vector<PeerLoss> PeerMonitor::losses(const std::vector<int>& ranks,
+                                          std::chrono::milliseconds wait) const {
+  std::vector<PeerLoss> found = wait_for_loss(ranks, std::chrono::milliseconds(0));
+  if (!found.empty() && found.front().clean) found = wait_for_loss(ranks, wait);
+  return found;
+}
+
 std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
                                                  const std::vector<int>& ranks,
                                                  std::chrono::milliseconds wait) {

@@ -66,6 +66,10 @@ class PeerMonitor {
   // report); returns every loss among `ranks`, deaths first.
   std::vector<PeerLoss> wait_for_loss(const std::vector<int>& ranks,
                                       std::chrono::milliseconds wait) const;
+  // The losses among `ranks` known now, deaths first (empty: none). When only departures are
+  // known, waits up to `wait` for a death among them, so that the cause can be named.
+  std::vector<PeerLoss> losses(const std::vector<int>& ranks,
+                               std::chrono::milliseconds wait) const;
 
   // Asks each of `ranks` how many collectives it issued on group `name`; -1 for a rank that
   // did not answer within `wait` (lost, or its process is stuck outside funcol), -2 for one

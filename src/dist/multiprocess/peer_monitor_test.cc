@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <thread>
 
 #include "funcol/core/error.h"
 
@@ -79,6 +80,31 @@ TEST(PeerMonitor, AGoodbyeCarriesProgress) {
   auto losses = m[0]->wait_for_loss({1}, milliseconds(50));
   ASSERT_EQ(losses.size(), 1u);
   EXPECT_TRUE(losses[0].clean);
+}
+
+// A rank that leaves after seeing another die: the death is the cause to name, even when the
+// goodbye arrives first.
+TEST(PeerMonitor, LossesNameADeathSeenAfterADeparture) {
+  auto m = mesh(3);
+  EXPECT_TRUE(m[0]->losses({1, 2}, milliseconds(0)).empty());
+  m[1]->shutdown();
+  while (!m[0]->lost(1)) std::this_thread::sleep_for(milliseconds(1));
+  auto later = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    m[2]->close_abruptly();
+  });
+  auto losses = m[0]->losses({1, 2}, milliseconds(10000));
+  later.get();
+  ASSERT_EQ(losses.size(), 2u);
+  EXPECT_EQ(losses[0].describe(), "rank 2 died (its process exited or was killed)");
+  EXPECT_EQ(losses[1].describe(), "rank 1 departed (destroy_process_group)");
+  // Only departures and nothing more to come: they are returned after the wait.
+  auto m2 = mesh(2);
+  m2[1]->shutdown();
+  while (!m2[0]->lost(1)) std::this_thread::sleep_for(milliseconds(1));
+  auto departed = m2[0]->losses({1}, milliseconds(20));
+  ASSERT_EQ(departed.size(), 1u);
+  EXPECT_TRUE(departed[0].clean);
 }
 
 TEST(PeerMonitor, ConnectTimesOutNamingMissingRanks) {

@@ -12,13 +12,19 @@
 //  timeout   the last rank stays away from a collective; the others time out naming it
 //  depart    the last rank leaves (destroy_process_group); the others fail at once naming it
 //  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
-//            fails after FUNCOL_TIMEOUT naming it
+//            fails after FUNCOL_TIMEOUT naming it, and takes its keys out of the store
+//  split_kill  the last rank agrees to split_group([1..n-1]) and dies before the new group's
+//            rendezvous (gloo) or MPI_Comm_split (mpi, under --enable-recovery); the members
+//            fail at once naming it, not after FUNCOL_TIMEOUT
 #include <fmt/format.h>
+
+#include <fmt/ranges.h>
 
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 
@@ -188,6 +194,47 @@ void scenario_depart(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+void scenario_split_kill(funcol::ProcessGroup& world) {
+  const int victim = world.size() - 1;
+  check_sum(world);
+  // A group of ranks 1..n-1, so that group ranks differ from global ranks in the messages.
+  std::vector<int> members;
+  for (int r = 1; r < world.size(); ++r) members.push_back(r);
+  if (world.rank() == victim) {
+    // Take split_group's part in the agreement (two all_gathers of what each rank passed), then
+    // die before the new group's own setup.
+    const std::string text = fmt::format("[[{}]] as 'sub'", fmt::join(members, ", "));
+    const auto bytes = static_cast<int64_t>(text.size());
+    Tensor lengths = Tensor::empty({world.size()}, DType::I64);
+    world.all_gather(lengths, Tensor::full({1}, DType::I64, static_cast<double>(bytes)))->wait();
+    Tensor mine = Tensor::zeros({bytes}, DType::U8);
+    std::memcpy(mine.raw_data_ptr(), text.data(), text.size());
+    Tensor texts = Tensor::empty({world.size() * bytes}, DType::U8);
+    world.all_gather(texts, mine)->wait();
+    std::fflush(stdout);
+    std::raise(SIGKILL);
+  }
+  auto start = Clock::now();
+  std::shared_ptr<funcol::ProcessGroup> group;
+  std::string msg;
+  try {
+    group = world.split_group({members}, "sub");
+  } catch (const funcol::CommError& e) {
+    msg = e.what();
+  }
+  const double took = seconds_since(start);
+  if (msg.empty()) {
+    // gloo: a rank outside the new group has nothing to wait for.
+    if (group != nullptr) failed("split_group returned a group without the dead rank");
+    ok("not a member");
+    return;
+  }
+  expect_contains(msg, fmt::format("rank {} died", victim));
+  expect_contains(msg, fmt::format("{}]", victim));
+  if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -199,7 +246,7 @@ int main(int argc, char** argv) {
   if (backend.empty() || scenario.empty()) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
-                 "--scenario=kill|mismatch|timeout|depart\n");
+                 "--scenario=kill|mismatch|timeout|depart|lonely|split_kill\n");
     return 2;
   }
   if (scenario == "lonely") {
@@ -218,6 +265,15 @@ int main(int argc, char** argv) {
     const double took = seconds_since(start);
     expect_contains(msg, fmt::format("did not arrive: [{}]", late));
     if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
+    // With two ranks nobody else wrote to the store: the failed rendezvous left it empty, ready
+    // for the next job.
+    const std::string store = std::getenv("FUNCOL_STORE");
+    if (late == 1 && store.rfind("file://", 0) == 0) {
+      const std::filesystem::path dir = store.substr(7);
+      if (!std::filesystem::is_empty(dir)) {
+        failed(fmt::format("the failed rendezvous left keys in {}", dir.string()));
+      }
+    }
     ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
     return 0;
   }
@@ -233,6 +289,8 @@ int main(int argc, char** argv) {
       scenario_timeout(*world);
     } else if (scenario == "depart") {
       scenario_depart(*world);
+    } else if (scenario == "split_kill") {
+      scenario_split_kill(*world);
     } else {
       failed("unknown scenario " + scenario);
     }
