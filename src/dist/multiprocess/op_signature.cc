@@ -186,9 +186,16 @@ std::optional<std::string> check_signatures(const std::vector<OpSignature>& sign
   const int n = static_cast<int>(signatures.size());
   for (int r = 1; r < n; ++r) {
     if (!signatures[0].same_call(signatures[r])) {
-      return fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}",
-                         description, global_ranks[0], signatures[0].summary(), global_ranks[r],
-                         signatures[r].summary());
+      const std::string first = signatures[0].summary();
+      const std::string other = signatures[r].summary();
+      // Only the first kSlotsInFull tensors travel in full: say where the difference is when
+      // the summaries cannot show it.
+      return fmt::format(
+          "{}: mismatched collectives: rank {} issued {} but rank {} issued {}{}", description,
+          global_ranks[0], first, global_ranks[r], other,
+          first == other ? fmt::format("; they differ in a tensor after the first {} (not shown)",
+                                       kSlotsInFull)
+                         : "");
     }
   }
   if (n > 0 && signatures[0].kind == OpKind::AllToAll) {

@@ -112,6 +112,13 @@ TEST(OpSignature, LongCoalescedListsCompareBeyondTheFirstEight) {
   EXPECT_TRUE(da.same_call(round_trip(a, 2)));
   EXPECT_FALSE(da.same_call(db));
   EXPECT_NE(da.summary().find("12 tensors"), std::string::npos);
+  // The summaries show the first eight only, so the message says the difference lies beyond.
+  const auto message = check_signatures({da, db}, {0, 1}, "arc");
+  ASSERT_TRUE(message.has_value());
+  EXPECT_EQ(*message, "arc: mismatched collectives: rank 0 issued " + da.summary() +
+                          " but rank 1 issued " + db.summary() +
+                          "; they differ in a tensor after the first 8 (not shown)");
+  EXPECT_EQ(da.summary(), db.summary());
 }
 
 }  // namespace
