@@ -221,6 +221,19 @@ Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int6
   return out;
 }
 
+// output.copy_(result); under a tracer, output stands for result (converted to its dtype) from
+// now on, as graphs are functional (DESIGN §4: the in-place remaps trace too).
+void assign(const Tensor& output, const Tensor& result) {
+  Tracer* tr = current_tracer();
+  if (tr == nullptr) {
+    output.copy_(result);
+    return;
+  }
+  tr->assign(output, result.dtype() == output.dtype()
+                         ? result
+                         : ops::convert_element_type(result, output.dtype()));
+}
+
 void check_output_shape(const Tensor& output, const Tensor& result, std::string_view op) {
   if (!output.defined()) throw InvalidArgument(fmt::format("{}: undefined output tensor", op));
   if (output.sizes() != result.sizes()) {
@@ -466,26 +479,22 @@ void wait_tensors(const std::vector<Tensor>& tensors) {
 
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
                                  const GroupSpec& group) {
-  if (current_tracer()) {
-    api_detail::trace_unsupported("all_reduce_inplace", "graphs are functional; use all_reduce");
-  }
-  t.copy_(all_reduce(t, reduce_op, group));
+  assign(t, all_reduce(t, reduce_op, group));
   return t;
 }
 
 void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
                         const GroupSpec& group) {
-  if (current_tracer()) {
-    api_detail::trace_unsupported("all_gather_inplace",
-                                  "graphs are functional; use all_gather_tensor");
-  }
   constexpr std::string_view kOp = "all_gather_inplace";
-  ProcessGroup& pg = group.resolve();
+  // Tracing needs no live group (declared sizes); eager resolves the spec once.
+  Tracer* tr = current_tracer();
+  ProcessGroup* pg = tr ? nullptr : &group.resolve();
+  const int world = pg ? pg->size() : api_detail::traced_group_size(*tr, group, kOp);
   // Issued before the local checks below, so peers never wait on a rank that gave up early.
-  Tensor gathered = all_gather_tensor(t, 0, pg);
-  if (static_cast<int64_t>(tensor_list.size()) != pg.size()) {
+  Tensor gathered = pg ? all_gather_tensor(t, 0, *pg) : all_gather_tensor(t, 0, group);
+  if (static_cast<int64_t>(tensor_list.size()) != world) {
     throw InvalidArgument(fmt::format("{}: tensor_list has {} tensors, expected group_size {}", kOp,
-                                      tensor_list.size(), pg.size()));
+                                      tensor_list.size(), world));
   }
   for (size_t j = 0; j < tensor_list.size(); ++j) {
     if (!tensor_list[j].defined()) {
@@ -501,33 +510,26 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   for (size_t j = 0; j < tensor_list.size(); ++j) {
     const int64_t jj = static_cast<int64_t>(j);
-    tensor_list[j].copy_(t.dim() == 0 ? gathered.select(0, jj)
-                                      : gathered.narrow(0, jj * rows, rows));
+    // ops::narrow and ops::view record under a tracer; Tensor methods would not.
+    const Tensor block = ops::narrow(gathered, 0, jj * rows, rows);
+    assign(tensor_list[j], t.dim() == 0 ? ops::view(block, {}) : block);
   }
 }
 
 const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& input,
                                         const GroupSpec& group, int64_t gather_dim) {
-  if (current_tracer()) {
-    api_detail::trace_unsupported("all_gather_tensor_inplace",
-                                  "graphs are functional; use all_gather_tensor");
-  }
   Tensor result = all_gather_tensor(input, gather_dim, group);
   check_output_shape(output, result, "all_gather_tensor_inplace");
-  output.copy_(result);
+  assign(output, result);
   return output;
 }
 
 const Tensor& reduce_scatter_tensor_inplace(const Tensor& output, const Tensor& input,
                                             const GroupSpec& group, const std::string& reduce_op,
                                             int64_t scatter_dim) {
-  if (current_tracer()) {
-    api_detail::trace_unsupported("reduce_scatter_tensor_inplace",
-                                  "graphs are functional; use reduce_scatter_tensor");
-  }
   Tensor result = reduce_scatter_tensor(input, reduce_op, scatter_dim, group);
   check_output_shape(output, result, "reduce_scatter_tensor_inplace");
-  output.copy_(result);
+  assign(output, result);
   return output;
 }
 
@@ -535,14 +537,10 @@ const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
                                  std::optional<std::vector<int64_t>> output_split_sizes,
                                  std::optional<std::vector<int64_t>> input_split_sizes,
                                  const GroupSpec& group) {
-  if (current_tracer()) {
-    api_detail::trace_unsupported("all_to_all_inplace",
-                                  "graphs are functional; use all_to_all_single");
-  }
   Tensor result =
       all_to_all_single(input, std::move(output_split_sizes), std::move(input_split_sizes), group);
   check_output_shape(output, result, "all_to_all_inplace");
-  output.copy_(result);
+  assign(output, result);
   return output;
 }
 

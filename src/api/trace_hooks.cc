@@ -203,6 +203,10 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
                           {{"reduce_op", reduce_op}, {"group_size", g.size}, {"group", g.name}}));
 }
 
+int traced_group_size(Tracer& tr, const GroupSpec& group, std::string_view op) {
+  return traced_group(tr, group, op).size;
+}
+
 void trace_unsupported(std::string_view op, std::string_view instead) {
   throw InvalidArgument(fmt::format("{} cannot be traced: {}", op, instead));
 }

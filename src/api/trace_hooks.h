@@ -38,8 +38,11 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
                                                           const std::string& reduce_op,
                                                           const std::vector<int64_t>& scatter_dims,
                                                           const GroupSpec& group);
-// Throws InvalidArgument: `op` has no recording form (in-place remaps mutate their arguments;
-// permute_tensor's split sizes depend on the rank, and graphs must be the same on every rank).
+// The size of the group `group` names while tracing (declared, or the calling rank's).
+int traced_group_size(Tracer& tr, const GroupSpec& group, std::string_view op);
+
+// Throws InvalidArgument: `op` has no recording form (permute_tensor's split sizes depend on
+// the rank, and graphs must be the same on every rank).
 [[noreturn]] void trace_unsupported(std::string_view op, std::string_view instead);
 
 }  // namespace funcol::api_detail

@@ -2,6 +2,7 @@
 // run by the executor giving the eager results bit for bit.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "funcol/dist/device_mesh.h"
+#include "funcol/graph/parser.h"
 #include "funcol/graph/printer.h"
 #include "funcol/graph/tracer.h"
 #include "funcol/graph/verifier.h"
@@ -121,8 +123,6 @@ TEST(TraceCollectives, ErrorsMatchTheEagerOnes) {
         permute_tensor(in[0], {1, 2, 3, 0}, "world");
       },
       "permute_tensor cannot be traced");
-  expect_error([](auto in) { all_reduce_inplace(in[0], "sum", "world"); },
-               "all_reduce_inplace cannot be traced: graphs are functional; use all_reduce");
   expect_error(
       [](auto in) {
         reduce_scatter_tensor_coalesced({in[0]}, "sum", {0, 1}, "world");
@@ -147,6 +147,31 @@ TEST(TraceCollectives, InsideARankMeshGroupsResolveByName) {
   for (const std::string& t : texts) EXPECT_EQ(t, texts[0]);  // the same graph on every rank
 }
 
+using Fn = std::function<std::vector<Tensor>(std::span<const Tensor>)>;
+
+// Runs `fn` eagerly and `graph` (its trace) on the executor on 4 ranks with the inputs
+// `inputs_of(rank)`, and expects every output bit-identical.
+void expect_runs_like_eager(const Graph& graph, const Fn& fn,
+                            const std::function<std::vector<Tensor>(int)>& inputs_of) {
+  constexpr int kRanks = 4;
+  std::vector<std::vector<Tensor>> eager(kRanks), traced(kRanks);
+  run_local(kRanks, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    eager[r] = fn(inputs_of(r));
+    for (Tensor& t : eager[r]) t.wait();
+    Executor ex(graph, world);
+    traced[r] = ex.run(inputs_of(r));
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(traced[r].size(), eager[r].size());
+    for (size_t i = 0; i < eager[r].size(); ++i) {
+      EXPECT_TRUE(traced[r][i].equal(eager[r][i]))
+          << "rank " << r << " output " << i << ": " << traced[r][i].to_string() << " vs "
+          << eager[r][i].to_string() << "\n" << print(graph);
+    }
+  }
+}
+
 // A function written once runs eagerly and traced; the executor gives the eager result exactly.
 std::vector<Tensor> fsdp_layer(std::span<const Tensor> in) {
   // x: [2, 8], w: this rank's [2, 4] shard of an [8, 4] weight.
@@ -160,32 +185,51 @@ std::vector<Tensor> fsdp_layer(std::span<const Tensor> in) {
 }
 
 TEST(TraceCollectives, TracedGraphRunsLikeTheEagerFunction) {
-  constexpr int kRanks = 4;
-  auto inputs_of = [](int r) {
+  auto graph = trace("fsdp", {Type(DType::F32, {2, 8}), Type(DType::F32, {2, 4})}, fsdp_layer,
+                     {{"world", 4}});
+  expect_runs_like_eager(*graph, fsdp_layer, [](int r) {
     std::vector<float> x(16), w(8);
     for (int i = 0; i < 16; ++i) x[i] = static_cast<float>((i * 3 + r) % 7 - 3);
     for (int i = 0; i < 8; ++i) w[i] = static_cast<float>((i + 2 * r) % 5 - 2);
     return std::vector<Tensor>{Tensor::from_vector<float>(x, {2, 8}),
                                Tensor::from_vector<float>(w, {2, 4})};
-  };
-  auto graph = trace("fsdp", {Type(DType::F32, {2, 8}), Type(DType::F32, {2, 4})}, fsdp_layer,
-                     {{"world", kRanks}});
-  std::vector<std::vector<Tensor>> eager(kRanks), traced(kRanks);
-  run_local(kRanks, [&](ProcessGroup& world) {
-    const int r = world.rank();
-    eager[r] = fsdp_layer(inputs_of(r));
-    for (Tensor& t : eager[r]) t.wait();
-    Executor ex(*graph, world);
-    traced[r] = ex.run(inputs_of(r));
   });
-  for (int r = 0; r < kRanks; ++r) {
-    ASSERT_EQ(traced[r].size(), eager[r].size());
-    for (size_t i = 0; i < eager[r].size(); ++i) {
-      EXPECT_TRUE(traced[r][i].equal(eager[r][i]))
-          << "rank " << r << " output " << i << ": " << traced[r][i].to_string() << " vs "
-          << eager[r][i].to_string();
-    }
-  }
+}
+
+// The in-place remaps trace functionally (DESIGN §4): the written tensor, and its copies,
+// stand for the collective's result afterwards, so the graph computes what the eager calls
+// leave in their buffers; it verifies and round-trips through the text format.
+std::vector<Tensor> inplace_remaps(std::span<const Tensor> in) {
+  // x: [4, 2] f32, i: [4] i32 (converted into the f32 buffer of the all_to_all).
+  const Tensor x = in[0];
+  const Tensor alias = x;  // a copy of the tensor: written with it
+  all_reduce_inplace(x, "sum", "world");
+  Tensor gathered = ops::zeros({4, 8}, DType::F32);
+  all_gather_tensor_inplace(gathered, x, "world", /*gather_dim=*/1);
+  Tensor scattered = ops::zeros({1, 2}, DType::F32);
+  reduce_scatter_tensor_inplace(scattered, x, "world", "max");
+  Tensor exchanged = ops::zeros({4}, DType::F32);
+  all_to_all_inplace(exchanged, in[1], std::nullopt, std::nullopt, "world");
+  std::vector<Tensor> list;
+  for (int r = 0; r < 4; ++r) list.push_back(ops::zeros({}, DType::I32));
+  all_gather_inplace(list, ops::sum(in[1]), "world");
+  std::vector<Tensor> out = {x, alias, gathered, scattered, exchanged};
+  out.insert(out.end(), list.begin(), list.end());
+  return out;
+}
+
+TEST(TraceCollectives, InplaceRemapsTraceFunctionally) {
+  auto traced = trace("inplace", {Type(DType::F32, {4, 2}), Type(DType::I32, {4})},
+                      inplace_remaps, {{"world", 4}});
+  const std::string text = print(*traced);
+  auto graph = parse_graph(text);
+  EXPECT_EQ(print(*graph), text);
+  expect_runs_like_eager(*graph, inplace_remaps, [](int r) {
+    std::vector<float> x(8);
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 3 + r) % 7 - 3);
+    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2}),
+                               Tensor::from_vector<int32_t>({r, 2 * r, -r, 5}, {4})};
+  });
 }
 
 }  // namespace

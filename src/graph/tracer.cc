@@ -107,6 +107,17 @@ Value* Tracer::value(const Tensor& t) const {
   return ref->value;
 }
 
+void Tracer::assign(const Tensor& t, const Tensor& value) {
+  Value* target = this->value(t);
+  Value* source = this->value(value);
+  if (target->type() != source->type()) {
+    throw InvalidArgument(fmt::format("tracer: cannot assign a value of type {} to {} of type {}",
+                                      source->type().str(), target->ref(), target->type().str()));
+  }
+  // ref_of's Ref is shared by every copy of `t`: rebinding it rebinds them all.
+  static_cast<Ref*>(t.annotation().get())->value = source;
+}
+
 std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Tensor> operands,
                                    const NamedAttrs& attrs, std::string_view name_hint) {
   if (!graph_) throw InvalidArgument(fmt::format("tracer: {} recorded after finish()", op_name));

@@ -319,6 +319,22 @@ int print_command_error(std::FILE* err) {
   return 1;
 }
 
+CLI::Validator decimal_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const bool negative = !text.empty() && text[0] == '-';
+        const char* begin = text.data() + (negative ? 1 : 0);
+        const char* end = text.data() + text.size();
+        uint64_t magnitude = 0;
+        const auto [ptr, ec] = std::from_chars(begin, end, magnitude);
+        if (begin == end || ptr != end) return "expected a decimal integer, got " + text;
+        if (ec != std::errc()) return text + " is out of range";
+        text = (negative ? "-" : "") + std::to_string(magnitude);
+        return {};
+      },
+      "");
+}
+
 void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description) {
   command.add_option("--seed", seed, description)
       ->check(CLI::Validator(
@@ -328,6 +344,8 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
                        : "a seed is a non-negative integer, got " + text;
           },
           "UINT64"))
+      // After the sign check: CLI11 alone saturates 2^64 and more to 2^64 - 1.
+      ->transform(decimal_integer())
       ->capture_default_str();
 }
 

@@ -44,8 +44,12 @@ struct JobFlags {
 
 // Adds --rank, --world-size and --store to a command, writing into `flags`.
 void add_job_flags(CLI::App& command, JobFlags& flags);
-// Adds --seed (an unsigned 64-bit seed; "-1" is an error, not 2^64 - 1).
+// Adds --seed (an unsigned 64-bit seed in decimal; "-1" is an error, not 2^64 - 1).
 void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description);
+// For integer options (->transform(decimal_integer())): accepts decimal digits with an optional
+// '-' and rewrites them without leading zeros, as CLI11 alone reads 010 as octal 8 and 0x10 as
+// 16. The option's own conversion still checks the range.
+CLI::Validator decimal_integer();
 
 // The InitOptions the flags name (-1 and "" for those not given). Throws InvalidArgument naming
 // the flag when --rank is not an integer >= 0 or --world-size not one >= 1.

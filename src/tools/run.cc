@@ -406,6 +406,7 @@ void add_run_command(CLI::App& app) {
   sub->add_option("file", o->file, "IR file ('-' reads standard input)")->required();
   CLI::Option* ranks = sub->add_option(
       "--ranks", o->ranks, "number of ranks (required unless this process joins a gloo job)");
+  ranks->transform(decimal_integer());
   sub->add_option("--backend", o->backend,
                   "threads, mpi (starts mpirun) or gloo (starts processes, or with --rank joins "
                   "a job as one of them)")
@@ -417,6 +418,7 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--outputs", o->outputs,
                   "'json': one line per rank with every output's dtype, shape, digest and data");
   sub->add_option("--iters", o->iters, "runs of the graph (outputs are the last run's)")
+      ->transform(decimal_integer())
       ->capture_default_str();
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's compute and communication");

@@ -48,6 +48,11 @@ class Tracer {
   // tracer (a real tensor, an untraced op's result such as t.view(...) instead of
   // ops::view, or a tensor of another trace).
   Value* value(const Tensor& t) const;
+  // Makes `t`, and every copy of it (copies share the annotation), stand for `value`'s graph
+  // value from now on: an in-place op traced functionally, as PyTorch functionalizes
+  // `t.copy_(r)`. Views recorded from `t` before keep the value they were made from. Throws
+  // InvalidArgument when either tensor is not traced by this tracer or their types differ.
+  void assign(const Tensor& t, const Tensor& value);
 
   // Group sizes for collectives recorded without a live process group (tracing outside any
   // rank): declare_group("world", 4). Inside a rank, names resolve in the rank's registry.
