@@ -50,6 +50,14 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
 // '-' and rewrites them without leading zeros, as CLI11 alone reads 010 as octal 8 and 0x10 as
 // 16. The option's own conversion still checks the range.
 CLI::Validator decimal_integer();
+// Adds an integer option read through decimal_integer(), its default shown in --help.
+template <typename T>
+CLI::Option* add_integer_option(CLI::App& command, const std::string& name, T& value,
+                                const std::string& description) {
+  return command.add_option(name, value, description)
+      ->transform(decimal_integer())
+      ->capture_default_str();
+}
 
 // The InitOptions the flags name (-1 and "" for those not given). Throws InvalidArgument naming
 // the flag when --rank is not an integer >= 0 or --world-size not one >= 1.

@@ -417,9 +417,7 @@ void add_run_command(CLI::App& app) {
   add_seed_option(*sub, o->seed, "seed of the generated inputs");
   sub->add_option("--outputs", o->outputs,
                   "'json': one line per rank with every output's dtype, shape, digest and data");
-  sub->add_option("--iters", o->iters, "runs of the graph (outputs are the last run's)")
-      ->transform(decimal_integer())
-      ->capture_default_str();
+  add_integer_option(*sub, "--iters", o->iters, "runs of the graph (outputs are the last run's)");
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's compute and communication");
   sub->add_option("--graph", o->graph, "the graph to run when FILE holds several");

@@ -722,22 +722,12 @@ void add_train_command(CLI::App& app) {
       "execute; compare with a single-process reference");
   auto o = std::make_shared<TrainOptions>();
   auto job = std::make_shared<JobFlags>();
-  CLI::Option* ranks =
-      sub->add_option("--ranks", o->ranks, "number of ranks (joining a gloo job: its world size)")
-          ->transform(decimal_integer())
-          ->capture_default_str();
-  sub->add_option("--layers", o->layers, "number of [hidden, hidden] layers")
-      ->transform(decimal_integer())
-      ->capture_default_str();
-  sub->add_option("--hidden", o->hidden, "width; a multiple of --ranks")
-      ->transform(decimal_integer())
-      ->capture_default_str();
-  sub->add_option("--batch", o->batch, "rows per rank")
-      ->transform(decimal_integer())
-      ->capture_default_str();
-  sub->add_option("--steps", o->steps, "training steps")
-      ->transform(decimal_integer())
-      ->capture_default_str();
+  CLI::Option* ranks = add_integer_option(*sub, "--ranks", o->ranks,
+                                          "number of ranks (joining a gloo job: its world size)");
+  add_integer_option(*sub, "--layers", o->layers, "number of [hidden, hidden] layers");
+  add_integer_option(*sub, "--hidden", o->hidden, "width; a multiple of --ranks");
+  add_integer_option(*sub, "--batch", o->batch, "rows per rank");
+  add_integer_option(*sub, "--steps", o->steps, "training steps");
   sub->add_option("--lr", o->lr, "learning rate")->capture_default_str();
   sub->add_option("--optimizer", o->optimizer, "sgd or adam")->capture_default_str();
   sub->add_option("--bucket-cap-mb", o->bucket_cap_mb,
