@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <functional>
 #include <tuple>
 #include <utility>
 
 #include "funcol/core/error.h"
+#include "funcol/dist/process_group.h"
+#include "funcol/dist/work.h"
 
 namespace funcol::dist_detail {
 
@@ -260,6 +263,66 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
     }
     if (last_any == nullptr || r.end > last_any->end) last_any = &r;
     if (r.output && (last_output == nullptr || r.end > last_output->end)) last_output = &r;
+  }
+}
+
+std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
+                                            const std::vector<std::vector<int>>& rank_lists,
+                                            const std::string& new_name) {
+  if (new_name.empty()) throw InvalidArgument("split_group: the group name is empty");
+  if (auto existing = parent.registry().find(new_name)) {
+    throw InvalidArgument(
+        fmt::format("split_group: group name '{}' is already registered (ranks {})", new_name,
+                    format_ranks(existing->global_ranks())));
+  }
+  const std::vector<int>& members = parent.global_ranks();
+  const int me = members[parent.rank()];
+  std::optional<std::vector<int>> mine;
+  std::vector<int> seen;
+  for (const auto& list : rank_lists) {
+    if (list.empty()) throw InvalidArgument("split_group: a rank list is empty");
+    for (int r : list) {
+      if (std::find(members.begin(), members.end(), r) == members.end()) {
+        throw InvalidArgument(fmt::format("split_group: rank {} is not in group '{}' (ranks {})", r,
+                                          parent.name(), format_ranks(members)));
+      }
+      if (std::find(seen.begin(), seen.end(), r) != seen.end()) {
+        throw InvalidArgument(
+            fmt::format("split_group: rank {} appears in more than one place", r));
+      }
+      seen.push_back(r);
+      if (r == me) mine = list;
+    }
+  }
+  return mine;
+}
+
+void agree_on_split(ProcessGroup& parent, int split,
+                    const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) {
+  const int n = parent.size();
+  if (n == 1) return;
+  std::vector<std::string> lists;
+  for (const auto& list : rank_lists) lists.push_back(format_ranks(list));
+  const std::string mine = fmt::format("[{}] as '{}'", fmt::join(lists, ", "), new_name);
+  // The lengths first, so the texts can be gathered in blocks of the longest.
+  Tensor length = Tensor::full({1}, DType::I64, static_cast<int64_t>(mine.size()));
+  Tensor lengths = Tensor::empty({n}, DType::I64);
+  parent.all_gather(lengths, length)->wait();
+  const std::vector<int64_t> sizes = lengths.to_vector<int64_t>();
+  const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
+  Tensor text = Tensor::zeros({longest}, DType::U8);
+  std::memcpy(text.raw_data_ptr(), mine.data(), mine.size());
+  Tensor texts = Tensor::empty({n * longest}, DType::U8);
+  parent.all_gather(texts, text)->wait();
+  const char* all = static_cast<const char*>(texts.raw_data_ptr());
+  auto passed = [&](int r) { return std::string(all + r * longest, sizes[r]); };
+  for (int r = 1; r < n; ++r) {
+    if (passed(r) != passed(0)) {
+      throw CommError(fmt::format(
+          "split_group on group '{}' (split {}): rank {} passed {} but rank {} passed {}",
+          parent.name(), split, parent.global_ranks()[0], passed(0), parent.global_ranks()[r],
+          passed(r)));
+    }
   }
 }
 

@@ -2,12 +2,17 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "funcol/core/dtype.h"
 #include "funcol/core/tensor.h"
+
+namespace funcol {
+class ProcessGroup;
+}
 
 namespace funcol::dist_detail {
 
@@ -46,6 +51,20 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
 // (identical bytes: in place).
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op);
+
+// split_group, on every backend: validates the arguments (a new name; lists of members of
+// `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it
+// is in none.
+std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
+                                            const std::vector<std::vector<int>>& rank_lists,
+                                            const std::string& new_name);
+// Collective over `parent`: checks that every rank passed the same rank lists and name to
+// split number `split` of `parent` (two small all_gathers), so ranks that disagree all get the
+// same CommError at once, naming two of them and what each passed, instead of building groups
+// that never meet or that meet the wrong ranks. A missing rank fails the all_gathers as any
+// collective does.
+void agree_on_split(ProcessGroup& parent, int split,
+                    const std::vector<std::vector<int>>& rank_lists, const std::string& new_name);
 
 // "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);

@@ -27,6 +27,7 @@
 #include <gloo/rendezvous/redis_store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include "dist/checks.h"
 #include "dist/multiprocess/process_env.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
@@ -282,7 +283,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
 
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& name) override {
-    auto mine = my_split_list(rank_lists, name);
+    auto mine = dist_detail::check_split(*this, rank_lists, name);
     const int split = agree_on_split(rank_lists, name);
     if (!mine) return nullptr;
     const int my_index =

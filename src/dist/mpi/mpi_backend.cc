@@ -16,6 +16,7 @@
 #include <numeric>
 #include <thread>
 
+#include "dist/checks.h"
 #include "dist/multiprocess/process_env.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
@@ -473,7 +474,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& name) override {
-    auto mine = my_split_list(rank_lists, name);
+    auto mine = dist_detail::check_split(*this, rank_lists, name);
     int color = MPI_UNDEFINED;
     int key = 0;
     for (size_t i = 0; i < rank_lists.size(); ++i) {

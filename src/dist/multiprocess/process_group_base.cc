@@ -362,60 +362,10 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
   return msg;
 }
 
-std::optional<std::vector<int>> ProcessGroupBase::my_split_list(
-    const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) const {
-  if (new_name.empty()) throw InvalidArgument("split_group: the group name is empty");
-  if (auto existing = registry().find(new_name)) {
-    throw InvalidArgument(
-        fmt::format("split_group: group name '{}' is already registered (ranks {})", new_name,
-                    dist_detail::format_ranks(existing->global_ranks())));
-  }
-  std::optional<std::vector<int>> mine;
-  std::vector<int> seen;
-  for (const auto& list : rank_lists) {
-    if (list.empty()) throw InvalidArgument("split_group: a rank list is empty");
-    for (int r : list) {
-      if (std::find(global_ranks().begin(), global_ranks().end(), r) == global_ranks().end()) {
-        throw InvalidArgument(fmt::format("split_group: rank {} is not in group '{}' (ranks {})", r,
-                                          name(), dist_detail::format_ranks(global_ranks())));
-      }
-      if (std::find(seen.begin(), seen.end(), r) != seen.end()) {
-        throw InvalidArgument(
-            fmt::format("split_group: rank {} appears in more than one place", r));
-      }
-      seen.push_back(r);
-      if (r == global_rank()) mine = list;
-    }
-  }
-  return mine;
-}
-
 int ProcessGroupBase::agree_on_split(const std::vector<std::vector<int>>& rank_lists,
                                      const std::string& new_name) {
   const int split = splits_++;
-  if (size() == 1) return split;
-  std::vector<std::string> lists;
-  for (const auto& list : rank_lists) lists.push_back(dist_detail::format_ranks(list));
-  const std::string mine = fmt::format("[{}] as '{}'", fmt::join(lists, ", "), new_name);
-  // The lengths first, so the texts can be gathered in blocks of the longest.
-  Tensor length = Tensor::full({1}, DType::I64, static_cast<double>(mine.size()));
-  Tensor lengths = Tensor::empty({size()}, DType::I64);
-  all_gather(lengths, length)->wait();
-  const std::vector<int64_t> sizes = lengths.to_vector<int64_t>();
-  const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
-  Tensor text = Tensor::zeros({longest}, DType::U8);
-  std::memcpy(text.raw_data_ptr(), mine.data(), mine.size());
-  Tensor texts = Tensor::empty({size() * longest}, DType::U8);
-  all_gather(texts, text)->wait();
-  const char* all = static_cast<const char*>(texts.raw_data_ptr());
-  auto passed = [&](int r) { return std::string(all + r * longest, sizes[r]); };
-  for (int r = 1; r < size(); ++r) {
-    if (passed(r) != passed(0)) {
-      throw CommError(fmt::format(
-          "split_group on group '{}' (split {}): rank {} passed {} but rank {} passed {}", name(),
-          split, global_ranks()[0], passed(0), global_ranks()[r], passed(r)));
-    }
-  }
+  dist_detail::agree_on_split(*this, split, rank_lists, new_name);
   return split;
 }
 

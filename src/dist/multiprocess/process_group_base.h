@@ -159,16 +159,8 @@ class ProcessGroupBase : public ProcessGroup,
   std::optional<std::string> broken() const;
   // Describes a failure for a CommError: "<op description> failed: <what>; <lost peers>".
   std::string failure_message(const CollectiveOp& op, const std::string& what) const;
-  // Validates split_group's arguments (a new name; lists of members of this group, each rank in
-  // at most one) and returns this rank's list, or nullopt when it is in none.
-  std::optional<std::vector<int>> my_split_list(const std::vector<std::vector<int>>& rank_lists,
-                                                const std::string& new_name) const;
-  // Collective over this group: checks that every rank passed the same rank lists and name to
-  // this split (two small all_gathers), so ranks that disagree all get the same CommError at
-  // once, naming two of them and what each passed, instead of building groups that never meet
-  // (gloo: a rendezvous timeout) or that meet the wrong ranks (mpi: MPI_Comm_split by position).
-  // A missing rank is a CommError after the group's timeout. Returns the split's index in this
-  // group (0, 1, ... in call order).
+  // Collective over this group: dist_detail::agree_on_split for this group's next split.
+  // Returns the split's index in this group (0, 1, ... in call order).
   int agree_on_split(const std::vector<std::vector<int>>& rank_lists, const std::string& new_name);
   // Compares the gathered signatures (detail mode); nullopt when they agree.
   std::optional<std::string> check_gathered(const CollectiveOp& op,

@@ -579,7 +579,6 @@ struct SplitEntry {
   std::vector<std::vector<int>> lists;
   std::vector<SharedGroup*> groups;
   int arrivals = 0;
-  int first_rank = 0;
 };
 
 // Ops that became eligible, to run. Usually one; inline so that no collective allocates it.
@@ -1852,7 +1851,6 @@ SharedGroup* World::split(const SharedGroup& parent, uint64_t index,
   SplitEntry& entry = it->second;
   if (inserted) {
     entry.lists = lists;
-    entry.first_rank = global_rank;
     for (const auto& list : lists) {
       auto g = std::make_unique<SharedGroup>();
       g->id = static_cast<int>(groups_.size());
@@ -1862,14 +1860,9 @@ SharedGroup* World::split(const SharedGroup& parent, uint64_t index,
       groups_.push_back(std::move(g));
       entry.groups.push_back(groups_.back().get());
     }
-  } else if (entry.lists != lists) {
-    std::vector<std::string> mine, theirs;
-    for (const auto& l : lists) mine.push_back(format_ranks(l));
-    for (const auto& l : entry.lists) theirs.push_back(format_ranks(l));
-    throw CommError(fmt::format(
-        "split_group on group '{}' (split {}): rank {} passed [{}] but rank {} passed [{}]",
-        parent.name, index, global_rank, fmt::join(mine, ", "), entry.first_rank,
-        fmt::join(theirs, ", ")));
+  } else {
+    // split_group agreed on the lists over the parent first.
+    FUNCOL_CHECK(entry.lists == lists, "split lists differ after the ranks agreed on them");
   }
   SharedGroup* result = nullptr;
   for (size_t i = 0; i < entry.lists.size(); ++i) {
@@ -2011,28 +2004,9 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& name) override {
-    if (name.empty()) throw InvalidArgument("split_group: the group name is empty");
-    if (registry().find(name)) {
-      throw InvalidArgument(fmt::format(
-          "split_group: group name '{}' is already registered (ranks {})", name,
-          format_ranks(registry().find(name)->global_ranks())));
-    }
-    std::vector<int> seen;
-    for (const auto& list : rank_lists) {
-      if (list.empty()) throw InvalidArgument("split_group: a rank list is empty");
-      for (int r : list) {
-        if (std::find(global_ranks().begin(), global_ranks().end(), r) == global_ranks().end()) {
-          throw InvalidArgument(fmt::format("split_group: rank {} is not in group '{}' (ranks {})",
-                                            r, this->name(), format_ranks(global_ranks())));
-        }
-        if (std::find(seen.begin(), seen.end(), r) != seen.end()) {
-          throw InvalidArgument(
-              fmt::format("split_group: rank {} appears in more than one place", r));
-        }
-        seen.push_back(r);
-      }
-    }
+    dist_detail::check_split(*this, rank_lists, name);
     uint64_t index = next_split_++;
+    dist_detail::agree_on_split(*this, static_cast<int>(index), rank_lists, name);
     SharedGroup* mine = world_->split(*shared_, index, rank_lists, name, global_rank_);
     if (mine == nullptr) return nullptr;
     int member = static_cast<int>(

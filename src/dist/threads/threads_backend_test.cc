@@ -943,19 +943,40 @@ TEST(FailureTest, RethrowsTheFirstFailureAfterEveryRankFinished) {
   EXPECT_EQ(finished.load(), 4);
 }
 
-TEST(FailureTest, SplitGroupMismatchIsReported) {
+// Every rank gets the same error at once, as on mpi and gloo: the ranks agree on the lists
+// (and the name) over the parent before any group is built.
+TEST(FailureTest, SplitGroupMismatchFailsEveryRank) {
+  std::vector<std::string> errors(3);
+  run_ranks(3, [&](ProcessGroup& world) {
+    std::vector<std::vector<int>> lists = {{0, 1}, {2}};
+    if (world.rank() == 1) lists = {{0, 2}, {1}};
+    try {
+      world.split_group(lists, "pairs");
+    } catch (const CommError& e) {
+      errors[world.rank()] = e.what();
+    }
+  });
+  EXPECT_EQ(errors[0],
+            "split_group on group 'world' (split 0): rank 0 passed [[0, 1], [2]] as 'pairs' but "
+            "rank 1 passed [[0, 2], [1]] as 'pairs'");
+  EXPECT_EQ(errors[1], errors[0]);
+  EXPECT_EQ(errors[2], errors[0]);
+}
+
+TEST(FailureTest, SplitGroupNameMismatchFailsEveryRank) {
   std::atomic<int> errors{0};
   run_ranks(2, [&](ProcessGroup& world) {
     try {
-      world.split_group({world.rank() == 0 ? std::vector<int>{0} : std::vector<int>{1}}, "solo");
+      world.split_group({{0}, {1}}, world.rank() == 0 ? "solo" : "single");
     } catch (const CommError& e) {
       errors.fetch_add(1);
-      EXPECT_NE(std::string(e.what()).find("split_group on group 'world' (split 0)"),
+      EXPECT_NE(std::string(e.what()).find("passed [[0], [1]] as 'solo' but rank 1 passed "
+                                           "[[0], [1]] as 'single'"),
                 std::string::npos)
           << e.what();
     }
   });
-  EXPECT_EQ(errors.load(), 1);  // the rank that arrived second sees the other's lists
+  EXPECT_EQ(errors.load(), 2);
 }
 
 }  // namespace
