@@ -600,17 +600,21 @@ BucketingStats Bucketer::run() {
   item_epoch_ = 0;
   const BucketKey* run_key = nullptr;  // key of the current run
   for (Entry& e : entries) {
+    // Every collective of the pass's op is part of the walk, an ineligible one included: a
+    // different key ends the run, so nothing merges across it (DESIGN §6 point 1).
+    if (!run_key || !(e.key == *run_key)) {
+      close_bucket(explain_
+                       ? fmt::format("key change (next %{} has {})", e.coll->name(), e.key.str())
+                       : std::string());
+      run_key = &e.key;
+      say(fmt::format("run of {}", e.key.str()));
+    }
     if (!e.eligible) {
       ++stats_.skipped_ineligible;
       if (explain_) {
         say(fmt::format("skipped %{}: ineligible: {}", e.coll->name(), e.ineligible_why));
       }
       continue;
-    }
-    if (!bucket_.empty() && !(e.key == *run_key)) {
-      close_bucket(explain_
-                       ? fmt::format("key change (next %{} has {})", e.coll->name(), e.key.str())
-                       : std::string());
     }
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
@@ -628,10 +632,6 @@ BucketingStats Bucketer::run() {
                                             bytes_str(e.bytes), bytes_str(bucket_bytes_ + e.bytes))
                               : std::string());
       }
-    }
-    if (!run_key || !(e.key == *run_key)) {
-      run_key = &e.key;
-      say(fmt::format("run of {}", e.key.str()));
     }
     add_to_bucket(&e);
   }

@@ -82,8 +82,8 @@ struct BucketingStats {
 // order; each whose input is the pass's collective contributes it. Runs of equal key (group,
 // group_size, dtype, reduce_op as the kind has them; multidtype all-gather leaves out the
 // dtype) are split greedily into buckets under the cap; a collective with another user than
-// its wait is ineligible and one that depends on the current bucket is skipped, neither
-// closing the bucket. Every bucket of two or more becomes one collective over a packed buffer
+// its wait is ineligible (left alone, though its key still ends a run of another key) and one
+// that depends on the current bucket is skipped, neither closing the bucket. Every bucket of two or more becomes one collective over a packed buffer
 // with unpacking that gives every consumer exactly the value it had; a single-user
 // convert_element_type feeding an all-gather is folded into the packing. New nodes go where
 // every input is defined and before every consumer; when no such place exists the region
