@@ -287,7 +287,11 @@ class Bucketer {
         explain_(explain),
         order_(graph,
                [this](Node& n) {
-                 if (n.op().collective == CollectiveKind::Wait) waits_.push_back(&n);
+                 if (n.op().collective == CollectiveKind::Wait) {
+                   waits_.push_back(&n);
+                 } else if (takes_part(n)) {
+                   colls_.push_back(&n);
+                 }
                }),
         hints_(spec_.prefix) {}
 
@@ -302,6 +306,8 @@ class Bucketer {
   const KindSpec& spec_;
   std::string* explain_;
   std::vector<Node*> waits_;  // every wait_tensor, in graph order (filled by order_'s walk)
+  std::vector<Node*> colls_;  // every collective takes_part admits, in graph order (likewise)
+  std::vector<Node*> unwaited_;  // those of colls_ that no wait_tensor reads (filled by collect)
   OrderIndex order_;
   BucketingStats stats_;
   // Name hints of new nodes ("ag_pack", ...), built once rather than per node.
@@ -366,6 +372,10 @@ class Bucketer {
     explain_->push_back('\n');
   }
 
+  // The pass's op, or a packed collective of its kind (an earlier custom_ops bucket).
+  bool takes_part(const Node& n) const {
+    return n.op_name() == spec_.op || (n.op().pack != nullptr && n.op().collective == opt_.kind);
+  }
   std::vector<Entry> collect();
   BucketKey key_of(const Node& coll, DType dtype) const;
   bool depends_on_bucket(const Entry& e, std::string* path);
@@ -409,8 +419,8 @@ std::vector<Entry> Bucketer::collect() {
     // A packed all-gather (an earlier custom_ops bucket) takes part in runs, caps and
     // dependencies like the bucket it came from, so that bucketing its output again finds the
     // same buckets; it is never merged again.
-    const bool packed = coll->op().pack != nullptr && coll->op().collective == opt_.kind;
-    if (coll->op_name() != spec_.op && !packed) continue;
+    if (!takes_part(*coll)) continue;
+    const bool packed = coll->op().pack != nullptr;
     const uint32_t cid = order_.id(coll);
     if (seen[cid]) continue;  // a second wait of one collective: reported with the first
     seen[cid] = true;
@@ -441,6 +451,9 @@ std::vector<Entry> Bucketer::collect() {
     e.bytes = std::max(in_bytes, coll->result(0)->type().nbytes());
     e.key = key_of(*coll, e.out_dtype);
     entries.push_back(std::move(e));
+  }
+  for (Node* c : colls_) {
+    if (!seen[order_.id(c)]) unwaited_.push_back(c);
   }
   return entries;
 }
@@ -590,11 +603,25 @@ void Bucketer::close_bucket(std::string_view reason) {
 
 BucketingStats Bucketer::run() {
   std::vector<Entry> entries = collect();
-  stats_.collectives = static_cast<int64_t>(entries.size());
+  stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
     explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
-                                 graph_.name(), entries.size(), spec_.op,
+                                 graph_.name(), stats_.collectives, spec_.op,
                                  format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
+  }
+  // Not in the walk (DESIGN §6 point 1 walks the waits), so they end no run; still reported.
+  for (const Node* c : unwaited_) {
+    ++stats_.skipped_ineligible;
+    if (!explain_) continue;
+    const auto uses = c->result(0)->uses();
+    std::string why = "it is never used";
+    if (!uses.empty()) {
+      why = uses[0].user ? fmt::format("it is used by %{} (operand {})", uses[0].user->name(),
+                                       uses[0].index)
+                         : fmt::format("it is graph output {}", uses[0].index);
+    }
+    say(fmt::format("skipped %{}: ineligible: no wait_tensor reads its result ({})", c->name(),
+                    why));
   }
   epoch_ = 1;
   item_epoch_ = 0;

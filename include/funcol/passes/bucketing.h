@@ -67,7 +67,7 @@ std::string_view bucket_pass_name(CollectiveKind kind);
 
 // What one run of the routine did.
 struct BucketingStats {
-  int64_t collectives = 0;  // collectives of the pass's op met in wait order
+  int64_t collectives = 0;  // collectives of the pass's op, waited or not
   int64_t buckets = 0;      // buckets closed, buckets of one included (the final bucket index)
   int64_t merged_buckets = 0;
   int64_t merged_collectives = 0;  // members of merged buckets
