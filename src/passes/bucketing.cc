@@ -1242,9 +1242,14 @@ bool BucketPass::run(Graph& graph) {
 std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& options) {
   BucketOptions o;
   o.kind = kind;
-  if (const std::string* cap = options.find("cap-mb")) o.cap_mb = parse_cap_mb(*cap);
-  if (const std::string* mode = options.find("mode")) o.mode = parse_bucket_mode(*mode);
-  return std::make_unique<BucketPass>(std::move(o));
+  // A pipeline may hold all three passes, each with a cap-mb: errors say which pass is wrong.
+  try {
+    if (const std::string* cap = options.find("cap-mb")) o.cap_mb = parse_cap_mb(*cap);
+    if (const std::string* mode = options.find("mode")) o.mode = parse_bucket_mode(*mode);
+    return std::make_unique<BucketPass>(std::move(o));
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("pass {}: {}", bucket_pass_name(kind), e.what()));
+  }
 }
 
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,

@@ -112,7 +112,7 @@ class BucketPass : public Pass {
 };
 
 // The pass of `kind` from pipeline options `cap-mb` (default 2000) and `mode` (default
-// default); throws InvalidArgument for a bad value.
+// default); throws InvalidArgument for a bad value, its message prefixed by "pass NAME: ".
 std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& options);
 
 }  // namespace funcol
