@@ -1180,8 +1180,11 @@ std::vector<double> parse_cap_mb(std::string_view text) {
         text.substr(pos, colon == std::string_view::npos ? std::string_view::npos : colon - pos);
     double v = 0;
     const auto r = std::from_chars(part.data(), part.data() + part.size(), v);
-    if (part.empty() || r.ec != std::errc() || r.ptr != part.data() + part.size() ||
-        !std::isfinite(v) || v <= 0) {
+    const bool whole = !part.empty() && r.ptr == part.data() + part.size();
+    if (whole && r.ec == std::errc::result_out_of_range) {
+      throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range (in '{}')", part, text));
+    }
+    if (!whole || r.ec != std::errc() || !std::isfinite(v) || v <= 0) {
       throw InvalidArgument(
           fmt::format("cap-mb: '{}' is not a positive number (in '{}')", part, text));
     }

@@ -50,7 +50,8 @@ struct BucketOptions {
 };
 
 // "1:25" → {1, 25}; "2000" → {2000}. Throws InvalidArgument "cap-mb: 'x' is not a positive
-// number" for an empty entry, a non-number, zero, a negative, an infinite or a NaN value.
+// number" for an empty entry, a non-number, zero, a negative, an infinite or a NaN value, and
+// "cap-mb: 'x' is out of range" for a number a double cannot hold (1e400, 1e-400).
 std::vector<double> parse_cap_mb(std::string_view text);
 // "1:25", each entry in the shortest form that reads back exactly.
 std::string format_cap_mb(const std::vector<double>& cap_mb);
