@@ -84,12 +84,13 @@ struct BucketingStats {
 // group_size, dtype, reduce_op as the kind has them; multidtype all-gather leaves out the
 // dtype) are split greedily into buckets under the cap; a collective with another user than
 // its wait is ineligible (left alone, though its key still ends a run of another key) and one
-// that depends on the current bucket is skipped, neither closing the bucket. Every bucket of two or more becomes one collective over a packed buffer
-// with unpacking that gives every consumer exactly the value it had; a single-user
-// convert_element_type feeding an all-gather is folded into the packing. New nodes go where
-// every input is defined and before every consumer; when no such place exists the region
-// between the first and last member is reordered (stably, keeping the issue order of the
-// collectives not merged; a member that would break that order is dropped).
+// that depends on the current bucket is skipped, neither closing the bucket. Every bucket of
+// two or more becomes one collective over a packed buffer with unpacking that gives every
+// consumer exactly the value it had; a single-user convert_element_type feeding an all-gather
+// is folded into the packing. New nodes go where every input is defined and before every
+// consumer; when no such place exists the region between the first and last member is
+// reordered (stably, keeping the issue order of the collectives not merged; a member that
+// would break that order is dropped).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
 // routine again on it merges nothing more. Near-linear time and memory. When `explain` is
