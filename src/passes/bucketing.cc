@@ -287,7 +287,11 @@ class Bucketer {
         explain_(explain),
         order_(graph,
                [this](Node& n) {
-                 if (n.op().collective == CollectiveKind::Wait) waits_.push_back(&n);
+                 if (n.op().collective == CollectiveKind::Wait) {
+                   waits_.push_back(&n);
+                 } else if (takes_part(n)) {
+                   colls_.push_back(&n);
+                 }
                }),
         hints_(spec_.prefix) {}
 
@@ -302,6 +306,8 @@ class Bucketer {
   const KindSpec& spec_;
   std::string* explain_;
   std::vector<Node*> waits_;  // every wait_tensor, in graph order (filled by order_'s walk)
+  std::vector<Node*> colls_;  // every collective takes_part admits, in graph order (likewise)
+  std::vector<Node*> unwaited_;  // those of colls_ that no wait_tensor reads (filled by collect)
   OrderIndex order_;
   BucketingStats stats_;
   // Name hints of new nodes ("ag_pack", ...), built once rather than per node.
@@ -366,6 +372,10 @@ class Bucketer {
     explain_->push_back('\n');
   }
 
+  // The pass's op, or a packed collective of its kind (an earlier custom_ops bucket).
+  bool takes_part(const Node& n) const {
+    return n.op_name() == spec_.op || (n.op().pack != nullptr && n.op().collective == opt_.kind);
+  }
   std::vector<Entry> collect();
   BucketKey key_of(const Node& coll, DType dtype) const;
   bool depends_on_bucket(const Entry& e, std::string* path);
@@ -409,8 +419,8 @@ std::vector<Entry> Bucketer::collect() {
     // A packed all-gather (an earlier custom_ops bucket) takes part in runs, caps and
     // dependencies like the bucket it came from, so that bucketing its output again finds the
     // same buckets; it is never merged again.
-    const bool packed = coll->op().pack != nullptr && coll->op().collective == opt_.kind;
-    if (coll->op_name() != spec_.op && !packed) continue;
+    if (!takes_part(*coll)) continue;
+    const bool packed = coll->op().pack != nullptr;
     const uint32_t cid = order_.id(coll);
     if (seen[cid]) continue;  // a second wait of one collective: reported with the first
     seen[cid] = true;
@@ -441,6 +451,9 @@ std::vector<Entry> Bucketer::collect() {
     e.bytes = std::max(in_bytes, coll->result(0)->type().nbytes());
     e.key = key_of(*coll, e.out_dtype);
     entries.push_back(std::move(e));
+  }
+  for (Node* c : colls_) {
+    if (!seen[order_.id(c)]) unwaited_.push_back(c);
   }
   return entries;
 }
@@ -590,27 +603,45 @@ void Bucketer::close_bucket(std::string_view reason) {
 
 BucketingStats Bucketer::run() {
   std::vector<Entry> entries = collect();
-  stats_.collectives = static_cast<int64_t>(entries.size());
+  stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
     explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
-                                 graph_.name(), entries.size(), spec_.op,
+                                 graph_.name(), stats_.collectives, spec_.op,
                                  format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
+  }
+  // Not in the walk (DESIGN §6 point 1 walks the waits), so they end no run; still reported.
+  for (const Node* c : unwaited_) {
+    ++stats_.skipped_ineligible;
+    if (!explain_) continue;
+    const auto uses = c->result(0)->uses();
+    std::string why = "it is never used";
+    if (!uses.empty()) {
+      why = uses[0].user ? fmt::format("it is used by %{} (operand {})", uses[0].user->name(),
+                                       uses[0].index)
+                         : fmt::format("it is graph output {}", uses[0].index);
+    }
+    say(fmt::format("skipped %{}: ineligible: no wait_tensor reads its result ({})", c->name(),
+                    why));
   }
   epoch_ = 1;
   item_epoch_ = 0;
   const BucketKey* run_key = nullptr;  // key of the current run
   for (Entry& e : entries) {
+    // Every collective of the pass's op is part of the walk, an ineligible one included: a
+    // different key ends the run, so nothing merges across it (DESIGN §6 point 1).
+    if (!run_key || !(e.key == *run_key)) {
+      close_bucket(explain_
+                       ? fmt::format("key change (next %{} has {})", e.coll->name(), e.key.str())
+                       : std::string());
+      run_key = &e.key;
+      say(fmt::format("run of {}", e.key.str()));
+    }
     if (!e.eligible) {
       ++stats_.skipped_ineligible;
       if (explain_) {
         say(fmt::format("skipped %{}: ineligible: {}", e.coll->name(), e.ineligible_why));
       }
       continue;
-    }
-    if (!bucket_.empty() && !(e.key == *run_key)) {
-      close_bucket(explain_
-                       ? fmt::format("key change (next %{} has {})", e.coll->name(), e.key.str())
-                       : std::string());
     }
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
@@ -628,10 +659,6 @@ BucketingStats Bucketer::run() {
                                             bytes_str(e.bytes), bytes_str(bucket_bytes_ + e.bytes))
                               : std::string());
       }
-    }
-    if (!run_key || !(e.key == *run_key)) {
-      run_key = &e.key;
-      say(fmt::format("run of {}", e.key.str()));
     }
     add_to_bucket(&e);
   }
@@ -1153,8 +1180,11 @@ std::vector<double> parse_cap_mb(std::string_view text) {
         text.substr(pos, colon == std::string_view::npos ? std::string_view::npos : colon - pos);
     double v = 0;
     const auto r = std::from_chars(part.data(), part.data() + part.size(), v);
-    if (part.empty() || r.ec != std::errc() || r.ptr != part.data() + part.size() ||
-        !std::isfinite(v) || v <= 0) {
+    const bool whole = !part.empty() && r.ptr == part.data() + part.size();
+    if (whole && r.ec == std::errc::result_out_of_range) {
+      throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range (in '{}')", part, text));
+    }
+    if (!whole || r.ec != std::errc() || !std::isfinite(v) || v <= 0) {
       throw InvalidArgument(
           fmt::format("cap-mb: '{}' is not a positive number (in '{}')", part, text));
     }
@@ -1215,9 +1245,14 @@ bool BucketPass::run(Graph& graph) {
 std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& options) {
   BucketOptions o;
   o.kind = kind;
-  if (const std::string* cap = options.find("cap-mb")) o.cap_mb = parse_cap_mb(*cap);
-  if (const std::string* mode = options.find("mode")) o.mode = parse_bucket_mode(*mode);
-  return std::make_unique<BucketPass>(std::move(o));
+  // A pipeline may hold all three passes, each with a cap-mb: errors say which pass is wrong.
+  try {
+    if (const std::string* cap = options.find("cap-mb")) o.cap_mb = parse_cap_mb(*cap);
+    if (const std::string* mode = options.find("mode")) o.mode = parse_bucket_mode(*mode);
+    return std::make_unique<BucketPass>(std::move(o));
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("pass {}: {}", bucket_pass_name(kind), e.what()));
+  }
 }
 
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,

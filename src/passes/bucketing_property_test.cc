@@ -58,6 +58,38 @@ TEST(BucketingProperty, AnyPipelineKeepsTheGraphValidDeterministicAndBitIdentica
   });
 }
 
+// Names of the collectives of `g`, in issue (graph) order.
+std::vector<std::string> collective_names(const Graph& g) {
+  std::vector<std::string> names;
+  for (const Node& n : g.nodes()) {
+    if (n.op().is_collective()) names.push_back(n.name());
+  }
+  return names;
+}
+
+TEST(BucketingProperty, CollectivesLeftUnmergedKeepTheirIssueOrder) {
+  check_property([] {
+    const std::unique_ptr<Graph> original = random_graph();
+    const std::string pipeline_text = random_pipeline();
+    RC_LOG() << pipeline_text << "\n" << print(*original);
+    std::unique_ptr<Graph> g = parse_graph(print(*original));
+    Pipeline::parse(pipeline_text).run(*g);
+    RC_LOG() << print(*g);
+    // A collective of the input still present by name is one no pass merged; new ones (the
+    // buckets) have names the input does not use.
+    const std::vector<std::string> before = collective_names(*original);
+    std::vector<std::string> kept;
+    for (const std::string& name : collective_names(*g)) {
+      if (std::find(before.begin(), before.end(), name) != before.end()) kept.push_back(name);
+    }
+    std::vector<std::string> expected;
+    for (const std::string& name : before) {
+      if (std::find(kept.begin(), kept.end(), name) != kept.end()) expected.push_back(name);
+    }
+    RC_ASSERT(kept == expected);
+  });
+}
+
 TEST(BucketingProperty, EveryBucketingPassIsIdempotent) {
   check_property([] {
     const std::unique_ptr<Graph> original = random_graph();

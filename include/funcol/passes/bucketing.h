@@ -50,7 +50,8 @@ struct BucketOptions {
 };
 
 // "1:25" → {1, 25}; "2000" → {2000}. Throws InvalidArgument "cap-mb: 'x' is not a positive
-// number" for an empty entry, a non-number, zero, a negative, an infinite or a NaN value.
+// number" for an empty entry, a non-number, zero, a negative, an infinite or a NaN value, and
+// "cap-mb: 'x' is out of range" for a number a double cannot hold (1e400, 1e-400).
 std::vector<double> parse_cap_mb(std::string_view text);
 // "1:25", each entry in the shortest form that reads back exactly.
 std::string format_cap_mb(const std::vector<double>& cap_mb);
@@ -67,7 +68,7 @@ std::string_view bucket_pass_name(CollectiveKind kind);
 
 // What one run of the routine did.
 struct BucketingStats {
-  int64_t collectives = 0;  // collectives of the pass's op met in wait order
+  int64_t collectives = 0;  // collectives of the pass's op, waited or not
   int64_t buckets = 0;      // buckets closed, buckets of one included (the final bucket index)
   int64_t merged_buckets = 0;
   int64_t merged_collectives = 0;  // members of merged buckets
@@ -82,13 +83,14 @@ struct BucketingStats {
 // order; each whose input is the pass's collective contributes it. Runs of equal key (group,
 // group_size, dtype, reduce_op as the kind has them; multidtype all-gather leaves out the
 // dtype) are split greedily into buckets under the cap; a collective with another user than
-// its wait is ineligible and one that depends on the current bucket is skipped, neither
-// closing the bucket. Every bucket of two or more becomes one collective over a packed buffer
-// with unpacking that gives every consumer exactly the value it had; a single-user
-// convert_element_type feeding an all-gather is folded into the packing. New nodes go where
-// every input is defined and before every consumer; when no such place exists the region
-// between the first and last member is reordered (stably, keeping the issue order of the
-// collectives not merged; a member that would break that order is dropped).
+// its wait is ineligible (left alone, though its key still ends a run of another key) and one
+// that depends on the current bucket is skipped, neither closing the bucket. Every bucket of
+// two or more becomes one collective over a packed buffer with unpacking that gives every
+// consumer exactly the value it had; a single-user convert_element_type feeding an all-gather
+// is folded into the packing. New nodes go where every input is defined and before every
+// consumer; when no such place exists the region between the first and last member is
+// reordered (stably, keeping the issue order of the collectives not merged; a member that
+// would break that order is dropped).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
 // routine again on it merges nothing more. Near-linear time and memory. When `explain` is
@@ -112,7 +114,7 @@ class BucketPass : public Pass {
 };
 
 // The pass of `kind` from pipeline options `cap-mb` (default 2000) and `mode` (default
-// default); throws InvalidArgument for a bad value.
+// default); throws InvalidArgument for a bad value, its message prefixed by "pass NAME: ".
 std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& options);
 
 }  // namespace funcol
