@@ -237,6 +237,23 @@ TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {
   });
 }
 
+// mean's gradient is grad / N computed as PyTorch does for f16 and bf16 (in f32, then rounded):
+// N = 65536 is inf in f16 (the gradient came out 0) and 257 is 256 in bf16.
+TEST(EagerAutograd, ReducedPrecisionMeanDividesByTheExactCount) {
+  GradTape tape;
+  const Tensor h = tape.requires_grad(Tensor::full({256, 256}, DType::F16, 1.0));
+  tape.backward(tape.call_one("mean", std::vector<Tensor>{h}));
+  EXPECT_EQ(tape.grad(h).to_vector<float>(), std::vector<float>(65536, std::ldexp(1.0f, -16)));
+
+  const Tensor b = tape.requires_grad(Tensor::full({257, 2}, DType::BF16, 1.0));
+  const Tensor m = tape.call_one("mean", std::vector<Tensor>{b},
+                                 {{"dims", std::vector<int64_t>{0}}, {"keepdim", false}});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  const float want = Tensor::full({}, DType::BF16, 1.0f / 257).item<float>();
+  EXPECT_NE(want, 1.0f / 256);
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), std::vector<float>(514, want));
+}
+
 TEST(EagerAutograd, TapeContract) {
   run_local(2, [](ProcessGroup& world) {
     GradTape tape;

@@ -206,12 +206,22 @@ Grads grad_sum(Builder& b, const Node& n, GIn g) {
                    n.attr("keepdim").as_bool())};
 }
 
+// `v / count`, as PyTorch's `grad / numel` computes it: f16 and bf16 in f32 (their opmath type),
+// rounded back once. A count in the tensor's own dtype would be wrong: 65536 is inf in f16 (the
+// gradient came out 0) and bf16 rounds 257 to 256.
+Value* div_by_count(Builder& b, Value* v, int64_t count) {
+  const DType dtype = v->dtype();
+  const bool reduced = dtype == DType::F16 || dtype == DType::BF16;
+  Value* x = reduced ? b.value("convert_element_type", {v}, {{"dtype", DType::F32}}) : v;
+  Value* q = b.value("div", {x, full(b, x->type(), static_cast<double>(count))});
+  return reduced ? b.value("convert_element_type", {q}, {{"dtype", dtype}}) : q;
+}
+
 Grads grad_mean(Builder& b, const Node& n, GIn g) {
   const Type& in = n.operand(0)->type();
   const auto& dims = n.attr("dims").as_ints();
   Value* e = unreduce(b, g[0], in.shape, dims, n.attr("keepdim").as_bool());
-  const auto count = static_cast<double>(reduced_count(in.shape, dims));
-  return {b.value("div", {e, full(b, in, count)})};
+  return {div_by_count(b, e, reduced_count(in.shape, dims))};
 }
 
 // mse_loss = mean((a - b)^2): d/da = g * 2 (a - b) / N, d/db = -d/da.
