@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "funcol/core/error.h"
+#include "ops_table.h"
 
 namespace funcol {
 
@@ -76,8 +77,8 @@ std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* 
     for (const Value* v : n->operands()) any_operand |= needs.count(v) != 0;
     if (!any_operand) continue;
     if (!op.grad) {
-      throw InvalidArgument(fmt::format("autodiff: op {} has no gradient rule (node %{})", op.name,
-                                        n->name()));
+      throw InvalidArgument(fmt::format("autodiff: op {} has no gradient rule ({})", op.name,
+                                        detail::grad_error_node(*n)));
     }
     b.set_name_hint("d_" + n->name());
     const std::vector<Value*> operand_grads = op.grad(b, *n, result_grads);

@@ -77,9 +77,8 @@ Value* waited(Builder& b, Value* v) { return b.value("wait_tensor", {v}); }
 void require_sum(const Node& node) {
   const std::string& op = node.attr("reduce_op").as_string();
   if (op != "sum") {
-    throw InvalidArgument(fmt::format(
-        "{} backward only supports 'sum' reduction, got '{}' (node %{})", node.op_name(), op,
-        node.name()));
+    throw InvalidArgument(fmt::format("{} backward only supports 'sum' reduction, got '{}' ({})",
+                                      node.op_name(), op, grad_error_node(node)));
   }
 }
 
@@ -313,12 +312,20 @@ Grads grad_reduce_scatter_coalesced(Builder& b, const Node& n, GIn g) {
 // ranks cannot express, so this is an error rather than a silently wrong gradient.
 Grads grad_broadcast(Builder&, const Node& n, GIn) {
   throw InvalidArgument(fmt::format(
-      "broadcast has no gradient rule (node %{}; PyTorch defines none): make its input a "
+      "broadcast has no gradient rule ({}; PyTorch defines none): make its input a "
       "non-differentiated value or use all_reduce",
-      n.name()));
+      grad_error_node(n)));
 }
 
 }  // namespace
+
+std::string grad_error_node(const Node& n) {
+  const SourceLoc loc = n.loc();
+  if (!loc.known()) return fmt::format("node %{}", n.name());
+  const std::string& file = n.graph()->source_file();
+  return fmt::format("node %{} at {}:{}:{}", n.name(), file.empty() ? "<input>" : file, loc.line,
+                     loc.col);
+}
 
 void add_grad_rules(std::vector<OpDef>& table) {
   const std::pair<std::string_view, GradFn> rules[] = {

@@ -209,28 +209,30 @@ TEST(Autodiff, Errors) {
     %l = sum(%w)
     return %l })",
                         {0}),
-            "reduce_scatter_tensor backward only supports 'sum' reduction, got 'avg' (node %rs)");
+            "reduce_scatter_tensor backward only supports 'sum' reduction, got 'avg' (node %rs at "
+            "<input>:2:5)");
   EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4], %y: f32[4]) {
     %c:2 = all_reduce_coalesced(%x, %y) {reduce_op = "min", group = "world"}
     %w = wait_tensor(%c#1)
     %l = sum(%w)
     return %l })",
                         {0, 1}),
-            "all_reduce_coalesced backward only supports 'sum' reduction, got 'min' (node %c)");
+            "all_reduce_coalesced backward only supports 'sum' reduction, got 'min' (node %c at "
+            "<input>:2:5)");
   EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4]) {
     %b = broadcast(%x) {src = 0, group = "world"}
     %w = wait_tensor(%b)
     %l = sum(%w)
     return %l })",
                         {0}),
-            "broadcast has no gradient rule (node %b; PyTorch defines none): make its input a "
-            "non-differentiated value or use all_reduce");
+            "broadcast has no gradient rule (node %b at <input>:2:5; PyTorch defines none): make "
+            "its input a non-differentiated value or use all_reduce");
   EXPECT_EQ(joint_error(R"(graph @g(%x: f32[4], %w: f32[4]) {
     %p = bucket_pack(%x, %w) {group_size = 2}
     %l = sum(%p)
     return %l })",
                         {0}),
-            "autodiff: op bucket_pack has no gradient rule (node %p)");
+            "autodiff: op bucket_pack has no gradient rule (node %p at <input>:2:5)");
 }
 
 TEST(Autodiff, FailedBackwardCanBeUndone) {
