@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -235,6 +236,21 @@ TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {
     EXPECT_EQ(r.to_vector<double>(), (std::vector<double>{1, 1}));
     EXPECT_THROW(tape2.backward(tape2.call_one("sum", std::vector<Tensor>{r})), InvalidArgument);
   });
+}
+
+// relu's gradient selects as PyTorch's threshold_backward does (0 where relu's result is <= 0,
+// the gradient elsewhere, NaN included), never grad * 0: an inf gradient at an inactive unit
+// gave NaN.
+TEST(EagerAutograd, ReluGradientSelectsLikePyTorch) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  GradTape tape;
+  const Tensor x = tape.requires_grad(Tensor::from_vector<double>({-1, kNaN, 2, 0}, {4}));
+  const Tensor c = Tensor::from_vector<double>({kInf, 3, 4, -kInf}, {4});
+  const Tensor y = tape.call_one("relu", std::vector<Tensor>{x});
+  const Tensor m = tape.call_one("mul", std::vector<Tensor>{y, c});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{0, 3, 4, 0}));
 }
 
 // mean's gradient is grad / N computed as PyTorch does for f16 and bf16 (in f32, then rounded):
