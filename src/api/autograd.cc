@@ -237,6 +237,12 @@ Tensor GradTape::requires_grad(const Tensor& t) {
     throw InvalidArgument(fmt::format("requires_grad: only floating tensors have gradients, got {}",
                                       type_str(t.dtype(), t.sizes())));
   }
+  if (t.is_meta()) {
+    throw InvalidArgument(fmt::format("requires_grad: {} is a meta tensor (no data; a traced "
+                                      "value?): the tape runs eagerly; differentiate a traced "
+                                      "graph with the autodiff pass (build_joint_graph)",
+                                      type_str(t.dtype(), t.sizes())));
+  }
   if (tracked(t).state) throw InvalidArgument("requires_grad: the tensor is tracked already");
   Graph& g = *state_->graph;
   Value* v = g.add_input(g.fresh_name("x"), Type(t.dtype(), t.sizes()));

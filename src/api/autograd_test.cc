@@ -14,6 +14,7 @@
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 #include "funcol/dist/backend.h"
+#include "funcol/graph/tracer.h"
 
 namespace funcol {
 namespace {
@@ -268,6 +269,27 @@ TEST(EagerAutograd, ReducedPrecisionMeanDividesByTheExactCount) {
   const float want = Tensor::full({}, DType::BF16, 1.0f / 257).item<float>();
   EXPECT_NE(want, 1.0f / 256);
   EXPECT_EQ(tape.grad(b).to_vector<float>(), std::vector<float>(514, want));
+}
+
+// The tape runs eagerly: a meta tensor (a traced value, say) is refused when it would become a
+// leaf, not accepted and then failing in a backward kernel ("relu_backward on a meta tensor"),
+// and a traced tensor keeps standing for its graph value.
+TEST(EagerAutograd, MetaAndTracedTensorsCannotBeLeaves) {
+  GradTape tape;
+  try {
+    (void)tape.requires_grad(Tensor::meta({2}, DType::F32));
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "requires_grad: f32[2] is a meta tensor (no data; a traced value?): the "
+                           "tape runs eagerly; differentiate a traced graph with the autodiff "
+                           "pass (build_joint_graph)");
+  }
+  Tracer tracer("t");
+  TraceScope scope(tracer);
+  const Tensor x = tracer.input(Type(DType::F32, {2}));
+  EXPECT_THROW(tape.requires_grad(x), InvalidArgument);
+  EXPECT_TRUE(tracer.owns(x));
+  EXPECT_EQ(tape.graph().num_inputs(), 0u);
 }
 
 TEST(EagerAutograd, TapeContract) {
