@@ -254,6 +254,19 @@ TEST(EagerAutograd, ReluGradientSelectsLikePyTorch) {
   EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{0, 3, 4, 0}));
 }
 
+// div's gradient for the divisor is PyTorch's -grad * ((a / b) / b): the old -(grad * out) / b
+// overflowed f16 where PyTorch's order does not (300 * 300 > 65504).
+TEST(EagerAutograd, DivisorGradientInPyTorchsOrder) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::full({2}, DType::F16, 3000.0));
+  const Tensor b = tape.requires_grad(Tensor::full({2}, DType::F16, 10.0));
+  const Tensor q = tape.call_one("div", std::vector<Tensor>{a, b});
+  const Tensor m = tape.call_one("mul", std::vector<Tensor>{q, Tensor::full({2}, DType::F16, 300)});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  EXPECT_EQ(tape.grad(a).to_vector<float>(), (std::vector<float>{30, 30}));
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), (std::vector<float>{-9000, -9000}));
+}
+
 // mean's gradient is grad / N computed as PyTorch does for f16 and bf16 (in f32, then rounded):
 // N = 65536 is inf in f16 (the gradient came out 0) and 257 is 256 in bf16.
 TEST(EagerAutograd, ReducedPrecisionMeanDividesByTheExactCount) {

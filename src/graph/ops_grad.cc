@@ -176,10 +176,11 @@ Grads grad_mul(Builder& b, const Node& n, GIn g) {
   return {b.value("mul", {g[0], n.operand(1)}), b.value("mul", {g[0], n.operand(0)})};
 }
 
-// d(a/b)/da = 1/b; d(a/b)/db = -(a/b)/b.
+// d(a/b)/da = 1/b; d(a/b)/db = -(a/b)/b, in PyTorch's order -(g * ((a/b) / b)): (g * out) / b
+// rounds differently and overflows f16 where PyTorch does not.
 Grads grad_div(Builder& b, const Node& n, GIn g) {
   Value* y = const_cast<Value*>(n.result(0));
-  Value* gb = b.value("neg", {b.value("div", {b.value("mul", {g[0], y}), n.operand(1)})});
+  Value* gb = b.value("neg", {b.value("mul", {g[0], b.value("div", {y, n.operand(1)})})});
   return {b.value("div", {g[0], n.operand(1)}), gb};
 }
 
