@@ -267,6 +267,19 @@ TEST(EagerAutograd, DivisorGradientInPyTorchsOrder) {
   EXPECT_EQ(tape.grad(b).to_vector<float>(), (std::vector<float>{-9000, -9000}));
 }
 
+// mse_loss's gradient is PyTorch's (2 / N) * (a - b) * grad, in that order: with a scaled loss
+// (f16 loss scaling) grad * (a - b) first overflowed (1024 * 100 > 65504; PyTorch gives 3200).
+TEST(EagerAutograd, MseLossGradientInPyTorchsOrder) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::full({64}, DType::F16, 101.0));
+  const Tensor b = tape.requires_grad(Tensor::full({64}, DType::F16, 1.0));
+  const Tensor l = tape.call_one("mse_loss", std::vector<Tensor>{a, b});
+  const Tensor scale = Tensor::full({}, DType::F16, 1024.0);
+  tape.backward(tape.call_one("mul", std::vector<Tensor>{l, scale}));
+  EXPECT_EQ(tape.grad(a).to_vector<float>(), std::vector<float>(64, 3200));
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), std::vector<float>(64, -3200));
+}
+
 // mean's gradient is grad / N computed as PyTorch does for f16 and bf16 (in f32, then rounded):
 // N = 65536 is inf in f16 (the gradient came out 0) and 257 is 256 in bf16.
 TEST(EagerAutograd, ReducedPrecisionMeanDividesByTheExactCount) {

@@ -224,15 +224,17 @@ Grads grad_mean(Builder& b, const Node& n, GIn g) {
   return {div_by_count(b, e, reduced_count(in.shape, dims))};
 }
 
-// mse_loss = mean((a - b)^2): d/da = g * 2 (a - b) / N, d/db = -d/da.
+// mse_loss = mean((a - b)^2): d/da = ((a - b) * 2/N) * g, d/db = -d/da, in PyTorch's order
+// (mse_backward: norm * (a - b) * grad, norm in the input's dtype): g * (a - b) first overflows
+// f16 with a scaled loss where PyTorch does not.
 Grads grad_mse_loss(Builder& b, const Node& n, GIn g) {
   const Type& in = n.operand(0)->type();
   const int64_t count = in.numel();
   if (count == 0) return {zeros(b, in), zeros(b, in)};
   Value* diff = b.value("sub", {n.operand(0), n.operand(1)});
-  Value* e = unreduce(b, g[0], in.shape, {}, false);
   Value* scale = full(b, in, 2.0 / static_cast<double>(count));
-  Value* scaled = b.value("mul", {b.value("mul", {e, diff}), scale});
+  Value* e = unreduce(b, g[0], in.shape, {}, false);
+  Value* scaled = b.value("mul", {b.value("mul", {diff, scale}), e});
   return {scaled, b.value("neg", {scaled})};
 }
 
