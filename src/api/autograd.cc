@@ -361,15 +361,13 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
   std::shared_ptr<State> state = tape_of(in, kOp);
   if (!state) return reduce_scatter_tensor(t, reduce_op, scatter_dim, group);
   ProcessGroup& pg = group.resolve();
+  // The plain call first: it checks everything (so a failure records nothing) and its result is
+  // the recorded graph's.
+  const Tensor r = reduce_scatter_tensor(t, reduce_op, scatter_dim, pg);
   const int64_t w = pg.size();
   const int64_t dim = wrap_dim(scatter_dim, t.dim(), kOp, "scatter_dim");
   Tensor fronted = t;
   if (dim != 0) {
-    if (t.size(dim) % w != 0) {
-      throw ShapeError(
-          fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}", kOp, dim,
-                      t.size(dim), w));
-    }
     // scatter_dim's group_size chunks moved to dim 0 (chunk + cat, recorded), as the seed does.
     std::vector<Tensor> chunks = call_on(
         state, "split_with_sizes", in,
@@ -377,7 +375,6 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
          {"dim", dim}});
     fronted = call_one_on(state, "cat", chunks, {{"dim", 0}});
   }
-  const Tensor r = reduce_scatter_tensor(fronted, reduce_op, 0, pg);
   const Tensor f[] = {fronted};
   return record_waited(state, kOp, f,
                        {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}},

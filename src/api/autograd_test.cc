@@ -318,6 +318,19 @@ TEST(EagerAutograd, MetaAndTracedTensorsCannotBeLeaves) {
   EXPECT_EQ(tape.graph().num_inputs(), 0u);
 }
 
+// A *_autograd call that fails records nothing: the reduce_scatter along dim 1 recorded its
+// split and cat before the reduce op was checked.
+TEST(EagerAutograd, FailedCollectiveRecordsNothing) {
+  run_local(2, [](ProcessGroup&) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2, 4}, DType::F32, 1.0));
+    const size_t nodes = tape.graph().num_nodes();
+    EXPECT_THROW(reduce_scatter_tensor_autograd(x, "band", 1, "world"), InvalidArgument);
+    EXPECT_THROW(reduce_scatter_tensor_autograd(x, "foo", 1, "world"), InvalidArgument);
+    EXPECT_EQ(tape.graph().num_nodes(), nodes);
+  });
+}
+
 TEST(EagerAutograd, TapeContract) {
   run_local(2, [](ProcessGroup& world) {
     GradTape tape;
