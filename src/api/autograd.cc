@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <fmt/format.h>
@@ -290,9 +291,14 @@ void GradTape::backward(const Tensor& loss) {
       FUNCOL_CHECK(out.size() == n->num_results(), "autograd: result count");
       for (size_t r = 0; r < out.size(); ++r) env.emplace(n->result(r), std::move(out[r]));
     }
+    // Each leaf gets a tensor of its own, as in PyTorch: leaves may receive one backward value
+    // (add(a, b) hands g to both) or views of one buffer, and an in-place change to grad(a)
+    // must leave grad(b) alone.
+    std::unordered_set<const Storage*> handed_out;  // looked up only
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i]) continue;
-      const Tensor gi = get(grads[i]).contiguous();
+      Tensor gi = get(grads[i]).contiguous();
+      if (!handed_out.insert(gi.storage().get()).second) gi = gi.clone();
       s.grads[i] = s.grads[i].defined() ? add(s.grads[i], gi) : gi;
     }
   } catch (...) {

@@ -331,6 +331,26 @@ TEST(EagerAutograd, FailedCollectiveRecordsNothing) {
   });
 }
 
+// Every leaf's gradient is a tensor of its own, as in PyTorch: add(a, b) hands one backward value
+// to both leaves, and scaling or zeroing grad(a) in place (clipping, say) changed grad(b).
+TEST(EagerAutograd, LeavesDoNotShareGradientTensors) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::full({3}, DType::F32, 1.0));
+  const Tensor b = tape.requires_grad(Tensor::full({3}, DType::F32, 2.0));
+  const Tensor c = Tensor::full({3}, DType::F32, 4.0);
+  const Tensor ab = tape.call_one("add", std::vector<Tensor>{a, b});
+  const Tensor m = tape.call_one("mul", std::vector<Tensor>{ab, c});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  tape.grad(a).fill_(0.0);
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), (std::vector<float>{4, 4, 4}));
+
+  const Tensor x = tape.requires_grad(Tensor::full({}, DType::F32, 1.0));
+  const Tensor y = tape.requires_grad(Tensor::full({}, DType::F32, 2.0));
+  tape.backward(tape.call_one("add", std::vector<Tensor>{x, y}));
+  tape.grad(x).fill_(5.0);
+  EXPECT_EQ(tape.grad(y).item<float>(), 1.0f);
+}
+
 TEST(EagerAutograd, TapeContract) {
   run_local(2, [](ProcessGroup& world) {
     GradTape tape;
