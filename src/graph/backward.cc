@@ -12,7 +12,11 @@
 
 namespace funcol {
 
-std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt) {
+namespace {
+
+// append_backward without the clean-up on failure.
+std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
+                                          std::span<Value* const> wrt) {
   FUNCOL_CHECK(loss != nullptr, "append_backward: null loss");
   if (!loss->shape().empty() || !is_floating(loss->dtype())) {
     throw InvalidArgument(fmt::format("autodiff: the loss {} must be a scalar of a floating "
@@ -110,6 +114,18 @@ std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* 
     n = prev;
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt) {
+  Node* last = graph.last_node();
+  try {
+    return append_backward_nodes(graph, loss, wrt);
+  } catch (...) {
+    erase_nodes_after(graph, last);
+    throw;
+  }
 }
 
 void erase_nodes_after(Graph& graph, Node* last) {
