@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include <fmt/format.h>
@@ -237,6 +238,12 @@ Tensor GradTape::requires_grad(const Tensor& t) {
     throw InvalidArgument(fmt::format("requires_grad: only floating tensors have gradients, got {}",
                                       type_str(t.dtype(), t.sizes())));
   }
+  if (t.is_meta()) {
+    throw InvalidArgument(fmt::format("requires_grad: {} is a meta tensor (no data; a traced "
+                                      "value?): the tape runs eagerly; differentiate a traced "
+                                      "graph with the autodiff pass (build_joint_graph)",
+                                      type_str(t.dtype(), t.sizes())));
+  }
   if (tracked(t).state) throw InvalidArgument("requires_grad: the tensor is tracked already");
   Graph& g = *state_->graph;
   Value* v = g.add_input(g.fresh_name("x"), Type(t.dtype(), t.sizes()));
@@ -284,9 +291,14 @@ void GradTape::backward(const Tensor& loss) {
       FUNCOL_CHECK(out.size() == n->num_results(), "autograd: result count");
       for (size_t r = 0; r < out.size(); ++r) env.emplace(n->result(r), std::move(out[r]));
     }
+    // Each leaf gets a tensor of its own, as in PyTorch: leaves may receive one backward value
+    // (add(a, b) hands g to both) or views of one buffer, and an in-place change to grad(a)
+    // must leave grad(b) alone.
+    std::unordered_set<const Storage*> handed_out;  // looked up only
     for (size_t i = 0; i < grads.size(); ++i) {
       if (!grads[i]) continue;
-      const Tensor gi = get(grads[i]).contiguous();
+      Tensor gi = get(grads[i]).contiguous();
+      if (!handed_out.insert(gi.storage().get()).second) gi = gi.clone();
       s.grads[i] = s.grads[i].defined() ? add(s.grads[i], gi) : gi;
     }
   } catch (...) {
@@ -355,15 +367,13 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
   std::shared_ptr<State> state = tape_of(in, kOp);
   if (!state) return reduce_scatter_tensor(t, reduce_op, scatter_dim, group);
   ProcessGroup& pg = group.resolve();
+  // The plain call first: it checks everything (so a failure records nothing) and its result is
+  // the recorded graph's.
+  const Tensor r = reduce_scatter_tensor(t, reduce_op, scatter_dim, pg);
   const int64_t w = pg.size();
   const int64_t dim = wrap_dim(scatter_dim, t.dim(), kOp, "scatter_dim");
   Tensor fronted = t;
   if (dim != 0) {
-    if (t.size(dim) % w != 0) {
-      throw ShapeError(
-          fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}", kOp, dim,
-                      t.size(dim), w));
-    }
     // scatter_dim's group_size chunks moved to dim 0 (chunk + cat, recorded), as the seed does.
     std::vector<Tensor> chunks = call_on(
         state, "split_with_sizes", in,
@@ -371,7 +381,6 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
          {"dim", dim}});
     fronted = call_one_on(state, "cat", chunks, {{"dim", 0}});
   }
-  const Tensor r = reduce_scatter_tensor(fronted, reduce_op, 0, pg);
   const Tensor f[] = {fronted};
   return record_waited(state, kOp, f,
                        {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}},

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 #include "funcol/dist/backend.h"
+#include "funcol/graph/tracer.h"
 
 namespace funcol {
 namespace {
@@ -235,6 +237,118 @@ TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {
     EXPECT_EQ(r.to_vector<double>(), (std::vector<double>{1, 1}));
     EXPECT_THROW(tape2.backward(tape2.call_one("sum", std::vector<Tensor>{r})), InvalidArgument);
   });
+}
+
+// relu's gradient selects as PyTorch's threshold_backward does (0 where relu's result is <= 0,
+// the gradient elsewhere, NaN included), never grad * 0: an inf gradient at an inactive unit
+// gave NaN.
+TEST(EagerAutograd, ReluGradientSelectsLikePyTorch) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  GradTape tape;
+  const Tensor x = tape.requires_grad(Tensor::from_vector<double>({-1, kNaN, 2, 0}, {4}));
+  const Tensor c = Tensor::from_vector<double>({kInf, 3, 4, -kInf}, {4});
+  const Tensor y = tape.call_one("relu", std::vector<Tensor>{x});
+  const Tensor m = tape.call_one("mul", std::vector<Tensor>{y, c});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{0, 3, 4, 0}));
+}
+
+// div's gradient for the divisor is PyTorch's -grad * ((a / b) / b): the old -(grad * out) / b
+// overflowed f16 where PyTorch's order does not (300 * 300 > 65504).
+TEST(EagerAutograd, DivisorGradientInPyTorchsOrder) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::full({2}, DType::F16, 3000.0));
+  const Tensor b = tape.requires_grad(Tensor::full({2}, DType::F16, 10.0));
+  const Tensor q = tape.call_one("div", std::vector<Tensor>{a, b});
+  const Tensor m = tape.call_one("mul", std::vector<Tensor>{q, Tensor::full({2}, DType::F16, 300)});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  EXPECT_EQ(tape.grad(a).to_vector<float>(), (std::vector<float>{30, 30}));
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), (std::vector<float>{-9000, -9000}));
+}
+
+// mse_loss's gradient is PyTorch's (2 / N) * (a - b) * grad, in that order: with a scaled loss
+// (f16 loss scaling) grad * (a - b) first overflowed (1024 * 100 > 65504; PyTorch gives 3200).
+TEST(EagerAutograd, MseLossGradientInPyTorchsOrder) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::full({64}, DType::F16, 101.0));
+  const Tensor b = tape.requires_grad(Tensor::full({64}, DType::F16, 1.0));
+  const Tensor l = tape.call_one("mse_loss", std::vector<Tensor>{a, b});
+  const Tensor scale = Tensor::full({}, DType::F16, 1024.0);
+  tape.backward(tape.call_one("mul", std::vector<Tensor>{l, scale}));
+  EXPECT_EQ(tape.grad(a).to_vector<float>(), std::vector<float>(64, 3200));
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), std::vector<float>(64, -3200));
+}
+
+// mean's gradient is grad / N computed as PyTorch does for f16 and bf16 (in f32, then rounded):
+// N = 65536 is inf in f16 (the gradient came out 0) and 257 is 256 in bf16.
+TEST(EagerAutograd, ReducedPrecisionMeanDividesByTheExactCount) {
+  GradTape tape;
+  const Tensor h = tape.requires_grad(Tensor::full({256, 256}, DType::F16, 1.0));
+  tape.backward(tape.call_one("mean", std::vector<Tensor>{h}));
+  EXPECT_EQ(tape.grad(h).to_vector<float>(), std::vector<float>(65536, std::ldexp(1.0f, -16)));
+
+  const Tensor b = tape.requires_grad(Tensor::full({257, 2}, DType::BF16, 1.0));
+  const Tensor m = tape.call_one("mean", std::vector<Tensor>{b},
+                                 {{"dims", std::vector<int64_t>{0}}, {"keepdim", false}});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  const float want = Tensor::full({}, DType::BF16, 1.0f / 257).item<float>();
+  EXPECT_NE(want, 1.0f / 256);
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), std::vector<float>(514, want));
+}
+
+// The tape runs eagerly: a meta tensor (a traced value, say) is refused when it would become a
+// leaf, not accepted and then failing in a backward kernel ("relu_backward on a meta tensor"),
+// and a traced tensor keeps standing for its graph value.
+TEST(EagerAutograd, MetaAndTracedTensorsCannotBeLeaves) {
+  GradTape tape;
+  try {
+    (void)tape.requires_grad(Tensor::meta({2}, DType::F32));
+    ADD_FAILURE() << "expected InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "requires_grad: f32[2] is a meta tensor (no data; a traced value?): the "
+                           "tape runs eagerly; differentiate a traced graph with the autodiff "
+                           "pass (build_joint_graph)");
+  }
+  Tracer tracer("t");
+  TraceScope scope(tracer);
+  const Tensor x = tracer.input(Type(DType::F32, {2}));
+  EXPECT_THROW(tape.requires_grad(x), InvalidArgument);
+  EXPECT_TRUE(tracer.owns(x));
+  EXPECT_EQ(tape.graph().num_inputs(), 0u);
+}
+
+// A *_autograd call that fails records nothing: the reduce_scatter along dim 1 recorded its
+// split and cat before the reduce op was checked.
+TEST(EagerAutograd, FailedCollectiveRecordsNothing) {
+  run_local(2, [](ProcessGroup&) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2, 4}, DType::F32, 1.0));
+    const size_t nodes = tape.graph().num_nodes();
+    EXPECT_THROW(reduce_scatter_tensor_autograd(x, "band", 1, "world"), InvalidArgument);
+    EXPECT_THROW(reduce_scatter_tensor_autograd(x, "foo", 1, "world"), InvalidArgument);
+    EXPECT_EQ(tape.graph().num_nodes(), nodes);
+  });
+}
+
+// Every leaf's gradient is a tensor of its own, as in PyTorch: add(a, b) hands one backward value
+// to both leaves, and scaling or zeroing grad(a) in place (clipping, say) changed grad(b).
+TEST(EagerAutograd, LeavesDoNotShareGradientTensors) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::full({3}, DType::F32, 1.0));
+  const Tensor b = tape.requires_grad(Tensor::full({3}, DType::F32, 2.0));
+  const Tensor c = Tensor::full({3}, DType::F32, 4.0);
+  const Tensor ab = tape.call_one("add", std::vector<Tensor>{a, b});
+  const Tensor m = tape.call_one("mul", std::vector<Tensor>{ab, c});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{m}));
+  tape.grad(a).fill_(0.0);
+  EXPECT_EQ(tape.grad(b).to_vector<float>(), (std::vector<float>{4, 4, 4}));
+
+  const Tensor x = tape.requires_grad(Tensor::full({}, DType::F32, 1.0));
+  const Tensor y = tape.requires_grad(Tensor::full({}, DType::F32, 2.0));
+  tape.backward(tape.call_one("add", std::vector<Tensor>{x, y}));
+  tape.grad(x).fill_(5.0);
+  EXPECT_EQ(tape.grad(y).item<float>(), 1.0f);
 }
 
 TEST(EagerAutograd, TapeContract) {

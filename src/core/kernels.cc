@@ -393,7 +393,7 @@ inline A wrap_mul(A a, A b) {
   }
 }
 
-enum class Binary { Add, Sub, Mul, Div, ReluGrad };  // ReluGrad: a * (b > 0 ? 1 : 0)
+enum class Binary { Add, Sub, Mul, Div, ReluGrad };  // ReluGrad: b <= 0 ? 0 : a
 
 const char* binary_name(Binary op) {
   switch (op) {
@@ -412,7 +412,7 @@ C apply_binary(C a, C b) {
     case Binary::Add: return wrap_add(a, b);
     case Binary::Sub: return wrap_sub(a, b);
     case Binary::Mul: return wrap_mul(a, b);
-    case Binary::ReluGrad: return wrap_mul(a, b > 0 ? C{1} : C{0});
+    case Binary::ReluGrad: return b <= C{0} ? C{0} : a;
     case Binary::Div:
       if constexpr (std::is_integral_v<C>) {
         if (b == 0) throw InvalidArgument("div: integer division by zero");
@@ -434,10 +434,13 @@ void binary_loop(const S* pa, const S* pb, S* po, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     C r;
     if constexpr (op == Binary::ReluGrad && !std::is_same_v<C, bool>) {
-      // The mask first, then the gradient: with the gradient loaded before the comparison
-      // (which may trap on NaN), GCC 12 keeps a branch and does not vectorize the loop.
-      const C mask = cvt<C>(pb[i]) > 0 ? C{1} : C{0};
-      r = wrap_mul(cvt<C>(pa[i]), mask);
+      // A select, as PyTorch's threshold_backward (not grad * mask, which turns an infinite or
+      // NaN gradient at x <= 0 into NaN). The comparison first, then the gradient: with the
+      // gradient loaded before the comparison (which may trap on NaN), GCC 12 keeps a branch
+      // and does not vectorize the loop.
+      const bool drop = cvt<C>(pb[i]) <= C{0};
+      const C g = cvt<C>(pa[i]);
+      r = drop ? C{0} : g;
     } else {
       const C x = cvt<C>(pa[i]);
       const C y = cvt<C>(pb[i]);

@@ -353,9 +353,10 @@ TEST(ConvertBuffer, AllPairsOnExactValues) {
 
 // ---- tensor math ----------------------------------------------------------------------------
 
-// relu_backward is mul(grad, gt_zero_mask(x)) in one pass, bit for bit: NaN and infinite
-// gradients where x <= 0 give NaN, negative ones -0, on every dtype.
-TEST(Elementwise, ReluBackwardIsGradTimesMask) {
+// relu_backward selects as PyTorch's threshold_backward, bit for bit on every dtype: 0 (+0)
+// where x <= 0 whatever the gradient (infinite and NaN ones included: grad * mask gave NaN), the
+// gradient itself elsewhere, x NaN included.
+TEST(Elementwise, ReluBackwardSelectsTheGradientWhereXIsNotAtMostZero) {
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::vector<double> g{1.5, -2, inf, -inf, nan, 3, -0.0, 7, -1, 4};
@@ -372,7 +373,11 @@ TEST(Elementwise, ReluBackwardIsGradTimesMask) {
     }
     const Tensor gt = Tensor::from_vector<double>(gv, {static_cast<int64_t>(gv.size())}).to(d);
     const Tensor xt = Tensor::from_vector<double>(xv, {static_cast<int64_t>(xv.size())}).to(d);
-    const Tensor want = mul(gt, gt_zero_mask(xt));
+    // The selection from x as the kernel sees it (converted to d), the kept gradients as gt.
+    const std::vector<double> xd = xt.to(DType::F64).to_vector<double>();
+    std::vector<double> wv(gv.size());
+    for (size_t i = 0; i < gv.size(); ++i) wv[i] = xd[i] <= 0 ? 0.0 : gv[i];
+    const Tensor want = Tensor::from_vector<double>(wv, {static_cast<int64_t>(wv.size())}).to(d);
     const Tensor got = relu_backward(gt, xt);
     ASSERT_EQ(got.dtype(), d);
     ASSERT_EQ(got.nbytes(), want.nbytes());

@@ -8,10 +8,15 @@
 #include <fmt/format.h>
 
 #include "funcol/core/error.h"
+#include "ops_table.h"
 
 namespace funcol {
 
-std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt) {
+namespace {
+
+// append_backward without the clean-up on failure.
+std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
+                                          std::span<Value* const> wrt) {
   FUNCOL_CHECK(loss != nullptr, "append_backward: null loss");
   if (!loss->shape().empty() || !is_floating(loss->dtype())) {
     throw InvalidArgument(fmt::format("autodiff: the loss {} must be a scalar of a floating "
@@ -76,8 +81,8 @@ std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* 
     for (const Value* v : n->operands()) any_operand |= needs.count(v) != 0;
     if (!any_operand) continue;
     if (!op.grad) {
-      throw InvalidArgument(fmt::format("autodiff: op {} has no gradient rule (node %{})", op.name,
-                                        n->name()));
+      throw InvalidArgument(fmt::format("autodiff: op {} has no gradient rule ({})", op.name,
+                                        detail::grad_error_node(*n)));
     }
     b.set_name_hint("d_" + n->name());
     const std::vector<Value*> operand_grads = op.grad(b, *n, result_grads);
@@ -109,6 +114,18 @@ std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* 
     n = prev;
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt) {
+  Node* last = graph.last_node();
+  try {
+    return append_backward_nodes(graph, loss, wrt);
+  } catch (...) {
+    erase_nodes_after(graph, last);
+    throw;
+  }
 }
 
 void erase_nodes_after(Graph& graph, Node* last) {

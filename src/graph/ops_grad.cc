@@ -77,9 +77,8 @@ Value* waited(Builder& b, Value* v) { return b.value("wait_tensor", {v}); }
 void require_sum(const Node& node) {
   const std::string& op = node.attr("reduce_op").as_string();
   if (op != "sum") {
-    throw InvalidArgument(fmt::format(
-        "{} backward only supports 'sum' reduction, got '{}' (node %{})", node.op_name(), op,
-        node.name()));
+    throw InvalidArgument(fmt::format("{} backward only supports 'sum' reduction, got '{}' ({})",
+                                      node.op_name(), op, grad_error_node(node)));
   }
 }
 
@@ -177,10 +176,11 @@ Grads grad_mul(Builder& b, const Node& n, GIn g) {
   return {b.value("mul", {g[0], n.operand(1)}), b.value("mul", {g[0], n.operand(0)})};
 }
 
-// d(a/b)/da = 1/b; d(a/b)/db = -(a/b)/b.
+// d(a/b)/da = 1/b; d(a/b)/db = -(a/b)/b, in PyTorch's order -(g * ((a/b) / b)): (g * out) / b
+// rounds differently and overflows f16 where PyTorch does not.
 Grads grad_div(Builder& b, const Node& n, GIn g) {
   Value* y = const_cast<Value*>(n.result(0));
-  Value* gb = b.value("neg", {b.value("div", {b.value("mul", {g[0], y}), n.operand(1)})});
+  Value* gb = b.value("neg", {b.value("mul", {g[0], b.value("div", {y, n.operand(1)})})});
   return {b.value("div", {g[0], n.operand(1)}), gb};
 }
 
@@ -206,23 +206,35 @@ Grads grad_sum(Builder& b, const Node& n, GIn g) {
                    n.attr("keepdim").as_bool())};
 }
 
+// `v / count`, as PyTorch's `grad / numel` computes it: f16 and bf16 in f32 (their opmath type),
+// rounded back once. A count in the tensor's own dtype would be wrong: 65536 is inf in f16 (the
+// gradient came out 0) and bf16 rounds 257 to 256.
+Value* div_by_count(Builder& b, Value* v, int64_t count) {
+  const DType dtype = v->dtype();
+  const bool reduced = dtype == DType::F16 || dtype == DType::BF16;
+  Value* x = reduced ? b.value("convert_element_type", {v}, {{"dtype", DType::F32}}) : v;
+  Value* q = b.value("div", {x, full(b, x->type(), static_cast<double>(count))});
+  return reduced ? b.value("convert_element_type", {q}, {{"dtype", dtype}}) : q;
+}
+
 Grads grad_mean(Builder& b, const Node& n, GIn g) {
   const Type& in = n.operand(0)->type();
   const auto& dims = n.attr("dims").as_ints();
   Value* e = unreduce(b, g[0], in.shape, dims, n.attr("keepdim").as_bool());
-  const auto count = static_cast<double>(reduced_count(in.shape, dims));
-  return {b.value("div", {e, full(b, in, count)})};
+  return {div_by_count(b, e, reduced_count(in.shape, dims))};
 }
 
-// mse_loss = mean((a - b)^2): d/da = g * 2 (a - b) / N, d/db = -d/da.
+// mse_loss = mean((a - b)^2): d/da = ((a - b) * 2/N) * g, d/db = -d/da, in PyTorch's order
+// (mse_backward: norm * (a - b) * grad, norm in the input's dtype): g * (a - b) first overflows
+// f16 with a scaled loss where PyTorch does not.
 Grads grad_mse_loss(Builder& b, const Node& n, GIn g) {
   const Type& in = n.operand(0)->type();
   const int64_t count = in.numel();
   if (count == 0) return {zeros(b, in), zeros(b, in)};
   Value* diff = b.value("sub", {n.operand(0), n.operand(1)});
-  Value* e = unreduce(b, g[0], in.shape, {}, false);
   Value* scale = full(b, in, 2.0 / static_cast<double>(count));
-  Value* scaled = b.value("mul", {b.value("mul", {e, diff}), scale});
+  Value* e = unreduce(b, g[0], in.shape, {}, false);
+  Value* scaled = b.value("mul", {b.value("mul", {diff, scale}), e});
   return {scaled, b.value("neg", {scaled})};
 }
 
@@ -303,12 +315,20 @@ Grads grad_reduce_scatter_coalesced(Builder& b, const Node& n, GIn g) {
 // ranks cannot express, so this is an error rather than a silently wrong gradient.
 Grads grad_broadcast(Builder&, const Node& n, GIn) {
   throw InvalidArgument(fmt::format(
-      "broadcast has no gradient rule (node %{}; PyTorch defines none): make its input a "
+      "broadcast has no gradient rule ({}; PyTorch defines none): make its input a "
       "non-differentiated value or use all_reduce",
-      n.name()));
+      grad_error_node(n)));
 }
 
 }  // namespace
+
+std::string grad_error_node(const Node& n) {
+  const SourceLoc loc = n.loc();
+  if (!loc.known()) return fmt::format("node %{}", n.name());
+  const std::string& file = n.graph()->source_file();
+  return fmt::format("node %{} at {}:{}:{}", n.name(), file.empty() ? "<input>" : file, loc.line,
+                     loc.col);
+}
 
 void add_grad_rules(std::vector<OpDef>& table) {
   const std::pair<std::string_view, GradFn> rules[] = {

@@ -1,6 +1,7 @@
 // Private: builds the op table (ops_table.cc) that ops.cc serves.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "funcol/graph/ops.h"
@@ -15,5 +16,9 @@ void add_bucketing_ops(std::vector<OpDef>& table);
 
 // Sets the gradient rule (OpDef::grad) of every differentiable op of `table` (ops_grad.cc).
 void add_grad_rules(std::vector<OpDef>& table);
+
+// "node %ar at FILE:LINE:COL" (just "node %ar" for a node not written in IR text, such as the
+// eager tape's): how autodiff errors name the node they fail at (ops_grad.cc).
+std::string grad_error_node(const Node& n);
 
 }  // namespace funcol::detail

@@ -35,8 +35,9 @@ class GradTape {
   GradTape(const GradTape&) = delete;
   GradTape& operator=(const GradTape&) = delete;
 
-  // A tensor sharing t's data that the tape tracks as a leaf. t must have a floating dtype and
-  // must not be tracked already (InvalidArgument).
+  // A tensor sharing t's data that the tape tracks as a leaf. t must have a floating dtype, have
+  // data (not a meta tensor, such as a traced value) and not be tracked already
+  // (InvalidArgument).
   Tensor requires_grad(const Tensor& t);
 
   // Runs op `op` of the op table (not a collective: use the `*_autograd` functions) on

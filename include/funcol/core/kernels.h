@@ -35,8 +35,9 @@ Tensor relu(const Tensor& a);
 Tensor mul_scalar(const Tensor& a, double scalar);
 // 1 where a > 0 else 0, in a's dtype (relu's gradient mask).
 Tensor gt_zero_mask(const Tensor& a);
-// relu's gradient: mul(grad, gt_zero_mask(x)) in one pass, bit for bit (x may be relu's input
-// or its result, which are positive at the same places).
+// relu's gradient as PyTorch's threshold_backward: 0 where x <= 0, grad elsewhere (x NaN
+// included); a select, so an infinite or NaN grad where x <= 0 gives 0, not NaN (x may be relu's
+// input or its result, which are positive at the same places).
 Tensor relu_backward(const Tensor& grad, const Tensor& x);
 // 2-D x 2-D; f16/bf16 compute in f32. Integer dtypes supported.
 Tensor matmul(const Tensor& a, const Tensor& b);

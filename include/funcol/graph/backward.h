@@ -15,8 +15,8 @@ namespace funcol {
 // floating dtype (InvalidArgument otherwise); its gradient is seeded with `full(1)`. Returns one
 // gradient per entry of `wrt`, null where the loss does not depend on it (or it is not
 // floating). Throws InvalidArgument naming the node when an op on the way has no gradient rule
-// or its rule refuses (a non-sum all_reduce / reduce_scatter, broadcast); nodes appended before
-// the error stay in the graph (callers that keep the graph erase them, see erase_nodes_after).
+// or its rule refuses (a non-sum all_reduce / reduce_scatter, broadcast), and then leaves the
+// graph as it was (the nodes appended before the error are erased).
 // Deterministic: program order only; maps keyed by pointer are looked up, never iterated.
 std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt);
 

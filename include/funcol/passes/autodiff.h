@@ -17,7 +17,8 @@ namespace funcol {
 // nodes whose results nothing uses are dropped (never collectives or waits). Throws
 // InvalidArgument for an index out of range, repeated, or of a non-floating input, and for ops
 // without a usable gradient rule on the way (a non-sum all_reduce or reduce_scatter: "all_reduce
-// backward only supports 'sum' reduction, got 'max' (node %ar)"; broadcast).
+// backward only supports 'sum' reduction, got 'max' (node %ar at m.ir:3:3)", the place only for
+// a node parsed from IR text; broadcast).
 Graph build_joint_graph(const Graph& forward, const std::vector<int>& wrt);
 
 // build_joint_graph done on `graph` itself (the pass).
