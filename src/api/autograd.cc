@@ -13,6 +13,7 @@
 #include "funcol/core/kernels.h"
 #include "funcol/graph/backward.h"
 #include "funcol/graph/tracer.h"
+#include "tape_hooks.h"
 
 namespace funcol {
 
@@ -331,12 +332,45 @@ bool is_tracked(const Tensor& t) { return tracked(t).state != nullptr; }
 
 // ---- the *_autograd collectives -------------------------------------------------------------
 
+namespace {
+
+// A tensor sharing t's data that no tape tracks: the plain collectives record a tracked input
+// on its tape, so the recording forms below run them on untracked tensors.
+Tensor untracked(const Tensor& t) {
+  Tensor u = t;
+  u.set_annotation(nullptr);
+  return u;
+}
+
+std::vector<Tensor> untracked(const std::vector<Tensor>& ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(untracked(t));
+  return out;
+}
+
+// `t` with its scatter dim's group_size chunks moved to dim 0 (split + cat, recorded), as the
+// seed's reduce_scatter_tensor does before its dim-0 collective.
+Tensor scatter_dim_to_front(const std::shared_ptr<State>& state, const Tensor& t, int64_t dim,
+                            int64_t group_size) {
+  if (dim == 0) return t;
+  const Tensor in[] = {t};
+  std::vector<Tensor> chunks = call_on(
+      state, "split_with_sizes", in,
+      {{"split_sizes", std::vector<int64_t>(static_cast<size_t>(group_size),
+                                            t.size(dim) / group_size)},
+       {"dim", dim}});
+  return call_one_on(state, "cat", chunks, {{"dim", 0}});
+}
+
+}  // namespace
+
 Tensor all_reduce_autograd(const Tensor& t, const std::string& reduce_op, const GroupSpec& group) {
   const Tensor in[] = {t};
   std::shared_ptr<State> state = tape_of(in, "all_reduce");
   if (!state) return all_reduce(t, reduce_op, group);
   ProcessGroup& pg = group.resolve();
-  const Tensor r = all_reduce(t, reduce_op, pg);
+  const Tensor r = all_reduce(untracked(t), reduce_op, pg);
   return record_waited(state, "all_reduce", in, {{"reduce_op", reduce_op}, {"group", pg.name()}},
                        {r})[0];
 }
@@ -347,7 +381,7 @@ Tensor all_gather_tensor_autograd(const Tensor& t, int64_t gather_dim, const Gro
   if (!state) return all_gather_tensor(t, gather_dim, group);
   ProcessGroup& pg = group.resolve();
   const int64_t dim = wrap_dim(gather_dim, t.dim(), "all_gather_tensor", "gather_dim");
-  const Tensor r = all_gather_tensor(t, 0, pg);
+  const Tensor r = all_gather_tensor(untracked(t), 0, pg);
   const int64_t w = pg.size();
   Tensor out = record_waited(state, "all_gather_into_tensor", in,
                              {{"group_size", w}, {"group", pg.name()}}, {r})[0];
@@ -369,19 +403,10 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
   ProcessGroup& pg = group.resolve();
   // The plain call first: it checks everything (so a failure records nothing) and its result is
   // the recorded graph's.
-  const Tensor r = reduce_scatter_tensor(t, reduce_op, scatter_dim, pg);
+  const Tensor r = reduce_scatter_tensor(untracked(t), reduce_op, scatter_dim, pg);
   const int64_t w = pg.size();
-  const int64_t dim = wrap_dim(scatter_dim, t.dim(), kOp, "scatter_dim");
-  Tensor fronted = t;
-  if (dim != 0) {
-    // scatter_dim's group_size chunks moved to dim 0 (chunk + cat, recorded), as the seed does.
-    std::vector<Tensor> chunks = call_on(
-        state, "split_with_sizes", in,
-        {{"split_sizes", std::vector<int64_t>(static_cast<size_t>(w), t.size(dim) / w)},
-         {"dim", dim}});
-    fronted = call_one_on(state, "cat", chunks, {{"dim", 0}});
-  }
-  const Tensor f[] = {fronted};
+  const Tensor f[] = {scatter_dim_to_front(state, t, wrap_dim(scatter_dim, t.dim(), kOp,
+                                                              "scatter_dim"), w)};
   return record_waited(state, kOp, f,
                        {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}},
                        {r})[0];
@@ -395,7 +420,7 @@ Tensor all_to_all_single_autograd(const Tensor& t,
   std::shared_ptr<State> state = tape_of(in, "all_to_all_single");
   if (!state) return all_to_all_single(t, output_split_sizes, input_split_sizes, group);
   ProcessGroup& pg = group.resolve();
-  const Tensor r = all_to_all_single(t, output_split_sizes, input_split_sizes, pg);
+  const Tensor r = all_to_all_single(untracked(t), output_split_sizes, input_split_sizes, pg);
   // Both or neither (the call above checked): neither means an even split of dim 0.
   const auto w = static_cast<size_t>(pg.size());
   std::vector<int64_t> outs = output_split_sizes.value_or(
@@ -414,7 +439,7 @@ std::vector<Tensor> all_reduce_coalesced_autograd(const std::vector<Tensor>& inp
   std::shared_ptr<State> state = tape_of(inputs, "all_reduce_coalesced");
   if (!state || inputs.empty()) return all_reduce_coalesced(inputs, reduce_op, group);
   ProcessGroup& pg = group.resolve();
-  const std::vector<Tensor> r = all_reduce_coalesced(inputs, reduce_op, pg);
+  const std::vector<Tensor> r = all_reduce_coalesced(untracked(inputs), reduce_op, pg);
   return record_waited(state, "all_reduce_coalesced", inputs,
                        {{"reduce_op", reduce_op}, {"group", pg.name()}}, r);
 }
@@ -424,7 +449,7 @@ std::vector<Tensor> all_gather_into_tensor_coalesced_autograd(const std::vector<
   std::shared_ptr<State> state = tape_of(inputs, "all_gather_into_tensor_coalesced");
   if (!state || inputs.empty()) return all_gather_into_tensor_coalesced(inputs, group);
   ProcessGroup& pg = group.resolve();
-  const std::vector<Tensor> r = all_gather_into_tensor_coalesced(inputs, pg);
+  const std::vector<Tensor> r = all_gather_into_tensor_coalesced(untracked(inputs), pg);
   return record_waited(state, "all_gather_into_tensor_coalesced", inputs,
                        {{"group_size", pg.size()}, {"group", pg.name()}}, r);
 }
@@ -432,16 +457,59 @@ std::vector<Tensor> all_gather_into_tensor_coalesced_autograd(const std::vector<
 std::vector<Tensor> reduce_scatter_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
                                                              const std::string& reduce_op,
                                                              const GroupSpec& group) {
-  const std::vector<int64_t> dims(inputs.size(), 0);
-  std::shared_ptr<State> state = tape_of(inputs, "reduce_scatter_tensor_coalesced");
+  return api_detail::tape_reduce_scatter_coalesced(inputs, reduce_op,
+                                                   std::vector<int64_t>(inputs.size(), 0), group);
+}
+
+namespace api_detail {
+
+bool any_tracked(std::span<const Tensor> ts) {
+  return std::any_of(ts.begin(), ts.end(), [](const Tensor& t) { return is_tracked(t); });
+}
+
+Tensor tape_broadcast(const Tensor& t, int src, const GroupSpec& group) {
+  const Tensor in[] = {t};
+  std::shared_ptr<State> state = tape_of(in, "broadcast");
+  ProcessGroup& pg = group.resolve();
+  const Tensor r = broadcast(untracked(t), src, pg);
+  if (!state) return r;
+  return record_waited(state, "broadcast", in, {{"src", src}, {"group", pg.name()}}, {r})[0];
+}
+
+Tensor tape_permute(const Tensor& t, const std::vector<int64_t>& output_split_sizes,
+                    const std::vector<int64_t>& input_split_sizes, const GroupSpec& group) {
+  const Tensor in[] = {t};
+  std::shared_ptr<State> state = tape_of(in, "permute_tensor");
+  const Tensor flat[] = {call_one_on(state, "reshape", in, {{"shape", std::vector{t.numel()}}})};
+  const Tensor r[] = {
+      all_to_all_single_autograd(flat[0], output_split_sizes, input_split_sizes, group)};
+  return call_one_on(state, "reshape", r, {{"shape", t.sizes()}});
+}
+
+std::vector<Tensor> tape_reduce_scatter_coalesced(const std::vector<Tensor>& inputs,
+                                                  const std::string& reduce_op,
+                                                  const std::vector<int64_t>& scatter_dims,
+                                                  const GroupSpec& group) {
+  constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
+  std::shared_ptr<State> state = tape_of(inputs, kOp);
   if (!state || inputs.empty()) {
-    return reduce_scatter_tensor_coalesced(inputs, reduce_op, dims, group);
+    return reduce_scatter_tensor_coalesced(inputs, reduce_op, scatter_dims, group);
   }
   ProcessGroup& pg = group.resolve();
-  const std::vector<Tensor> r = reduce_scatter_tensor_coalesced(inputs, reduce_op, dims, pg);
-  return record_waited(state, "reduce_scatter_tensor_coalesced", inputs,
-                       {{"reduce_op", reduce_op}, {"group_size", pg.size()}, {"group", pg.name()}},
-                       r);
+  // The plain call first: it checks everything, so a failure records nothing.
+  const std::vector<Tensor> r =
+      reduce_scatter_tensor_coalesced(untracked(inputs), reduce_op, scatter_dims, pg);
+  const int64_t w = pg.size();
+  std::vector<Tensor> fronts;
+  fronts.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t dim = wrap_dim(scatter_dims[i], inputs[i].dim(), kOp, "scatter_dim");
+    fronts.push_back(scatter_dim_to_front(state, inputs[i], dim, w));
+  }
+  return record_waited(state, kOp, fronts,
+                       {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}}, r);
 }
+
+}  // namespace api_detail
 
 }  // namespace funcol

@@ -192,6 +192,35 @@ TEST_P(EagerGradCheck, ZeroDimAllGather) {
   EXPECT_EQ(n, expected(1 + 2));
 }
 
+// PyTorch registers the rules on the base ops: the plain functional collectives record a
+// tracked input on its tape too, so their gradients are those of the *_autograd variants.
+TEST_P(EagerGradCheck, PlainCollectivesAreDifferentiable) {
+  const int w = GetParam();
+  const int64_t n =
+      eager_gradcheck(w, {{2, 3}, {4, 2}, {3, 2}}, [w](GradTape& tape, const auto& x, int rank) {
+        const Tensor ar = all_reduce(x[0], "sum", "world");
+        const Tensor ag = all_gather_tensor(x[1], 1, "world");
+        const Tensor rs = reduce_scatter_tensor(ag, "sum", 1, "world");
+        // Every rank sends its tensor to the next.
+        std::vector<int> next(static_cast<size_t>(w));
+        for (int r = 0; r < w; ++r) next[static_cast<size_t>(r)] = (r + 1) % w;
+        const Tensor p = permute_tensor(x[2], next, "world");
+        const Tensor a2a = all_to_all_single(ag, std::nullopt, std::nullopt, "world");
+        const std::vector<Tensor> c = all_reduce_coalesced({ar, p}, "sum", "world");
+        const std::vector<Tensor> cg = all_gather_into_tensor_coalesced({rs}, "world");
+        const std::vector<Tensor> crs =
+            reduce_scatter_tensor_coalesced({a2a, ag}, "sum", {1, -1}, "world");
+        // Rank-dependent weights, so a wrong route (a gradient sent to the wrong rank) shows.
+        const Tensor scale = Tensor::full({}, DType::F64, 1.0 + rank);
+        Tensor loss = tape.call_one("mul", std::vector<Tensor>{sum_of_cubes(tape, c[1]), scale});
+        for (const Tensor& t : {cg[0], crs[0], crs[1], wait_tensor(c[0])}) {
+          loss = tape.call_one("add", std::vector<Tensor>{loss, sum_of_cubes(tape, t)});
+        }
+        return loss;
+      });
+  EXPECT_EQ(n, expected(6 + 8 + 6));
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, EagerGradCheck, ::testing::Values(2, 4),
                          [](const auto& info) { return fmt::format("ranks{}", info.param); });
 
@@ -349,6 +378,28 @@ TEST(EagerAutograd, LeavesDoNotShareGradientTensors) {
   tape.backward(tape.call_one("add", std::vector<Tensor>{x, y}));
   tape.grad(x).fill_(5.0);
   EXPECT_EQ(tape.grad(y).item<float>(), 1.0f);
+}
+
+// PyTorch's broadcast has no gradient: a tracked input is recorded, so a backward through it
+// fails with broadcast's error instead of silently leaving that path out; a backward that does
+// not reach it is unaffected.
+TEST(EagerAutograd, PlainBroadcastOfATrackedTensorFailsOnlyWhenBackwardReachesIt) {
+  run_local(2, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F32, 1.0 + world.rank()));
+    const Tensor b = broadcast(x, 1, "world");
+    EXPECT_TRUE(is_tracked(b));
+    EXPECT_EQ(b.to_vector<float>(), (std::vector<float>{2, 2}));
+    tape.backward(tape.call_one("sum", std::vector<Tensor>{x}));
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{1, 1}));
+    try {
+      tape.backward(tape.call_one("sum", std::vector<Tensor>{b}));
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("broadcast has no gradient rule"), std::string::npos)
+          << e.what();
+    }
+  });
 }
 
 TEST(EagerAutograd, TapeContract) {

@@ -18,6 +18,8 @@
 #include "funcol/core/dtype.h"
 #include "funcol/core/error.h"
 #include "funcol/graph/tracer.h"
+#include "funcol/api/autograd.h"
+#include "tape_hooks.h"
 #include "trace_hooks.h"
 
 namespace funcol {
@@ -248,6 +250,7 @@ Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_reduce(*tr, t, reduce_op, group);
   }
+  if (is_tracked(t)) return all_reduce_autograd(t, reduce_op, group);
   constexpr std::string_view kOp = "all_reduce";
   check_input(t, kOp);
   const ReduceOp op = parse_reduce_op(reduce_op);
@@ -262,6 +265,7 @@ Tensor all_gather_tensor(const Tensor& t, int64_t gather_dim, const GroupSpec& g
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_gather_tensor(*tr, t, gather_dim, group);
   }
+  if (is_tracked(t)) return all_gather_tensor_autograd(t, gather_dim, group);
   constexpr std::string_view kOp = "all_gather_tensor";
   check_input(t, kOp);
   check_contiguous(t, kOp);
@@ -274,6 +278,7 @@ Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int6
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_reduce_scatter_tensor(*tr, t, reduce_op, scatter_dim, group);
   }
+  if (is_tracked(t)) return reduce_scatter_tensor_autograd(t, reduce_op, scatter_dim, group);
   constexpr std::string_view kOp = "reduce_scatter_tensor";
   check_input(t, kOp);
   const ReduceOp op = parse_reduce_op(reduce_op);
@@ -293,6 +298,9 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_to_all_single(*tr, t, output_split_sizes, input_split_sizes,
                                                group);
+  }
+  if (is_tracked(t)) {
+    return all_to_all_single_autograd(t, output_split_sizes, input_split_sizes, group);
   }
   constexpr std::string_view kOp = "all_to_all_single";
   check_input(t, kOp);
@@ -337,6 +345,7 @@ Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_broadcast(*tr, t, src, group);
   }
+  if (is_tracked(t)) return api_detail::tape_broadcast(t, src, group);
   constexpr std::string_view kOp = "broadcast";
   check_input(t, kOp);
   ProcessGroup& pg = group.resolve();
@@ -383,6 +392,7 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
     if (m == pg.rank()) in_splits[static_cast<size_t>(dst)] = numel;
     if (dst == pg.rank()) out_splits[static_cast<size_t>(m)] = numel;
   }
+  if (is_tracked(t)) return api_detail::tape_permute(t, out_splits, in_splits, pg);
   Tensor flat = t.contiguous().view({numel});
   return all_to_all_impl(pg, flat, out_splits, in_splits).view(t.sizes());
 }
@@ -391,6 +401,9 @@ std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
                                          const std::string& reduce_op, const GroupSpec& group) {
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_reduce_coalesced(*tr, inputs, reduce_op, group);
+  }
+  if (api_detail::any_tracked(inputs)) {
+    return all_reduce_coalesced_autograd(inputs, reduce_op, group);
   }
   constexpr std::string_view kOp = "all_reduce_coalesced";
   const ReduceOp op = parse_reduce_op(reduce_op);
@@ -411,6 +424,9 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
                                                      const GroupSpec& group) {
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_gather_into_tensor_coalesced(*tr, inputs, group);
+  }
+  if (api_detail::any_tracked(inputs)) {
+    return all_gather_into_tensor_coalesced_autograd(inputs, group);
   }
   constexpr std::string_view kOp = "all_gather_into_tensor_coalesced";
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -436,6 +452,9 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_reduce_scatter_tensor_coalesced(*tr, inputs, reduce_op, scatter_dims,
                                                              group);
+  }
+  if (api_detail::any_tracked(inputs)) {
+    return api_detail::tape_reduce_scatter_coalesced(inputs, reduce_op, scatter_dims, group);
   }
   constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
   const ReduceOp op = parse_reduce_op(reduce_op);

@@ -18,8 +18,9 @@
 namespace funcol {
 
 // Records differentiable eager computation, like torch.autograd's tape. A tensor returned by
-// requires_grad() is a *leaf*; every op run through call() or a `*_autograd` collective with a
-// tracked operand runs eagerly at once and is recorded as a node of the tape's graph, its
+// requires_grad() is a *leaf*; every op run through call() or a functional collective (a
+// `*_autograd` variant or the plain function: PyTorch registers the rules on its base ops) with
+// a tracked operand runs eagerly at once and is recorded as a node of the tape's graph, its
 // results tracked too. backward(loss) appends the backward of the recorded graph with the op
 // table's rules (append_backward, as the autodiff pass), runs those nodes eagerly on this rank
 // (collectives through the functional API, each waited) and adds the gradients into grad().

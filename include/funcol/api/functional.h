@@ -1,5 +1,7 @@
 // The functional collectives API (DESIGN §4): tensor in, tensor out, asynchronous, waited on
 // first use. Semantics and error messages follow PyTorch's _functional_collectives.py.
+// Under a tracer they record graph nodes; on an input a GradTape tracks they are differentiable
+// (recorded on the tape as the *_autograd variants of <funcol/api/autograd.h> are).
 #pragma once
 
 #include <cstddef>
