@@ -402,6 +402,31 @@ TEST(EagerAutograd, PlainBroadcastOfATrackedTensorFailsOnlyWhenBackwardReachesIt
   });
 }
 
+// The tape records values: an in-place collective would overwrite a tracked tensor behind its
+// back (PyTorch refuses in-place changes autograd cannot follow). The input may be tracked.
+TEST(EagerAutograd, InPlaceCollectivesRefuseATrackedOutput) {
+  run_local(2, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F32, 1.0));
+    try {
+      all_reduce_inplace(x, "sum", "world");
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("all_reduce_inplace: the output is tracked by a "
+                                           "GradTape"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(x.to_vector<float>(), (std::vector<float>{1, 1}));  // left as it was
+    Tensor out = Tensor::zeros({4}, DType::F32);
+    all_gather_tensor_inplace(out, x, "world");
+    EXPECT_EQ(out.to_vector<float>(), (std::vector<float>{1, 1, 1, 1}));
+    const Tensor tracked_out = tape.requires_grad(Tensor::zeros({4}, DType::F32));
+    EXPECT_THROW(all_gather_tensor_inplace(tracked_out, x, "world"), InvalidArgument);
+    (void)world;
+  });
+}
+
 TEST(EagerAutograd, TapeContract) {
   run_local(2, [](ProcessGroup& world) {
     GradTape tape;

@@ -225,9 +225,17 @@ Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int6
 
 // output.copy_(result); under a tracer, output stands for result (converted to its dtype) from
 // now on, as graphs are functional (DESIGN §4: the in-place remaps trace too).
-void assign(const Tensor& output, const Tensor& result) {
+void assign(const Tensor& output, const Tensor& result, std::string_view op) {
   Tracer* tr = current_tracer();
   if (tr == nullptr) {
+    // PyTorch refuses in-place changes that autograd cannot follow; the tape records values,
+    // and an overwritten tracked tensor would feed its backward the new bytes.
+    if (is_tracked(output)) {
+      throw InvalidArgument(fmt::format(
+          "{}: the output is tracked by a GradTape, and an in-place collective cannot be "
+          "differentiated (use the functional form, which returns a new tensor)",
+          op));
+    }
     output.copy_(result);
     return;
   }
@@ -498,7 +506,7 @@ void wait_tensors(const std::vector<Tensor>& tensors) {
 
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
                                  const GroupSpec& group) {
-  assign(t, all_reduce(t, reduce_op, group));
+  assign(t, all_reduce(t, reduce_op, group), "all_reduce_inplace");
   return t;
 }
 
@@ -531,7 +539,7 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
     const int64_t jj = static_cast<int64_t>(j);
     // ops::narrow and ops::view record under a tracer; Tensor methods would not.
     const Tensor block = ops::narrow(gathered, 0, jj * rows, rows);
-    assign(tensor_list[j], t.dim() == 0 ? ops::view(block, {}) : block);
+    assign(tensor_list[j], t.dim() == 0 ? ops::view(block, {}) : block, kOp);
   }
 }
 
@@ -539,7 +547,7 @@ const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& inpu
                                         const GroupSpec& group, int64_t gather_dim) {
   Tensor result = all_gather_tensor(input, gather_dim, group);
   check_output_shape(output, result, "all_gather_tensor_inplace");
-  assign(output, result);
+  assign(output, result, "all_gather_tensor_inplace");
   return output;
 }
 
@@ -548,7 +556,7 @@ const Tensor& reduce_scatter_tensor_inplace(const Tensor& output, const Tensor& 
                                             int64_t scatter_dim) {
   Tensor result = reduce_scatter_tensor(input, reduce_op, scatter_dim, group);
   check_output_shape(output, result, "reduce_scatter_tensor_inplace");
-  assign(output, result);
+  assign(output, result, "reduce_scatter_tensor_inplace");
   return output;
 }
 
@@ -559,7 +567,7 @@ const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
   Tensor result =
       all_to_all_single(input, std::move(output_split_sizes), std::move(input_split_sizes), group);
   check_output_shape(output, result, "all_to_all_inplace");
-  assign(output, result);
+  assign(output, result, "all_to_all_inplace");
   return output;
 }
 
