@@ -427,6 +427,17 @@ TEST(EagerAutograd, InPlaceCollectivesRefuseATrackedOutput) {
   });
 }
 
+// As PyTorch's backward(): a loss of one element of any rank, seeded with ones of its shape.
+TEST(EagerAutograd, SingleElementLossOfAnyRank) {
+  GradTape tape;
+  const Tensor x = tape.requires_grad(Tensor::from_vector(std::vector<float>{1, 2, 3}, {1, 3}));
+  const Tensor sq = tape.call_one("mul", std::vector<Tensor>{x, x});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{sq}, {{"dims", std::vector<int64_t>{1}},
+                                                               {"keepdim", true}}));
+  EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{2, 4, 6}));
+  EXPECT_THROW(tape.backward(sq), InvalidArgument);  // three elements
+}
+
 TEST(EagerAutograd, TapeContract) {
   run_local(2, [](ProcessGroup& world) {
     GradTape tape;

@@ -12,13 +12,15 @@
 
 namespace funcol {
 
+bool is_loss_type(const Type& type) { return type.numel() == 1 && is_floating(type.dtype); }
+
 namespace {
 
 // append_backward without the clean-up on failure.
 std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
                                           std::span<Value* const> wrt) {
   FUNCOL_CHECK(loss != nullptr, "append_backward: null loss");
-  if (!loss->shape().empty() || !is_floating(loss->dtype())) {
+  if (!is_loss_type(loss->type())) {
     throw InvalidArgument(fmt::format("autodiff: the loss {} must be a scalar of a floating "
                                       "dtype, got {}",
                                       loss->ref(), loss->type().str()));
@@ -53,7 +55,7 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
   };
   b.set_name_hint("d_" + (loss->node() ? loss->node()->name() : loss->name()));
   if (needs.count(loss)) {
-    accumulate(loss, b.value("full", {}, {{"shape", std::vector<int64_t>{}},
+    accumulate(loss, b.value("full", {}, {{"shape", loss->shape()},
                                          {"dtype", loss->dtype()},
                                          {"value", 1.0}}));
   }

@@ -58,7 +58,7 @@ void make_joint_graph(Graph& graph, const std::vector<int>& wrt) {
                                       graph.name()));
   }
   Value* loss = graph.outputs()[0];
-  if (!loss->shape().empty() || !is_floating(loss->dtype())) {
+  if (!is_loss_type(loss->type())) {
     throw InvalidArgument(fmt::format("autodiff: the loss (first output {} of graph @{}) must be "
                                       "a scalar of a floating dtype, got {}",
                                       loss->ref(), graph.name(), loss->type().str()));

@@ -154,6 +154,21 @@ TEST(Autodiff, LossThatIsAnInputHasGradientOne) {
   EXPECT_EQ(joint.outputs()[1]->node()->attr("value").as_float(), 1.0);
 }
 
+// PyTorch's backward() accepts any single-element output as the loss: seeded with ones of its
+// shape. Zero elements is no loss.
+TEST(Autodiff, SingleElementLossOfAnyRank) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[1, 3]) {
+  %s = sum(%x) {dims = [1], keepdim = true}
+  return %s
+})");
+  const Graph joint = build_joint_graph(*fwd, {0});
+  verify(joint);
+  EXPECT_EQ(joint.outputs()[0]->type().str(), "f32[1,1]");
+  EXPECT_EQ(joint.outputs()[1]->type().str(), "f32[1,3]");
+  EXPECT_THROW(build_joint_graph(*parse_graph("graph @g(%x: f32[0]) { return %x }"), {0}),
+               InvalidArgument);
+}
+
 TEST(Autodiff, ConvertElementTypeGradientGoesBackToTheInputDtype) {
   std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[3], %i: i32[3]) {
     %h = convert_element_type(%x) {dtype = bf16}

@@ -10,7 +10,7 @@
 namespace funcol {
 
 // Builds the joint graph of `forward`: the same inputs; outputs = [loss, d loss / d input
-// wrt[0], ...] where loss is forward's first output (a scalar float tensor; else
+// wrt[0], ...] where loss is forward's first output (one element of a floating dtype; else
 // InvalidArgument). Inputs not reached by the loss get zeros. Deterministic: program order, no
 // pointer-keyed iteration. The forward nodes come first (so its collectives are issued before
 // the backward ones), then the backward, each backward collective followed by its wait_tensor;
