@@ -326,6 +326,9 @@ class MaxAddTree {
 // in O(log nodes), where rebuilding the whole profile for each collective cost O(nodes)
 // (O(nodes^2) in all: 51 s for 4,000 all_gathers). Maps are for lookups only, never iterated.
 class HeldBytes {
+  // A value below any budget minus any number of held bytes: a position that never counts.
+  static constexpr __int128 kNever = -(static_cast<__int128>(1) << 120);
+
  public:
   HeldBytes(const Graph& graph, const OrderIndex& order, const Sinkable& sinkable)
       : order_(order), sinkable_(sinkable), nodes_(graph.node_list()),
@@ -359,8 +362,16 @@ class HeldBytes {
   }
 
   // `c` has just moved up to right before `stop`, which is not a collective (the order index
-  // already says so).
-  void moved(Node& c, const Node& stop) {
+  // already says so), after `cone`, side-effect-free nodes computing its operands that moved up
+  // with it. Those now sit between the previous collective and c, where no later collective
+  // goes: they never count again, and one that reads a collective's data ends its hold just
+  // before c starts.
+  void moved(Node& c, const Node& stop, const std::vector<Node*>& cone) {
+    for (Node* n : cone) {
+      const int64_t i = index_.at(n);
+      tree_.add(i, i, kNever);
+      hoisted_with_.emplace(n, &c);
+    }
     Held& h = held_.at(&c);
     tree_.add(h.lo, h.hi, -h.bytes);
     h.lo = index_.at(&stop);
@@ -378,6 +389,7 @@ class HeldBytes {
       }
     };
     push_operands(c);
+    for (Node* n : cone) push_operands(*n);
     while (!work.empty()) {
       Node* def = work.back();
       work.pop_back();
@@ -408,9 +420,7 @@ class HeldBytes {
   static std::vector<__int128> initial(const std::vector<Node*>& nodes, const Sinkable& sinkable) {
     std::vector<__int128> values(nodes.size(), 0);
     for (size_t i = 0; i < nodes.size(); ++i) {
-      if (nodes[i]->op().is_collective() || sinkable.count(nodes[i])) {
-        values[i] = -(static_cast<__int128>(1) << 120);
-      }
+      if (nodes[i]->op().is_collective() || sinkable.count(nodes[i])) values[i] = kNever;
     }
     return values;
   }
@@ -424,11 +434,14 @@ class HeldBytes {
     tree_.add(h.lo, h.hi, h.bytes);
   }
 
-  // The last original position held: the reader itself, or, when the reader is a collective,
-  // the one before where that one starts; the end when nothing reads.
+  // The last original position held: the reader itself, or, when the reader is a collective or
+  // moved up with one, the one before where that collective starts; the end when nothing reads.
   int64_t end_of(const Node* reader) const {
     if (!reader) return static_cast<int64_t>(nodes_.size()) - 1;
     if (reader->op().is_collective()) return held_.at(reader).lo - 1;
+    if (auto it = hoisted_with_.find(reader); it != hoisted_with_.end()) {
+      return held_.at(it->second).lo - 1;
+    }
     return index_.at(reader);
   }
 
@@ -438,6 +451,7 @@ class HeldBytes {
   MaxAddTree tree_;
   std::unordered_map<const Node*, int64_t> index_;
   std::unordered_map<const Node*, Held> held_;
+  std::unordered_map<const Node*, const Node*> hoisted_with_;  // operand node -> its collective
 };
 
 class Scheduler {
@@ -476,12 +490,6 @@ class Scheduler {
     order_.move_before(*node, at);
   }
 
-  // The number of nodes strictly between `from` and `to` (null: the end), `from` first; only
-  // for the explanation.
-  int64_t between(const Node& from, const Node* to) const {
-    return (to ? order_.rank(*to) : order_.size()) - order_.rank(from) - 1;
-  }
-
   // Sorts by position, each looked up once.
   void sort_in_order(std::vector<Node*>& nodes) const {
     std::vector<std::pair<int64_t, Node*>> keyed;
@@ -494,9 +502,9 @@ class Scheduler {
 
   // Moves `c` together with the side-effect-free nodes it depends on that come after
   // `previous` (the packing of a bucket: flatten, cat, ...) to right after `previous`, keeping
-  // their order. False (nothing done) when that cone is empty or holds a collective or a wait,
-  // which cannot move; the caller then moves `c` alone.
-  bool hoist_with_operands(Node* c, Node* previous) {
+  // their order; `*moved_cone` gets the nodes that moved. False (nothing done) when that cone is
+  // empty or holds a collective or a wait, which cannot move; the caller then moves `c` alone.
+  bool hoist_with_operands(Node* c, Node* previous, std::vector<Node*>* moved_cone) {
     auto after_previous = [&](const Node* n) { return !previous || before(*previous, *n); };
     std::vector<Node*> cone;
     std::vector<Node*> stack;
@@ -525,6 +533,7 @@ class Scheduler {
         continue;
       }
       move_before(n, at);
+      moved_cone->push_back(n);
       ++moved;
     }
     if (moved == 0 && at == c) return true;
@@ -538,43 +547,41 @@ class Scheduler {
   }
 
   // Phase 1: each collective, in program order, goes right after the previous collective (its
-  // new place), together with the side-effect-free nodes computing its operands after that
-  // point; when that is not possible (a wait among them, or a memory budget), the collective
-  // alone goes right after the latest of its operands' definitions and the previous collective.
+  // new place) or, under a budget, right after the last node on the way where the held bytes
+  // plus its own would exceed the budget, together with the side-effect-free nodes computing
+  // its operands after that point; when those include a wait, the collective alone goes right
+  // after the latest of its operands' definitions and that point.
   void hoist_collectives() {
     if (has_budget()) held_.emplace(graph_, order_, sinkable_);
     Node* previous = nullptr;
     for (Node* c : graph_.node_list()) {
       if (!c->op().is_collective()) continue;
-      if (!has_budget() && hoist_with_operands(c, previous)) {
-        previous = c;
+      Node* after = previous;
+      Node* blocker = nullptr;
+      int64_t held = 0;
+      if (has_budget()) {
+        blocker = held_->blocker(*c, previous, options_.memory_budget_bytes, &held);
+        if (blocker) after = blocker;
+      }
+      previous = c;
+      std::vector<Node*> cone;
+      Node* const next = c->next();
+      if (hoist_with_operands(c, after, &cone)) {
+        if (blocker) note_budget(*c, *blocker, held, result_bytes(*c));
+        if (held_ && c->next() != next) held_->moved(*c, *c->next(), cone);
         continue;
       }
-      Node* anchor = previous;
+      Node* anchor = after;
       for (Value* v : c->operands()) {
         Node* def = v->node();
         if (def && (!anchor || before(*anchor, *def))) anchor = def;
       }
-      previous = c;
-      Node* stop = c;  // c goes right before `stop`
-      int64_t crossed = 0;
-      if (!has_budget()) {
-        // Straight to just after the anchor: the nodes in between are only counted.
-        stop = anchor ? anchor->next() : graph_.first_node();
-        if (explain_ && stop != c) crossed = anchor ? between(*anchor, c) : order_.rank(*c);
-      } else {
-        // Up to just after the anchor, or to just after the last node on the way where the
-        // held bytes plus c's would exceed the budget.
-        int64_t held = 0;
-        Node* blocker = held_->blocker(*c, anchor, options_.memory_budget_bytes, &held);
-        Node* after = blocker ? blocker : anchor;
-        stop = after ? after->next() : graph_.first_node();
-        if (blocker) note_budget(*c, *blocker, held, result_bytes(*c));
-        if (explain_ && stop != c) crossed = order_.rank(*c) - order_.rank(*stop);
-      }
+      if (blocker && anchor == blocker) note_budget(*c, *blocker, held, result_bytes(*c));
+      Node* stop = anchor ? anchor->next() : graph_.first_node();  // c goes right before it
       if (stop == c) continue;
+      const int64_t crossed = explain_ ? order_.rank(*c) - order_.rank(*stop) : 0;
       move_before(c, stop);
-      if (held_) held_->moved(*c, *stop);
+      if (held_) held_->moved(*c, *stop, {});
       ++stats_.collectives_hoisted;
       note(fmt::format("%{}: issued {} node{} earlier, {}", c->name(), crossed,
                        crossed == 1 ? "" : "s",

@@ -293,6 +293,52 @@ TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
   EXPECT_EQ(run_overlap(out), out);
 }
 
+// Under a budget the packing moves up with its collective too, as far as the budget allows: a
+// budget nothing reaches changes nothing, and a budget of one bucket stops the second bucket
+// (and its packing) after the first one's reader. Without the packing the second bucket could
+// not move at all under any budget.
+TEST(Overlap, MemoryBudgetMovesThePackingWithItsCollective) {
+  constexpr std::string_view kBuckets = R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
+  %fa = flatten(%a)
+  %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"}
+  %w0 = wait_tensor(%ag0)
+  %v0 = view(%w0) {shape = [2, 4]}
+  %n = neg(%x)
+  %s0 = add(%n, %v0)
+  %r = relu(%s0)
+  %fb = flatten(%b)
+  %ag1 = all_gather_into_tensor(%fb) {group_size = 2, group = "world"}
+  %w1 = wait_tensor(%ag1)
+  %v1 = view(%w1) {shape = [2, 4]}
+  %s1 = add(%r, %v1)
+  return %s1
+})";
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kBuckets, {.memory_budget_bytes = 1 << 20}, &stats),
+            run_overlap(kBuckets));
+  EXPECT_EQ(stats.operands_hoisted, 1);
+  EXPECT_EQ(stats.budget_stops, 0);
+  EXPECT_EQ(run_overlap(kBuckets, {.memory_budget_bytes = 32}, &stats),
+            R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
+  %fa = flatten(%a) : f32[4]
+  %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"} : f32[8]
+  %n = neg(%x) : f32[2,4]
+  %w0 = wait_tensor(%ag0) : f32[8]
+  %v0 = view(%w0) {shape = [2, 4]} : f32[2,4]
+  %s0 = add(%n, %v0) : f32[2,4]
+  %fb = flatten(%b) : f32[4]
+  %ag1 = all_gather_into_tensor(%fb) {group_size = 2, group = "world"} : f32[8]
+  %r = relu(%s0) : f32[2,4]
+  %w1 = wait_tensor(%ag1) : f32[8]
+  %v1 = view(%w1) {shape = [2, 4]} : f32[2,4]
+  %s1 = add(%r, %v1) : f32[2,4]
+  return %s1
+}
+)");
+  EXPECT_EQ(stats.operands_hoisted, 1);
+  EXPECT_EQ(stats.budget_stops, 1);
+}
+
 // A collective whose operands are computed from a wait cannot take that computation along: it
 // moves alone, after its operand.
 TEST(Overlap, OperandComputedFromAWaitStaysPut) {
