@@ -252,25 +252,28 @@ TEST(Overlap, PipelineOptionAndErrors) {
   EXPECT_THROW(Pipeline::parse("overlap{cap-mb=1}"), InvalidArgument);
 }
 
-// Two buckets as the bucketing passes leave them: the second bucket's packing (flatten) moves
-// up with its all-gather, and the first bucket's unpacking (view) moves down with its wait.
-TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
-  OverlapStats stats;
-  const std::string out = run_overlap(R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
+// Two buckets as the bucketing passes leave them (packing, collective, wait, unpacking).
+constexpr std::string_view kTwoBuckets = R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
   %fa = flatten(%a)
   %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"}
   %w0 = wait_tensor(%ag0)
   %v0 = view(%w0) {shape = [2, 4]}
   %n = neg(%x)
   %s0 = add(%n, %v0)
+  %r = relu(%s0)
   %fb = flatten(%b)
   %ag1 = all_gather_into_tensor(%fb) {group_size = 2, group = "world"}
   %w1 = wait_tensor(%ag1)
   %v1 = view(%w1) {shape = [2, 4]}
-  %s1 = add(%s0, %v1)
+  %s1 = add(%r, %v1)
   return %s1
-})",
-                                      {}, &stats);
+})";
+
+// The second bucket's packing (flatten) moves up with its all-gather, and the first bucket's
+// unpacking (view) moves down with its wait.
+TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
+  OverlapStats stats;
+  const std::string out = run_overlap(kTwoBuckets, {}, &stats);
   EXPECT_EQ(out, R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
   %fa = flatten(%a) : f32[4]
   %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"} : f32[8]
@@ -280,9 +283,10 @@ TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
   %w0 = wait_tensor(%ag0) : f32[8]
   %v0 = view(%w0) {shape = [2, 4]} : f32[2,4]
   %s0 = add(%n, %v0) : f32[2,4]
+  %r = relu(%s0) : f32[2,4]
   %w1 = wait_tensor(%ag1) : f32[8]
   %v1 = view(%w1) {shape = [2, 4]} : f32[2,4]
-  %s1 = add(%s0, %v1) : f32[2,4]
+  %s1 = add(%r, %v1) : f32[2,4]
   return %s1
 }
 )");
@@ -298,27 +302,12 @@ TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
 // (and its packing) after the first one's reader. Without the packing the second bucket could
 // not move at all under any budget.
 TEST(Overlap, MemoryBudgetMovesThePackingWithItsCollective) {
-  constexpr std::string_view kBuckets = R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
-  %fa = flatten(%a)
-  %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"}
-  %w0 = wait_tensor(%ag0)
-  %v0 = view(%w0) {shape = [2, 4]}
-  %n = neg(%x)
-  %s0 = add(%n, %v0)
-  %r = relu(%s0)
-  %fb = flatten(%b)
-  %ag1 = all_gather_into_tensor(%fb) {group_size = 2, group = "world"}
-  %w1 = wait_tensor(%ag1)
-  %v1 = view(%w1) {shape = [2, 4]}
-  %s1 = add(%r, %v1)
-  return %s1
-})";
   OverlapStats stats;
-  EXPECT_EQ(run_overlap(kBuckets, {.memory_budget_bytes = 1 << 20}, &stats),
-            run_overlap(kBuckets));
+  EXPECT_EQ(run_overlap(kTwoBuckets, {.memory_budget_bytes = 1 << 20}, &stats),
+            run_overlap(kTwoBuckets));
   EXPECT_EQ(stats.operands_hoisted, 1);
   EXPECT_EQ(stats.budget_stops, 0);
-  EXPECT_EQ(run_overlap(kBuckets, {.memory_budget_bytes = 32}, &stats),
+  EXPECT_EQ(run_overlap(kTwoBuckets, {.memory_budget_bytes = 32}, &stats),
             R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
   %fa = flatten(%a) : f32[4]
   %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"} : f32[8]
