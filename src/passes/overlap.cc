@@ -502,8 +502,9 @@ class Scheduler {
 
   // Moves `c` together with the side-effect-free nodes it depends on that come after
   // `previous` (the packing of a bucket: flatten, cat, ...) to right after `previous`, keeping
-  // their order; `*moved_cone` gets the nodes that moved. False (nothing done) when that cone is
-  // empty or holds a collective or a wait, which cannot move; the caller then moves `c` alone.
+  // their order; `*moved_cone` gets the nodes that moved (c moves when any does). False
+  // (nothing done) when that cone is empty or holds a collective or a wait, which cannot move;
+  // the caller then moves `c` alone.
   bool hoist_with_operands(Node* c, Node* previous, std::vector<Node*>* moved_cone) {
     auto after_previous = [&](const Node* n) { return !previous || before(*previous, *n); };
     std::vector<Node*> cone;
@@ -526,7 +527,6 @@ class Scheduler {
     if (cone.empty()) return false;
     sort_in_order(cone);
     Node* at = previous ? previous->next() : graph_.first_node();
-    int64_t moved = 0;
     for (Node* n : cone) {
       if (n == at) {
         at = at->next();
@@ -534,15 +534,8 @@ class Scheduler {
       }
       move_before(n, at);
       moved_cone->push_back(n);
-      ++moved;
     }
-    if (moved == 0 && at == c) return true;
     if (at != c) move_before(c, at);
-    ++stats_.collectives_hoisted;
-    stats_.operands_hoisted += moved;
-    note(fmt::format("%{}: issued earlier with {} operand node{}, {}", c->name(), moved,
-                     moved == 1 ? "" : "s",
-                     c->prev() ? "after %" + c->prev()->name() : "at the top"));
     return true;
   }
 
@@ -568,7 +561,13 @@ class Scheduler {
       Node* const next = c->next();
       if (hoist_with_operands(c, after, &cone)) {
         if (blocker) note_budget(*c, *blocker, held, result_bytes(*c));
-        if (held_ && c->next() != next) held_->moved(*c, *c->next(), cone);
+        if (c->next() == next) continue;  // already in place
+        if (held_) held_->moved(*c, *c->next(), cone);
+        const auto moved = static_cast<int64_t>(cone.size());
+        ++stats_.collectives_hoisted;
+        stats_.operands_hoisted += moved;
+        note(fmt::format("%{}: issued earlier with {} operand node{}, {}", c->name(), moved,
+                         moved == 1 ? "" : "s", after ? "after %" + after->name() : "at the top"));
         continue;
       }
       Node* anchor = after;
