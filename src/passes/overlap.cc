@@ -210,10 +210,13 @@ Sinkable sinkable_nodes(const Graph& graph) {
   return sinkable;
 }
 
-// The first node (in `order`) that is not sinkable among the users of `n`'s results, looking
-// through sinkable users to their own users: where a sinkable node's data is first needed. Null
-// when nothing is (only graph outputs, or nothing at all).
-Node* first_fixed_user(const Node& n, const Sinkable& sinkable, const OrderIndex& order) {
+// Whether `n` passes a buffer on without reading it: a wait_tensor or a view.
+bool passes_on(const Node& n) { return is_wait(n) || n.op().is_view; }
+
+// The first node (in `order`) that reads the data of `n`'s results, looking through waits and
+// views (see passes_on) to their users. Null when nothing does (only graph outputs, or nothing
+// at all).
+Node* first_reader(const Node& n, const OrderIndex& order) {
   Node* first = nullptr;
   std::vector<const Node*> work = {&n};
   std::unordered_set<const Node*> seen;  // membership only, never iterated
@@ -223,7 +226,7 @@ Node* first_fixed_user(const Node& n, const Sinkable& sinkable, const OrderIndex
     for (size_t i = 0; i < m->num_results(); ++i) {
       for (const Use& u : m->result(i)->uses()) {
         if (!u.user) continue;
-        if (sinkable.count(u.user)) {
+        if (passes_on(*u.user)) {
           if (seen.insert(u.user).second) work.push_back(u.user);
         } else if (!first || order.before(*u.user, *first)) {
           first = u.user;
@@ -313,11 +316,10 @@ class MaxAddTree {
 
 // The bytes of collective results held before they are read, kept up to date while phase 1
 // moves collectives under a budget: a collective holds its result bytes from itself up to and
-// including its first fixed user (first_fixed_user: the first node that is neither a wait nor
-// unpacking, which phase 2 moves down to it; a view of the buffer does not free it) or to the
-// end when there is none. Hoisting a collective makes it hold memory over more nodes, and may
-// make it the first reader of a collective whose data it reads; where a wait sits changes
-// nothing (the buffer exists from the issue on).
+// including its first reader (first_reader: waits and views of the buffer do not read it) or
+// to the end when there is none. Hoisting a collective makes it hold memory over more nodes,
+// and may make it the first reader of a collective whose data it reads; where a wait sits
+// changes nothing (the buffer exists from the issue on).
 //
 // Phase 1 under a budget moves only collectives, and never one past another, so every other
 // node keeps its place relative to the others: the nodes a collective holds memory over are a
@@ -331,8 +333,7 @@ class HeldBytes {
 
  public:
   HeldBytes(const Graph& graph, const OrderIndex& order, const Sinkable& sinkable)
-      : order_(order), sinkable_(sinkable), nodes_(graph.node_list()),
-        tree_(initial(nodes_, sinkable)) {
+      : order_(order), nodes_(graph.node_list()), tree_(initial(nodes_, sinkable)) {
     index_.reserve(nodes_.size());
     for (size_t i = 0; i < nodes_.size(); ++i) index_.emplace(nodes_[i], i);
     // Every collective's start first: a collective read by another holds up to that one's.
@@ -377,8 +378,8 @@ class HeldBytes {
     h.lo = index_.at(&stop);
     h.hi = end_of(h.reader);  // c's first reader stays: it is after c
     tree_.add(h.lo, h.hi, h.bytes);
-    // The collectives whose data c reads (through waits and unpacking): c may now be their
-    // first reader, or is and starts earlier.
+    // The collectives whose data c or its operand nodes read (through waits and views): c may
+    // now be their first reader, or is and starts earlier.
     std::vector<Node*> sources;
     std::vector<Node*> work;
     std::unordered_set<const Node*> seen;  // membership only, never iterated
@@ -395,7 +396,7 @@ class HeldBytes {
       work.pop_back();
       if (def->op().is_collective()) {
         sources.push_back(def);
-      } else if (sinkable_.count(def)) {
+      } else if (passes_on(*def)) {
         push_operands(*def);
       }
     }
@@ -425,11 +426,10 @@ class HeldBytes {
     return values;
   }
 
-  // Finds c's first reader (its first fixed user: waits and unpacking views do not read the
-  // buffer, which lives at least up to there) and adds its bytes over what it now holds.
+  // Finds c's first reader and adds its bytes over what it now holds.
   void update_reader(Node& c) {
     Held& h = held_.at(&c);
-    h.reader = first_fixed_user(c, sinkable_, order_);
+    h.reader = first_reader(c, order_);
     h.hi = end_of(h.reader);
     tree_.add(h.lo, h.hi, h.bytes);
   }
@@ -446,7 +446,6 @@ class HeldBytes {
   }
 
   const OrderIndex& order_;
-  const Sinkable& sinkable_;
   const std::vector<Node*> nodes_;  // the original order
   MaxAddTree tree_;
   std::unordered_map<const Node*, int64_t> index_;
@@ -588,8 +587,9 @@ class Scheduler {
     }
   }
 
-  // Phase 2: every sinkable node (a wait_tensor or a node that only unpacks a wait's result)
-  // goes right before its first fixed user (see first_fixed_user; the end when there is none).
+  // Phase 2: every sinkable node (a wait_tensor or a view that only unpacks a wait's result)
+  // goes right before its first fixed user: the first node that needs it and is not sinkable,
+  // looking through sinkable users (the end when there is none).
   // The nodes that go to one place keep their order there, so a second run finds each where it
   // belongs and moves nothing. The budget does not apply: a wait changes when the rank blocks,
   // not how long any buffer lives. Only the nodes that cross a fixed node count as moved.
@@ -602,7 +602,7 @@ class Scheduler {
       fixed_before.emplace(n, fixed);
       if (!sinkable_.count(n)) ++fixed;
     }
-    // first_fixed_user of each sinkable node, users before their operands (null: the end).
+    // The first fixed user of each sinkable node, users before their operands (null: the end).
     std::unordered_map<const Node*, Node*> place;  // lookups only, never iterated
     for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
       if (!sinkable_.count(*it)) continue;

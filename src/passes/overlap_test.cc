@@ -427,6 +427,26 @@ TEST(Overlap, MemoryBudgetHoldsBuffersUpToTheirRealReader) {
   EXPECT_EQ(run_overlap(kView, {.memory_budget_bytes = 2048}), run_overlap(kView));
 }
 
+// The same for a view of a result not yet waited on: %a is read at %u, through the view and
+// its wait, so %b stays after %u under a budget of one buffer.
+TEST(Overlap, MemoryBudgetLooksThroughAViewOfAPendingResult) {
+  constexpr std::string_view kPendingView = R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %va = view(%a) {shape = [256]}
+  %n = neg(%y)
+  %wa = wait_tensor(%va)
+  %u = neg(%wa)
+  %b = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %wb = wait_tensor(%b)
+  return %u, %wb, %n
+})";
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kPendingView, {.memory_budget_bytes = 1024}, &stats),
+            print(parse_module(kPendingView)));
+  EXPECT_EQ(stats.collectives_hoisted, 0);
+  EXPECT_EQ(run_overlap(kPendingView, {.memory_budget_bytes = 2048}), run_overlap(kPendingView));
+}
+
 TEST(Overlap, NoCollectivesNoChange) {
   OverlapStats stats;
   const std::string text = R"(graph @g(%x: f32[8]) {
