@@ -33,11 +33,12 @@ struct OverlapStats {
 };
 
 // Reorders `graph` so communication overlaps compute, in two walks in program order:
-//  1. every collective moves up to just after the previous collective, with the
-//     side-effect-free nodes that compute its operands after that point (a bucket's packing),
-//     in their order; when those include a wait, or under a memory budget, the collective alone
-//     moves up to just after the latest of its operands' definitions and the previous
-//     collective. The issue order of collectives never changes (backends run the collectives of
+//  1. every collective moves up to just after the previous collective (under a memory budget,
+//     to just after the last node on the way where the held bytes plus its own would exceed
+//     the budget, if that comes later), with the side-effect-free nodes that compute its
+//     operands after that point (a bucket's packing), in their order; when those include a
+//     wait, the collective alone moves up to just after the latest of its operands'
+//     definitions and that point. The issue order of collectives never changes (backends run the collectives of
 //     a group in issue order, so hoisting one above another would only delay the other, and
 //     every rank must issue them in one order anyway);
 //  2. every wait_tensor, and every view op that only unpacks a waited result (a bucket's view,
