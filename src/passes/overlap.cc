@@ -165,22 +165,73 @@ class OrderIndex {
   int32_t root_ = 0;
 };
 
-// The first node (in `order`) that reads data `collective` produced: a user of one of its
-// waits' results, or a direct user of a result that is not a wait. Null when nothing reads it
-// (only graph outputs, or nothing at all).
-Node* first_reader(Node& collective, const OrderIndex& order) {
-  Node* first = nullptr;
-  auto consider = [&](Node* user) {
-    if (user && (!first || order.before(*user, *first))) first = user;
-  };
-  for (size_t i = 0; i < collective.num_results(); ++i) {
-    for (const Use& u : collective.result(i)->uses()) {
-      if (!u.user) continue;
-      if (!is_wait(*u.user)) {
-        consider(u.user);
-        continue;
+// The nodes phase 2 moves down: every wait_tensor and the view ops that only unpack a wait's
+// result (their operand is the wait's result or such a view: a bucket's view, split_with_sizes
+// and reshapes). Neither reads the data, so where they sit changes no buffer's life. Compute
+// is never sinkable: it reads the buffer where it is. Membership only, never iterated.
+using Sinkable = std::unordered_set<const Node*>;
+
+// The unpacking nodes of wait `w` (see Sinkable), in no particular order.
+std::vector<Node*> unpack_chain(Node& w) {
+  std::unordered_set<const Node*> in = {&w};  // membership only, never iterated
+  std::vector<Node*> chain;
+  std::vector<Node*> work;
+  auto push_users = [&](Node& n) {
+    for (size_t i = 0; i < n.num_results(); ++i) {
+      for (const Use& u : n.result(i)->uses()) {
+        if (u.user) work.push_back(u.user);
       }
-      for (const Use& w : u.user->result()->uses()) consider(w.user);
+    }
+  };
+  push_users(w);
+  while (!work.empty()) {
+    Node* u = work.back();
+    work.pop_back();
+    if (!u->op().is_view || u->op().has_side_effect || in.count(u)) continue;
+    const auto operands = u->operands();
+    const bool only_chain = std::all_of(operands.begin(), operands.end(), [&](Value* v) {
+      return v->node() && in.count(v->node());
+    });
+    if (!only_chain) continue;  // re-checked when another of its operands joins
+    in.insert(u);
+    chain.push_back(u);
+    push_users(*u);
+  }
+  return chain;
+}
+
+Sinkable sinkable_nodes(const Graph& graph) {
+  Sinkable sinkable;
+  for (Node* n : graph.node_list()) {
+    if (!is_wait(*n)) continue;
+    sinkable.insert(n);
+    for (Node* c : unpack_chain(*n)) sinkable.insert(c);
+  }
+  return sinkable;
+}
+
+// Whether `n` passes a buffer on without reading it: a wait_tensor or a view.
+bool passes_on(const Node& n) { return is_wait(n) || n.op().is_view; }
+
+// The first node (in `order`) that reads the data of `n`'s results, looking through waits and
+// views (see passes_on) to their users. Null when nothing does (only graph outputs, or nothing
+// at all).
+Node* first_reader(const Node& n, const OrderIndex& order) {
+  Node* first = nullptr;
+  std::vector<const Node*> work = {&n};
+  std::unordered_set<const Node*> seen;  // membership only, never iterated
+  while (!work.empty()) {
+    const Node* m = work.back();
+    work.pop_back();
+    for (size_t i = 0; i < m->num_results(); ++i) {
+      for (const Use& u : m->result(i)->uses()) {
+        if (!u.user) continue;
+        if (passes_on(*u.user)) {
+          if (seen.insert(u.user).second) work.push_back(u.user);
+        } else if (!first || order.before(*u.user, *first)) {
+          first = u.user;
+        }
+      }
     }
   }
   return first;
@@ -265,21 +316,24 @@ class MaxAddTree {
 
 // The bytes of collective results held before they are read, kept up to date while phase 1
 // moves collectives under a budget: a collective holds its result bytes from itself up to and
-// including the first node that reads them (to the end when nothing does). Hoisting a
-// collective makes it hold memory over more nodes, and may make it the first reader of a
-// collective whose data it reads; where a wait sits changes nothing (the buffer exists from
-// the issue on).
+// including its first reader (first_reader: waits and views of the buffer do not read it) or
+// to the end when there is none. Hoisting a collective makes it hold memory over more nodes,
+// and may make it the first reader of a collective whose data it reads; where a wait sits
+// changes nothing (the buffer exists from the issue on).
 //
 // Phase 1 under a budget moves only collectives, and never one past another, so every other
 // node keeps its place relative to the others: the nodes a collective holds memory over are a
-// range of their original positions. A segment tree over those positions (a collective's own
-// position never counts) finds where a hoist must stop and applies a move in O(log nodes),
-// where rebuilding the whole profile for each collective cost O(nodes) (O(nodes^2) in all:
-// 51 s for 4,000 all_gathers). Maps are for lookups only, never iterated.
+// range of their original positions. A segment tree over those positions (the positions of
+// collectives and sinkable nodes never count) finds where a hoist must stop and applies a move
+// in O(log nodes), where rebuilding the whole profile for each collective cost O(nodes)
+// (O(nodes^2) in all: 51 s for 4,000 all_gathers). Maps are for lookups only, never iterated.
 class HeldBytes {
+  // A value below any budget minus any number of held bytes: a position that never counts.
+  static constexpr __int128 kNever = -(static_cast<__int128>(1) << 120);
+
  public:
-  HeldBytes(const Graph& graph, const OrderIndex& order)
-      : order_(order), nodes_(graph.node_list()), tree_(initial(nodes_)) {
+  HeldBytes(const Graph& graph, const OrderIndex& order, const Sinkable& sinkable)
+      : order_(order), nodes_(graph.node_list()), tree_(initial(nodes_, sinkable)) {
     index_.reserve(nodes_.size());
     for (size_t i = 0; i < nodes_.size(); ++i) index_.emplace(nodes_[i], i);
     // Every collective's start first: a collective read by another holds up to that one's.
@@ -309,22 +363,41 @@ class HeldBytes {
   }
 
   // `c` has just moved up to right before `stop`, which is not a collective (the order index
-  // already says so).
-  void moved(Node& c, const Node& stop) {
+  // already says so), after `cone`, side-effect-free nodes computing its operands that moved up
+  // with it. Those now sit between the previous collective and c, where no later collective
+  // goes: they never count again, and one that reads a collective's data ends its hold just
+  // before c starts.
+  void moved(Node& c, const Node& stop, const std::vector<Node*>& cone) {
+    for (Node* n : cone) {
+      const int64_t i = index_.at(n);
+      tree_.add(i, i, kNever);
+      hoisted_with_.emplace(n, &c);
+    }
     Held& h = held_.at(&c);
     tree_.add(h.lo, h.hi, -h.bytes);
     h.lo = index_.at(&stop);
     h.hi = end_of(h.reader);  // c's first reader stays: it is after c
     tree_.add(h.lo, h.hi, h.bytes);
-    // The collectives whose data c reads: c may now be their first reader, or is and starts
-    // earlier.
+    // The collectives whose data c or its operand nodes read (through waits and views): c may
+    // now be their first reader, or is and starts earlier.
     std::vector<Node*> sources;
-    for (Value* v : c.operands()) {
-      Node* def = v->node();
-      if (def && is_wait(*def)) def = def->operand(0)->node();
-      if (def && def->op().is_collective() &&
-          std::find(sources.begin(), sources.end(), def) == sources.end()) {
+    std::vector<Node*> work;
+    std::unordered_set<const Node*> seen;  // membership only, never iterated
+    auto push_operands = [&](const Node& n) {
+      for (Value* v : n.operands()) {
+        Node* def = v->node();
+        if (def && seen.insert(def).second) work.push_back(def);
+      }
+    };
+    push_operands(c);
+    for (Node* n : cone) push_operands(*n);
+    while (!work.empty()) {
+      Node* def = work.back();
+      work.pop_back();
+      if (def->op().is_collective()) {
         sources.push_back(def);
+      } else if (passes_on(*def)) {
+        push_operands(*def);
       }
     }
     for (Node* k : sources) {
@@ -342,11 +415,13 @@ class HeldBytes {
     Node* reader;  // first reader, or null
   };
 
-  // Collectives never count: a value below any budget minus any number of held bytes.
-  static std::vector<__int128> initial(const std::vector<Node*>& nodes) {
+  // Collectives and sinkable nodes never count (a value below any budget minus any number of
+  // held bytes): a collective never stops at either, as phase 2 moves the sinkable ones down
+  // past it to their first fixed user, and only the order of the others says what is held.
+  static std::vector<__int128> initial(const std::vector<Node*>& nodes, const Sinkable& sinkable) {
     std::vector<__int128> values(nodes.size(), 0);
     for (size_t i = 0; i < nodes.size(); ++i) {
-      if (nodes[i]->op().is_collective()) values[i] = -(static_cast<__int128>(1) << 120);
+      if (nodes[i]->op().is_collective() || sinkable.count(nodes[i])) values[i] = kNever;
     }
     return values;
   }
@@ -359,11 +434,14 @@ class HeldBytes {
     tree_.add(h.lo, h.hi, h.bytes);
   }
 
-  // The last original position held: the reader itself, or, when the reader is a collective,
-  // the one before where that one starts; the end when nothing reads.
+  // The last original position held: the reader itself, or, when the reader is a collective or
+  // moved up with one, the one before where that collective starts; the end when nothing reads.
   int64_t end_of(const Node* reader) const {
     if (!reader) return static_cast<int64_t>(nodes_.size()) - 1;
     if (reader->op().is_collective()) return held_.at(reader).lo - 1;
+    if (auto it = hoisted_with_.find(reader); it != hoisted_with_.end()) {
+      return held_.at(it->second).lo - 1;
+    }
     return index_.at(reader);
   }
 
@@ -372,6 +450,7 @@ class HeldBytes {
   MaxAddTree tree_;
   std::unordered_map<const Node*, int64_t> index_;
   std::unordered_map<const Node*, Held> held_;
+  std::unordered_map<const Node*, const Node*> hoisted_with_;  // operand node -> its collective
 };
 
 class Scheduler {
@@ -380,6 +459,7 @@ class Scheduler {
       : graph_(graph), options_(options), explain_(explain), order_(graph) {}
 
   OverlapStats run() {
+    sinkable_ = sinkable_nodes(graph_);
     hoist_collectives();
     sink_waits();
     return stats_;
@@ -409,23 +489,6 @@ class Scheduler {
     order_.move_before(*node, at);
   }
 
-  // The number of nodes strictly between `from` and `to` (null: the end), `from` first; only
-  // for the explanation.
-  int64_t between(const Node& from, const Node* to) const {
-    return (to ? order_.rank(*to) : order_.size()) - order_.rank(from) - 1;
-  }
-
-  // The earliest node among the users of any result of `n`, or null (graph outputs only).
-  Node* first_user(Node& n) const {
-    Node* first = nullptr;
-    for (size_t i = 0; i < n.num_results(); ++i) {
-      for (const Use& u : n.result(i)->uses()) {
-        if (u.user && (!first || before(*u.user, *first))) first = u.user;
-      }
-    }
-    return first;
-  }
-
   // Sorts by position, each looked up once.
   void sort_in_order(std::vector<Node*>& nodes) const {
     std::vector<std::pair<int64_t, Node*>> keyed;
@@ -438,9 +501,10 @@ class Scheduler {
 
   // Moves `c` together with the side-effect-free nodes it depends on that come after
   // `previous` (the packing of a bucket: flatten, cat, ...) to right after `previous`, keeping
-  // their order. False (nothing done) when that cone is empty or holds a collective or a wait,
-  // which cannot move; the caller then moves `c` alone.
-  bool hoist_with_operands(Node* c, Node* previous) {
+  // their order; `*moved_cone` gets the nodes that moved (c moves when any does). False
+  // (nothing done) when that cone is empty or holds a collective or a wait, which cannot move;
+  // the caller then moves `c` alone.
+  bool hoist_with_operands(Node* c, Node* previous, std::vector<Node*>* moved_cone) {
     auto after_previous = [&](const Node* n) { return !previous || before(*previous, *n); };
     std::vector<Node*> cone;
     std::vector<Node*> stack;
@@ -462,63 +526,60 @@ class Scheduler {
     if (cone.empty()) return false;
     sort_in_order(cone);
     Node* at = previous ? previous->next() : graph_.first_node();
-    int64_t moved = 0;
     for (Node* n : cone) {
       if (n == at) {
         at = at->next();
         continue;
       }
       move_before(n, at);
-      ++moved;
+      moved_cone->push_back(n);
     }
-    if (moved == 0 && at == c) return true;
     if (at != c) move_before(c, at);
-    ++stats_.collectives_hoisted;
-    stats_.operands_hoisted += moved;
-    note(fmt::format("%{}: issued earlier with {} operand node{}, {}", c->name(), moved,
-                     moved == 1 ? "" : "s",
-                     c->prev() ? "after %" + c->prev()->name() : "at the top"));
     return true;
   }
 
   // Phase 1: each collective, in program order, goes right after the previous collective (its
-  // new place), together with the side-effect-free nodes computing its operands after that
-  // point; when that is not possible (a wait among them, or a memory budget), the collective
-  // alone goes right after the latest of its operands' definitions and the previous collective.
+  // new place) or, under a budget, right after the last node on the way where the held bytes
+  // plus its own would exceed the budget, together with the side-effect-free nodes computing
+  // its operands after that point; when those include a wait, the collective alone goes right
+  // after the latest of its operands' definitions and that point.
   void hoist_collectives() {
-    if (has_budget()) held_.emplace(graph_, order_);
+    if (has_budget()) held_.emplace(graph_, order_, sinkable_);
     Node* previous = nullptr;
     for (Node* c : graph_.node_list()) {
       if (!c->op().is_collective()) continue;
-      if (!has_budget() && hoist_with_operands(c, previous)) {
-        previous = c;
+      Node* after = previous;
+      Node* blocker = nullptr;
+      int64_t held = 0;
+      if (has_budget()) {
+        blocker = held_->blocker(*c, previous, options_.memory_budget_bytes, &held);
+        if (blocker) after = blocker;
+      }
+      previous = c;
+      std::vector<Node*> cone;
+      Node* const next = c->next();
+      if (hoist_with_operands(c, after, &cone)) {
+        if (blocker) note_budget(*c, *blocker, held, result_bytes(*c));
+        if (c->next() == next) continue;  // already in place
+        if (held_) held_->moved(*c, *c->next(), cone);
+        const auto moved = static_cast<int64_t>(cone.size());
+        ++stats_.collectives_hoisted;
+        stats_.operands_hoisted += moved;
+        note(fmt::format("%{}: issued earlier with {} operand node{}, {}", c->name(), moved,
+                         moved == 1 ? "" : "s", after ? "after %" + after->name() : "at the top"));
         continue;
       }
-      Node* anchor = previous;
+      Node* anchor = after;
       for (Value* v : c->operands()) {
         Node* def = v->node();
         if (def && (!anchor || before(*anchor, *def))) anchor = def;
       }
-      previous = c;
-      Node* stop = c;  // c goes right before `stop`
-      int64_t crossed = 0;
-      if (!has_budget()) {
-        // Straight to just after the anchor: the nodes in between are only counted.
-        stop = anchor ? anchor->next() : graph_.first_node();
-        if (explain_ && stop != c) crossed = anchor ? between(*anchor, c) : order_.rank(*c);
-      } else {
-        // Up to just after the anchor, or to just after the last node on the way where the
-        // held bytes plus c's would exceed the budget.
-        int64_t held = 0;
-        Node* blocker = held_->blocker(*c, anchor, options_.memory_budget_bytes, &held);
-        Node* after = blocker ? blocker : anchor;
-        stop = after ? after->next() : graph_.first_node();
-        if (blocker) note_budget(*c, *blocker, held, result_bytes(*c));
-        if (explain_ && stop != c) crossed = order_.rank(*c) - order_.rank(*stop);
-      }
+      if (blocker && anchor == blocker) note_budget(*c, *blocker, held, result_bytes(*c));
+      Node* stop = anchor ? anchor->next() : graph_.first_node();  // c goes right before it
       if (stop == c) continue;
+      const int64_t crossed = explain_ ? order_.rank(*c) - order_.rank(*stop) : 0;
       move_before(c, stop);
-      if (held_) held_->moved(*c, *stop);
+      if (held_) held_->moved(*c, *stop, {});
       ++stats_.collectives_hoisted;
       note(fmt::format("%{}: issued {} node{} earlier, {}", c->name(), crossed,
                        crossed == 1 ? "" : "s",
@@ -526,57 +587,49 @@ class Scheduler {
     }
   }
 
-  // The side-effect-free nodes that only unpack `w`'s result: every operand is w's result or
-  // a result of such a node (a bucket's view, split_with_sizes and reshapes), in order.
-  std::vector<Node*> unpack_chain(Node& w) const {
-    std::unordered_set<const Node*> in = {&w};  // membership only, never iterated
-    std::vector<Node*> chain;
-    std::vector<Node*> work;
-    auto push_users = [&](Node& n) {
-      for (size_t i = 0; i < n.num_results(); ++i) {
-        for (const Use& u : n.result(i)->uses()) {
-          if (u.user) work.push_back(u.user);
+  // Phase 2: every sinkable node (a wait_tensor or a view that only unpacks a wait's result)
+  // goes right before its first fixed user: the first node that needs it and is not sinkable,
+  // looking through sinkable users (the end when there is none).
+  // The nodes that go to one place keep their order there, so a second run finds each where it
+  // belongs and moves nothing. The budget does not apply: a wait changes when the rank blocks,
+  // not how long any buffer lives. Only the nodes that cross a fixed node count as moved.
+  void sink_waits() {
+    const std::vector<Node*> nodes = graph_.node_list();
+    // Fixed nodes never move in this phase: the number of them before each node, and in all.
+    std::unordered_map<const Node*, int64_t> fixed_before;  // lookups only, never iterated
+    int64_t fixed = 0;
+    for (Node* n : nodes) {
+      fixed_before.emplace(n, fixed);
+      if (!sinkable_.count(n)) ++fixed;
+    }
+    // The first fixed user of each sinkable node, users before their operands (null: the end).
+    std::unordered_map<const Node*, Node*> place;  // lookups only, never iterated
+    for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+      if (!sinkable_.count(*it)) continue;
+      Node* first = nullptr;
+      for (size_t i = 0; i < (*it)->num_results(); ++i) {
+        for (const Use& u : (*it)->result(i)->uses()) {
+          if (!u.user) continue;
+          Node* p = sinkable_.count(u.user) ? place.at(u.user) : u.user;
+          if (p && (!first || fixed_before.at(p) < fixed_before.at(first))) first = p;
         }
       }
-    };
-    push_users(w);
-    while (!work.empty()) {
-      Node* u = work.back();
-      work.pop_back();
-      if (u->op().has_side_effect || in.count(u)) continue;
-      const auto operands = u->operands();
-      const bool only_chain = std::all_of(operands.begin(), operands.end(), [&](Value* v) {
-        return v->node() && in.count(v->node());
-      });
-      if (!only_chain) continue;  // re-checked when another of its operands joins
-      in.insert(u);
-      chain.push_back(u);
-      push_users(*u);
+      place.emplace(*it, first);
     }
-    sort_in_order(chain);
-    return chain;
-  }
-
-  // Phase 2: each wait_tensor, in program order, goes right before its first user, after its
-  // unpacking chain moved down to its own users (latest first). The budget does not apply: a
-  // wait changes when the rank blocks, not how long any buffer lives.
-  void sink_waits() {
-    for (Node* w : graph_.node_list()) {
-      if (!is_wait(*w)) continue;
-      const std::vector<Node*> chain = unpack_chain(*w);
-      for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-        Node* user = first_user(**it);
-        if (!user || (*it)->next() == user) continue;
-        move_before(*it, user);
+    for (Node* n : nodes) {
+      if (!sinkable_.count(n)) continue;
+      Node* at = place.at(n);
+      const int64_t crossed = (at ? fixed_before.at(at) : fixed) - fixed_before.at(n);
+      // Moved in program order, the nodes bound for one place keep their order there.
+      move_before(n, at);
+      if (crossed == 0) continue;
+      if (!is_wait(*n)) {
         ++stats_.unpack_sunk;
+        continue;
       }
-      Node* first = first_user(*w);  // w goes right before it (null: the end)
-      if (w->next() == first) continue;
-      const int64_t crossed = explain_ ? between(*w, first) : 0;
-      move_before(w, first);
       ++stats_.waits_sunk;
-      note(fmt::format("%{}: waited {} node{} later, {}", w->name(), crossed,
-                       crossed == 1 ? "" : "s", first ? "before %" + first->name() : "at the end"));
+      note(fmt::format("%{}: waited {} node{} later, {}", n->name(), crossed,
+                       crossed == 1 ? "" : "s", at ? "before %" + at->name() : "at the end"));
     }
   }
 
@@ -584,6 +637,7 @@ class Scheduler {
   const OverlapOptions& options_;
   std::string* explain_;
   OrderIndex order_;
+  Sinkable sinkable_;
   std::optional<HeldBytes> held_;  // with a budget only
   OverlapStats stats_;
 };

@@ -252,25 +252,28 @@ TEST(Overlap, PipelineOptionAndErrors) {
   EXPECT_THROW(Pipeline::parse("overlap{cap-mb=1}"), InvalidArgument);
 }
 
-// Two buckets as the bucketing passes leave them: the second bucket's packing (flatten) moves
-// up with its all-gather, and the first bucket's unpacking (view) moves down with its wait.
-TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
-  OverlapStats stats;
-  const std::string out = run_overlap(R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
+// Two buckets as the bucketing passes leave them (packing, collective, wait, unpacking).
+constexpr std::string_view kTwoBuckets = R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
   %fa = flatten(%a)
   %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"}
   %w0 = wait_tensor(%ag0)
   %v0 = view(%w0) {shape = [2, 4]}
   %n = neg(%x)
   %s0 = add(%n, %v0)
+  %r = relu(%s0)
   %fb = flatten(%b)
   %ag1 = all_gather_into_tensor(%fb) {group_size = 2, group = "world"}
   %w1 = wait_tensor(%ag1)
   %v1 = view(%w1) {shape = [2, 4]}
-  %s1 = add(%s0, %v1)
+  %s1 = add(%r, %v1)
   return %s1
-})",
-                                      {}, &stats);
+})";
+
+// The second bucket's packing (flatten) moves up with its all-gather, and the first bucket's
+// unpacking (view) moves down with its wait.
+TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
+  OverlapStats stats;
+  const std::string out = run_overlap(kTwoBuckets, {}, &stats);
   EXPECT_EQ(out, R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
   %fa = flatten(%a) : f32[4]
   %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"} : f32[8]
@@ -280,9 +283,10 @@ TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
   %w0 = wait_tensor(%ag0) : f32[8]
   %v0 = view(%w0) {shape = [2, 4]} : f32[2,4]
   %s0 = add(%n, %v0) : f32[2,4]
+  %r = relu(%s0) : f32[2,4]
   %w1 = wait_tensor(%ag1) : f32[8]
   %v1 = view(%w1) {shape = [2, 4]} : f32[2,4]
-  %s1 = add(%s0, %v1) : f32[2,4]
+  %s1 = add(%r, %v1) : f32[2,4]
   return %s1
 }
 )");
@@ -291,6 +295,37 @@ TEST(Overlap, PackingMovesUpWithItsCollectiveUnpackingDownWithItsWait) {
   EXPECT_EQ(stats.unpack_sunk, 1);
   EXPECT_EQ(stats.waits_sunk, 1);
   EXPECT_EQ(run_overlap(out), out);
+}
+
+// Under a budget the packing moves up with its collective too, as far as the budget allows: a
+// budget nothing reaches changes nothing, and a budget of one bucket stops the second bucket
+// (and its packing) after the first one's reader. Without the packing the second bucket could
+// not move at all under any budget.
+TEST(Overlap, MemoryBudgetMovesThePackingWithItsCollective) {
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kTwoBuckets, {.memory_budget_bytes = 1 << 20}, &stats),
+            run_overlap(kTwoBuckets));
+  EXPECT_EQ(stats.operands_hoisted, 1);
+  EXPECT_EQ(stats.budget_stops, 0);
+  EXPECT_EQ(run_overlap(kTwoBuckets, {.memory_budget_bytes = 32}, &stats),
+            R"(graph @g(%x: f32[2,4], %a: f32[1,4], %b: f32[1,4]) {
+  %fa = flatten(%a) : f32[4]
+  %ag0 = all_gather_into_tensor(%fa) {group_size = 2, group = "world"} : f32[8]
+  %n = neg(%x) : f32[2,4]
+  %w0 = wait_tensor(%ag0) : f32[8]
+  %v0 = view(%w0) {shape = [2, 4]} : f32[2,4]
+  %s0 = add(%n, %v0) : f32[2,4]
+  %fb = flatten(%b) : f32[4]
+  %ag1 = all_gather_into_tensor(%fb) {group_size = 2, group = "world"} : f32[8]
+  %r = relu(%s0) : f32[2,4]
+  %w1 = wait_tensor(%ag1) : f32[8]
+  %v1 = view(%w1) {shape = [2, 4]} : f32[2,4]
+  %s1 = add(%r, %v1) : f32[2,4]
+  return %s1
+}
+)");
+  EXPECT_EQ(stats.operands_hoisted, 1);
+  EXPECT_EQ(stats.budget_stops, 1);
 }
 
 // A collective whose operands are computed from a wait cannot take that computation along: it
@@ -315,6 +350,101 @@ TEST(Overlap, OperandComputedFromAWaitStaysPut) {
   return %w2, %n
 }
 )");
+}
+
+// Waits and unpacking nodes that end up in one place (the end, or before one user) keep their
+// order there, and a second run moves nothing and says so: it used to "move" every wait that
+// only graph outputs read to the end again, and to swap unpacking nodes sharing a user.
+TEST(Overlap, SecondRunMovesNothing) {
+  constexpr std::string_view kShared = R"(graph @g(%x: f32[4], %y: f32[4]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %w = wait_tensor(%ar)
+  %a = view(%w) {shape = [2, 2]}
+  %b = view(%w) {shape = [2, 2]}
+  %n = neg(%y)
+  %m = view(%n) {shape = [2, 2]}
+  %u = add(%a, %b)
+  %v = add(%u, %m)
+  %ar2 = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %ar3 = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %w2 = wait_tensor(%ar2)
+  %w3 = wait_tensor(%ar3)
+  return %v, %w2, %w3
+})";
+  const std::string once = run_overlap(kShared);
+  EXPECT_EQ(once, R"(graph @g(%x: f32[4], %y: f32[4]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[4]
+  %ar2 = all_reduce(%y) {reduce_op = "sum", group = "world"} : f32[4]
+  %ar3 = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[4]
+  %n = neg(%y) : f32[4]
+  %m = view(%n) {shape = [2, 2]} : f32[2,2]
+  %w = wait_tensor(%ar) : f32[4]
+  %a = view(%w) {shape = [2, 2]} : f32[2,2]
+  %b = view(%w) {shape = [2, 2]} : f32[2,2]
+  %u = add(%a, %b) : f32[2,2]
+  %v = add(%u, %m) : f32[2,2]
+  %w2 = wait_tensor(%ar2) : f32[4]
+  %w3 = wait_tensor(%ar3) : f32[4]
+  return %v, %w2, %w3
+}
+)");
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(once, {}, &stats), once);
+  EXPECT_FALSE(stats.changed());
+  EXPECT_EQ(stats.waits_sunk, 0);
+  EXPECT_EQ(stats.unpack_sunk, 0);
+}
+
+// A view of a waited result does not read it: the buffer stays held up to the first node that
+// does (%u), which %b must not be issued before under a budget of one buffer. Counting the view
+// as the reader let %b go up right after it, and the view then sank below %b with its wait.
+TEST(Overlap, MemoryBudgetHoldsBuffersUpToTheirRealReader) {
+  constexpr std::string_view kView = R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %wa = wait_tensor(%a)
+  %va = view(%wa) {shape = [256]}
+  %n = neg(%y)
+  %u = neg(%va)
+  %b = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %wb = wait_tensor(%b)
+  return %u, %wb, %n
+})";
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kView, {.memory_budget_bytes = 1024}, &stats),
+            R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %n = neg(%y) : f32[16,16]
+  %wa = wait_tensor(%a) : f32[16,16]
+  %va = view(%wa) {shape = [256]} : f32[256]
+  %u = neg(%va) : f32[256]
+  %b = all_reduce(%y) {reduce_op = "sum", group = "world"} : f32[16,16]
+  %wb = wait_tensor(%b) : f32[16,16]
+  return %u, %wb, %n
+}
+)");
+  EXPECT_EQ(stats.collectives_hoisted, 0);
+  // Two buffers fit: %b goes up to %a.
+  EXPECT_EQ(run_overlap(kView, {.memory_budget_bytes = 2048}), run_overlap(kView));
+}
+
+// The same for a view of a result not yet waited on: %a is read at %u, through the view and
+// its wait, so %b stays after %u under a budget of one buffer.
+TEST(Overlap, MemoryBudgetLooksThroughAViewOfAPendingResult) {
+  constexpr std::string_view kPendingView = R"(graph @g(%x: f32[16,16], %y: f32[16,16]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %va = view(%a) {shape = [256]}
+  %n = neg(%y)
+  %wa = wait_tensor(%va)
+  %u = neg(%wa)
+  %b = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %wb = wait_tensor(%b)
+  return %u, %wb, %n
+})";
+  OverlapStats stats;
+  EXPECT_EQ(run_overlap(kPendingView, {.memory_budget_bytes = 1024}, &stats),
+            print(parse_module(kPendingView)));
+  EXPECT_EQ(stats.collectives_hoisted, 0);
+  EXPECT_EQ(run_overlap(kPendingView, {.memory_budget_bytes = 2048}), run_overlap(kPendingView));
 }
 
 TEST(Overlap, NoCollectivesNoChange) {

@@ -13,8 +13,9 @@ namespace funcol {
 // Options of the overlap pass. The budget bounds the bytes of collective results held before
 // they are read: a collective's result buffer exists from its issue on, so issuing it earlier
 // holds that memory over more nodes (up to and including the first node that reads the
-// waited result). A collective stops moving up at the first node where the held bytes plus its
-// own would exceed the budget. No budget (the default, as Inductor's reordering without a
+// waited result; waits and views of it do not read it). A collective stops moving up at the
+// first node where the held bytes plus its own would exceed the budget (one larger than the
+// budget alone does not move). No budget (the default, as Inductor's reordering without a
 // memory limit): move as far as dependencies allow. Waits move regardless of the budget: where
 // a wait sits changes when the rank blocks, not how long any buffer lives.
 struct OverlapOptions {
@@ -32,16 +33,18 @@ struct OverlapStats {
 };
 
 // Reorders `graph` so communication overlaps compute, in two walks in program order:
-//  1. every collective moves up to just after the previous collective, with the
-//     side-effect-free nodes that compute its operands after that point (a bucket's packing),
-//     in their order; when those include a wait, or under a memory budget, the collective alone
-//     moves up to just after the latest of its operands' definitions and the previous
-//     collective. The issue order of collectives never changes (backends run the collectives of
+//  1. every collective moves up to just after the previous collective (under a memory budget,
+//     to just after the last node on the way where the held bytes plus its own would exceed
+//     the budget, if that comes later), with the side-effect-free nodes that compute its
+//     operands after that point (a bucket's packing), in their order; when those include a
+//     wait, the collective alone moves up to just after the latest of its operands'
+//     definitions and that point. The issue order of collectives never changes (backends run the collectives of
 //     a group in issue order, so hoisting one above another would only delay the other, and
 //     every rank must issue them in one order anyway);
-//  2. every wait_tensor moves down to just before its first user (to the end when its only
-//     uses are graph outputs), after the nodes that only unpack its result (a bucket's view,
-//     split and reshapes) moved down to just before their own first users.
+//  2. every wait_tensor, and every view op that only unpacks a waited result (a bucket's view,
+//     split and reshapes), moves down to just before the first node that needs it and is
+//     neither (to the end when there is none); the nodes bound for one place keep their order,
+//     so running the pass again moves nothing and reports no change.
 // Nodes move only after their operands and before their users, so the result verifies and
 // computes the same values. Deterministic (decisions depend only on the graph and
 // the options); positions come from an order-statistic tree kept beside the node list, so
