@@ -396,6 +396,25 @@ Types infer_view_dtype(In in, const AttrList& a) {
   return {result(to, std::move(s))};
 }
 Tensors kernel_view_dtype(TIn in, const AttrList& a) { return {in[0].view_dtype(a.get_dtype("dtype"))}; }
+// view_dtype to another itemsize rescales the last dim: it needs that dim dense and, to a
+// larger itemsize, the offset and the other strides in whole new elements (Tensor::view_dtype's
+// layout rules; the shape rules are the verifier's). Otherwise a fresh contiguous copy.
+Tensors kernel_view_dtype_value(TIn in, const AttrList& a) {
+  const Tensor& t = in[0];
+  const DType to = a.get_dtype("dtype");
+  const auto from_size = static_cast<int64_t>(itemsize(t.dtype()));
+  const auto to_size = static_cast<int64_t>(itemsize(to));
+  bool viewable = from_size == to_size || t.dim() == 0 ||
+                  t.strides().back() == 1 || t.sizes().back() == 1;
+  if (viewable && to_size > from_size && t.dim() > 0) {
+    const int64_t ratio = to_size / from_size;
+    viewable = t.storage_offset() % ratio == 0;
+    for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+      viewable = viewable && (t.strides()[i] % ratio == 0 || t.sizes()[i] == 1);
+    }
+  }
+  return {(viewable ? t : t.clone()).view_dtype(to)};
+}
 
 Types infer_factory(In, const AttrList& a) {
   const auto& shape = a.get_ints("shape");
@@ -661,3 +680,14 @@ std::vector<OpDef> build_op_table() {
 }
 
 }  // namespace funcol::detail
+
+namespace funcol {
+
+KernelFn value_kernel(const OpDef& op) {
+  // reshape is view where the strides allow one, else a contiguous copy viewed.
+  if (op.name == "view") return detail::kernel_reshape;
+  if (op.name == "view_dtype") return detail::kernel_view_dtype_value;
+  return op.kernel;
+}
+
+}  // namespace funcol

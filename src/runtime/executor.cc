@@ -325,7 +325,7 @@ void Executor::Impl::plan() {
         throw InvalidArgument(
             fmt::format("{}: op {} has no CPU kernel", node_context(graph, node), op.name));
       }
-      st.kernel = op.kernel;
+      st.kernel = value_kernel(op);
       st.attrs = node.attr_values().data();
       st.num_attrs = static_cast<uint32_t>(node.attr_values().size());
       st.types_begin = static_cast<uint32_t>(result_types.size());

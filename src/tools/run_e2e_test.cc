@@ -164,11 +164,11 @@ TEST_F(RunE2E, StaticErrorsArePrintedOnceBeforeAnyRankStarts) {
 }
 
 TEST_F(RunE2E, RuntimeErrorIsPrintedOnceWithItsRank) {
-  const std::string file = write("view.ir", R"(graph @g(%x: f32[2,3]) {
-  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2,3]
-  %w = wait_tensor(%ar) : f32[2,3]
-  %t = transpose(%w) {dim0 = 0, dim1 = 1} : f32[3,2]
-  %v = view(%t) {shape = [6]} : f32[6]
+  const std::string file = write("div.ir", R"(graph @g(%x: i32[2,3]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : i32[2,3]
+  %w = wait_tensor(%ar) : i32[2,3]
+  %z = zeros() {shape = [2, 3], dtype = i32}
+  %v = div(%w, %z)
   return %v
 }
 )");

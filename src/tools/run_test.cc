@@ -304,9 +304,9 @@ TEST_F(RunTest, FlagErrors) {
 
 TEST_F(RunTest, RuntimeErrorsNameTheRankOnce) {
   RunOptions o;
-  o.file = write("view.ir", R"(graph @g(%x: f32[2,3]) {
-  %t = transpose(%x) {dim0 = 0, dim1 = 1} : f32[3,2]
-  %v = view(%t) {shape = [6]} : f32[6]
+  o.file = write("div.ir", R"(graph @g(%x: i32[2,3]) {
+  %z = zeros() {shape = [2, 3], dtype = i32}
+  %v = div(%x, %z)
   return %v
 }
 )");

@@ -110,7 +110,8 @@ struct OpDef {
   KernelFn kernel = nullptr;
   GradFn grad{};
   // The result aliases operand 0's storage (view, reshape, narrow, split, ...): it never waits
-  // and shares the operand's pending state and lifetime.
+  // and shares the operand's pending state and lifetime (when a graph runs, a view or
+  // view_dtype the operand's layout cannot express copies instead: see value_kernel).
   bool is_view = false;
   // Never removed by DCE even when unused: collectives and wait_tensor.
   bool has_side_effect = false;
@@ -139,6 +140,13 @@ std::span<const OpDef> all_ops();
 const OpDef* find_op(std::string_view name);
 // The op called `name`; throws InvalidArgument "unknown op 'name'".
 const OpDef& get_op(std::string_view name);
+
+// The kernel that computes a node's value when a graph runs: op.kernel, except for `view` and
+// `view_dtype`. Eagerly (ops::call) they need a layout the view can reinterpret, as PyTorch's
+// do; an IR value has no layout (a view of a transposed value is a value like any other, and
+// the verifier accepts it), so when the operand's strides do not allow the view these copy it
+// first, as Inductor lowers a view of a non-contiguous buffer.
+KernelFn value_kernel(const OpDef& op);
 
 // Checks `value` against `spec` and converts it in place where the text form is ambiguous
 // (an integer where a float is expected, an empty or all-integer list where a list of integers
