@@ -328,36 +328,31 @@ bool Storage::is_ready() const {
 
 void Storage::wait() {
   if (!has_pending_.load(std::memory_order_acquire)) return;
-  std::exception_ptr first_failure;
   {
     // The usual case: one attached operation, already completed (the caller waited on its
-    // Work first). Detach it in one critical section, keeping the list's capacity.
-    std::shared_ptr<Waitable> done;
+    // Work first). It stays attached while it is waited, so that a concurrent reader cannot see
+    // an empty list and read bytes a failed operation never produced; it is detached after.
+    std::shared_ptr<Waitable> only;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (pending_.empty()) {
         has_pending_.store(false, std::memory_order_release);
         return;
       }
-      if (pending_.size() == 1 && pending_[0]->is_completed()) {
-        done = std::move(pending_[0]);
-        pending_.clear();
-        has_pending_.store(false, std::memory_order_release);
-      }
+      if (pending_.size() == 1 && pending_[0]->is_completed()) only = pending_[0];
     }
-    if (done) {
-      try {
-        done->wait();  // completed: returns or rethrows at once
-      } catch (...) {
-        // A failure stays attached: the bytes were never produced, so every access throws it.
-        std::lock_guard<std::mutex> lock(mu_);
-        pending_.push_back(std::move(done));
-        has_pending_.store(true, std::memory_order_release);
-        throw;
+    if (only) {
+      only->wait();  // completed: returns, or rethrows (a failure stays attached)
+      std::lock_guard<std::mutex> lock(mu_);
+      std::erase(pending_, only);
+      if (pending_.empty()) {
+        has_pending_.store(false, std::memory_order_release);
+        return;
       }
-      return;
+      // Another operation was attached meanwhile: wait for it below.
     }
   }
+  std::exception_ptr first_failure;
   while (true) {
     // Snapshot under the lock, wait without it (other threads may wait on the same works, and
     // a work's completion may attach or query this storage), then detach what was waited.

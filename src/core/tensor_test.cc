@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -736,6 +737,45 @@ TEST(Pending, FailureAloneStaysAttached) {
     EXPECT_EQ(error_of<CommError>([&] { p.t.to_vector<float>(); }), "all_gather: rank 2 departed");
     EXPECT_EQ(p.t.storage()->pending_count(), 1u);
   }
+}
+
+// A work that completed with a failure and whose first wait() stalls until the test says so:
+// a second reader arriving while the first is inside wait() must get the failure too, not the
+// bytes the operation never produced.
+class StallingFailedWork : public Waitable {
+ public:
+  void wait() override {
+    if (calls_.fetch_add(1) == 0) {
+      entered_.store(true);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!go_on_.load() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+    }
+    throw CommError("all_reduce: rank 1 timed out");
+  }
+  bool is_completed() const override { return true; }
+  std::atomic<bool> entered_{false};
+  std::atomic<bool> go_on_{false};
+  std::atomic<int> calls_{0};
+};
+
+TEST(Pending, FailureSeenByEveryConcurrentReader) {
+  Tensor t = Tensor::zeros({4}, DType::F32);
+  auto work = std::make_shared<StallingFailedWork>();
+  t.storage()->add_pending(work);
+  std::string first_error;
+  std::thread first([&] {
+    first_error = error_of<CommError>([&] { t.to_vector<float>(); });
+  });
+  while (!work->entered_.load()) std::this_thread::yield();
+  // The first reader is inside the failed work's wait(); this one must not slip past it.
+  const std::string second_error = error_of<CommError>([&] { t.to_vector<float>(); });
+  work->go_on_.store(true);
+  first.join();
+  EXPECT_EQ(first_error, "all_reduce: rank 1 timed out");
+  EXPECT_EQ(second_error, "all_reduce: rank 1 timed out");
+  EXPECT_EQ(t.storage()->pending_count(), 1u);
 }
 
 TEST(Pending, ReadFromAnotherThreadBlocksUntilReleased) {
