@@ -142,6 +142,7 @@ void check_not_meta(const Tensor& t, const char* what) {
 Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
   Shape out = shape;
   int64_t known = 1;
+  bool overflow = false;  // the known dims multiply past int64: no tensor has that shape
   std::optional<size_t> infer;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
@@ -154,8 +155,12 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
       throw ShapeError(
           fmt::format("{}: invalid size {} in shape {}", what, shape[i], shape_str(shape)));
     } else {
-      known *= shape[i];
+      overflow = overflow || __builtin_mul_overflow(known, shape[i], &known);
     }
+  }
+  if (overflow) {
+    throw ShapeError(fmt::format("{}: shape {} is invalid for a tensor of {} elements", what,
+                                 shape_str(shape), numel));
   }
   if (infer) {
     if (known == 0) {
@@ -502,11 +507,21 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
   if (offset < 0) {
     throw InvalidArgument(fmt::format("from_storage: negative offset {}", offset));
   }
-  const auto needed = static_cast<uint64_t>(offset + shape_numel(shape)) * funcol::itemsize(dtype);
-  if (shape_numel(shape) > 0 && needed > storage->nbytes()) {
+  // (offset + numel) elements in bytes; check_shape bounded the shape's bytes, so only an
+  // offset far past any storage overflows here.
+  const int64_t numel = shape_numel(shape);
+  const auto isz = static_cast<int64_t>(funcol::itemsize(dtype));
+  int64_t needed = 0;
+  const bool overflow = __builtin_add_overflow(offset, numel, &needed) ||
+                        __builtin_mul_overflow(needed, isz, &needed);
+  if (numel > 0 && overflow) {
+    throw ShapeError(fmt::format("from_storage: {} at offset {} lies past the end of the storage "
+                                 "({} bytes)",
+                                 type_str(dtype, shape), offset, storage->nbytes()));
+  }
+  if (numel > 0 && static_cast<uint64_t>(needed) > storage->nbytes()) {
     throw ShapeError(
-        fmt::format("from_storage: {} at offset {} needs {} bytes but the storage "
-                    "has {}",
+        fmt::format("from_storage: {} at offset {} needs {} bytes but the storage has {}",
                     type_str(dtype, shape), offset, needed, storage->nbytes()));
   }
   Tensor t;
@@ -698,7 +713,7 @@ Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
         fmt::format("narrow: start ({}) is out of range for size {} of dim {}", start, size, d));
   }
   if (start < 0) start += size;
-  if (start + length > size) {
+  if (length > size - start) {
     throw ShapeError(fmt::format("narrow: start ({}) + length ({}) exceeds size {} of dim {}",
                                  start, length, size, d));
   }
@@ -734,7 +749,11 @@ std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, 
     if (s < 0) {
       throw ShapeError(fmt::format("split_with_sizes: negative size {} in {}", s, list_str(sizes)));
     }
-    total += s;
+    if (__builtin_add_overflow(total, s, &total)) {
+      throw ShapeError(fmt::format(
+          "split_with_sizes: sizes {} sum to more than int64 holds but dim {} has size {}",
+          list_str(sizes), d, sizes_[d]));
+    }
   }
   if (total != sizes_[d]) {
     throw ShapeError(fmt::format("split_with_sizes: sizes {} sum to {} but dim {} has size {}",
@@ -836,6 +855,7 @@ Tensor Tensor::expand(const Shape& shape) const {
                                    shape_str(sizes_), shape_str(shape), i, own, shape[i]));
     }
   }
+  check_shape(sizes, dtype_, "expand");  // numel (and nbytes) must stay representable
   return with_layout(std::move(sizes), std::move(strides), offset_);
 }
 

@@ -508,6 +508,27 @@ TEST(Views, Expand) {
   EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{7, 7, 7}));
 }
 
+// Sizes whose sums or products leave int64 are refused, not wrapped into a view that reaches
+// past its storage (PyTorch checks these products too).
+TEST(Views, HugeSizesAreRefusedNotWrapped) {
+  constexpr int64_t kBig = int64_t{1} << 62;
+  Tensor t = iota({6});
+  EXPECT_EQ(error_of<ShapeError>([&] { t.narrow(0, 1, INT64_MAX); }),
+            "narrow: start (1) + length (9223372036854775807) exceeds size 6 of dim 0");
+  EXPECT_EQ(error_of<ShapeError>([&] { t.split_with_sizes({INT64_MAX, INT64_MAX, 8}); }),
+            "split_with_sizes: sizes [9223372036854775807,9223372036854775807,8] sum to more "
+            "than int64 holds but dim 0 has size 6");
+  Tensor empty = Tensor::zeros({0}, DType::F32);
+  EXPECT_EQ(error_of<ShapeError>([&] { empty.view({kBig, 4}); }),
+            "view: shape [4611686018427387904,4] is invalid for a tensor of 0 elements");
+  EXPECT_THROW(empty.reshape({kBig, 8, 0}), ShapeError);
+  EXPECT_THROW(t.view({kBig, 4, -1}), ShapeError);
+  EXPECT_EQ(error_of<InvalidArgument>([&] { t.narrow(0, 0, 1).expand({kBig, 4}); }),
+            "expand: shape [4611686018427387904,4] is too large");
+  auto storage = std::make_shared<Storage>(64);
+  EXPECT_THROW(Tensor::from_storage(storage, {4}, DType::F32, INT64_MAX - 1), ShapeError);
+}
+
 // ---- copies ---------------------------------------------------------------------------------
 
 TEST(Copies, ContiguousCloneTo) {
