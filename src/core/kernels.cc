@@ -393,7 +393,7 @@ inline A wrap_mul(A a, A b) {
   }
 }
 
-enum class Binary { Add, Sub, Mul, Div, ReluGrad };  // ReluGrad: a * (b > 0 ? 1 : 0)
+enum class Binary { Add, Sub, Mul, Div, ReluGrad };  // ReluGrad: b <= 0 ? 0 : a
 
 const char* binary_name(Binary op) {
   switch (op) {
@@ -412,7 +412,7 @@ C apply_binary(C a, C b) {
     case Binary::Add: return wrap_add(a, b);
     case Binary::Sub: return wrap_sub(a, b);
     case Binary::Mul: return wrap_mul(a, b);
-    case Binary::ReluGrad: return wrap_mul(a, b > 0 ? C{1} : C{0});
+    case Binary::ReluGrad: break;  // relu_grad_loop
     case Binary::Div:
       if constexpr (std::is_integral_v<C>) {
         if (b == 0) throw InvalidArgument("div: integer division by zero");
@@ -432,22 +432,31 @@ template <Binary op, typename S>
 void binary_loop(const S* pa, const S* pb, S* po, int64_t n) {
   using C = ComputeOf<S>;
   for (int64_t i = 0; i < n; ++i) {
+    const C x = cvt<C>(pa[i]);
+    const C y = cvt<C>(pb[i]);
     C r;
-    if constexpr (op == Binary::ReluGrad && !std::is_same_v<C, bool>) {
-      // The mask first, then the gradient: with the gradient loaded before the comparison
-      // (which may trap on NaN), GCC 12 keeps a branch and does not vectorize the loop.
-      const C mask = cvt<C>(pb[i]) > 0 ? C{1} : C{0};
-      r = wrap_mul(cvt<C>(pa[i]), mask);
+    if constexpr (std::is_same_v<C, bool>) {
+      r = op == Binary::Add ? (x || y) : (x && y);
     } else {
-      const C x = cvt<C>(pa[i]);
-      const C y = cvt<C>(pb[i]);
-      if constexpr (std::is_same_v<C, bool>) {
-        r = op == Binary::Add ? (x || y) : (x && y);
-      } else {
-        r = apply_binary<op, C>(x, y);
-      }
+      r = apply_binary<op, C>(x, y);
     }
     po[i] = cvt<S>(r);
+  }
+}
+
+// relu's gradient as PyTorch's threshold_backward: 0 where x <= 0, else the gradient as it is.
+// A select, not a product with a mask: a NaN or infinite gradient where x <= 0 still gives 0.
+// f16/bf16 gradients are selected as bits, never converted (which also keeps the loop
+// vectorized). Both operands are loaded before the select: loading the gradient on one side of
+// the comparison only (which may trap on NaN) leaves GCC 12 a branch it cannot vectorize.
+template <typename S>
+void relu_grad_loop(const S* grad, const S* x, S* out, int64_t n) {
+  using C = ComputeOf<S>;
+  using Bits = std::conditional_t<kIsLowFloat<S>, uint16_t, S>;
+  for (int64_t i = 0; i < n; ++i) {
+    const bool drop = cvt<C>(x[i]) <= C{0};
+    const auto g = std::bit_cast<Bits>(grad[i]);
+    out[i] = std::bit_cast<S>(drop ? Bits{0} : g);
   }
 }
 
@@ -473,7 +482,13 @@ Tensor binary(Binary op, const Tensor& a_in, const Tensor& b_in) {
       case Binary::Sub: binary_loop<Binary::Sub>(pa, pb, po, n); break;
       case Binary::Mul: binary_loop<Binary::Mul>(pa, pb, po, n); break;
       case Binary::Div: binary_loop<Binary::Div>(pa, pb, po, n); break;
-      case Binary::ReluGrad: binary_loop<Binary::ReluGrad>(pa, pb, po, n); break;
+      case Binary::ReluGrad:
+        if constexpr (std::is_same_v<S, BoolByte>) {
+          binary_loop<Binary::Mul>(pa, pb, po, n);  // grad && x
+        } else {
+          relu_grad_loop(pa, pb, po, n);
+        }
+        break;
     }
   });
   return out;

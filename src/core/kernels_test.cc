@@ -353,9 +353,10 @@ TEST(ConvertBuffer, AllPairsOnExactValues) {
 
 // ---- tensor math ----------------------------------------------------------------------------
 
-// relu_backward is mul(grad, gt_zero_mask(x)) in one pass, bit for bit: NaN and infinite
-// gradients where x <= 0 give NaN, negative ones -0, on every dtype.
-TEST(Elementwise, ReluBackwardIsGradTimesMask) {
+// relu_backward is PyTorch's threshold_backward, x <= 0 ? 0 : grad, on every dtype: NaN and
+// infinite gradients where x <= 0 give 0 (a product with a 0/1 mask would give NaN), negative
+// ones +0, and a NaN x keeps the gradient.
+TEST(Elementwise, ReluBackwardSelectsTheGradient) {
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::vector<double> g{1.5, -2, inf, -inf, nan, 3, -0.0, 7, -1, 4};
@@ -370,14 +371,29 @@ TEST(Elementwise, ReluBackwardIsGradTimesMask) {
       gv.push_back(g[i]);
       xv.push_back(x[i]);
     }
-    const Tensor gt = Tensor::from_vector<double>(gv, {static_cast<int64_t>(gv.size())}).to(d);
-    const Tensor xt = Tensor::from_vector<double>(xv, {static_cast<int64_t>(xv.size())}).to(d);
-    const Tensor want = mul(gt, gt_zero_mask(xt));
+    const auto n = static_cast<int64_t>(gv.size());
+    const Tensor gt = Tensor::from_vector<double>(gv, {n}).to(d);
+    const Tensor xt = Tensor::from_vector<double>(xv, {n}).to(d);
+    // The expected elements, picked from gt itself (its bits) or a +0 of the dtype.
+    const std::vector<double> x_in_d = xt.to_vector<double>();
+    const Tensor zero = Tensor::zeros({1}, d);
+    std::vector<Tensor> picks;
+    for (int64_t i = 0; i < n; ++i) {
+      picks.push_back(x_in_d[static_cast<size_t>(i)] <= 0 ? zero : gt.narrow(0, i, 1));
+    }
+    const Tensor want = Tensor::cat(picks);
     const Tensor got = relu_backward(gt, xt);
     ASSERT_EQ(got.dtype(), d);
     ASSERT_EQ(got.nbytes(), want.nbytes());
-    EXPECT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), got.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(got.data_ptr(), want.data_ptr(), got.nbytes()), 0)
+        << got.to_string() << " vs " << want.to_string();
   }
+  const float finf = std::numeric_limits<float>::infinity();
+  const float fnan = std::numeric_limits<float>::quiet_NaN();
+  const Tensor masked = relu_backward(Tensor::from_vector<float>({finf, fnan, -5.f}),
+                                      Tensor::from_vector<float>({-1.f, 0.f, -0.f}));
+  EXPECT_EQ(masked.to_vector<float>(), (std::vector<float>{0.f, 0.f, 0.f}));
+  EXPECT_FALSE(std::signbit(masked.to_vector<float>()[2]));
   EXPECT_EQ(error_of<ShapeError>([] {
               relu_backward(Tensor::zeros({2}, DType::F32), Tensor::zeros({3}, DType::F32));
             }),

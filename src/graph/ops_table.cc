@@ -473,7 +473,8 @@ Types infer_unary_numeric(In in, const AttrList&) {
 Tensors kernel_relu(TIn in, const AttrList&) { return {relu(in[0])}; }
 Tensors kernel_neg(TIn in, const AttrList&) { return {neg(in[0])}; }
 
-// relu_backward(grad, x): grad where x > 0, else 0 (relu's gradient; x may be relu's input or
+// relu_backward(grad, x): 0 where x <= 0, else grad (relu's gradient, PyTorch's
+// threshold_backward: NaN or infinite gradients where x <= 0 give 0; x may be relu's input or
 // its result, which are positive at the same places).
 Types infer_relu_backward(In in, const AttrList& a) {
   require_floating(in[0], "grad");

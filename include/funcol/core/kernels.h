@@ -33,10 +33,11 @@ Tensor neg(const Tensor& a);
 Tensor relu(const Tensor& a);
 // a * scalar (gradients, optimizers).
 Tensor mul_scalar(const Tensor& a, double scalar);
-// 1 where a > 0 else 0, in a's dtype (relu's gradient mask).
+// 1 where a > 0 else 0, in a's dtype.
 Tensor gt_zero_mask(const Tensor& a);
-// relu's gradient: mul(grad, gt_zero_mask(x)) in one pass, bit for bit (x may be relu's input
-// or its result, which are positive at the same places).
+// relu's gradient, as PyTorch's threshold_backward: 0 where x <= 0, else grad (x may be relu's
+// input or its result, which are positive at the same places). A NaN or infinite gradient
+// where x <= 0 gives 0, not NaN as mul(grad, gt_zero_mask(x)) would.
 Tensor relu_backward(const Tensor& grad, const Tensor& x);
 // 2-D x 2-D; f16/bf16 compute in f32. Integer dtypes supported.
 Tensor matmul(const Tensor& a, const Tensor& b);
