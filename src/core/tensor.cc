@@ -923,6 +923,8 @@ Tensor Tensor::unsqueeze(int64_t dim) const {
 
 Tensor Tensor::squeeze(int64_t dim) const {
   check_defined(*this, "squeeze");
+  // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, as transpose).
+  if (this->dim() == 0 && (dim == 0 || dim == -1)) return *this;
   const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
   if (sizes_[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
   Shape sizes = sizes_;

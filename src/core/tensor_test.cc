@@ -368,6 +368,14 @@ TEST(Views, TransposeOfScalar) {
   EXPECT_EQ(t.item<float>(), 3.0f);
   EXPECT_EQ(error_of<ShapeError>([&] { s.transpose(1, 0); }),
             "transpose: dim 1 is out of range for a scalar (0 or -1)");
+  // squeeze too (torch.tensor(3.).squeeze(0) is the scalar itself).
+  for (const int64_t d : {0, -1}) {
+    const Tensor q = s.squeeze(d);
+    EXPECT_EQ(q.sizes(), Shape{});
+    EXPECT_TRUE(q.shares_storage(s));
+  }
+  EXPECT_EQ(error_of<ShapeError>([&] { s.squeeze(1); }),
+            "squeeze: dim 1 is out of range for a tensor of rank 0");
 }
 
 TEST(Views, ViewAndReshape) {
