@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -282,9 +283,10 @@ std::string format_elem(T v) {
   if constexpr (std::is_same_v<T, BoolByte>) {
     return v.v != 0 ? "true" : "false";
   } else if constexpr (detail::kIsLowFloat<T>) {
-    return fmt::format("{}", static_cast<float>(v));
+    return format_elem(detail::low_to_float(v));
   } else if constexpr (std::is_floating_point_v<T>) {
-    return fmt::format("{}", v);
+    // fmt writes "-nan" for a NaN with its sign bit set; a NaN has no sign (PyTorch: "nan").
+    return std::isnan(v) ? std::string("nan") : fmt::format("{}", v);
   } else {
     return std::to_string(static_cast<int64_t>(v));
   }

@@ -632,6 +632,11 @@ TEST(Print, ToString) {
   EXPECT_EQ(Tensor::arange(2000, DType::I32).to_string(),
             "tensor(i32[2000], [0, 1, 2, ..., 1997, 1998, 1999])");
   EXPECT_EQ(Tensor().to_string(), "tensor(undefined)");
+  // A NaN prints as nan whatever its sign bit (0/0 gives a negative one on x86), as PyTorch.
+  for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+    const Tensor nans = Tensor::from_vector<double>({-std::nan(""), std::nan(""), -0.0}).to(d);
+    EXPECT_EQ(nans.to_string(), "tensor(" + std::string(dtype_name(d)) + "[3], [nan, nan, -0])");
+  }
 }
 
 // ---- pending storage ------------------------------------------------------------------------
