@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -142,6 +143,7 @@ void check_not_meta(const Tensor& t, const char* what) {
 Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
   Shape out = shape;
   int64_t known = 1;
+  bool overflow = false;  // the known dims multiply past int64: no tensor has that shape
   std::optional<size_t> infer;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
@@ -154,8 +156,12 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
       throw ShapeError(
           fmt::format("{}: invalid size {} in shape {}", what, shape[i], shape_str(shape)));
     } else {
-      known *= shape[i];
+      overflow = overflow || __builtin_mul_overflow(known, shape[i], &known);
     }
+  }
+  if (overflow) {
+    throw ShapeError(fmt::format("{}: shape {} is invalid for a tensor of {} elements", what,
+                                 shape_str(shape), numel));
   }
   if (infer) {
     if (known == 0) {
@@ -277,9 +283,10 @@ std::string format_elem(T v) {
   if constexpr (std::is_same_v<T, BoolByte>) {
     return v.v != 0 ? "true" : "false";
   } else if constexpr (detail::kIsLowFloat<T>) {
-    return fmt::format("{}", static_cast<float>(v));
+    return format_elem(detail::low_to_float(v));
   } else if constexpr (std::is_floating_point_v<T>) {
-    return fmt::format("{}", v);
+    // fmt writes "-nan" for a NaN with its sign bit set; a NaN has no sign (PyTorch: "nan").
+    return std::isnan(v) ? std::string("nan") : fmt::format("{}", v);
   } else {
     return std::to_string(static_cast<int64_t>(v));
   }
@@ -328,36 +335,31 @@ bool Storage::is_ready() const {
 
 void Storage::wait() {
   if (!has_pending_.load(std::memory_order_acquire)) return;
-  std::exception_ptr first_failure;
   {
     // The usual case: one attached operation, already completed (the caller waited on its
-    // Work first). Detach it in one critical section, keeping the list's capacity.
-    std::shared_ptr<Waitable> done;
+    // Work first). It stays attached while it is waited, so that a concurrent reader cannot see
+    // an empty list and read bytes a failed operation never produced; it is detached after.
+    std::shared_ptr<Waitable> only;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (pending_.empty()) {
         has_pending_.store(false, std::memory_order_release);
         return;
       }
-      if (pending_.size() == 1 && pending_[0]->is_completed()) {
-        done = std::move(pending_[0]);
-        pending_.clear();
-        has_pending_.store(false, std::memory_order_release);
-      }
+      if (pending_.size() == 1 && pending_[0]->is_completed()) only = pending_[0];
     }
-    if (done) {
-      try {
-        done->wait();  // completed: returns or rethrows at once
-      } catch (...) {
-        // A failure stays attached: the bytes were never produced, so every access throws it.
-        std::lock_guard<std::mutex> lock(mu_);
-        pending_.push_back(std::move(done));
-        has_pending_.store(true, std::memory_order_release);
-        throw;
+    if (only) {
+      only->wait();  // completed: returns, or rethrows (a failure stays attached)
+      std::lock_guard<std::mutex> lock(mu_);
+      std::erase(pending_, only);
+      if (pending_.empty()) {
+        has_pending_.store(false, std::memory_order_release);
+        return;
       }
-      return;
+      // Another operation was attached meanwhile: wait for it below.
     }
   }
+  std::exception_ptr first_failure;
   while (true) {
     // Snapshot under the lock, wait without it (other threads may wait on the same works, and
     // a work's completion may attach or query this storage), then detach what was waited.
@@ -507,11 +509,21 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
   if (offset < 0) {
     throw InvalidArgument(fmt::format("from_storage: negative offset {}", offset));
   }
-  const auto needed = static_cast<uint64_t>(offset + shape_numel(shape)) * funcol::itemsize(dtype);
-  if (shape_numel(shape) > 0 && needed > storage->nbytes()) {
+  // (offset + numel) elements in bytes; check_shape bounded the shape's bytes, so only an
+  // offset far past any storage overflows here.
+  const int64_t numel = shape_numel(shape);
+  const auto isz = static_cast<int64_t>(funcol::itemsize(dtype));
+  int64_t needed = 0;
+  const bool overflow = __builtin_add_overflow(offset, numel, &needed) ||
+                        __builtin_mul_overflow(needed, isz, &needed);
+  if (numel > 0 && overflow) {
+    throw ShapeError(fmt::format("from_storage: {} at offset {} lies past the end of the storage "
+                                 "({} bytes)",
+                                 type_str(dtype, shape), offset, storage->nbytes()));
+  }
+  if (numel > 0 && static_cast<uint64_t>(needed) > storage->nbytes()) {
     throw ShapeError(
-        fmt::format("from_storage: {} at offset {} needs {} bytes but the storage "
-                    "has {}",
+        fmt::format("from_storage: {} at offset {} needs {} bytes but the storage has {}",
                     type_str(dtype, shape), offset, needed, storage->nbytes()));
   }
   Tensor t;
@@ -703,7 +715,7 @@ Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
         fmt::format("narrow: start ({}) is out of range for size {} of dim {}", start, size, d));
   }
   if (start < 0) start += size;
-  if (start + length > size) {
+  if (length > size - start) {
     throw ShapeError(fmt::format("narrow: start ({}) + length ({}) exceeds size {} of dim {}",
                                  start, length, size, d));
   }
@@ -739,7 +751,11 @@ std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, 
     if (s < 0) {
       throw ShapeError(fmt::format("split_with_sizes: negative size {} in {}", s, list_str(sizes)));
     }
-    total += s;
+    if (__builtin_add_overflow(total, s, &total)) {
+      throw ShapeError(fmt::format(
+          "split_with_sizes: sizes {} sum to more than int64 holds but dim {} has size {}",
+          list_str(sizes), d, sizes_[d]));
+    }
   }
   if (total != sizes_[d]) {
     throw ShapeError(fmt::format("split_with_sizes: sizes {} sum to {} but dim {} has size {}",
@@ -841,6 +857,7 @@ Tensor Tensor::expand(const Shape& shape) const {
                                    shape_str(sizes_), shape_str(shape), i, own, shape[i]));
     }
   }
+  check_shape(sizes, dtype_, "expand");  // numel (and nbytes) must stay representable
   return with_layout(std::move(sizes), std::move(strides), offset_);
 }
 
@@ -908,6 +925,8 @@ Tensor Tensor::unsqueeze(int64_t dim) const {
 
 Tensor Tensor::squeeze(int64_t dim) const {
   check_defined(*this, "squeeze");
+  // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, as transpose).
+  if (this->dim() == 0 && (dim == 0 || dim == -1)) return *this;
   const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
   if (sizes_[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
   Shape sizes = sizes_;

@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -367,6 +368,14 @@ TEST(Views, TransposeOfScalar) {
   EXPECT_EQ(t.item<float>(), 3.0f);
   EXPECT_EQ(error_of<ShapeError>([&] { s.transpose(1, 0); }),
             "transpose: dim 1 is out of range for a scalar (0 or -1)");
+  // squeeze too (torch.tensor(3.).squeeze(0) is the scalar itself).
+  for (const int64_t d : {0, -1}) {
+    const Tensor q = s.squeeze(d);
+    EXPECT_EQ(q.sizes(), Shape{});
+    EXPECT_TRUE(q.shares_storage(s));
+  }
+  EXPECT_EQ(error_of<ShapeError>([&] { s.squeeze(1); }),
+            "squeeze: dim 1 is out of range for a tensor of rank 0");
 }
 
 TEST(Views, ViewAndReshape) {
@@ -507,6 +516,27 @@ TEST(Views, Expand) {
   EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{7, 7, 7}));
 }
 
+// Sizes whose sums or products leave int64 are refused, not wrapped into a view that reaches
+// past its storage (PyTorch checks these products too).
+TEST(Views, HugeSizesAreRefusedNotWrapped) {
+  constexpr int64_t kBig = int64_t{1} << 62;
+  Tensor t = iota({6});
+  EXPECT_EQ(error_of<ShapeError>([&] { t.narrow(0, 1, INT64_MAX); }),
+            "narrow: start (1) + length (9223372036854775807) exceeds size 6 of dim 0");
+  EXPECT_EQ(error_of<ShapeError>([&] { t.split_with_sizes({INT64_MAX, INT64_MAX, 8}); }),
+            "split_with_sizes: sizes [9223372036854775807,9223372036854775807,8] sum to more "
+            "than int64 holds but dim 0 has size 6");
+  Tensor empty = Tensor::zeros({0}, DType::F32);
+  EXPECT_EQ(error_of<ShapeError>([&] { empty.view({kBig, 4}); }),
+            "view: shape [4611686018427387904,4] is invalid for a tensor of 0 elements");
+  EXPECT_THROW(empty.reshape({kBig, 8, 0}), ShapeError);
+  EXPECT_THROW(t.view({kBig, 4, -1}), ShapeError);
+  EXPECT_EQ(error_of<InvalidArgument>([&] { t.narrow(0, 0, 1).expand({kBig, 4}); }),
+            "expand: shape [4611686018427387904,4] is too large");
+  auto storage = std::make_shared<Storage>(64);
+  EXPECT_THROW(Tensor::from_storage(storage, {4}, DType::F32, INT64_MAX - 1), ShapeError);
+}
+
 // ---- copies ---------------------------------------------------------------------------------
 
 TEST(Copies, ContiguousCloneTo) {
@@ -602,6 +632,11 @@ TEST(Print, ToString) {
   EXPECT_EQ(Tensor::arange(2000, DType::I32).to_string(),
             "tensor(i32[2000], [0, 1, 2, ..., 1997, 1998, 1999])");
   EXPECT_EQ(Tensor().to_string(), "tensor(undefined)");
+  // A NaN prints as nan whatever its sign bit (0/0 gives a negative one on x86), as PyTorch.
+  for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+    const Tensor nans = Tensor::from_vector<double>({-std::nan(""), std::nan(""), -0.0}).to(d);
+    EXPECT_EQ(nans.to_string(), "tensor(" + std::string(dtype_name(d)) + "[3], [nan, nan, -0])");
+  }
 }
 
 // ---- pending storage ------------------------------------------------------------------------
@@ -736,6 +771,45 @@ TEST(Pending, FailureAloneStaysAttached) {
     EXPECT_EQ(error_of<CommError>([&] { p.t.to_vector<float>(); }), "all_gather: rank 2 departed");
     EXPECT_EQ(p.t.storage()->pending_count(), 1u);
   }
+}
+
+// A work that completed with a failure and whose first wait() stalls until the test says so:
+// a second reader arriving while the first is inside wait() must get the failure too, not the
+// bytes the operation never produced.
+class StallingFailedWork : public Waitable {
+ public:
+  void wait() override {
+    if (calls_.fetch_add(1) == 0) {
+      entered_.store(true);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (!go_on_.load() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+    }
+    throw CommError("all_reduce: rank 1 timed out");
+  }
+  bool is_completed() const override { return true; }
+  std::atomic<bool> entered_{false};
+  std::atomic<bool> go_on_{false};
+  std::atomic<int> calls_{0};
+};
+
+TEST(Pending, FailureSeenByEveryConcurrentReader) {
+  Tensor t = Tensor::zeros({4}, DType::F32);
+  auto work = std::make_shared<StallingFailedWork>();
+  t.storage()->add_pending(work);
+  std::string first_error;
+  std::thread first([&] {
+    first_error = error_of<CommError>([&] { t.to_vector<float>(); });
+  });
+  while (!work->entered_.load()) std::this_thread::yield();
+  // The first reader is inside the failed work's wait(); this one must not slip past it.
+  const std::string second_error = error_of<CommError>([&] { t.to_vector<float>(); });
+  work->go_on_.store(true);
+  first.join();
+  EXPECT_EQ(first_error, "all_reduce: rank 1 timed out");
+  EXPECT_EQ(second_error, "all_reduce: rank 1 timed out");
+  EXPECT_EQ(t.storage()->pending_count(), 1u);
 }
 
 TEST(Pending, ReadFromAnotherThreadBlocksUntilReleased) {
