@@ -57,34 +57,11 @@ constexpr uint64_t kSeedWeight = 2;  // + layer
 
 int64_t shard_rows(const TrainOptions& o) { return o.hidden / o.ranks; }
 
-// ---- data and initial weights (identical for the ranks and the reference) --------------------
-
-// Rank r's inputs, uniform in [-1, 1).
-Tensor make_x(const TrainOptions& o, int rank) {
-  return Tensor::rand({o.batch, o.hidden}, DType::F32, input_seed(o.seed, kSeedInput, rank));
-}
-
-// The regression targets: a fixed random linear teacher applied to each rank's inputs, scaled
-// so targets have about the inputs' variance.
-Tensor make_target(const TrainOptions& o, const Tensor& x) {
-  const Tensor teacher =
-      Tensor::rand({o.hidden, o.hidden}, DType::F32, input_seed(o.seed, kSeedTeacher, 0));
-  return matmul(x, mul_scalar(teacher, std::sqrt(3.0 / o.hidden)));
-}
-
-// Layer l's full weight: uniform with He's variance 2 / fan_in before a relu (1 / fan_in for
-// the last, linear layer), so activations keep their scale through deep stacks.
-Tensor make_weight(const TrainOptions& o, int layer) {
-  const double gain = layer + 1 < o.layers ? 2.0 : 1.0;
-  const Tensor u = Tensor::rand({o.hidden, o.hidden}, DType::F32,
-                                input_seed(o.seed, kSeedWeight + static_cast<uint64_t>(layer), 0));
-  return mul_scalar(u, std::sqrt(3.0 * gain / o.hidden));
-}
-
 // ---- optimizers --------------------------------------------------------------------------------
 
-// One parameter's optimizer state, templated on the element type so the ranks (f32 shards) and
-// the reference (f32 full weights) run literally the same update.
+// One parameter's optimizer state (f32, as PyTorch keeps it for f32 parameters): the ranks (their
+// shards) and the reference (full weights) run literally the same update. train_test checks it
+// against the definitions worked out by hand in double precision.
 class ParamOptimizer {
  public:
   ParamOptimizer(const TrainOptions& o, int64_t n) : adam_(o.optimizer == "adam"), lr_(o.lr) {
@@ -140,7 +117,7 @@ ReferenceResult run_reference(const TrainOptions& o, const std::vector<Tensor>& 
   ReferenceResult ref;
   std::vector<ParamOptimizer> opt;
   for (int l = 0; l < o.layers; ++l) {
-    ref.weights.push_back(make_weight(o, l));
+    ref.weights.push_back(initial_weight(o, l));
     opt.emplace_back(o, ref.weights.back().numel());
   }
   const size_t n = static_cast<size_t>(o.layers);
@@ -261,8 +238,8 @@ bool same_outputs(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
 void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on_step, Shared& sh) {
   const int rank = world.rank();
   const bool tracing = !o.trace.empty();
-  const Tensor x = make_x(o, rank);
-  const Tensor target = make_target(o, x);
+  const Tensor x = train_inputs(o, rank);
+  const Tensor target = train_targets(o, x);
 
   // Every rank builds its own graphs (as separate processes would); the executors check that
   // they hash the same on every rank before running.
@@ -284,7 +261,7 @@ void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on
   std::vector<Tensor> shards;
   std::vector<ParamOptimizer> opt;
   for (int l = 0; l < o.layers; ++l) {
-    shards.push_back(make_weight(o, l).narrow(0, rank * shard_rows(o), shard_rows(o)).clone());
+    shards.push_back(initial_weight(o, l).narrow(0, rank * shard_rows(o), shard_rows(o)).clone());
     opt.emplace_back(o, shards.back().numel());
   }
   const float grad_scale = 1.0f / static_cast<float>(o.ranks);
@@ -376,6 +353,23 @@ std::string format_ms(double ms) { return fmt::format("{:.3f} ms", ms); }
 
 }  // namespace
 
+Tensor train_inputs(const TrainOptions& o, int rank) {
+  return Tensor::rand({o.batch, o.hidden}, DType::F32, input_seed(o.seed, kSeedInput, rank));
+}
+
+Tensor train_targets(const TrainOptions& o, const Tensor& x) {
+  const Tensor teacher =
+      Tensor::rand({o.hidden, o.hidden}, DType::F32, input_seed(o.seed, kSeedTeacher, 0));
+  return matmul(x, mul_scalar(teacher, std::sqrt(3.0 / o.hidden)));
+}
+
+Tensor initial_weight(const TrainOptions& o, int layer) {
+  const double gain = layer + 1 < o.layers ? 2.0 : 1.0;
+  const Tensor u = Tensor::rand({o.hidden, o.hidden}, DType::F32,
+                                input_seed(o.seed, kSeedWeight + static_cast<uint64_t>(layer), 0));
+  return mul_scalar(u, std::sqrt(3.0 * gain / o.hidden));
+}
+
 void validate(const TrainOptions& o) {
   auto at_least = [](const char* flag, int64_t value, int64_t min) {
     if (value < min) {
@@ -458,8 +452,8 @@ namespace {
 TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   std::vector<Tensor> xs, targets;
   for (int r = 0; r < o.ranks; ++r) {
-    xs.push_back(make_x(o, r));
-    targets.push_back(make_target(o, xs.back()));
+    xs.push_back(train_inputs(o, r));
+    targets.push_back(train_targets(o, xs.back()));
   }
   const ReferenceResult ref = run_reference(o, xs, targets);
 
@@ -468,6 +462,7 @@ TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   report.initial_loss = sh.losses.front();
   report.final_loss = sh.losses.back();
   report.reference_final_loss = ref.losses.back();
+  report.final_weights = sh.final_weights;
   for (size_t l = 0; l < ref.weights.size(); ++l) {
     const std::vector<float> got = sh.final_weights[l].to_vector<float>();
     const std::vector<float> want = ref.weights[l].to_vector<float>();
