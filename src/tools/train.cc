@@ -401,12 +401,19 @@ void validate(const TrainOptions& o) {
   }
   check_backend_option(o.backend);
   check_job_options(o.backend, o.join, o.ranks);
-  // Keep a run within memory: every rank holds the full gathered weights for the backward.
-  const double bytes = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 2);
+  // Keep a run within memory (f32 throughout, in doubles: the products overflow int64). Every
+  // rank holds the full gathered weights for the backward, the reference the full weights and
+  // Adam's two moments; every rank keeps its batch's activations of every layer for the
+  // backward (the layer's input and its matmul's result, the gradient and the relu mask), and
+  // the reference keeps the whole global batch's.
+  const double weights = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 3);
+  const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 5;
+  const double bytes = weights + activations;
   if (bytes > 8e9) {
     throw InvalidArgument(fmt::format(
-        "--layers {} x --hidden {} on --ranks {} needs about {:.0f} GB; use a smaller model",
-        o.layers, o.hidden, o.ranks, bytes / 1e9));
+        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.0f} GB; use a "
+        "smaller model",
+        o.layers, o.hidden, o.batch, o.ranks, bytes / 1e9));
   }
 }
 

@@ -287,6 +287,26 @@ TEST(Train, DivergedTrainingIsReportedNotMatched) {
   EXPECT_NE(c.err.find("funcol train: warning: the loss is "), std::string::npos) << c.err;
   EXPECT_NE(c.err.find("training diverged (lower --lr)"), std::string::npos) << c.err;
 }
+// A model too large for memory is an error naming the flags, before anything is allocated:
+// the activations (--batch rows on every rank, kept for the backward) count, not only the
+// weights. (--batch 100000000 used to pass and then fail as "out of memory", or be killed.)
+TEST(Train, ModelsThatDoNotFitInMemoryAreRejectedUpFront) {
+  TrainOptions o = small();
+  o.batch = 100000000;
+  try {
+    validate(o);
+    ADD_FAILURE() << "--batch 100000000 was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--batch 100000000"), std::string::npos) << e.what();
+  }
+  o = small();
+  o.layers = 1;
+  o.hidden = 65536;
+  o.ranks = 2;
+  EXPECT_THROW(validate(o), InvalidArgument);
+  EXPECT_NO_THROW(validate(small()));
+}
+
 TEST(Train, BadOptionsFailWithClearMessages) {
   struct Case {
     void (*edit)(TrainOptions&);
