@@ -680,6 +680,15 @@ int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* 
 int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
   try {
     validate(o);
+    // A trace that cannot be written fails now, not after training; and once, before a job
+    // starts, rather than from every rank.
+    if (!o.trace.empty()) {
+      std::ofstream f(o.trace, std::ios::binary | std::ios::app);
+      if (!f) {
+        throw InvalidArgument(
+            fmt::format("cannot write trace file {}: {}", o.trace, std::strerror(errno)));
+      }
+    }
     if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
       JobOptions job;
       job.backend = o.backend;
@@ -687,13 +696,6 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       job.temp_prefix = "funcol-train-";
       job.rank_args = [&](const std::string&) { return train_rank_args(o); };
       return launch_job(job, err);
-    }
-    if (!o.trace.empty()) {
-      std::ofstream f(o.trace, std::ios::binary | std::ios::app);
-      if (!f) {
-        throw InvalidArgument(
-            fmt::format("cannot write trace file {}: {}", o.trace, std::strerror(errno)));
-      }
     }
     const int every = std::max(1, o.steps / 10);
     StepCallback progress = [&](int step, double loss) {

@@ -83,6 +83,22 @@ TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   EXPECT_NE(r.out.find("--steps"), std::string::npos) << r.out;
 }
 
+// An unwritable --trace is one error line before any rank starts, on every backend (with mpi
+// every rank used to print it, followed by mpirun's report of the failed job).
+TEST(TrainE2e, UnwritableTraceIsOneErrorBeforeTheJobStarts) {
+  std::vector<std::string> backends = funcol::tools::e2e::process_backends();
+  backends.insert(backends.begin(), "threads");
+  for (const std::string& backend : backends) {
+    const Result r = train("--ranks 2 --layers 2 --hidden 8 --steps 1 --json --backend " +
+                           backend + " --trace /nonexistent-dir/t.json");
+    EXPECT_EQ(r.status, 1) << backend;
+    EXPECT_EQ(r.out,
+              "funcol: error: cannot write trace file /nonexistent-dir/t.json: No such file or "
+              "directory\n")
+        << backend;
+  }
+}
+
 #ifdef FUNCOL_WITH_GLOO
 // Two processes started by hand join one gloo job with --rank/--world-size/--store (--ranks
 // defaults to the world size) and train what the launcher's job trains; rank 0 reports.
