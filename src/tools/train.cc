@@ -10,6 +10,7 @@
 // backward, same optimizer, same CPU kernels) checks the result.
 #include "tools/train.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -641,8 +642,31 @@ std::vector<std::string> train_rank_args(const TrainOptions& o) {
   if (o.no_overlap) a.emplace_back("--no-overlap");
   if (o.json) a.emplace_back("--json");
   if (!o.trace.empty()) a.insert(a.end(), {"--trace", o.trace});
+  if (o.progress_fd >= 0) a.insert(a.end(), {"--progress-fd", std::to_string(o.progress_fd)});
   return a;
 }
+
+// Where a rank shows progress: the descriptor its launcher handed it (--progress-fd), when it
+// is open, else `err`. Owns the stream it opens.
+class ProgressStream {
+ public:
+  ProgressStream(int fd, std::FILE* err, bool err_is_terminal)
+      : own_(fd >= 0 && fcntl(fd, F_GETFD) != -1 ? fdopen(dup(fd), "w") : nullptr),
+        file_(own_ ? own_ : err),
+        terminal_(own_ ? isatty(fd) != 0 : err_is_terminal) {}
+  ~ProgressStream() {
+    if (own_) std::fclose(own_);
+  }
+  ProgressStream(const ProgressStream&) = delete;
+  ProgressStream& operator=(const ProgressStream&) = delete;
+  std::FILE* file() const { return file_; }
+  bool terminal() const { return terminal_; }  // show a bar, not lines
+
+ private:
+  std::FILE* own_;
+  std::FILE* file_;
+  bool terminal_;
+};
 
 // This process is one rank of an mpi or gloo job: train; rank 0 reports.
 // The summary or JSON line to `out`; a warning to `err` when the loss stopped being finite
@@ -694,21 +718,38 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       job.backend = o.backend;
       job.ranks = o.ranks;
       job.temp_prefix = "funcol-train-";
-      job.rank_args = [&](const std::string&) { return train_rank_args(o); };
-      return launch_job(job, err);
+      TrainOptions ranks = o;
+      // A gloo launcher shows its ranks' stderr only once the job has ended: rank 0 writes its
+      // progress to a copy of `err` instead (not close-on-exec, so the ranks inherit it).
+      // mpirun passes the ranks' stderr on as it comes, and no descriptor of ours.
+      const int progress_fd = o.backend == "gloo" ? dup(fileno(err)) : -1;
+      ranks.progress_fd = progress_fd;
+      job.rank_args = [&](const std::string&) { return train_rank_args(ranks); };
+      std::fflush(err);
+      int status = 1;
+      try {
+        status = launch_job(job, err);
+      } catch (...) {
+        if (progress_fd >= 0) close(progress_fd);
+        throw;
+      }
+      if (progress_fd >= 0) close(progress_fd);
+      return status;
     }
+    const ProgressStream progress_stream(o.progress_fd, err, progress_bar);
     const int every = std::max(1, o.steps / 10);
     StepCallback progress = [&](int step, double loss) {
-      if (progress_bar) {
+      std::FILE* const p = progress_stream.file();
+      if (progress_stream.terminal()) {
         constexpr int kWidth = 30;
         const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / o.steps);
-        std::fprintf(err, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
+        std::fprintf(p, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
                      std::string(kWidth - done, '.').c_str(), step, o.steps, loss);
-        if (step == o.steps) std::fputc('\n', err);
-        std::fflush(err);
+        if (step == o.steps) std::fputc('\n', p);
+        std::fflush(p);
       } else if (!o.json && (step == 1 || step % every == 0 || step == o.steps)) {
-        std::fprintf(err, "step %d/%d loss %.6g\n", step, o.steps, loss);
-        std::fflush(err);
+        std::fprintf(p, "step %d/%d loss %.6g\n", step, o.steps, loss);
+        std::fflush(p);
       }
     };
     if (o.backend != "threads") return train_in_job(o, progress, out, err);
@@ -750,6 +791,7 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
   sub->add_flag("--json", o->json, "print one JSON line of results");
+  sub->add_option("--progress-fd", o->progress_fd)->group("");  // set by the gloo launcher
   add_seed_option(*sub, o->seed, "seed of the weights, inputs and targets");
   sub->callback([o, job, ranks]() {
     o->join = parse_job_flags(*job);

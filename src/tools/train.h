@@ -33,6 +33,9 @@ struct TrainOptions {
   bool json = false;                 // --json: one line of results on stdout
   uint64_t seed = 0;                 // --seed: weights, data and targets
   InitOptions join;                  // --rank, --world-size, --store: gloo joins that job
+  // --progress-fd (hidden): the launcher of a gloo job keeps its ranks' stderr until the job
+  // ends, so it hands them its own stderr as this descriptor and rank 0 shows progress there.
+  int progress_fd = -1;
 };
 
 // Throws InvalidArgument naming the flag and value when the options do not make a run.

@@ -68,6 +68,24 @@ TEST(TrainE2e, MpiAndGlooJobsTrainTheSameModel) {
   }
 }
 
+#ifdef FUNCOL_WITH_GLOO
+// The progress of a gloo job arrives while it trains, not when it has ended: the launcher keeps
+// the ranks' stderr until the end, so rank 0 writes its progress to the launcher's own stderr.
+// (Stdout and stderr in one pipe: the progress comes before rank 0's summary.)
+TEST(TrainE2e, GlooJobShowsProgressWhileItTrains) {
+  const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+      "(" + std::string(FUNCOL_BIN) +
+      " train --ranks 2 --layers 2 --hidden 8 --steps 3 --backend gloo 2>&1)");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const size_t progress = r.out.find("step 3/3 loss ");
+  const size_t summary = r.out.find("funcol train: 2-layer MLP");
+  ASSERT_NE(progress, std::string::npos) << r.out;
+  ASSERT_NE(summary, std::string::npos) << r.out;
+  EXPECT_LT(progress, summary) << r.out;
+  EXPECT_EQ(r.out.find("step 3/3 loss ", progress + 1), std::string::npos) << r.out;  // once
+}
+#endif
+
 TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   Result r = train("--optimizer rmsprop --steps 1");
   EXPECT_EQ(r.status, 1);
