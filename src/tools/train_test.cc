@@ -291,19 +291,29 @@ TEST(Train, DivergedTrainingIsReportedNotMatched) {
 // the activations (--batch rows on every rank, kept for the backward) count, not only the
 // weights. (--batch 100000000 used to pass and then fail as "out of memory", or be killed.)
 TEST(Train, ModelsThatDoNotFitInMemoryAreRejectedUpFront) {
+  auto expect_rejected = [](const TrainOptions& o, const std::string& naming) {
+    try {
+      validate(o);
+      ADD_FAILURE() << naming << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(naming), std::string::npos) << e.what();
+    }
+  };
   TrainOptions o = small();
   o.batch = 100000000;
-  try {
-    validate(o);
-    ADD_FAILURE() << "--batch 100000000 was accepted";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("--batch 100000000"), std::string::npos) << e.what();
-  }
+  expect_rejected(o, "--batch 100000000");
   o = small();
   o.layers = 1;
   o.hidden = 65536;
   o.ranks = 2;
   EXPECT_THROW(validate(o), InvalidArgument);
+  // Tiny layers, but a million of them: every rank's step graphs (tens of nodes per layer,
+  // two variants) alone take tens of GB.
+  o = small();
+  o.layers = 1000000;
+  o.hidden = 4;
+  o.batch = 1;
+  expect_rejected(o, "--layers 1000000");
   EXPECT_NO_THROW(validate(small()));
 }
 
