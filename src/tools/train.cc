@@ -645,6 +645,7 @@ std::vector<std::string> train_rank_args(const TrainOptions& o) {
   if (o.json) a.emplace_back("--json");
   if (!o.trace.empty()) a.insert(a.end(), {"--trace", o.trace});
   if (o.progress_fd >= 0) a.insert(a.end(), {"--progress-fd", std::to_string(o.progress_fd)});
+  if (o.progress_bar) a.emplace_back("--progress-bar");
   return a;
 }
 
@@ -726,6 +727,7 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       // mpirun passes the ranks' stderr on as it comes, and no descriptor of ours.
       const int progress_fd = o.backend == "gloo" ? dup(fileno(err)) : -1;
       ranks.progress_fd = progress_fd;
+      ranks.progress_bar = progress_bar;
       job.rank_args = [&](const std::string&) { return train_rank_args(ranks); };
       std::fflush(err);
       int status = 1;
@@ -738,7 +740,7 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       if (progress_fd >= 0) close(progress_fd);
       return status;
     }
-    const ProgressStream progress_stream(o.progress_fd, err, progress_bar);
+    const ProgressStream progress_stream(o.progress_fd, err, progress_bar || o.progress_bar);
     const int every = std::max(1, o.steps / 10);
     StepCallback progress = [&](int step, double loss) {
       std::FILE* const p = progress_stream.file();
@@ -793,7 +795,9 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
   sub->add_flag("--json", o->json, "print one JSON line of results");
-  sub->add_option("--progress-fd", o->progress_fd)->group("");  // set by the gloo launcher
+  // Set by the launcher of an mpi or gloo job for its ranks.
+  sub->add_option("--progress-fd", o->progress_fd)->group("");
+  sub->add_flag("--progress-bar", o->progress_bar)->group("");
   add_seed_option(*sub, o->seed, "seed of the weights, inputs and targets");
   sub->callback([o, job, ranks]() {
     o->join = parse_job_flags(*job);

@@ -36,6 +36,9 @@ struct TrainOptions {
   // --progress-fd (hidden): the launcher of a gloo job keeps its ranks' stderr until the job
   // ends, so it hands them its own stderr as this descriptor and rank 0 shows progress there.
   int progress_fd = -1;
+  // --progress-bar (hidden): the launcher's stderr is a terminal (mpirun passes rank 0's stderr
+  // on through a pipe, so rank 0 cannot see that itself): show a bar.
+  bool progress_bar = false;
 };
 
 // Throws InvalidArgument naming the flag and value when the options do not make a run.
@@ -114,9 +117,10 @@ std::string train_json_line(const TrainOptions& options, const TrainReport& repo
 // The human summary printed after training.
 std::string train_summary(const TrainOptions& options, const TrainReport& report);
 
-// Runs the command: progress on `err` (a bar when `progress_bar`, else plain lines, none with
-// --json), the summary or the JSON line on `out`, errors on `err` as "funcol: error: ...".
-// Returns the exit status.
+// Runs the command: progress on `err` (a bar when `progress_bar`, `err` being a terminal, else
+// plain lines, none with --json; a launched rank 0 writes it where its launcher said, see
+// progress_fd and progress_bar), the summary or the JSON line on `out`, errors on `err` as
+// "funcol: error: ...". Returns the exit status.
 int train_command(const TrainOptions& options, std::FILE* out, std::FILE* err, bool progress_bar);
 
 }  // namespace funcol::tools

@@ -86,6 +86,24 @@ TEST(TrainE2e, GlooJobShowsProgressWhileItTrains) {
 }
 #endif
 
+// On a terminal (script(1) gives the command one) the progress is a bar, whichever process
+// trains: with --backend mpi rank 0's stderr is a pipe to mpirun, which used to make it print
+// nothing at all under --json.
+TEST(TrainE2e, ProgressIsABarOnATerminalOnEveryBackend) {
+  if (std::system("command -v script >/dev/null 2>&1") != 0) GTEST_SKIP() << "no script(1)";
+  std::vector<std::string> backends = funcol::tools::e2e::process_backends();
+  backends.insert(backends.begin(), "threads");
+  for (const std::string& backend : backends) {
+    const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+        "script -qec '" + std::string(FUNCOL_BIN) +
+        " train --ranks 2 --layers 2 --hidden 8 --steps 3 --json --backend " + backend +
+        "' /dev/null");
+    ASSERT_EQ(r.status, 0) << backend << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("] step 3/3  loss "), std::string::npos) << backend << ": " << r.out;
+    EXPECT_EQ(r.out.find("step 3/3 loss "), std::string::npos) << backend << ": " << r.out;
+  }
+}
+
 TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   Result r = train("--optimizer rmsprop --steps 1");
   EXPECT_EQ(r.status, 1);
