@@ -649,26 +649,54 @@ std::vector<std::string> train_rank_args(const TrainOptions& o) {
   return a;
 }
 
-// Where a rank shows progress: the descriptor its launcher handed it (--progress-fd), when it
-// is open, else `err`. Owns the stream it opens.
-class ProgressStream {
+// The progress of training: a bar (on a terminal) or a line every tenth of the steps (none with
+// --json), on the descriptor the launcher handed this rank (--progress-fd) when it is open, else
+// on `err`. A bar's line is ended before anything else is printed: at the last step, or by
+// end_line() (an error) and at destruction.
+class Progress {
  public:
-  ProgressStream(int fd, std::FILE* err, bool err_is_terminal)
-      : own_(fd >= 0 && fcntl(fd, F_GETFD) != -1 ? fdopen(dup(fd), "w") : nullptr),
+  Progress(const TrainOptions& o, std::FILE* err, bool err_is_terminal)
+      : steps_(o.steps),
+        json_(o.json),
+        own_(o.progress_fd >= 0 && fcntl(o.progress_fd, F_GETFD) != -1
+                 ? fdopen(dup(o.progress_fd), "w")
+                 : nullptr),
         file_(own_ ? own_ : err),
-        terminal_(own_ ? isatty(fd) != 0 : err_is_terminal) {}
-  ~ProgressStream() {
+        bar_(own_ ? isatty(o.progress_fd) != 0 : err_is_terminal || o.progress_bar) {}
+  ~Progress() {
+    end_line();
     if (own_) std::fclose(own_);
   }
-  ProgressStream(const ProgressStream&) = delete;
-  ProgressStream& operator=(const ProgressStream&) = delete;
-  std::FILE* file() const { return file_; }
-  bool terminal() const { return terminal_; }  // show a bar, not lines
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+
+  void step(int step, double loss) {
+    if (bar_) {
+      constexpr int kWidth = 30;
+      const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / steps_);
+      std::fprintf(file_, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
+                   std::string(kWidth - done, '.').c_str(), step, steps_, loss);
+      line_open_ = true;
+      if (step == steps_) end_line();
+    } else if (!json_ && (step == 1 || step % std::max(1, steps_ / 10) == 0 || step == steps_)) {
+      std::fprintf(file_, "step %d/%d loss %.6g\n", step, steps_, loss);
+    }
+    std::fflush(file_);
+  }
+  void end_line() {
+    if (!line_open_) return;
+    std::fputc('\n', file_);
+    std::fflush(file_);
+    line_open_ = false;
+  }
 
  private:
+  int steps_;
+  bool json_;
   std::FILE* own_;
   std::FILE* file_;
-  bool terminal_;
+  bool bar_;
+  bool line_open_ = false;
 };
 
 // This process is one rank of an mpi or gloo job: train; rank 0 reports.
@@ -688,12 +716,18 @@ void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, s
   }
 }
 
-int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* out,
-                 std::FILE* err) {
+int train_in_job(const TrainOptions& o, Progress& progress, std::FILE* out, std::FILE* err) {
   return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
     Shared sh;
     sh.trace_events.resize(static_cast<size_t>(o.ranks));
-    run_rank(world, o, world.rank() == 0 ? on_step : StepCallback(), sh);
+    StepCallback on_step;
+    if (world.rank() == 0) on_step = [&](int step, double loss) { progress.step(step, loss); };
+    try {
+      run_rank(world, o, on_step, sh);
+    } catch (...) {
+      progress.end_line();  // run_as_rank prints the error
+      throw;
+    }
     if (!o.trace.empty()) {
       sh.trace_events = gather_strings(world, sh.trace_events[static_cast<size_t>(world.rank())]);
     }
@@ -740,24 +774,10 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       if (progress_fd >= 0) close(progress_fd);
       return status;
     }
-    const ProgressStream progress_stream(o.progress_fd, err, progress_bar || o.progress_bar);
-    const int every = std::max(1, o.steps / 10);
-    StepCallback progress = [&](int step, double loss) {
-      std::FILE* const p = progress_stream.file();
-      if (progress_stream.terminal()) {
-        constexpr int kWidth = 30;
-        const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / o.steps);
-        std::fprintf(p, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
-                     std::string(kWidth - done, '.').c_str(), step, o.steps, loss);
-        if (step == o.steps) std::fputc('\n', p);
-        std::fflush(p);
-      } else if (!o.json && (step == 1 || step % every == 0 || step == o.steps)) {
-        std::fprintf(p, "step %d/%d loss %.6g\n", step, o.steps, loss);
-        std::fflush(p);
-      }
-    };
+    Progress progress(o, err, progress_bar);
     if (o.backend != "threads") return train_in_job(o, progress, out, err);
-    print_report(o, run_train(o, progress), out, err);
+    print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }), out,
+                 err);
     return 0;
   } catch (...) {
     return print_command_error(err);

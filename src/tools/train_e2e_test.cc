@@ -161,6 +161,26 @@ TEST(TrainE2e, GlooRanksJoinedWithFlagsTrainWhatTheLauncherTrains) {
   EXPECT_EQ(j["initial_loss"], want["initial_loss"]);
   EXPECT_EQ(j["final_loss"], want["final_loss"]);
 
+  // A rank that fails mid-training prints its error on a line of its own, not glued to the
+  // progress bar: here rank 1 trains 2 steps and leaves, so rank 0 times out in step 3.
+  char dir2[] = "/tmp/funcol_train_e2e_XXXXXX";
+  ASSERT_NE(mkdtemp(dir2), nullptr);
+  const std::string d2 = dir2;
+  const std::string fail = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=2 " +
+                           std::string(FUNCOL_BIN) +
+                           " train --layers 2 --hidden 8 --batch 4 --json --backend gloo "
+                           "--world-size 2 --store " +
+                           d2 + "/store --progress-bar --rank ";
+  const funcol::tools::e2e::ShellResult failed = funcol::tools::e2e::run_shell(
+      "(" + fail + "1 --steps 2 >/dev/null 2>&1 & " + fail + "0 --steps 50 2>&1; s=$?; wait; " +
+      "exit $s)");
+  std::filesystem::remove_all(d2);
+  EXPECT_EQ(failed.status, 1) << failed.out;
+  EXPECT_NE(failed.out.find("] step 2/50  loss "), std::string::npos) << failed.out;
+  const size_t error = failed.out.find("funcol: error: rank 0: ");
+  ASSERT_NE(error, std::string::npos) << failed.out;
+  EXPECT_EQ(failed.out[error - 1], '\n') << failed.out;
+
   Result r = train("--backend threads --store " + d);
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out,
