@@ -176,6 +176,8 @@ TEST(Train, SgdAndAdamMatchTheirDefinitionsWorkedOutByHand) {
     o.optimizer = optimizer;
     o.steps = 3;
     o.lr = o.optimizer == "sgd" ? 0.5 : 0.01;  // large enough that a wrong scale shows
+    // Each rank trains on its own rows; the hand computation (and the reference) on them all.
+    EXPECT_FALSE(train_inputs(o, 0).equal(train_inputs(o, 1)));
     const TrainReport r = run_train(o);
     const auto [losses, weights] = train_by_hand(o);
     ASSERT_EQ(r.losses.size(), losses.size());
