@@ -10,6 +10,7 @@
 // backward, same optimizer, same CPU kernels) checks the result.
 #include "tools/train.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -57,34 +58,11 @@ constexpr uint64_t kSeedWeight = 2;  // + layer
 
 int64_t shard_rows(const TrainOptions& o) { return o.hidden / o.ranks; }
 
-// ---- data and initial weights (identical for the ranks and the reference) --------------------
-
-// Rank r's inputs, uniform in [-1, 1).
-Tensor make_x(const TrainOptions& o, int rank) {
-  return Tensor::rand({o.batch, o.hidden}, DType::F32, input_seed(o.seed, kSeedInput, rank));
-}
-
-// The regression targets: a fixed random linear teacher applied to each rank's inputs, scaled
-// so targets have about the inputs' variance.
-Tensor make_target(const TrainOptions& o, const Tensor& x) {
-  const Tensor teacher =
-      Tensor::rand({o.hidden, o.hidden}, DType::F32, input_seed(o.seed, kSeedTeacher, 0));
-  return matmul(x, mul_scalar(teacher, std::sqrt(3.0 / o.hidden)));
-}
-
-// Layer l's full weight: uniform with He's variance 2 / fan_in before a relu (1 / fan_in for
-// the last, linear layer), so activations keep their scale through deep stacks.
-Tensor make_weight(const TrainOptions& o, int layer) {
-  const double gain = layer + 1 < o.layers ? 2.0 : 1.0;
-  const Tensor u = Tensor::rand({o.hidden, o.hidden}, DType::F32,
-                                input_seed(o.seed, kSeedWeight + static_cast<uint64_t>(layer), 0));
-  return mul_scalar(u, std::sqrt(3.0 * gain / o.hidden));
-}
-
 // ---- optimizers --------------------------------------------------------------------------------
 
-// One parameter's optimizer state, templated on the element type so the ranks (f32 shards) and
-// the reference (f32 full weights) run literally the same update.
+// One parameter's optimizer state (f32, as PyTorch keeps it for f32 parameters): the ranks (their
+// shards) and the reference (full weights) run literally the same update. train_test checks it
+// against the definitions worked out by hand in double precision.
 class ParamOptimizer {
  public:
   ParamOptimizer(const TrainOptions& o, int64_t n) : adam_(o.optimizer == "adam"), lr_(o.lr) {
@@ -140,7 +118,7 @@ ReferenceResult run_reference(const TrainOptions& o, const std::vector<Tensor>& 
   ReferenceResult ref;
   std::vector<ParamOptimizer> opt;
   for (int l = 0; l < o.layers; ++l) {
-    ref.weights.push_back(make_weight(o, l));
+    ref.weights.push_back(initial_weight(o, l));
     opt.emplace_back(o, ref.weights.back().numel());
   }
   const size_t n = static_cast<size_t>(o.layers);
@@ -261,8 +239,8 @@ bool same_outputs(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
 void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on_step, Shared& sh) {
   const int rank = world.rank();
   const bool tracing = !o.trace.empty();
-  const Tensor x = make_x(o, rank);
-  const Tensor target = make_target(o, x);
+  const Tensor x = train_inputs(o, rank);
+  const Tensor target = train_targets(o, x);
 
   // Every rank builds its own graphs (as separate processes would); the executors check that
   // they hash the same on every rank before running.
@@ -284,7 +262,7 @@ void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on
   std::vector<Tensor> shards;
   std::vector<ParamOptimizer> opt;
   for (int l = 0; l < o.layers; ++l) {
-    shards.push_back(make_weight(o, l).narrow(0, rank * shard_rows(o), shard_rows(o)).clone());
+    shards.push_back(initial_weight(o, l).narrow(0, rank * shard_rows(o), shard_rows(o)).clone());
     opt.emplace_back(o, shards.back().numel());
   }
   const float grad_scale = 1.0f / static_cast<float>(o.ranks);
@@ -376,6 +354,23 @@ std::string format_ms(double ms) { return fmt::format("{:.3f} ms", ms); }
 
 }  // namespace
 
+Tensor train_inputs(const TrainOptions& o, int rank) {
+  return Tensor::rand({o.batch, o.hidden}, DType::F32, input_seed(o.seed, kSeedInput, rank));
+}
+
+Tensor train_targets(const TrainOptions& o, const Tensor& x) {
+  const Tensor teacher =
+      Tensor::rand({o.hidden, o.hidden}, DType::F32, input_seed(o.seed, kSeedTeacher, 0));
+  return matmul(x, mul_scalar(teacher, std::sqrt(3.0 / o.hidden)));
+}
+
+Tensor initial_weight(const TrainOptions& o, int layer) {
+  const double gain = layer + 1 < o.layers ? 2.0 : 1.0;
+  const Tensor u = Tensor::rand({o.hidden, o.hidden}, DType::F32,
+                                input_seed(o.seed, kSeedWeight + static_cast<uint64_t>(layer), 0));
+  return mul_scalar(u, std::sqrt(3.0 * gain / o.hidden));
+}
+
 void validate(const TrainOptions& o) {
   auto at_least = [](const char* flag, int64_t value, int64_t min) {
     if (value < min) {
@@ -407,12 +402,21 @@ void validate(const TrainOptions& o) {
   }
   check_backend_option(o.backend);
   check_job_options(o.backend, o.join, o.ranks);
-  // Keep a run within memory: every rank holds the full gathered weights for the backward.
-  const double bytes = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 2);
+  // Keep a run within memory (f32 throughout, in doubles: the products overflow int64). Every
+  // rank holds the full gathered weights for the backward, the reference the full weights and
+  // Adam's two moments; every rank keeps its batch's activations of every layer for the
+  // backward (the layer's input and its matmul's result, the gradient and the relu mask), and
+  // the reference keeps the whole global batch's. Every rank builds its own two step graphs
+  // and executors: about 20 KB per layer (measured with --hidden 4), so 25 KB.
+  const double weights = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 3);
+  const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 5;
+  const double graphs = 25e3 * o.layers * o.ranks;
+  const double bytes = weights + activations + graphs;
   if (bytes > 8e9) {
     throw InvalidArgument(fmt::format(
-        "--layers {} x --hidden {} on --ranks {} needs about {:.0f} GB; use a smaller model",
-        o.layers, o.hidden, o.ranks, bytes / 1e9));
+        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.0f} GB; use a "
+        "smaller model",
+        o.layers, o.hidden, o.batch, o.ranks, bytes / 1e9));
   }
 }
 
@@ -458,8 +462,8 @@ namespace {
 TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   std::vector<Tensor> xs, targets;
   for (int r = 0; r < o.ranks; ++r) {
-    xs.push_back(make_x(o, r));
-    targets.push_back(make_target(o, xs.back()));
+    xs.push_back(train_inputs(o, r));
+    targets.push_back(train_targets(o, xs.back()));
   }
   const ReferenceResult ref = run_reference(o, xs, targets);
 
@@ -468,6 +472,7 @@ TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   report.initial_loss = sh.losses.front();
   report.final_loss = sh.losses.back();
   report.reference_final_loss = ref.losses.back();
+  report.final_weights = sh.final_weights;
   for (size_t l = 0; l < ref.weights.size(); ++l) {
     const std::vector<float> got = sh.final_weights[l].to_vector<float>();
     const std::vector<float> want = ref.weights[l].to_vector<float>();
@@ -639,8 +644,60 @@ std::vector<std::string> train_rank_args(const TrainOptions& o) {
   if (o.no_overlap) a.emplace_back("--no-overlap");
   if (o.json) a.emplace_back("--json");
   if (!o.trace.empty()) a.insert(a.end(), {"--trace", o.trace});
+  if (o.progress_fd >= 0) a.insert(a.end(), {"--progress-fd", std::to_string(o.progress_fd)});
+  if (o.progress_bar) a.emplace_back("--progress-bar");
   return a;
 }
+
+// The progress of training: a bar (on a terminal) or a line every tenth of the steps (none with
+// --json), on the descriptor the launcher handed this rank (--progress-fd) when it is open, else
+// on `err`. A bar's line is ended before anything else is printed: at the last step, or by
+// end_line() (an error) and at destruction.
+class Progress {
+ public:
+  Progress(const TrainOptions& o, std::FILE* err, bool err_is_terminal)
+      : steps_(o.steps),
+        json_(o.json),
+        own_(o.progress_fd >= 0 && fcntl(o.progress_fd, F_GETFD) != -1
+                 ? fdopen(dup(o.progress_fd), "w")
+                 : nullptr),
+        file_(own_ ? own_ : err),
+        bar_(own_ ? isatty(o.progress_fd) != 0 : err_is_terminal || o.progress_bar) {}
+  ~Progress() {
+    end_line();
+    if (own_) std::fclose(own_);
+  }
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+
+  void step(int step, double loss) {
+    if (bar_) {
+      constexpr int kWidth = 30;
+      const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / steps_);
+      std::fprintf(file_, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
+                   std::string(kWidth - done, '.').c_str(), step, steps_, loss);
+      line_open_ = true;
+      if (step == steps_) end_line();
+    } else if (!json_ && (step == 1 || step % std::max(1, steps_ / 10) == 0 || step == steps_)) {
+      std::fprintf(file_, "step %d/%d loss %.6g\n", step, steps_, loss);
+    }
+    std::fflush(file_);
+  }
+  void end_line() {
+    if (!line_open_) return;
+    std::fputc('\n', file_);
+    std::fflush(file_);
+    line_open_ = false;
+  }
+
+ private:
+  int steps_;
+  bool json_;
+  std::FILE* own_;
+  std::FILE* file_;
+  bool bar_;
+  bool line_open_ = false;
+};
 
 // This process is one rank of an mpi or gloo job: train; rank 0 reports.
 // The summary or JSON line to `out`; a warning to `err` when the loss stopped being finite
@@ -659,12 +716,18 @@ void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, s
   }
 }
 
-int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* out,
-                 std::FILE* err) {
+int train_in_job(const TrainOptions& o, Progress& progress, std::FILE* out, std::FILE* err) {
   return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
     Shared sh;
     sh.trace_events.resize(static_cast<size_t>(o.ranks));
-    run_rank(world, o, world.rank() == 0 ? on_step : StepCallback(), sh);
+    StepCallback on_step;
+    if (world.rank() == 0) on_step = [&](int step, double loss) { progress.step(step, loss); };
+    try {
+      run_rank(world, o, on_step, sh);
+    } catch (...) {
+      progress.end_line();  // run_as_rank prints the error
+      throw;
+    }
     if (!o.trace.empty()) {
       sh.trace_events = gather_strings(world, sh.trace_events[static_cast<size_t>(world.rank())]);
     }
@@ -678,14 +741,8 @@ int train_in_job(const TrainOptions& o, const StepCallback& on_step, std::FILE* 
 int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
   try {
     validate(o);
-    if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
-      JobOptions job;
-      job.backend = o.backend;
-      job.ranks = o.ranks;
-      job.temp_prefix = "funcol-train-";
-      job.rank_args = [&](const std::string&) { return train_rank_args(o); };
-      return launch_job(job, err);
-    }
+    // A trace that cannot be written fails now, not after training; and once, before a job
+    // starts, rather than from every rank.
     if (!o.trace.empty()) {
       std::ofstream f(o.trace, std::ios::binary | std::ios::app);
       if (!f) {
@@ -693,22 +750,34 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
             fmt::format("cannot write trace file {}: {}", o.trace, std::strerror(errno)));
       }
     }
-    const int every = std::max(1, o.steps / 10);
-    StepCallback progress = [&](int step, double loss) {
-      if (progress_bar) {
-        constexpr int kWidth = 30;
-        const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / o.steps);
-        std::fprintf(err, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
-                     std::string(kWidth - done, '.').c_str(), step, o.steps, loss);
-        if (step == o.steps) std::fputc('\n', err);
-        std::fflush(err);
-      } else if (!o.json && (step == 1 || step % every == 0 || step == o.steps)) {
-        std::fprintf(err, "step %d/%d loss %.6g\n", step, o.steps, loss);
-        std::fflush(err);
+    if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
+      JobOptions job;
+      job.backend = o.backend;
+      job.ranks = o.ranks;
+      job.temp_prefix = "funcol-train-";
+      TrainOptions ranks = o;
+      // A gloo launcher shows its ranks' stderr only once the job has ended: rank 0 writes its
+      // progress to a copy of `err` instead (not close-on-exec, so the ranks inherit it).
+      // mpirun passes the ranks' stderr on as it comes, and no descriptor of ours.
+      const int progress_fd = o.backend == "gloo" ? dup(fileno(err)) : -1;
+      ranks.progress_fd = progress_fd;
+      ranks.progress_bar = progress_bar;
+      job.rank_args = [&](const std::string&) { return train_rank_args(ranks); };
+      std::fflush(err);
+      int status = 1;
+      try {
+        status = launch_job(job, err);
+      } catch (...) {
+        if (progress_fd >= 0) close(progress_fd);
+        throw;
       }
-    };
+      if (progress_fd >= 0) close(progress_fd);
+      return status;
+    }
+    Progress progress(o, err, progress_bar);
     if (o.backend != "threads") return train_in_job(o, progress, out, err);
-    print_report(o, run_train(o, progress), out, err);
+    print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }), out,
+                 err);
     return 0;
   } catch (...) {
     return print_command_error(err);
@@ -746,6 +815,9 @@ void add_train_command(CLI::App& app) {
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
   sub->add_flag("--json", o->json, "print one JSON line of results");
+  // Set by the launcher of an mpi or gloo job for its ranks.
+  sub->add_option("--progress-fd", o->progress_fd)->group("");
+  sub->add_flag("--progress-bar", o->progress_bar)->group("");
   add_seed_option(*sub, o->seed, "seed of the weights, inputs and targets");
   sub->callback([o, job, ranks]() {
     o->join = parse_job_flags(*job);

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "funcol/core/tensor.h"
 #include "funcol/dist/backend.h"
 #include "funcol/graph/graph.h"
 
@@ -32,10 +33,27 @@ struct TrainOptions {
   bool json = false;                 // --json: one line of results on stdout
   uint64_t seed = 0;                 // --seed: weights, data and targets
   InitOptions join;                  // --rank, --world-size, --store: gloo joins that job
+  // --progress-fd (hidden): the launcher of a gloo job keeps its ranks' stderr until the job
+  // ends, so it hands them its own stderr as this descriptor and rank 0 shows progress there.
+  int progress_fd = -1;
+  // --progress-bar (hidden): the launcher's stderr is a terminal (mpirun passes rank 0's stderr
+  // on through a pipe, so rank 0 cannot see that itself): show a bar.
+  bool progress_bar = false;
 };
 
 // Throws InvalidArgument naming the flag and value when the options do not make a run.
 void validate(const TrainOptions& options);
+
+// The data and initial weights every run starts from, the ranks' and the reference's alike.
+// Rank r's inputs [batch, hidden], uniform in [-1, 1) and different on every rank.
+Tensor train_inputs(const TrainOptions& options, int rank);
+// The regression targets of inputs x: a fixed random linear teacher (the same on every rank)
+// applied to x, scaled so the targets have about the inputs' variance.
+Tensor train_targets(const TrainOptions& options, const Tensor& x);
+// Layer `layer`'s full [hidden, hidden] weight: uniform with He's variance 2 / fan_in before a
+// relu (1 / fan_in for the last, linear layer), so activations keep their scale through deep
+// stacks. Rank r holds rows [r * hidden / ranks, (r + 1) * hidden / ranks).
+Tensor initial_weight(const TrainOptions& options, int layer);
 
 // The forward graph of one step on every rank: inputs x [batch, hidden], target [batch, hidden]
 // and one weight shard [hidden / ranks, hidden] per layer; each layer all-gathers its weight
@@ -76,6 +94,7 @@ struct TrainReport {
   double final_loss = 0;
   double reference_final_loss = 0;
   double max_abs_diff_vs_reference = 0;
+  std::vector<Tensor> final_weights;  // the trained weights, whole ([hidden, hidden] each)
   int timed_steps = 0;  // steps whose times count (the first is warm-up when steps > 1)
   VariantReport unbucketed;
   VariantReport bucketed;
@@ -98,9 +117,10 @@ std::string train_json_line(const TrainOptions& options, const TrainReport& repo
 // The human summary printed after training.
 std::string train_summary(const TrainOptions& options, const TrainReport& report);
 
-// Runs the command: progress on `err` (a bar when `progress_bar`, else plain lines, none with
-// --json), the summary or the JSON line on `out`, errors on `err` as "funcol: error: ...".
-// Returns the exit status.
+// Runs the command: progress on `err` (a bar when `progress_bar`, `err` being a terminal, else
+// plain lines, none with --json; a launched rank 0 writes it where its launcher said, see
+// progress_fd and progress_bar), the summary or the JSON line on `out`, errors on `err` as
+// "funcol: error: ...". Returns the exit status.
 int train_command(const TrainOptions& options, std::FILE* out, std::FILE* err, bool progress_bar);
 
 }  // namespace funcol::tools

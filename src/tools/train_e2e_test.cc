@@ -68,6 +68,42 @@ TEST(TrainE2e, MpiAndGlooJobsTrainTheSameModel) {
   }
 }
 
+#ifdef FUNCOL_WITH_GLOO
+// The progress of a gloo job arrives while it trains, not when it has ended: the launcher keeps
+// the ranks' stderr until the end, so rank 0 writes its progress to the launcher's own stderr.
+// (Stdout and stderr in one pipe: the progress comes before rank 0's summary.)
+TEST(TrainE2e, GlooJobShowsProgressWhileItTrains) {
+  const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+      "(" + std::string(FUNCOL_BIN) +
+      " train --ranks 2 --layers 2 --hidden 8 --steps 3 --backend gloo 2>&1)");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const size_t progress = r.out.find("step 3/3 loss ");
+  const size_t summary = r.out.find("funcol train: 2-layer MLP");
+  ASSERT_NE(progress, std::string::npos) << r.out;
+  ASSERT_NE(summary, std::string::npos) << r.out;
+  EXPECT_LT(progress, summary) << r.out;
+  EXPECT_EQ(r.out.find("step 3/3 loss ", progress + 1), std::string::npos) << r.out;  // once
+}
+#endif
+
+// On a terminal (script(1) gives the command one) the progress is a bar, whichever process
+// trains: with --backend mpi rank 0's stderr is a pipe to mpirun, which used to make it print
+// nothing at all under --json.
+TEST(TrainE2e, ProgressIsABarOnATerminalOnEveryBackend) {
+  if (std::system("command -v script >/dev/null 2>&1") != 0) GTEST_SKIP() << "no script(1)";
+  std::vector<std::string> backends = funcol::tools::e2e::process_backends();
+  backends.insert(backends.begin(), "threads");
+  for (const std::string& backend : backends) {
+    const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+        "script -qec '" + std::string(FUNCOL_BIN) +
+        " train --ranks 2 --layers 2 --hidden 8 --steps 3 --json --backend " + backend +
+        "' /dev/null");
+    ASSERT_EQ(r.status, 0) << backend << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("] step 3/3  loss "), std::string::npos) << backend << ": " << r.out;
+    EXPECT_EQ(r.out.find("step 3/3 loss "), std::string::npos) << backend << ": " << r.out;
+  }
+}
+
 TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   Result r = train("--optimizer rmsprop --steps 1");
   EXPECT_EQ(r.status, 1);
@@ -81,6 +117,22 @@ TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   r = train("--steps many");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("--steps"), std::string::npos) << r.out;
+}
+
+// An unwritable --trace is one error line before any rank starts, on every backend (with mpi
+// every rank used to print it, followed by mpirun's report of the failed job).
+TEST(TrainE2e, UnwritableTraceIsOneErrorBeforeTheJobStarts) {
+  std::vector<std::string> backends = funcol::tools::e2e::process_backends();
+  backends.insert(backends.begin(), "threads");
+  for (const std::string& backend : backends) {
+    const Result r = train("--ranks 2 --layers 2 --hidden 8 --steps 1 --json --backend " +
+                           backend + " --trace /nonexistent-dir/t.json");
+    EXPECT_EQ(r.status, 1) << backend;
+    EXPECT_EQ(r.out,
+              "funcol: error: cannot write trace file /nonexistent-dir/t.json: No such file or "
+              "directory\n")
+        << backend;
+  }
 }
 
 #ifdef FUNCOL_WITH_GLOO
@@ -108,6 +160,26 @@ TEST(TrainE2e, GlooRanksJoinedWithFlagsTrainWhatTheLauncherTrains) {
   EXPECT_EQ(j["config"]["ranks"], 2);
   EXPECT_EQ(j["initial_loss"], want["initial_loss"]);
   EXPECT_EQ(j["final_loss"], want["final_loss"]);
+
+  // A rank that fails mid-training prints its error on a line of its own, not glued to the
+  // progress bar: here rank 1 trains 2 steps and leaves, so rank 0 times out in step 3.
+  char dir2[] = "/tmp/funcol_train_e2e_XXXXXX";
+  ASSERT_NE(mkdtemp(dir2), nullptr);
+  const std::string d2 = dir2;
+  const std::string fail = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=2 " +
+                           std::string(FUNCOL_BIN) +
+                           " train --layers 2 --hidden 8 --batch 4 --json --backend gloo "
+                           "--world-size 2 --store " +
+                           d2 + "/store --progress-bar --rank ";
+  const funcol::tools::e2e::ShellResult failed = funcol::tools::e2e::run_shell(
+      "(" + fail + "1 --steps 2 >/dev/null 2>&1 & " + fail + "0 --steps 50 2>&1; s=$?; wait; " +
+      "exit $s)");
+  std::filesystem::remove_all(d2);
+  EXPECT_EQ(failed.status, 1) << failed.out;
+  EXPECT_NE(failed.out.find("] step 2/50  loss "), std::string::npos) << failed.out;
+  const size_t error = failed.out.find("funcol: error: rank 0: ");
+  ASSERT_NE(error, std::string::npos) << failed.out;
+  EXPECT_EQ(failed.out[error - 1], '\n') << failed.out;
 
   Result r = train("--backend threads --store " + d);
   EXPECT_EQ(r.status, 1);

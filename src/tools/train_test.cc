@@ -74,6 +74,131 @@ TEST(Train, SgdLossFallsAndMatchesReference) {
   EXPECT_GT(r.bucketed.step_ms, 0);
 }
 
+// An independent check of the math the ranks and the reference share (the optimizer, the loss
+// and its scaling): the same training in double precision, written out by hand from the
+// definitions. The loss is mse over the global batch (every rank's rows); SGD is
+// torch.optim.SGD's default (w -= lr g); Adam is torch.optim.Adam's default (betas 0.9, 0.999,
+// eps 1e-8 added to sqrt(v) / sqrt(1 - beta2^t), step lr / (1 - beta1^t)).
+struct Dense {  // a row-major matrix of doubles
+  int64_t rows = 0, cols = 0;
+  std::vector<double> a;
+  double& at(int64_t i, int64_t j) { return a[static_cast<size_t>(i * cols + j)]; }
+  double at(int64_t i, int64_t j) const { return a[static_cast<size_t>(i * cols + j)]; }
+};
+Dense dense(const Tensor& t) {
+  const std::vector<float> v = t.to_vector<float>();
+  return Dense{t.sizes()[0], t.sizes()[1], std::vector<double>(v.begin(), v.end())};
+}
+Dense product(const Dense& x, const Dense& y, bool transpose_x, bool transpose_y) {
+  const int64_t n = transpose_x ? x.cols : x.rows, k = transpose_x ? x.rows : x.cols;
+  const int64_t m = transpose_y ? y.rows : y.cols;
+  Dense z{n, m, std::vector<double>(static_cast<size_t>(n * m), 0.0)};
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < m; ++j) {
+      for (int64_t p = 0; p < k; ++p) {
+        const double xv = transpose_x ? x.at(p, i) : x.at(i, p);
+        z.at(i, j) += xv * (transpose_y ? y.at(j, p) : y.at(p, j));
+      }
+    }
+  }
+  return z;
+}
+
+// Trains by hand; returns the losses (before each update) and the final weights.
+std::pair<std::vector<double>, std::vector<Dense>> train_by_hand(const TrainOptions& o) {
+  std::vector<Dense> w, m, v;
+  for (int l = 0; l < o.layers; ++l) {
+    w.push_back(dense(initial_weight(o, l)));
+    m.push_back(Dense{o.hidden, o.hidden, std::vector<double>(w.back().a.size(), 0.0)});
+    v.push_back(m.back());
+  }
+  std::vector<Dense> xs, ts;
+  for (int r = 0; r < o.ranks; ++r) {
+    const Tensor x = train_inputs(o, r);
+    xs.push_back(dense(x));
+    ts.push_back(dense(train_targets(o, x)));
+  }
+  const double global_numel = static_cast<double>(o.ranks) * o.batch * o.hidden;
+  std::vector<double> losses;
+  for (int step = 1; step <= o.steps; ++step) {
+    std::vector<Dense> grads;
+    for (int l = 0; l < o.layers; ++l) {
+      grads.push_back(Dense{o.hidden, o.hidden, std::vector<double>(w[0].a.size(), 0.0)});
+    }
+    double loss = 0;
+    for (int r = 0; r < o.ranks; ++r) {
+      std::vector<Dense> h = {xs[static_cast<size_t>(r)]}, pre;
+      for (int l = 0; l < o.layers; ++l) {
+        pre.push_back(product(h.back(), w[static_cast<size_t>(l)], false, false));
+        Dense next = pre.back();
+        if (l + 1 < o.layers) {
+          for (double& e : next.a) e = std::max(e, 0.0);
+        }
+        h.push_back(next);
+      }
+      Dense d = h.back();  // d loss / d output
+      for (size_t i = 0; i < d.a.size(); ++i) {
+        const double diff = d.a[i] - ts[static_cast<size_t>(r)].a[i];
+        loss += diff * diff / global_numel;
+        d.a[i] = 2 * diff / global_numel;
+      }
+      for (int l = o.layers - 1; l >= 0; --l) {
+        const auto li = static_cast<size_t>(l);
+        if (l + 1 < o.layers) {
+          for (size_t i = 0; i < d.a.size(); ++i) d.a[i] = pre[li].a[i] > 0 ? d.a[i] : 0.0;
+        }
+        const Dense g = product(h[li], d, true, false);
+        for (size_t i = 0; i < g.a.size(); ++i) grads[li].a[i] += g.a[i];
+        d = product(d, w[li], false, true);
+      }
+    }
+    losses.push_back(loss);
+    const double bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.999, step);
+    for (size_t l = 0; l < w.size(); ++l) {
+      for (size_t i = 0; i < w[l].a.size(); ++i) {
+        const double g = grads[l].a[i];
+        if (o.optimizer == "sgd") {
+          w[l].a[i] -= o.lr * g;
+          continue;
+        }
+        m[l].a[i] = 0.9 * m[l].a[i] + 0.1 * g;
+        v[l].a[i] = 0.999 * v[l].a[i] + 0.001 * g * g;
+        w[l].a[i] -= o.lr / bc1 * m[l].a[i] / (std::sqrt(v[l].a[i]) / std::sqrt(bc2) + 1e-8);
+      }
+    }
+  }
+  return {losses, w};
+}
+
+TEST(Train, SgdAndAdamMatchTheirDefinitionsWorkedOutByHand) {
+  for (const char* optimizer : {"sgd", "adam"}) {
+    TrainOptions o = small(2);
+    o.optimizer = optimizer;
+    o.steps = 3;
+    o.lr = o.optimizer == "sgd" ? 0.5 : 0.01;  // large enough that a wrong scale shows
+    // Each rank trains on its own rows; the hand computation (and the reference) on them all.
+    EXPECT_FALSE(train_inputs(o, 0).equal(train_inputs(o, 1)));
+    const TrainReport r = run_train(o);
+    const auto [losses, weights] = train_by_hand(o);
+    ASSERT_EQ(r.losses.size(), losses.size());
+    for (size_t s = 0; s < losses.size(); ++s) {
+      EXPECT_NEAR(r.losses[s], losses[s], 1e-5 * losses[s]) << optimizer << " step " << s + 1;
+    }
+    ASSERT_EQ(r.final_weights.size(), weights.size());
+    double max_diff = 0, max_change = 0;
+    for (size_t l = 0; l < weights.size(); ++l) {
+      const Dense got = dense(r.final_weights[l]);
+      const Dense initial = dense(initial_weight(o, static_cast<int>(l)));
+      for (size_t i = 0; i < got.a.size(); ++i) {
+        max_diff = std::max(max_diff, std::fabs(got.a[i] - weights[l].a[i]));
+        max_change = std::max(max_change, std::fabs(weights[l].a[i] - initial.a[i]));
+      }
+    }
+    EXPECT_LT(max_diff, 1e-5) << optimizer;
+    EXPECT_GT(max_change, 1e-3) << optimizer;  // the training moved the weights
+  }
+}
+
 TEST(Train, AdamOnFourRanksMatchesReference) {
   TrainOptions o = small(4);
   o.optimizer = "adam";
@@ -164,6 +289,36 @@ TEST(Train, DivergedTrainingIsReportedNotMatched) {
   EXPECT_NE(c.err.find("funcol train: warning: the loss is "), std::string::npos) << c.err;
   EXPECT_NE(c.err.find("training diverged (lower --lr)"), std::string::npos) << c.err;
 }
+// A model too large for memory is an error naming the flags, before anything is allocated:
+// the activations (--batch rows on every rank, kept for the backward) count, not only the
+// weights. (--batch 100000000 used to pass and then fail as "out of memory", or be killed.)
+TEST(Train, ModelsThatDoNotFitInMemoryAreRejectedUpFront) {
+  auto expect_rejected = [](const TrainOptions& o, const std::string& naming) {
+    try {
+      validate(o);
+      ADD_FAILURE() << naming << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(naming), std::string::npos) << e.what();
+    }
+  };
+  TrainOptions o = small();
+  o.batch = 100000000;
+  expect_rejected(o, "--batch 100000000");
+  o = small();
+  o.layers = 1;
+  o.hidden = 65536;
+  o.ranks = 2;
+  EXPECT_THROW(validate(o), InvalidArgument);
+  // Tiny layers, but a million of them: every rank's step graphs (tens of nodes per layer,
+  // two variants) alone take tens of GB.
+  o = small();
+  o.layers = 1000000;
+  o.hidden = 4;
+  o.batch = 1;
+  expect_rejected(o, "--layers 1000000");
+  EXPECT_NO_THROW(validate(small()));
+}
+
 TEST(Train, BadOptionsFailWithClearMessages) {
   struct Case {
     void (*edit)(TrainOptions&);
