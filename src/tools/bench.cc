@@ -343,7 +343,8 @@ int64_t exact_limit(DType dtype) {
 //
 // Values by op (M = exact_limit(dtype), n = ranks, every value >= 0 so partial results of any
 // reduction order are bounded by the final one):
-//   all_gather, all_to_all, broadcast: (13 r + i) mod P, P = min(M, 250) + 1
+//   all_gather, all_to_all, broadcast: (13 r + i) mod P, P = min(M, 250) + 1; broadcast's
+//             non-root ranks (13 root + i + 1) mod P, so every element differs from the root's
 //   sum:      (7 r + i) mod (A + 1), A = min(M / n, 100): the sum of n ranks is <= M
 //   avg:      n * (i mod (A + 1)) on rank (n - i mod n) mod n, 0 elsewhere: the sum divides by n
 //   product:  i mod Q on that rank, 1 elsewhere, Q = min(M, 3) + 1: the product is i mod Q
@@ -431,6 +432,9 @@ CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, 
 
 int64_t CheckPattern::input(int rank, int64_t i) const {
   const int64_t r = rank;
+  // A broadcast's other ranks hold the root's values shifted by one element: every element
+  // differs from the root's, so one left unwritten is seen (bool on 3 ranks: 13 * 2 is even).
+  if (op_ == BenchOp::Broadcast && rank != root_) return (13 * root_ + i + 1) % modulus_;
   if (!has_reduce_op(op_)) return (13 * r + i) % modulus_;
   switch (redop_) {
     case ReduceOp::Sum:
@@ -518,15 +522,42 @@ void CheckPattern::fill_input(const Tensor& t, int rank, int rotation) const {
   });
 }
 
-int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) const {
+std::vector<CheckPattern::Segment> CheckPattern::output_segments(const Tensor& out, int rank,
+                                                                 int64_t count) const {
   FUNCOL_CHECK(out.dtype() == dtype_ && out.is_contiguous(),
-               "count_wrong needs a contiguous buffer");
-  const std::vector<Segment> segs = expected_segments(rank, count);
+               "a check's output must be a contiguous buffer of the pattern's dtype");
+  std::vector<Segment> segs = expected_segments(rank, count);
   int64_t total = 0;
   for (const Segment& s : segs) total += s.length;
-  FUNCOL_CHECK(total == out.numel(), "count_wrong: output has " + std::to_string(out.numel()) +
+  FUNCOL_CHECK(total == out.numel(), "check: output has " + std::to_string(out.numel()) +
                                          " elements, expected " + std::to_string(total));
-  if (total == 0) return 0;
+  return segs;
+}
+
+void CheckPattern::fill_poison(const Tensor& out, int rank, int64_t count) const {
+  const std::vector<Segment> segs = output_segments(out, rank, count);
+  if (out.numel() == 0) return;
+  visit_dtype(dtype_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(out.data_ptr());
+    for (const Segment& s : segs) {
+      // Expected values are in [0, exact_limit]: v - 1, or 1 for 0, is exact and differs.
+      std::vector<double> poison(*s.table);
+      for (double& v : poison) v = v == 0 ? 1 : v - 1;
+      const std::vector<T> typed = typed_table<T>(poison);
+      int64_t k = s.offset % period_;
+      for (int64_t j = 0; j < s.length; ++j) {
+        p[j] = typed[static_cast<size_t>(k)];
+        if (++k == period_) k = 0;
+      }
+      p += s.length;
+    }
+  });
+}
+
+int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) const {
+  const std::vector<Segment> segs = output_segments(out, rank, count);
+  if (out.numel() == 0) return 0;
   return visit_dtype(dtype_, [&](auto tag) -> int64_t {
     using T = typename decltype(tag)::type;
     const T* p = static_cast<const T*>(out.data_ptr());
@@ -787,9 +818,7 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   for (int c = 0; c < o.check; ++c) {
     // The poison goes first: an in-place all_gather's input is a block of its output (an
     // in-place reduce_scatter's output a block of its input, refilled next).
-    if (!in_place(op)) {
-      b.out.fill_(static_cast<double>(std::min<int64_t>(exact_limit(o.dtype), 1000)));
-    }
+    if (!in_place(op)) pattern.fill_poison(b.out, rank, row.sizes.count);
     pattern.fill_input(b.in, rank);
     run_once(pg, op, b, o.redop, o.root);
     if (o.inject_wrong && rank == 0 && b.out.numel() > 0) {

@@ -91,6 +91,10 @@ class CheckPattern {
   // every reduction's result unchanged but moves what each rank's own buffer holds (how an
   // in-place reduction's check finds elements the collective left unwritten).
   void fill_input(const Tensor& t, int rank, int rotation = 0) const;
+  // Writes into every element of `out` (contiguous, numel = out_numel) a value exact in the
+  // dtype that differs from expected(rank, j, count): an element the collective leaves
+  // unwritten is always counted wrong (a fixed poison equals some expected values: bool's 1).
+  void fill_poison(const Tensor& out, int rank, int64_t count) const;
   // Elements of `out` (contiguous, waited) that differ from expected(rank, j, count).
   int64_t count_wrong(const Tensor& out, int rank, int64_t count) const;
 
@@ -102,6 +106,8 @@ class CheckPattern {
     int64_t length;
   };
   std::vector<Segment> expected_segments(int rank, int64_t count) const;
+  // expected_segments, after checking that `out` is contiguous and holds exactly them.
+  std::vector<Segment> output_segments(const Tensor& out, int rank, int64_t count) const;
   std::vector<double> input_table(int rank) const;
 
   BenchOp op_;

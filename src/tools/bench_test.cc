@@ -302,6 +302,17 @@ TEST(BenchCheck, EveryPatternIsExactAndMatchesAPlainReduction) {
               }
               ASSERT_EQ(e, want) << "rank " << rank << " j " << j;
             }
+            // The check poisons the output before the call, and a non-root rank's broadcast
+            // buffer holds its own input: an element the collective leaves unwritten is wrong
+            // there, on every dtype (bool has two values: a fixed poison of 1 hid every expected
+            // 1, and on 3 ranks rank 0's bool broadcast input equalled root 2's).
+            Tensor out = Tensor::empty({out_numel}, dtype);
+            p.fill_poison(out, rank, count);
+            ASSERT_EQ(p.count_wrong(out, rank, count), out_numel) << "rank " << rank;
+            if (op == BenchOp::Broadcast && rank != root) {
+              p.fill_input(out, rank);
+              ASSERT_EQ(p.count_wrong(out, rank, count), out_numel) << "rank " << rank;
+            }
           }
         }
       }
