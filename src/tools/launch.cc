@@ -349,11 +349,26 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
       ->capture_default_str();
 }
 
+namespace {
+
+// How many of a job's `ranks` share this machine's memory: all of them on the threads backend
+// and in a job funcol started (its launcher runs every rank here); otherwise what the launcher
+// says (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE), else this one.
+int ranks_on_this_machine(const std::string& backend, int ranks) {
+  if (backend == "threads") return ranks;
+  if (backend == "gloo" && std::getenv(kLauncherPidVar) != nullptr) return ranks;
+  const std::optional<int> local =
+      process::env_int(backend == "mpi" ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "LOCAL_WORLD_SIZE");
+  return std::clamp(local.value_or(1), 1, std::max(ranks, 1));
+}
+
+}  // namespace
+
 bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank) {
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page_size <= 0) return true;
-  const double held = bytes_per_rank * (backend == "threads" ? ranks : 1);
+  const double held = bytes_per_rank * ranks_on_this_machine(backend, ranks);
   return held <= static_cast<double>(pages) * static_cast<double>(page_size);
 }
 

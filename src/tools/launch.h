@@ -25,8 +25,9 @@ void check_backend_option(const std::string& backend);
 // (OMPI_COMM_WORLD_SIZE is set), gloo when RANK and WORLD_SIZE are set.
 bool inside_job(const std::string& backend);
 
-// True unless `bytes_per_rank` on every rank this process holds (all `ranks` on the threads
-// backend, one otherwise) is more than this machine's physical memory. Allocations under the
+// True unless `bytes_per_rank` on every rank this machine holds (all `ranks` on the threads
+// backend and in a gloo job funcol started; an mpi or other gloo job's local ranks as its
+// launcher says, else one) is more than this machine's physical memory. Allocations under the
 // RAM size succeed and fail only when written, as an out-of-memory kill, so the tools check
 // what they are about to write first. True when the memory size is unknown.
 bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank);
