@@ -577,6 +577,43 @@ int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) co
 
 // ---- options ----
 
+namespace {
+
+// The largest size of size_sequence(min, max, factor, step), without listing the others.
+int64_t largest_size(const BenchOptions& o) {
+  if (o.step_factor == 1) {
+    return o.min_bytes + (o.max_bytes - o.min_bytes) / o.step_bytes * o.step_bytes;
+  }
+  int64_t size = o.min_bytes;
+  if (size == 0) {
+    if (o.max_bytes == 0) return 0;
+    size = 1;  // as size_sequence: 0 is followed by 1
+  }
+  while (size <= o.max_bytes / o.step_factor) size *= o.step_factor;
+  return size;
+}
+
+// Throws InvalidArgument unless `op`'s buffers at `bytes` fit in this machine's memory on each
+// of the ranks it holds: allocations under the memory's size succeed and fail only when
+// written, as an out-of-memory kill. A process job not yet started is about to be, here.
+void check_fits(const BenchOptions& o, BenchOp op, int64_t bytes) {
+  const CollSizes s = coll_sizes(op, bytes, itemsize(o.dtype), o.ranks);
+  // A double: in + out of a size near 8 EiB does not fit in int64.
+  const double in = static_cast<double>(s.in_numel);
+  const double out = static_cast<double>(s.out_numel);
+  const double need = (runs_in_place(o, op) ? std::max(in, out) : in + out) *
+                      static_cast<double>(itemsize(o.dtype));
+  const bool launching = o.backend != "threads" && !inside_job(o.backend, o.join);
+  if (!fits_in_memory(launching ? "threads" : o.backend, o.ranks, need)) {
+    throw InvalidArgument(fmt::format(
+        "out of memory allocating {:.0f} bytes per rank for {} at size {}: lower -e/--maxbytes or "
+        "--ranks",
+        need, bench_op_name(op), bytes));
+  }
+}
+
+}  // namespace
+
 void validate(const BenchOptions& o) {
   const std::vector<std::string> available = available_backends();
   if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
@@ -617,6 +654,8 @@ void validate(const BenchOptions& o) {
   for (BenchOp op : o.ops) {
     if (has_reduce_op(op)) check_reduce_op_dtype(o.redop, o.dtype, bench_op_name(op));
   }
+  // Every size's buffers, before the run prints or runs anything (the largest needs the most).
+  for (BenchOp op : o.ops) check_fits(o, op, largest_size(o));
 }
 
 // ---- references ----
@@ -766,19 +805,7 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   row.sizes = coll_sizes(op, bytes, itemsize(o.dtype), n);
   Buffers b;
   const bool aliased = runs_in_place(o, op);
-  // A double: in + out of a size near 8 EiB does not fit in int64.
-  const double need =
-      (aliased ? static_cast<double>(std::max(row.sizes.in_numel, row.sizes.out_numel))
-               : static_cast<double>(row.sizes.in_numel) + static_cast<double>(row.sizes.out_numel)) *
-      static_cast<double>(itemsize(o.dtype));
-  const auto out_of_memory = [&] {
-    return InvalidArgument(fmt::format(
-        "out of memory allocating {:.0f} bytes per rank for {} at size {}: lower -e/--maxbytes or "
-        "--ranks",
-        need, bench_op_name(op), bytes));
-  };
-  // The buffers are written below: more than the machine holds would be an out-of-memory kill.
-  if (!fits_in_memory(o.backend, o.ranks, need)) throw out_of_memory();
+  // validate() refused sizes whose buffers are more than the machine's memory.
   try {
     if (!aliased) {
       b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
@@ -794,7 +821,9 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
       b.out = b.in;
     }
   } catch (const std::bad_alloc&) {
-    throw out_of_memory();
+    throw InvalidArgument(fmt::format("out of memory allocating the buffers of {} at size {}: "
+                                      "lower -e/--maxbytes or --ranks",
+                                      bench_op_name(op), bytes));
   }
 
   // Timed data. An in-place all_reduce (or reduce_scatter) feeds each result into the next

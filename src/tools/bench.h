@@ -157,7 +157,9 @@ struct BenchOptions {
 };
 
 // Throws InvalidArgument when the options do not make a run (min > max, root out of range,
-// bitwise reduce op on a floating dtype, a backend not compiled in, ...).
+// bitwise reduce op on a floating dtype, a backend not compiled in, the largest size's buffers
+// more than this machine's memory on the ranks it holds or, for a job funcol bench is about to
+// start, on all of them, ...).
 void validate(const BenchOptions& options);
 
 // This run's memcpy bandwidth: two threads each copying `bytes` at the same time.

@@ -476,6 +476,47 @@ TEST(BenchRun, ValidateRejectsRunsThatCannotWork) {
   }
 }
 
+// A size beyond the machine's memory is refused before anything runs or prints (it was refused
+// only when reached, after every smaller size had run and printed its row); a job that funcol
+// bench is about to start (mpi, gloo) holds all its ranks on this machine.
+TEST(BenchRun, SizesBeyondMemoryAreRefusedUpFront) {
+  const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                     static_cast<double>(sysconf(_SC_PAGESIZE));
+  BenchOptions o;
+  o.ops = {BenchOp::AllReduce};
+  o.min_bytes = 8;
+  o.step_factor = static_cast<int64_t>(0.6 * ram) / 8;
+  o.max_bytes = 8 * o.step_factor;  // sizes 8 and 0.6 of the memory, twice over on 2 ranks
+  o.iters = 1;
+  o.warmup_iters = 0;
+  o.memcpy_gbps_override = 1;
+  o.ranks = 1;
+  EXPECT_NO_THROW(validate(o));  // validated only: one rank's buffer fits
+  o.ranks = 2;
+  EXPECT_THROW(validate(o), InvalidArgument);
+  std::FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  try {
+    run_bench(o, out);
+    ADD_FAILURE() << "ran";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("out of memory allocating"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("-e/--maxbytes"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(std::ftell(out), 0) << "nothing printed";
+  std::fclose(out);
+  for (const std::string& backend : available_backends()) {
+    if (backend == "threads" || inside_job(backend)) continue;
+    SCOPED_TRACE(backend);
+    o.backend = backend;
+    EXPECT_THROW(validate(o), InvalidArgument);
+    o.ranks = 1;
+    EXPECT_NO_THROW(validate(o));
+    o.ranks = 2;
+  }
+}
+
 TEST(BenchRun, JobArgsSpellOutEveryFlag) {
   BenchOptions o;
   o.min_bytes = 4096;
