@@ -245,26 +245,21 @@ ReduceOp parse_bench_redop(std::string_view text) {
 
 // ---- nccl-tests conventions ----
 
+int64_t next_size(int64_t size, int64_t max_bytes, int64_t factor, int64_t step_bytes) {
+  FUNCOL_CHECK(factor >= 1 && (factor > 1 || step_bytes >= 1), "bad size step");
+  if (factor > 1) {
+    if (size == 0) return max_bytes >= 1 ? 1 : -1;
+    return size > max_bytes / factor ? -1 : size * factor;
+  }
+  return size > max_bytes - step_bytes ? -1 : size + step_bytes;
+}
+
 std::vector<int64_t> size_sequence(int64_t min_bytes, int64_t max_bytes, int64_t factor,
                                    int64_t step_bytes) {
-  FUNCOL_CHECK(factor >= 1 && (factor > 1 || step_bytes >= 1), "bad size step");
   std::vector<int64_t> sizes;
-  for (int64_t size = min_bytes; size <= max_bytes;) {
+  for (int64_t size = min_bytes <= max_bytes ? min_bytes : -1; size >= 0;
+       size = next_size(size, max_bytes, factor, step_bytes)) {
     sizes.push_back(size);
-    int64_t next;
-    if (factor > 1) {
-      if (size == 0) {
-        next = 1;
-      } else if (size > max_bytes / factor) {
-        break;
-      } else {
-        next = size * factor;
-      }
-    } else {
-      if (size > max_bytes - step_bytes) break;
-      next = size + step_bytes;
-    }
-    size = next;
   }
   return sizes;
 }
@@ -579,17 +574,16 @@ int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) co
 
 namespace {
 
-// The largest size of size_sequence(min, max, factor, step), without listing the others.
+// The largest size of size_sequence(min, max, factor, step), without listing the others (-f 1
+// -i 1 -e 1G has a billion).
 int64_t largest_size(const BenchOptions& o) {
   if (o.step_factor == 1) {
     return o.min_bytes + (o.max_bytes - o.min_bytes) / o.step_bytes * o.step_bytes;
   }
   int64_t size = o.min_bytes;
-  if (size == 0) {
-    if (o.max_bytes == 0) return 0;
-    size = 1;  // as size_sequence: 0 is followed by 1
+  for (int64_t next; (next = next_size(size, o.max_bytes, o.step_factor, o.step_bytes)) >= 0;) {
+    size = next;
   }
-  while (size <= o.max_bytes / o.step_factor) size *= o.step_factor;
   return size;
 }
 
@@ -1020,14 +1014,16 @@ double mean_busbw(const std::vector<BenchRow>& rows) {
 
 // One rank's benchmark: every op at every size on `world`. Rank 0 prints the rows to `out`
 // and keeps them in `report`; every rank runs the same collectives.
-void bench_rank(ProcessGroup& world, const BenchOptions& o, const std::vector<int64_t>& sizes,
+void bench_rank(ProcessGroup& world, const BenchOptions& o,
                 const std::vector<CheckPattern>& patterns, BenchReport& report, std::FILE* out) {
   const bool printer = world.rank() == 0;
   for (size_t k = 0; k < o.ops.size(); ++k) {
     const BenchOp op = o.ops[k];
     if (printer && !o.json) print_columns(out, op);
     std::vector<BenchRow> op_rows;
-    for (int64_t bytes : sizes) {
+    // One size at a time, never a list: -f 1 -i 1 -e 1G is a billion rows.
+    for (int64_t bytes = o.min_bytes; bytes >= 0;
+         bytes = next_size(bytes, o.max_bytes, o.step_factor, o.step_bytes)) {
       BenchRow row = measure(world, o, op, patterns[k], bytes);
       if (!printer) continue;
       print_row(out, o, row, report);
@@ -1041,12 +1037,11 @@ void bench_rank(ProcessGroup& world, const BenchOptions& o, const std::vector<in
   }
 }
 
-// The memcpy reference of a run with these sizes: the largest, at least 1 MiB (smaller buffers
+// The memcpy reference of a run at the run's largest size, at least 1 MiB (smaller buffers
 // measure the cache), at most 64 MiB (beyond that the figure no longer changes; it only costs
 // time).
-MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& sizes) {
-  const int64_t bytes =
-      std::clamp<int64_t>(sizes.empty() ? 0 : sizes.back(), int64_t{1} << 20, int64_t{64} << 20);
+MemcpyRef memcpy_reference(const BenchOptions& o) {
+  const int64_t bytes = std::clamp<int64_t>(largest_size(o), int64_t{1} << 20, int64_t{64} << 20);
   if (o.memcpy_gbps_override > 0) {
     return {bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
   }
@@ -1055,9 +1050,8 @@ MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& si
 
 // Measures the run's references into `report` and prints the header. The handoff reference is
 // skipped when the memcpy figure is given (tests, which want neither the time nor the noise).
-void start_report(std::FILE* out, const BenchOptions& o, const std::vector<int64_t>& sizes,
-                  BenchReport& report) {
-  report.memcpy = memcpy_reference(o, sizes);
+void start_report(std::FILE* out, const BenchOptions& o, BenchReport& report) {
+  report.memcpy = memcpy_reference(o);
   report.handoff = o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff();
   if (!o.json) print_header(out, o, report);
 }
@@ -1082,8 +1076,7 @@ void finish_report(BenchReport& report) {
 
 // This process is one rank of an mpi or gloo job: join the world, run, leave. Rank 0 measures
 // the memcpy reference (its peers wait in their first collective) and prints everything.
-BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& sizes,
-                             std::FILE* out) {
+BenchReport run_process_rank(const BenchOptions& o, std::FILE* out) {
   follow_launcher();
   std::shared_ptr<ProcessGroup> world = init_process_group(o.backend, o.join);
   const int rank = world->rank();
@@ -1097,9 +1090,9 @@ BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& 
     std::vector<CheckPattern> patterns;
     for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
     if (rank == 0) {
-      start_report(out, o, sizes, report);
+      start_report(out, o, report);
     }
-    bench_rank(*world, o, sizes, patterns, report, out);
+    bench_rank(*world, o, patterns, report, out);
     finish_report(report);
     if (rank == 0) print_summary(out, o, report);
   } catch (...) {
@@ -1120,26 +1113,24 @@ BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& 
 
 BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
   validate(o);
-  const std::vector<int64_t> sizes =
-      size_sequence(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
   if (o.backend != "threads") {
     if (!inside_job(o.backend, o.join)) {
       throw InvalidArgument(fmt::format(
           "run_bench: backend '{}' runs in a job's processes (started by funcol bench or mpirun)",
           o.backend));
     }
-    return run_process_rank(o, sizes, out);
+    return run_process_rank(o, out);
   }
   BenchReport report;
   // The references run before the ranks start, so nothing else competes with them.
-  start_report(out, o, sizes, report);
+  start_report(out, o, report);
 
   std::vector<CheckPattern> patterns;
   for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
   LocalOptions local;
   local.bind_threads = true;  // one rank per CPU, as the references' threads
   run_local(
-      o.ranks, [&](ProcessGroup& world) { bench_rank(world, o, sizes, patterns, report, out); },
+      o.ranks, [&](ProcessGroup& world) { bench_rank(world, o, patterns, report, out); },
       local);
   finish_report(report);
   print_summary(out, o, report);

@@ -126,6 +126,21 @@ TEST(BenchE2E, AWrongValueFailsTheRun) {
   EXPECT_NE(json.out_only.find("\"wrong\":1"), std::string::npos) << json.out;
 }
 
+// Sizes are made one at a time: -f 1 -i 1 -e 1G (a billion rows, as nccl-tests runs them) prints
+// its first rows at once. It listed every size first: 8 GB before the header, under a 4 GB
+// limit an "out of memory" error about buffers that fit.
+TEST(BenchE2E, AStepOfOneByteStartsAtOnce) {
+  const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+      std::string("ulimit -v 4000000; timeout 10 ") + FUNCOL_BIN +
+      " bench -o broadcast -b 0 -e 1G -f 1 -i 1 -n 1 -w 0 -c 0 | head -n 40");
+  EXPECT_EQ(r.err, "");
+  EXPECT_NE(r.out.find("# minBytes 0 maxBytes 1073741824 step: 1(bytes)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("\n           4             1       f32    none       0"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
   struct Case {
     const char* args;

@@ -115,6 +115,9 @@ TEST(BenchSizes, SequenceFollowsNcclTests) {
   EXPECT_EQ(size_sequence(64, 64, 2, 1), (std::vector<int64_t>{64}));
   EXPECT_EQ(size_sequence(0, 4, 2, 1), (std::vector<int64_t>{0, 1, 2, 4}));
   EXPECT_EQ(size_sequence(10, 35, 1, 10), (std::vector<int64_t>{10, 20, 30}));
+  EXPECT_EQ(size_sequence(0, 0, 2, 1), (std::vector<int64_t>{0}));
+  EXPECT_EQ(next_size(30, 35, 1, 10), -1);
+  EXPECT_EQ(next_size(0, 35, 2, 1), 1);
   // No overflow near the top of int64.
   const int64_t big = std::numeric_limits<int64_t>::max();
   EXPECT_EQ(size_sequence(big / 2, big, 2, 1).size(), 2u);
