@@ -589,7 +589,7 @@ int64_t largest_size(const BenchOptions& o) {
 
 // Throws InvalidArgument unless `op`'s buffers at `bytes` fit in this machine's memory on each
 // of the ranks it holds: allocations under the memory's size succeed and fail only when
-// written, as an out-of-memory kill. A process job not yet started is about to be, here.
+// written, as an out-of-memory kill.
 void check_fits(const BenchOptions& o, BenchOp op, int64_t bytes) {
   const CollSizes s = coll_sizes(op, bytes, itemsize(o.dtype), o.ranks);
   // A double: in + out of a size near 8 EiB does not fit in int64.
@@ -597,8 +597,7 @@ void check_fits(const BenchOptions& o, BenchOp op, int64_t bytes) {
   const double out = static_cast<double>(s.out_numel);
   const double need = (runs_in_place(o, op) ? std::max(in, out) : in + out) *
                       static_cast<double>(itemsize(o.dtype));
-  const bool launching = o.backend != "threads" && !inside_job(o.backend, o.join);
-  if (!fits_in_memory(launching ? "threads" : o.backend, o.ranks, need)) {
+  if (!fits_in_memory(ranks_on_this_machine(o.backend, o.ranks, o.join), need)) {
     throw InvalidArgument(fmt::format(
         "out of memory allocating {:.0f} bytes per rank for {} at size {}: lower -e/--maxbytes or "
         "--ranks",

@@ -596,6 +596,16 @@ TEST(BenchRun, ProcessRanksOnThisMachineShareItsMemory) {
   setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
   EXPECT_TRUE(fits_in_memory("mpi", 4, most));
   unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  // A tool outside a job starts one here: every rank of it on this machine.
+  const InitOptions none;
+  ASSERT_EQ(std::getenv("RANK"), nullptr);
+  EXPECT_EQ(ranks_on_this_machine("threads", 4, none), 4);
+  EXPECT_EQ(ranks_on_this_machine("gloo", 4, none), 4);
+  EXPECT_EQ(ranks_on_this_machine("mpi", 4, none), 4);
+  InitOptions joined;  // --rank 1 --world-size 4: a job someone else started
+  joined.rank = 1;
+  joined.world_size = 4;
+  EXPECT_EQ(ranks_on_this_machine("gloo", 4, joined), 1);
 }
 
 TEST(BenchRun, MemcpyReferenceIsPositive) {
