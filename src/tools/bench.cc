@@ -245,26 +245,21 @@ ReduceOp parse_bench_redop(std::string_view text) {
 
 // ---- nccl-tests conventions ----
 
+int64_t next_size(int64_t size, int64_t max_bytes, int64_t factor, int64_t step_bytes) {
+  FUNCOL_CHECK(factor >= 1 && (factor > 1 || step_bytes >= 1), "bad size step");
+  if (factor > 1) {
+    if (size == 0) return max_bytes >= 1 ? 1 : -1;
+    return size > max_bytes / factor ? -1 : size * factor;
+  }
+  return size > max_bytes - step_bytes ? -1 : size + step_bytes;
+}
+
 std::vector<int64_t> size_sequence(int64_t min_bytes, int64_t max_bytes, int64_t factor,
                                    int64_t step_bytes) {
-  FUNCOL_CHECK(factor >= 1 && (factor > 1 || step_bytes >= 1), "bad size step");
   std::vector<int64_t> sizes;
-  for (int64_t size = min_bytes; size <= max_bytes;) {
+  for (int64_t size = min_bytes <= max_bytes ? min_bytes : -1; size >= 0;
+       size = next_size(size, max_bytes, factor, step_bytes)) {
     sizes.push_back(size);
-    int64_t next;
-    if (factor > 1) {
-      if (size == 0) {
-        next = 1;
-      } else if (size > max_bytes / factor) {
-        break;
-      } else {
-        next = size * factor;
-      }
-    } else {
-      if (size > max_bytes - step_bytes) break;
-      next = size + step_bytes;
-    }
-    size = next;
   }
   return sizes;
 }
@@ -343,7 +338,8 @@ int64_t exact_limit(DType dtype) {
 //
 // Values by op (M = exact_limit(dtype), n = ranks, every value >= 0 so partial results of any
 // reduction order are bounded by the final one):
-//   all_gather, all_to_all, broadcast: (13 r + i) mod P, P = min(M, 250) + 1
+//   all_gather, all_to_all, broadcast: (13 r + i) mod P, P = min(M, 250) + 1; broadcast's
+//             non-root ranks (13 root + i + 1) mod P, so every element differs from the root's
 //   sum:      (7 r + i) mod (A + 1), A = min(M / n, 100): the sum of n ranks is <= M
 //   avg:      n * (i mod (A + 1)) on rank (n - i mod n) mod n, 0 elsewhere: the sum divides by n
 //   product:  i mod Q on that rank, 1 elsewhere, Q = min(M, 3) + 1: the product is i mod Q
@@ -431,6 +427,9 @@ CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, 
 
 int64_t CheckPattern::input(int rank, int64_t i) const {
   const int64_t r = rank;
+  // A broadcast's other ranks hold the root's values shifted by one element: every element
+  // differs from the root's, so one left unwritten is seen (bool on 3 ranks: 13 * 2 is even).
+  if (op_ == BenchOp::Broadcast && rank != root_) return (13 * root_ + i + 1) % modulus_;
   if (!has_reduce_op(op_)) return (13 * r + i) % modulus_;
   switch (redop_) {
     case ReduceOp::Sum:
@@ -518,15 +517,42 @@ void CheckPattern::fill_input(const Tensor& t, int rank, int rotation) const {
   });
 }
 
-int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) const {
+std::vector<CheckPattern::Segment> CheckPattern::output_segments(const Tensor& out, int rank,
+                                                                 int64_t count) const {
   FUNCOL_CHECK(out.dtype() == dtype_ && out.is_contiguous(),
-               "count_wrong needs a contiguous buffer");
-  const std::vector<Segment> segs = expected_segments(rank, count);
+               "a check's output must be a contiguous buffer of the pattern's dtype");
+  std::vector<Segment> segs = expected_segments(rank, count);
   int64_t total = 0;
   for (const Segment& s : segs) total += s.length;
-  FUNCOL_CHECK(total == out.numel(), "count_wrong: output has " + std::to_string(out.numel()) +
+  FUNCOL_CHECK(total == out.numel(), "check: output has " + std::to_string(out.numel()) +
                                          " elements, expected " + std::to_string(total));
-  if (total == 0) return 0;
+  return segs;
+}
+
+void CheckPattern::fill_poison(const Tensor& out, int rank, int64_t count) const {
+  const std::vector<Segment> segs = output_segments(out, rank, count);
+  if (out.numel() == 0) return;
+  visit_dtype(dtype_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(out.data_ptr());
+    for (const Segment& s : segs) {
+      // Expected values are in [0, exact_limit]: v - 1, or 1 for 0, is exact and differs.
+      std::vector<double> poison(*s.table);
+      for (double& v : poison) v = v == 0 ? 1 : v - 1;
+      const std::vector<T> typed = typed_table<T>(poison);
+      int64_t k = s.offset % period_;
+      for (int64_t j = 0; j < s.length; ++j) {
+        p[j] = typed[static_cast<size_t>(k)];
+        if (++k == period_) k = 0;
+      }
+      p += s.length;
+    }
+  });
+}
+
+int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) const {
+  const std::vector<Segment> segs = output_segments(out, rank, count);
+  if (out.numel() == 0) return 0;
   return visit_dtype(dtype_, [&](auto tag) -> int64_t {
     using T = typename decltype(tag)::type;
     const T* p = static_cast<const T*>(out.data_ptr());
@@ -545,6 +571,41 @@ int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) co
 }
 
 // ---- options ----
+
+namespace {
+
+// The largest size of size_sequence(min, max, factor, step), without listing the others (-f 1
+// -i 1 -e 1G has a billion).
+int64_t largest_size(const BenchOptions& o) {
+  if (o.step_factor == 1) {
+    return o.min_bytes + (o.max_bytes - o.min_bytes) / o.step_bytes * o.step_bytes;
+  }
+  int64_t size = o.min_bytes;
+  for (int64_t next; (next = next_size(size, o.max_bytes, o.step_factor, o.step_bytes)) >= 0;) {
+    size = next;
+  }
+  return size;
+}
+
+// Throws InvalidArgument unless `op`'s buffers at `bytes` fit in this machine's memory on each
+// of the ranks it holds: allocations under the memory's size succeed and fail only when
+// written, as an out-of-memory kill.
+void check_fits(const BenchOptions& o, BenchOp op, int64_t bytes) {
+  const CollSizes s = coll_sizes(op, bytes, itemsize(o.dtype), o.ranks);
+  // A double: in + out of a size near 8 EiB does not fit in int64.
+  const double in = static_cast<double>(s.in_numel);
+  const double out = static_cast<double>(s.out_numel);
+  const double need = (runs_in_place(o, op) ? std::max(in, out) : in + out) *
+                      static_cast<double>(itemsize(o.dtype));
+  if (!fits_in_memory(ranks_on_this_machine(o.backend, o.ranks, o.join), need)) {
+    throw InvalidArgument(fmt::format(
+        "out of memory allocating {:.0f} bytes per rank for {} at size {}: lower -e/--maxbytes or "
+        "--ranks",
+        need, bench_op_name(op), bytes));
+  }
+}
+
+}  // namespace
 
 void validate(const BenchOptions& o) {
   const std::vector<std::string> available = available_backends();
@@ -586,6 +647,8 @@ void validate(const BenchOptions& o) {
   for (BenchOp op : o.ops) {
     if (has_reduce_op(op)) check_reduce_op_dtype(o.redop, o.dtype, bench_op_name(op));
   }
+  // Every size's buffers, before the run prints or runs anything (the largest needs the most).
+  for (BenchOp op : o.ops) check_fits(o, op, largest_size(o));
 }
 
 // ---- references ----
@@ -735,19 +798,7 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   row.sizes = coll_sizes(op, bytes, itemsize(o.dtype), n);
   Buffers b;
   const bool aliased = runs_in_place(o, op);
-  // A double: in + out of a size near 8 EiB does not fit in int64.
-  const double need =
-      (aliased ? static_cast<double>(std::max(row.sizes.in_numel, row.sizes.out_numel))
-               : static_cast<double>(row.sizes.in_numel) + static_cast<double>(row.sizes.out_numel)) *
-      static_cast<double>(itemsize(o.dtype));
-  const auto out_of_memory = [&] {
-    return InvalidArgument(fmt::format(
-        "out of memory allocating {:.0f} bytes per rank for {} at size {}: lower -e/--maxbytes or "
-        "--ranks",
-        need, bench_op_name(op), bytes));
-  };
-  // The buffers are written below: more than the machine holds would be an out-of-memory kill.
-  if (!fits_in_memory(o.backend, o.ranks, need)) throw out_of_memory();
+  // validate() refused sizes whose buffers are more than the machine's memory.
   try {
     if (!aliased) {
       b.in = Tensor::empty({row.sizes.in_numel}, o.dtype);
@@ -763,7 +814,9 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
       b.out = b.in;
     }
   } catch (const std::bad_alloc&) {
-    throw out_of_memory();
+    throw InvalidArgument(fmt::format("out of memory allocating the buffers of {} at size {}: "
+                                      "lower -e/--maxbytes or --ranks",
+                                      bench_op_name(op), bytes));
   }
 
   // Timed data. An in-place all_reduce (or reduce_scatter) feeds each result into the next
@@ -787,9 +840,7 @@ BenchRow measure(ProcessGroup& pg, const BenchOptions& o, BenchOp op, const Chec
   for (int c = 0; c < o.check; ++c) {
     // The poison goes first: an in-place all_gather's input is a block of its output (an
     // in-place reduce_scatter's output a block of its input, refilled next).
-    if (!in_place(op)) {
-      b.out.fill_(static_cast<double>(std::min<int64_t>(exact_limit(o.dtype), 1000)));
-    }
+    if (!in_place(op)) pattern.fill_poison(b.out, rank, row.sizes.count);
     pattern.fill_input(b.in, rank);
     run_once(pg, op, b, o.redop, o.root);
     if (o.inject_wrong && rank == 0 && b.out.numel() > 0) {
@@ -962,14 +1013,16 @@ double mean_busbw(const std::vector<BenchRow>& rows) {
 
 // One rank's benchmark: every op at every size on `world`. Rank 0 prints the rows to `out`
 // and keeps them in `report`; every rank runs the same collectives.
-void bench_rank(ProcessGroup& world, const BenchOptions& o, const std::vector<int64_t>& sizes,
+void bench_rank(ProcessGroup& world, const BenchOptions& o,
                 const std::vector<CheckPattern>& patterns, BenchReport& report, std::FILE* out) {
   const bool printer = world.rank() == 0;
   for (size_t k = 0; k < o.ops.size(); ++k) {
     const BenchOp op = o.ops[k];
     if (printer && !o.json) print_columns(out, op);
     std::vector<BenchRow> op_rows;
-    for (int64_t bytes : sizes) {
+    // One size at a time, never a list: -f 1 -i 1 -e 1G is a billion rows.
+    for (int64_t bytes = o.min_bytes; bytes >= 0;
+         bytes = next_size(bytes, o.max_bytes, o.step_factor, o.step_bytes)) {
       BenchRow row = measure(world, o, op, patterns[k], bytes);
       if (!printer) continue;
       print_row(out, o, row, report);
@@ -983,12 +1036,11 @@ void bench_rank(ProcessGroup& world, const BenchOptions& o, const std::vector<in
   }
 }
 
-// The memcpy reference of a run with these sizes: the largest, at least 1 MiB (smaller buffers
+// The memcpy reference of a run at the run's largest size, at least 1 MiB (smaller buffers
 // measure the cache), at most 64 MiB (beyond that the figure no longer changes; it only costs
 // time).
-MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& sizes) {
-  const int64_t bytes =
-      std::clamp<int64_t>(sizes.empty() ? 0 : sizes.back(), int64_t{1} << 20, int64_t{64} << 20);
+MemcpyRef memcpy_reference(const BenchOptions& o) {
+  const int64_t bytes = std::clamp<int64_t>(largest_size(o), int64_t{1} << 20, int64_t{64} << 20);
   if (o.memcpy_gbps_override > 0) {
     return {bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
   }
@@ -997,9 +1049,8 @@ MemcpyRef memcpy_reference(const BenchOptions& o, const std::vector<int64_t>& si
 
 // Measures the run's references into `report` and prints the header. The handoff reference is
 // skipped when the memcpy figure is given (tests, which want neither the time nor the noise).
-void start_report(std::FILE* out, const BenchOptions& o, const std::vector<int64_t>& sizes,
-                  BenchReport& report) {
-  report.memcpy = memcpy_reference(o, sizes);
+void start_report(std::FILE* out, const BenchOptions& o, BenchReport& report) {
+  report.memcpy = memcpy_reference(o);
   report.handoff = o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff();
   if (!o.json) print_header(out, o, report);
 }
@@ -1024,8 +1075,7 @@ void finish_report(BenchReport& report) {
 
 // This process is one rank of an mpi or gloo job: join the world, run, leave. Rank 0 measures
 // the memcpy reference (its peers wait in their first collective) and prints everything.
-BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& sizes,
-                             std::FILE* out) {
+BenchReport run_process_rank(const BenchOptions& o, std::FILE* out) {
   follow_launcher();
   std::shared_ptr<ProcessGroup> world = init_process_group(o.backend, o.join);
   const int rank = world->rank();
@@ -1039,9 +1089,9 @@ BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& 
     std::vector<CheckPattern> patterns;
     for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
     if (rank == 0) {
-      start_report(out, o, sizes, report);
+      start_report(out, o, report);
     }
-    bench_rank(*world, o, sizes, patterns, report, out);
+    bench_rank(*world, o, patterns, report, out);
     finish_report(report);
     if (rank == 0) print_summary(out, o, report);
   } catch (...) {
@@ -1062,26 +1112,24 @@ BenchReport run_process_rank(const BenchOptions& o, const std::vector<int64_t>& 
 
 BenchReport run_bench(const BenchOptions& o, std::FILE* out) {
   validate(o);
-  const std::vector<int64_t> sizes =
-      size_sequence(o.min_bytes, o.max_bytes, o.step_factor, o.step_bytes);
   if (o.backend != "threads") {
     if (!inside_job(o.backend, o.join)) {
       throw InvalidArgument(fmt::format(
           "run_bench: backend '{}' runs in a job's processes (started by funcol bench or mpirun)",
           o.backend));
     }
-    return run_process_rank(o, sizes, out);
+    return run_process_rank(o, out);
   }
   BenchReport report;
   // The references run before the ranks start, so nothing else competes with them.
-  start_report(out, o, sizes, report);
+  start_report(out, o, report);
 
   std::vector<CheckPattern> patterns;
   for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
   LocalOptions local;
   local.bind_threads = true;  // one rank per CPU, as the references' threads
   run_local(
-      o.ranks, [&](ProcessGroup& world) { bench_rank(world, o, sizes, patterns, report, out); },
+      o.ranks, [&](ProcessGroup& world) { bench_rank(world, o, patterns, report, out); },
       local);
   finish_report(report);
   print_summary(out, o, report);

@@ -46,6 +46,8 @@ ReduceOp parse_bench_redop(std::string_view text);
 
 // The sizes of one run: min, then times `factor` (factor > 1) or plus `step_bytes` (factor == 1)
 // while <= max, as nccl-tests. A min of 0 is followed by 1 (0 * factor would repeat forever).
+// The size after `size` in that sequence, or -1 when it is the last.
+int64_t next_size(int64_t size, int64_t max_bytes, int64_t factor, int64_t step_bytes);
 std::vector<int64_t> size_sequence(int64_t min_bytes, int64_t max_bytes, int64_t factor,
                                    int64_t step_bytes);
 
@@ -91,6 +93,10 @@ class CheckPattern {
   // every reduction's result unchanged but moves what each rank's own buffer holds (how an
   // in-place reduction's check finds elements the collective left unwritten).
   void fill_input(const Tensor& t, int rank, int rotation = 0) const;
+  // Writes into every element of `out` (contiguous, numel = out_numel) a value exact in the
+  // dtype that differs from expected(rank, j, count): an element the collective leaves
+  // unwritten is always counted wrong (a fixed poison equals some expected values: bool's 1).
+  void fill_poison(const Tensor& out, int rank, int64_t count) const;
   // Elements of `out` (contiguous, waited) that differ from expected(rank, j, count).
   int64_t count_wrong(const Tensor& out, int rank, int64_t count) const;
 
@@ -102,6 +108,8 @@ class CheckPattern {
     int64_t length;
   };
   std::vector<Segment> expected_segments(int rank, int64_t count) const;
+  // expected_segments, after checking that `out` is contiguous and holds exactly them.
+  std::vector<Segment> output_segments(const Tensor& out, int rank, int64_t count) const;
   std::vector<double> input_table(int rank) const;
 
   BenchOp op_;
@@ -151,7 +159,9 @@ struct BenchOptions {
 };
 
 // Throws InvalidArgument when the options do not make a run (min > max, root out of range,
-// bitwise reduce op on a floating dtype, a backend not compiled in, ...).
+// bitwise reduce op on a floating dtype, a backend not compiled in, the largest size's buffers
+// more than this machine's memory on the ranks it holds or, for a job funcol bench is about to
+// start, on all of them, ...).
 void validate(const BenchOptions& options);
 
 // This run's memcpy bandwidth: two threads each copying `bytes` at the same time.

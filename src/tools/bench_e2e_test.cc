@@ -126,6 +126,21 @@ TEST(BenchE2E, AWrongValueFailsTheRun) {
   EXPECT_NE(json.out_only.find("\"wrong\":1"), std::string::npos) << json.out;
 }
 
+// Sizes are made one at a time: -f 1 -i 1 -e 1G (a billion rows, as nccl-tests runs them) prints
+// its first rows at once. It listed every size first: 8 GB before the header, under a 4 GB
+// limit an "out of memory" error about buffers that fit.
+TEST(BenchE2E, AStepOfOneByteStartsAtOnce) {
+  const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+      std::string("ulimit -v 4000000; timeout 10 ") + FUNCOL_BIN +
+      " bench -o broadcast -b 0 -e 1G -f 1 -i 1 -n 1 -w 0 -c 0 | head -n 40");
+  EXPECT_EQ(r.err, "");
+  EXPECT_NE(r.out.find("# minBytes 0 maxBytes 1073741824 step: 1(bytes)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("\n           4             1       f32    none       0"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
   struct Case {
     const char* args;
@@ -252,15 +267,28 @@ TEST_F(BenchProcessE2E, AWrongValueFailsTheRun) {
 }
 
 TEST_F(BenchProcessE2E, ARankErrorIsPrintedWithItsRank) {
-  // Every rank fails to allocate 1000000 GiB (more than any address space): a clear error.
+  // 1000000 GiB per rank (more than any machine) is refused before the job starts: one error,
+  // no rank's (each rank used to start, join and refuse it at its first size).
   for (const std::string& backend : process_backends()) {
     SCOPED_TRACE(backend);
     Result r = bench("--backend " + backend +
                      " -o all_reduce --ranks 2 -b 1000000G -e 1000000G -n 1 -w 0");
-    EXPECT_NE(r.status, 0) << r.out;
-    EXPECT_NE(r.out.find("funcol: error: rank "), std::string::npos) << r.out;
-    EXPECT_NE(r.out.find(": out of memory allocating "), std::string::npos) << r.out;
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_EQ(r.out.rfind("funcol: error: out of memory allocating ", 0), 0u) << r.out;
+    EXPECT_EQ(r.out.find("error: rank "), std::string::npos) << r.out;
   }
+#ifdef FUNCOL_WITH_MPI
+  // An error inside a rank of the job names the rank: --ranks that disagrees with mpirun's -np.
+  const std::string mpirun =
+      geteuid() == 0 ? "mpirun --allow-run-as-root" : "mpirun";  // as the launcher (launch.cc)
+  const funcol::tools::e2e::ShellResult sh = funcol::tools::e2e::run_shell(
+      mpirun + " -np 2 --oversubscribe " + FUNCOL_BIN +
+      " bench --backend mpi --ranks 3 -o all_reduce -b 8 -e 8 -n 1 -w 0");
+  EXPECT_NE(sh.status, 0) << sh.err;
+  EXPECT_NE(sh.err.find("funcol: error: rank 0: --ranks 3 does not match the job's 2 processes"),
+            std::string::npos)
+      << sh.err;
+#endif
 }
 
 #ifdef FUNCOL_WITH_GLOO

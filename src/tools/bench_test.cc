@@ -1,8 +1,11 @@
 // Tests of `funcol bench`'s pieces: flags, nccl-tests conventions, check data, in-process runs.
 #include "tools/bench.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -112,6 +115,9 @@ TEST(BenchSizes, SequenceFollowsNcclTests) {
   EXPECT_EQ(size_sequence(64, 64, 2, 1), (std::vector<int64_t>{64}));
   EXPECT_EQ(size_sequence(0, 4, 2, 1), (std::vector<int64_t>{0, 1, 2, 4}));
   EXPECT_EQ(size_sequence(10, 35, 1, 10), (std::vector<int64_t>{10, 20, 30}));
+  EXPECT_EQ(size_sequence(0, 0, 2, 1), (std::vector<int64_t>{0}));
+  EXPECT_EQ(next_size(30, 35, 1, 10), -1);
+  EXPECT_EQ(next_size(0, 35, 2, 1), 1);
   // No overflow near the top of int64.
   const int64_t big = std::numeric_limits<int64_t>::max();
   EXPECT_EQ(size_sequence(big / 2, big, 2, 1).size(), 2u);
@@ -302,6 +308,17 @@ TEST(BenchCheck, EveryPatternIsExactAndMatchesAPlainReduction) {
               }
               ASSERT_EQ(e, want) << "rank " << rank << " j " << j;
             }
+            // The check poisons the output before the call, and a non-root rank's broadcast
+            // buffer holds its own input: an element the collective leaves unwritten is wrong
+            // there, on every dtype (bool has two values: a fixed poison of 1 hid every expected
+            // 1, and on 3 ranks rank 0's bool broadcast input equalled root 2's).
+            Tensor out = Tensor::empty({out_numel}, dtype);
+            p.fill_poison(out, rank, count);
+            ASSERT_EQ(p.count_wrong(out, rank, count), out_numel) << "rank " << rank;
+            if (op == BenchOp::Broadcast && rank != root) {
+              p.fill_input(out, rank);
+              ASSERT_EQ(p.count_wrong(out, rank, count), out_numel) << "rank " << rank;
+            }
           }
         }
       }
@@ -462,6 +479,47 @@ TEST(BenchRun, ValidateRejectsRunsThatCannotWork) {
   }
 }
 
+// A size beyond the machine's memory is refused before anything runs or prints (it was refused
+// only when reached, after every smaller size had run and printed its row); a job that funcol
+// bench is about to start (mpi, gloo) holds all its ranks on this machine.
+TEST(BenchRun, SizesBeyondMemoryAreRefusedUpFront) {
+  const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                     static_cast<double>(sysconf(_SC_PAGESIZE));
+  BenchOptions o;
+  o.ops = {BenchOp::AllReduce};
+  o.min_bytes = 8;
+  o.step_factor = static_cast<int64_t>(0.6 * ram) / 8;
+  o.max_bytes = 8 * o.step_factor;  // sizes 8 and 0.6 of the memory, twice over on 2 ranks
+  o.iters = 1;
+  o.warmup_iters = 0;
+  o.memcpy_gbps_override = 1;
+  o.ranks = 1;
+  EXPECT_NO_THROW(validate(o));  // validated only: one rank's buffer fits
+  o.ranks = 2;
+  EXPECT_THROW(validate(o), InvalidArgument);
+  std::FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  try {
+    run_bench(o, out);
+    ADD_FAILURE() << "ran";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("out of memory allocating"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("-e/--maxbytes"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(std::ftell(out), 0) << "nothing printed";
+  std::fclose(out);
+  for (const std::string& backend : available_backends()) {
+    if (backend == "threads" || inside_job(backend)) continue;
+    SCOPED_TRACE(backend);
+    o.backend = backend;
+    EXPECT_THROW(validate(o), InvalidArgument);
+    o.ranks = 1;
+    EXPECT_NO_THROW(validate(o));
+    o.ranks = 2;
+  }
+}
+
 TEST(BenchRun, JobArgsSpellOutEveryFlag) {
   BenchOptions o;
   o.min_bytes = 4096;
@@ -511,6 +569,43 @@ TEST(BenchRun, ProcessBackendsRunOnlyInsideAJob) {
     }
     std::fclose(out);
   }
+}
+
+// The processes of a job that funcol started (gloo: FUNCOL_LAUNCHER_PID) or that mpirun says
+// share this machine (OMPI_COMM_WORLD_LOCAL_SIZE, torchrun's LOCAL_WORLD_SIZE) all hold their
+// buffers here: checked one process at a time, -b 6G on 4 gloo ranks of a 23 GiB machine passed
+// and went on to write 24 GiB.
+TEST(BenchRun, ProcessRanksOnThisMachineShareItsMemory) {
+  const double most = 0.6 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                      static_cast<double>(sysconf(_SC_PAGESIZE));
+  ASSERT_EQ(std::getenv("FUNCOL_LAUNCHER_PID"), nullptr);
+  ASSERT_EQ(std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"), nullptr);
+  ASSERT_EQ(std::getenv("LOCAL_WORLD_SIZE"), nullptr);
+  EXPECT_TRUE(fits_in_memory("gloo", 2, most));  // a joined job: its ranks may be anywhere
+  EXPECT_TRUE(fits_in_memory("mpi", 2, most));
+  // Only read here, never acted on: the pid of a process that is not this one's parent.
+  setenv("FUNCOL_LAUNCHER_PID", "1", 1);
+  EXPECT_FALSE(fits_in_memory("gloo", 2, most));
+  EXPECT_TRUE(fits_in_memory("gloo", 1, most));
+  unsetenv("FUNCOL_LAUNCHER_PID");
+  setenv("LOCAL_WORLD_SIZE", "2", 1);  // torchrun's
+  EXPECT_FALSE(fits_in_memory("gloo", 4, most));
+  unsetenv("LOCAL_WORLD_SIZE");
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  EXPECT_FALSE(fits_in_memory("mpi", 4, most));
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
+  EXPECT_TRUE(fits_in_memory("mpi", 4, most));
+  unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  // A tool outside a job starts one here: every rank of it on this machine.
+  const InitOptions none;
+  ASSERT_EQ(std::getenv("RANK"), nullptr);
+  EXPECT_EQ(ranks_on_this_machine("threads", 4, none), 4);
+  EXPECT_EQ(ranks_on_this_machine("gloo", 4, none), 4);
+  EXPECT_EQ(ranks_on_this_machine("mpi", 4, none), 4);
+  InitOptions joined;  // --rank 1 --world-size 4: a job someone else started
+  joined.rank = 1;
+  joined.world_size = 4;
+  EXPECT_EQ(ranks_on_this_machine("gloo", 4, joined), 1);
 }
 
 TEST(BenchRun, MemcpyReferenceIsPositive) {

@@ -349,12 +349,37 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
       ->capture_default_str();
 }
 
-bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank) {
+namespace {
+
+// The ranks of a running job on this machine: all of them on the threads backend and in a gloo
+// job funcol started; what the launcher says (OMPI_COMM_WORLD_LOCAL_SIZE, LOCAL_WORLD_SIZE),
+// else this process's one.
+int local_ranks(const std::string& backend, int ranks) {
+  if (backend == "threads") return ranks;
+  if (backend == "gloo" && std::getenv(kLauncherPidVar) != nullptr) return ranks;
+  const std::optional<int> local =
+      process::env_int(backend == "mpi" ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "LOCAL_WORLD_SIZE");
+  return std::clamp(local.value_or(1), 1, std::max(ranks, 1));
+}
+
+}  // namespace
+
+int ranks_on_this_machine(const std::string& backend, int ranks, const InitOptions& join) {
+  // Outside a job funcol is about to start one, every rank of it on this machine.
+  if (backend != "threads" && !inside_job(backend, join)) return ranks;
+  return local_ranks(backend, ranks);
+}
+
+bool fits_in_memory(int ranks_here, double bytes_per_rank) {
   const long pages = sysconf(_SC_PHYS_PAGES);
   const long page_size = sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page_size <= 0) return true;
-  const double held = bytes_per_rank * (backend == "threads" ? ranks : 1);
+  const double held = bytes_per_rank * ranks_here;
   return held <= static_cast<double>(pages) * static_cast<double>(page_size);
+}
+
+bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank) {
+  return fits_in_memory(local_ranks(backend, ranks), bytes_per_rank);
 }
 
 void check_backend_option(const std::string& backend) {

@@ -25,11 +25,14 @@ void check_backend_option(const std::string& backend);
 // (OMPI_COMM_WORLD_SIZE is set), gloo when RANK and WORLD_SIZE are set.
 bool inside_job(const std::string& backend);
 
-// True unless `bytes_per_rank` on every rank this process holds (all `ranks` on the threads
-// backend, one otherwise) is more than this machine's physical memory. Allocations under the
+// True unless `bytes_per_rank` on every rank this machine holds (all `ranks` on the threads
+// backend and in a gloo job funcol started; an mpi or other gloo job's local ranks as its
+// launcher says, else one) is more than this machine's physical memory. Allocations under the
 // RAM size succeed and fail only when written, as an out-of-memory kill, so the tools check
 // what they are about to write first. True when the memory size is unknown.
 bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank);
+// The same for `ranks_here` ranks.
+bool fits_in_memory(int ranks_here, double bytes_per_rank);
 
 // ---- Joining a gloo job as one of its ranks: --rank, --world-size, --store (DESIGN §3) ----
 // funcol run, train and bench take these flags; with --backend gloo they make the process one
@@ -67,6 +70,10 @@ InitOptions parse_job_flags(const JobFlags& flags);
 // RANK / WORLD_SIZE (the flags override the variables); mpi as inside_job(backend); threads
 // never.
 bool inside_job(const std::string& backend, const InitOptions& join);
+
+// How many ranks of a `ranks`-rank job a tool run with these flags holds on this machine: as
+// fits_in_memory inside a job, and all of them outside one (funcol starts the job here).
+int ranks_on_this_machine(const std::string& backend, int ranks, const InitOptions& join);
 
 // The world size of the job this process joins, when known before it joins: `join`'s or
 // WORLD_SIZE (gloo), OMPI_COMM_WORLD_SIZE (mpi); nullopt when it joins none.

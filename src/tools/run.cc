@@ -95,12 +95,13 @@ const Graph& select_graph(const Module& module, const RunOptions& o, const std::
 void check_input_memory(const Graph& graph, const RunOptions& o) {
   double per_rank = 0;  // a double: each input has up to 2^62 bytes, so the sum may not fit
   for (const Value* v : graph.inputs()) per_rank += static_cast<double>(v->type().nbytes());
-  if (fits_in_memory(o.backend, o.ranks, per_rank)) return;
+  const int ranks_here = ranks_on_this_machine(o.backend, o.ranks, o.join);
+  if (fits_in_memory(ranks_here, per_rank)) return;
   throw InvalidArgument(fmt::format(
       "graph @{}'s inputs take {:.0f} bytes per rank: more than this machine's memory holds for "
-      "{} rank{} in this process",
-      graph.name(), per_rank, o.backend == "threads" ? o.ranks : 1,
-      o.backend == "threads" && o.ranks != 1 ? "s" : ""));
+      "{} rank{} {}",
+      graph.name(), per_rank, ranks_here, ranks_here != 1 ? "s" : "",
+      o.backend == "threads" ? "in this process" : "on this machine"));
 }
 
 // Parses, selects and verifies the graph and checks every collective against the groups the
