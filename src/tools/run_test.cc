@@ -328,7 +328,8 @@ TEST(ParseMesh, NamesAndSizes) {
   }
 }
 
-// The threads backend holds every rank in this process; the others one per process.
+// The threads backend holds every rank in this process; an mpi process with no launcher
+// variables counts itself alone.
 TEST(FitsInMemory, CountsTheRanksThisProcessHolds) {
   EXPECT_TRUE(fits_in_memory("threads", 4, 1024));
   EXPECT_FALSE(fits_in_memory("threads", 1, 1e30));
