@@ -80,10 +80,17 @@ std::shared_ptr<State> tape_of(std::span<const Tensor> ts, std::string_view op) 
   return state;
 }
 
+// A tensor sharing t's data that no tape tracks: what the tape stores as a value's eager tensor,
+// and what the recording collectives run the plain ones on (which record a tracked input).
+Tensor untracked(const Tensor& t) {
+  Tensor u = t;
+  u.set_annotation(nullptr);
+  return u;
+}
+
 // Stores `t` as the eager tensor of `value` and returns it annotated as tracked.
 Tensor track(const std::shared_ptr<State>& state, Value* value, const Tensor& t) {
-  Tensor plain = t;
-  plain.set_annotation(nullptr);
+  const Tensor plain = untracked(t);
   state->values.insert_or_assign(value, plain);
   Tensor out = plain;
   out.set_annotation(std::shared_ptr<TapeRef>(new TapeRef{state, value}, TapeRefDeleter{}));
@@ -333,14 +340,6 @@ bool is_tracked(const Tensor& t) { return tracked(t).state != nullptr; }
 // ---- the *_autograd collectives -------------------------------------------------------------
 
 namespace {
-
-// A tensor sharing t's data that no tape tracks: the plain collectives record a tracked input
-// on its tape, so the recording forms below run them on untracked tensors.
-Tensor untracked(const Tensor& t) {
-  Tensor u = t;
-  u.set_annotation(nullptr);
-  return u;
-}
 
 std::vector<Tensor> untracked(const std::vector<Tensor>& ts) {
   std::vector<Tensor> out;

@@ -15,10 +15,10 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "funcol/api/autograd.h"
 #include "funcol/core/dtype.h"
 #include "funcol/core/error.h"
 #include "funcol/graph/tracer.h"
-#include "funcol/api/autograd.h"
 #include "tape_hooks.h"
 #include "trace_hooks.h"
 
