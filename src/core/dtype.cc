@@ -8,21 +8,12 @@
 
 namespace funcol {
 
-size_t itemsize(DType dtype) {
-  switch (dtype) {
-    case DType::Bool:
-    case DType::U8:
-    case DType::I8: return 1;
-    case DType::I16:
-    case DType::F16:
-    case DType::BF16: return 2;
-    case DType::I32:
-    case DType::F32: return 4;
-    case DType::I64:
-    case DType::F64: return 8;
-  }
-  FUNCOL_CHECK(false, "unknown dtype " + std::to_string(static_cast<int>(dtype)));
+namespace detail {
+void throw_unknown_dtype(DType dtype) {
+  check_failed("dtype is one of the ten", __FILE__, __LINE__,
+               "unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }
+}  // namespace detail
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -61,6 +62,42 @@ std::string type_str(DType dtype, const Shape& shape) {
 
 namespace {
 
+std::shared_ptr<const detail::Layout> make_layout(Shape sizes, Shape strides) {
+  auto layout = std::make_shared<detail::Layout>();
+  layout->numel = shape_numel(sizes);
+  int64_t expected = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (sizes[i] == 0) break;  // an empty tensor is contiguous, whatever its strides
+    if (sizes[i] == 1) continue;
+    if (strides[i] != expected) {
+      layout->contiguous = false;
+      break;
+    }
+    expected *= sizes[i];
+  }
+  layout->sizes = std::move(sizes);
+  layout->strides = std::move(strides);
+  return layout;
+}
+
+// The contiguous layout of `shape`. The last few built on this thread are reused: tensors of a
+// shape seen recently (a kernel's outputs, a bucket's members) share one and allocate nothing
+// for it. Layouts are immutable, so a Tensor may carry one to another thread.
+std::shared_ptr<const detail::Layout> contiguous_layout(const Shape& shape) {
+  constexpr size_t kEntries = 16;
+  struct Cache {
+    std::array<std::shared_ptr<const detail::Layout>, kEntries> entries;
+    size_t next = 0;  // round-robin replacement
+  };
+  thread_local Cache cache;
+  for (const auto& e : cache.entries) {
+    if (e && e->sizes == shape) return e;
+  }
+  auto layout = make_layout(shape, contiguous_strides(shape));
+  cache.entries[cache.next] = layout;
+  cache.next = (cache.next + 1) % kEntries;
+  return layout;
+}
 
 std::string list_str(const std::vector<int64_t>& v) { return shape_str(v); }
 
@@ -495,8 +532,7 @@ Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
 Tensor Tensor::meta(const Shape& shape, DType dtype) {
   check_shape(shape, dtype, "meta");
   Tensor t;
-  t.sizes_ = shape;
-  t.strides_ = contiguous_strides(shape);
+  t.layout_ = contiguous_layout(shape);
   t.dtype_ = dtype;
   t.defined_ = true;
   return t;
@@ -528,8 +564,7 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
   }
   Tensor t;
   t.storage_ = std::move(storage);
-  t.sizes_ = shape;
-  t.strides_ = contiguous_strides(shape);
+  t.layout_ = contiguous_layout(shape);
   t.offset_ = offset;
   t.dtype_ = dtype;
   t.defined_ = true;
@@ -539,22 +574,10 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
 // ---------------------------------------------------------------------------------------------
 // Metadata
 
-int64_t Tensor::size(int64_t dim) const { return sizes_[wrap_dim(dim, this->dim(), "size")]; }
+int64_t Tensor::size(int64_t dim) const { return this->sizes()[wrap_dim(dim, this->dim(), "size")]; }
 
-int64_t Tensor::stride(int64_t dim) const { return strides_[wrap_dim(dim, this->dim(), "stride")]; }
+int64_t Tensor::stride(int64_t dim) const { return this->strides()[wrap_dim(dim, this->dim(), "stride")]; }
 
-int64_t Tensor::numel() const { return defined_ ? shape_numel(sizes_) : 0; }
-
-bool Tensor::is_contiguous() const {
-  int64_t expected = 1;
-  for (size_t i = sizes_.size(); i-- > 0;) {
-    if (sizes_[i] == 0) return true;
-    if (sizes_[i] == 1) continue;
-    if (strides_[i] != expected) return false;
-    expected *= sizes_[i];
-  }
-  return true;
-}
 
 bool Tensor::is_ready() const { return !storage_ || storage_->is_ready(); }
 
@@ -598,7 +621,7 @@ std::vector<T> Tensor::to_vector() const {
   dispatch(dtype_, [&](auto tag) {
     using S = typename decltype(tag)::type;
     for_each_row<1>(
-        sizes_, {&strides_},
+        this->sizes(), {&this->strides()},
         [&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& inner) {
           const char* p = base + off[0] * static_cast<int64_t>(sizeof(S));
           const int64_t step = inner[0] * static_cast<int64_t>(sizeof(S));
@@ -617,7 +640,7 @@ T Tensor::item() const {
     throw ShapeError(
         fmt::format("item: expected a tensor with exactly one element, got {} ({} "
                     "elements)",
-                    type_str(dtype_, sizes_), numel()));
+                    type_str(dtype_, this->sizes()), numel()));
   }
   storage_->wait();
   const void* p = raw_data_ptr();
@@ -630,7 +653,7 @@ T Tensor::item() const {
 
 std::string Tensor::to_string() const {
   if (!defined_) return "tensor(undefined)";
-  const std::string type = type_str(dtype_, sizes_);
+  const std::string type = type_str(dtype_, this->sizes());
   if (is_meta()) return "tensor(" + type + ", meta)";
   storage_->wait();
   // Like PyTorch's print options: beyond 1000 elements show 3 items at each end of every dim.
@@ -642,19 +665,19 @@ std::string Tensor::to_string() const {
   dispatch(dtype_, [&](auto tag) {
     using S = typename decltype(tag)::type;
     auto rec = [&](auto& self, size_t d, int64_t off) -> void {
-      if (d == sizes_.size()) {
+      if (d == this->sizes().size()) {
         out += format_elem(load_elem<S>(base + off * static_cast<int64_t>(sizeof(S))));
         return;
       }
       out += "[";
-      const int64_t n = sizes_[d];
+      const int64_t n = this->sizes()[d];
       for (int64_t i = 0; i < n; ++i) {
         if (i > 0) out += ", ";
         if (summarize && n > 2 * kEdge && i == kEdge) {
           out += "..., ";
           i = n - kEdge;
         }
-        self(self, d + 1, off + i * strides_[d]);
+        self(self, d + 1, off + i * this->strides()[d]);
       }
       out += "]";
     };
@@ -669,8 +692,7 @@ std::string Tensor::to_string() const {
 Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
   Tensor t;
   t.storage_ = storage_;
-  t.sizes_ = std::move(sizes);
-  t.strides_ = std::move(strides);
+  t.layout_ = make_layout(std::move(sizes), std::move(strides));
   t.offset_ = offset;
   t.dtype_ = dtype_;
   t.defined_ = defined_;
@@ -680,11 +702,11 @@ Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
 Tensor Tensor::view(const Shape& shape) const {
   check_defined(*this, "view");
   Shape s = infer_shape(shape, numel(), "view");
-  auto strides = view_strides(sizes_, strides_, s);
+  auto strides = view_strides(this->sizes(), this->strides(), s);
   if (!strides) {
     throw InvalidArgument(
         fmt::format("view: cannot view {} with strides {} as shape {} without a copy (use reshape)",
-                    type_str(dtype_, sizes_), shape_str(strides_), shape_str(shape)));
+                    type_str(dtype_, this->sizes()), shape_str(this->strides()), shape_str(shape)));
   }
   return with_layout(std::move(s), std::move(*strides), offset_);
 }
@@ -692,7 +714,7 @@ Tensor Tensor::view(const Shape& shape) const {
 Tensor Tensor::reshape(const Shape& shape) const {
   check_defined(*this, "reshape");
   Shape s = infer_shape(shape, numel(), "reshape");
-  if (auto strides = view_strides(sizes_, strides_, s)) {
+  if (auto strides = view_strides(this->sizes(), this->strides(), s)) {
     return with_layout(std::move(s), std::move(*strides), offset_);
   }
   return contiguous().view(s);
@@ -706,7 +728,7 @@ Tensor Tensor::flatten() const {
 Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
   check_defined(*this, "narrow");
   const int64_t d = wrap_dim(dim, this->dim(), "narrow");
-  const int64_t size = sizes_[d];
+  const int64_t size = this->sizes()[d];
   if (length < 0) {
     throw ShapeError(fmt::format("narrow: length ({}) must be non-negative", length));
   }
@@ -719,15 +741,15 @@ Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
     throw ShapeError(fmt::format("narrow: start ({}) + length ({}) exceeds size {} of dim {}",
                                  start, length, size, d));
   }
-  Shape sizes = sizes_;
+  Shape sizes = this->sizes();
   sizes[d] = length;
-  return with_layout(std::move(sizes), strides_, offset_ + start * strides_[d]);
+  return with_layout(std::move(sizes), this->strides(), offset_ + start * this->strides()[d]);
 }
 
 std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
   check_defined(*this, "split");
   const int64_t d = wrap_dim(dim, this->dim(), "split");
-  const int64_t size = sizes_[d];
+  const int64_t size = this->sizes()[d];
   if (split_size < 0 || (split_size == 0 && size > 0)) {
     throw InvalidArgument(fmt::format(
         "split: split_size must be positive for dim {} of size {}, got {}", d, size, split_size));
@@ -754,12 +776,12 @@ std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, 
     if (__builtin_add_overflow(total, s, &total)) {
       throw ShapeError(fmt::format(
           "split_with_sizes: sizes {} sum to more than int64 holds but dim {} has size {}",
-          list_str(sizes), d, sizes_[d]));
+          list_str(sizes), d, this->sizes()[d]));
     }
   }
-  if (total != sizes_[d]) {
+  if (total != this->sizes()[d]) {
     throw ShapeError(fmt::format("split_with_sizes: sizes {} sum to {} but dim {} has size {}",
-                                 list_str(sizes), total, d, sizes_[d]));
+                                 list_str(sizes), total, d, this->sizes()[d]));
   }
   std::vector<Tensor> out;
   int64_t start = 0;
@@ -776,7 +798,7 @@ std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
     throw InvalidArgument(fmt::format("chunk: chunks must be positive, got {}", chunks));
   }
   const int64_t d = wrap_dim(dim, this->dim(), "chunk");
-  const int64_t size = sizes_[d];
+  const int64_t size = this->sizes()[d];
   if (size == 0) {
     // torch.chunk: an empty dim still gives `chunks` (empty) pieces.
     return split_with_sizes(std::vector<int64_t>(static_cast<size_t>(chunks), 0), d);
@@ -797,8 +819,8 @@ Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
   }
   const int64_t a = wrap_dim(dim0, dim(), "transpose");
   const int64_t b = wrap_dim(dim1, dim(), "transpose");
-  Shape sizes = sizes_;
-  Shape strides = strides_;
+  Shape sizes = this->sizes();
+  Shape strides = this->strides();
   std::swap(sizes[a], sizes[b]);
   std::swap(strides[a], strides[b]);
   return with_layout(std::move(sizes), std::move(strides), offset_);
@@ -819,42 +841,42 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
       throw InvalidArgument(fmt::format("permute: dims {} repeat dim {}", list_str(dims), d));
     }
     seen[d] = true;
-    sizes[i] = sizes_[d];
-    strides[i] = strides_[d];
+    sizes[i] = this->sizes()[d];
+    strides[i] = this->strides()[d];
   }
   return with_layout(std::move(sizes), std::move(strides), offset_);
 }
 
 Tensor Tensor::expand(const Shape& shape) const {
   check_defined(*this, "expand");
-  if (shape.size() < sizes_.size()) {
-    throw ShapeError(fmt::format("expand: cannot expand {} to {} (fewer dims)", shape_str(sizes_),
+  if (shape.size() < this->sizes().size()) {
+    throw ShapeError(fmt::format("expand: cannot expand {} to {} (fewer dims)", shape_str(this->sizes()),
                                  shape_str(shape)));
   }
-  const size_t lead = shape.size() - sizes_.size();
+  const size_t lead = shape.size() - this->sizes().size();
   Shape sizes(shape.size());
   Shape strides(shape.size());
   for (size_t i = 0; i < shape.size(); ++i) {
     if (i < lead) {
       if (shape[i] < 0) {
         throw ShapeError(
-            fmt::format("expand: cannot expand {} to {}", shape_str(sizes_), shape_str(shape)));
+            fmt::format("expand: cannot expand {} to {}", shape_str(this->sizes()), shape_str(shape)));
       }
       sizes[i] = shape[i];
       strides[i] = 0;
       continue;
     }
-    const int64_t own = sizes_[i - lead];
+    const int64_t own = this->sizes()[i - lead];
     const int64_t want = shape[i] == -1 ? own : shape[i];
     if (want == own) {
       sizes[i] = own;
-      strides[i] = strides_[i - lead];
+      strides[i] = this->strides()[i - lead];
     } else if (own == 1 && want >= 0) {
       sizes[i] = want;
       strides[i] = 0;
     } else {
       throw ShapeError(fmt::format("expand: cannot expand {} to {} (dim {}: {} vs {})",
-                                   shape_str(sizes_), shape_str(shape), i, own, shape[i]));
+                                   shape_str(this->sizes()), shape_str(shape), i, own, shape[i]));
     }
   }
   check_shape(sizes, dtype_, "expand");  // numel (and nbytes) must stay representable
@@ -866,19 +888,19 @@ Tensor Tensor::view_dtype(DType dtype) const {
   const auto old_size = static_cast<int64_t>(itemsize());
   const auto new_size = static_cast<int64_t>(funcol::itemsize(dtype));
   if (old_size == new_size) {
-    Tensor t = with_layout(sizes_, strides_, offset_);
+    Tensor t = with_layout(this->sizes(), this->strides(), offset_);
     t.dtype_ = dtype;
     return t;
   }
   const std::string what =
-      fmt::format("view_dtype: cannot view {} as {}", type_str(dtype_, sizes_), dtype_name(dtype));
+      fmt::format("view_dtype: cannot view {} as {}", type_str(dtype_, this->sizes()), dtype_name(dtype));
   if (dim() == 0) throw InvalidArgument(what + ": a 0-d tensor has no last dim to rescale");
-  if (strides_.back() != 1 && sizes_.back() != 1) {
+  if (this->strides().back() != 1 && this->sizes().back() != 1) {
     throw InvalidArgument(
-        what + fmt::format(": the last dim must have stride 1, it has {}", strides_.back()));
+        what + fmt::format(": the last dim must have stride 1, it has {}", this->strides().back()));
   }
-  Shape sizes = sizes_;
-  Shape strides = strides_;
+  Shape sizes = this->sizes();
+  Shape strides = this->strides();
   int64_t offset;
   if (new_size < old_size) {
     const int64_t ratio = old_size / new_size;
@@ -915,9 +937,9 @@ Tensor Tensor::view_dtype(DType dtype) const {
 Tensor Tensor::unsqueeze(int64_t dim) const {
   check_defined(*this, "unsqueeze");
   const int64_t d = wrap_dim(dim, this->dim() + 1, "unsqueeze");
-  Shape sizes = sizes_;
-  Shape strides = strides_;
-  const int64_t stride = d < this->dim() ? sizes_[d] * strides_[d] : 1;
+  Shape sizes = this->sizes();
+  Shape strides = this->strides();
+  const int64_t stride = d < this->dim() ? this->sizes()[d] * this->strides()[d] : 1;
   sizes.insert(sizes.begin() + d, 1);
   strides.insert(strides.begin() + d, stride);
   return with_layout(std::move(sizes), std::move(strides), offset_);
@@ -928,9 +950,9 @@ Tensor Tensor::squeeze(int64_t dim) const {
   // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, as transpose).
   if (this->dim() == 0 && (dim == 0 || dim == -1)) return *this;
   const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
-  if (sizes_[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
-  Shape sizes = sizes_;
-  Shape strides = strides_;
+  if (this->sizes()[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
+  Shape sizes = this->sizes();
+  Shape strides = this->strides();
   sizes.erase(sizes.begin() + d);
   strides.erase(strides.begin() + d);
   return with_layout(std::move(sizes), std::move(strides), offset_);
@@ -939,15 +961,15 @@ Tensor Tensor::squeeze(int64_t dim) const {
 Tensor Tensor::select(int64_t dim, int64_t index) const {
   check_defined(*this, "select");
   const int64_t d = wrap_dim(dim, this->dim(), "select");
-  const int64_t size = sizes_[d];
+  const int64_t size = this->sizes()[d];
   if (index < -size || index >= size) {
     throw ShapeError(
         fmt::format("select: index {} is out of range for size {} of dim {}", index, size, d));
   }
   if (index < 0) index += size;
-  Shape sizes = sizes_;
-  Shape strides = strides_;
-  const int64_t offset = offset_ + index * strides_[d];
+  Shape sizes = this->sizes();
+  Shape strides = this->strides();
+  const int64_t offset = offset_ + index * this->strides()[d];
   sizes.erase(sizes.begin() + d);
   strides.erase(strides.begin() + d);
   return with_layout(std::move(sizes), std::move(strides), offset);
@@ -966,10 +988,10 @@ Tensor Tensor::clone() const { return to(dtype_); }
 
 Tensor Tensor::to(DType dtype) const {
   check_defined(*this, "to");
-  if (is_meta()) return meta(sizes_, dtype);
-  Tensor out = empty(sizes_, dtype);
+  if (is_meta()) return meta(this->sizes(), dtype);
+  Tensor out = empty(this->sizes(), dtype);
   storage_->wait();
-  copy_elements(raw_data_ptr(), dtype_, strides_, out.raw_data_ptr(), dtype, out.strides_, sizes_);
+  copy_elements(raw_data_ptr(), dtype_, this->strides(), out.raw_data_ptr(), dtype, out.strides(), this->sizes());
   return out;
 }
 
@@ -977,20 +999,20 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   check_not_meta(*this, "copy_");
   check_not_meta(src, "copy_");
   check_no_internal_overlap(*this, "copy_");
-  if (src.sizes_ != sizes_) {
+  if (src.sizes() != this->sizes()) {
     throw ShapeError(fmt::format("copy_: source shape {} does not match destination shape {}",
-                                 shape_str(src.sizes_), shape_str(sizes_)));
+                                 shape_str(src.sizes()), shape_str(this->sizes())));
   }
   src.storage_->wait();
   storage_->wait();
   if (shares_storage(src)) {
     // Overlapping source and destination: go through a temporary.
     Tensor tmp = src.clone();
-    copy_elements(tmp.raw_data_ptr(), tmp.dtype_, tmp.strides_, raw_data_ptr(), dtype_, strides_,
-                  sizes_);
+    copy_elements(tmp.raw_data_ptr(), tmp.dtype_, tmp.strides(), raw_data_ptr(), dtype_, this->strides(),
+                  this->sizes());
   } else {
-    copy_elements(src.raw_data_ptr(), src.dtype_, src.strides_, raw_data_ptr(), dtype_, strides_,
-                  sizes_);
+    copy_elements(src.raw_data_ptr(), src.dtype_, src.strides(), raw_data_ptr(), dtype_, this->strides(),
+                  this->sizes());
   }
   return *this;
 }
@@ -1040,7 +1062,7 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
   const Tensor& first = tensors[0];
   if (first.dim() == 0) throw ShapeError("cat: zero-dimensional tensor 0 cannot be concatenated");
   const int64_t d = wrap_dim(dim, first.dim(), "cat");
-  Shape sizes = first.sizes_;
+  Shape sizes = first.sizes();
   sizes[d] = 0;
   bool any_meta = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -1051,26 +1073,26 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
     }
     bool match = t.dim() == first.dim();
     for (int64_t k = 0; match && k < first.dim(); ++k) {
-      match = k == d || t.sizes_[k] == first.sizes_[k];
+      match = k == d || t.sizes()[k] == first.sizes()[k];
     }
     if (!match) {
       throw ShapeError(fmt::format(
           "cat: tensor {} has shape {} but tensor 0 has {} (all dims but {} must match)", i,
-          shape_str(t.sizes_), shape_str(first.sizes_), d));
+          shape_str(t.sizes()), shape_str(first.sizes()), d));
     }
-    sizes[d] += t.sizes_[d];
+    sizes[d] += t.sizes()[d];
     any_meta = any_meta || t.is_meta();
   }
   if (any_meta) return meta(sizes, first.dtype_);
   Tensor out = empty(sizes, first.dtype_);
   int64_t start = 0;
   for (const Tensor& t : tensors) {
-    const int64_t len = t.sizes_[d];
+    const int64_t len = t.sizes()[d];
     if (len > 0) {
       Tensor slot = out.narrow(d, start, len);
       t.storage_->wait();
-      copy_elements(t.raw_data_ptr(), t.dtype_, t.strides_, slot.raw_data_ptr(), slot.dtype_,
-                    slot.strides_, slot.sizes_);
+      copy_elements(t.raw_data_ptr(), t.dtype_, t.strides(), slot.raw_data_ptr(), slot.dtype_,
+                    slot.strides(), slot.sizes());
     }
     start += len;
   }
@@ -1083,13 +1105,13 @@ bool Tensor::equal(const Tensor& other) const {
   check_not_meta(other, "equal");
   storage_->wait();
   other.storage_->wait();
-  if (dtype_ != other.dtype_ || sizes_ != other.sizes_) return false;
+  if (dtype_ != other.dtype_ || this->sizes() != other.sizes()) return false;
   const auto isz = static_cast<int64_t>(itemsize());
   const char* a = static_cast<const char*>(raw_data_ptr());
   const char* b = static_cast<const char*>(other.raw_data_ptr());
   bool same = true;
   for_each_row<2>(
-      sizes_, {&strides_, &other.strides_},
+      this->sizes(), {&this->strides(), &other.strides()},
       [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& inner) {
         if (!same) return;
         const char* pa = a + off[0] * isz;

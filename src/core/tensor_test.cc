@@ -335,6 +335,29 @@ TEST(Views, ShareStorageAndSeeWrites) {
   EXPECT_EQ(row.storage_offset(), 4);
 }
 
+TEST(Views, LayoutsAreSharedAndImmutable) {
+  // A copy shares the layout (no vectors copied); a view gets its own and leaves the original.
+  Tensor a = Tensor::arange(12, DType::F32).view({3, 4});
+  Tensor b = a;
+  EXPECT_EQ(a.sizes().data(), b.sizes().data());
+  a = a.transpose(0, 1);
+  EXPECT_EQ(b.sizes(), (Shape{3, 4}));
+  EXPECT_EQ(b.strides(), (Shape{4, 1}));
+  EXPECT_TRUE(b.is_contiguous());
+  EXPECT_EQ(a.sizes(), (Shape{4, 3}));
+  EXPECT_FALSE(a.is_contiguous());
+  EXPECT_EQ(a.numel(), 12);
+  // Tensors of a recently used shape share its contiguous layout, on every path that makes one.
+  Tensor c = Tensor::empty({3, 4}, DType::I64);
+  Tensor d = Tensor::from_storage(c.storage(), {3, 4}, DType::I32, 2);
+  EXPECT_EQ(c.sizes().data(), d.sizes().data());
+  EXPECT_EQ(d.strides(), (Shape{4, 1}));
+  // Undefined tensors have no dims; an empty tensor is contiguous whatever its strides.
+  EXPECT_EQ(Tensor().dim(), 0);
+  EXPECT_EQ(Tensor().numel(), 0);
+  EXPECT_TRUE(Tensor::empty({0, 5}, DType::F32).transpose(0, 1).is_contiguous());
+}
+
 TEST(Views, PermuteUnsqueezeSqueeze) {
   Tensor t = iota({2, 3, 4});
   Tensor p = t.permute({2, 0, 1});

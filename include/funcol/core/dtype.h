@@ -20,8 +20,26 @@ enum class DType : uint8_t { Bool, U8, I8, I16, I32, I64, F16, BF16, F32, F64 };
 inline constexpr DType kAllDTypes[] = {DType::Bool, DType::U8,  DType::I8,   DType::I16, DType::I32,
                                        DType::I64,  DType::F16, DType::BF16, DType::F32, DType::F64};
 
-// Bytes per element.
-size_t itemsize(DType dtype);
+namespace detail {
+[[noreturn]] void throw_unknown_dtype(DType dtype);
+}  // namespace detail
+
+// Bytes per element (inline: every tensor's byte count and data pointer uses it).
+inline size_t itemsize(DType dtype) {
+  switch (dtype) {
+    case DType::Bool:
+    case DType::U8:
+    case DType::I8: return 1;
+    case DType::I16:
+    case DType::F16:
+    case DType::BF16: return 2;
+    case DType::I32:
+    case DType::F32: return 4;
+    case DType::I64:
+    case DType::F64: return 8;
+  }
+  detail::throw_unknown_dtype(dtype);
+}
 // Contract text name, e.g. "bf16".
 std::string_view dtype_name(DType dtype);
 // Parses a contract text name; nullopt when unknown.

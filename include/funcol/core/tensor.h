@@ -64,6 +64,22 @@ class Storage {
   std::vector<std::shared_ptr<Waitable>> pending_;
 };
 
+namespace detail {
+
+// A tensor's sizes and strides, immutable once built and shared by every Tensor that has them:
+// copying a Tensor copies no vectors, and the contiguous layouts of recently used shapes are
+// reused (a bucket's thousand results of one shape share one).
+struct Layout {
+  Shape sizes;
+  Shape strides;
+  int64_t numel = 1;
+  bool contiguous = true;
+};
+
+inline const Shape kNoDims{};
+
+}  // namespace detail
+
 // An n-dimensional strided view of a Storage. Copying a Tensor is cheap and shares the storage.
 // A *meta* tensor has sizes and dtype but no storage (tracing and shape inference use it).
 //
@@ -104,18 +120,18 @@ class Tensor {
   bool defined() const { return defined_; }
   bool is_meta() const { return defined_ && !storage_; }
   DType dtype() const { return dtype_; }
-  const Shape& sizes() const { return sizes_; }
-  const Shape& strides() const { return strides_; }
+  const Shape& sizes() const { return layout_ ? layout_->sizes : detail::kNoDims; }
+  const Shape& strides() const { return layout_ ? layout_->strides : detail::kNoDims; }
   // Negative dims count from the end; throws ShapeError when out of range.
   int64_t size(int64_t dim) const;
   int64_t stride(int64_t dim) const;
-  int64_t dim() const { return static_cast<int64_t>(sizes_.size()); }
-  int64_t numel() const;
+  int64_t dim() const { return static_cast<int64_t>(sizes().size()); }
+  int64_t numel() const { return layout_ ? layout_->numel : 0; }
   // Element offset of the first element into the storage.
   int64_t storage_offset() const { return offset_; }
   size_t itemsize() const { return funcol::itemsize(dtype_); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * itemsize(); }
-  bool is_contiguous() const;
+  bool is_contiguous() const { return !layout_ || layout_->contiguous; }
   // True when the storage has no pending operation (or the tensor is meta / undefined).
   bool is_ready() const;
   const std::shared_ptr<Storage>& storage() const { return storage_; }
@@ -194,8 +210,7 @@ class Tensor {
  private:
   std::shared_ptr<Storage> storage_;
   std::shared_ptr<void> annotation_;
-  Shape sizes_;
-  Shape strides_;
+  std::shared_ptr<const detail::Layout> layout_;  // null when undefined
   int64_t offset_ = 0;
   DType dtype_ = DType::F32;
   bool defined_ = false;
