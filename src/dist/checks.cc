@@ -177,10 +177,17 @@ struct Range {
   bool output;
 };
 
-// The common case in O(n), without sorting: the outputs sit in a few storages, each in
-// ascending order without overlap (a bucket's results, views of one buffer), and no input
-// lives in any of those storages. False means "not shown", not "overlapping".
-bool outputs_clearly_apart(const std::vector<Range>& ranges) {
+// A tensor's bytes in its storage.
+Range range_of(const Tensor& t, size_t i, bool output) {
+  const size_t begin = static_cast<size_t>(t.storage_offset()) * t.itemsize();
+  return Range{t.storage().get(), begin, begin + t.nbytes(), i, output};
+}
+
+// The common case in O(n), without building or sorting ranges: the outputs sit in a few
+// storages, each in ascending order without overlap (a bucket's results, views of one buffer),
+// and no input lives in any of those storages (an in-place pair, an output that is its own
+// input, counts as its output). False means "not shown", not "overlapping".
+bool outputs_clearly_apart(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) {
   constexpr size_t kMaxStorages = 4;
   std::array<std::pair<const Storage*, size_t>, kMaxStorages> last{};  // storage, end so far
   size_t used = 0;
@@ -190,8 +197,9 @@ bool outputs_clearly_apart(const std::vector<Range>& ranges) {
     }
     return nullptr;
   };
-  for (const Range& r : ranges) {
-    if (!r.output) continue;
+  for (const Tensor& out : outputs) {
+    if (out.numel() == 0) continue;
+    const Range r = range_of(out, 0, true);
     auto* slot = find(r.storage);
     if (slot == nullptr) {
       if (used == kMaxStorages) return false;
@@ -202,8 +210,11 @@ bool outputs_clearly_apart(const std::vector<Range>& ranges) {
       slot->second = r.end;
     }
   }
-  for (const Range& r : ranges) {
-    if (!r.output && find(r.storage) != nullptr) return false;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& in = inputs[i];
+    const Tensor& out = outputs[i];
+    if (in.numel() == 0 || find(in.storage().get()) == nullptr) continue;
+    if (in.storage() != out.storage() || in.storage_offset() != out.storage_offset()) return false;
   }
   return true;
 }
@@ -214,12 +225,6 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
                            ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce_coalesced_into";
   check_coalesced_lists(kOp, outputs.size(), inputs.size());
-  std::vector<Range> ranges;
-  ranges.reserve(2 * outputs.size());
-  auto range = [](const Tensor& t, size_t i, bool output) {
-    const size_t begin = static_cast<size_t>(t.storage_offset()) * t.itemsize();
-    return Range{t.storage().get(), begin, begin + t.nbytes(), i, output};
-  };
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Tensor& out = outputs[i];
     const Tensor& in = inputs[i];
@@ -235,13 +240,17 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
       throw ShapeError(fmt::format("{}: output {} numel ({}) does not match input {} numel ({})",
                                    kOp, i, out.numel(), i, in.numel()));
     }
-    if (out.numel() == 0) continue;
-    Range o = range(out, i, true);
-    Range n = range(in, i, false);
+  }
+  if (outputs_clearly_apart(outputs, inputs)) return;
+  std::vector<Range> ranges;
+  ranges.reserve(2 * outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].numel() == 0) continue;
+    const Range o = range_of(outputs[i], i, true);
+    const Range n = range_of(inputs[i], i, false);
     ranges.push_back(o);
     if (n.storage != o.storage || n.begin != o.begin) ranges.push_back(n);
   }
-  if (outputs_clearly_apart(ranges)) return;
   // In begin order, a range overlaps an earlier one iff it starts before the largest end so
   // far; inputs may overlap each other (they are only read), nothing may overlap an output.
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {

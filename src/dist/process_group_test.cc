@@ -264,6 +264,11 @@ TEST(ArgumentChecksTest, PrimitivesValidateSynchronously) {
     EXPECT_EQ(o2.to_vector<float>(), std::vector<float>(4, 2.0f));
     EXPECT_EQ(own.to_vector<float>(), std::vector<float>(2, 6.0f));
     EXPECT_EQ(shared.to_vector<float>(), std::vector<float>(8, 1.0f));
+    // An input beside (not under) an output of the same storage is valid too.
+    Tensor side = Tensor::full({8}, DType::F32, 5);
+    pg.all_reduce_coalesced_into({side.narrow(0, 0, 4)}, {side.narrow(0, 4, 4)}, ReduceOp::Sum)
+        ->wait();
+    EXPECT_EQ(side.to_vector<float>(), (std::vector<float>{10, 10, 10, 10, 5, 5, 5, 5}));
     // Failed validation takes no sequence number: the next collective still matches.
     Tensor t = Tensor::full({3}, DType::F32, 1);
     pg.all_reduce(t, ReduceOp::Sum)->wait();
