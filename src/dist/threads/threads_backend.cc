@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -77,8 +78,22 @@ constexpr int kListedChunks = 8;
 // every destination line gives ~25% more copy bandwidth (measured: 9.9 -> 12.6 GB/s on the
 // 2-core CI machine). Below 8 MB the outputs do stay in its cache: streaming them made 4 MB
 // all_gather, all_reduce and all_to_all 1.3-1.9x slower there; at 8 MB and above it is as
-// fast or faster.
-constexpr int64_t kStreamBytes = 8 << 20;
+// fast or faster. (glibc's memcpy streams from 3/4 of the shared cache instead; on a machine
+// reporting 384 MB, 64 MiB collectives showed no consistent difference: bench/RESULTS.md.)
+// FUNCOL_STREAM_MB sets the threshold (0: stream every copy of 256 bytes or more); it is read
+// when run_local starts.
+int64_t stream_threshold() {
+  constexpr int64_t kDefaultStreamBytes = 8 << 20;
+  const char* env = std::getenv("FUNCOL_STREAM_MB");
+  if (env == nullptr) return kDefaultStreamBytes;
+  char* end = nullptr;
+  const double mb = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(mb >= 0) || mb > 1e12) {
+    throw InvalidArgument(
+        fmt::format("FUNCOL_STREAM_MB={}: not a number of megabytes (0 or more)", env));
+  }
+  return static_cast<int64_t>(mb * (1 << 20));
+}
 
 #if defined(__SSE2__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #define FUNCOL_STREAMING_COPY 1
@@ -597,7 +612,8 @@ class World {
   World(int size, std::chrono::milliseconds timeout)
       : size_(size),
         timeout_(timeout),
-        wait_spin_(size > usable_cores() ? std::chrono::nanoseconds(0) : Backoff::kSpin) {
+        wait_spin_(size > usable_cores() ? std::chrono::nanoseconds(0) : Backoff::kSpin),
+        stream_bytes_(stream_threshold()) {
     for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<RankState>());
     std::vector<int> all(size);
     for (int r = 0; r < size; ++r) all[r] = r;
@@ -668,6 +684,7 @@ class World {
   // where a spinning waiter takes the core a peer needs to arrive (measured with 4 ranks on 2
   // cores: 4 KiB all_reduce 8.8-13.5 us instead of 13-20 us; funcol train's step 10% shorter).
   std::chrono::nanoseconds wait_spin_;
+  const int64_t stream_bytes_;  // copies of ops moving this much stream (stream_threshold)
   std::vector<std::unique_ptr<RankState>> ranks_;
   // Ranks that departed so far: joins look for departed members only when it is non-zero
   // (reading every member's RankState on every collective would pull their cache lines).
@@ -810,7 +827,7 @@ void Op::plan() {
       break;
   }
   const int64_t chunk_bytes = std::clamp(total / n, kMinChunkBytes, kMaxChunkBytes);
-  stream_ = total >= kStreamBytes;
+  stream_ = total >= world_->stream_bytes_;
   auto add_ranges = [&](int t, int a, int b, int64_t count, int64_t unit) {
     int64_t step = std::max<int64_t>(1, chunk_bytes / unit);
     for (int64_t begin = 0; begin < count; begin += step) {

@@ -32,8 +32,41 @@ const bool kRegistered = [] {
   config.world_sizes = {1, 2, 3, 4, 8};
 #endif
   testing::register_conformance_tests(config);
+  // Again with every copy of 256 bytes or more streamed (FUNCOL_STREAM_MB=0): a machine with a
+  // big cache never streams the conformance sizes, a machine with a small one streams only the
+  // largest, and the streaming copy's head and tail must be right at every size and offset.
+  testing::ConformanceConfig streaming;
+  streaming.backend = "threads_streaming";
+  streaming.launch = [](int world_size, const testing::RankFn& fn) {
+    setenv("FUNCOL_STREAM_MB", "0", 1);
+    struct Unset {
+      ~Unset() { unsetenv("FUNCOL_STREAM_MB"); }
+    } unset;
+    run_local(world_size, fn);
+  };
+  streaming.world_sizes = {2, 3};
+  streaming.reduced = true;
+  streaming.families = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
+                        "coalesced"};
+  testing::register_conformance_tests(streaming);
   return true;
 }();
+
+TEST(RunLocalTest, RejectsAnInvalidStreamThreshold) {
+  setenv("FUNCOL_STREAM_MB", "lots", 1);
+  EXPECT_THROW(
+      {
+        try {
+          run_local(2, [](ProcessGroup&) {});
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("FUNCOL_STREAM_MB=lots"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      InvalidArgument);
+  unsetenv("FUNCOL_STREAM_MB");
+}
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
