@@ -238,7 +238,8 @@ struct Executor::Impl {
   void run_steps(size_t& cur);
   void issue(const Step& st, std::span<Tensor> in, const uint8_t* release,
              uint32_t step_index);
-  void wait(const Step& st, std::span<const Tensor> in);
+  // `in` is the step's scratch operand; `last_use`: it may be moved into the result.
+  void wait(const Step& st, Tensor& in, bool last_use);
   void close(uint32_t index, int64_t now);
   void poll();
   void finish(size_t& cur);
@@ -550,18 +551,22 @@ void Executor::Impl::close(uint32_t index, int64_t now) {
   if (it != open.end()) open.erase(it);
 }
 
-void Executor::Impl::wait(const Step& st, std::span<const Tensor> in) {
+void Executor::Impl::wait(const Step& st, Tensor& in, bool last_use) {
   const int64_t t0 = prof ? prof->now_ns() : 0;
   if (prof && st.inflight != kNone) {
     Inflight& f = inflight[st.inflight];
     if (f.open && f.done_ns < 0 && f.work->is_completed()) f.done_ns = t0;
   }
-  in[0].wait();
+  in.wait();
   if (st.inflight != kNone && inflight[st.inflight].open) {
     inflight[st.inflight].work->wait();
     close(st.inflight, prof ? prof->now_ns() : 0);
   }
-  slots[st.results_begin] = in[0];
+  if (last_use) {
+    slots[st.results_begin] = std::move(in);
+  } else {
+    slots[st.results_begin] = in;
+  }
   if (prof) {
     prof->add(Span{.kind = SpanKind::Wait,
                    .iteration = runs,
@@ -636,7 +641,7 @@ void Executor::Impl::run_steps(size_t& cur) {
         issue(st, std::span<Tensor>(sc, st.num_operands), rel, static_cast<uint32_t>(s));
         break;
       case StepKind::Wait:
-        wait(st, in);
+        wait(st, sc[0], rel[0] && !st.copy_operands);
         break;
       case StepKind::Skip:
         break;
