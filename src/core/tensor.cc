@@ -80,23 +80,61 @@ std::shared_ptr<const detail::Layout> make_layout(Shape sizes, Shape strides) {
   return layout;
 }
 
-// The contiguous layout of `shape`. The last few built on this thread are reused: tensors of a
-// shape seen recently (a kernel's outputs, a bucket's members) share one and allocate nothing
-// for it. Layouts are immutable, so a Tensor may carry one to another thread.
-std::shared_ptr<const detail::Layout> contiguous_layout(const Shape& shape) {
-  constexpr size_t kEntries = 16;
-  struct Cache {
-    std::array<std::shared_ptr<const detail::Layout>, kEntries> entries;
-    size_t next = 0;  // round-robin replacement
-  };
-  thread_local Cache cache;
-  for (const auto& e : cache.entries) {
-    if (e && e->sizes == shape) return e;
+// The last few contiguous layouts built on this thread, for reuse: tensors of a shape seen
+// recently (a kernel's outputs, a bucket's members, the pieces of a split) share one and
+// allocate nothing for it. Layouts are immutable, so a Tensor may carry one to another thread.
+class LayoutCache {
+ public:
+  ~LayoutCache() { tl_gone = true; }
+  // The contiguous layout of `shape`; null once this thread's cache was destroyed (a tensor
+  // made by a static or thread_local destructor that runs after it).
+  static std::shared_ptr<const detail::Layout>* find(const Shape& shape) {
+    if (tl_gone) return nullptr;
+    for (auto& e : tl_cache.entries_) {
+      if (e && e->sizes == shape) return &e;
+    }
+    return nullptr;
   }
+  static void add(const std::shared_ptr<const detail::Layout>& layout) {
+    if (tl_gone) return;
+    tl_cache.entries_[tl_cache.next_] = layout;
+    tl_cache.next_ = (tl_cache.next_ + 1) % kEntries;
+  }
+
+ private:
+  static constexpr size_t kEntries = 16;
+  std::array<std::shared_ptr<const detail::Layout>, kEntries> entries_;
+  size_t next_ = 0;  // round-robin replacement
+  static thread_local LayoutCache tl_cache;
+  static thread_local bool tl_gone;  // trivially destructible: readable after tl_cache is gone
+};
+thread_local LayoutCache LayoutCache::tl_cache;
+thread_local bool LayoutCache::tl_gone = false;
+
+// The contiguous layout of `shape`, from the cache when it holds one.
+std::shared_ptr<const detail::Layout> contiguous_layout(const Shape& shape) {
+  if (auto* hit = LayoutCache::find(shape)) return *hit;
   auto layout = make_layout(shape, contiguous_strides(shape));
-  cache.entries[cache.next] = layout;
-  cache.next = (cache.next + 1) % kEntries;
+  LayoutCache::add(layout);
   return layout;
+}
+
+// The layout of a view: a shared one from the cache when the strides are exactly the
+// contiguous ones (a split along dim 0, a view of a contiguous tensor), else its own.
+std::shared_ptr<const detail::Layout> view_layout(Shape sizes, Shape strides) {
+  int64_t expected = 1;
+  bool canonical = true;
+  for (size_t i = sizes.size(); i-- > 0 && canonical;) {
+    canonical = strides[i] == expected;
+    expected *= std::max<int64_t>(sizes[i], 1);
+  }
+  if (canonical) {
+    if (auto* hit = LayoutCache::find(sizes)) return *hit;
+    auto layout = make_layout(std::move(sizes), std::move(strides));
+    LayoutCache::add(layout);
+    return layout;
+  }
+  return make_layout(std::move(sizes), std::move(strides));
 }
 
 std::string list_str(const std::vector<int64_t>& v) { return shape_str(v); }
@@ -574,9 +612,11 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
 // ---------------------------------------------------------------------------------------------
 // Metadata
 
-int64_t Tensor::size(int64_t dim) const { return this->sizes()[wrap_dim(dim, this->dim(), "size")]; }
+int64_t Tensor::size(int64_t dim) const { return sizes()[wrap_dim(dim, this->dim(), "size")]; }
 
-int64_t Tensor::stride(int64_t dim) const { return this->strides()[wrap_dim(dim, this->dim(), "stride")]; }
+int64_t Tensor::stride(int64_t dim) const {
+  return strides()[wrap_dim(dim, this->dim(), "stride")];
+}
 
 
 bool Tensor::is_ready() const { return !storage_ || storage_->is_ready(); }
@@ -621,7 +661,7 @@ std::vector<T> Tensor::to_vector() const {
   dispatch(dtype_, [&](auto tag) {
     using S = typename decltype(tag)::type;
     for_each_row<1>(
-        this->sizes(), {&this->strides()},
+        sizes(), {&strides()},
         [&](const std::array<int64_t, 1>& off, int64_t n, const std::array<int64_t, 1>& inner) {
           const char* p = base + off[0] * static_cast<int64_t>(sizeof(S));
           const int64_t step = inner[0] * static_cast<int64_t>(sizeof(S));
@@ -640,7 +680,7 @@ T Tensor::item() const {
     throw ShapeError(
         fmt::format("item: expected a tensor with exactly one element, got {} ({} "
                     "elements)",
-                    type_str(dtype_, this->sizes()), numel()));
+                    type_str(dtype_, sizes()), numel()));
   }
   storage_->wait();
   const void* p = raw_data_ptr();
@@ -653,7 +693,7 @@ T Tensor::item() const {
 
 std::string Tensor::to_string() const {
   if (!defined_) return "tensor(undefined)";
-  const std::string type = type_str(dtype_, this->sizes());
+  const std::string type = type_str(dtype_, sizes());
   if (is_meta()) return "tensor(" + type + ", meta)";
   storage_->wait();
   // Like PyTorch's print options: beyond 1000 elements show 3 items at each end of every dim.
@@ -665,19 +705,19 @@ std::string Tensor::to_string() const {
   dispatch(dtype_, [&](auto tag) {
     using S = typename decltype(tag)::type;
     auto rec = [&](auto& self, size_t d, int64_t off) -> void {
-      if (d == this->sizes().size()) {
+      if (d == sizes().size()) {
         out += format_elem(load_elem<S>(base + off * static_cast<int64_t>(sizeof(S))));
         return;
       }
       out += "[";
-      const int64_t n = this->sizes()[d];
+      const int64_t n = sizes()[d];
       for (int64_t i = 0; i < n; ++i) {
         if (i > 0) out += ", ";
         if (summarize && n > 2 * kEdge && i == kEdge) {
           out += "..., ";
           i = n - kEdge;
         }
-        self(self, d + 1, off + i * this->strides()[d]);
+        self(self, d + 1, off + i * strides()[d]);
       }
       out += "]";
     };
@@ -692,7 +732,7 @@ std::string Tensor::to_string() const {
 Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
   Tensor t;
   t.storage_ = storage_;
-  t.layout_ = make_layout(std::move(sizes), std::move(strides));
+  t.layout_ = view_layout(std::move(sizes), std::move(strides));
   t.offset_ = offset;
   t.dtype_ = dtype_;
   t.defined_ = defined_;
@@ -728,7 +768,7 @@ Tensor Tensor::flatten() const {
 Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
   check_defined(*this, "narrow");
   const int64_t d = wrap_dim(dim, this->dim(), "narrow");
-  const int64_t size = this->sizes()[d];
+  const int64_t size = sizes()[d];
   if (length < 0) {
     throw ShapeError(fmt::format("narrow: length ({}) must be non-negative", length));
   }
@@ -743,13 +783,13 @@ Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
   }
   Shape sizes = this->sizes();
   sizes[d] = length;
-  return with_layout(std::move(sizes), this->strides(), offset_ + start * this->strides()[d]);
+  return with_layout(std::move(sizes), strides(), offset_ + start * strides()[d]);
 }
 
 std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
   check_defined(*this, "split");
   const int64_t d = wrap_dim(dim, this->dim(), "split");
-  const int64_t size = this->sizes()[d];
+  const int64_t size = sizes()[d];
   if (split_size < 0 || (split_size == 0 && size > 0)) {
     throw InvalidArgument(fmt::format(
         "split: split_size must be positive for dim {} of size {}, got {}", d, size, split_size));
@@ -798,7 +838,7 @@ std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
     throw InvalidArgument(fmt::format("chunk: chunks must be positive, got {}", chunks));
   }
   const int64_t d = wrap_dim(dim, this->dim(), "chunk");
-  const int64_t size = this->sizes()[d];
+  const int64_t size = sizes()[d];
   if (size == 0) {
     // torch.chunk: an empty dim still gives `chunks` (empty) pieces.
     return split_with_sizes(std::vector<int64_t>(static_cast<size_t>(chunks), 0), d);
@@ -849,18 +889,18 @@ Tensor Tensor::permute(const std::vector<int64_t>& dims) const {
 
 Tensor Tensor::expand(const Shape& shape) const {
   check_defined(*this, "expand");
-  if (shape.size() < this->sizes().size()) {
-    throw ShapeError(fmt::format("expand: cannot expand {} to {} (fewer dims)", shape_str(this->sizes()),
+  if (shape.size() < sizes().size()) {
+    throw ShapeError(fmt::format("expand: cannot expand {} to {} (fewer dims)", shape_str(sizes()),
                                  shape_str(shape)));
   }
-  const size_t lead = shape.size() - this->sizes().size();
+  const size_t lead = shape.size() - sizes().size();
   Shape sizes(shape.size());
   Shape strides(shape.size());
   for (size_t i = 0; i < shape.size(); ++i) {
     if (i < lead) {
       if (shape[i] < 0) {
-        throw ShapeError(
-            fmt::format("expand: cannot expand {} to {}", shape_str(this->sizes()), shape_str(shape)));
+        throw ShapeError(fmt::format("expand: cannot expand {} to {}", shape_str(this->sizes()),
+                                     shape_str(shape)));
       }
       sizes[i] = shape[i];
       strides[i] = 0;
@@ -888,16 +928,16 @@ Tensor Tensor::view_dtype(DType dtype) const {
   const auto old_size = static_cast<int64_t>(itemsize());
   const auto new_size = static_cast<int64_t>(funcol::itemsize(dtype));
   if (old_size == new_size) {
-    Tensor t = with_layout(this->sizes(), this->strides(), offset_);
+    Tensor t = with_layout(sizes(), strides(), offset_);
     t.dtype_ = dtype;
     return t;
   }
   const std::string what =
-      fmt::format("view_dtype: cannot view {} as {}", type_str(dtype_, this->sizes()), dtype_name(dtype));
+      fmt::format("view_dtype: cannot view {} as {}", type_str(dtype_, sizes()), dtype_name(dtype));
   if (dim() == 0) throw InvalidArgument(what + ": a 0-d tensor has no last dim to rescale");
-  if (this->strides().back() != 1 && this->sizes().back() != 1) {
+  if (strides().back() != 1 && sizes().back() != 1) {
     throw InvalidArgument(
-        what + fmt::format(": the last dim must have stride 1, it has {}", this->strides().back()));
+        what + fmt::format(": the last dim must have stride 1, it has {}", strides().back()));
   }
   Shape sizes = this->sizes();
   Shape strides = this->strides();
@@ -950,7 +990,7 @@ Tensor Tensor::squeeze(int64_t dim) const {
   // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, as transpose).
   if (this->dim() == 0 && (dim == 0 || dim == -1)) return *this;
   const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
-  if (this->sizes()[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
+  if (sizes()[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
   Shape sizes = this->sizes();
   Shape strides = this->strides();
   sizes.erase(sizes.begin() + d);
@@ -961,7 +1001,7 @@ Tensor Tensor::squeeze(int64_t dim) const {
 Tensor Tensor::select(int64_t dim, int64_t index) const {
   check_defined(*this, "select");
   const int64_t d = wrap_dim(dim, this->dim(), "select");
-  const int64_t size = this->sizes()[d];
+  const int64_t size = sizes()[d];
   if (index < -size || index >= size) {
     throw ShapeError(
         fmt::format("select: index {} is out of range for size {} of dim {}", index, size, d));
@@ -988,10 +1028,11 @@ Tensor Tensor::clone() const { return to(dtype_); }
 
 Tensor Tensor::to(DType dtype) const {
   check_defined(*this, "to");
-  if (is_meta()) return meta(this->sizes(), dtype);
-  Tensor out = empty(this->sizes(), dtype);
+  if (is_meta()) return meta(sizes(), dtype);
+  Tensor out = empty(sizes(), dtype);
   storage_->wait();
-  copy_elements(raw_data_ptr(), dtype_, this->strides(), out.raw_data_ptr(), dtype, out.strides(), this->sizes());
+  copy_elements(raw_data_ptr(), dtype_, strides(), out.raw_data_ptr(), dtype, out.strides(),
+                sizes());
   return out;
 }
 
@@ -999,20 +1040,20 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
   check_not_meta(*this, "copy_");
   check_not_meta(src, "copy_");
   check_no_internal_overlap(*this, "copy_");
-  if (src.sizes() != this->sizes()) {
+  if (src.sizes() != sizes()) {
     throw ShapeError(fmt::format("copy_: source shape {} does not match destination shape {}",
-                                 shape_str(src.sizes()), shape_str(this->sizes())));
+                                 shape_str(src.sizes()), shape_str(sizes())));
   }
   src.storage_->wait();
   storage_->wait();
   if (shares_storage(src)) {
     // Overlapping source and destination: go through a temporary.
     Tensor tmp = src.clone();
-    copy_elements(tmp.raw_data_ptr(), tmp.dtype_, tmp.strides(), raw_data_ptr(), dtype_, this->strides(),
-                  this->sizes());
+    copy_elements(tmp.raw_data_ptr(), tmp.dtype_, tmp.strides(), raw_data_ptr(), dtype_, strides(),
+                  sizes());
   } else {
-    copy_elements(src.raw_data_ptr(), src.dtype_, src.strides(), raw_data_ptr(), dtype_, this->strides(),
-                  this->sizes());
+    copy_elements(src.raw_data_ptr(), src.dtype_, src.strides(), raw_data_ptr(), dtype_, strides(),
+                  sizes());
   }
   return *this;
 }
@@ -1105,13 +1146,13 @@ bool Tensor::equal(const Tensor& other) const {
   check_not_meta(other, "equal");
   storage_->wait();
   other.storage_->wait();
-  if (dtype_ != other.dtype_ || this->sizes() != other.sizes()) return false;
+  if (dtype_ != other.dtype_ || sizes() != other.sizes()) return false;
   const auto isz = static_cast<int64_t>(itemsize());
   const char* a = static_cast<const char*>(raw_data_ptr());
   const char* b = static_cast<const char*>(other.raw_data_ptr());
   bool same = true;
   for_each_row<2>(
-      this->sizes(), {&this->strides(), &other.strides()},
+      sizes(), {&strides(), &other.strides()},
       [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& inner) {
         if (!same) return;
         const char* pa = a + off[0] * isz;

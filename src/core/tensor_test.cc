@@ -358,6 +358,24 @@ TEST(Views, LayoutsAreSharedAndImmutable) {
   EXPECT_TRUE(Tensor::empty({0, 5}, DType::F32).transpose(0, 1).is_contiguous());
 }
 
+TEST(Views, TensorsMadeAfterTheThreadsLayoutCacheIsGone) {
+  // A thread_local constructed before the thread's layout cache is destroyed after it: its
+  // destructor's tensors must not touch the destroyed cache (a use after free before).
+  std::thread([] {
+    struct Late {
+      ~Late() {
+        Tensor t = Tensor::zeros({4}, DType::F32);
+        Tensor v = t.view({2, 2}).narrow(0, 1, 1);
+        EXPECT_EQ(v.sizes(), (Shape{1, 2}));
+        EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 0.0f));
+      }
+    };
+    thread_local Late late;
+    (void)&late;
+    EXPECT_EQ(Tensor::zeros({4}, DType::F32).view({2, 2}).numel(), 4);  // fills the cache
+  }).join();
+}
+
 TEST(Views, PermuteUnsqueezeSqueeze) {
   Tensor t = iota({2, 3, 4});
   Tensor p = t.permute({2, 0, 1});

@@ -209,7 +209,7 @@ struct Executor::Impl {
   std::vector<uint32_t> initial_release;  // graph inputs nobody uses
   std::vector<uint32_t> output_slots;
   // 1 where output i is its slot's last listing: run() moves it out instead of copying it
-  // (a copy allocates the shape twice; every slot is cleared after the run anyway).
+  // (a copy costs reference counts; every slot is cleared after the run anyway).
   std::vector<uint8_t> output_moves;
   // Expected result types of kernel steps, packed: (dtype, rank, dims...) per result.
   std::vector<int64_t> result_types;
@@ -431,7 +431,7 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     // A lowered bucket chain: the members go straight to one coalesced primitive.
     LoweredBucket& b = buckets[st.bucket];
     // The members are lent to the primitive's list and handed back afterwards (even when it
-    // throws): a Tensor copy allocates its shape, and a bucket may have thousands of members.
+    // throws): a Tensor copy costs two reference counts, and a bucket has thousands of members.
     std::vector<Tensor> ins;
     ins.reserve(in.size());
     std::vector<uint8_t> lent;  // 1: ins[i] is in[i] itself, moved

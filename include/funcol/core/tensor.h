@@ -125,7 +125,7 @@ class Tensor {
   // Negative dims count from the end; throws ShapeError when out of range.
   int64_t size(int64_t dim) const;
   int64_t stride(int64_t dim) const;
-  int64_t dim() const { return static_cast<int64_t>(sizes().size()); }
+  int64_t dim() const { return layout_ ? static_cast<int64_t>(layout_->sizes.size()) : 0; }
   int64_t numel() const { return layout_ ? layout_->numel : 0; }
   // Element offset of the first element into the storage.
   int64_t storage_offset() const { return offset_; }
@@ -210,7 +210,7 @@ class Tensor {
  private:
   std::shared_ptr<Storage> storage_;
   std::shared_ptr<void> annotation_;
-  std::shared_ptr<const detail::Layout> layout_;  // null when undefined
+  std::shared_ptr<const detail::Layout> layout_;  // null when undefined (or moved from)
   int64_t offset_ = 0;
   DType dtype_ = DType::F32;
   bool defined_ = false;

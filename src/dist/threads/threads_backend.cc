@@ -85,9 +85,10 @@ constexpr int kListedChunks = 8;
 int64_t stream_threshold() {
   constexpr int64_t kDefaultStreamBytes = 8 << 20;
   const char* env = std::getenv("FUNCOL_STREAM_MB");
-  if (env == nullptr) return kDefaultStreamBytes;
+  if (env == nullptr || *env == '\0') return kDefaultStreamBytes;
   char* end = nullptr;
   const double mb = std::strtod(env, &end);
+  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
   if (end == env || *end != '\0' || !(mb >= 0) || mb > 1e12) {
     throw InvalidArgument(
         fmt::format("FUNCOL_STREAM_MB={}: not a number of megabytes (0 or more)", env));
