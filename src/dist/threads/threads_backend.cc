@@ -78,8 +78,9 @@ constexpr int kListedChunks = 8;
 // every destination line gives ~25% more copy bandwidth (measured: 9.9 -> 12.6 GB/s on the
 // 2-core CI machine). Below 8 MB the outputs do stay in its cache: streaming them made 4 MB
 // all_gather, all_reduce and all_to_all 1.3-1.9x slower there; at 8 MB and above it is as
-// fast or faster. (glibc's memcpy streams from 3/4 of the shared cache instead; on a machine
-// reporting 384 MB, 64 MiB collectives showed no consistent difference: bench/RESULTS.md.)
+// fast or faster. (glibc's memcpy streams only from 3/4 of the shared cache. On a machine that
+// reports 384 MB, streaming from 8 MB still made 64 MiB all_gather and all_to_all 10-20%
+// faster in `funcol bench -c 1` runs, with mixed results in -c 0 runs: bench/RESULTS.md.)
 // FUNCOL_STREAM_MB sets the threshold (0: stream every copy of 256 bytes or more); it is read
 // when run_local starts.
 int64_t stream_threshold() {
