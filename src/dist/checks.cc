@@ -241,6 +241,11 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
                                    kOp, i, out.numel(), i, in.numel()));
     }
   }
+  check_outputs_apart(kOp, outputs, inputs);
+}
+
+void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,
+                         const std::vector<Tensor>& inputs) {
   if (outputs_clearly_apart(outputs, inputs)) return;
   std::vector<Range> ranges;
   ranges.reserve(2 * outputs.size());
@@ -268,7 +273,7 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
     const Range* hit = r.output ? last_any : last_output;
     if (hit != nullptr && hit->end > r.begin) {
       throw InvalidArgument(fmt::format("{}: {} overlaps {} (an output may only be its own input)",
-                                        kOp, name(*hit), name(r)));
+                                        op, name(*hit), name(r)));
     }
     if (last_any == nullptr || r.end > last_any->end) last_any = &r;
     if (r.output && (last_output == nullptr || r.end > last_output->end)) last_output = &r;

@@ -51,6 +51,10 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
 // (identical bytes: in place).
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op);
+// The overlap part of it (outputs[i] and inputs[i] of equal numel): no output overlaps another
+// output or an input other than its own. all_reduce_coalesced checks its list with itself too.
+void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,
+                         const std::vector<Tensor>& inputs);
 
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it

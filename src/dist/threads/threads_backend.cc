@@ -1959,6 +1959,10 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                              ReduceOp op) override {
     for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
+    // Every slot reduces its bytes into rank 0's buffer and copies them back, chunk by chunk on
+    // any waiting thread: a tensor listed twice (or overlapping another) would be reduced twice,
+    // with the two passes racing (elements came out 2, 3 or 4 for two ranks of ones).
+    dist_detail::check_outputs_apart("all_reduce_coalesced", tensors, tensors);
     Post p = make_post(OpKind::AllReduce, true, tensors.size());
     p.reduce_op = op;
     add_slots(p, tensors, tensors, /*count_from_input=*/true);  // in place: the same objects

@@ -485,6 +485,29 @@ TEST(FailureTest, MismatchedCoalescedLists) {
        "all_reduce_coalesced(2 tensors: f32[2], i64[3], op max)"});
 }
 
+// The in-place coalesced all_reduce reduces each listed tensor into rank 0's buffer and copies
+// it back, chunk by chunk on any waiting thread: a tensor listed twice was reduced twice, the
+// two passes racing (elements of one result came out 2, 3 or 4). Rejected, as overlapping
+// outputs are in all_reduce_coalesced_into.
+TEST(FailureTest, CoalescedAllReduceRejectsATensorListedTwice) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    Tensor t = Tensor::full({1 << 20}, DType::F32, 1);
+    Tensor other = Tensor::full({4}, DType::F32, 1);
+    try {
+      pg.all_reduce_coalesced({t, other, t}, ReduceOp::Sum)->wait();
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("all_reduce_coalesced: output 0 overlaps output 2"),
+                std::string::npos)
+          << e.what();
+    }
+    // The group stays usable.
+    pg.all_reduce_coalesced({t.narrow(0, 0, 8), t.narrow(0, 8, 8), other}, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.to_vector<float>()[15], 2);
+    EXPECT_EQ(other.to_vector<float>()[3], 2);
+  });
+}
+
 TEST(FailureTest, MismatchedReduceOp) {
   expect_mismatch(
       [](ProcessGroup& pg) {
