@@ -1177,8 +1177,26 @@ std::string World::mismatch_message(const std::string& what, int rank_a, const P
                                     int rank_b, const Post& b) {
   // Lower rank first, so every rank (and every run) reads the same message.
   if (rank_b < rank_a) return mismatch_message(what, rank_b, b, rank_a, a);
-  return fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}", what,
-                     rank_a, a.summary(), rank_b, b.summary());
+  std::string message =
+      fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}", what,
+                  rank_a, a.summary(), rank_b, b.summary());
+  // A summary lists a long list's first 8 tensors only: when the lists differ only further on,
+  // both would read the same, so name the first tensor that differs.
+  if (a.kind == b.kind && a.slots.size() == b.slots.size() && a.slots.size() > 9) {
+    for (size_t i = 0; i < a.slots.size(); ++i) {
+      const Slot& x = a.slots[i];
+      const Slot& y = b.slots[i];
+      if (x.dtype != y.dtype || x.count != y.count || !x.same_shape(y)) {
+        const bool rows = a.kind == OpKind::AllToAll;
+        if (i >= 8) {  // not shown above
+          message += fmt::format(" (first difference: tensor {}: {} on rank {}, {} on rank {})",
+                                 i, x.describe(rows), rank_a, y.describe(rows), rank_b);
+        }
+        break;
+      }
+    }
+  }
+  return message;
 }
 
 std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Post&& post,

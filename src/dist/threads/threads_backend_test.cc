@@ -508,6 +508,19 @@ TEST(FailureTest, CoalescedAllReduceRejectsATensorListedTwice) {
   });
 }
 
+// A summary lists only the first 8 tensors of a long list: a list that differs further on must
+// still show the tensors that differ (both summaries read "..." there).
+TEST(FailureTest, MismatchedCoalescedListsFarIn) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        std::vector<Tensor> ts;
+        for (int i = 0; i < 12; ++i) ts.push_back(Tensor::full({2}, DType::F32, 1));
+        ts[10] = Tensor::full({pg.rank() == 0 ? 3 : 5}, DType::F32, 1);
+        return pg.all_reduce_coalesced(ts, ReduceOp::Sum);
+      },
+      {"tensor 10: f32[3] on rank 0, f32[5] on rank 1"});
+}
+
 TEST(FailureTest, MismatchedReduceOp) {
   expect_mismatch(
       [](ProcessGroup& pg) {
