@@ -722,7 +722,8 @@ class World {
   void join_absent_locked(SharedGroup& group, uint64_t seq, uint64_t mask);
   // Counts the members of `mask` joined to `op` (those not joined yet). Needs group.mu.
   static void mark_joined(Op& op, uint64_t mask);
-  // The bits of the members that joined `op`. Needs group.mu.
+  // The bits of the members that joined `op` (lane groups only: at most 64 members). Needs
+  // group.mu.
   static uint64_t joined_mask(const Op& op);
   // The global ranks of `group`'s members whose bits are not in `arrived`.
   static std::vector<int> missing_ranks(const SharedGroup& group, uint64_t arrived);
@@ -1265,7 +1266,11 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       // A member that departed will never join: fail now rather than at the timeout. (depart()
       // counts itself before it takes this lock to fail the ops it left, so a join that reads
       // 0 here comes before that and its op is failed there.)
-      const std::vector<int> missing = missing_ranks(group, joined_mask(*op));
+      // From the flags, not joined_mask(): an Op-path group may have more than 64 members.
+      std::vector<int> missing;
+      for (int m = 0; m < op->size_; ++m) {
+        if (!op->members_[m].joined) missing.push_back(group.global_ranks[m]);
+      }
       const int departed = first_departed(missing);
       if (departed >= 0) failure = departed_message(op->description(), departed, missing);
     }

@@ -295,6 +295,50 @@ TEST(FailureTest, PeerThrowsBeforeJoining) {
   EXPECT_LT(seconds_since(start), 2.0);
 }
 
+// More than 64 members: a join's check for departed members must not take member m for member
+// m % 64 (a 64-bit mask of joined members did: rank 69 counted as joined once rank 5 had, and
+// the op waited for the timeout instead of failing at once).
+TEST(FailureTest, PeerBeyondRank64ThrowsBeforeJoining) {
+  auto start = Clock::now();
+  std::atomic<bool> thrown{false}, first_joined{false};
+  std::vector<std::string> messages(70);
+  LocalOptions options;
+  options.timeout = std::chrono::milliseconds(20000);
+  try {
+    run_local(
+        70,
+        [&](ProcessGroup& world) {
+          if (world.rank() == 69) {
+            thrown = true;
+            throw std::runtime_error("boom");
+          }
+          if (world.rank() == 5) {
+            await(thrown);
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));  // rank 69 departs
+          }
+          if (world.rank() != 5) await(first_joined);  // rank 5 joins first
+          auto w = world.barrier_async();
+          if (world.rank() == 5) first_joined = true;
+          messages[world.rank()] = comm_error([&] { w->wait(); });
+        },
+        options);
+    ADD_FAILURE() << "run_local did not rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "boom");
+  }
+  // Failed at rank 5's join, when no other member had joined.
+  for (int r = 0; r < 69; ++r) {
+    EXPECT_EQ(messages[r],
+              "barrier on group 'world' (seq 0): rank 69 departed (threw: boom) before joining; "
+              "missing ranks [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, "
+              "20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, "
+              "41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, "
+              "62, 63, 64, 65, 66, 67, 68, 69]")
+        << "rank " << r;
+  }
+  EXPECT_LT(seconds_since(start), 5.0);
+}
+
 TEST(FailureTest, PendingCollectiveFailsWhenPeerThrowsLater) {
   auto start = Clock::now();
   std::atomic<int> issued{0};
