@@ -86,19 +86,19 @@ std::shared_ptr<const detail::Layout> make_layout(Shape sizes, Shape strides) {
 class LayoutCache {
  public:
   ~LayoutCache() { tl_gone = true; }
-  // The contiguous layout of `shape`; null once this thread's cache was destroyed (a tensor
-  // made by a static or thread_local destructor that runs after it).
-  static std::shared_ptr<const detail::Layout>* find(const Shape& shape) {
-    if (tl_gone) return nullptr;
+  // The contiguous layout of `shape` from this thread's cache, else the one `make()` builds,
+  // which the cache keeps. After this thread's cache was destroyed (a tensor made by a static or
+  // thread_local destructor that runs after it), always `make()`'s.
+  template <typename Make>
+  static std::shared_ptr<const detail::Layout> get(const Shape& shape, Make make) {
+    if (tl_gone) return make();
     for (auto& e : tl_cache.entries_) {
-      if (e && e->sizes == shape) return &e;
+      if (e && e->sizes == shape) return e;
     }
-    return nullptr;
-  }
-  static void add(const std::shared_ptr<const detail::Layout>& layout) {
-    if (tl_gone) return;
+    std::shared_ptr<const detail::Layout> layout = make();
     tl_cache.entries_[tl_cache.next_] = layout;
     tl_cache.next_ = (tl_cache.next_ + 1) % kEntries;
+    return layout;
   }
 
  private:
@@ -113,28 +113,26 @@ thread_local bool LayoutCache::tl_gone = false;
 
 // The contiguous layout of `shape`, from the cache when it holds one.
 std::shared_ptr<const detail::Layout> contiguous_layout(const Shape& shape) {
-  if (auto* hit = LayoutCache::find(shape)) return *hit;
-  auto layout = make_layout(shape, contiguous_strides(shape));
-  LayoutCache::add(layout);
-  return layout;
+  return LayoutCache::get(shape, [&] { return make_layout(shape, contiguous_strides(shape)); });
+}
+
+// Whether `strides` equal contiguous_strides(sizes), checked without building those.
+bool has_contiguous_strides(const Shape& sizes, const Shape& strides) {
+  int64_t expected = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    if (strides[i] != expected) return false;
+    expected *= std::max<int64_t>(sizes[i], 1);
+  }
+  return true;
 }
 
 // The layout of a view: a shared one from the cache when the strides are exactly the
 // contiguous ones (a split along dim 0, a view of a contiguous tensor), else its own.
 std::shared_ptr<const detail::Layout> view_layout(Shape sizes, Shape strides) {
-  int64_t expected = 1;
-  bool canonical = true;
-  for (size_t i = sizes.size(); i-- > 0 && canonical;) {
-    canonical = strides[i] == expected;
-    expected *= std::max<int64_t>(sizes[i], 1);
+  if (!has_contiguous_strides(sizes, strides)) {
+    return make_layout(std::move(sizes), std::move(strides));
   }
-  if (canonical) {
-    if (auto* hit = LayoutCache::find(sizes)) return *hit;
-    auto layout = make_layout(std::move(sizes), std::move(strides));
-    LayoutCache::add(layout);
-    return layout;
-  }
-  return make_layout(std::move(sizes), std::move(strides));
+  return LayoutCache::get(sizes, [&] { return make_layout(std::move(sizes), std::move(strides)); });
 }
 
 std::string list_str(const std::vector<int64_t>& v) { return shape_str(v); }
@@ -852,7 +850,8 @@ Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
     // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, and the op table's).
     for (const int64_t d : {dim0, dim1}) {
       if (d != 0 && d != -1) {
-        throw ShapeError(fmt::format("transpose: dim {} is out of range for a scalar (0 or -1)", d));
+        throw ShapeError(
+            fmt::format("transpose: dim {} is out of range for a scalar (0 or -1)", d));
       }
     }
     return *this;

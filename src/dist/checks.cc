@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <tuple>
@@ -342,6 +344,19 @@ void agree_on_split(ProcessGroup& parent, int split,
 
 std::string format_ranks(const std::vector<int>& ranks) {
   return fmt::format("[{}]", fmt::join(ranks, ", "));
+}
+
+std::optional<double> env_number(const char* name, std::string_view expected,
+                                 bool (*valid)(double)) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  char* end = nullptr;
+  const double value = std::strtod(env, &end);
+  while (*end == ' ' || *end == '\t') ++end;
+  if (end == env || *end != '\0' || !std::isfinite(value) || !valid(value)) {
+    throw InvalidArgument(fmt::format("{}={}: expected {}", name, env, expected));
+  }
+  return value;
 }
 
 }  // namespace funcol::dist_detail

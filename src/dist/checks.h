@@ -73,4 +73,10 @@ void agree_on_split(ProcessGroup& parent, int split,
 // "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);
 
+// The number in environment variable `name` (blanks may follow it), or nullopt when the
+// variable is unset or empty. InvalidArgument "NAME=value: expected <expected>" when the value
+// is not a finite number or `valid` rejects it.
+std::optional<double> env_number(const char* name, std::string_view expected,
+                                 bool (*valid)(double));
+
 }  // namespace funcol::dist_detail

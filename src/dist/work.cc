@@ -1,12 +1,13 @@
 // Work: finishing, failing and waiting for one asynchronous collective.
 #include "funcol/dist/work.h"
 
-#include <cerrno>
+#include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 
+#include "checks.h"
 #include "funcol/core/error.h"
 #include "spin.h"
 
@@ -20,17 +21,10 @@ constexpr double kMaxTimeoutSeconds = 1e9;
 }  // namespace
 
 std::chrono::milliseconds default_timeout() {
-  const char* env = std::getenv("FUNCOL_TIMEOUT");
-  if (env == nullptr || *env == '\0') return kDefaultTimeout;
-  char* end = nullptr;
-  errno = 0;
-  double seconds = std::strtod(env, &end);
-  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
-  if (end == env || *end != '\0' || errno != 0 || !std::isfinite(seconds) || seconds <= 0) {
-    throw InvalidArgument("FUNCOL_TIMEOUT: expected a positive number of seconds, got '" +
-                          std::string(env) + "'");
-  }
-  seconds = std::min(seconds, kMaxTimeoutSeconds);
+  const std::optional<double> env = dist_detail::env_number(
+      "FUNCOL_TIMEOUT", "a positive number of seconds", [](double s) { return s > 0; });
+  if (!env) return kDefaultTimeout;
+  const double seconds = std::min(*env, kMaxTimeoutSeconds);
   // At least 1 ms, so that a tiny positive value still means "fail fast" rather than zero.
   auto ms = static_cast<int64_t>(std::ceil(seconds * 1000.0));
   return std::chrono::milliseconds(std::max<int64_t>(ms, 1));

@@ -85,16 +85,10 @@ constexpr int kListedChunks = 8;
 // when run_local starts.
 int64_t stream_threshold() {
   constexpr int64_t kDefaultStreamBytes = 8 << 20;
-  const char* env = std::getenv("FUNCOL_STREAM_MB");
-  if (env == nullptr || *env == '\0') return kDefaultStreamBytes;
-  char* end = nullptr;
-  const double mb = std::strtod(env, &end);
-  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
-  if (end == env || *end != '\0' || !(mb >= 0) || mb > 1e12) {
-    throw InvalidArgument(
-        fmt::format("FUNCOL_STREAM_MB={}: not a number of megabytes (0 or more)", env));
-  }
-  return static_cast<int64_t>(mb * (1 << 20));
+  const std::optional<double> mb =
+      dist_detail::env_number("FUNCOL_STREAM_MB", "a number of megabytes (0 or more)",
+                              [](double v) { return v >= 0 && v <= 1e12; });
+  return mb ? static_cast<int64_t>(*mb * (1 << 20)) : kDefaultStreamBytes;
 }
 
 #if defined(__SSE2__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
