@@ -318,6 +318,36 @@ TEST(Executor, AValueReturnedTwiceAndAnInputReturnedAreEveryOutput) {
   });
 }
 
+// A wait_tensor takes its operand at the operand's last use and shares it otherwise: a graph
+// input waited and returned stays the caller's; a wait result that is also an output is not
+// reduced in place by a later all_reduce of a value sharing its storage.
+TEST(Executor, WaitsOfInputsAndOfOutputsKeepEveryListing) {
+  auto graph = parse(R"(graph @g(%x: f32[4]) {
+  %wx = wait_tensor(%x)
+  %y = neg(%x)
+  %ar = all_reduce(%y) {reduce_op = "sum", group = "world"}
+  %w1 = wait_tensor(%ar)
+  %w2 = wait_tensor(%w1)
+  %ar2 = all_reduce(%w2) {reduce_op = "sum", group = "world"}
+  %w3 = wait_tensor(%ar2)
+  return %wx, %x, %w1, %w3, %w1
+})");
+  run_local(2, [&](ProcessGroup& world) {
+    Executor ex(*graph, world);
+    for (int it = 0; it < 3; ++it) {
+      const float v = static_cast<float>(1 + world.rank() + 2 * it);
+      const float sum = -static_cast<float>(3 + 4 * it);  // -(v of rank 0 + v of rank 1)
+      const auto out = ex.run({Tensor::full({4}, DType::F32, v)});
+      ASSERT_EQ(out.size(), 5u);
+      EXPECT_EQ(floats(out[0]), std::vector<float>(4, v)) << it;
+      EXPECT_EQ(floats(out[1]), std::vector<float>(4, v)) << it;
+      EXPECT_EQ(floats(out[2]), std::vector<float>(4, sum)) << it;
+      EXPECT_EQ(floats(out[3]), std::vector<float>(4, 2 * sum)) << it;
+      EXPECT_EQ(floats(out[4]), std::vector<float>(4, sum)) << it;
+    }
+  });
+}
+
 TEST(Executor, UnwaitedCollectivesCompleteByTheEndOfARun) {
   auto out =
       run_graph(2, R"(graph @g(%x: f32[2]) {
