@@ -570,7 +570,6 @@ Tensor Tensor::meta(const Shape& shape, DType dtype) {
   Tensor t;
   t.layout_ = contiguous_layout(shape);
   t.dtype_ = dtype;
-  t.defined_ = true;
   return t;
 }
 
@@ -603,7 +602,6 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
   t.layout_ = contiguous_layout(shape);
   t.offset_ = offset;
   t.dtype_ = dtype;
-  t.defined_ = true;
   return t;
 }
 
@@ -636,7 +634,7 @@ void* Tensor::raw_data_ptr() const {
 template <typename T>
 T* Tensor::data() const {
   constexpr DType want = dtype_for<T>();
-  if (defined_ && want != dtype_) {
+  if (defined() && want != dtype_) {
     throw InvalidArgument(fmt::format("data: requested {} but the tensor is {}", dtype_name(want),
                                       dtype_name(dtype_)));
   }
@@ -690,7 +688,7 @@ T Tensor::item() const {
 }
 
 std::string Tensor::to_string() const {
-  if (!defined_) return "tensor(undefined)";
+  if (!defined()) return "tensor(undefined)";
   const std::string type = type_str(dtype_, sizes());
   if (is_meta()) return "tensor(" + type + ", meta)";
   storage_->wait();
@@ -729,11 +727,11 @@ std::string Tensor::to_string() const {
 
 Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
   Tensor t;
+  if (!defined()) return t;
   t.storage_ = storage_;
   t.layout_ = view_layout(std::move(sizes), std::move(strides));
   t.offset_ = offset;
   t.dtype_ = dtype_;
-  t.defined_ = defined_;
   return t;
 }
 
@@ -1140,7 +1138,7 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
 }
 
 bool Tensor::equal(const Tensor& other) const {
-  if (!defined_ || !other.defined_) return defined_ == other.defined_;
+  if (!defined() || !other.defined()) return defined() == other.defined();
   check_not_meta(*this, "equal");
   check_not_meta(other, "equal");
   storage_->wait();

@@ -293,6 +293,24 @@ TEST(Factories, MetaTensors) {
   EXPECT_THROW(add(m, m), InvalidArgument);
 }
 
+// A moved-from Tensor is undefined, as a default-constructed one is: not a meta tensor, and
+// its data cannot be reached.
+TEST(Factories, MovedFromTensorsAreUndefined) {
+  Tensor a = Tensor::full({3}, DType::F32, 2);
+  Tensor b = std::move(a);
+  EXPECT_FALSE(a.defined());  // NOLINT(bugprone-use-after-move): the state under test
+  EXPECT_FALSE(a.is_meta());
+  EXPECT_EQ(a.numel(), 0);
+  EXPECT_EQ(a.to_string(), "tensor(undefined)");
+  EXPECT_THROW(a.data_ptr(), InvalidArgument);
+  EXPECT_EQ(b.to_vector<float>(), std::vector<float>(3, 2.0f));
+  Tensor m = Tensor::meta({2}, DType::F32);
+  Tensor n;
+  n = std::move(m);
+  EXPECT_FALSE(m.defined());  // NOLINT(bugprone-use-after-move)
+  EXPECT_TRUE(n.is_meta());
+}
+
 TEST(Factories, FromStorage) {
   auto storage = std::make_shared<Storage>(64);
   Tensor a = Tensor::from_storage(storage, {4}, DType::F32);

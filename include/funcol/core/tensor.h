@@ -117,8 +117,9 @@ class Tensor {
                              int64_t offset = 0);
 
   // ---- metadata (never waits) ----
-  bool defined() const { return defined_; }
-  bool is_meta() const { return defined_ && !storage_; }
+  // A moved-from Tensor is undefined.
+  bool defined() const { return layout_ != nullptr; }
+  bool is_meta() const { return layout_ && !storage_; }
   DType dtype() const { return dtype_; }
   const Shape& sizes() const { return layout_ ? layout_->sizes : detail::kNoDims; }
   const Shape& strides() const { return layout_ ? layout_->strides : detail::kNoDims; }
@@ -210,10 +211,9 @@ class Tensor {
  private:
   std::shared_ptr<Storage> storage_;
   std::shared_ptr<void> annotation_;
-  std::shared_ptr<const detail::Layout> layout_;  // null when undefined (or moved from)
+  std::shared_ptr<const detail::Layout> layout_;  // null exactly when undefined (or moved from)
   int64_t offset_ = 0;
   DType dtype_ = DType::F32;
-  bool defined_ = false;
 
   Tensor with_layout(Shape sizes, Shape strides, int64_t offset) const;
   static Tensor full_integer(const Shape& shape, DType dtype, int64_t value);
