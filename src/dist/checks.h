@@ -51,10 +51,19 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
 // (identical bytes: in place).
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op);
-// The overlap part of it (outputs[i] and inputs[i] of equal numel): no output overlaps another
-// output or an input other than its own. all_reduce_coalesced checks its list with itself too.
+// How an output may share bytes with its own input (each collective's in-place form).
+enum class InPlace {
+  kOwnInput,       // all_reduce: the output is its input (the same bytes)
+  kInputInOutput,  // all_gather: the input is block `rank` of its output
+  kOutputInInput,  // reduce_scatter: the output is block `rank` of its input
+};
+// The overlap part of it, for every coalesced form that writes caller-given outputs (each pair
+// already checked for sizes): no output overlaps another output, or an input other than its
+// own in the in-place form; inputs may overlap each other (they are only read).
+// all_reduce_coalesced checks its list with itself too.
 void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,
-                         const std::vector<Tensor>& inputs);
+                         const std::vector<Tensor>& inputs, InPlace in_place = InPlace::kOwnInput,
+                         int rank = 0);
 
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it

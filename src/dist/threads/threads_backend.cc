@@ -2010,6 +2010,10 @@ class ThreadsGroup final : public ProcessGroup {
     for (size_t i = 0; i < inputs.size(); ++i) {
       dist_detail::check_all_gather(outputs[i], inputs[i], size());
     }
+    // Every rank copies each input into every output, chunk by chunk on any waiting thread: an
+    // output over another output or over an input (other than in place) races with them.
+    dist_detail::check_outputs_apart("all_gather_coalesced", outputs, inputs,
+                                     dist_detail::InPlace::kInputInOutput, rank());
     Post p = make_post(OpKind::AllGather, true, inputs.size());
     add_slots(p, outputs, inputs, /*count_from_input=*/true);
     return issue(std::move(p), outputs);
@@ -2022,6 +2026,10 @@ class ThreadsGroup final : public ProcessGroup {
     for (size_t i = 0; i < inputs.size(); ++i) {
       dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
     }
+    // As all_gather_coalesced: the blocks are reduced from every rank's inputs while the
+    // outputs are written, so nothing but an in-place pair may share bytes with an output.
+    dist_detail::check_outputs_apart("reduce_scatter_coalesced", outputs, inputs,
+                                     dist_detail::InPlace::kOutputInInput, rank());
     Post p = make_post(OpKind::ReduceScatter, true, inputs.size());
     p.reduce_op = op;
     add_slots(p, outputs, inputs, /*count_from_input=*/false);

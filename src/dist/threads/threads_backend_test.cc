@@ -552,6 +552,71 @@ TEST(FailureTest, CoalescedAllReduceRejectsATensorListedTwice) {
   });
 }
 
+// all_gather_coalesced and reduce_scatter_coalesced write the caller's outputs chunk by chunk
+// on any waiting thread while every rank reads the inputs: an output over another output, or
+// over an input other than in place, gave wrong or racing results. Rejected naming the op and
+// both tensors; the in-place forms (the input is its output's block for this rank, or the
+// output its input's) still work, and the group stays usable.
+TEST(FailureTest, CoalescedGatherAndScatterRejectOverlappingOutputs) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto expect_rejected = [](const std::function<void()>& issue,
+                              const std::vector<std::string>& parts) {
+      try {
+        issue();
+        ADD_FAILURE() << "no error, expected " << parts[0];
+      } catch (const InvalidArgument& e) {
+        for (const std::string& part : parts) {
+          EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+        }
+      }
+    };
+    const int other = 1 - pg.rank();
+    Tensor a = Tensor::full({4}, DType::F32, 1);
+    Tensor b = Tensor::full({4}, DType::F32, 2);
+    Tensor buf = Tensor::zeros({16}, DType::F32);
+    Tensor out = Tensor::zeros({8}, DType::F32);
+    expect_rejected(
+        [&] { pg.all_gather_coalesced({buf.narrow(0, 0, 8), buf.narrow(0, 4, 8)}, {a, b}); },
+        {"all_gather_coalesced: output 0 overlaps output 1"});
+    expect_rejected(
+        [&] {
+          pg.all_gather_coalesced({out, Tensor::zeros({8}, DType::F32)}, {a, out.narrow(0, 4, 4)});
+        },
+        {"all_gather_coalesced: output 0 overlaps input 1"});
+    // Its own output, but the other rank's block.
+    expect_rejected([&] { pg.all_gather_coalesced({out}, {out.narrow(0, 4 * other, 4)}); },
+                    {"all_gather_coalesced: ", "output 0", "input 0", "block"});
+    Tensor in = Tensor::full({8}, DType::F32, 1);
+    expect_rejected(
+        [&] {
+          pg.reduce_scatter_coalesced({buf.narrow(0, 0, 4), buf.narrow(0, 2, 4)}, {in, in},
+                                      ReduceOp::Sum);
+        },
+        {"reduce_scatter_coalesced: output 0 overlaps output 1"});
+    expect_rejected(
+        [&] {
+          pg.reduce_scatter_coalesced({buf.narrow(0, 0, 4), Tensor::zeros({4}, DType::F32)},
+                                      {in, buf.narrow(0, 2, 8)}, ReduceOp::Sum);
+        },
+        {"reduce_scatter_coalesced: output 0 overlaps input 1"});
+    expect_rejected(
+        [&] { pg.reduce_scatter_coalesced({in.narrow(0, 4 * other, 4)}, {in}, ReduceOp::Sum); },
+        {"reduce_scatter_coalesced: ", "output 0", "input 0", "block"});
+    // In place: gather into the block that holds this rank's input; scatter onto this rank's
+    // block of the input.
+    Tensor g = Tensor::zeros({8}, DType::F32);
+    Tensor mine = g.narrow(0, 4 * pg.rank(), 4);
+    mine.copy_(Tensor::full({4}, DType::F32, pg.rank() + 1));
+    Tensor s = Tensor::from_vector<float>({1, 2, 3, 4, 5, 6, 7, 8}, {8});
+    pg.all_gather_coalesced({g}, {mine})->wait();
+    pg.reduce_scatter_coalesced({s.narrow(0, 4 * pg.rank(), 4)}, {s}, ReduceOp::Sum)->wait();
+    EXPECT_EQ(g.to_vector<float>(), (std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2}));
+    std::vector<float> want = {1, 2, 3, 4, 5, 6, 7, 8};
+    for (int k = 0; k < 4; ++k) want[4 * pg.rank() + k] *= 2;
+    EXPECT_EQ(s.to_vector<float>(), want);
+  });
+}
+
 // A summary lists only the first 8 tensors of a long list: a list that differs further on must
 // still show the tensors that differ (both summaries read "..." there).
 TEST(FailureTest, MismatchedCoalescedListsFarIn) {
