@@ -281,6 +281,11 @@ std::shared_ptr<ProcessGroup> GroupRegistry::get(const std::string& name) const 
 }
 
 std::shared_ptr<ProcessGroup> GroupRegistry::find(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return find_locked(name);
+}
+
+std::shared_ptr<ProcessGroup> GroupRegistry::find_locked(const std::string& name) const {
   for (const auto& g : groups_) {
     if (g->name() == name) return g;
   }
@@ -289,7 +294,8 @@ std::shared_ptr<ProcessGroup> GroupRegistry::find(const std::string& name) const
 
 void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
   FUNCOL_CHECK(group != nullptr, "GroupRegistry::add(null)");
-  if (auto existing = find(group->name())) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto existing = find_locked(group->name())) {
     if (existing == group) return;
     throw InvalidArgument(fmt::format("group name '{}' is already registered (ranks {})",
                                       group->name(), format_ranks(existing->global_ranks())));
@@ -298,6 +304,7 @@ void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
 }
 
 std::vector<std::string> GroupRegistry::names() const {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> out;
   for (const auto& g : groups_) out.push_back(g->name());
   return out;
@@ -305,13 +312,17 @@ std::vector<std::string> GroupRegistry::names() const {
 
 std::shared_ptr<ProcessGroup> GroupRegistry::find_by_ranks(
     const std::vector<int>& global_ranks) const {
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto& g : groups_) {
     if (g->global_ranks() == global_ranks) return g;
   }
   return nullptr;
 }
 
-std::string GroupRegistry::next_group_name() { return "group" + std::to_string(next_id_++); }
+std::string GroupRegistry::next_group_name() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return "group" + std::to_string(next_id_++);
+}
 
 std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<int>& ranks,
                                         const std::string& name) {

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -1184,6 +1185,45 @@ TEST(FailureTest, SplitGroupNameMismatchFailsEveryRank) {
     }
   });
   EXPECT_EQ(errors.load(), 2);
+}
+
+// A rank may create groups from two threads at once when each thread splits its own parent
+// (a parent's collectives stay on one thread; here each parent holds one rank, so the threads
+// need no collective that a peer's other thread could order differently). Both threads
+// register their groups, and take fresh names, in the rank's one registry: that raced (the
+// tsan build runs this test).
+TEST(SplitGroupTest, TwoThreadsOfOneRankCreateGroupsAtOnce) {
+  constexpr int kGroups = 50;
+  run_ranks(2, [](ProcessGroup& world) {
+    const std::shared_ptr<ProcessGroup> parents[2] = {world.split_group({{0}, {1}}, "left"),
+                                                      world.split_group({{0}, {1}}, "right")};
+    std::vector<std::string> fresh[2];
+    std::string errors[2];
+    auto create = [&](int side) {
+      try {
+        for (int k = 0; k < kGroups; ++k) {
+          const std::string name = parents[side]->name() + std::to_string(k);
+          const std::vector<int> me = {world.rank()};
+          std::shared_ptr<ProcessGroup> g = parents[side]->split_group({me}, name);
+          if (world.registry().find(name) != g) errors[side] += name + " not registered; ";
+          fresh[side].push_back(world.registry().next_group_name());
+        }
+      } catch (const std::exception& e) {
+        errors[side] += e.what();
+      }
+    };
+    std::thread right(create, 1);
+    create(0);
+    right.join();
+    EXPECT_EQ(errors[0], "");
+    EXPECT_EQ(errors[1], "");
+    EXPECT_EQ(world.registry().names().size(), 3u + 2 * kGroups);
+    std::vector<std::string> names = fresh[0];
+    names.insert(names.end(), fresh[1].begin(), fresh[1].end());
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(std::unique(names.begin(), names.end()), names.end()) << "a fresh name twice";
+    EXPECT_EQ(names.size(), 2u * kGroups);
+  }, LocalOptions{std::chrono::seconds(20)});
 }
 
 }  // namespace
