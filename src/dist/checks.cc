@@ -167,6 +167,10 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   }
 }
 
+std::shared_ptr<Work> empty_coalesced(std::string_view op, const ProcessGroup& group) {
+  return Work::completed(fmt::format("{} on group '{}' (empty list)", op, group.name()));
+}
+
 namespace {
 
 // A tensor's bytes in its storage (an in-place pair is recorded once, as its output).

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -12,6 +13,7 @@
 
 namespace funcol {
 class ProcessGroup;
+class Work;
 }
 
 namespace funcol::dist_detail {
@@ -46,6 +48,10 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
+// What every coalesced form returns for an empty list, once its lists are checked: a finished
+// Work naming the op and the group. It takes no sequence number (nothing to move, nobody to
+// meet; PyTorch returns an empty list at once too), so a rank may pass one alone.
+std::shared_ptr<Work> empty_coalesced(std::string_view op, const ProcessGroup& group);
 // all_reduce_coalesced_into: equal list lengths; every tensor contiguous, each output with its
 // input's dtype and numel; no output overlaps another output or an input other than its own
 // (identical bytes: in place).

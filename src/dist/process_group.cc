@@ -127,7 +127,7 @@ std::shared_ptr<Work> ProcessGroup::staged_all_reduce(std::string_view what,
                                                       const std::vector<Tensor>& outputs,
                                                       const std::vector<Tensor>& inputs,
                                                       ReduceOp op) {
-  if (inputs.empty()) return Work::completed(fmt::format("{} (empty)", what));
+  if (inputs.empty()) return dist_detail::empty_coalesced(what, *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;
@@ -180,7 +180,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tenso
   for (size_t i = 0; i < inputs.size(); ++i) {
     dist_detail::check_all_gather(outputs[i], inputs[i], size());
   }
-  if (inputs.empty()) return Work::completed("all_gather_coalesced (empty)");
+  if (inputs.empty()) return dist_detail::empty_coalesced("all_gather_coalesced", *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;
@@ -228,7 +228,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_coalesced(const std::vector<T
   for (size_t i = 0; i < inputs.size(); ++i) {
     dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
   }
-  if (inputs.empty()) return Work::completed("reduce_scatter_coalesced (empty)");
+  if (inputs.empty()) return dist_detail::empty_coalesced("reduce_scatter_coalesced", *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;

@@ -1986,6 +1986,7 @@ class ThreadsGroup final : public ProcessGroup {
     // any waiting thread: a tensor listed twice (or overlapping another) would be reduced twice,
     // with the two passes racing (elements came out 2, 3 or 4 for two ranks of ones).
     dist_detail::check_outputs_apart("all_reduce_coalesced", tensors, tensors);
+    if (tensors.empty()) return dist_detail::empty_coalesced("all_reduce_coalesced", *this);
     Post p = make_post(OpKind::AllReduce, true, tensors.size());
     p.reduce_op = op;
     add_slots(p, tensors, tensors, /*count_from_input=*/true);  // in place: the same objects
@@ -1998,6 +1999,7 @@ class ThreadsGroup final : public ProcessGroup {
                                                   const std::vector<Tensor>& inputs,
                                                   ReduceOp op) override {
     dist_detail::check_all_reduce_into(outputs, inputs, op);
+    if (inputs.empty()) return dist_detail::empty_coalesced("all_reduce_coalesced_into", *this);
     Post p = make_post(OpKind::AllReduce, true, inputs.size());
     p.reduce_op = op;
     add_slots(p, outputs, inputs, /*count_from_input=*/true);
@@ -2014,6 +2016,7 @@ class ThreadsGroup final : public ProcessGroup {
     // output over another output or over an input (other than in place) races with them.
     dist_detail::check_outputs_apart("all_gather_coalesced", outputs, inputs,
                                      dist_detail::InPlace::kInputInOutput, rank());
+    if (inputs.empty()) return dist_detail::empty_coalesced("all_gather_coalesced", *this);
     Post p = make_post(OpKind::AllGather, true, inputs.size());
     add_slots(p, outputs, inputs, /*count_from_input=*/true);
     return issue(std::move(p), outputs);
@@ -2030,6 +2033,7 @@ class ThreadsGroup final : public ProcessGroup {
     // outputs are written, so nothing but an in-place pair may share bytes with an output.
     dist_detail::check_outputs_apart("reduce_scatter_coalesced", outputs, inputs,
                                      dist_detail::InPlace::kOutputInInput, rank());
+    if (inputs.empty()) return dist_detail::empty_coalesced("reduce_scatter_coalesced", *this);
     Post p = make_post(OpKind::ReduceScatter, true, inputs.size());
     p.reduce_op = op;
     add_slots(p, outputs, inputs, /*count_from_input=*/false);

@@ -618,6 +618,31 @@ TEST(FailureTest, CoalescedGatherAndScatterRejectOverlappingOutputs) {
   });
 }
 
+// An empty coalesced list has nothing to move and nobody to meet: every coalesced form returns
+// a finished Work at once, naming the op, and takes no sequence number, as the default forms
+// (and PyTorch) do. Threads issued it as a collective: a rank that passed one alone hung in it
+// or failed its peer with "all_reduce_coalesced(0 tensors: , op sum)".
+TEST(FailureTest, EmptyCoalescedListsReturnAtOnce) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    if (pg.rank() == 0) {
+      const std::pair<std::string, std::shared_ptr<Work>> empty[] = {
+          {"all_reduce_coalesced", pg.all_reduce_coalesced({}, ReduceOp::Sum)},
+          {"all_reduce_coalesced_into", pg.all_reduce_coalesced_into({}, {}, ReduceOp::Sum)},
+          {"all_gather_coalesced", pg.all_gather_coalesced({}, {})},
+          {"reduce_scatter_coalesced", pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum)},
+      };
+      for (const auto& [op, work] : empty) {
+        EXPECT_TRUE(work->is_completed()) << op;
+        EXPECT_EQ(work->description().rfind(op + " ", 0), 0u) << work->description();
+      }
+    }
+    // Rank 1 never issued them: the next collective is seq 0 on both.
+    Tensor t = Tensor::full({4}, DType::F32, 1);
+    pg.all_reduce(t, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2));
+  }, LocalOptions{std::chrono::seconds(5)});
+}
+
 // A summary lists only the first 8 tensors of a long list: a list that differs further on must
 // still show the tensors that differ (both summaries read "..." there).
 TEST(FailureTest, MismatchedCoalescedListsFarIn) {
