@@ -167,6 +167,24 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   }
 }
 
+void check_all_gather_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                const std::vector<Tensor>& inputs) {
+  constexpr std::string_view kOp = "all_gather_coalesced";
+  check_coalesced_lists(kOp, outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) check_all_gather(outputs[i], inputs[i], group.size());
+  check_outputs_apart(kOp, outputs, inputs, InPlace::kInputInOutput, group.rank());
+}
+
+void check_reduce_scatter_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                    const std::vector<Tensor>& inputs, ReduceOp reduce_op) {
+  constexpr std::string_view kOp = "reduce_scatter_coalesced";
+  check_coalesced_lists(kOp, outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_reduce_scatter(outputs[i], inputs[i], reduce_op, group.size());
+  }
+  check_outputs_apart(kOp, outputs, inputs, InPlace::kOutputInInput, group.rank());
+}
+
 std::shared_ptr<Work> empty_coalesced(std::string_view op, const ProcessGroup& group) {
   return Work::completed(fmt::format("{} on group '{}' (empty list)", op, group.name()));
 }

@@ -48,6 +48,13 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
+// all_gather_coalesced and reduce_scatter_coalesced, on `group`: equal list lengths, each pair
+// checked as the single-tensor form, and no output over another output or over an input other
+// than in place (check_outputs_apart).
+void check_all_gather_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                const std::vector<Tensor>& inputs);
+void check_reduce_scatter_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                    const std::vector<Tensor>& inputs, ReduceOp reduce_op);
 // What every coalesced form returns for an empty list, once its lists are checked: a finished
 // Work naming the op and the group. It takes no sequence number (nothing to move, nobody to
 // meet; PyTorch returns an empty list at once too), so a rank may pass one alone.

@@ -176,10 +176,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<
 
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                          const std::vector<Tensor>& inputs) {
-  dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dist_detail::check_all_gather(outputs[i], inputs[i], size());
-  }
+  dist_detail::check_all_gather_coalesced(*this, outputs, inputs);
   if (inputs.empty()) return dist_detail::empty_coalesced("all_gather_coalesced", *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
@@ -224,10 +221,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tenso
 std::shared_ptr<Work> ProcessGroup::reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
                                                              const std::vector<Tensor>& inputs,
                                                              ReduceOp op) {
-  dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
-  }
+  dist_detail::check_reduce_scatter_coalesced(*this, outputs, inputs, op);
   if (inputs.empty()) return dist_detail::empty_coalesced("reduce_scatter_coalesced", *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
