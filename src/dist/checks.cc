@@ -169,6 +169,28 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   }
 }
 
+void check_all_gather_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                const std::vector<Tensor>& inputs) {
+  constexpr std::string_view kOp = "all_gather_coalesced";
+  check_coalesced_lists(kOp, outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) check_all_gather(outputs[i], inputs[i], group.size());
+  check_outputs_apart(kOp, outputs, inputs, InPlace::kInputInOutput, group.rank());
+}
+
+void check_reduce_scatter_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                    const std::vector<Tensor>& inputs, ReduceOp reduce_op) {
+  constexpr std::string_view kOp = "reduce_scatter_coalesced";
+  check_coalesced_lists(kOp, outputs.size(), inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_reduce_scatter(outputs[i], inputs[i], reduce_op, group.size());
+  }
+  check_outputs_apart(kOp, outputs, inputs, InPlace::kOutputInInput, group.rank());
+}
+
+std::shared_ptr<Work> empty_coalesced(std::string_view op, const ProcessGroup& group) {
+  return Work::completed(fmt::format("{} on group '{}' (empty list)", op, group.name()));
+}
+
 namespace {
 
 // A tensor's bytes in its storage (an in-place pair is recorded once, as its output).
@@ -185,11 +207,25 @@ Range range_of(const Tensor& t, size_t i, bool output) {
   return Range{t.storage().get(), begin, begin + t.nbytes(), i, output};
 }
 
+// True when the pair shares bytes only as the in-place form: the smaller tensor is block
+// `block` (in units of its own size) of the larger one, in the same storage. Equal sizes: the
+// same bytes, at block 0.
+bool in_place_pair(const Tensor& out, const Tensor& in, size_t block) {
+  if (out.storage() != in.storage()) return false;
+  const Range o = range_of(out, 0, true);
+  const Range n = range_of(in, 0, false);
+  const Range& small = o.end - o.begin <= n.end - n.begin ? o : n;
+  const Range& large = &small == &o ? n : o;
+  const size_t len = small.end - small.begin;
+  return small.begin == large.begin + block * len && small.end <= large.end;
+}
+
 // The common case in O(n), without building or sorting ranges: the outputs sit in a few
 // storages, each in ascending order without overlap (a bucket's results, views of one buffer),
 // and no input lives in any of those storages (an in-place pair, an output that is its own
 // input, counts as its output). False means "not shown", not "overlapping".
-bool outputs_clearly_apart(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs) {
+bool outputs_clearly_apart(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
+                           size_t block) {
   constexpr size_t kMaxStorages = 4;
   std::array<std::pair<const Storage*, size_t>, kMaxStorages> last{};  // storage, end so far
   size_t used = 0;
@@ -214,11 +250,26 @@ bool outputs_clearly_apart(const std::vector<Tensor>& outputs, const std::vector
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& in = inputs[i];
-    const Tensor& out = outputs[i];
     if (in.numel() == 0 || find(in.storage().get()) == nullptr) continue;
-    if (in.storage() != out.storage() || in.storage_offset() != out.storage_offset()) return false;
+    // An in-place pair whose input is the larger (reduce_scatter) reaches past its output.
+    if (in.nbytes() > outputs[i].nbytes() || !in_place_pair(outputs[i], in, block)) {
+      return false;
+    }
   }
   return true;
+}
+
+// The one way an output may share bytes with an input, for a message.
+std::string in_place_rule(InPlace in_place, int rank) {
+  switch (in_place) {
+    case InPlace::kInputInOutput:
+      return fmt::format("in place, an input may only be block {} of its own output", rank);
+    case InPlace::kOutputInInput:
+      return fmt::format("in place, an output may only be block {} of its own input", rank);
+    case InPlace::kOwnInput:
+      break;
+  }
+  return "an output may only be its own input";
 }
 
 }  // namespace
@@ -247,16 +298,24 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
 }
 
 void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,
-                         const std::vector<Tensor>& inputs) {
-  if (outputs_clearly_apart(outputs, inputs)) return;
+                         const std::vector<Tensor>& inputs, InPlace in_place, int rank) {
+  const size_t block = in_place == InPlace::kOwnInput ? 0 : static_cast<size_t>(rank);
+  if (outputs_clearly_apart(outputs, inputs, block)) return;
   std::vector<Range> ranges;
-  ranges.reserve(2 * outputs.size());
+  ranges.reserve(3 * outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (outputs[i].numel() == 0) continue;
     const Range o = range_of(outputs[i], i, true);
     const Range n = range_of(inputs[i], i, false);
     ranges.push_back(o);
-    if (n.storage != o.storage || n.begin != o.begin) ranges.push_back(n);
+    if (!in_place_pair(outputs[i], inputs[i], block)) {
+      ranges.push_back(n);
+      continue;
+    }
+    // In place, the shared bytes count as the output's; an input larger than its output
+    // (reduce_scatter) keeps the bytes on either side.
+    if (n.begin < o.begin) ranges.push_back(Range{n.storage, n.begin, o.begin, i, false});
+    if (o.end < n.end) ranges.push_back(Range{n.storage, o.end, n.end, i, false});
   }
   // In begin order, a range overlaps an earlier one iff it starts before the largest end so
   // far; inputs may overlap each other (they are only read), nothing may overlap an output.
@@ -274,8 +333,8 @@ void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs
     if (last_any != nullptr && last_any->storage != r.storage) last_any = last_output = nullptr;
     const Range* hit = r.output ? last_any : last_output;
     if (hit != nullptr && hit->end > r.begin) {
-      throw InvalidArgument(fmt::format("{}: {} overlaps {} (an output may only be its own input)",
-                                        op, name(*hit), name(r)));
+      throw InvalidArgument(fmt::format("{}: {} overlaps {} ({})", op, name(*hit), name(r),
+                                        in_place_rule(in_place, rank)));
     }
     if (last_any == nullptr || r.end > last_any->end) last_any = &r;
     if (r.output && (last_output == nullptr || r.end > last_output->end)) last_output = &r;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -12,6 +13,7 @@
 
 namespace funcol {
 class ProcessGroup;
+class Work;
 }
 
 namespace funcol::dist_detail {
@@ -46,15 +48,35 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
+// all_gather_coalesced and reduce_scatter_coalesced, on `group`: equal list lengths, each pair
+// checked as the single-tensor form, and no output over another output or over an input other
+// than in place (check_outputs_apart).
+void check_all_gather_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                const std::vector<Tensor>& inputs);
+void check_reduce_scatter_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
+                                    const std::vector<Tensor>& inputs, ReduceOp reduce_op);
+// What every coalesced form returns for an empty list, once its lists are checked: a finished
+// Work naming the op and the group. It takes no sequence number (nothing to move, nobody to
+// meet; PyTorch returns an empty list at once too), so a rank may pass one alone.
+std::shared_ptr<Work> empty_coalesced(std::string_view op, const ProcessGroup& group);
 // all_reduce_coalesced_into: equal list lengths; every tensor contiguous, each output with its
 // input's dtype and numel; no output overlaps another output or an input other than its own
 // (identical bytes: in place).
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op);
-// The overlap part of it (outputs[i] and inputs[i] of equal numel): no output overlaps another
-// output or an input other than its own. all_reduce_coalesced checks its list with itself too.
+// How an output may share bytes with its own input (each collective's in-place form).
+enum class InPlace {
+  kOwnInput,       // all_reduce: the output is its input (the same bytes)
+  kInputInOutput,  // all_gather: the input is block `rank` of its output
+  kOutputInInput,  // reduce_scatter: the output is block `rank` of its input
+};
+// The overlap part of it, for every coalesced form that writes caller-given outputs (each pair
+// already checked for sizes): no output overlaps another output, or an input other than its
+// own in the in-place form; inputs may overlap each other (they are only read).
+// all_reduce_coalesced checks its list with itself too.
 void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,
-                         const std::vector<Tensor>& inputs);
+                         const std::vector<Tensor>& inputs, InPlace in_place = InPlace::kOwnInput,
+                         int rank = 0);
 
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it

@@ -127,7 +127,7 @@ std::shared_ptr<Work> ProcessGroup::staged_all_reduce(std::string_view what,
                                                       const std::vector<Tensor>& outputs,
                                                       const std::vector<Tensor>& inputs,
                                                       ReduceOp op) {
-  if (inputs.empty()) return Work::completed(fmt::format("{} (empty)", what));
+  if (inputs.empty()) return dist_detail::empty_coalesced(what, *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;
@@ -176,11 +176,8 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<
 
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                          const std::vector<Tensor>& inputs) {
-  dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dist_detail::check_all_gather(outputs[i], inputs[i], size());
-  }
-  if (inputs.empty()) return Work::completed("all_gather_coalesced (empty)");
+  dist_detail::check_all_gather_coalesced(*this, outputs, inputs);
+  if (inputs.empty()) return dist_detail::empty_coalesced("all_gather_coalesced", *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;
@@ -224,11 +221,8 @@ std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tenso
 std::shared_ptr<Work> ProcessGroup::reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
                                                              const std::vector<Tensor>& inputs,
                                                              ReduceOp op) {
-  dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
-  }
-  if (inputs.empty()) return Work::completed("reduce_scatter_coalesced (empty)");
+  dist_detail::check_reduce_scatter_coalesced(*this, outputs, inputs, op);
+  if (inputs.empty()) return dist_detail::empty_coalesced("reduce_scatter_coalesced", *this);
   std::vector<DType> dtypes;
   for (const Tensor& t : inputs) dtypes.push_back(t.dtype());
   std::vector<std::shared_ptr<Work>> inner;
@@ -281,6 +275,11 @@ std::shared_ptr<ProcessGroup> GroupRegistry::get(const std::string& name) const 
 }
 
 std::shared_ptr<ProcessGroup> GroupRegistry::find(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return find_locked(name);
+}
+
+std::shared_ptr<ProcessGroup> GroupRegistry::find_locked(const std::string& name) const {
   for (const auto& g : groups_) {
     if (g->name() == name) return g;
   }
@@ -289,7 +288,8 @@ std::shared_ptr<ProcessGroup> GroupRegistry::find(const std::string& name) const
 
 void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
   FUNCOL_CHECK(group != nullptr, "GroupRegistry::add(null)");
-  if (auto existing = find(group->name())) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto existing = find_locked(group->name())) {
     if (existing == group) return;
     throw InvalidArgument(fmt::format("group name '{}' is already registered (ranks {})",
                                       group->name(), format_ranks(existing->global_ranks())));
@@ -298,6 +298,7 @@ void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
 }
 
 std::vector<std::string> GroupRegistry::names() const {
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> out;
   for (const auto& g : groups_) out.push_back(g->name());
   return out;
@@ -305,13 +306,17 @@ std::vector<std::string> GroupRegistry::names() const {
 
 std::shared_ptr<ProcessGroup> GroupRegistry::find_by_ranks(
     const std::vector<int>& global_ranks) const {
+  std::lock_guard<std::mutex> lock(mu_);
   for (const auto& g : groups_) {
     if (g->global_ranks() == global_ranks) return g;
   }
   return nullptr;
 }
 
-std::string GroupRegistry::next_group_name() { return "group" + std::to_string(next_id_++); }
+std::string GroupRegistry::next_group_name() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return "group" + std::to_string(next_id_++);
+}
 
 std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<int>& ranks,
                                         const std::string& name) {

@@ -61,6 +61,33 @@ TEST(BaseCoalescedTest, DroppedAndUnwaitedResultsAreSafe) {
   });
 }
 
+// The staging defaults check the lists as threads does: overlapping outputs (which the copies
+// out of the staging buffer wrote one over the other, last one winning) are rejected, and an
+// in-place pair (an input that is this rank's block of its output) is not.
+TEST(BaseCoalescedTest, RejectsOverlappingOutputsAsThreadsDoes) {
+  run_ranks(2, [](ProcessGroup& world) {
+    ForwardingGroup fwd(world);
+    for (ProcessGroup* pg : {&world, static_cast<ProcessGroup*>(&fwd)}) {
+      Tensor buf = Tensor::zeros({16}, DType::F32);
+      Tensor a = Tensor::full({4}, DType::F32, 1);
+      Tensor in = Tensor::full({8}, DType::F32, 1);
+      expect_error<InvalidArgument>(
+          [&] { pg->all_gather_coalesced({buf.narrow(0, 0, 8), buf.narrow(0, 4, 8)}, {a, a}); },
+          {"all_gather_coalesced: output 0 overlaps output 1"});
+      expect_error<InvalidArgument>(
+          [&] {
+            pg->reduce_scatter_coalesced({buf.narrow(0, 0, 4), buf.narrow(0, 2, 4)}, {in, in},
+                                         ReduceOp::Sum);
+          },
+          {"reduce_scatter_coalesced: output 0 overlaps output 1"});
+      Tensor g = Tensor::full({8}, DType::F32, world.rank() + 1);
+      pg->all_gather_coalesced({g}, {g.narrow(0, 4 * world.rank(), 4)})->wait();
+      EXPECT_EQ(g.to_vector<float>(), (std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2}))
+          << pg->backend();
+    }
+  });
+}
+
 // On one rank the out-of-place form copies the bytes as the in-place form leaves them: a bool
 // byte of 2 stays 2 (a reduction of one source would normalise it).
 TEST(AllReduceIntoTest, OneRankKeepsTheBytesAsTheyAre) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -111,7 +112,8 @@ class ProcessGroup {
 };
 
 // Per-rank registry of groups by name. "world" always exists. Groups are created collectively,
-// in the same order on every rank.
+// in the same order on every rank. Thread-safe: a rank may create groups from two threads (each
+// over its own parent); the lock is a leaf, held only inside these calls.
 class GroupRegistry {
  public:
   // Throws InvalidArgument "unknown group 'x'" naming the known groups.
@@ -128,6 +130,9 @@ class GroupRegistry {
   std::string next_group_name();
 
  private:
+  std::shared_ptr<ProcessGroup> find_locked(const std::string& name) const;  // needs mu_
+
+  mutable std::mutex mu_;  // groups_ and next_id_
   std::vector<std::shared_ptr<ProcessGroup>> groups_;  // registration order: deterministic
   int next_id_ = 1;
 };

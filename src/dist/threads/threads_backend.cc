@@ -1980,6 +1980,7 @@ class ThreadsGroup final : public ProcessGroup {
     // any waiting thread: a tensor listed twice (or overlapping another) would be reduced twice,
     // with the two passes racing (elements came out 2, 3 or 4 for two ranks of ones).
     dist_detail::check_outputs_apart("all_reduce_coalesced", tensors, tensors);
+    if (tensors.empty()) return dist_detail::empty_coalesced("all_reduce_coalesced", *this);
     Post p = make_post(OpKind::AllReduce, true, tensors.size());
     p.reduce_op = op;
     add_slots(p, tensors, tensors, /*count_from_input=*/true);  // in place: the same objects
@@ -1992,6 +1993,7 @@ class ThreadsGroup final : public ProcessGroup {
                                                   const std::vector<Tensor>& inputs,
                                                   ReduceOp op) override {
     dist_detail::check_all_reduce_into(outputs, inputs, op);
+    if (inputs.empty()) return dist_detail::empty_coalesced("all_reduce_coalesced_into", *this);
     Post p = make_post(OpKind::AllReduce, true, inputs.size());
     p.reduce_op = op;
     add_slots(p, outputs, inputs, /*count_from_input=*/true);
@@ -2000,10 +2002,10 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
                                              const std::vector<Tensor>& inputs) override {
-    dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      dist_detail::check_all_gather(outputs[i], inputs[i], size());
-    }
+    // Every rank copies each input into every output, chunk by chunk on any waiting thread: an
+    // output over another output or over an input (other than in place) would race with them.
+    dist_detail::check_all_gather_coalesced(*this, outputs, inputs);
+    if (inputs.empty()) return dist_detail::empty_coalesced("all_gather_coalesced", *this);
     Post p = make_post(OpKind::AllGather, true, inputs.size());
     add_slots(p, outputs, inputs, /*count_from_input=*/true);
     return issue(std::move(p), outputs);
@@ -2012,10 +2014,10 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
                                                  const std::vector<Tensor>& inputs,
                                                  ReduceOp op) override {
-    dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
-    }
+    // As all_gather_coalesced: the blocks are reduced from every rank's inputs while the
+    // outputs are written, so nothing but an in-place pair may share bytes with an output.
+    dist_detail::check_reduce_scatter_coalesced(*this, outputs, inputs, op);
+    if (inputs.empty()) return dist_detail::empty_coalesced("reduce_scatter_coalesced", *this);
     Post p = make_post(OpKind::ReduceScatter, true, inputs.size());
     p.reduce_op = op;
     add_slots(p, outputs, inputs, /*count_from_input=*/false);

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -550,6 +551,96 @@ TEST(FailureTest, CoalescedAllReduceRejectsATensorListedTwice) {
     EXPECT_EQ(t.to_vector<float>()[15], 2);
     EXPECT_EQ(other.to_vector<float>()[3], 2);
   });
+}
+
+// all_gather_coalesced and reduce_scatter_coalesced write the caller's outputs chunk by chunk
+// on any waiting thread while every rank reads the inputs: an output over another output, or
+// over an input other than in place, gave wrong or racing results. Rejected naming the op and
+// both tensors; the in-place forms (the input is its output's block for this rank, or the
+// output its input's) still work, and the group stays usable.
+TEST(FailureTest, CoalescedGatherAndScatterRejectOverlappingOutputs) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    auto expect_rejected = [](const std::function<void()>& issue,
+                              const std::vector<std::string>& parts) {
+      try {
+        issue();
+        ADD_FAILURE() << "no error, expected " << parts[0];
+      } catch (const InvalidArgument& e) {
+        for (const std::string& part : parts) {
+          EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+        }
+      }
+    };
+    const int other = 1 - pg.rank();
+    Tensor a = Tensor::full({4}, DType::F32, 1);
+    Tensor b = Tensor::full({4}, DType::F32, 2);
+    Tensor buf = Tensor::zeros({16}, DType::F32);
+    Tensor out = Tensor::zeros({8}, DType::F32);
+    expect_rejected(
+        [&] { pg.all_gather_coalesced({buf.narrow(0, 0, 8), buf.narrow(0, 4, 8)}, {a, b}); },
+        {"all_gather_coalesced: output 0 overlaps output 1"});
+    expect_rejected(
+        [&] {
+          pg.all_gather_coalesced({out, Tensor::zeros({8}, DType::F32)}, {a, out.narrow(0, 4, 4)});
+        },
+        {"all_gather_coalesced: output 0 overlaps input 1"});
+    // Its own output, but the other rank's block.
+    expect_rejected([&] { pg.all_gather_coalesced({out}, {out.narrow(0, 4 * other, 4)}); },
+                    {"all_gather_coalesced: ", "output 0", "input 0", "block"});
+    Tensor in = Tensor::full({8}, DType::F32, 1);
+    expect_rejected(
+        [&] {
+          pg.reduce_scatter_coalesced({buf.narrow(0, 0, 4), buf.narrow(0, 2, 4)}, {in, in},
+                                      ReduceOp::Sum);
+        },
+        {"reduce_scatter_coalesced: output 0 overlaps output 1"});
+    expect_rejected(
+        [&] {
+          pg.reduce_scatter_coalesced({buf.narrow(0, 0, 4), Tensor::zeros({4}, DType::F32)},
+                                      {in, buf.narrow(0, 2, 8)}, ReduceOp::Sum);
+        },
+        {"reduce_scatter_coalesced: output 0 overlaps input 1"});
+    expect_rejected(
+        [&] { pg.reduce_scatter_coalesced({in.narrow(0, 4 * other, 4)}, {in}, ReduceOp::Sum); },
+        {"reduce_scatter_coalesced: ", "output 0", "input 0", "block"});
+    // In place: gather into the block that holds this rank's input; scatter onto this rank's
+    // block of the input.
+    Tensor g = Tensor::zeros({8}, DType::F32);
+    Tensor mine = g.narrow(0, 4 * pg.rank(), 4);
+    mine.copy_(Tensor::full({4}, DType::F32, pg.rank() + 1));
+    Tensor s = Tensor::from_vector<float>({1, 2, 3, 4, 5, 6, 7, 8}, {8});
+    pg.all_gather_coalesced({g}, {mine})->wait();
+    pg.reduce_scatter_coalesced({s.narrow(0, 4 * pg.rank(), 4)}, {s}, ReduceOp::Sum)->wait();
+    EXPECT_EQ(g.to_vector<float>(), (std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2}));
+    std::vector<float> want = {1, 2, 3, 4, 5, 6, 7, 8};
+    for (int k = 0; k < 4; ++k) want[4 * pg.rank() + k] *= 2;
+    EXPECT_EQ(s.to_vector<float>(), want);
+  });
+}
+
+// An empty coalesced list has nothing to move and nobody to meet: every coalesced form returns
+// a finished Work at once, naming the op, and takes no sequence number, as the default forms
+// (and PyTorch) do. Threads issued it as a collective: a rank that passed one alone hung in it
+// or failed its peer with "all_reduce_coalesced(0 tensors: , op sum)".
+TEST(FailureTest, EmptyCoalescedListsReturnAtOnce) {
+  run_ranks(2, [](ProcessGroup& pg) {
+    if (pg.rank() == 0) {
+      const std::pair<std::string, std::shared_ptr<Work>> empty[] = {
+          {"all_reduce_coalesced", pg.all_reduce_coalesced({}, ReduceOp::Sum)},
+          {"all_reduce_coalesced_into", pg.all_reduce_coalesced_into({}, {}, ReduceOp::Sum)},
+          {"all_gather_coalesced", pg.all_gather_coalesced({}, {})},
+          {"reduce_scatter_coalesced", pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum)},
+      };
+      for (const auto& [op, work] : empty) {
+        EXPECT_TRUE(work->is_completed()) << op;
+        EXPECT_EQ(work->description().rfind(op + " ", 0), 0u) << work->description();
+      }
+    }
+    // Rank 1 never issued them: the next collective is seq 0 on both.
+    Tensor t = Tensor::full({4}, DType::F32, 1);
+    pg.all_reduce(t, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2));
+  }, LocalOptions{std::chrono::seconds(5)});
 }
 
 // A summary lists only the first 8 tensors of a long list: a list that differs further on must
@@ -1119,6 +1210,45 @@ TEST(FailureTest, SplitGroupNameMismatchFailsEveryRank) {
     }
   });
   EXPECT_EQ(errors.load(), 2);
+}
+
+// A rank may create groups from two threads at once when each thread splits its own parent
+// (a parent's collectives stay on one thread; here each parent holds one rank, so the threads
+// need no collective that a peer's other thread could order differently). Both threads
+// register their groups, and take fresh names, in the rank's one registry: that raced (the
+// tsan build runs this test).
+TEST(SplitGroupTest, TwoThreadsOfOneRankCreateGroupsAtOnce) {
+  constexpr int kGroups = 50;
+  run_ranks(2, [](ProcessGroup& world) {
+    const std::shared_ptr<ProcessGroup> parents[2] = {world.split_group({{0}, {1}}, "left"),
+                                                      world.split_group({{0}, {1}}, "right")};
+    std::vector<std::string> fresh[2];
+    std::string errors[2];
+    auto create = [&](int side) {
+      try {
+        for (int k = 0; k < kGroups; ++k) {
+          const std::string name = parents[side]->name() + std::to_string(k);
+          const std::vector<int> me = {world.rank()};
+          std::shared_ptr<ProcessGroup> g = parents[side]->split_group({me}, name);
+          if (world.registry().find(name) != g) errors[side] += name + " not registered; ";
+          fresh[side].push_back(world.registry().next_group_name());
+        }
+      } catch (const std::exception& e) {
+        errors[side] += e.what();
+      }
+    };
+    std::thread right(create, 1);
+    create(0);
+    right.join();
+    EXPECT_EQ(errors[0], "");
+    EXPECT_EQ(errors[1], "");
+    EXPECT_EQ(world.registry().names().size(), 3u + 2 * kGroups);
+    std::vector<std::string> names = fresh[0];
+    names.insert(names.end(), fresh[1].begin(), fresh[1].end());
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(std::unique(names.begin(), names.end()), names.end()) << "a fresh name twice";
+    EXPECT_EQ(names.size(), 2u * kGroups);
+  }, LocalOptions{std::chrono::seconds(20)});
 }
 
 }  // namespace
