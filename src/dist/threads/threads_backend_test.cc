@@ -1091,6 +1091,36 @@ TEST(LaneTest, ReleasesBuffers) {
   EXPECT_TRUE(before_mismatch.expired());
 }
 
+// The same off the lane, whichever rank completes the collective: after a wait the caller holds
+// the only references to its buffers again, a result nobody waited for or kept is freed by the
+// end of the run, and a result read after the run, its world gone, reads what was gathered.
+TEST(OpPathTest, ReleasesBuffers) {
+  std::vector<std::weak_ptr<Storage>> dropped(2);
+  std::vector<Tensor> kept(2);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    for (int i = 0; i < 20; ++i) {
+      // Each rank arrives last in turn, so each sees the other complete some of them.
+      if (pg.rank() == i % 2) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      Tensor in = Tensor::full({256}, DType::F32, pg.rank() + 1);
+      Tensor out = Tensor::zeros({512}, DType::F32);
+      pg.all_gather(out, in)->wait();
+      EXPECT_EQ(in.storage().use_count(), 1) << i;
+      EXPECT_EQ(out.storage().use_count(), 1) << i;
+      EXPECT_EQ(out.narrow(0, 255, 2).to_vector<float>(), std::vector<float>({1, 2})) << i;
+    }
+    Tensor in = Tensor::full({256}, DType::F32, pg.rank() + 1);
+    Tensor out = Tensor::zeros({512}, DType::F32);
+    dropped[pg.rank()] = out.storage();
+    pg.all_gather(out, in);  // neither waited for nor kept
+    kept[pg.rank()] = Tensor::zeros({512}, DType::F32);
+    pg.all_gather(kept[pg.rank()], in);  // kept, not waited for
+  });
+  for (const auto& d : dropped) EXPECT_TRUE(d.expired());
+  for (const Tensor& t : kept) {
+    EXPECT_EQ(t.narrow(0, 255, 2).to_vector<float>(), std::vector<float>({1, 2}));
+  }
+}
+
 // A peer that departs while others wait in the lane fails them at once, with the departure.
 TEST(LaneTest, DepartureWhileWaiting) {
   auto start = Clock::now();
