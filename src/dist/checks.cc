@@ -169,6 +169,11 @@ void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   }
 }
 
+void check_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp reduce_op) {
+  for (const Tensor& t : tensors) check_all_reduce(t, reduce_op);
+  check_outputs_apart("all_reduce_coalesced", tensors, tensors);
+}
+
 void check_all_gather_coalesced(const ProcessGroup& group, const std::vector<Tensor>& outputs,
                                 const std::vector<Tensor>& inputs) {
   constexpr std::string_view kOp = "all_gather_coalesced";

@@ -48,6 +48,9 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
+// all_reduce_coalesced (in place): each tensor checked as all_reduce's, and no two overlapping
+// (a tensor listed twice would be reduced twice on backends that reduce each in place).
+void check_all_reduce_coalesced(const std::vector<Tensor>& tensors, ReduceOp reduce_op);
 // all_gather_coalesced and reduce_scatter_coalesced, on `group`: equal list lengths, each pair
 // checked as the single-tensor form, and no output over another output or over an input other
 // than in place (check_outputs_apart).

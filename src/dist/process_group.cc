@@ -117,7 +117,7 @@ std::shared_ptr<Work> attach(std::shared_ptr<Work> work, const std::vector<Tenso
 // Backends with native multi-buffer collectives (threads) override these and copy nothing.
 std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                                          ReduceOp op) {
-  for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
+  dist_detail::check_all_reduce_coalesced(tensors, op);
   return staged_all_reduce("all_reduce_coalesced", tensors, tensors, op);
 }
 

@@ -522,11 +522,48 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
     run_reduce_scatter_coalesced(c, mixed, mixed_counts, op);
   }
   run_all_gather_coalesced(c, mixed, mixed_counts);
-  // Empty lists are valid no-ops.
-  c.pg.all_reduce_coalesced({}, ReduceOp::Sum)->wait();
-  c.pg.all_reduce_coalesced_into({}, {}, ReduceOp::Sum)->wait();
-  c.pg.all_gather_coalesced({}, {})->wait();
-  c.pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum)->wait();
+  // Empty lists are valid no-ops: finished at once, without communicating, so one rank may
+  // issue them alone and still pair its next collective with its peers'.
+  if (c.r == 0) {
+    const std::vector<std::shared_ptr<Work>> works = {
+        c.pg.all_reduce_coalesced({}, ReduceOp::Sum),
+        c.pg.all_reduce_coalesced_into({}, {}, ReduceOp::Sum),
+        c.pg.all_gather_coalesced({}, {}),
+        c.pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum)};
+    for (const auto& w : works) {
+      expect_true(w->is_completed(), c.where("empty " + w->description() + " not finished"));
+    }
+  }
+  Tensor after = Tensor::full({3}, DType::I32, c.r + 1);
+  c.pg.all_reduce(after, ReduceOp::Sum)->wait();
+  expect_values(after, std::vector<double>(3, c.n * (c.n + 1) / 2.0),
+                c.where("all_reduce after rank 0's empty coalesced lists"));
+  // Outputs that overlap are refused on every rank before anything is sent.
+  const std::vector<Tensor> small = {Tensor::full({2}, DType::F32, 1),
+                                     Tensor::full({2}, DType::F32, 2)};
+  const std::vector<Tensor> large = {Tensor::full({2 * c.n}, DType::F32, 1),
+                                     Tensor::full({2 * c.n}, DType::F32, 2)};
+  for (int which = 0; which < 3; ++which) {
+    const int64_t len = which == 0 ? 2 * c.n : 2;  // output numel
+    Tensor buf = Tensor::zeros({len + 1}, DType::F32);
+    const std::vector<Tensor> overlapping = {buf.narrow(0, 0, len), buf.narrow(0, 1, len)};
+    try {
+      if (which == 0) {
+        c.pg.all_gather_coalesced(overlapping, small)->wait();
+      } else if (which == 1) {
+        c.pg.reduce_scatter_coalesced(overlapping, large, ReduceOp::Sum)->wait();
+      } else {
+        c.pg.all_reduce_coalesced(overlapping, ReduceOp::Sum)->wait();
+      }
+      fail(c.where(std::string(which == 0   ? "all_gather_coalesced"
+                               : which == 1 ? "reduce_scatter_coalesced"
+                                            : "all_reduce_coalesced") +
+                   " accepted overlapping outputs"));
+    } catch (const InvalidArgument& e) {
+      expect_true(std::string(e.what()).find("overlaps") != std::string::npos,
+                  c.where(std::string("overlap message: ") + e.what()));
+    }
+  }
   // Reference scenario: int64 reduce_scatter_coalesced of ones(n) and ones(n)+1 -> [n], [2n].
   std::vector<Tensor> ins = {Tensor::full({c.n}, DType::I64, 1), Tensor::full({c.n}, DType::I64, 2)};
   std::vector<Tensor> outs = {Tensor::empty({1}, DType::I64), Tensor::empty({1}, DType::I64)};

@@ -215,7 +215,8 @@ std::shared_ptr<Work> ProcessGroupBase::barrier_async() { return issue(make_op(O
 
 std::shared_ptr<Work> ProcessGroupBase::all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                                              ReduceOp op) {
-  for (const auto& t : tensors) dist_detail::check_all_reduce(t, op);
+  dist_detail::check_all_reduce_coalesced(tensors, op);
+  if (tensors.empty()) return dist_detail::empty_coalesced("all_reduce_coalesced", *this);
   auto c = make_op(OpKind::AllReduceCoalesced);
   set_reduce(*c, op);
   for (const auto& t : tensors) add_slot(*c, t, t, t.numel());
@@ -224,10 +225,8 @@ std::shared_ptr<Work> ProcessGroupBase::all_reduce_coalesced(const std::vector<T
 
 std::shared_ptr<Work> ProcessGroupBase::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                              const std::vector<Tensor>& inputs) {
-  dist_detail::check_coalesced_lists("all_gather_coalesced", outputs.size(), inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dist_detail::check_all_gather(outputs[i], inputs[i], size());
-  }
+  dist_detail::check_all_gather_coalesced(*this, outputs, inputs);
+  if (inputs.empty()) return dist_detail::empty_coalesced("all_gather_coalesced", *this);
   auto c = make_op(OpKind::AllGatherCoalesced);
   for (size_t i = 0; i < inputs.size(); ++i) add_slot(*c, inputs[i], outputs[i], inputs[i].numel());
   return issue(std::move(c));
@@ -236,10 +235,8 @@ std::shared_ptr<Work> ProcessGroupBase::all_gather_coalesced(const std::vector<T
 std::shared_ptr<Work> ProcessGroupBase::reduce_scatter_coalesced(const std::vector<Tensor>& outputs,
                                                                  const std::vector<Tensor>& inputs,
                                                                  ReduceOp op) {
-  dist_detail::check_coalesced_lists("reduce_scatter_coalesced", outputs.size(), inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dist_detail::check_reduce_scatter(outputs[i], inputs[i], op, size());
-  }
+  dist_detail::check_reduce_scatter_coalesced(*this, outputs, inputs, op);
+  if (inputs.empty()) return dist_detail::empty_coalesced("reduce_scatter_coalesced", *this);
   auto c = make_op(OpKind::ReduceScatterCoalesced);
   set_reduce(*c, op);
   for (size_t i = 0; i < inputs.size(); ++i) {

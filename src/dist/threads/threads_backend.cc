@@ -1975,11 +1975,10 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                              ReduceOp op) override {
-    for (const Tensor& t : tensors) dist_detail::check_all_reduce(t, op);
     // Every slot reduces its bytes into rank 0's buffer and copies them back, chunk by chunk on
     // any waiting thread: a tensor listed twice (or overlapping another) would be reduced twice,
     // with the two passes racing (elements came out 2, 3 or 4 for two ranks of ones).
-    dist_detail::check_outputs_apart("all_reduce_coalesced", tensors, tensors);
+    dist_detail::check_all_reduce_coalesced(tensors, op);
     if (tensors.empty()) return dist_detail::empty_coalesced("all_reduce_coalesced", *this);
     Post p = make_post(OpKind::AllReduce, true, tensors.size());
     p.reduce_op = op;
