@@ -165,8 +165,9 @@ Tensor trace_broadcast(Tracer& tr, const Tensor& t, int src, const GroupSpec& gr
 std::vector<Tensor> trace_all_reduce_coalesced(Tracer& tr, const std::vector<Tensor>& inputs,
                                                const std::string& reduce_op,
                                                const GroupSpec& group) {
-  if (inputs.empty()) return {};
+  parse_reduce_op(reduce_op);  // an empty list is checked as the eager call checks it
   const TracedGroup g = traced_group(tr, group, "all_reduce_coalesced");
+  if (inputs.empty()) return {};
   return waited(
       tr, tr.record("all_reduce_coalesced", inputs, {{"reduce_op", reduce_op}, {"group", g.name}}));
 }
@@ -174,8 +175,8 @@ std::vector<Tensor> trace_all_reduce_coalesced(Tracer& tr, const std::vector<Ten
 std::vector<Tensor> trace_all_gather_into_tensor_coalesced(Tracer& tr,
                                                            const std::vector<Tensor>& inputs,
                                                            const GroupSpec& group) {
-  if (inputs.empty()) return {};
   const TracedGroup g = traced_group(tr, group, "all_gather_into_tensor_coalesced");
+  if (inputs.empty()) return {};
   return waited(tr, tr.record("all_gather_into_tensor_coalesced", inputs,
                               {{"group_size", g.size}, {"group", g.name}}));
 }
@@ -190,8 +191,9 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
     throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
                                       scatter_dims.size(), inputs.size()));
   }
-  if (inputs.empty()) return {};
+  parse_reduce_op(reduce_op);
   const TracedGroup g = traced_group(tr, group, kOp);
+  if (inputs.empty()) return {};
   std::vector<Tensor> fronted;
   fronted.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {

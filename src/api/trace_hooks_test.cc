@@ -128,6 +128,17 @@ TEST(TraceCollectives, ErrorsMatchTheEagerOnes) {
         reduce_scatter_tensor_coalesced({in[0]}, "sum", {0, 1}, "world");
       },
       "Length of scatter_dim (2) must equal length of inputs (1)");
+  // Empty coalesced lists check their group and reduce op as the eager calls do.
+  expect_error([](auto) { all_reduce_coalesced({}, "sum", "nope"); },
+               "all_reduce_coalesced: unknown group 'nope' while tracing");
+  expect_error([](auto) { all_reduce_coalesced({}, "foo", "world"); },
+               "Unrecognized reduce_op: foo");
+  expect_error([](auto) { all_gather_into_tensor_coalesced({}, "nope"); },
+               "all_gather_into_tensor_coalesced: unknown group 'nope' while tracing");
+  expect_error([](auto) { reduce_scatter_tensor_coalesced({}, "foo", {}, "world"); },
+               "Unrecognized reduce_op: foo");
+  expect_error([](auto) { reduce_scatter_tensor_coalesced({}, "sum", {}, "nope"); },
+               "reduce_scatter_tensor_coalesced: unknown group 'nope' while tracing");
 }
 
 // Groups resolve through the rank's registry when tracing inside a rank: mesh dims by name.
