@@ -66,8 +66,8 @@ std::shared_ptr<const detail::Layout> make_layout(Shape sizes, Shape strides) {
   auto layout = std::make_shared<detail::Layout>();
   layout->numel = shape_numel(sizes);
   int64_t expected = 1;
-  for (size_t i = sizes.size(); i-- > 0;) {
-    if (sizes[i] == 0) break;  // an empty tensor is contiguous, whatever its strides
+  // An empty tensor is contiguous, whatever its strides (so the loop does not look).
+  for (size_t i = sizes.size(); layout->numel > 0 && i-- > 0;) {
     if (sizes[i] == 1) continue;
     if (strides[i] != expected) {
       layout->contiguous = false;

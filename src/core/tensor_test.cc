@@ -374,6 +374,7 @@ TEST(Views, LayoutsAreSharedAndImmutable) {
   EXPECT_EQ(Tensor().dim(), 0);
   EXPECT_EQ(Tensor().numel(), 0);
   EXPECT_TRUE(Tensor::empty({0, 5}, DType::F32).transpose(0, 1).is_contiguous());
+  EXPECT_TRUE(Tensor::empty({0, 4, 3}, DType::F32).transpose(1, 2).is_contiguous());
 }
 
 TEST(Views, TensorsMadeAfterTheThreadsLayoutCacheIsGone) {
