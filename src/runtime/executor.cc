@@ -1009,6 +1009,9 @@ int64_t Executor::live_bytes() const {
   };
   for (const Tensor& t : impl_->slots) count(t);
   for (const Tensor& t : impl_->scratch) count(t);
+  for (const LoweredBucket& b : impl_->buckets) {  // results between issue and their Take
+    for (const Tensor& t : b.outs) count(t);
+  }
   return bytes;
 }
 

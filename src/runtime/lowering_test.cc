@@ -196,6 +196,33 @@ TEST(LowerBuckets, ObservedRunsLowerTheSameWay) {
   expect_same(observed, run(2, text, false));
 }
 
+// live_bytes() counts a lowered bucket's results between its issue and the steps that hand
+// them out: at the wait, the 9-float buffer of both members lives besides the inputs.
+TEST(LowerBuckets, LiveBytesCountTheBucketsResults) {
+  const std::string text = reduce_default("sum");
+  auto graph = parse_graph(text);
+  std::vector<int64_t> at_wait(2, -1), at_wait_plain(2, -1);
+  for (const bool lower : {true, false}) {
+    run_local(2, [&](ProcessGroup& world) {
+      ExecutorOptions options;
+      options.lower_buckets = lower;
+      Executor* self = nullptr;
+      const auto r = static_cast<size_t>(world.rank());
+      options.on_node = [&](const Node& node) {
+        if (node.name() == "w") (lower ? at_wait : at_wait_plain)[r] = self->live_bytes();
+      };
+      Executor ex(*graph, world, options);
+      self = &ex;
+      ex.run(make_inputs(*graph, 7, world.rank()));
+      EXPECT_EQ(ex.lowered_buckets(), lower ? 1u : 0u);
+    });
+  }
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_GE(at_wait[r], 9 * 4) << r;
+    EXPECT_EQ(at_wait[r], at_wait_plain[r]) << r;
+  }
+}
+
 TEST(LowerBuckets, PackedReduceBucketAndAMemberTwice) {
   const std::string packed =
       "graph @g(%a: i32[5], %b: i32[2,2]) {\n"
