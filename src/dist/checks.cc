@@ -162,6 +162,13 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
   return layout;
 }
 
+std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {
+  return fmt::format(
+      "mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects {} rows from "
+      "rank {}",
+      from, sent, to, to, expected, from);
+}
+
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   if (outputs != inputs) {
     throw InvalidArgument(

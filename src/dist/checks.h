@@ -46,6 +46,11 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
                                 const std::vector<int64_t>& output_splits,
                                 const std::vector<int64_t>& input_splits, int group_size);
 
+// "mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 1 rows from rank 0",
+// for an all_to_all whose ranks disagree on the rows between `from` and `to` (global ranks; the
+// same rank when one disagrees with itself), on every backend.
+std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
+
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
 // all_reduce_coalesced (in place): each tensor checked as all_reduce's, and no two overlapping

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "funcol/core/dtype.h"
+#include "funcol/core/error.h"
 #include "funcol/core/tensor.h"
 #include "funcol/dist/device_mesh.h"
 #include "funcol/dist/process_group.h"
@@ -393,6 +394,31 @@ void family_all_to_all(Ctx& c, const LargePolicy& large) {
   std::vector<double> expected;
   for (int j = 0; j < n; ++j) expected.insert(expected.end(), n, j + 1);
   expect_values(output, expected, c.where("all_to_all(full(rank + 1)) even split"));
+  // Rank 0 sends itself 3 rows but expects 1 from itself; every pair of ranks agrees. As for two
+  // ranks at odds, rank 0's Work fails with a CommError naming the rows (not a synchronous
+  // error that would leave its peers waiting); the peers fail with it where they can see it
+  // (threads; process backends with FUNCOL_DEBUG=detail) and complete otherwise.
+  {
+    std::vector<int64_t> in_splits(n, 1), out_splits(n, 1);
+    if (c.r == 0) in_splits[0] = 3;
+    Tensor in = Tensor::zeros({c.r == 0 ? n + 2 : n, 2}, DType::I32);
+    Tensor out = Tensor::zeros({n, 2}, DType::I32);
+    const std::string g = std::to_string(c.pg.global_ranks()[0]);
+    const std::string want = "mismatched split sizes: rank " + g + " sends 3 rows to rank " + g +
+                             " but rank " + g + " expects 1 rows from rank " + g;
+    std::string error;
+    try {
+      c.pg.all_to_all(out, in, out_splits, in_splits)->wait();
+    } catch (const CommError& e) {
+      error = e.what();
+    }
+    expect_true(error.find(want) != std::string::npos || (c.r != 0 && error.empty()),
+                c.where("all_to_all with rank 0 at odds with itself: " +
+                        (error.empty() ? std::string("no error") : error)));
+  }
+  Tensor after = Tensor::full({2}, DType::I32, 1);
+  c.pg.all_reduce(after, ReduceOp::Sum)->wait();
+  expect_values(after, std::vector<double>(2, n), c.where("all_reduce after that all_to_all"));
 }
 
 // ---- broadcast ----

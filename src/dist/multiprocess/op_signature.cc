@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "dist/checks.h"
 #include "funcol/core/error.h"
 
 namespace funcol::process {
@@ -204,11 +205,9 @@ std::optional<std::string> check_signatures(const std::vector<OpSignature>& sign
         const int64_t sent = signatures[i].input_splits[j];
         const int64_t expected = signatures[j].output_splits[i];
         if (sent != expected) {
-          return fmt::format(
-              "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects "
-              "{} rows from rank {}",
-              description, global_ranks[i], sent, global_ranks[j], global_ranks[j], expected,
-              global_ranks[i]);
+          return fmt::format("{}: {}", description,
+                             dist_detail::split_mismatch(global_ranks[i], sent, global_ranks[j],
+                                                         expected));
         }
       }
     }

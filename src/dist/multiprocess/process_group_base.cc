@@ -51,6 +51,31 @@ void set_reduce(CollectiveOp& op, ReduceOp reduce_op) {
   op.signature.reduce_op = reduce_op;
 }
 
+// Ends a claimed op's Work: finished, or failed with the error its own arguments left.
+void finish_work(const CollectiveOp& op) {
+  if (op.own_error.empty()) return op.work->finish();
+  op.work->fail(std::make_exception_ptr(
+      CommError(fmt::format("{}: {}", op.work->description(), op.own_error))));
+}
+
+// `input` with `have` rows for this rank (`rows_before` rows into it) resized to `want`, the
+// other ranks' rows where they were: what an all_to_all sends when this rank's rows for itself
+// disagree with the rows it expects from itself (the rows it keeps are zeros).
+Tensor resize_own_rows(const Tensor& input, int64_t row_elems, int64_t rows_before,
+                       int64_t have, int64_t want) {
+  Tensor staged = Tensor::zeros({(input.size(0) - have + want) * row_elems}, input.dtype());
+  const size_t row_bytes = static_cast<size_t>(row_elems) * input.itemsize();
+  const size_t before = static_cast<size_t>(rows_before) * row_bytes;
+  const size_t after = input.nbytes() - before - static_cast<size_t>(have) * row_bytes;
+  if (before + after == 0) return staged;
+  const char* src = static_cast<const char*>(input.data_ptr());
+  char* dst = static_cast<char*>(staged.raw_data_ptr());
+  std::memcpy(dst, src, before);
+  std::memcpy(dst + before + static_cast<size_t>(want) * row_bytes, src + input.nbytes() - after,
+              after);
+  return staged;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -183,22 +208,31 @@ std::shared_ptr<Work> ProcessGroupBase::all_to_all(const Tensor& output, const T
                                                    const std::vector<int64_t>& output_splits,
                                                    const std::vector<int64_t>& input_splits) {
   auto layout = dist_detail::check_all_to_all(output, input, output_splits, input_splits, size());
-  // What this rank sends itself is what it receives from itself.
-  if (layout.input_splits[rank()] != layout.output_splits[rank()]) {
-    throw ShapeError(
-        fmt::format("all_to_all: rank {} sends itself {} rows but expects {} rows from itself",
-                    global_rank(), layout.input_splits[rank()], layout.output_splits[rank()]));
-  }
   auto c = make_op(OpKind::AllToAll);
-  add_slot(*c, input, output, layout.row_elems);
+  c->signature.input_splits = layout.input_splits;
+  c->signature.output_splits = layout.output_splits;
+  // Rows this rank sends itself but does not expect from itself are a mismatch of the
+  // collective, as between two ranks (the threads backend's rule), not an argument error: a
+  // synchronous throw would leave the peers waiting for it. With FUNCOL_DEBUG=detail the
+  // signatures show every rank the mismatch; otherwise only this rank knows, so it exchanges
+  // the peers' rows as they expect (keeping zeros for itself) and its own Work fails.
+  Tensor sent = input;
+  const int64_t have = layout.input_splits[rank()];
+  const int64_t want = layout.output_splits[rank()];
+  if (have != want) {
+    c->own_error = dist_detail::split_mismatch(global_rank(), have, global_rank(), want);
+    const int64_t before = std::accumulate(layout.input_splits.begin(),
+                                           layout.input_splits.begin() + rank(), int64_t{0});
+    sent = resize_own_rows(input, layout.row_elems, before, have, want);
+    layout.input_splits[rank()] = want;
+  }
+  add_slot(*c, sent, output, layout.row_elems);
   for (int j = 0; j < size(); ++j) {
     c->send_counts.push_back(layout.input_splits[j] * layout.row_elems);
     c->recv_counts.push_back(layout.output_splits[j] * layout.row_elems);
   }
   c->send_displs = displacements(c->send_counts);
   c->recv_displs = displacements(c->recv_counts);
-  c->signature.input_splits = layout.input_splits;
-  c->signature.output_splits = layout.output_splits;
   return issue(std::move(c));
 }
 
@@ -261,9 +295,9 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
     if (t.storage()) t.storage()->add_pending(op->work);
   }
   if (size() == 1) {
-    run_single_rank(*op);
+    if (op->own_error.empty()) run_single_rank(*op);
     op->claim();
-    op->work->finish();
+    finish_work(*op);
     return op->work;
   }
   {
@@ -309,7 +343,7 @@ void ProcessGroupBase::remove_inflight(const CollectiveOp* op) {
 
 void ProcessGroupBase::complete(const std::shared_ptr<CollectiveOp>& op) {
   remove_inflight(op.get());
-  if (op->claim()) op->work->finish();
+  if (op->claim()) finish_work(*op);
 }
 
 void ProcessGroupBase::mark_broken(const std::string& reason) {

@@ -38,6 +38,10 @@ struct CollectiveOp {
   std::shared_ptr<Work> work;
   std::chrono::steady_clock::time_point issued_at;
   std::chrono::steady_clock::time_point deadline;
+  // Set when this rank's own arguments make the collective fail here (all_to_all rows it keeps
+  // for itself that disagree with themselves): it still runs, so that no peer is left waiting,
+  // and its Work then fails with a CommError saying this.
+  std::string own_error;
   // Set when a member died while this was in flight: fail with this at the (shortened)
   // deadline unless it completes first. Guarded by the group's lock.
   std::string loss;

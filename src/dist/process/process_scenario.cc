@@ -147,6 +147,17 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(split_msg,
                   "mismatched split sizes: rank 0 sends 1 rows to rank 1 but rank 1 "
                   "expects 2 rows from rank 0");
+  // Rank 0 sends itself 3 rows but expects 1 from itself, while every pair agrees: the
+  // signatures show it to every rank, as the threads backend does.
+  std::vector<int64_t> own_in(n, 1), own_out(n, 1);
+  if (world.rank() == 0) own_in[0] = 3;
+  Tensor c = Tensor::zeros({world.rank() == 0 ? n + 2 : n}, DType::I32);
+  Tensor d = Tensor::zeros({n}, DType::I32);
+  std::string own_msg = expect_comm_error(
+      [&] { world.all_to_all(d, c, own_out, own_in)->wait(); }, "all_to_all rows for itself");
+  expect_contains(own_msg,
+                  "mismatched split sizes: rank 0 sends 3 rows to rank 0 but rank 0 expects 1 "
+                  "rows from rank 0");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();
   check_sum(world);

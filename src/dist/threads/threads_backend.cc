@@ -60,6 +60,7 @@ namespace funcol::threads_detail {
 using Clock = std::chrono::steady_clock;
 using dist_detail::Backoff;
 using dist_detail::format_ranks;
+using dist_detail::split_mismatch;
 
 // The global rank this thread last issued a collective as (-1: none): where it starts taking
 // chunks of a running op (see Op::claim).
@@ -1215,10 +1216,8 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       if (post.kind == OpKind::AllToAll &&
           post.input_splits[member] != post.output_splits[member]) {
         failure = fmt::format(
-            "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects {} "
-            "rows from rank {}",
-            op->description(), me, post.input_splits[member], me, me, post.output_splits[member],
-            me);
+            "{}: {}", op->description(),
+            split_mismatch(me, post.input_splits[member], me, post.output_splits[member]));
       }
       if (failure.empty() && op->ref_ >= 0) {
         const Post& ref = op->members_[op->ref_].post;
@@ -1233,16 +1232,12 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
             const int jr = group.global_ranks[j];
             if (post.input_splits[j] != other.output_splits[member]) {
               failure = fmt::format(
-                  "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} "
-                  "expects {} rows from rank {}",
-                  op->description(), me, post.input_splits[j], jr, jr,
-                  other.output_splits[member], me);
+                  "{}: {}", op->description(),
+                  split_mismatch(me, post.input_splits[j], jr, other.output_splits[member]));
             } else if (other.input_splits[member] != post.output_splits[j]) {
               failure = fmt::format(
-                  "{}: mismatched split sizes: rank {} sends {} rows to rank {} but rank {} "
-                  "expects {} rows from rank {}",
-                  op->description(), jr, other.input_splits[member], me, me,
-                  post.output_splits[j], jr);
+                  "{}: {}", op->description(),
+                  split_mismatch(jr, other.input_splits[member], me, post.output_splits[j]));
             }
           }
         }
