@@ -353,6 +353,18 @@ void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs
   }
 }
 
+void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& input,
+                      std::optional<InPlace> in_place, int rank) {
+  if (!output.shares_storage(input) || output.numel() == 0 || input.numel() == 0) return;
+  const Range o = range_of(output, 0, true);
+  const Range n = range_of(input, 0, false);
+  if (o.end <= n.begin || n.end <= o.begin) return;
+  if (in_place && in_place_pair(output, input, static_cast<size_t>(rank))) return;
+  throw InvalidArgument(fmt::format("{}: output overlaps input ({})", op,
+                                    in_place ? in_place_rule(*in_place, rank)
+                                             : std::string("it has no in-place form")));
+}
+
 std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
                                             const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& new_name) {

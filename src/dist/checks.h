@@ -86,6 +86,14 @@ void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs
                          const std::vector<Tensor>& inputs, InPlace in_place = InPlace::kOwnInput,
                          int rank = 0);
 
+// The single-tensor forms' rule, after their checks above: all_gather's input may share bytes
+// with its output only as block `rank` of it and reduce_scatter's output only as block `rank` of
+// its input (their in-place forms, `in_place`); all_to_all's output none with its input
+// (nullopt: its rows move between ranks while they are read, so it has no in-place form).
+// O(1); InvalidArgument "<op>: output overlaps input (...)" otherwise.
+void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& input,
+                      std::optional<InPlace> in_place, int rank);
+
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it
 // is in none.

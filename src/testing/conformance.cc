@@ -598,6 +598,47 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
   expect_values(outs[1], {2.0 * c.n}, c.where("reduce_scatter_coalesced(ones + 1)"));
 }
 
+// ---- an output over its input ----
+
+// Every single-tensor form takes its output over its input only in its in-place layout (as the
+// coalesced forms): anything else is refused on every rank before anything is sent, where the
+// backends used to differ (threads raced, gloo garbled all_to_all, mpi copied).
+void family_overlap(Ctx& c, const LargePolicy&) {
+  const int n = c.n;
+  const int other = (c.r + 1) % n;  // a block that is not this rank's (none on one rank)
+  auto refused = [&](const std::string& what, const std::function<void()>& issue) {
+    try {
+      issue();
+    } catch (const InvalidArgument& e) {
+      expect_true(std::string(e.what()).find(what + ": output overlaps input") == 0,
+                  c.where(what + " overlap message: " + e.what()));
+      return;
+    }
+    fail(c.where(what + " accepted an output over its input"));
+  };
+  if (n > 1) {
+    Tensor gathered = Tensor::zeros({2 * n}, DType::I32);
+    refused("all_gather", [&] { c.pg.all_gather(gathered, gathered.narrow(0, 2 * other, 2)); });
+    Tensor in = Tensor::full({2 * n}, DType::I32, 1);
+    refused("reduce_scatter",
+            [&] { c.pg.reduce_scatter(in.narrow(0, 2 * other, 2), in, ReduceOp::Sum); });
+  }
+  Tensor rows = Tensor::full({n, 2}, DType::I32, c.r);
+  refused("all_to_all", [&] { c.pg.all_to_all(rows, rows, {}, {}); });
+  // The in-place layouts still work: this rank's block of the output, or of the input.
+  Tensor out = Tensor::zeros({2 * n}, DType::I32);
+  Tensor mine = out.narrow(0, 2 * c.r, 2);
+  mine.copy_(Tensor::full({2}, DType::I32, c.r + 1));
+  c.pg.all_gather(out, mine)->wait();
+  std::vector<double> expected;
+  for (int j = 0; j < n; ++j) expected.insert(expected.end(), 2, j + 1);
+  expect_values(out, expected, c.where("all_gather in place"));
+  Tensor ones = Tensor::full({2 * n}, DType::I32, 1);
+  Tensor block = ones.narrow(0, 2 * c.r, 2);
+  c.pg.reduce_scatter(block, ones, ReduceOp::Sum)->wait();
+  expect_values(block, std::vector<double>(2, n), c.where("reduce_scatter in place"));
+}
+
 // ---- barrier ----
 
 void family_barrier(Ctx& c, const LargePolicy&) {
@@ -843,8 +884,9 @@ constexpr FamilyEntry kFamilies[] = {
     {"all_reduce", family_all_reduce}, {"reduce_scatter", family_reduce_scatter},
     {"all_gather", family_all_gather}, {"all_to_all", family_all_to_all},
     {"broadcast", family_broadcast},   {"coalesced", family_coalesced},
-    {"barrier", family_barrier},       {"groups", family_groups},
-    {"async", family_async},           {"stress", family_stress},
+    {"overlap", family_overlap},       {"barrier", family_barrier},
+    {"groups", family_groups},         {"async", family_async},
+    {"stress", family_stress},
 };
 
 class ConformanceTest : public ::testing::Test {

@@ -35,7 +35,8 @@ struct ConformanceConfig {
 // f32: every collective with sum up to 4 ranks (all_reduce at every size), every reduce op
 // for all_reduce on 2 and 3 ranks and for reduce_scatter on 2. Families: all_reduce, reduce_scatter, all_gather, all_to_all (even, uneven and zero
 // splits, random split matrix), broadcast (every root), coalesced (all three forms, mixed
-// dtypes and counts), barrier, groups (new_group, split_group, 2-D DeviceMesh membership and
+// dtypes and counts), overlap (an output over its input other than in place is refused),
+// barrier, groups (new_group, split_group, 2-D DeviceMesh membership and
 // collectives on its dims), async (results read from another thread, dropped results, many
 // collectives in flight before the first wait, a collective reading a pending result) and
 // stress (a seeded random mix of collectives and sizes on overlapping groups).

@@ -42,12 +42,15 @@ class ProcessGroup {
   // In place on `tensor` (contiguous).
   virtual std::shared_ptr<Work> all_reduce(const Tensor& tensor, ReduceOp op) = 0;
   // output: size() * input.numel() elements, rank-major (rank j's input at element j*numel).
+  // The input may share bytes with the output only as its block rank() (in place).
   virtual std::shared_ptr<Work> all_gather(const Tensor& output, const Tensor& input) = 0;
-  // input: size() * output.numel() elements; rank j receives reduce of block j.
+  // input: size() * output.numel() elements; rank j receives reduce of block j. The output may
+  // share bytes with the input only as its block rank() (in place).
   virtual std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input,
                                                ReduceOp op) = 0;
   // Splits count rows of dim 0 (row = numel / dim0 elements). input_splits[j] rows go to rank
   // j; output_splits[j] rows come from rank j. Empty split lists mean an even split of dim 0.
+  // The output shares no bytes with the input (no in-place form).
   virtual std::shared_ptr<Work> all_to_all(const Tensor& output, const Tensor& input,
                                            const std::vector<int64_t>& output_splits,
                                            const std::vector<int64_t>& input_splits) = 0;

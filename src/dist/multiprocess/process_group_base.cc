@@ -190,6 +190,8 @@ std::shared_ptr<Work> ProcessGroupBase::all_reduce(const Tensor& tensor, ReduceO
 
 std::shared_ptr<Work> ProcessGroupBase::all_gather(const Tensor& output, const Tensor& input) {
   dist_detail::check_all_gather(output, input, size());
+  dist_detail::check_pair_apart("all_gather", output, input,
+                                dist_detail::InPlace::kInputInOutput, rank());
   auto c = make_op(OpKind::AllGather);
   add_slot(*c, input, output, input.numel());
   return issue(std::move(c));
@@ -198,6 +200,8 @@ std::shared_ptr<Work> ProcessGroupBase::all_gather(const Tensor& output, const T
 std::shared_ptr<Work> ProcessGroupBase::reduce_scatter(const Tensor& output, const Tensor& input,
                                                        ReduceOp op) {
   dist_detail::check_reduce_scatter(output, input, op, size());
+  dist_detail::check_pair_apart("reduce_scatter", output, input,
+                                dist_detail::InPlace::kOutputInInput, rank());
   auto c = make_op(OpKind::ReduceScatter);
   set_reduce(*c, op);
   add_slot(*c, input, output, output.numel());
@@ -208,6 +212,7 @@ std::shared_ptr<Work> ProcessGroupBase::all_to_all(const Tensor& output, const T
                                                    const std::vector<int64_t>& output_splits,
                                                    const std::vector<int64_t>& input_splits) {
   auto layout = dist_detail::check_all_to_all(output, input, output_splits, input_splits, size());
+  dist_detail::check_pair_apart("all_to_all", output, input, std::nullopt, rank());
   auto c = make_op(OpKind::AllToAll);
   c->signature.input_splits = layout.input_splits;
   c->signature.output_splits = layout.output_splits;

@@ -1930,6 +1930,8 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::shared_ptr<Work> all_gather(const Tensor& output, const Tensor& input) override {
     dist_detail::check_all_gather(output, input, size());
+    dist_detail::check_pair_apart("all_gather", output, input,
+                                  dist_detail::InPlace::kInputInOutput, rank());
     Post p = make_post(OpKind::AllGather, false);
     add_slot(p, input.dtype(), input.numel(), input, output);
     return issue(std::move(p), output);
@@ -1938,6 +1940,8 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input,
                                        ReduceOp op) override {
     dist_detail::check_reduce_scatter(output, input, op, size());
+    dist_detail::check_pair_apart("reduce_scatter", output, input,
+                                  dist_detail::InPlace::kOutputInInput, rank());
     Post p = make_post(OpKind::ReduceScatter, false);
     p.reduce_op = op;
     add_slot(p, input.dtype(), output.numel(), input, output);
@@ -1949,6 +1953,7 @@ class ThreadsGroup final : public ProcessGroup {
                                    const std::vector<int64_t>& input_splits) override {
     auto layout =
         dist_detail::check_all_to_all(output, input, output_splits, input_splits, size());
+    dist_detail::check_pair_apart("all_to_all", output, input, std::nullopt, rank());
     Post p = make_post(OpKind::AllToAll, false);
     add_slot(p, input.dtype(), layout.row_elems, input, output);
     p.input_splits = std::move(layout.input_splits);
