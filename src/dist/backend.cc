@@ -23,9 +23,6 @@ thread_local ProcessGroup* t_current_world = nullptr;
 // The world of a process backend (init_process_group), for threads without a WorldScope.
 std::atomic<ProcessGroup*> g_process_world{nullptr};
 
-// Beyond this a thread per rank stops making sense on one machine; far above any real use.
-constexpr int kMaxLocalWorldSize = 4096;
-
 // The first exception any rank threw, in time order.
 class FirstFailure {
  public:
@@ -51,9 +48,9 @@ void run_local(int world_size, const std::function<void(ProcessGroup& world)>& f
 
 void run_local(int world_size, const std::function<void(ProcessGroup& world)>& fn,
                const LocalOptions& options) {
-  if (world_size < 1 || world_size > kMaxLocalWorldSize) {
+  if (world_size < 1 || world_size > kMaxLocalRanks) {
     throw InvalidArgument(fmt::format("run_local: world_size must be between 1 and {}, got {}",
-                                      kMaxLocalWorldSize, world_size));
+                                      kMaxLocalRanks, world_size));
   }
   if (!fn) throw InvalidArgument("run_local: the rank function is empty");
   if (options.timeout.count() < 0) {

@@ -257,6 +257,11 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
 
 void check_job_options(const std::string& backend, const InitOptions& join, int ranks) {
   check_job_flags_fit(backend, join);
+  if (backend == "threads" && ranks > kMaxLocalRanks) {
+    throw InvalidArgument(fmt::format(
+        "--ranks {}: the threads backend runs at most {} ranks (a thread each)", ranks,
+        kMaxLocalRanks));
+  }
   if (backend != "gloo") return;
   const std::optional<Known> rank = known(join.rank, "--rank", "RANK");
   const std::optional<Known> size = known(join.world_size, "--world-size", "WORLD_SIZE");

@@ -86,7 +86,7 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
                   std::optional<int> fallback);
 
 // Throws InvalidArgument when `join` (the flags) does not make sense for `backend` and `ranks`:
-// any of them with threads or mpi; with gloo, --rank without a world size (--world-size or
+// any of them with threads or mpi; with threads, more ranks than kMaxLocalRanks; with gloo, --rank without a world size (--world-size or
 // WORLD_SIZE), --world-size without a rank, --store with neither (funcol starts the job and its
 // store then), a rank out of range, no store for a world of more than one, a store that does not
 // parse, and --ranks other than the world size. Environment values that are not integers are

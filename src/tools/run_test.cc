@@ -282,6 +282,10 @@ TEST_F(RunTest, FlagErrors) {
   o.file = write("sum.ir", kAllReduce);
   o.ranks = 0;
   EXPECT_EQ(run(o).err, "funcol: error: --ranks must be at least 1, got 0\n");
+  o.ranks = 5000;
+  EXPECT_EQ(run(o).err,
+            "funcol: error: --ranks 5000: the threads backend runs at most 4096 ranks (a thread "
+            "each)\n");
   o.ranks = 2;
   o.iters = 0;
   EXPECT_EQ(run(o).err, "funcol: error: --iters must be at least 1, got 0\n");

@@ -12,6 +12,9 @@
 
 namespace funcol {
 
+// The most ranks run_local runs: a thread each, on one machine (InvalidArgument beyond).
+constexpr int kMaxLocalRanks = 4096;
+
 // Runs fn once per rank, as `world_size` threads of this process over the `threads` backend.
 // Blocks until every rank has finished, then rethrows the first exception any rank threw
 // (the earliest in time). A rank that throws or returns early makes its peers' pending and
