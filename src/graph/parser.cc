@@ -764,6 +764,11 @@ std::unique_ptr<Graph> parse_graph(std::string_view text, const ParseOptions& op
   return std::move(module.graphs()[0]);
 }
 
+ParseError no_graph_error(const std::string& file, size_t line) {
+  return ParseError(file, static_cast<int>(line), 1,
+                    "expected a graph ('graph @name(...) { ... }'): the input holds none");
+}
+
 std::string read_text_file(const std::string& path) {
   if (path == "-") {
     std::ostringstream ss;

@@ -148,10 +148,7 @@ class OptRun {
       return false;
     }
     if (module.graphs().empty()) {
-      err_ << ParseError(file, static_cast<int>(chunk.first_line), 1,
-                         "expected a graph ('graph @name(...) { ... }'): the input holds none")
-                  .what()
-           << "\n";
+      err_ << no_graph_error(file, chunk.first_line).what() << "\n";
       return false;
     }
     try {

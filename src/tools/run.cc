@@ -82,7 +82,7 @@ const Graph& select_graph(const Module& module, const RunOptions& o, const std::
     throw InvalidArgument(fmt::format("{} has no graph @{} (graphs: {})", file, name,
                                       names.empty() ? "none" : names));
   }
-  if (graphs.empty()) throw InvalidArgument(fmt::format("{} holds no graph", file));
+  if (graphs.empty()) throw no_graph_error(file);
   if (graphs.size() > 1) {
     throw InvalidArgument(fmt::format("{} holds {} graphs ({}); choose one with --graph", file,
                                       graphs.size(), names));

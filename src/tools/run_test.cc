@@ -261,6 +261,8 @@ TEST_F(RunTest, UserErrorsExitOneWithOneClearMessage) {
        "funcol: error: --mesh dp=2,tp=3 spans 6 ranks but --ranks is 4\n"},
       {"parse", "graph @g(%x: f32[2]) {\n  %y = nope(%x)\n  return %y\n}\n", 1, "",
        "FILE:2:8: error: unknown op 'nope'\n"},
+      {"no_graph", "// comments only\n", 1, "",
+       "FILE:1:1: error: expected a graph ('graph @name(...) { ... }'): the input holds none\n"},
   };
   for (const ErrorCase& ec : cases) {
     SCOPED_TRACE(ec.name);

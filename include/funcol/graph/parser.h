@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 
+#include "funcol/core/error.h"
 #include "funcol/graph/graph.h"
 
 namespace funcol {
@@ -31,6 +32,10 @@ Module parse_module(std::string_view text, const ParseOptions& options = {});
 
 // Parses a text that must hold exactly one graph.
 std::unique_ptr<Graph> parse_graph(std::string_view text, const ParseOptions& options = {});
+
+// "FILE:LINE:1: error: expected a graph (...): the input holds none": for a command given a
+// text of no graph (comments only, or nothing).
+ParseError no_graph_error(const std::string& file, size_t line = 1);
 
 // Reads and parses `path` ("-": standard input). Throws InvalidArgument when it cannot be read.
 Module parse_file(const std::string& path);
