@@ -86,11 +86,11 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
                   std::optional<int> fallback);
 
 // Throws InvalidArgument when `join` (the flags) does not make sense for `backend` and `ranks`:
-// any of them with threads or mpi; with threads, more ranks than kMaxLocalRanks; with gloo, --rank without a world size (--world-size or
-// WORLD_SIZE), --world-size without a rank, --store with neither (funcol starts the job and its
-// store then), a rank out of range, no store for a world of more than one, a store that does not
-// parse, and --ranks other than the world size. Environment values that are not integers are
-// errors naming the variable.
+// any of them with threads or mpi; with threads, more ranks than kMaxLocalRanks; with gloo,
+// --rank without a world size (--world-size or WORLD_SIZE), --world-size without a rank,
+// --store with neither (funcol starts the job and its store then), a rank out of range, no
+// store for a world of more than one, a store that does not parse, and --ranks other than the
+// world size. Environment values that are not integers are errors naming the variable.
 void check_job_options(const std::string& backend, const InitOptions& join, int ranks);
 
 // For a rank process: when launch_job started it, die with that launcher, so a killed launcher

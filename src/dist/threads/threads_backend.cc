@@ -722,6 +722,9 @@ class World {
   static uint64_t joined_mask(const Op& op);
   // The global ranks of `group`'s members whose bits are not in `arrived`.
   static std::vector<int> missing_ranks(const SharedGroup& group, uint64_t arrived);
+  // The global ranks of the members that have not joined `op`, from its flags (any group
+  // size, unlike joined_mask()). Needs group.mu.
+  static std::vector<int> unjoined_ranks(const Op& op);
   // The Op-path join of `member` at `seq` when members took the lane for it: the mismatch (or
   // the lane's failure) message, after counting this member out of the lane slot; empty when
   // the lane has nobody at `seq`. Needs group.mu.
@@ -1255,11 +1258,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       // A member that departed will never join: fail now rather than at the timeout. (depart()
       // counts itself before it takes this lock to fail the ops it left, so a join that reads
       // 0 here comes before that and its op is failed there.)
-      // From the flags, not joined_mask(): an Op-path group may have more than 64 members.
-      std::vector<int> missing;
-      for (int m = 0; m < op->size_; ++m) {
-        if (!op->members_[m].joined) missing.push_back(group.global_ranks[m]);
-      }
+      const std::vector<int> missing = unjoined_ranks(*op);
       const int departed = first_departed(missing);
       if (departed >= 0) failure = departed_message(op->description(), departed, missing);
     }
@@ -1291,11 +1290,7 @@ void World::depart(int rank, const std::string& reason) {
           std::find(g->global_ranks.begin(), g->global_ranks.end(), rank) - g->global_ranks.begin());
       for (auto& op : g->pending) {
         if (!op || op->members_[member].joined) continue;
-        std::vector<int> missing;
-        for (int m = 0; m < op->size_; ++m) {
-          if (!op->members_[m].joined) missing.push_back(g->global_ranks[m]);
-        }
-        victims.emplace_back(op, departed_message(op->description(), rank, missing));
+        victims.emplace_back(op, departed_message(op->description(), rank, unjoined_ranks(*op)));
       }
       // Lane collectives that others arrived at but this rank did not.
       for (int i = 0; g->lane && i < kLaneSlots; ++i) {
@@ -1651,6 +1646,14 @@ int World::first_departed(const std::vector<int>& ranks) const {
     if (ranks_[r]->departed.load(std::memory_order_acquire)) return r;
   }
   return -1;
+}
+
+std::vector<int> World::unjoined_ranks(const Op& op) {
+  std::vector<int> missing;
+  for (int m = 0; m < op.size_; ++m) {
+    if (!op.members_[m].joined) missing.push_back(op.group_->global_ranks[m]);
+  }
+  return missing;
 }
 
 std::vector<int> World::missing_ranks(const SharedGroup& group, uint64_t arrived) {
