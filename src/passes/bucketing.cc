@@ -665,9 +665,10 @@ BucketingStats Bucketer::run() {
   close_bucket("end of run");
   if (explain_) {
     say(
-        fmt::format("{} buckets, {} merged ({} collectives); skipped {} dependent, {} "
+        fmt::format("{} bucket{}, {} merged ({} collectives); skipped {} dependent, {} "
                     "ineligible; dropped {}",
-                    stats_.buckets, stats_.merged_buckets, stats_.merged_collectives,
+                    stats_.buckets, stats_.buckets == 1 ? "" : "s", stats_.merged_buckets,
+                    stats_.merged_collectives,
                     stats_.skipped_dependent, stats_.skipped_ineligible, stats_.dropped));
   }
   return stats_;

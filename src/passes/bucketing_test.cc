@@ -628,7 +628,7 @@ TEST(BucketExplain, HeaderBucketsAndSummary) {
       "  run of group \"world\", group_size 4, dtype f32\n"
       "  bucket 0: %ag0 (96 B), %ag1 (64 B); 160 B of cap 1048576 B; closed: end of run; "
       "merged 2 collectives\n"
-      "  1 buckets, 1 merged (2 collectives); skipped 0 dependent, 0 ineligible; dropped 0\n");
+      "  1 bucket, 1 merged (2 collectives); skipped 0 dependent, 0 ineligible; dropped 0\n");
 }
 
 TEST(BucketPasses, PassRunWritesExplainAndReportsChange) {
