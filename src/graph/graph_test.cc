@@ -33,6 +33,22 @@ struct Small {
   }
 };
 
+// An element of the vector itself may be pushed or assigned back, also when the push moves
+// the elements to a bigger buffer (it read the freed one: an ASan use-after-free).
+TEST(SmallVec, PushAndAssignOwnElements) {
+  detail::SmallVec<int64_t, 2> v;
+  for (int64_t i = 0; i < 4; ++i) v.push_back(i);  // on the heap, full (capacity 4)
+  v.push_back(v[1]);
+  ASSERT_EQ(v.size(), 5u);
+  EXPECT_EQ(v[4], 1);
+  for (int64_t i = 0; i < 3; ++i) v.push_back(v[0] + 10);  // full again: 8
+  v.push_back(v[7]);
+  EXPECT_EQ(v[8], 10);
+  v.assign(std::span<const int64_t>(v.data() + 1, 4));  // overlapping ranges
+  ASSERT_EQ(v.size(), 4u);
+  EXPECT_EQ((std::vector<int64_t>(v.begin(), v.end())), (std::vector<int64_t>{1, 2, 3, 1}));
+}
+
 TEST(Graph, BuilderInfersTypesAndTracksUses) {
   Small s;
   verify(*s.g);

@@ -58,8 +58,9 @@ class SmallVec {
   operator std::span<const T>() const { return {data(), size_}; }
 
   void push_back(const T& value) {
+    const T copy = value;  // `value` may be an element, which grow() frees
     if (size_ == cap_) grow(size_t{cap_} + 1);
-    data()[size_++] = value;
+    data()[size_++] = copy;
   }
   void pop_back() { --size_; }
   // Keeps the storage.
@@ -67,7 +68,8 @@ class SmallVec {
   // Replaces the contents with `values`.
   void assign(std::span<const T> values) {
     if (values.size() > cap_) grow(values.size());
-    if (!values.empty()) std::memcpy(data(), values.data(), values.size() * sizeof(T));
+    // memmove: `values` may be part of this vector (it cannot be when it grows: it is longer).
+    if (!values.empty()) std::memmove(data(), values.data(), values.size() * sizeof(T));
     size_ = static_cast<uint32_t>(values.size());
   }
 
