@@ -583,18 +583,27 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     };
     auto scratch = std::make_shared<Scratch>();
     std::vector<MPI_Request> requests;
+    // A start that fails after earlier members of a list were posted leaves those running on
+    // the op's buffers: they stay tracked, holding the op (its tensors) and the scratch.
     auto post = [&](int rc, MPI_Request request) {
-      if (rc != MPI_SUCCESS) return false;
-      requests.push_back(request);
-      return true;
+      if (rc == MPI_SUCCESS) {
+        requests.push_back(request);
+        return true;
+      }
+      if (!requests.empty()) Runtime::get().track(std::move(requests), [slot, scratch](int) {});
+      return false;
     };
-    auto too_big = [&](int64_t count) {
-      if (count <= INT_MAX) return false;
-      fail_op(op,
-              failure_message(*op, fmt::format("{} elements exceed MPI's int count limit", count)));
+    // Every count is checked before anything is posted (the largest tensor of the op bounds
+    // them all: all_gather's output, reduce_scatter's input, all_to_all's larger side).
+    int64_t largest = 0;
+    for (const auto& t : op->inputs) largest = std::max(largest, t.numel());
+    for (const auto& t : op->outputs) largest = std::max(largest, t.numel());
+    if (largest > INT_MAX) {
+      fail_op(op, failure_message(*op, fmt::format("{} elements exceed MPI's int count limit",
+                                                   largest)));
       finished(slot, {});
-      return true;
-    };
+      return;
+    }
     // An input that overlaps its output travels from a private copy (MPI forbids aliasing).
     auto send_buffer = [&](const Tensor& in, const Tensor& out) -> const void* {
       const void* p = in.raw_data_ptr();
@@ -610,7 +619,6 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       case OpKind::AllReduceCoalesced:
         for (const auto& t : op->outputs) {
           if (t.numel() == 0) continue;
-          if (too_big(t.numel())) return;
           rc = MPI_Iallreduce(MPI_IN_PLACE, t.raw_data_ptr(), static_cast<int>(t.numel()),
                               mpi_type(t.dtype()), mpi_op(op->reduce_op, t.dtype()), comm_,
                               &request);
@@ -623,7 +631,6 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           const Tensor& in = op->inputs[i];
           const Tensor& out = op->outputs[i];
           if (in.numel() == 0) continue;
-          if (too_big(out.numel())) return;
           const int n = static_cast<int>(in.numel());
           const MPI_Datatype type = mpi_type(in.dtype());
           // In place when the input is this rank's own block of the output.
@@ -639,7 +646,6 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           const Tensor& in = op->inputs[i];
           const Tensor& out = op->outputs[i];
           if (out.numel() == 0) continue;
-          if (too_big(in.numel())) return;
           rc = MPI_Ireduce_scatter_block(send_buffer(in, out), out.raw_data_ptr(),
                                          static_cast<int>(out.numel()), mpi_type(in.dtype()),
                                          mpi_op(op->reduce_op, in.dtype()), comm_, &request);
@@ -649,7 +655,6 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       case OpKind::AllToAll: {
         const Tensor& in = op->inputs[0];
         const Tensor& out = op->outputs[0];
-        if (too_big(std::max(in.numel(), out.numel()))) return;
         for (int j = 0; j < size(); ++j) {
           scratch->sc.push_back(static_cast<int>(op->send_counts[j]));
           scratch->sd.push_back(static_cast<int>(op->send_displs[j]));
@@ -666,7 +671,6 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       case OpKind::Broadcast: {
         const Tensor& t = op->outputs[0];
         if (t.numel() == 0) break;
-        if (too_big(t.numel())) return;
         rc = MPI_Ibcast(t.raw_data_ptr(), static_cast<int>(t.numel()), mpi_type(t.dtype()),
                         op->root, comm_, &request);
         if (!post(rc, request)) return fail_mpi(slot, rc);

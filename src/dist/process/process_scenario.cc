@@ -9,6 +9,8 @@
 //  mismatch  (FUNCOL_DEBUG=detail) ranks issue different collectives, then all_to_alls with
 //            inconsistent split sizes; each fails on every rank showing both sides, and the
 //            group keeps working afterwards
+//  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
+//            before any of it is posted; the group is unusable afterwards
 //  timeout   the last rank stays away from a collective; the others time out naming it
 //  depart    the last rank leaves (destroy_process_group); the others fail at once naming it
 //  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
@@ -164,6 +166,23 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   ok(fmt::format("mismatches reported on every rank: {}", msg));
 }
 
+void scenario_count_limit(funcol::ProcessGroup& world) {
+  if (world.backend() != "mpi") failed("count_limit is an mpi scenario");
+  check_sum(world);
+  // The second tensor is over MPI's int count: the op fails on every rank before any request
+  // is posted, so nothing is left running on its buffers. The 2 GiB buffer is never touched,
+  // so its pages are never allocated.
+  std::vector<Tensor> list = {Tensor::full({4}, DType::U8, 1),
+                              Tensor::empty({int64_t{1} << 31}, DType::U8)};
+  std::string msg = expect_comm_error(
+      [&] { world.all_reduce_coalesced(list, ReduceOp::Sum)->wait(); }, "a count over INT_MAX");
+  expect_contains(msg, "2147483648 elements exceed MPI's int count limit");
+  // A failed collective leaves the group unusable (the job then exits without MPI_Finalize).
+  std::string after = expect_comm_error([&] { world.barrier(); }, "a barrier after it");
+  expect_contains(after, "unusable after an earlier failure");
+  ok(fmt::format("count limit reported on every rank: {}", msg));
+}
+
 void scenario_timeout(funcol::ProcessGroup& world) {
   const int late = world.size() - 1;
   check_sum(world);
@@ -278,7 +297,8 @@ int main(int argc, char** argv) {
     if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
     // With two ranks nobody else wrote to the store: the failed rendezvous left it empty, ready
     // for the next job.
-    const std::string store = std::getenv("FUNCOL_STORE");
+    const char* store_env = std::getenv("FUNCOL_STORE");
+    const std::string store = store_env != nullptr ? store_env : "";
     if (late == 1 && store.rfind("file://", 0) == 0) {
       const std::filesystem::path dir = store.substr(7);
       if (!std::filesystem::is_empty(dir)) {
@@ -296,6 +316,8 @@ int main(int argc, char** argv) {
       scenario_kill(*world);
     } else if (scenario == "mismatch") {
       scenario_mismatch(*world);
+    } else if (scenario == "count_limit") {
+      scenario_count_limit(*world);
     } else if (scenario == "timeout") {
       scenario_timeout(*world);
     } else if (scenario == "depart") {
