@@ -161,7 +161,7 @@ TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
       // What the option parser refuses reads the same.
       {"-n abc", "funcol: error: invalid value 'abc' for -n/--iters: expected an integer"},
       {"-o", "funcol: error: --op: 1 required OP missing\nRun 'funcol bench --help'"},
-      {"--frobnicate", "funcol: error: The following argument was not expected: --frobnicate"},
+      {"--frobnicate", "funcol: error: the following argument was not expected: --frobnicate"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);

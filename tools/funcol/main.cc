@@ -1,4 +1,5 @@
 // funcol: the command-line tool. Parses the subcommand and hands off to the tools library.
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +28,12 @@ int main(int argc, char** argv) {
     // A command line that does not parse is an error like every other ("funcol: error: ...",
     // exit status 1), not CLI11's own message and codes (104-115).
     std::string what = e.what();
+    // Messages start in lower case, as every other error; CLI11 capitalises its sentences
+    // ("A subcommand is required"), not acronyms.
+    if (what.size() > 1 && std::isupper(static_cast<unsigned char>(what[0])) &&
+        (std::islower(static_cast<unsigned char>(what[1])) || what[1] == ' ')) {
+      what[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(what[0])));
+    }
     std::string command = "funcol";
     if (!app.get_subcommands().empty()) {
       command += " " + app.get_subcommands().front()->get_name();
