@@ -79,7 +79,9 @@ class SmallVec {
   uint32_t cap_ = N;
   T inline_[N];
 
-  void grow(size_t want) {
+  // Out of line: the cold path, and inlined into a caller with known sizes it made GCC 12
+  // report a false -Wstringop-overflow on the copy.
+  [[gnu::noinline]] void grow(size_t want) {
     const size_t cap = std::max<size_t>(want, 2 * size_t{cap_});
     T* fresh = std::allocator<T>().allocate(cap);
     if (size_) std::memcpy(fresh, data(), size_ * sizeof(T));
