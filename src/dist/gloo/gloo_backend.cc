@@ -96,7 +96,9 @@ class KeyStore {
 
 class FileKeyStore final : public KeyStore {
  public:
-  explicit FileKeyStore(const std::string& path) : store_(path) {}
+  FileKeyStore(const std::string& path, std::chrono::milliseconds timeout) : store_(path) {
+    store_.timeout = timeout;
+  }
   gloo::rendezvous::Store& store() override { return store_; }
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
   void erase_own_keys() noexcept override {
@@ -104,26 +106,40 @@ class FileKeyStore final : public KeyStore {
   }
 
  private:
-  // Exposes FileStore's protected existence check.
+  // Exposes FileStore's protected existence check; waits (Gloo's connectFullMesh waits for its
+  // peers' addresses) last the job's timeout, not Gloo's fixed 30 s.
   struct Store : gloo::rendezvous::FileStore {
     using FileStore::check;
     using FileStore::FileStore;
+    void wait(const std::vector<std::string>& keys) override { FileStore::wait(keys, timeout); }
+    void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+      FileStore::wait(keys, timeout);
+    }
+    std::chrono::milliseconds timeout = kDefaultTimeout;
   };
   Store store_;
 };
 
 class RedisKeyStore final : public KeyStore {
  public:
-  RedisKeyStore(const std::string& host, int port) : store_(host, port) {}
+  RedisKeyStore(const std::string& host, int port, std::chrono::milliseconds timeout)
+      : store_(host, port) {
+    store_.timeout = timeout;
+  }
   gloo::rendezvous::Store& store() override { return store_; }
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
   void erase_own_keys() noexcept override { store_.erase_written(); }
 
  private:
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
-  // left behind would make the next job's rendezvous fail).
+  // left behind would make the next job's rendezvous fail); waits last the job's timeout.
   struct Store : gloo::rendezvous::RedisStore {
     using RedisStore::RedisStore;
+    void wait(const std::vector<std::string>& keys) override { RedisStore::wait(keys, timeout); }
+    void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+      RedisStore::wait(keys, timeout);
+    }
+    std::chrono::milliseconds timeout = kDefaultTimeout;
     void set(const std::string& key, const std::vector<char>& data) override {
       RedisStore::set(key, data);
       written.push_back(key);
@@ -159,9 +175,9 @@ struct GlooShared {
     }
     try {
       if (url.kind == process::StoreUrl::Kind::File) {
-        return std::make_unique<FileKeyStore>(url.path);
+        return std::make_unique<FileKeyStore>(url.path, timeout);
       }
-      return std::make_unique<RedisKeyStore>(url.host, url.port);
+      return std::make_unique<RedisKeyStore>(url.host, url.port, timeout);
     } catch (const std::exception& e) {
       throw CommError(fmt::format("gloo: cannot open store '{}': {}", url.text, gloo_message(e)));
     }
@@ -250,6 +266,12 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     if (msg.find("already") != std::string::npos) {
       msg += fmt::format(" (a previous job left its keys in '{}'; use a fresh store)",
                          shared.url.text);
+    } else if (msg.find("Wait timeout") != std::string::npos) {
+      // Every member's arrival key was there, but a member never wrote its address.
+      msg += fmt::format(
+          " (every rank's arrival key was in '{}', but these never connected: they failed during "
+          "the rendezvous, or a previous job left their keys there; use a fresh store)",
+          shared.url.text);
     }
     throw CommError(
         fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, msg));
