@@ -4,14 +4,13 @@
 // 127.0.0.1 and run gloo::allreduce (f32 sum, in place) `-n` times per size after `-w`
 // warm-up calls. Rank 0 prints one line per size: bytes, mean us per call, algbw GB/s.
 //
-// Usage: gloo_baseline [-b BYTES] [-e BYTES] [-f FACTOR] [-n ITERS] [-w WARMUP]
+// Usage: gloo_baseline [-b BYTES] [-e BYTES] [-f FACTOR] [-n ITERS] [-w WARMUP] (sizes as
+// funcol bench's: K, M, G suffixes). Links funcol only for those flag parsers.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -23,6 +22,9 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include "funcol/core/error.h"
+#include "tools/bench.h"
+
 namespace {
 
 struct Options {
@@ -32,16 +34,6 @@ struct Options {
   int iters = 300;
   int warmup = 30;
 };
-
-size_t parse_bytes(const char* s) {
-  char* rest = nullptr;
-  const double v = std::strtod(s, &rest);
-  double unit = 1;
-  if (*rest == 'K' || *rest == 'k') unit = 1024;
-  if (*rest == 'M' || *rest == 'm') unit = 1024.0 * 1024;
-  if (*rest == 'G' || *rest == 'g') unit = 1024.0 * 1024 * 1024;
-  return static_cast<size_t>(v * unit);
-}
 
 int run_rank(int rank, const Options& o, const std::string& dir) {
   gloo::transport::tcp::attr attr;
@@ -75,26 +67,31 @@ int run_rank(int rank, const Options& o, const std::string& dir) {
 
 int main(int argc, char** argv) {
   Options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (flag == "-b") {
-      o.begin = parse_bytes(argv[i + 1]);
-    } else if (flag == "-e") {
-      o.end = parse_bytes(argv[i + 1]);
-    } else if (flag == "-f") {
-      o.factor = std::strtoull(argv[i + 1], nullptr, 10);
-    } else if (flag == "-n") {
-      o.iters = std::atoi(argv[i + 1]);
-    } else if (flag == "-w") {
-      o.warmup = std::atoi(argv[i + 1]);
-    } else {
-      std::fprintf(stderr, "gloo_baseline: unknown flag %s\n", argv[i]);
-      return 2;
+  try {
+    using funcol::tools::parse_int;
+    using funcol::tools::parse_size;
+    if ((argc - 1) % 2 != 0) throw funcol::InvalidArgument("every flag takes a value");
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string flag = argv[i];
+      const char* value = argv[i + 1];
+      if (flag == "-b") {
+        o.begin = static_cast<size_t>(parse_size(value, "-b"));
+      } else if (flag == "-e") {
+        o.end = static_cast<size_t>(parse_size(value, "-e"));
+      } else if (flag == "-f") {
+        o.factor = static_cast<size_t>(parse_int(value, "-f", 1));
+      } else if (flag == "-n") {
+        o.iters = static_cast<int>(parse_int(value, "-n", 1));
+      } else if (flag == "-w") {
+        o.warmup = static_cast<int>(parse_int(value, "-w", 0));
+      } else {
+        throw funcol::InvalidArgument("unknown flag " + flag);
+      }
     }
-  }
-  if ((argc - 1) % 2 != 0 || o.begin < sizeof(float) || o.iters < 1 || o.warmup < 0) {
-    std::fprintf(stderr, "usage: gloo_baseline [-b BYTES] [-e BYTES] [-f FACTOR] [-n ITERS] "
-                         "[-w WARMUP]\n");
+    if (o.begin < sizeof(float)) throw funcol::InvalidArgument("-b must be at least 4 bytes");
+  } catch (const funcol::Error& e) {
+    std::fprintf(stderr, "gloo_baseline: %s\nusage: gloo_baseline [-b BYTES] [-e BYTES] "
+                         "[-f FACTOR] [-n ITERS] [-w WARMUP]\n", e.what());
     return 2;
   }
   char templ[] = "/tmp/gloo_baseline.XXXXXX";

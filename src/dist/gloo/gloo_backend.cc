@@ -94,6 +94,18 @@ class KeyStore {
   virtual void erase_own_keys() noexcept = 0;
 };
 
+// A Gloo store whose waits (Gloo's connectFullMesh waits for its peers' addresses) last the
+// job's timeout, not the 30 s Gloo passes.
+template <typename GlooStore>
+struct TimedWaits : GlooStore {
+  using GlooStore::GlooStore;
+  void wait(const std::vector<std::string>& keys) override { GlooStore::wait(keys, timeout); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
+    GlooStore::wait(keys, timeout);
+  }
+  std::chrono::milliseconds timeout = gloo::rendezvous::Store::kDefaultTimeout;
+};
+
 class FileKeyStore final : public KeyStore {
  public:
   FileKeyStore(const std::string& path, std::chrono::milliseconds timeout) : store_(path) {
@@ -106,16 +118,10 @@ class FileKeyStore final : public KeyStore {
   }
 
  private:
-  // Exposes FileStore's protected existence check; waits (Gloo's connectFullMesh waits for its
-  // peers' addresses) last the job's timeout, not Gloo's fixed 30 s.
-  struct Store : gloo::rendezvous::FileStore {
+  // Exposes FileStore's protected existence check.
+  struct Store : TimedWaits<gloo::rendezvous::FileStore> {
+    using TimedWaits::TimedWaits;
     using FileStore::check;
-    using FileStore::FileStore;
-    void wait(const std::vector<std::string>& keys) override { FileStore::wait(keys, timeout); }
-    void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
-      FileStore::wait(keys, timeout);
-    }
-    std::chrono::milliseconds timeout = kDefaultTimeout;
   };
   Store store_;
 };
@@ -132,14 +138,9 @@ class RedisKeyStore final : public KeyStore {
 
  private:
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
-  // left behind would make the next job's rendezvous fail); waits last the job's timeout.
-  struct Store : gloo::rendezvous::RedisStore {
-    using RedisStore::RedisStore;
-    void wait(const std::vector<std::string>& keys) override { RedisStore::wait(keys, timeout); }
-    void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
-      RedisStore::wait(keys, timeout);
-    }
-    std::chrono::milliseconds timeout = kDefaultTimeout;
+  // left behind would make the next job's rendezvous fail).
+  struct Store : TimedWaits<gloo::rendezvous::RedisStore> {
+    using TimedWaits::TimedWaits;
     void set(const std::string& key, const std::vector<char>& data) override {
       RedisStore::set(key, data);
       written.push_back(key);
