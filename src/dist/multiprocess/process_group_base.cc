@@ -393,7 +393,13 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
     // A dead peer's sockets close at once, so its loss is known within moments of the
     // transport's error; wait briefly so the message can name it.
     auto losses = monitor->wait_for_loss(global_ranks(), std::chrono::milliseconds(500));
-    for (const auto& loss : losses) msg += "; " + loss.describe();
+    std::vector<int> missing;
+    for (const auto& loss : losses) {
+      msg += "; " + loss.describe();
+      missing.push_back(loss.rank);
+    }
+    std::sort(missing.begin(), missing.end());
+    if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
   }
   return msg;
 }
@@ -484,16 +490,18 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     peer_issued = it == loss.issued.end() ? 0 : it->second;
   }
   const std::string reason = loss.describe();
+  const std::string lost =
+      fmt::format("{}; missing ranks {}", reason, dist_detail::format_ranks({loss.rank}));
   std::vector<std::shared_ptr<CollectiveOp>> victims;
   {
     std::lock_guard lock(mu_);
     // Every later collective on this group would wait for the peer forever.
-    if (!broken_) broken_ = reason;
+    if (!broken_) broken_ = lost;
     for (auto& op : inflight_) {
       if (op->done()) continue;
       if (!loss.clean) {
         // It may have finished its part before dying: fail soon unless it completes.
-        op->loss = fmt::format("{}; missing ranks {}", reason, dist_detail::format_ranks({loss.rank}));
+        op->loss = lost;
         op->deadline = std::min(op->deadline, Clock::now() + kDeathGrace);
       } else if (op->seq >= peer_issued) {
         // A peer that left cleanly finished what it issued; only what it never issued is lost.
@@ -505,18 +513,19 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     });
   }
   if (!loss.clean) {
-    on_broken(reason);
+    on_broken(lost);
     return;
   }
   for (auto& op : victims) {
     if (op->claim()) {
       op->work->fail(std::make_exception_ptr(
-          CommError(fmt::format("{}: {} before joining; missing ranks {}", op->work->description(),
-                                reason, dist_detail::format_ranks({loss.rank})))));
+          CommError(fmt::format("{}: {} before joining; missing ranks {}",
+                                op->work->description(), reason,
+                                dist_detail::format_ranks({loss.rank})))));
     }
   }
   // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
-  if (!victims.empty()) on_broken(reason);
+  if (!victims.empty()) on_broken(lost);
 }
 
 }  // namespace funcol::process

@@ -104,6 +104,7 @@ void scenario_kill(funcol::ProcessGroup& world) {
       "collectives after a rank died");
   const double took = seconds_since(start);
   expect_contains(msg, fmt::format("rank {} died", victim));
+  expect_contains(msg, fmt::format("missing ranks [{}]", victim));
   if (took > timeout_seconds() + 5) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
