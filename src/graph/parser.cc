@@ -77,7 +77,13 @@ class Lexer {
         end_(text.data() + text.size()),
         line_start_(text.data()),
         line_(first_line),
-        file_(&file) {}
+        file_(&file) {
+    // A UTF-8 byte order mark (some editors write one) is not part of the text.
+    if (first_line == 1 && text.starts_with("\xEF\xBB\xBF")) {
+      p_ += 3;
+      line_start_ = p_;
+    }
+  }
 
   [[noreturn]] void error(SourceLoc loc, const std::string& message) const {
     throw ParseError(*file_, static_cast<int>(loc.line), static_cast<int>(loc.col), message);
@@ -495,8 +501,10 @@ class Parser {
       const auto count = static_cast<int64_t>(n->num_results());
       if (n->op().multi_result()) {
         if (index < 0) {
-          error(tok_.loc, fmt::format("%{} has {} result(s); refer to one as %{}#0 to %{}#{}", name(),
-                                      count, name(), name(), count - 1));
+          error(tok_.loc, count == 1
+                              ? fmt::format("%{} has 1 result; refer to it as %{}#0", name(), name())
+                              : fmt::format("%{} has {} result(s); refer to one as %{}#0 to %{}#{}",
+                                            name(), count, name(), name(), count - 1));
         }
         if (index >= count) {
           error(tok_.loc, fmt::format("%{}#{} does not exist: %{} has {} result(s)", name(), index,
@@ -588,6 +596,7 @@ class Parser {
 
     if (tok_.kind == Tok::Colon) {
       advance();
+      const SourceLoc list_loc = tok_.loc;
       for (size_t i = 0;; ++i) {
         const SourceLoc type_loc = tok_.loc;
         parse_type_into(given_);
@@ -605,7 +614,7 @@ class Parser {
         }
         if (tok_.kind != Tok::Comma) {
           if (i + 1 < types.size()) {
-            error(tok_.loc, fmt::format("expected {} result types, found {}", types.size(), i + 1));
+            error(list_loc, fmt::format("expected {} result types, found {}", types.size(), i + 1));
           }
           break;
         }

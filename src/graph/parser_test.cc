@@ -69,6 +69,16 @@ graph @b(%x: i64[]) {
   EXPECT_EQ(m.find("c"), nullptr);
 }
 
+TEST(Parser, ByteOrderMarkIsSkipped) {
+  Module m = parse_module("\xEF\xBB\xBFgraph @a(%x: f32[2]) {\n  return %x\n}\n");
+  ASSERT_EQ(m.graphs().size(), 1u);
+  // Columns count from the first character after the mark.
+  EXPECT_EQ(parse_error("\xEF\xBB\xBFgraph @a() { %y = neg(%z) }"),
+            "t.ir:1:23: error: use of undefined value %z");
+  // Only at the start of the file.
+  EXPECT_EQ(parse_error("graph @a() { return }\n\xEF\xBB\xBF"), "t.ir:2:1: error: unexpected byte 0xef");
+}
+
 TEST(Parser, AttributeValueKinds) {
   Module m = parse_module(R"(graph @g(%x: f32[4]) {
     %a = all_reduce(%x) {group = "w\"q\\ \x41\n", reduce_op = "SUM"}
@@ -245,6 +255,9 @@ TEST(ParserErrors, ResultReferences) {
   const std::string split = "graph @g(%x: f32[4]) {\n  %p:2 = split_with_sizes(%x) {split_sizes = [2, 2]}\n";
   EXPECT_EQ(parse_error(split + "  return %p\n}"),
             "t.ir:3:10: error: %p has 2 result(s); refer to one as %p#0 to %p#1");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:1 = split_with_sizes(%x) {split_sizes = [4]}\n"
+                        "  return %p\n}"),
+            "t.ir:3:10: error: %p has 1 result; refer to it as %p#0");
   EXPECT_EQ(parse_error(split + "  return %p#2\n}"),
             "t.ir:3:10: error: %p#2 does not exist: %p has 2 result(s)");
   EXPECT_EQ(parse_error(split + "  %q = neg(%x)\n  return %q#0\n}"),
@@ -283,7 +296,7 @@ TEST(ParserErrors, TypeMismatch) {
             "t.ir:2:64: error: type f32[1] of %p#1 does not match its inferred type f32[3]");
   EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %p:2 = split_with_sizes(%x) {split_sizes = [1, 3]} : "
                         "f32[1]\n  return\n}"),
-            "t.ir:3:3: error: expected 2 result types, found 1");
+            "t.ir:2:56: error: expected 2 result types, found 1");
   EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %y = neg(%x) : f32[4], f32[4]\n  return\n}"),
             "t.ir:2:26: error: too many result types: neg produces 1 result(s)");
 }
