@@ -280,11 +280,12 @@ class Emitter {
 
 class Bucketer {
  public:
-  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain)
+  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain, int round)
       : graph_(graph),
         opt_(options),
         spec_(kind_spec(options.kind)),
         explain_(explain),
+        round_(round),
         order_(graph,
                [this](Node& n) {
                  if (n.op().collective == CollectiveKind::Wait) {
@@ -305,6 +306,7 @@ class Bucketer {
   const BucketOptions& opt_;
   const KindSpec& spec_;
   std::string* explain_;
+  const int round_;  // 1, or a later round after members were dropped (bucket_collectives)
   std::vector<Node*> waits_;  // every wait_tensor, in graph order (filled by order_'s walk)
   std::vector<Node*> colls_;  // every collective takes_part admits, in graph order (likewise)
   std::vector<Node*> unwaited_;  // those of colls_ that no wait_tensor reads (filled by collect)
@@ -569,24 +571,30 @@ void Bucketer::close_bucket(std::string_view reason) {
     outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
     std::vector<Entry*> merged = bucket_;
-    const size_t before = merged.size();
     const int64_t reorders = stats_.region_reorders;
     const bool ok = merge(merged);
-    if (merged.size() < before && explain_) {
-      for (size_t i = merged.size(); i < before; ++i) {
-        say(
-            fmt::format("dropped %{} from bucket {}: merging it would change the issue order "
+    if (merged.size() < bucket_.size() && explain_) {
+      // `merged` is a subsequence of the bucket.
+      size_t k = 0;
+      for (const Entry* e : bucket_) {
+        if (k < merged.size() && merged[k] == e) {
+          ++k;
+          continue;
+        }
+        say(fmt::format("dropped %{} from bucket {}: merging it would change the issue order "
                         "of collectives that stay unmerged",
-                        bucket_[i]->coll->name(), bucket_index_));
+                        e->coll->name(), bucket_index_));
       }
     }
+    const size_t dropped = bucket_.size() - merged.size();
     if (ok) {
-      outcome = fmt::format("merged {} collectives{}", merged.size(),
+      outcome = fmt::format("merged {} collectives{}{}", merged.size(),
+                            dropped > 0 ? fmt::format(" ({} dropped)", dropped) : "",
                             stats_.region_reorders > reorders ? " (region reordered)" : "");
       ++stats_.merged_buckets;
       stats_.merged_collectives += static_cast<int64_t>(merged.size());
     } else {
-      outcome = "left alone";
+      outcome = fmt::format("left alone ({} dropped)", dropped);
     }
   }
   if (explain_) {
@@ -605,9 +613,11 @@ BucketingStats Bucketer::run() {
   std::vector<Entry> entries = collect();
   stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
-    explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
-                                 graph_.name(), stats_.collectives, spec_.op,
-                                 format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
+    explain_->append(fmt::format(
+        "{} @{}{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass, graph_.name(),
+        round_ > 1 ? fmt::format(" round {} (members were dropped in round {})", round_, round_ - 1)
+                   : "",
+        stats_.collectives, spec_.op, format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
   }
   // Not in the walk (DESIGN §6 point 1 walks the waits), so they end no run; still reported.
   for (const Node* c : unwaited_) {
@@ -1129,22 +1139,65 @@ void Bucketer::emit_region(const std::vector<Entry*>& members, const std::vector
   order_.rekey(first_new, last_new, count);
 }
 
-// Merges `members` (two or more). When no valid placement keeps the issue order of the
-// collectives left unmerged, drops members from the end until one does; false when fewer
-// than two remain.
+// Merges `members` (two or more, in wait order). When no valid placement keeps the issue
+// order of the collectives left unmerged, keeps the members that still leave one and drops
+// the others: `members` becomes the merged ones. False when fewer than two remain.
 bool Bucketer::merge(std::vector<Entry*>& members) {
+  if (members.size() < 2) return false;
+  if (place_normally(members)) return true;
   std::vector<Node*> region;
-  while (members.size() >= 2) {
-    if (place_normally(members)) return true;
-    if (auto order = plan_region(members, region)) {
-      emit_region(members, region, *order);
-      ++stats_.region_reorders;
-      return true;
-    }
-    members.pop_back();
-    ++stats_.dropped;
+  if (auto order = plan_region(members, region)) {
+    emit_region(members, region, *order);
+    ++stats_.region_reorders;
+    return true;
   }
-  return false;
+  // One member can block the rest (its input comes after another member's consumer), and
+  // dropping from the end would drop the good ones behind it too. So, in wait order from
+  // the first member, add the others a range at a time: a range that leaves a placement is
+  // kept whole, one that does not is halved, down to single members, which are dropped.
+  // When the first member itself blocks every other, start again from the second. Each
+  // trial costs the region's size, so failed trials are limited (the members left when the
+  // limit is reached are dropped): with at most two kept ranges per failed one, a bucket
+  // costs at most about 3 x kMaxFailedTrials trials, whatever its size.
+  constexpr int kMaxFailedTrials = 32;
+  int failed = 1;  // the whole bucket
+  std::vector<Entry*> kept;
+  std::vector<std::pair<size_t, size_t>> ranges;  // to try, the next one last
+  auto push_halves = [&](size_t begin, size_t end) {
+    const size_t mid = begin + (end - begin) / 2;
+    ranges.emplace_back(mid, end);
+    ranges.emplace_back(begin, mid);
+  };
+  for (size_t first = 0; first < 2 && first + 2 <= members.size() && kept.size() < 2; ++first) {
+    kept = {members[first]};
+    ranges.clear();
+    if (first == 0) {
+      // With the first member, the whole bucket failed above.
+      if (members.size() > 2) push_halves(1, members.size());
+    } else {
+      ranges.emplace_back(first + 1, members.size());
+    }
+    while (!ranges.empty() && failed < kMaxFailedTrials) {
+      const auto [begin, end] = ranges.back();
+      ranges.pop_back();
+      if (begin == end) continue;
+      const size_t before = kept.size();
+      kept.insert(kept.end(), members.begin() + begin, members.begin() + end);
+      if (plan_region(kept, region)) continue;
+      kept.resize(before);
+      ++failed;
+      if (end - begin > 1) push_halves(begin, end);
+    }
+  }
+  stats_.dropped += static_cast<int64_t>(members.size() - kept.size());
+  members = std::move(kept);
+  if (members.size() < 2) return false;
+  if (place_normally(members)) return true;
+  auto order = plan_region(members, region);
+  FUNCOL_CHECK(order.has_value(), "bucketing: a bucket's kept members have no placement");
+  emit_region(members, region, *order);
+  ++stats_.region_reorders;
+  return true;
 }
 
 }  // namespace
@@ -1259,8 +1312,26 @@ std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& o
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
                                   std::string* explain) {
   check_bucket_options(options);
-  Bucketer b(graph, options, explain);
-  return b.run();
+  // Merging a later bucket can move the collective that made an earlier bucket drop a member;
+  // the dropped members may merge then. Rounds go on while one drops members and changes the
+  // graph, so that running the routine again merges nothing more. Without drops (the usual
+  // case) there is one round.
+  constexpr int kMaxRounds = 8;
+  BucketingStats total;
+  for (int round = 1; round <= kMaxRounds; ++round) {
+    const BucketingStats s = Bucketer(graph, options, explain, round).run();
+    if (round == 1) total.collectives = s.collectives;
+    total.buckets += s.buckets;
+    total.merged_buckets += s.merged_buckets;
+    total.merged_collectives += s.merged_collectives;
+    total.skipped_dependent += s.skipped_dependent;
+    total.skipped_ineligible += s.skipped_ineligible;
+    total.dropped += s.dropped;
+    total.region_reorders += s.region_reorders;
+    total.rounds = round;
+    if (s.dropped == 0 || !s.changed()) break;
+  }
+  return total;
 }
 
 }  // namespace funcol
