@@ -1342,3 +1342,26 @@ TEST(Waits, FailureReachesTheLazyResult) {
 
 }  // namespace
 }  // namespace funcol
+
+namespace funcol {
+namespace {
+
+// DESIGN §4's tracing and the IR come with the umbrella header alone (this file includes no
+// other funcol header for them): trace two all_reduces, print and re-parse. (The passes and the
+// executor are in the header too; this layer's test does not link them.)
+TEST(UmbrellaHeader, CoversTracingPassesAndTheIr) {
+  std::unique_ptr<Graph> g = trace(
+      "g", {Type(DType::F32, {4}), Type(DType::F32, {4})},
+      [](std::span<const Tensor> in) {
+        return std::vector<Tensor>{all_reduce(in[0], "sum", "world"),
+                                   all_reduce(in[1], "sum", "world")};
+      },
+      {{"world", 2}});
+  verify(*g);
+  const std::string text = print(*g);
+  EXPECT_THAT(text, HasSubstr("= all_reduce(%x.1) {reduce_op = \"sum\", group = \"world\"}"));
+  EXPECT_EQ(print(*parse_graph(text)), text);
+}
+
+}  // namespace
+}  // namespace funcol

@@ -403,16 +403,25 @@ void agree_on_split(ProcessGroup& parent, int split,
   std::vector<std::string> lists;
   for (const auto& list : rank_lists) lists.push_back(format_ranks(list));
   const std::string mine = fmt::format("[{}] as '{}'", fmt::join(lists, ", "), new_name);
+  // The user called new_group (or made a mesh): a failure of the gathers below is theirs.
+  auto gather = [&](Tensor& out, const Tensor& in) {
+    try {
+      parent.all_gather(out, in)->wait();
+    } catch (const CommError& e) {
+      throw CommError(fmt::format("split_group on group '{}' (split {}): {}", parent.name(), split,
+                                  e.what()));
+    }
+  };
   // The lengths first, so the texts can be gathered in blocks of the longest.
   Tensor length = Tensor::full({1}, DType::I64, static_cast<int64_t>(mine.size()));
   Tensor lengths = Tensor::empty({n}, DType::I64);
-  parent.all_gather(lengths, length)->wait();
+  gather(lengths, length);
   const std::vector<int64_t> sizes = lengths.to_vector<int64_t>();
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   Tensor text = Tensor::zeros({longest}, DType::U8);
   std::memcpy(text.raw_data_ptr(), mine.data(), mine.size());
   Tensor texts = Tensor::empty({n * longest}, DType::U8);
-  parent.all_gather(texts, text)->wait();
+  gather(texts, text);
   const char* all = static_cast<const char*>(texts.raw_data_ptr());
   auto passed = [&](int r) { return std::string(all + r * longest, sizes[r]); };
   for (int r = 1; r < n; ++r) {

@@ -1168,8 +1168,14 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message) {
 
 std::string World::departed_message(const std::string& what, int departed_rank,
                                     const std::vector<int>& missing) {
+  // Members that have not joined yet but are still running will come (and get this error):
+  // only the departed ones are missing.
+  std::vector<int> gone;
+  for (int r : missing) {
+    if (ranks_[r]->departed.load(std::memory_order_acquire)) gone.push_back(r);
+  }
   return fmt::format("{}: rank {} departed ({}) before joining; missing ranks {}", what,
-                     departed_rank, ranks_[departed_rank]->departed_reason, format_ranks(missing));
+                     departed_rank, ranks_[departed_rank]->departed_reason, format_ranks(gone));
 }
 
 std::string World::mismatch_message(const std::string& what, int rank_a, const Post& a,
