@@ -11,6 +11,7 @@
 #include <exception>
 #include <mutex>
 #include <numeric>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_set>
@@ -63,6 +64,21 @@ Tensor contiguous_copy(const Tensor& t) { return t.is_contiguous() ? t.clone() :
 // The backend reads an input's bytes; an input still pending on an earlier collective is waited
 // first (free when it is ready).
 const Tensor& ready_input(const Tensor& t) { return t.wait(); }
+
+// The backends read an input when the collective runs, which may be after the call returned
+// (a peer comes later): a write to the input before then would change or tear the result
+// (all_reduce and broadcast copy their input at the call and need no guard). So writes to the
+// input's storage wait for the collective (Storage::add_reader); reads do not.
+void guard_inputs(const std::shared_ptr<Work>& work, std::span<const Tensor> inputs) {
+  if (work == nullptr || work->is_completed()) return;
+  for (const Tensor& t : inputs) {
+    if (t.storage()) t.storage()->add_reader(work);
+  }
+}
+
+void guard_input(const std::shared_ptr<Work>& work, const Tensor& input) {
+  guard_inputs(work, std::span<const Tensor>(&input, 1));
+}
 
 // dst[j][i][:] = src[i][j][:] where src is laid out [a][b][block_bytes].
 void transpose_blocks(void* dst, const void* src, int64_t a, int64_t b, size_t block_bytes) {
@@ -146,7 +162,7 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   Shape staging_shape = s.empty() ? Shape{world} : s;
   if (!s.empty()) staging_shape[0] *= world;
   Tensor staging = Tensor::empty(staging_shape, t.dtype());
-  pg.all_gather(staging, ready_input(t));
+  guard_input(pg.all_gather(staging, ready_input(t)), t);
   const Shape result_shape = gathered_shape(s, dim, world);
   const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
   // Rank-major blocks already are the result's layout when nothing precedes gather_dim.
@@ -189,7 +205,7 @@ Tensor scatter_dim_to_front(const Tensor& t, int64_t dim, int64_t world) {
   const size_t block_bytes = static_cast<size_t>(s[static_cast<size_t>(dim)] / world *
                                                  prod(s, static_cast<size_t>(dim) + 1, s.size())) *
                              t.itemsize();
-  transpose_blocks(front.raw_data_ptr(), t.data_ptr(), outer, world, block_bytes);
+  transpose_blocks(front.raw_data_ptr(), t.const_data_ptr(), outer, world, block_bytes);
   return front;
 }
 
@@ -219,7 +235,7 @@ Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int6
   Shape out_shape = t.sizes();
   out_shape[0] = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
   Tensor out = Tensor::empty(out_shape, t.dtype());
-  pg.all_to_all(out, ready_input(t), out_splits, in_splits);
+  guard_input(pg.all_to_all(out, ready_input(t), out_splits, in_splits), t);
   return out;
 }
 
@@ -296,7 +312,7 @@ Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int6
   const int64_t dim = check_reduce_scatter_input(t, scatter_dim, world, kOp, {});
   Tensor in = scatter_dim_to_front(t, dim, world);
   Tensor out = Tensor::empty(scattered_shape(t.sizes(), dim, world), t.dtype());
-  pg.reduce_scatter(out, in, op);
+  guard_input(pg.reduce_scatter(out, in, op), in);
   return out;
 }
 
@@ -449,7 +465,7 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
     outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size()), t.dtype()));
     ready_input(t);
   }
-  pg.all_gather_coalesced(outputs, inputs);
+  guard_inputs(pg.all_gather_coalesced(outputs, inputs), inputs);
   return outputs;
 }
 
@@ -489,7 +505,7 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
     outputs.push_back(
         Tensor::empty(scattered_shape(inputs[i].sizes(), dims[i], world), inputs[i].dtype()));
   }
-  pg.reduce_scatter_coalesced(outputs, fronts, op);
+  guard_inputs(pg.reduce_scatter_coalesced(outputs, fronts, op), fronts);
   return outputs;
 }
 

@@ -1130,6 +1130,108 @@ TEST(Waits, PendingCountAndIdempotentWait) {
   });
 }
 
+// A write to an input waits until its collective has read it: rank 1 overwrites its input
+// right after the call while rank 0 is late, so the collective runs after the write would have
+// happened (it used to see the new values, or half of them).
+TEST(Waits, WritingAnInputWaitsForItsCollective) {
+  using Issue = std::function<std::vector<Tensor>(const Tensor& x, ProcessGroup& w)>;
+  const std::vector<std::pair<std::string, Issue>> cases = {
+      {"all_gather_tensor",
+       [](const Tensor& x, ProcessGroup& w) { return std::vector{all_gather_tensor(x, 0, w)}; }},
+      {"all_gather_tensor dim 1",
+       [](const Tensor& x, ProcessGroup& w) {
+         return std::vector{all_gather_tensor(x.view({2, 2}), 1, w)};
+       }},
+      {"reduce_scatter_tensor",
+       [](const Tensor& x, ProcessGroup& w) {
+         return std::vector{reduce_scatter_tensor(x, "sum", 0, w)};
+       }},
+      {"all_to_all_single",
+       [](const Tensor& x, ProcessGroup& w) {
+         return std::vector{all_to_all_single(x, std::nullopt, std::nullopt, w)};
+       }},
+      {"permute_tensor",
+       [](const Tensor& x, ProcessGroup& w) { return std::vector{permute_tensor(x, {1, 0}, w)}; }},
+      {"all_gather_into_tensor_coalesced",
+       [](const Tensor& x, ProcessGroup& w) {
+         return all_gather_into_tensor_coalesced({x, x.narrow(0, 0, 2)}, w);
+       }},
+      {"reduce_scatter_tensor_coalesced",
+       [](const Tensor& x, ProcessGroup& w) {
+         return reduce_scatter_tensor_coalesced({x}, "sum", {0}, w);
+       }},
+  };
+  for (const auto& [name, issue] : cases) {
+    SCOPED_TRACE(name);
+    std::vector<std::vector<double>> expected(2), got(2);
+    run_local(2, [&](ProcessGroup& world) {
+      const Tensor x = Tensor::full({4}, DType::F32, world.rank() + 1);
+      // What the collective gives when nobody writes.
+      for (const Tensor& r : issue(x.clone(), world)) {
+        for (double v : r.to_vector<double>()) expected[world.rank()].push_back(v);
+      }
+      world.barrier();
+      if (world.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      std::vector<Tensor> results = issue(x, world);
+      if (world.rank() == 1) x.fill_(100);
+      for (const Tensor& r : results) {
+        for (double v : r.to_vector<double>()) got[world.rank()].push_back(v);
+      }
+    });
+    EXPECT_EQ(got, expected);
+  }
+}
+
+// Reads of an input do not wait for the collectives reading it: rank 1 issues only after
+// rank 0 read its input every way and issued a second collective on it.
+TEST(Waits, ReadingAnInputDoesNotWait) {
+  Gate read;
+  run_local(2, [&](ProcessGroup& world) {
+    const Tensor x = Tensor::full({4}, DType::F32, world.rank() + 1);
+    if (world.rank() == 1) {
+      ASSERT_TRUE(read.wait_open()) << "rank 0 blocked reading its input";
+    }
+    Tensor g = all_gather_tensor(x, 0, world);
+    if (world.rank() == 0) {
+      EXPECT_EQ(x.to_vector<float>(), std::vector<float>(4, 1));
+      EXPECT_EQ(ops::add(x, x).to_vector<float>(), std::vector<float>(4, 2));
+      EXPECT_NE(x.const_data_ptr(), nullptr);
+      EXPECT_EQ(x.clone().to_vector<float>(), std::vector<float>(4, 1));
+      EXPECT_FALSE(g.is_ready());
+      read.open();
+    }
+    Tensor r = reduce_scatter_tensor(x, "sum", 0, world);
+    EXPECT_EQ(g.to_vector<float>(), (std::vector<float>{1, 1, 1, 1, 2, 2, 2, 2}));
+    EXPECT_EQ(r.to_vector<float>(), std::vector<float>(2, 3));
+  });
+}
+
+// The collective's failure is its result's: the input stays readable.
+TEST(Waits, InputOfAFailedCollectiveStaysReadable) {
+  try {
+    run_local(2, [](ProcessGroup& world) {
+      if (world.rank() == 1) throw std::runtime_error("gone");
+      const Tensor x = Tensor::full({4}, DType::F32, 3);
+      Tensor r = all_gather_tensor(x, 0, world);
+      EXPECT_THROW(r.wait(), CommError);
+      EXPECT_EQ(x.to_vector<float>(), std::vector<float>(4, 3));
+    });
+    ADD_FAILURE() << "no rethrow";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "gone");
+  }
+}
+
+// An input issued into many collectives without being touched in between does not collect
+// their Works.
+TEST(Waits, AnInputDoesNotCollectFinishedCollectives) {
+  run_local(2, [](ProcessGroup& world) {
+    const Tensor x = Tensor::full({4}, DType::F32, 1);
+    for (int i = 0; i < 200; ++i) wait_tensor(all_gather_tensor(x, 0, world));
+    EXPECT_LE(x.storage()->reader_count(), 16u);
+  });
+}
+
 TEST(Waits, DroppedResultsNeitherCrashNorHang) {  // D.23
   run_local(2, [](ProcessGroup& world) {
     Tensor x = Tensor::full({64, 3}, DType::F32, world.rank());

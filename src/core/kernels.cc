@@ -467,8 +467,8 @@ Tensor binary(Binary op, const Tensor& a_in, const Tensor& b_in) {
   if (n == 0) return out;
   dispatch(a.dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
-    const S* pa = static_cast<const S*>(a.data_ptr());
-    const S* pb = static_cast<const S*>(b.data_ptr());
+    const S* pa = static_cast<const S*>(a.const_data_ptr());
+    const S* pb = static_cast<const S*>(b.const_data_ptr());
     S* po = static_cast<S*>(out.data_ptr());
     // One loop per op, so the op is no branch inside it and the loop vectorizes.
     switch (op) {
@@ -493,7 +493,7 @@ Tensor unary(const Tensor& a_in, const char* what, Fn&& fn) {
   dispatch(a.dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
     using C = ComputeOf<S>;
-    const S* pa = static_cast<const S*>(a.data_ptr());
+    const S* pa = static_cast<const S*>(a.const_data_ptr());
     S* po = static_cast<S*>(out.data_ptr());
     for (int64_t i = 0; i < n; ++i) po[i] = cvt<S>(fn(cvt<C>(pa[i])));
   });
@@ -564,7 +564,7 @@ Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool ke
     using S = typename decltype(tag)::type;
     using Acc = SumAccOf<S>;
     std::vector<Acc> acc(static_cast<size_t>(out.numel()), Acc{});
-    const S* pa = static_cast<const S*>(a.data_ptr());
+    const S* pa = static_cast<const S*>(a.const_data_ptr());
     detail::for_each_row<2>(
         sizes, {&in_strides, &out_strides},
         [&](const std::array<int64_t, 2>& off, int64_t n, const std::array<int64_t, 2>& inner) {
@@ -777,8 +777,8 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
   dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    const S* pa = static_cast<const S*>(a.data_ptr());
-    const S* pb = static_cast<const S*>(b.data_ptr());
+    const S* pa = static_cast<const S*>(a.const_data_ptr());
+    const S* pb = static_cast<const S*>(b.const_data_ptr());
     S* po = static_cast<S*>(out.data_ptr());
     if constexpr (std::is_same_v<S, float>) {
       if (fast) {
@@ -850,8 +850,8 @@ Tensor mse_loss(const Tensor& a_in, const Tensor& b_in) {
     using S = typename decltype(tag)::type;
     if constexpr (std::is_floating_point_v<ComputeOf<S>>) {
       using Acc = SumAccOf<S>;
-      const S* pa = static_cast<const S*>(a.data_ptr());
-      const S* pb = static_cast<const S*>(b.data_ptr());
+      const S* pa = static_cast<const S*>(a.const_data_ptr());
+      const S* pb = static_cast<const S*>(b.const_data_ptr());
       Acc total = 0;
       for (int64_t i = 0; i < n; ++i) {
         const Acc d = cvt<Acc>(pa[i]) - cvt<Acc>(pb[i]);

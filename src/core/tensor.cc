@@ -474,6 +474,51 @@ size_t Storage::pending_count() const {
   return pending_.size();
 }
 
+void Storage::add_reader(std::shared_ptr<Waitable> work) {
+  FUNCOL_CHECK(work != nullptr, "add_reader: null work");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& w : readers_) {
+    if (w == work) return;
+  }
+  // A buffer read by many collectives and never written in between would collect them all.
+  if (readers_.size() >= kPruneReadersAt) {
+    std::erase_if(readers_, [](const std::shared_ptr<Waitable>& w) { return w->is_completed(); });
+  }
+  readers_.push_back(std::move(work));
+  has_readers_.store(true, std::memory_order_release);
+}
+
+void Storage::wait_for_write() {
+  while (has_readers_.load(std::memory_order_acquire)) {
+    // Snapshot under the lock, wait without it (as wait() does), then detach what was waited.
+    std::vector<std::shared_ptr<Waitable>> snapshot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (readers_.empty()) {
+        has_readers_.store(false, std::memory_order_release);
+        break;
+      }
+      snapshot = readers_;
+    }
+    for (const auto& w : snapshot) {
+      try {
+        w->wait();
+      } catch (...) {  // the reader's failure is its result's, not these bytes'
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(readers_, [&](const std::shared_ptr<Waitable>& w) {
+      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end();
+    });
+  }
+  wait();
+}
+
+size_t Storage::reader_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return readers_.size();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Factories
 
@@ -622,6 +667,12 @@ bool Tensor::is_ready() const { return !storage_ || storage_->is_ready(); }
 
 void* Tensor::data_ptr() const {
   check_not_meta(*this, "data_ptr");
+  storage_->wait_for_write();
+  return raw_data_ptr();
+}
+
+const void* Tensor::const_data_ptr() const {
+  check_not_meta(*this, "const_data_ptr");
   storage_->wait();
   return raw_data_ptr();
 }
@@ -1042,7 +1093,7 @@ const Tensor& Tensor::copy_(const Tensor& src) const {
                                  shape_str(src.sizes()), shape_str(sizes())));
   }
   src.storage_->wait();
-  storage_->wait();
+  storage_->wait_for_write();
   if (shares_storage(src)) {
     // Overlapping source and destination: go through a temporary.
     Tensor tmp = src.clone();
@@ -1062,7 +1113,7 @@ void fill_with(const Tensor& t, V value) {
   check_not_meta(t, "fill_");
   check_no_internal_overlap(t, "fill_");
   check_integer_fits(t.dtype(), value, "fill_");
-  t.storage()->wait();
+  t.storage()->wait_for_write();
   char* base = static_cast<char*>(t.raw_data_ptr());
   const Shape& strides = t.strides();
   dispatch(t.dtype(), [&](auto tag) {

@@ -100,7 +100,7 @@ std::vector<OutRef> out_refs(const std::vector<Tensor>& tensors) {
 
 // Copies `nbytes` of t's data (waiting for it first) to dst.
 void copy_in(char* dst, const Tensor& t) {
-  if (t.numel() > 0) std::memcpy(dst, t.data_ptr(), t.nbytes());
+  if (t.numel() > 0) std::memcpy(dst, t.const_data_ptr(), t.nbytes());
 }
 
 std::shared_ptr<Work> attach(std::shared_ptr<Work> work, const std::vector<Tensor>& outputs) {
@@ -169,8 +169,10 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<
                                                               ReduceOp op) {
   dist_detail::check_all_reduce_into(outputs, inputs, op);
   // The results are written when the reduction finishes: an output still being written by an
-  // earlier collective must be done first.
-  for (const Tensor& t : outputs) t.wait();
+  // earlier collective (or still read by one) must be done first.
+  for (const Tensor& t : outputs) {
+    if (t.storage()) t.storage()->wait_for_write();
+  }
   return staged_all_reduce("all_reduce_coalesced_into", outputs, inputs, op);
 }
 
@@ -240,7 +242,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_coalesced(const std::vector<T
     for (size_t i : idx) {
       int64_t m = outputs[i].numel();
       if (m > 0) {
-        const char* src = static_cast<const char*>(inputs[i].data_ptr());
+        const char* src = static_cast<const char*>(inputs[i].const_data_ptr());
         for (int j = 0; j < n; ++j) {
           std::memcpy(raw_bytes(flat_in) + (j * total + o) * isz, src + j * m * isz, m * isz);
         }

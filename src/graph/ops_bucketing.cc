@@ -146,7 +146,7 @@ void pack_all_gather(TIn in, const AttrList& a, const Tensor& dst) {
     // Same dtype: a contiguous input is copied as is; otherwise one converting copy first.
     const Tensor src = in[i].dtype() == out ? in[i].contiguous() : in[i].to(out);
     const size_t n = src.nbytes();
-    if (n != 0) std::memcpy(base + offset, src.data_ptr(), n);
+    if (n != 0) std::memcpy(base + offset, src.const_data_ptr(), n);
     offset += n;
   }
 }

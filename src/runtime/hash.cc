@@ -24,7 +24,7 @@ std::string tensor_digest(const Tensor& tensor) {
     h = xxh3_64(nullptr, 0);
   } else {
     const Tensor c = tensor.contiguous();
-    h = xxh3_64(c.data_ptr(), c.nbytes());
+    h = xxh3_64(c.const_data_ptr(), c.nbytes());
   }
   return fmt::format("{:016x}", h);
 }

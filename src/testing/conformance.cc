@@ -925,7 +925,7 @@ void expect_values(const Tensor& actual, const std::vector<double>& expected,
     return;
   }
   Tensor c = actual.contiguous();
-  const void* p = c.data_ptr();
+  const void* p = c.const_data_ptr();
   for (size_t i = 0; i < expected.size(); ++i) {
     double v = element(c.dtype(), p, static_cast<int64_t>(i));
     if (v != expected[i]) {

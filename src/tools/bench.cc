@@ -555,7 +555,7 @@ int64_t CheckPattern::count_wrong(const Tensor& out, int rank, int64_t count) co
   if (out.numel() == 0) return 0;
   return visit_dtype(dtype_, [&](auto tag) -> int64_t {
     using T = typename decltype(tag)::type;
-    const T* p = static_cast<const T*>(out.data_ptr());
+    const T* p = static_cast<const T*>(out.const_data_ptr());
     int64_t wrong = 0;
     for (const Segment& s : segs) {
       const std::vector<T> typed = typed_table<T>(*s.table);

@@ -467,7 +467,7 @@ std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& 
   std::memcpy(buf.data_ptr(), mine.data(), mine.size());
   Tensor all = Tensor::empty({n * width}, DType::U8);
   world.all_gather(all, buf)->wait();
-  const auto* bytes = static_cast<const char*>(all.data_ptr());
+  const auto* bytes = static_cast<const char*>(all.const_data_ptr());
   std::vector<std::string> out;
   for (int r = 0; r < n; ++r) out.emplace_back(bytes + r * width, static_cast<size_t>(sizes[r]));
   return out;

@@ -56,12 +56,25 @@ class Storage {
   // Number of attached operations not yet waited (tests and leak checks).
   size_t pending_count() const;
 
+  // Attaches an operation that reads these bytes later (a collective reads its input when it
+  // runs, perhaps after the call returned): writes wait for it, reads do not. Its failure is
+  // not the storage's. Attaching the same one twice is a no-op.
+  void add_reader(std::shared_ptr<Waitable> work);
+  // Waits for the attached readers (ignoring their failures), then as wait(): before a write.
+  void wait_for_write();
+  // Number of attached readers not yet waited.
+  size_t reader_count() const;
+
  private:
+  static constexpr size_t kPruneReadersAt = 16;  // add_reader drops finished ones from this many
+
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   std::atomic<bool> has_pending_{false};
+  std::atomic<bool> has_readers_{false};
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<Waitable>> pending_;
+  std::vector<std::shared_ptr<Waitable>> readers_;
 };
 
 namespace detail {
@@ -140,9 +153,14 @@ class Tensor {
   bool shares_storage(const Tensor& other) const { return storage_ && storage_ == other.storage_; }
 
   // ---- data access (waits for pending storage) ----
-  // Pointer to the first element; waits. Throws InvalidArgument on meta or undefined tensors.
+  // Pointer to the first element, to read or write; waits for pending storage and for the
+  // collectives still to read it (Storage::wait_for_write). Throws InvalidArgument on meta or
+  // undefined tensors.
   void* data_ptr() const;
-  // Typed pointer; waits; throws InvalidArgument when T does not match dtype().
+  // Pointer to the first element, to read only; waits for pending storage but not for the
+  // collectives that read it too.
+  const void* const_data_ptr() const;
+  // Typed pointer, as data_ptr(); throws InvalidArgument when T does not match dtype().
   template <typename T>
   T* data() const;
   // Pointer to the first element WITHOUT waiting, for the producer of pending data.

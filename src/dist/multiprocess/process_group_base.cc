@@ -68,7 +68,7 @@ Tensor resize_own_rows(const Tensor& input, int64_t row_elems, int64_t rows_befo
   const size_t before = static_cast<size_t>(rows_before) * row_bytes;
   const size_t after = input.nbytes() - before - static_cast<size_t>(have) * row_bytes;
   if (before + after == 0) return staged;
-  const char* src = static_cast<const char*>(input.data_ptr());
+  const char* src = static_cast<const char*>(input.const_data_ptr());
   char* dst = static_cast<char*>(staged.raw_data_ptr());
   std::memcpy(dst, src, before);
   std::memcpy(dst + before + static_cast<size_t>(want) * row_bytes, src + input.nbytes() - after,
@@ -288,7 +288,10 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   // Inputs produced by earlier collectives must be complete before the transport reads them;
   // waiting here (not on the communication thread) cannot deadlock it.
   for (const auto& t : op->inputs) t.wait();
-  for (const auto& t : op->outputs) t.wait();
+  // Outputs are written: also after the collectives still reading them.
+  for (const auto& t : op->outputs) {
+    if (t.storage()) t.storage()->wait_for_write();
+  }
   std::lock_guard issue_lock(issue_mu_);
   op->seq = issued_->load();
   issued_->store(op->seq + 1);

@@ -2065,14 +2065,17 @@ class ThreadsGroup final : public ProcessGroup {
       s.ndim = static_cast<int8_t>(in.dim());
       std::copy(in.sizes().begin(), in.sizes().end(), s.dims.begin());
     }
-    // data_ptr() waits: an input (or in-place output) still being produced by another
-    // collective must be complete before any rank reads or writes it.
+    // An input (or in-place output) still being produced by another collective must be
+    // complete before any rank reads or writes it; an output also waits for the collectives
+    // that still read it (data_ptr).
     s.in_storage = in.storage().get();
-    if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
     if (&out == &in) {
-      s.out = const_cast<char*>(s.in);  // in place: one wait and check is enough
-    } else if (out.numel() > 0) {
-      s.out = static_cast<char*>(out.data_ptr());
+      // In place: one wait and check is enough.
+      if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
+      s.out = const_cast<char*>(s.in);
+    } else {
+      if (in.numel() > 0) s.in = static_cast<const char*>(in.const_data_ptr());
+      if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
     }
     return s;
   }
