@@ -963,6 +963,19 @@ TEST(GroupSpecTest, Names) {
   EXPECT_THAT(error_of([] { all_reduce(Tensor::zeros({1}, DType::F32), "sum", "world"); }),
               HasSubstr("no current rank"));
   EXPECT_THAT(error_of([] { GroupSpec({0}).resolve(); }), HasSubstr("no current rank"));
+  // A thread a rank starts has no rank of its own until it takes one with WorldScope.
+  run_local(2, [](ProcessGroup& world) {
+    std::string error;
+    std::vector<float> sum;
+    std::thread helper([&] {
+      error = error_of([] { all_reduce(Tensor::full({2}, DType::F32, 1), "sum", "world"); });
+      WorldScope scope(&world);
+      sum = all_reduce(Tensor::full({2}, DType::F32, 1), "sum", "world").to_vector<float>();
+    });
+    helper.join();
+    EXPECT_THAT(error, HasSubstr("funcol::WorldScope scope(&world)"));
+    EXPECT_EQ(sum, std::vector<float>(2, 2));
+  });
   // An int or nullptr is no group spec (the seed's "Unsupported group type"): compile-time here.
   static_assert(!std::is_convertible_v<int, GroupSpec>);
   static_assert(!std::is_convertible_v<std::nullptr_t, GroupSpec>);

@@ -22,7 +22,10 @@ namespace {
 ProcessGroup& require_world() {
   ProcessGroup* world = current_world();
   if (world == nullptr) {
-    throw InvalidArgument("no current rank: call inside run_local or after init");
+    throw InvalidArgument(
+        "no current rank: call inside run_local or after init (group names and rank lists "
+        "resolve against the calling thread's rank; on a thread a rank started, pass the "
+        "ProcessGroup or make it current there with funcol::WorldScope scope(&world))");
   }
   return *world;
 }
@@ -127,7 +130,8 @@ ProcessGroup& GroupSpec::resolve() const {
         } else if constexpr (std::is_same_v<V, std::vector<std::vector<int>>>) {
           return resolve_rank_lists(v);
         } else if constexpr (std::is_same_v<V, ProcessGroup*>) {
-          if (v == nullptr) throw InvalidArgument("null ProcessGroup as group");
+          if (v == nullptr) throw InvalidArgument(
+                "null ProcessGroup as group (new_group returns null on the ranks it leaves out)");
           return *v;
         } else if constexpr (std::is_same_v<V, const DeviceMesh*>) {
           if (v == nullptr) throw InvalidArgument("null DeviceMesh as group");
