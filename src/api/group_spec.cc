@@ -130,8 +130,10 @@ ProcessGroup& GroupSpec::resolve() const {
         } else if constexpr (std::is_same_v<V, std::vector<std::vector<int>>>) {
           return resolve_rank_lists(v);
         } else if constexpr (std::is_same_v<V, ProcessGroup*>) {
-          if (v == nullptr) throw InvalidArgument(
+          if (v == nullptr) {
+            throw InvalidArgument(
                 "null ProcessGroup as group (new_group returns null on the ranks it leaves out)");
+          }
           return *v;
         } else if constexpr (std::is_same_v<V, const DeviceMesh*>) {
           if (v == nullptr) throw InvalidArgument("null DeviceMesh as group");
