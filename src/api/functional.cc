@@ -239,9 +239,10 @@ Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int6
   return out;
 }
 
-// output.copy_(result); under a tracer, output stands for result (converted to its dtype) from
-// now on, as graphs are functional (DESIGN §4: the in-place remaps trace too).
+// output.copy_(result); under a tracer, output stands for result from now on, as graphs are
+// functional (DESIGN §4: the in-place remaps trace too). The dtypes match (check_output).
 void assign(const Tensor& output, const Tensor& result, std::string_view op) {
+  FUNCOL_CHECK(output.dtype() == result.dtype(), std::string(op));
   Tracer* tr = current_tracer();
   if (tr == nullptr) {
     // PyTorch refuses in-place changes that autograd cannot follow; the tape records values,
@@ -255,17 +256,30 @@ void assign(const Tensor& output, const Tensor& result, std::string_view op) {
     output.copy_(result);
     return;
   }
-  tr->assign(output, result.dtype() == output.dtype()
-                         ? result
-                         : ops::convert_element_type(result, output.dtype()));
+  tr->assign(output, result);
 }
 
-void check_output_shape(const Tensor& output, const Tensor& result, std::string_view op) {
+// The classic collectives write their output in the input's dtype and refuse any other, as
+// PyTorch's c10d ones do: a silent conversion would hide a wrong buffer. `what` names the
+// output ("output", "tensor_list[1]").
+void check_output_dtype(const Tensor& output, const Tensor& input, std::string_view op,
+                        std::string_view what) {
+  if (output.dtype() != input.dtype()) {
+    throw InvalidArgument(fmt::format("{}: {} dtype {} does not match the input dtype {}", op,
+                                      what, dtype_name(output.dtype()),
+                                      dtype_name(input.dtype())));
+  }
+}
+
+// An in-place remap's output must take the result as it is: defined, same shape (ShapeError),
+// same dtype (InvalidArgument).
+void check_output(const Tensor& output, const Tensor& result, std::string_view op) {
   if (!output.defined()) throw InvalidArgument(fmt::format("{}: undefined output tensor", op));
   if (output.sizes() != result.sizes()) {
     throw ShapeError(fmt::format("{}: output shape {} does not match the result shape {}", op,
                                  shape_str(output.sizes()), shape_str(result.sizes())));
   }
+  check_output_dtype(output, result, op, "output");
 }
 
 }  // namespace
@@ -549,6 +563,7 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
           "the input {})",
           j, shape_str(tensor_list[j].sizes()), shape_str(t.sizes())));
     }
+    check_output_dtype(tensor_list[j], t, kOp, fmt::format("tensor_list[{}]", j));
   }
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   for (size_t j = 0; j < tensor_list.size(); ++j) {
@@ -562,7 +577,7 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
 const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& input,
                                         const GroupSpec& group, int64_t gather_dim) {
   Tensor result = all_gather_tensor(input, gather_dim, group);
-  check_output_shape(output, result, "all_gather_tensor_inplace");
+  check_output(output, result, "all_gather_tensor_inplace");
   assign(output, result, "all_gather_tensor_inplace");
   return output;
 }
@@ -571,7 +586,7 @@ const Tensor& reduce_scatter_tensor_inplace(const Tensor& output, const Tensor& 
                                             const GroupSpec& group, const std::string& reduce_op,
                                             int64_t scatter_dim) {
   Tensor result = reduce_scatter_tensor(input, reduce_op, scatter_dim, group);
-  check_output_shape(output, result, "reduce_scatter_tensor_inplace");
+  check_output(output, result, "reduce_scatter_tensor_inplace");
   assign(output, result, "reduce_scatter_tensor_inplace");
   return output;
 }
@@ -582,7 +597,7 @@ const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
                                  const GroupSpec& group) {
   Tensor result =
       all_to_all_single(input, std::move(output_split_sizes), std::move(input_split_sizes), group);
-  check_output_shape(output, result, "all_to_all_inplace");
+  check_output(output, result, "all_to_all_inplace");
   assign(output, result, "all_to_all_inplace");
   return output;
 }

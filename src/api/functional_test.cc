@@ -22,11 +22,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// The what() of the funcol::Error that fn throws, or a marker when it throws none.
+// The what() of the funcol::Error (or the E) that fn throws, or a marker when it throws none.
+template <typename E = Error>
 std::string error_of(const std::function<void()>& fn) {
   try {
     fn();
-  } catch (const Error& e) {
+  } catch (const E& e) {
     return e.what();
   }
   return "<no funcol::Error thrown>";
@@ -918,6 +919,51 @@ TEST(Errors, InplaceShapeMismatchOnOneRankDoesNotStallPeers) {
       Tensor exchanged = Tensor::zeros({2, 2}, DType::F32);
       all_to_all_inplace(exchanged, x, std::nullopt, std::nullopt, world);
       EXPECT_EQ(exchanged.to_vector<float>(), (std::vector<float>{1, 1, 2, 2}));
+    }
+    // The group is still in step.
+    EXPECT_EQ(all_reduce(x, "sum", world).to_vector<float>(), repeat(3, 4));
+  });
+}
+
+// The in-place remaps refuse an output of another dtype, as PyTorch's classic collectives do
+// (they converted silently); the collective is still issued, so the peers are not left waiting.
+TEST(Errors, InplaceDtypeMismatchIsRefusedWithoutStallingPeers) {
+  run_local(2, [](ProcessGroup& world) {
+    const Tensor x = Tensor::full({2, 2}, DType::F32, world.rank() + 1);
+    if (world.rank() == 0) {
+      Tensor gathered = Tensor::zeros({4, 2}, DType::F64);
+      EXPECT_EQ(error_of<InvalidArgument>([&] { all_gather_tensor_inplace(gathered, x, world); }),
+                "all_gather_tensor_inplace: output dtype f64 does not match the input dtype f32");
+      Tensor shard = Tensor::zeros({1, 2}, DType::I32);
+      EXPECT_EQ(error_of<InvalidArgument>([&] { reduce_scatter_tensor_inplace(shard, x, world); }),
+                "reduce_scatter_tensor_inplace: output dtype i32 does not match the input dtype "
+                "f32");
+      Tensor exchanged = Tensor::zeros({2, 2}, DType::F16);
+      EXPECT_EQ(error_of<InvalidArgument>([&] {
+                  all_to_all_inplace(exchanged, x, std::nullopt, std::nullopt, world);
+                }),
+                "all_to_all_inplace: output dtype f16 does not match the input dtype f32");
+      std::vector<Tensor> list = {Tensor::zeros({2, 2}, DType::F32),
+                                  Tensor::zeros({2, 2}, DType::BF16)};
+      EXPECT_EQ(error_of<InvalidArgument>([&] { all_gather_inplace(list, x, world); }),
+                "all_gather_inplace: tensor_list[1] dtype bf16 does not match the input dtype f32");
+      // Nothing was written, not even the list's first entry.
+      EXPECT_TRUE(gathered.equal(Tensor::zeros({4, 2}, DType::F64)));
+      EXPECT_TRUE(shard.equal(Tensor::zeros({1, 2}, DType::I32)));
+      EXPECT_TRUE(exchanged.equal(Tensor::zeros({2, 2}, DType::F16)));
+      EXPECT_TRUE(list[0].equal(Tensor::zeros({2, 2}, DType::F32)));
+    } else {
+      Tensor gathered = Tensor::zeros({4, 2}, DType::F32);
+      all_gather_tensor_inplace(gathered, x, world);
+      Tensor shard = Tensor::zeros({1, 2}, DType::F32);
+      reduce_scatter_tensor_inplace(shard, x, world);
+      EXPECT_EQ(shard.to_vector<float>(), repeat(3, 2));
+      Tensor exchanged = Tensor::zeros({2, 2}, DType::F32);
+      all_to_all_inplace(exchanged, x, std::nullopt, std::nullopt, world);
+      std::vector<Tensor> list = {Tensor::zeros({2, 2}, DType::F32),
+                                  Tensor::zeros({2, 2}, DType::F32)};
+      all_gather_inplace(list, x, world);
+      EXPECT_TRUE(list[1].equal(x));
     }
     // The group is still in step.
     EXPECT_EQ(all_reduce(x, "sum", world).to_vector<float>(), repeat(3, 4));

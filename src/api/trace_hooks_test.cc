@@ -139,6 +139,16 @@ TEST(TraceCollectives, ErrorsMatchTheEagerOnes) {
                "Unrecognized reduce_op: foo");
   expect_error([](auto) { reduce_scatter_tensor_coalesced({}, "sum", {}, "nope"); },
                "reduce_scatter_tensor_coalesced: unknown group 'nope' while tracing");
+  // An in-place output of another dtype is refused (the graph converted it).
+  expect_error(
+      [](auto in) { all_gather_tensor_inplace(ops::zeros({24, 4}, DType::I64), in[0], "world"); },
+      "all_gather_tensor_inplace: output dtype i64 does not match the input dtype f32");
+  expect_error(
+      [](auto in) {
+        std::vector<Tensor> list(4, ops::zeros({6, 4}, DType::F16));
+        all_gather_inplace(list, in[0], "world");
+      },
+      "all_gather_inplace: tensor_list[0] dtype f16 does not match the input dtype f32");
 }
 
 // Groups resolve through the rank's registry when tracing inside a rank: mesh dims by name.
@@ -211,7 +221,7 @@ TEST(TraceCollectives, TracedGraphRunsLikeTheEagerFunction) {
 // stand for the collective's result afterwards, so the graph computes what the eager calls
 // leave in their buffers; it verifies and round-trips through the text format.
 std::vector<Tensor> inplace_remaps(std::span<const Tensor> in) {
-  // x: [4, 2] f32, i: [4] i32 (converted into the f32 buffer of the all_to_all).
+  // x: [4, 2] f32, i: [4] i32.
   const Tensor x = in[0];
   const Tensor alias = x;  // a copy of the tensor: written with it
   all_reduce_inplace(x, "sum", "world");
@@ -219,7 +229,7 @@ std::vector<Tensor> inplace_remaps(std::span<const Tensor> in) {
   all_gather_tensor_inplace(gathered, x, "world", /*gather_dim=*/1);
   Tensor scattered = ops::zeros({1, 2}, DType::F32);
   reduce_scatter_tensor_inplace(scattered, x, "world", "max");
-  Tensor exchanged = ops::zeros({4}, DType::F32);
+  Tensor exchanged = ops::zeros({4}, DType::I32);
   all_to_all_inplace(exchanged, in[1], std::nullopt, std::nullopt, "world");
   std::vector<Tensor> list;
   for (int r = 0; r < 4; ++r) list.push_back(ops::zeros({}, DType::I32));

@@ -25,6 +25,7 @@ using detail::BoolByte;
 using detail::cvt;
 using detail::dispatch;
 using detail::for_each_row;
+using detail::kIsLowFloat;
 using detail::load_elem;
 using detail::store_elem;
 
@@ -179,15 +180,16 @@ void check_no_internal_overlap(const Tensor& t, const char* what) {
   }
 }
 
-// A value written into an integer dtype must be representable there (no wrap-around): PyTorch's
-// "value cannot be converted to type int8_t without overflow". V is double or int64_t.
+// A value written into a dtype must be representable there: no wrap-around in an integer dtype,
+// no finite value that rounds to infinity in f32, f16 or bf16 (inf and nan themselves are kept):
+// PyTorch's "value cannot be converted to type at::Half without overflow". V is double or
+// int64_t.
 template <typename V>
-void check_integer_fits(DType dtype, V value, const char* what) {
-  if (!is_integer(dtype)) return;
+void check_value_fits(DType dtype, V value, const char* what) {
+  bool fits = true;
   dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
     if constexpr (std::is_integral_v<S> && !std::is_same_v<S, bool>) {
-      bool fits;
       if constexpr (std::is_integral_v<V>) {
         fits = std::in_range<S>(value);
       } else {
@@ -196,12 +198,20 @@ void check_integer_fits(DType dtype, V value, const char* what) {
         const double hi = static_cast<double>(std::numeric_limits<S>::max()) + 1.0;
         fits = value >= lo && value < hi;
       }
-      if (!fits) {
-        throw InvalidArgument(fmt::format("{}: value {} cannot be converted to {} without overflow",
-                                          what, value, dtype_name(dtype)));
+    } else if constexpr (std::is_same_v<S, float> || kIsLowFloat<S>) {
+      // From FLT_MAX plus half its last step up, a double rounds to infinity as a float (the tie
+      // goes to the even 2^128); below that, the element is converted the way fill_ does it.
+      constexpr double kFloatOverflow = 0x1.ffffffp+127;
+      const double d = static_cast<double>(value);
+      if (std::isfinite(d)) {
+        fits = std::fabs(d) < kFloatOverflow && std::isfinite(cvt<float>(cvt<S>(d)));
       }
     }
   });
+  if (!fits) {
+    throw InvalidArgument(fmt::format("{}: value {} cannot be converted to {} without overflow",
+                                      what, value, dtype_name(dtype)));
+  }
 }
 
 void check_not_meta(const Tensor& t, const char* what) {
@@ -541,7 +551,7 @@ namespace {
 template <typename V>
 Tensor full_of(const Shape& shape, DType dtype, V value) {
   check_shape(shape, dtype, "full");
-  check_integer_fits(dtype, value, "full");
+  check_value_fits(dtype, value, "full");
   Tensor t = Tensor::empty(shape, dtype);
   t.fill_(value);
   return t;
@@ -559,7 +569,7 @@ Tensor Tensor::full_integer(const Shape& shape, DType dtype, int64_t value) {
 
 Tensor Tensor::arange(int64_t n, DType dtype) {
   if (n < 0) throw InvalidArgument(fmt::format("arange: n must be non-negative, got {}", n));
-  if (n > 1) check_integer_fits(dtype, n - 1, "arange");
+  if (n > 1) check_value_fits(dtype, n - 1, "arange");
   Tensor t = empty({n}, dtype);
   dispatch(dtype, [&](auto tag) {
     using S = typename decltype(tag)::type;
@@ -1112,7 +1122,7 @@ template <typename V>
 void fill_with(const Tensor& t, V value) {
   check_not_meta(t, "fill_");
   check_no_internal_overlap(t, "fill_");
-  check_integer_fits(t.dtype(), value, "fill_");
+  check_value_fits(t.dtype(), value, "fill_");
   t.storage()->wait_for_write();
   char* base = static_cast<char*>(t.raw_data_ptr());
   const Shape& strides = t.strides();

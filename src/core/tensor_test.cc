@@ -133,10 +133,47 @@ TEST(Factories, IntegerValuesMustFit) {
   EXPECT_THROW(Tensor::full({2}, DType::I32, std::nan("")), InvalidArgument);
   EXPECT_EQ(Tensor::full({1}, DType::I64, -9223372036854775808.0).item<int64_t>(),
             std::numeric_limits<int64_t>::min());
-  // Fractions truncate as before; bool and floating dtypes take any value.
+  // Fractions truncate as before; bool takes any value.
   EXPECT_EQ(Tensor::full({1}, DType::I32, -2.5).item<int>(), -2);
   EXPECT_EQ(Tensor::full({1}, DType::Bool, 1000).item<int>(), 1);
-  EXPECT_TRUE(std::isinf(Tensor::full({1}, DType::F16, 1e6).item<float>()));
+}
+
+// A finite value that would round to infinity is refused as an integer overflow is (PyTorch:
+// "value cannot be converted to type at::Half without overflow"); inf and nan are kept.
+TEST(Factories, FloatingValuesMustNotOverflow) {
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({2}, DType::F16, 1e6); }),
+            "full: value 1000000 cannot be converted to f16 without overflow");
+  EXPECT_THROW(Tensor::full({2}, DType::F16, -1e6), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::F16, 100000), InvalidArgument);  // an integer value
+  EXPECT_THROW(Tensor::full({2}, DType::BF16, 1e39), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::F32, 1e39), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::F32, -1e300), InvalidArgument);
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::zeros({2}, DType::BF16).fill_(-1e39); }),
+            "fill_: value -1e+39 cannot be converted to bf16 without overflow");
+  EXPECT_THROW(Tensor::arange(70000, DType::F16), InvalidArgument);
+  // The largest values that round to a finite element: f16 max is 65504 and 65520 its
+  // rounding edge; f32 and bf16 likewise.
+  EXPECT_EQ(Tensor::full({1}, DType::F16, 65504).item<float>(), 65504.0f);
+  EXPECT_EQ(Tensor::full({1}, DType::F16, 65519.0).item<float>(), 65504.0f);
+  EXPECT_THROW(Tensor::full({1}, DType::F16, 65520.0), InvalidArgument);
+  const double f32_max = std::numeric_limits<float>::max();
+  EXPECT_EQ(Tensor::full({1}, DType::F32, f32_max).item<float>(),
+            std::numeric_limits<float>::max());
+  EXPECT_EQ(Tensor::full({1}, DType::F32, 3.4028235e38).item<float>(),
+            std::numeric_limits<float>::max());
+  EXPECT_THROW(Tensor::full({1}, DType::F32, 0x1.ffffffp+127), InvalidArgument);
+  EXPECT_EQ(Tensor::full({1}, DType::BF16, 3.39e38).item<float>(), 0x1.fep+127f);
+  EXPECT_THROW(Tensor::full({1}, DType::BF16, 3.4e38), InvalidArgument);
+  // f64 holds every double; infinities and nan stay allowed everywhere floating.
+  EXPECT_EQ(Tensor::full({1}, DType::F64, 1e300).item<double>(), 1e300);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+    SCOPED_TRACE(std::string(dtype_name(d)));
+    EXPECT_TRUE(std::isinf(Tensor::full({1}, d, inf).item<float>()));
+    EXPECT_LT(Tensor::full({1}, d, -inf).item<float>(), 0.0f);
+    EXPECT_TRUE(std::isnan(Tensor::full({1}, d, std::nan("")).item<float>()));
+    EXPECT_TRUE(std::isinf(Tensor::zeros({1}, d).fill_(-inf).item<float>()));
+  }
 }
 
 // Integer values are not rounded through a double: 2^53 + 1 and INT64_MAX survive.

@@ -1020,9 +1020,16 @@ void bench_rank(ProcessGroup& world, const BenchOptions& o,
     const BenchOp op = o.ops[k];
     if (printer && !o.json) print_columns(out, op);
     std::vector<BenchRow> op_rows;
+    // A size below one element (per rank) truncates to the row of the size before it (-b 0,
+    // -f 1 with small steps): each distinct (size, count) row is measured and printed once.
+    CollSizes last;
+    last.count = -1;
     // One size at a time, never a list: -f 1 -i 1 -e 1G is a billion rows.
     for (int64_t bytes = o.min_bytes; bytes >= 0;
          bytes = next_size(bytes, o.max_bytes, o.step_factor, o.step_bytes)) {
+      const CollSizes sizes = coll_sizes(op, bytes, itemsize(o.dtype), o.ranks);
+      if (sizes.count == last.count && sizes.size_bytes == last.size_bytes) continue;
+      last = sizes;
       BenchRow row = measure(world, o, op, patterns[k], bytes);
       if (!printer) continue;
       print_row(out, o, row, report);

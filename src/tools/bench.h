@@ -46,6 +46,7 @@ ReduceOp parse_bench_redop(std::string_view text);
 
 // The sizes of one run: min, then times `factor` (factor > 1) or plus `step_bytes` (factor == 1)
 // while <= max, as nccl-tests. A min of 0 is followed by 1 (0 * factor would repeat forever).
+// Sizes whose row (coll_sizes' size and count) equals the previous one's are measured once.
 // The size after `size` in that sequence, or -1 when it is the last.
 int64_t next_size(int64_t size, int64_t max_bytes, int64_t factor, int64_t step_bytes);
 std::vector<int64_t> size_sequence(int64_t min_bytes, int64_t max_bytes, int64_t factor,

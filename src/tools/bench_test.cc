@@ -7,8 +7,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <Eigen/Core>
@@ -661,8 +664,16 @@ TEST(BenchRun, EveryOpChecksCleanAndPrintsTheTable) {
     std::string text;
     BenchReport report = run_captured(o, &text);
     EXPECT_EQ(report.wrong, 0);
-    const size_t nsizes = size_sequence(0, 4096, 4, 1).size();
-    ASSERT_EQ(report.rows.size(), 5 * nsizes);
+    // One row per distinct (op, size, count): 0, 1, 4, ... 4096 bytes of f32 are fewer rows
+    // (1 byte is 0 elements again, and so are 4 for the ops that split by rank).
+    std::set<std::tuple<BenchOp, int64_t, int64_t>> distinct;
+    for (BenchOp op : kAllBenchOps) {
+      for (int64_t bytes : size_sequence(0, 4096, 4, 1)) {
+        const CollSizes s = coll_sizes(op, bytes, /*itemsize=*/4, ranks);
+        distinct.emplace(op, s.size_bytes, s.count);
+      }
+    }
+    ASSERT_EQ(report.rows.size(), distinct.size());
     for (const BenchRow& row : report.rows) {
       EXPECT_EQ(row.wrong, 0);
       EXPECT_GT(row.time_us, 0);
@@ -679,6 +690,55 @@ TEST(BenchRun, EveryOpChecksCleanAndPrintsTheTable) {
         << text;
     EXPECT_NE(text.find("# Out of bounds values : 0 OK"), std::string::npos) << text;
     EXPECT_NE(text.find("# Avg bus bandwidth    : "), std::string::npos) << text;
+  }
+}
+
+// Sizes that truncate to the same elements (per rank) give one row, not one per size: -b 0
+// with factor 2 (0, 1, 2 bytes of f32 are all 0 elements), -f 1 with steps below an element,
+// sizes below one element per rank for the ops that split by rank.
+TEST(BenchRun, EachDistinctRowIsPrintedOnce) {
+  struct Case {
+    BenchOp op;
+    int ranks;
+    int64_t min_bytes, max_bytes, factor, step_bytes;
+    std::vector<std::pair<int64_t, int64_t>> rows;  // (size, count)
+  };
+  const std::vector<Case> cases = {
+      {BenchOp::AllReduce, 2, 0, 64, 2, 1, {{0, 0}, {4, 1}, {8, 2}, {16, 4}, {32, 8}, {64, 16}}},
+      {BenchOp::AllReduce, 2, 0, 12, 1, 1, {{0, 0}, {4, 1}, {8, 2}, {12, 3}}},
+      {BenchOp::AllGather, 4, 4, 64, 2, 1, {{0, 0}, {16, 1}, {32, 2}, {64, 4}}},
+      {BenchOp::ReduceScatter, 4, 8, 32, 1, 4, {{0, 0}, {16, 1}, {32, 2}}},
+      {BenchOp::AllToAll, 3, 0, 24, 1, 6, {{0, 0}, {12, 1}, {24, 2}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(bench_op_name(c.op)) + " ranks " + std::to_string(c.ranks) +
+                 " -b " + std::to_string(c.min_bytes) + " -e " + std::to_string(c.max_bytes) +
+                 " -f " + std::to_string(c.factor) + " -i " + std::to_string(c.step_bytes));
+    BenchOptions o;
+    o.ops = {c.op};
+    o.ranks = c.ranks;
+    o.min_bytes = c.min_bytes;
+    o.max_bytes = c.max_bytes;
+    o.step_factor = c.factor;
+    o.step_bytes = c.step_bytes;
+    o.iters = 1;
+    o.warmup_iters = 0;
+    o.memcpy_gbps_override = 10;
+    std::string text;
+    const BenchReport report = run_captured(o, &text);
+    std::vector<std::pair<int64_t, int64_t>> rows;
+    for (const BenchRow& row : report.rows) {
+      rows.emplace_back(row.sizes.size_bytes, row.sizes.count);
+    }
+    EXPECT_EQ(rows, c.rows);
+    EXPECT_EQ(report.wrong, 0);
+    // The table has as many rows as the report: lines that do not start with '#'.
+    std::istringstream lines(text);
+    size_t printed = 0;
+    for (std::string line; std::getline(lines, line);) {
+      if (!line.empty() && line[0] != '#') ++printed;
+    }
+    EXPECT_EQ(printed, c.rows.size()) << text;
   }
 }
 

@@ -535,9 +535,9 @@ std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
   j["initial_loss"] = r.initial_loss;
   j["final_loss"] = r.final_loss;
   j["max_abs_diff_vs_reference"] = r.max_abs_diff_vs_reference;
-  j["collectives_per_step"] = {{"unbucketed", r.unbucketed.collectives_per_step},
-                               {"bucketed", r.bucketed.ran ? r.bucketed.collectives_per_step
-                                                           : r.unbucketed.collectives_per_step}};
+  j["collectives_per_step"] = {
+      {"unbucketed", r.unbucketed.collectives_per_step},
+      {"bucketed", r.bucketed.ran ? json(r.bucketed.collectives_per_step) : json(nullptr)}};
   j["step_ms"] = {{"unbucketed", r.unbucketed.step_ms},
                   {"bucketed", r.bucketed.ran ? json(r.bucketed.step_ms) : json(nullptr)}};
   j["reference_final_loss"] = r.reference_final_loss;

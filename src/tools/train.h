@@ -112,7 +112,7 @@ TrainReport run_train(const TrainOptions& options, const StepCallback& on_step =
 
 // The --json line: {"initial_loss", "final_loss", "max_abs_diff_vs_reference",
 // "collectives_per_step": {"unbucketed", "bucketed"}, "step_ms": {"unbucketed", "bucketed"},
-// ...}; "bucketed" step_ms is null under --no-bucketing.
+// ...}; every "bucketed" field is null under --no-bucketing (that variant did not run).
 std::string train_json_line(const TrainOptions& options, const TrainReport& report);
 // The human summary printed after training.
 std::string train_summary(const TrainOptions& options, const TrainReport& report);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs a funcol build into a temporary prefix and builds a consumer against it, through
-# find_package(funcol) and through pkg-config; both programs must run and print "ok".
+# find_package(funcol) and through pkg-config; both programs must run and print "ok". The
+# consumer includes <Eigen/Core> itself: the package's flags must find it.
 set -euo pipefail
 build_dir=$1
 consumer_src=$2
@@ -21,6 +22,13 @@ out=$("$work/consumer-build/consumer")
 # pkg-config funcol
 libdir=$(ls -d "$work/prefix"/lib*/pkgconfig | head -n 1)
 flags=$(PKG_CONFIG_PATH="$libdir" pkg-config --cflags --libs funcol)
+# Libraries as -l flags: no path to one machine's file, least of all a versioned one.
+for flag in $flags; do
+  case $flag in
+    -*) ;;
+    *) echo "funcol.pc names a library file: $flag"; exit 1 ;;
+  esac
+done
 # shellcheck disable=SC2086
 g++ -O1 "$consumer_src/main.cc" -o "$work/consumer-pc" $flags -Wl,-rpath,"$(dirname "$libdir")"
 out=$("$work/consumer-pc")

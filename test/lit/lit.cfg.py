@@ -3,6 +3,7 @@
 # ctest passes the tool paths (--param funcol=... llvm_bin=... exec_root=...); without them,
 # `lit test/lit` from the repository root uses build/bin/funcol and /usr/lib/llvm-14/bin.
 import os
+import re
 
 import lit.formats
 
@@ -25,6 +26,13 @@ if not os.path.exists(funcol):
 # Whole-word tool names at the start of a command (not inside paths or option names).
 def tool(name, path):
     return (r'(?<![\w/.%-])' + name + r'(?![\w/.-])', path)
+
+# The version `funcol --version` prints: the one project() declares.
+with open(os.path.join(repo_root, 'CMakeLists.txt')) as f:
+    version = re.search(r'project\(funcol VERSION (\S+)', f.read())
+if version is None:
+    lit_config.fatal('no project(funcol VERSION ...) in CMakeLists.txt')
+config.substitutions.append(('%funcol_version', version.group(1)))
 
 config.substitutions.append(tool('funcol', funcol))
 config.substitutions.append(tool('FileCheck', os.path.join(llvm_bin, 'FileCheck')))

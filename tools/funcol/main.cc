@@ -14,6 +14,8 @@
 int main(int argc, char** argv) {
   CLI::App app{"funcol: functional collectives, their compiler and their backends"};
   app.require_subcommand(1);
+  // FUNCOL_VERSION is project(funcol VERSION ...) in the top-level CMakeLists.txt.
+  app.set_version_flag("--version", "funcol " FUNCOL_VERSION);
   funcol::tools::add_bench_command(app);
   funcol::tools::add_run_command(app);
   funcol::tools::add_opt_command(app);

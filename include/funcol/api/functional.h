@@ -117,8 +117,9 @@ const Tensor& wait_tensor(const Tensor& t);
 void wait_tensors(const std::vector<Tensor>& tensors);
 
 // In-place remaps of the classic torch.distributed API: out.copy_(functional(...)), so they
-// return with the data in place. The collective is issued before the output's shape is checked
-// (ShapeError), so a rank with a bad output never leaves its peers waiting.
+// return with the data in place. The output's dtype must be the input's (InvalidArgument: the
+// classic collectives do not convert). The collective is issued before the output's shape
+// (ShapeError) and dtype are checked, so a rank with a bad output never leaves its peers waiting.
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
                                  const GroupSpec& group);
 // Gathers `t` into the list (each entry t's shape; sizes must match: "Remapping variable size

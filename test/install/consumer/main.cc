@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cstdio>
 
+#include <Eigen/Core>  // the package's flags find the Eigen funcol's headers take
 #include <funcol/funcol.h>
 #include <funcol/runtime/executor.h>
 
@@ -27,6 +28,12 @@ int main(int argc, char** argv) {
               r.sizes() == funcol::Shape{2, 32};
     if (ok) good++;
   });
+  // Eigen's half and bfloat16, which the public headers take, compile and convert.
+  const std::vector<Eigen::half> h =
+      funcol::Tensor::full({2}, funcol::DType::F16, 1.5).to_vector<Eigen::half>();
+  const Eigen::bfloat16 b =
+      funcol::Tensor::full({}, funcol::DType::BF16, -2).item<Eigen::bfloat16>();
+  if (h.size() != 2 || static_cast<float>(h[1]) != 1.5f || static_cast<float>(b) != -2.0f) good = 0;
   // The runtime's own dependencies link too (tensor_digest hashes with xxHash).
   const std::string digest = funcol::tensor_digest(funcol::Tensor::zeros({4}, funcol::DType::F32));
   if (digest.empty()) good = 0;
