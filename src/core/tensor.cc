@@ -487,12 +487,13 @@ size_t Storage::pending_count() const {
 void Storage::add_reader(std::shared_ptr<Waitable> work) {
   FUNCOL_CHECK(work != nullptr, "add_reader: null work");
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& w : readers_) {
-    if (w == work) return;
-  }
-  // A buffer read by many collectives and never written in between would collect them all.
-  if (readers_.size() >= kPruneReadersAt) {
+  // One collective attaches itself once per view of these bytes, one after the other.
+  if (!readers_.empty() && readers_.back() == work) return;
+  // A buffer read by many collectives and never written in between would collect them all:
+  // finished ones are dropped whenever the list doubled since the last time (amortised O(1)).
+  if (readers_.size() >= prune_readers_at_) {
     std::erase_if(readers_, [](const std::shared_ptr<Waitable>& w) { return w->is_completed(); });
+    prune_readers_at_ = std::max(kPruneReadersAt, 2 * readers_.size());
   }
   readers_.push_back(std::move(work));
   has_readers_.store(true, std::memory_order_release);

@@ -280,12 +280,11 @@ class Emitter {
 
 class Bucketer {
  public:
-  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain, int round)
+  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain)
       : graph_(graph),
         opt_(options),
         spec_(kind_spec(options.kind)),
         explain_(explain),
-        round_(round),
         order_(graph,
                [this](Node& n) {
                  if (n.op().collective == CollectiveKind::Wait) {
@@ -306,7 +305,6 @@ class Bucketer {
   const BucketOptions& opt_;
   const KindSpec& spec_;
   std::string* explain_;
-  const int round_;  // 1, or a later round after members were dropped (bucket_collectives)
   std::vector<Node*> waits_;  // every wait_tensor, in graph order (filled by order_'s walk)
   std::vector<Node*> colls_;  // every collective takes_part admits, in graph order (likewise)
   std::vector<Node*> unwaited_;  // those of colls_ that no wait_tensor reads (filled by collect)
@@ -613,11 +611,9 @@ BucketingStats Bucketer::run() {
   std::vector<Entry> entries = collect();
   stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
-    explain_->append(fmt::format(
-        "{} @{}{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass, graph_.name(),
-        round_ > 1 ? fmt::format(" round {} (members were dropped in round {})", round_, round_ - 1)
-                   : "",
-        stats_.collectives, spec_.op, format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
+    explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
+                                 graph_.name(), stats_.collectives, spec_.op,
+                                 format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
   }
   // Not in the walk (DESIGN §6 point 1 walks the waits), so they end no run; still reported.
   for (const Node* c : unwaited_) {
@@ -1154,29 +1150,34 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
   // One member can block the rest (its input comes after another member's consumer), and
   // dropping from the end would drop the good ones behind it too. So, in wait order from
   // the first member, add the others a range at a time: a range that leaves a placement is
-  // kept whole, one that does not is halved, down to single members, which are dropped.
-  // When the first member itself blocks every other, start again from the second. Each
-  // trial costs the region's size, so failed trials are limited (the members left when the
-  // limit is reached are dropped): with at most two kept ranges per failed one, a bucket
-  // costs at most about 3 x kMaxFailedTrials trials, whatever its size.
+  // kept whole, one that does not is halved, down to single members, which are dropped. The
+  // first member may itself be the one that blocks the others, so the same is done from the
+  // second member, and the larger set is kept. Each trial costs the region's size, so failed
+  // trials are limited (the members left when the limit is reached are dropped): with at most
+  // two kept ranges per failed one, a bucket costs at most about 2 x 3 x kMaxFailedTrials
+  // trials, whatever its size.
   constexpr int kMaxFailedTrials = 32;
-  int failed = 1;  // the whole bucket
   std::vector<Entry*> kept;
+  std::vector<Entry*> best;
   std::vector<std::pair<size_t, size_t>> ranges;  // to try, the next one last
   auto push_halves = [&](size_t begin, size_t end) {
     const size_t mid = begin + (end - begin) / 2;
     ranges.emplace_back(mid, end);
     ranges.emplace_back(begin, mid);
   };
-  for (size_t first = 0; first < 2 && first + 2 <= members.size() && kept.size() < 2; ++first) {
-    kept = {members[first]};
+  for (size_t first = 0; first < 2 && first + 2 <= members.size(); ++first) {
+    int failed = 0;
     ranges.clear();
     if (first == 0) {
       // With the first member, the whole bucket failed above.
+      failed = 1;
       if (members.size() > 2) push_halves(1, members.size());
     } else {
+      best = std::move(kept);
+      if (best.size() + 1 >= members.size()) break;  // the second start cannot do better
       ranges.emplace_back(first + 1, members.size());
     }
+    kept = {members[first]};
     while (!ranges.empty() && failed < kMaxFailedTrials) {
       const auto [begin, end] = ranges.back();
       ranges.pop_back();
@@ -1189,6 +1190,9 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
       if (end - begin > 1) push_halves(begin, end);
     }
   }
+  if (best.size() >= kept.size()) kept = std::move(best);
+  // Nothing merges: the bucket stays as it was, its first member counted as kept.
+  if (kept.size() < 2) kept = {members[0]};
   stats_.dropped += static_cast<int64_t>(members.size() - kept.size());
   members = std::move(kept);
   if (members.size() < 2) return false;
@@ -1312,26 +1316,8 @@ std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& o
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
                                   std::string* explain) {
   check_bucket_options(options);
-  // Merging a later bucket can move the collective that made an earlier bucket drop a member;
-  // the dropped members may merge then. Rounds go on while one drops members and changes the
-  // graph, so that running the routine again merges nothing more. Without drops (the usual
-  // case) there is one round.
-  constexpr int kMaxRounds = 8;
-  BucketingStats total;
-  for (int round = 1; round <= kMaxRounds; ++round) {
-    const BucketingStats s = Bucketer(graph, options, explain, round).run();
-    if (round == 1) total.collectives = s.collectives;
-    total.buckets += s.buckets;
-    total.merged_buckets += s.merged_buckets;
-    total.merged_collectives += s.merged_collectives;
-    total.skipped_dependent += s.skipped_dependent;
-    total.skipped_ineligible += s.skipped_ineligible;
-    total.dropped += s.dropped;
-    total.region_reorders += s.region_reorders;
-    total.rounds = round;
-    if (s.dropped == 0 || !s.changed()) break;
-  }
-  return total;
+  Bucketer b(graph, options, explain);
+  return b.run();
 }
 
 }  // namespace funcol

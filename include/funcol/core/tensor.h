@@ -58,7 +58,7 @@ class Storage {
 
   // Attaches an operation that reads these bytes later (a collective reads its input when it
   // runs, perhaps after the call returned): writes wait for it, reads do not. Its failure is
-  // not the storage's. Attaching the same one twice is a no-op.
+  // not the storage's. Attaching the one attached last again is a no-op.
   void add_reader(std::shared_ptr<Waitable> work);
   // Waits for the attached readers (ignoring their failures), then as wait(): before a write.
   void wait_for_write();
@@ -66,7 +66,7 @@ class Storage {
   size_t reader_count() const;
 
  private:
-  static constexpr size_t kPruneReadersAt = 16;  // add_reader drops finished ones from this many
+  static constexpr size_t kPruneReadersAt = 16;  // add_reader's first pruning size
 
   void* data_ = nullptr;
   size_t nbytes_ = 0;
@@ -75,6 +75,7 @@ class Storage {
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<Waitable>> pending_;
   std::vector<std::shared_ptr<Waitable>> readers_;
+  size_t prune_readers_at_ = kPruneReadersAt;  // add_reader's next pruning size
 };
 
 namespace detail {

@@ -66,8 +66,7 @@ void check_bucket_options(const BucketOptions& options);
 // The pass names (contract): bucket-all-gather, bucket-reduce-scatter, bucket-all-reduce.
 std::string_view bucket_pass_name(CollectiveKind kind);
 
-// What the routine did: the collectives of the pass's op in the input, and the sums over its
-// rounds (more than one only when a round dropped members; see bucket_collectives).
+// What one run of the routine did.
 struct BucketingStats {
   int64_t collectives = 0;  // collectives of the pass's op, waited or not
   int64_t buckets = 0;      // buckets closed, buckets of one included (the final bucket index)
@@ -77,7 +76,6 @@ struct BucketingStats {
   int64_t skipped_ineligible = 0;
   int64_t dropped = 0;          // members dropped because merging would reorder others
   int64_t region_reorders = 0;  // buckets placed by reordering their region
-  int rounds = 1;
   bool changed() const { return merged_buckets > 0; }
 };
 
@@ -92,12 +90,13 @@ struct BucketingStats {
 // is folded into the packing. New nodes go where every input is defined and before every
 // consumer; when no such place exists the region between the first and last member is
 // reordered (stably, keeping the issue order of the collectives not merged; a member that
-// would break that order is dropped). Merging a later bucket can clear the way for a dropped
-// member, so after a round that dropped members and merged some, the routine runs again on
-// its result (at most 8 rounds).
+// would break that order is dropped).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
-// routine again on it merges nothing more. Near-linear time and memory. When `explain` is
+// routine again on it merges nothing more, unless it dropped members: merging a later bucket
+// can move the collective that made an earlier bucket drop one, and a second run may then
+// merge the dropped member with the (already packed) bucket. The routine does not do that
+// itself, as it would copy the whole bucket once more to save one small collective. Near-linear time and memory. When `explain` is
 // given, appends a human-readable account: every bucket with its members, bytes and why it
 // closed, every skipped collective and why. Throws what check_bucket_options throws.
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
