@@ -439,7 +439,12 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   std::vector<std::string> losses;
   for (size_t i = 0; i < peers.size(); ++i) {
     if (auto loss = monitor->lost(peers[i])) {
-      missing.push_back(peers[i]);
+      // A rank that left cleanly after issuing this collective did arrive (its goodbye says
+      // how many it issued here); it only cannot help finish it.
+      const auto issued = loss->issued.find(name());
+      if (!loss->clean || issued == loss->issued.end() || issued->second <= op.seq) {
+        missing.push_back(peers[i]);
+      }
       losses.push_back(loss->describe());
     } else if (progress[i] == -1) {
       silent.push_back(peers[i]);
