@@ -233,23 +233,34 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   const int n = static_cast<int>(members.size());
   try {
     gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
-    std::string mine = monitor ? monitor->address() : std::string("-");
+    // "<size> <monitor address or ->": the size catches ranks started with different world
+    // sizes, which Gloo would only report as a garbled address exchange.
+    const std::string mine =
+        fmt::format("{} {}", n, monitor ? monitor->address() : std::string("-"));
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
     wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text);
+    std::vector<std::string> addresses(n);
+    for (int i = 0; i < n; ++i) {
+      const auto bytes = prefixed.get(fmt::format("arrive/{}", i));
+      const std::string value(bytes.begin(), bytes.end());
+      const size_t space = value.find(' ');
+      const std::string size = value.substr(0, space);
+      if (space == std::string::npos || size != std::to_string(n)) {
+        throw CommError(fmt::format(
+            "gloo: rendezvous of {} at '{}' failed: rank {} was started for {} ranks, this rank "
+            "(rank {}) for {} (or a previous job left its keys there)",
+            what, shared.url.text, members[i], space == std::string::npos ? "?" : size,
+            members[my_index], n));
+      }
+      addresses[i] = value.substr(space + 1);
+    }
 
     auto context = std::make_shared<gloo::rendezvous::Context>(my_index, n);
     context->setTimeout(shared.timeout);
     auto device = shared.device;
     context->connectFullMesh(prefixed, device);
 
-    if (monitor) {
-      std::vector<std::string> addresses(n);
-      for (int i = 0; i < n; ++i) {
-        auto bytes = prefixed.get(fmt::format("arrive/{}", i));
-        addresses[i].assign(bytes.begin(), bytes.end());
-      }
-      monitor->connect(addresses, shared.timeout);
-    }
+    if (monitor) monitor->connect(addresses, shared.timeout);
     // Every member has read every key once all pass this barrier; then the keys can go.
     gloo::BarrierOptions barrier(context);
     barrier.setTimeout(shared.timeout);
