@@ -1,21 +1,26 @@
 // Process jobs of the funcol command: mpirun or N gloo processes with a file store.
 #include "tools/launch.h"
 
+#include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <new>
+#include <thread>
 
 #include "dist/multiprocess/process_env.h"
 #include "funcol/core/error.h"
@@ -29,6 +34,8 @@ namespace {
 // The variable a launcher passes to the ranks it starts (gloo); RANK/WORLD_SIZE/FUNCOL_STORE
 // are the gloo backend's own (DESIGN §3).
 constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
+// The launcher of an mpirun job: its ranks are mpirun's children, not the launcher's.
+constexpr const char* kMpiLauncherPidVar = "FUNCOL_MPI_LAUNCHER_PID";
 
 std::string read_all(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -47,6 +54,7 @@ int launch_mpi(const JobOptions& o, const std::string& self, const std::vector<s
                std::FILE* err) {
   SpawnOptions s;
   s.argv = {"mpirun", "-np", std::to_string(o.ranks), "--oversubscribe"};
+  s.env = {{kMpiLauncherPidVar, std::to_string(getpid())}};
   if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
   s.argv.push_back(self);
   s.argv.insert(s.argv.end(), args.begin(), args.end());
@@ -406,9 +414,30 @@ bool inside_job(const std::string& backend) {
   return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
 }
 
+// A rank of an mpirun job that `funcol` started: mpirun survives a launcher killed with
+// SIGKILL (it cannot be told), so each rank watches the launcher and exits when it is gone;
+// mpirun then stops the job as for a crashed rank.
+void watch_mpi_launcher(pid_t launcher) {
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, launcher, 0));
+  if (fd < 0) {
+    if (errno == ESRCH) _exit(1);  // gone already
+    return;                        // no pidfd (an old kernel): not watched
+  }
+  std::thread([fd] {
+    pollfd p{fd, POLLIN, 0};
+    while (poll(&p, 1, -1) < 0 && errno == EINTR) {
+    }
+    std::fputs("funcol: error: the launcher of this mpirun job died; stopping this rank\n",
+               stderr);
+    _exit(1);
+  }).detach();
+}
+
 void follow_launcher() {
   if (const char* launcher = std::getenv(kLauncherPidVar)) {
     die_with_launcher(static_cast<pid_t>(std::atol(launcher)));
+  } else if (const char* mpi_launcher = std::getenv(kMpiLauncherPidVar)) {
+    watch_mpi_launcher(static_cast<pid_t>(std::atol(mpi_launcher)));
   }
 }
 
