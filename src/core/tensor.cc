@@ -416,6 +416,47 @@ bool Storage::is_ready() const {
   return true;
 }
 
+namespace {
+
+// Waits for every operation of `list` until it is empty: snapshots taken under `mu`, waited
+// without it (other threads may wait on the same works, and a work's completion may attach or
+// query the storage), then what was waited is detached. With `failures_stay` a failed operation
+// stays attached and the first failure is returned (see Storage::wait); otherwise failures are
+// ignored (readers: their failure is their result's, not these bytes').
+std::exception_ptr drain(std::mutex& mu, std::vector<std::shared_ptr<Waitable>>& list,
+                         std::atomic<bool>& attached, bool failures_stay) {
+  std::exception_ptr first_failure;
+  while (true) {
+    std::vector<std::shared_ptr<Waitable>> snapshot;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (list.empty()) {
+        attached.store(false, std::memory_order_release);
+        return first_failure;
+      }
+      snapshot = list;
+    }
+    std::vector<std::shared_ptr<Waitable>> failed;
+    for (const auto& w : snapshot) {
+      try {
+        w->wait();
+      } catch (...) {
+        if (!failures_stay) continue;
+        if (!first_failure) first_failure = std::current_exception();
+        failed.push_back(w);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    std::erase_if(list, [&](const std::shared_ptr<Waitable>& w) {
+      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end() &&
+             std::find(failed.begin(), failed.end(), w) == failed.end();
+    });
+    if (!failed.empty()) return first_failure;
+  }
+}
+
+}  // namespace
+
 void Storage::wait() {
   if (!has_pending_.load(std::memory_order_acquire)) return;
   {
@@ -442,41 +483,9 @@ void Storage::wait() {
       // Another operation was attached meanwhile: wait for it below.
     }
   }
-  std::exception_ptr first_failure;
-  while (true) {
-    // Snapshot under the lock, wait without it (other threads may wait on the same works, and
-    // a work's completion may attach or query this storage), then detach what was waited.
-    std::vector<std::shared_ptr<Waitable>> snapshot;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (pending_.empty()) {
-        has_pending_.store(false, std::memory_order_release);
-        break;
-      }
-      snapshot = pending_;
-    }
-    std::vector<std::shared_ptr<Waitable>> failed;
-    for (const auto& w : snapshot) {
-      try {
-        w->wait();
-      } catch (...) {
-        if (!first_failure) first_failure = std::current_exception();
-        failed.push_back(w);
-      }
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    // Detach what succeeded; a failure stays attached (see above).
-    std::erase_if(pending_, [&](const std::shared_ptr<Waitable>& w) {
-      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end() &&
-             std::find(failed.begin(), failed.end(), w) == failed.end();
-    });
-    if (!failed.empty()) break;
-    if (pending_.empty()) {
-      has_pending_.store(false, std::memory_order_release);
-      break;
-    }
+  if (std::exception_ptr failure = drain(mu_, pending_, has_pending_, /*failures_stay=*/true)) {
+    std::rethrow_exception(failure);
   }
-  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 size_t Storage::pending_count() const {
@@ -500,27 +509,8 @@ void Storage::add_reader(std::shared_ptr<Waitable> work) {
 }
 
 void Storage::wait_for_write() {
-  while (has_readers_.load(std::memory_order_acquire)) {
-    // Snapshot under the lock, wait without it (as wait() does), then detach what was waited.
-    std::vector<std::shared_ptr<Waitable>> snapshot;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (readers_.empty()) {
-        has_readers_.store(false, std::memory_order_release);
-        break;
-      }
-      snapshot = readers_;
-    }
-    for (const auto& w : snapshot) {
-      try {
-        w->wait();
-      } catch (...) {  // the reader's failure is its result's, not these bytes'
-      }
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    std::erase_if(readers_, [&](const std::shared_ptr<Waitable>& w) {
-      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end();
-    });
+  if (has_readers_.load(std::memory_order_acquire)) {
+    drain(mu_, readers_, has_readers_, /*failures_stay=*/false);
   }
   wait();
 }
