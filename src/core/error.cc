@@ -1,7 +1,51 @@
 // The failure path of FUNCOL_CHECK.
 #include "funcol/core/error.h"
 
-namespace funcol::detail {
+#include <new>
+
+namespace funcol {
+namespace {
+
+// Throws a T with `prefix` in front of e's message, located where e was, else at `at`.
+template <class T>
+[[noreturn]] void throw_prefixed(const T& e, const std::string& prefix, const SourceLocated* at) {
+  if (const auto* own = dynamic_cast<const SourceLocated*>(&e)) {
+    throw LocatedError<T>(prefix + e.what(), own->file(), own->line(), own->col(),
+                          prefix + own->message());
+  }
+  if (at != nullptr) {
+    throw LocatedError<T>(prefix + e.what(), at->file(), at->line(), at->col(),
+                          at->message() + e.what());
+  }
+  throw T(prefix + e.what());
+}
+
+}  // namespace
+
+void rethrow_prefixed(const std::string& prefix, const SourceLocated* at) {
+  try {
+    throw;
+  } catch (const ParseError& e) {
+    throw LocatedError<InvalidArgument>(prefix + e.what(), e.file(), e.line(), e.col(),
+                                        prefix + e.message());
+  } catch (const ShapeError& e) {
+    throw_prefixed(e, prefix, at);
+  } catch (const InvalidArgument& e) {
+    throw_prefixed(e, prefix, at);
+  } catch (const CommError& e) {
+    throw_prefixed(e, prefix, at);
+  } catch (const InternalError& e) {
+    throw_prefixed(e, prefix, at);
+  } catch (const Error& e) {
+    throw_prefixed(e, prefix, at);
+  } catch (const std::bad_alloc&) {
+    throw_prefixed(Error("out of memory"), prefix, at);
+  } catch (const std::exception& e) {
+    throw_prefixed(Error(e.what()), prefix, at);
+  }
+}
+
+namespace detail {
 
 void check_failed(const char* cond, const char* file, int line, const std::string& msg) {
   std::string text = std::string("internal error: check failed: ") + cond + " at " + file + ":" +
@@ -10,4 +54,5 @@ void check_failed(const char* cond, const char* file, int line, const std::strin
   throw InternalError(text);
 }
 
-}  // namespace funcol::detail
+}  // namespace detail
+}  // namespace funcol

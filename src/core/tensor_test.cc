@@ -75,6 +75,56 @@ TEST(Error, CheckThrowsInternalError) {
   EXPECT_NO_THROW(FUNCOL_CHECK(true));
 }
 
+// rethrow_prefixed keeps the error's kind and where in IR text it points; an error without a
+// location takes the one it is given.
+TEST(Error, RethrowPrefixedKeepsKindAndLocation) {
+  auto rethrown = [](auto thrower, const SourceLocated* at = nullptr) -> std::exception_ptr {
+    try {
+      try {
+        thrower();
+      } catch (...) {
+        rethrow_prefixed("rank 1: ", at);
+      }
+    } catch (...) {
+      return std::current_exception();
+    }
+    return nullptr;
+  };
+  auto what_and_where = [](std::exception_ptr p) -> std::string {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      const auto* at = dynamic_cast<const SourceLocated*>(&e);
+      return std::string(e.what()) + " | " + (at ? at->located() : "-");
+    }
+  };
+
+  std::exception_ptr p = rethrown([] { throw ShapeError("bad shape"); });
+  EXPECT_THROW(std::rethrow_exception(p), ShapeError);
+  EXPECT_EQ(what_and_where(p), "rank 1: bad shape | -");
+
+  p = rethrown([] {
+    throw LocatedError<CommError>("node %a (line 2): lost", "g.ir", 2, 3, "node %a: lost");
+  });
+  EXPECT_THROW(std::rethrow_exception(p), CommError);
+  EXPECT_EQ(what_and_where(p),
+            "rank 1: node %a (line 2): lost | g.ir:2:3: error: rank 1: node %a: lost");
+
+  p = rethrown([] { throw ParseError("g.ir", 4, 5, "unknown op 'x'"); });
+  EXPECT_THROW(std::rethrow_exception(p), InvalidArgument);
+  EXPECT_EQ(what_and_where(p),
+            "rank 1: g.ir:4:5: error: unknown op 'x' | g.ir:4:5: error: rank 1: unknown op 'x'");
+
+  const SourceLocated node("g.ir", 7, 1, "node %v: ");
+  p = rethrown([] { throw InvalidArgument("division by zero"); }, &node);
+  EXPECT_THROW(std::rethrow_exception(p), InvalidArgument);
+  EXPECT_EQ(what_and_where(p),
+            "rank 1: division by zero | g.ir:7:1: error: node %v: division by zero");
+
+  p = rethrown([] { throw std::bad_alloc(); }, &node);
+  EXPECT_EQ(what_and_where(p), "rank 1: out of memory | g.ir:7:1: error: node %v: out of memory");
+}
+
 // ---- factories ------------------------------------------------------------------------------
 
 TEST(Factories, EmptyZerosFullEveryDType) {

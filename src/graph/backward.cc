@@ -83,8 +83,9 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
     for (const Value* v : n->operands()) any_operand |= needs.count(v) != 0;
     if (!any_operand) continue;
     if (!op.grad) {
-      throw InvalidArgument(fmt::format("autodiff: op {} has no gradient rule ({})", op.name,
-                                        detail::grad_error_node(*n)));
+      detail::throw_grad_error(*n, [&](const std::string& where) {
+        return fmt::format("autodiff: op {} has no gradient rule ({})", op.name, where);
+      });
     }
     b.set_name_hint("d_" + n->name());
     const std::vector<Value*> operand_grads = op.grad(b, *n, result_grads);

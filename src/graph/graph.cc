@@ -821,4 +821,12 @@ bool structurally_equal(const Module& a, const Module& b, std::string* why) {
   return true;
 }
 
+std::optional<SourceLocated> source_of(const Node& node, std::string message) {
+  const SourceLoc loc = node.loc();
+  if (!loc.known()) return std::nullopt;
+  const std::string& file = node.graph()->source_file();
+  return SourceLocated(file.empty() ? "<input>" : file, static_cast<int>(loc.line),
+                       static_cast<int>(loc.col), std::move(message));
+}
+
 }  // namespace funcol

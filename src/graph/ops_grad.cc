@@ -1,6 +1,7 @@
 // The gradient rule of every differentiable op (OpDef::grad), emitted as graph nodes through a
 // Builder; autodiff (src/passes) and the eager tape (src/api) both apply these rules.
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -77,8 +78,10 @@ Value* waited(Builder& b, Value* v) { return b.value("wait_tensor", {v}); }
 void require_sum(const Node& node) {
   const std::string& op = node.attr("reduce_op").as_string();
   if (op != "sum") {
-    throw InvalidArgument(fmt::format("{} backward only supports 'sum' reduction, got '{}' ({})",
-                                      node.op_name(), op, grad_error_node(node)));
+    throw_grad_error(node, [&](const std::string& where) {
+      return fmt::format("{} backward only supports 'sum' reduction, got '{}' ({})",
+                         node.op_name(), op, where);
+    });
   }
 }
 
@@ -314,20 +317,20 @@ Grads grad_reduce_scatter_coalesced(Builder& b, const Node& n, GIn g) {
 // gradient onto src, zero elsewhere) needs rank-dependent split sizes that one graph for all
 // ranks cannot express, so this is an error rather than a silently wrong gradient.
 Grads grad_broadcast(Builder&, const Node& n, GIn) {
-  throw InvalidArgument(fmt::format(
-      "broadcast has no gradient rule ({}; PyTorch defines none): make its input a "
-      "non-differentiated value or use all_reduce",
-      grad_error_node(n)));
+  throw_grad_error(n, [](const std::string& where) {
+    return fmt::format(
+        "broadcast has no gradient rule ({}; PyTorch defines none): make its input a "
+        "non-differentiated value or use all_reduce",
+        where);
+  });
 }
 
 }  // namespace
 
 std::string grad_error_node(const Node& n) {
-  const SourceLoc loc = n.loc();
-  if (!loc.known()) return fmt::format("node %{}", n.name());
-  const std::string& file = n.graph()->source_file();
-  return fmt::format("node %{} at {}:{}:{}", n.name(), file.empty() ? "<input>" : file, loc.line,
-                     loc.col);
+  const std::optional<SourceLocated> at = source_of(n, "");
+  if (!at) return fmt::format("node %{}", n.name());
+  return fmt::format("node %{} at {}:{}:{}", n.name(), at->file(), at->line(), at->col());
 }
 
 void add_grad_rules(std::vector<OpDef>& table) {

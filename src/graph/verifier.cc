@@ -1,6 +1,8 @@
 // The IR verifier: SSA, order, schema and type invariants, checked in one linear walk.
 #include "funcol/graph/verifier.h"
 
+#include <optional>
+
 #include <fmt/format.h>
 
 #include "funcol/core/error.h"
@@ -28,14 +30,18 @@ class Verifier {
     throw InvalidArgument(fmt::format("graph @{}: {}", g_.name(), message));
   }
 
-  std::string where(const Node& n) const {
-    if (!n.loc().known()) return fmt::format("node %{} ({})", n.name(), n.op_name());
-    const std::string& file = g_.source_file().empty() ? std::string("<input>") : g_.source_file();
-    return fmt::format("node %{} ({}, {}:{}:{})", n.name(), n.op_name(), file, n.loc().line, n.loc().col);
+  // "node %x (op, FILE:LINE:COL)"; without the location in a located error's message.
+  std::string where(const Node& n, bool with_location = true) const {
+    const std::optional<SourceLocated> at = source_of(n, "");
+    if (!at || !with_location) return fmt::format("node %{} ({})", n.name(), n.op_name());
+    return fmt::format("node %{} ({}, {}:{}:{})", n.name(), n.op_name(), at->file(), at->line(),
+                       at->col());
   }
 
+  template <class E = InvalidArgument>
   [[noreturn]] void fail_at(const Node& n, const std::string& message) const {
-    fail(where(n) + ": " + message);
+    throw_at<E>(n, fmt::format("graph @{}: {}: {}", g_.name(), where(n), message),
+                fmt::format("graph @{}: {}: {}", g_.name(), where(n, false), message));
   }
 
   bool is_own_input(const Value* v) const {
@@ -129,7 +135,7 @@ class Verifier {
     try {
       types = infer_types(op, in_types_, attrs);
     } catch (const ShapeError& e) {
-      throw ShapeError(fmt::format("graph @{}: {}: {}", g_.name(), where(n), e.what()));
+      fail_at<ShapeError>(n, e.what());
     } catch (const Error& e) {
       fail_at(n, e.what());
     }

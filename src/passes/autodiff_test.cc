@@ -250,6 +250,27 @@ TEST(Autodiff, Errors) {
             "autodiff: op bucket_pack has no gradient rule (node %p at <input>:2:5)");
 }
 
+// An autodiff error about a parsed node carries the node's location, so funcol opt prints it as
+// FILE:LINE:COL: error: message (DESIGN section 5).
+TEST(Autodiff, ErrorsAreLocatedAtTheirNode) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[4]) {
+    %ar = all_reduce(%x) {reduce_op = "max", group = "world"}
+    %w = wait_tensor(%ar)
+    %l = sum(%w)
+    return %l })",
+                                           ParseOptions{.file = "m.ir"});
+  try {
+    (void)build_joint_graph(*fwd, {0});
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    const auto* at = dynamic_cast<const SourceLocated*>(&e);
+    ASSERT_NE(at, nullptr) << e.what();
+    EXPECT_EQ(at->located(),
+              "m.ir:2:5: error: all_reduce backward only supports 'sum' reduction, got 'max' "
+              "(node %ar)");
+  }
+}
+
 // A failed backward leaves the graph as it was, through append_backward and through the pass
 // (the nodes appended before the failing rule used to stay behind, dangling, for a caller that
 // catches the error and goes on).

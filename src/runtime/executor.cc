@@ -7,6 +7,7 @@
 #include <exception>
 #include <limits>
 #include <new>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -22,33 +23,26 @@ namespace {
 
 constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 
-// "graph @g, node %ag (line 3)": how every executor error names its node.
-std::string node_context(const Graph& graph, const Node& node) {
-  if (node.loc().known()) {
+// "graph @g, node %ag (line 3)": how every executor error names its node; without the line in
+// the message of a located error (see throw_at).
+std::string node_context(const Graph& graph, const Node& node, bool with_line = true) {
+  if (with_line && node.loc().known()) {
     return fmt::format("graph @{}, node %{} (line {})", graph.name(), node.name(), node.loc().line);
   }
   return fmt::format("graph @{}, node %{}", graph.name(), node.name());
 }
 
-// Rethrows the exception in flight with `prefix: ` in front of its message, keeping its type.
-[[noreturn]] void rethrow_with_context(const std::string& prefix) {
-  try {
-    throw;
-  } catch (const ShapeError& e) {
-    throw ShapeError(prefix + ": " + e.what());
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(prefix + ": " + e.what());
-  } catch (const CommError& e) {
-    throw CommError(prefix + ": " + e.what());
-  } catch (const InternalError& e) {
-    throw InternalError(prefix + ": " + e.what());
-  } catch (const Error& e) {
-    throw Error(prefix + ": " + e.what());
-  } catch (const std::bad_alloc&) {
-    throw Error(prefix + ": out of memory");
-  } catch (const std::exception& e) {
-    throw Error(prefix + ": " + e.what());
-  }
+// Throws the InvalidArgument "<node context>: message", located at the node when parsed.
+[[noreturn]] void fail_at(const Graph& graph, const Node& node, const std::string& message) {
+  throw_at<InvalidArgument>(node, node_context(graph, node) + ": " + message,
+                            node_context(graph, node, false) + ": " + message);
+}
+
+// Rethrows the exception in flight with the node's context in front, keeping its type, and
+// located at the node when it was parsed.
+[[noreturn]] void rethrow_at(const Graph& graph, const Node& node) {
+  const std::optional<SourceLocated> at = source_of(node, node_context(graph, node, false) + ": ");
+  rethrow_prefixed(node_context(graph, node) + ": ", at ? &*at : nullptr);
 }
 
 // Checks one collective's attributes against the size of the group it names.
@@ -56,7 +50,7 @@ void check_collective(const Graph& graph, const Node& node, const std::string& g
                       int size) {
   const OpDef& op = node.op();
   auto fail = [&](const std::string& message) {
-    throw InvalidArgument(node_context(graph, node) + ": " + message);
+    fail_at(graph, node, message);
   };
   if (op.attr_index("group_size") >= 0) {
     const int64_t group_size = node.attr("group_size").as_int();
@@ -108,8 +102,8 @@ void validate_groups(const Graph& graph,
     const std::string& name = node.attr("group").as_string();
     std::optional<int> size = group_size(name);
     if (!size) {
-      throw InvalidArgument(fmt::format("{}: unknown group '{}' (known groups: {})",
-                                        node_context(graph, node), name, join_names(known)));
+      fail_at(graph, node,
+              fmt::format("unknown group '{}' (known groups: {})", name, join_names(known)));
     }
     check_collective(graph, node, name, *size);
   }
@@ -267,9 +261,8 @@ void Executor::Impl::plan() {
     for (const Value* v : node.operands()) {
       auto it = slot_of.find(v);
       if (it == slot_of.end()) {
-        throw InvalidArgument(fmt::format("{}: operand {} is used before it is defined",
-                                          node_context(graph, node),
-                                          v ? v->ref() : std::string("<null>")));
+        fail_at(graph, node, fmt::format("operand {} is used before it is defined",
+                                         v ? v->ref() : std::string("<null>")));
       }
       // seen[slot] == step + 1: the slot is already an operand of this step.
       if (seen.size() <= it->second) seen.resize(it->second + 1, 0);
@@ -280,16 +273,15 @@ void Executor::Impl::plan() {
     try {
       op.check_operand_count(node.num_operands());
     } catch (...) {
-      rethrow_with_context(node_context(graph, node));
+      rethrow_at(graph, node);
     }
     if (op.is_collective()) {
       st.kind = StepKind::Collective;
       const std::string& name = node.attr("group").as_string();
       std::shared_ptr<ProcessGroup> group = registry.find(name);
       if (!group) {
-        throw InvalidArgument(fmt::format("{}: unknown group '{}' (known groups: {})",
-                                          node_context(graph, node), name,
-                                          join_names(registry.names())));
+        fail_at(graph, node, fmt::format("unknown group '{}' (known groups: {})", name,
+                                         join_names(registry.names())));
       }
       check_collective(graph, node, name, group->size());
       st.group = group.get();
@@ -298,7 +290,7 @@ void Executor::Impl::plan() {
         try {
           st.reduce_op = parse_reduce_op(node.attr("reduce_op").as_string());
         } catch (...) {
-          rethrow_with_context(node_context(graph, node));
+          rethrow_at(graph, node);
         }
       }
       if (op.collective == CollectiveKind::Broadcast) {
@@ -323,8 +315,7 @@ void Executor::Impl::plan() {
       }
     } else {
       if (!op.kernel) {
-        throw InvalidArgument(
-            fmt::format("{}: op {} has no CPU kernel", node_context(graph, node), op.name));
+        fail_at(graph, node, fmt::format("op {} has no CPU kernel", op.name));
       }
       st.kernel = value_kernel(op);
       st.attrs = node.attr_values().data();
@@ -958,7 +949,7 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
   } catch (...) {
     abort();
     ++runs;
-    rethrow_with_context(node_context(graph, *steps[cur].node));
+    rethrow_at(graph, *steps[cur].node);
   }
   std::vector<Tensor> outputs;
   outputs.reserve(output_slots.size());

@@ -295,34 +295,21 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
   process::parse_store_url(store);  // "invalid store '...': ..." before the job is joined
 }
 
-[[noreturn]] void rethrow_for_rank(int rank) {
-  const std::string p = fmt::format("rank {}: ", rank);
-  try {
-    throw;
-  } catch (const ShapeError& e) {
-    throw ShapeError(p + e.what());
-  } catch (const ParseError& e) {
-    throw InvalidArgument(p + e.what());
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(p + e.what());
-  } catch (const CommError& e) {
-    throw CommError(p + e.what());
-  } catch (const Error& e) {
-    throw Error(p + e.what());
-  } catch (const std::bad_alloc&) {
-    throw Error(p + "out of memory");
-  } catch (const std::exception& e) {
-    throw Error(p + e.what());
-  }
+[[noreturn]] void rethrow_for_rank(int rank) { rethrow_prefixed(fmt::format("rank {}: ", rank)); }
+
+std::string error_line(const Error& e, const std::string& prefix) {
+  const auto* at = dynamic_cast<const SourceLocated*>(&e);
+  std::string message = at != nullptr ? at->message() : e.what();
+  if (message.rfind(prefix, 0) != 0) message = prefix + message;
+  if (at == nullptr) return "funcol: error: " + message;
+  return SourceLocated(at->file(), at->line(), at->col(), message).located();
 }
 
 int print_command_error(std::FILE* err) {
   try {
     throw;
-  } catch (const ParseError& e) {
-    std::fprintf(err, "%s\n", e.what());
   } catch (const Error& e) {
-    std::fprintf(err, "funcol: error: %s\n", e.what());
+    std::fprintf(err, "%s\n", error_line(e).c_str());
   } catch (const std::bad_alloc&) {
     std::fprintf(err, "funcol: error: out of memory\n");
   } catch (const std::exception& e) {
@@ -472,10 +459,7 @@ int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, 
     }
     body(*world);
   } catch (const Error& e) {
-    const std::string what = e.what();
-    const std::string prefix = fmt::format("rank {}: ", rank);
-    std::fprintf(err, "funcol: error: %s%s\n", what.rfind(prefix, 0) == 0 ? "" : prefix.c_str(),
-                 what.c_str());
+    std::fprintf(err, "%s\n", error_line(e, fmt::format("rank {}: ", rank)).c_str());
     std::fflush(err);
     status = 1;
   }

@@ -9,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 
 namespace funcol {
@@ -134,9 +135,13 @@ int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, 
 // All-gathers one string per rank over `world`: every rank gets every rank's, in rank order.
 std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine);
 
-// Rethrows the exception in flight with "rank R: " in front, keeping funcol's error kinds
-// (a ParseError becomes InvalidArgument: its text no longer starts with FILE:LINE:COL).
+// Rethrows the exception in flight with "rank R: " in front, keeping funcol's error kinds and
+// locations (rethrow_prefixed).
 [[noreturn]] void rethrow_for_rank(int rank);
+
+// How the command prints an error: "FILE:LINE:COL: error: MESSAGE" for one located in IR text
+// (SourceLocated), else "funcol: error: MESSAGE"; MESSAGE starts with `prefix` (once).
+std::string error_line(const Error& e, const std::string& prefix = "");
 
 // Prints the exception in flight as a command's one error line ("funcol: error: ..."; a
 // ParseError as its FILE:LINE:COL line) to `err` and returns the exit status 1.

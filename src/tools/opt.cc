@@ -160,7 +160,12 @@ class OptRun {
         stats_.add_graph(*g);
       }
     } catch (const Error& e) {
-      err_ << file << ": error: " << e.what() << "\n";
+      // A pass's error about one node starts with the node's FILE:LINE:COL (DESIGN section 5).
+      if (const auto* at = dynamic_cast<const SourceLocated*>(&e)) {
+        err_ << at->located() << "\n";
+      } else {
+        err_ << file << ": error: " << e.what() << "\n";
+      }
       return false;
     }
     result += options_.emit == "dot" ? to_dot(module) : print(module);

@@ -156,9 +156,9 @@ TEST_F(RunE2E, StaticErrorsArePrintedOnceBeforeAnyRankStarts) {
     SCOPED_TRACE(backend);
     const Result r = run({file, "--ranks", "2", "--backend", backend});
     EXPECT_EQ(r.status, 1);
-    EXPECT_EQ(r.err,
-              "funcol: error: graph @g, node %ag (line 2): group_size 3 does not match group "
-              "'world' of size 2\n");
+    EXPECT_EQ(r.err, file +
+                         ":2:3: error: graph @g, node %ag: group_size 3 does not match group "
+                         "'world' of size 2\n");
     EXPECT_EQ(r.out, "");
   }
 }
@@ -176,8 +176,8 @@ TEST_F(RunE2E, RuntimeErrorIsPrintedOnceWithItsRank) {
     SCOPED_TRACE(backend);
     const Result r = run({file, "--ranks", "2", "--backend", backend});
     EXPECT_EQ(r.status, 1);
-    EXPECT_EQ(r.err.rfind("funcol: error: rank ", 0), 0u) << r.err;
-    EXPECT_NE(r.err.find("graph @g, node %v (line 5): "), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.rfind(file + ":5:3: error: rank ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(": graph @g, node %v: "), std::string::npos) << r.err;
     if (backend != "mpi") {
       // mpirun adds its own report; threads and gloo print exactly one line.
       EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;

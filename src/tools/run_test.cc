@@ -249,14 +249,14 @@ TEST_F(RunTest, UserErrorsExitOneWithOneClearMessage) {
   return %ag
 })",
        2, "",
-       "funcol: error: graph @g, node %ag (line 2): group_size 4 does not match group 'world' of "
-       "size 2\n"},
+       "FILE:2:3: error: graph @g, node %ag: group_size 4 does not match group 'world' of size "
+       "2\n"},
       {"unknown_group", R"(graph @g(%x: f32[2]) {
   %ar = all_reduce(%x) {reduce_op = "sum", group = "tp"} : f32[2]
   return %ar
 })",
        4, "dp=4",
-       "funcol: error: graph @g, node %ar (line 2): unknown group 'tp' (known groups: world, dp)\n"},
+       "FILE:2:3: error: graph @g, node %ar: unknown group 'tp' (known groups: world, dp)\n"},
       {"mesh_product", "graph @g(%x: f32[2]) {\n  return %x\n}\n", 4, "dp=2,tp=3",
        "funcol: error: --mesh dp=2,tp=3 spans 6 ranks but --ranks is 4\n"},
       {"parse", "graph @g(%x: f32[2]) {\n  %y = nope(%x)\n  return %y\n}\n", 1, "",
@@ -319,8 +319,8 @@ TEST_F(RunTest, RuntimeErrorsNameTheRankOnce) {
   o.ranks = 3;
   const Captured c = run(o);
   EXPECT_EQ(c.status, 1);
-  EXPECT_EQ(c.err.rfind("funcol: error: rank ", 0), 0u) << c.err;
-  EXPECT_NE(c.err.find(": graph @g, node %v (line 3): "), std::string::npos) << c.err;
+  EXPECT_EQ(c.err.rfind(o.file + ":3:3: error: rank ", 0), 0u) << c.err;
+  EXPECT_NE(c.err.find(": graph @g, node %v: "), std::string::npos) << c.err;
   EXPECT_EQ(std::count(c.err.begin(), c.err.end(), '\n'), 1) << c.err;
 }
 

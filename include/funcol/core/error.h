@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace funcol {
 
@@ -25,26 +26,37 @@ class ShapeError : public Error {
   using Error::Error;
 };
 
-// Malformed IR text. what() is "FILE:LINE:COL: error: message".
-class ParseError : public Error {
+// Where in IR text an error points. Mixed into ParseError and into the errors thrown about one
+// node of a graph parsed from text (LocatedError), so a tool can print any of them as
+// "FILE:LINE:COL: error: message" (DESIGN section 5) without parsing what().
+class SourceLocated {
  public:
-  ParseError(std::string file, int line, int col, const std::string& message)
-      : Error(file + ":" + std::to_string(line) + ":" + std::to_string(col) + ": error: " + message),
-        file_(std::move(file)),
-        line_(line),
-        col_(col),
-        message_(message) {}
+  SourceLocated(std::string file, int line, int col, std::string message)
+      : file_(std::move(file)), line_(line), col_(col), message_(std::move(message)) {}
+  virtual ~SourceLocated() = default;
   const std::string& file() const { return file_; }
   int line() const { return line_; }
   int col() const { return col_; }
-  // The message without the location prefix.
+  // The message without the location.
   const std::string& message() const { return message_; }
+  // "FILE:LINE:COL: error: message".
+  std::string located() const {
+    return file_ + ":" + std::to_string(line_) + ":" + std::to_string(col_) + ": error: " + message_;
+  }
 
  private:
   std::string file_;
   int line_;
   int col_;
   std::string message_;
+};
+
+// Malformed IR text. what() is "FILE:LINE:COL: error: message".
+class ParseError : public Error, public SourceLocated {
+ public:
+  ParseError(std::string file, int line, int col, const std::string& message)
+      : Error(SourceLocated(file, line, col, message).located()),
+        SourceLocated(std::move(file), line, col, message) {}
 };
 
 // A collective that failed: timeout, a dead or departed peer, mismatched collectives.
@@ -58,6 +70,23 @@ class InternalError : public Error {
  public:
   using Error::Error;
 };
+
+// A typed error (`Base` is InvalidArgument, ShapeError, ...) about one node of a graph parsed
+// from text: what() is the full message, which names the node in its own words; the location
+// and the message without it come from SourceLocated. Catch it as Base.
+template <class Base>
+class LocatedError : public Base, public SourceLocated {
+ public:
+  LocatedError(const std::string& what, std::string file, int line, int col, std::string message)
+      : Base(what), SourceLocated(std::move(file), line, col, std::move(message)) {}
+};
+
+// Rethrows the exception in flight (call it in a catch block) with `prefix` in front of its
+// message, keeping its funcol type and its SourceLocated location. An error without a location
+// is located at `at` when given, its message then `at->message()` followed by the error's. A
+// ParseError becomes an InvalidArgument (its what() already starts with the location); a
+// bad_alloc, an Error saying "out of memory"; any other exception, an Error.
+[[noreturn]] void rethrow_prefixed(const std::string& prefix, const SourceLocated* at = nullptr);
 
 namespace detail {
 [[noreturn]] void check_failed(const char* cond, const char* file, int line, const std::string& msg);

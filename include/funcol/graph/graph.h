@@ -7,12 +7,14 @@
 #include <cstring>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <vector>
 
+#include "funcol/core/error.h"
 #include "funcol/graph/ops.h"
 #include "funcol/graph/types.h"
 
@@ -446,5 +448,20 @@ class Builder {
 // given) receives a one-line description of the first difference.
 bool structurally_equal(const Graph& a, const Graph& b, std::string* why = nullptr);
 bool structurally_equal(const Module& a, const Module& b, std::string* why = nullptr);
+
+// Where `node` was written in the IR text its graph was parsed from, with `message` (the error
+// message without that location); nullopt for a node built in code.
+std::optional<SourceLocated> source_of(const Node& node, std::string message);
+
+// Throws E (an Error type) about `node`: what() is `what`, which names the node and its place
+// in its own words; for a parsed node the error is a LocatedError<E> at the node's
+// FILE:LINE:COL with message `bare` (no location), so a tool prints "FILE:LINE:COL: error: bare".
+template <class E>
+[[noreturn]] void throw_at(const Node& node, const std::string& what, std::string bare) {
+  if (auto at = source_of(node, std::move(bare))) {
+    throw LocatedError<E>(what, at->file(), at->line(), at->col(), at->message());
+  }
+  throw E(what);
+}
 
 }  // namespace funcol
