@@ -222,6 +222,80 @@ struct LargePolicy {
 
 // ---- all_reduce ----
 
+// Integer sums and products wrap around (two's complement, as PyTorch's and funcol's kernels),
+// never saturate: Open MPI 4.1's AVX operators saturate i8/u8/i16 sums of 16 bytes or more.
+// Avg is the wrapped sum divided once, truncated. 64 elements take the vectorized paths.
+void integer_wraparound(Ctx& c) {
+  constexpr int64_t kCount = 64;
+  struct Case {
+    DType dtype;
+    int bits;
+    bool is_signed;
+    int64_t value;  // every rank's value; the sum and product of n ranks overflow
+  };
+  const Case cases[] = {{DType::I8, 8, true, 100},     {DType::U8, 8, false, 200},
+                        {DType::I16, 16, true, 20000}, {DType::I32, 32, true, 2000000000},
+                        {DType::I64, 64, true, int64_t{1} << 62}};
+  auto wrap = [](uint64_t v, int bits, bool is_signed) -> double {
+    if (bits < 64) v &= (uint64_t{1} << bits) - 1;
+    if (is_signed && bits < 64 && (v >> (bits - 1)) != 0) {
+      return static_cast<double>(static_cast<int64_t>(v) - (int64_t{1} << bits));
+    }
+    if (is_signed) return static_cast<double>(static_cast<int64_t>(v));
+    return static_cast<double>(v);
+  };
+  for (const Case& k : cases) {
+    uint64_t sum = 0, product = 1;
+    for (int i = 0; i < c.n; ++i) {
+      sum += static_cast<uint64_t>(k.value);
+      product *= static_cast<uint64_t>(k.value);
+    }
+    const double wrapped_sum = wrap(sum, k.bits, k.is_signed);
+    const std::pair<ReduceOp, double> expected[] = {
+        {ReduceOp::Sum, wrapped_sum},
+        {ReduceOp::Product, wrap(product, k.bits, k.is_signed)},
+        {ReduceOp::Avg, std::trunc(wrapped_sum / c.n)}};
+    for (const auto& [op, value] : expected) {
+      if (k.dtype == DType::I64 && op == ReduceOp::Avg) continue;  // not exact in a double
+      Tensor t = Tensor::full({kCount}, k.dtype, static_cast<double>(k.value));
+      c.pg.all_reduce(t, op)->wait();
+      expect_values(t, std::vector<double>(kCount, value),
+                    c.where(case_name("all_reduce", k.dtype,
+                                      (std::string(reduce_op_name(op)) + " wraps").c_str(),
+                                      kCount)));
+    }
+  }
+}
+
+// Float max and min propagate NaN whichever rank holds it (torch.maximum; MPI_MAX keeps an
+// operand depending on the order). Rank 0 has NaN at even elements, every other rank at odd.
+void nan_propagation(Ctx& c) {
+  constexpr int64_t kCount = 64;
+  for (DType dtype : {DType::F32, DType::F64, DType::F16, DType::BF16}) {
+    for (ReduceOp op : {ReduceOp::Max, ReduceOp::Min}) {
+      std::vector<double> in(kCount);
+      for (int64_t i = 0; i < kCount; ++i) {
+        const bool nan_here = c.r == 0 ? i % 2 == 0 : i % 2 == 1;
+        in[i] = nan_here ? std::nan("") : static_cast<double>(i % 7 - c.r);
+      }
+      Tensor t = make(in, {kCount}, dtype);
+      c.pg.all_reduce(t, op)->wait();
+      const std::string what = c.where(
+          case_name("all_reduce", dtype, (std::string(reduce_op_name(op)) + " nan").c_str(), kCount));
+      Tensor out = t.contiguous();
+      for (int64_t i = 0; i < kCount; ++i) {
+        const bool expect_nan = c.n > 1 || i % 2 == 0;
+        const double v = element(dtype, out.const_data_ptr(), i);
+        if (std::isnan(v) != expect_nan) {
+          fail(what + ": element " + std::to_string(i) + " is " + std::to_string(v) +
+               (expect_nan ? ", expected nan" : ", expected a number"));
+        }
+      }
+    }
+  }
+}
+
+
 void run_all_reduce(Ctx& c, DType dtype, ReduceOp op, int64_t count) {
   std::string what = c.where(case_name("all_reduce", dtype, std::string(reduce_op_name(op)).c_str(), count));
   Tensor t = make(periodic(input_table(dtype, op, c.n, c.r), 0, count), {count}, dtype);
@@ -250,6 +324,8 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
   double sum = -(c.n * (c.n - 1) / 2.0);
   expect_values(neg, std::vector<double>(3, std::trunc(sum / c.n)),
                 c.where("all_reduce(i32 full(-rank), avg) truncates toward zero"));
+  integer_wraparound(c);
+  nan_propagation(c);
 }
 
 // ---- reduce_scatter ----

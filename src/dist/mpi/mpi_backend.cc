@@ -110,11 +110,17 @@ void create_types_and_ops() {
   for (int i = 0; i < 8; ++i) MPI_Op_create(fns[i], /*commute=*/1, &g_custom_ops[i]);
 }
 
-// Predefined operators for the predefined types; funcol's kernels (f32 accumulation for
-// f16/bf16, bool semantics) through user-defined operators otherwise. Avg sums; the caller
+// Predefined operators where they compute exactly what funcol's kernels do: bitwise ops, integer
+// min and max, f32/f64 sum and product. funcol's kernels through user-defined operators for the
+// rest: f16/bf16 (accumulated in f32) and bool; integer sum and product, which must wrap around
+// (Open MPI 4.1's AVX component saturates i8/u8/i16 sums of 16 bytes or more, so results changed
+// with the buffer size and hence with bucketing); float min and max, which must propagate NaN
+// (MPI_MAX keeps one operand or the other depending on their order). Avg sums; the caller
 // divides afterwards.
 MPI_Op mpi_op(ReduceOp op, DType dtype) {
-  const bool predefined = dtype != DType::Bool && dtype != DType::F16 && dtype != DType::BF16;
+  const bool adds = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Product;
+  const bool predefined =
+      dtype == DType::F32 || dtype == DType::F64 ? adds : is_integer(dtype) && !adds;
   if (!predefined) return g_custom_ops[static_cast<int>(op == ReduceOp::Avg ? ReduceOp::Sum : op)];
   switch (op) {
     case ReduceOp::Sum:
