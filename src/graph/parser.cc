@@ -179,13 +179,13 @@ class Lexer {
   void skip_space() {
     while (p_ != end_) {
       const char c = *p_;
-      if (c == '\n') {
-        ++p_;
+      if (c == '\n' || (c == '\r' && (p_ + 1 == end_ || p_[1] != '\n'))) {
+        ++p_;  // \n, \r\n (its \r is a space) and a lone \r (classic Mac) end a line
         newline();
       } else if (c == ' ' || c == '\t' || c == '\r') {
         ++p_;
       } else if (c == '/' && p_ + 1 != end_ && p_[1] == '/') {
-        while (p_ != end_ && *p_ != '\n') ++p_;
+        while (p_ != end_ && *p_ != '\n' && *p_ != '\r') ++p_;
       } else {
         return;
       }
@@ -261,7 +261,7 @@ class Lexer {
     ++p_;
     str_.clear();
     for (;;) {
-      if (p_ == end_ || *p_ == '\n') error(t.loc, "unterminated string");
+      if (p_ == end_ || *p_ == '\n' || *p_ == '\r') error(t.loc, "unterminated string");
       const char c = *p_;
       if (c == '"') {
         ++p_;

@@ -79,6 +79,25 @@ TEST(Parser, ByteOrderMarkIsSkipped) {
   EXPECT_EQ(parse_error("graph @a() { return }\n\xEF\xBB\xBF"), "t.ir:2:1: error: unexpected byte 0xef");
 }
 
+// Lines end at \n, \r\n or a lone \r (classic Mac files): error columns and lines count alike.
+TEST(Parser, LineEndings) {
+  for (const char* eol : {"\n", "\r\n", "\r"}) {
+    SCOPED_TRACE(testing::PrintToString(std::string(eol)));
+    auto text = [&](std::initializer_list<const char*> lines) {
+      std::string t;
+      for (const char* l : lines) t += std::string(l) + eol;
+      return t;
+    };
+    EXPECT_EQ(parse_error(text({"// a comment", "graph @a(%x: f32[2]) {", "  %y = neg(%z)",
+                                "  return %y", "}"})),
+              "t.ir:3:12: error: use of undefined value %z");
+    EXPECT_EQ(parse_error(text({"graph @a(%x: f32[2]) {", "  %s = all_reduce(%x) {reduce_op = \"sum", "}"})),
+              "t.ir:2:36: error: unterminated string");
+    Module m = parse_module(text({"graph @a(%x: f32[2]) { // c", "  return %x", "}"}));
+    EXPECT_EQ(m.graphs().size(), 1u);
+  }
+}
+
 TEST(Parser, AttributeValueKinds) {
   Module m = parse_module(R"(graph @g(%x: f32[4]) {
     %a = all_reduce(%x) {group = "w\"q\\ \x41\n", reduce_op = "SUM"}
