@@ -16,6 +16,67 @@ bool is_loss_type(const Type& type) { return type.numel() == 1 && is_floating(ty
 
 namespace {
 
+// Throws when a floating `wrt` value the loss depends on got no gradient: every path from it to
+// the loss passes an op with no gradient (a bit reinterpretation, a cast to an integer dtype),
+// and a zero gradient would be silently wrong. PyTorch raises there too (the loss "does not
+// require grad"). Names the first op on such a path where the gradient stops: a result with a
+// gradient over an operand without one, or a floating operand cast to a non-floating result.
+// `order[0, end)` are the nodes up to the loss's; `grads` holds every gradient built.
+void check_reached_differentiably(const std::vector<Node*>& order, size_t end, const Value* loss,
+                                  std::span<Value* const> wrt, const std::vector<Value*>& out,
+                                  const std::unordered_map<const Value*, Value*>& grads) {
+  // What the loss depends on, any dtype (a coalesced op's result i depends on operand i alone).
+  std::unordered_set<const Value*> ancestors{loss};
+  for (size_t k = end; k-- > 0;) {
+    const Node* n = order[k];
+    const bool per_operand = n->op().results == ResultArity::PerOperand;
+    for (size_t r = 0; r < n->num_results(); ++r) {
+      if (!ancestors.count(n->result(r))) continue;
+      if (per_operand) {
+        ancestors.insert(n->operand(r));
+      } else {
+        for (const Value* v : n->operands()) ancestors.insert(v);
+      }
+    }
+  }
+  for (size_t i = 0; i < wrt.size(); ++i) {
+    const Value* v = wrt[i];
+    if (out[i] || !is_floating(v->dtype()) || !ancestors.count(v) || v == loss) continue;
+    const std::string what = fmt::format(
+        "autodiff: {} reaches the loss only through ops with no gradient, so its gradient would "
+        "be zero",
+        v->ref());
+    std::unordered_set<const Value*> reached{v};
+    for (size_t k = 0; k < end; ++k) {
+      const Node* n = order[k];
+      const bool per_operand = n->op().results == ResultArity::PerOperand;
+      for (size_t j = 0; j < n->num_results(); ++j) {
+        const Value* from = nullptr;  // a reached operand of result j without a gradient
+        for (size_t o = 0; o < n->num_operands(); ++o) {
+          const Value* x = n->operand(o);
+          if ((per_operand && o != j) || !reached.count(x) || grads.count(x)) continue;
+          if (!from || is_floating(x->dtype())) from = x;
+        }
+        if (!from) continue;
+        const Value* r = n->result(j);
+        reached.insert(r);
+        const bool stops = grads.count(r) != 0 || (is_floating(from->dtype()) &&
+                                                   !is_floating(r->dtype()) && ancestors.count(r));
+        if (!stops) continue;
+        detail::throw_grad_error(*n, [&](const std::string& where) {
+          return fmt::format("{}: it stops at {} of {} to {} ({}){}", what, n->op_name(),
+                             dtype_name(from->dtype()), dtype_name(r->dtype()), where,
+                             n->op_name() == "view_dtype"
+                                 ? "; bucket-all-gather{mode=multidtype} packs bytes this way: "
+                                   "run autodiff before it"
+                                 : "");
+        });
+      }
+    }
+    throw InvalidArgument(what);
+  }
+}
+
 // append_backward without the clean-up on failure.
 std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
                                           std::span<Value* const> wrt) {
@@ -104,6 +165,7 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
     auto it = grads.find(v);
     out.push_back(it == grads.end() ? nullptr : it->second);
   }
+  check_reached_differentiably(order, end, loss, wrt, out, grads);
   // Rules emit gradients for every operand; drop the appended nodes nothing uses (gradients of
   // operands that need none), never collectives or waits, nor the returned gradients.
   const Node* forward_last = order.empty() ? nullptr : order.back();

@@ -183,15 +183,44 @@ TEST(Autodiff, ConvertElementTypeGradientGoesBackToTheInputDtype) {
   EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "convert_element_type");
 }
 
+// view_dtype has no gradient. An input that reaches the loss only through one would get a
+// silently wrong zero gradient: that is an error naming where the gradient stops (PyTorch: the
+// loss "does not require grad"); a path around it still gives that path's gradient.
 TEST(Autodiff, ViewDtypeStopsTheGradient) {
-  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%x: f32[4]) {
+  std::unique_ptr<Graph> only = parse_graph(R"(graph @g(%x: f32[4]) {
     %v = view_dtype(%x) {dtype = i32}
     %f = view_dtype(%v) {dtype = f32}
     %l = sum(%f)
     return %l
   })");
-  const Graph joint = build_joint_graph(*fwd, {0});
-  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "zeros");
+  try {
+    (void)build_joint_graph(*only, {0});
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(),
+                 "autodiff: %x reaches the loss only through ops with no gradient, so its "
+                 "gradient would be zero: it stops at view_dtype of f32 to i32 (node %v at "
+                 "<input>:2:5); bucket-all-gather{mode=multidtype} packs bytes this way: run "
+                 "autodiff before it");
+  }
+  // f64 -> f32 keeps a floating dtype, and the gradient still stops there.
+  std::unique_ptr<Graph> floats = parse_graph(R"(graph @g(%x: f64[2]) {
+    %f = view_dtype(%x) {dtype = f32}
+    %l = sum(%f)
+    return %l
+  })");
+  EXPECT_THROW((void)build_joint_graph(*floats, {0}), InvalidArgument);
+
+  std::unique_ptr<Graph> around = parse_graph(R"(graph @g(%x: f32[4]) {
+    %v = view_dtype(%x) {dtype = i32}
+    %f = view_dtype(%v) {dtype = f32}
+    %s = add(%f, %x)
+    %l = sum(%s)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*around, {0});
+  EXPECT_EQ(joint.outputs()[1]->type().str(), "f32[4]");
+  EXPECT_NE(joint.outputs()[1]->node()->op_name(), "zeros");
 }
 
 TEST(Autodiff, Errors) {
