@@ -23,6 +23,9 @@ struct GradTape::State {
   std::unique_ptr<Graph> graph = std::make_unique<Graph>("tape");
   // Looked up by value, never iterated (so pointer keys do not make anything nondeterministic).
   std::unordered_map<const Value*, Tensor> values;
+  // The storage version (Storage::version) of each value's tensor when a recorded op last used
+  // or produced it; backward refuses values written since. Looked up only.
+  std::unordered_map<const Value*, uint64_t> versions;
   std::vector<Value*> leaves;
   std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
 };
@@ -88,10 +91,13 @@ Tensor untracked(const Tensor& t) {
   return u;
 }
 
+uint64_t version_of(const Tensor& t) { return t.storage() ? t.storage()->version() : 0; }
+
 // Stores `t` as the eager tensor of `value` and returns it annotated as tracked.
 Tensor track(const std::shared_ptr<State>& state, Value* value, const Tensor& t) {
   const Tensor plain = untracked(t);
   state->values.insert_or_assign(value, plain);
+  state->versions.insert_or_assign(value, version_of(plain));
   Tensor out = plain;
   out.set_annotation(std::shared_ptr<TapeRef>(new TapeRef{state, value}, TapeRefDeleter{}));
   return out;
@@ -122,11 +128,13 @@ std::vector<Tensor> record(const std::shared_ptr<State>& state, std::string_view
     Tracked tr = tracked(t);
     if (tr.state == state) {
       values.push_back(tr.value);
+      state->versions.insert_or_assign(tr.value, version_of(t));
       continue;
     }
     // An untracked operand: a constant input of the recorded graph.
     Value* c = g.add_input(g.fresh_name("c"), Type(t.dtype(), t.sizes()));
     state->values.emplace(c, t);
+    state->versions.emplace(c, version_of(t));
     values.push_back(c);
   }
   Builder b(g);
@@ -286,6 +294,24 @@ void GradTape::backward(const Tensor& loss) {
   Node* mark = g.last_node();
   try {
     const std::vector<Value*> grads = append_backward(g, tr.value, s.leaves);
+    // The recorded values the gradient rules read must hold what they held when recorded
+    // (PyTorch: "one of the variables needed for gradient computation has been modified by an
+    // inplace operation").
+    for (Node* n = mark ? mark->next() : g.first_node(); n; n = n->next()) {
+      for (const Value* v : n->operands()) {
+        auto it = s.values.find(v);
+        if (it == s.values.end()) continue;
+        const uint64_t now = version_of(it->second);
+        const uint64_t then = s.versions.at(v);
+        if (now != then) {
+          throw InvalidArgument(fmt::format(
+              "backward: {} ({}), a value the gradient needs, was written in place after it "
+              "was recorded (version {}, recorded at {}): record the computation again, or "
+              "write to a copy",
+              v->ref(), v->type().str(), now, then));
+        }
+      }
+    }
     std::unordered_map<const Value*, Tensor> env;  // backward values; looked up only
     auto get = [&](const Value* v) -> const Tensor& {
       auto it = env.find(v);

@@ -283,6 +283,63 @@ TEST(EagerAutograd, ReluGradientSelectsLikePyTorch) {
   EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{0, 3, 4, 0}));
 }
 
+// A value the gradient needs, written in place between forward and backward, fails the backward
+// (PyTorch's version check) instead of giving a gradient of the new values; writes to values the
+// gradient does not read, and a leaf updated between two recorded steps, are fine.
+TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
+  auto error_of = [](const std::function<void()>& fn) -> std::string {
+    try {
+      fn();
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  {
+    GradTape tape;
+    const Tensor w = tape.requires_grad(Tensor::from_vector<double>({1, 2, 3}, {3}));
+    const Tensor y = tape.call_one("mul", std::vector<Tensor>{w, w});
+    const Tensor l = tape.call_one("sum", std::vector<Tensor>{y});
+    w.copy_(Tensor::from_vector<double>({10, 20, 30}, {3}));
+    EXPECT_EQ(error_of([&] { tape.backward(l); }),
+              "backward: %x (f64[3]), a value the gradient needs, was written in place after it "
+              "was recorded (version 1, recorded at 0): record the computation again, or write "
+              "to a copy");
+  }
+  {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::from_vector<double>({-1, 2}, {2}));
+    const Tensor r = tape.call_one("relu", std::vector<Tensor>{x});
+    const Tensor l = tape.call_one("sum", std::vector<Tensor>{r});
+    r.fill_(0.0);  // relu's gradient reads its output
+    EXPECT_NE(error_of([&] { tape.backward(l); }).find("was written in place"), std::string::npos);
+  }
+  {
+    GradTape tape;  // add's gradient reads neither operand
+    const Tensor x = tape.requires_grad(Tensor::from_vector<double>({1, 2}, {2}));
+    const Tensor c = Tensor::from_vector<double>({5, 5}, {2});
+    const Tensor y = tape.call_one("add", std::vector<Tensor>{x, c});
+    const Tensor l = tape.call_one("sum", std::vector<Tensor>{y});
+    c.fill_(7.0);
+    tape.backward(l);
+    EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{1, 1}));
+  }
+  {
+    GradTape tape;  // one tape over two steps, the leaf updated in place in between
+    const Tensor w = tape.requires_grad(Tensor::from_vector<double>({1, 2}, {2}));
+    auto step = [&] {
+      const Tensor y = tape.call_one("mul", std::vector<Tensor>{w, w});
+      const Tensor l = tape.call_one("sum", std::vector<Tensor>{y});
+      tape.zero_grad();
+      tape.backward(l);
+      return tape.grad(w).to_vector<double>();
+    };
+    EXPECT_EQ(step(), (std::vector<double>{2, 4}));
+    w.copy_(Tensor::from_vector<double>({3, 4}, {2}));
+    EXPECT_EQ(step(), (std::vector<double>{6, 8}));
+  }
+}
+
 // div's gradient for the divisor is PyTorch's -grad * ((a / b) / b): the old -(grad * out) / b
 // overflowed f16 where PyTorch's order does not (300 * 300 > 65504).
 TEST(EagerAutograd, DivisorGradientInPyTorchsOrder) {

@@ -509,6 +509,7 @@ void Storage::add_reader(std::shared_ptr<Waitable> work) {
 }
 
 void Storage::wait_for_write() {
+  version_.fetch_add(1, std::memory_order_acq_rel);
   if (has_readers_.load(std::memory_order_acquire)) {
     drain(mu_, readers_, has_readers_, /*failures_stay=*/false);
   }

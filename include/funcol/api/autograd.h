@@ -28,7 +28,8 @@ namespace funcol {
 // One tape per rank (thread); every rank must record the same ops in the same order, since the
 // backward collectives are issued in the order of the recorded graph. Tensors stay tracked as
 // long as the tape lives; a tensor of a destroyed tape counts as untracked. Tensor methods
-// (t.view(...)) are not recorded: use call().
+// (t.view(...)) are not recorded: use call(). The tape keeps everything it recorded and each
+// backward walks all of it: record each training step on a tape of its own.
 class GradTape {
  public:
   GradTape();
@@ -53,8 +54,9 @@ class GradTape {
   // Adds d loss / d leaf to grad(leaf) for every leaf. `loss` must be a tracked scalar of a
   // floating dtype. Errors when backward runs (InvalidArgument, the graph left unchanged): a
   // non-sum all_reduce / reduce_scatter on the way ("all_reduce backward only supports 'sum'
-  // reduction, got 'max' (node %ar)"), broadcast, an op without a rule. May be called again
-  // (gradients accumulate, as in PyTorch).
+  // reduction, got 'max' (node %ar)"), broadcast, an op without a rule, a value the gradient
+  // reads that was written in place since it was recorded (Storage::version, PyTorch's
+  // version check). May be called again (gradients accumulate, as in PyTorch).
   void backward(const Tensor& loss);
 
   // The accumulated gradient of `leaf` (a tensor requires_grad() returned), zeros of its type

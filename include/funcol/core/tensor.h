@@ -61,9 +61,15 @@ class Storage {
   // not the storage's. Attaching the one attached last again is a no-op.
   void add_reader(std::shared_ptr<Waitable> work);
   // Waits for the attached readers (ignoring their failures), then as wait(): before a write.
+  // Counts the write in version().
   void wait_for_write();
   // Number of attached readers not yet waited.
   size_t reader_count() const;
+  // How many writes were announced through wait_for_write: every write path calls it
+  // (data_ptr(), fill_, copy_'s destination, kernel outputs, collective outputs when issued),
+  // no read does. The autograd tape compares it to catch an in-place change of a value that
+  // backward needs, as PyTorch's version counter.
+  uint64_t version() const { return version_.load(std::memory_order_acquire); }
 
  private:
   static constexpr size_t kPruneReadersAt = 16;  // add_reader's first pruning size
@@ -72,6 +78,7 @@ class Storage {
   size_t nbytes_ = 0;
   std::atomic<bool> has_pending_{false};
   std::atomic<bool> has_readers_{false};
+  std::atomic<uint64_t> version_{0};
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<Waitable>> pending_;
   std::vector<std::shared_ptr<Waitable>> readers_;
