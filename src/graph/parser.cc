@@ -114,6 +114,7 @@ class Lexer {
         ++p_;
         const char* name = p_;
         while (p_ != end_ && is_name_char(*p_)) ++p_;
+        check_name_end(start);
         if (p_ == name) {
           error(t.loc, c == '%' ? "expected a value name after '%'" : "expected a graph name after '@'");
         }
@@ -150,6 +151,7 @@ class Lexer {
     }
     if (is_ident_start(c)) {
       while (p_ != end_ && is_name_char(*p_)) ++p_;
+      check_name_end(start);
       t.kind = Tok::Ident;
       t.text = std::string_view(start, static_cast<size_t>(p_ - start));
       return t;
@@ -166,6 +168,19 @@ class Lexer {
   uint32_t line_;
   const std::string* file_;
   std::string str_;
+
+  // A name followed at once by a non-ASCII byte (UTF-8 "n\xc3\xa9g") is not two tokens: the
+  // name would otherwise end before the byte and the error name only its ASCII prefix.
+  void check_name_end(const char* start) const {
+    if (p_ == end_ || static_cast<unsigned char>(*p_) < 0x80) return;
+    const char* word_end = p_;
+    auto in_word = [](char c) { return is_name_char(c) || static_cast<unsigned char>(c) >= 0x80; };
+    while (word_end != end_ && in_word(*word_end)) ++word_end;
+    const std::string_view word(start, static_cast<size_t>(word_end - start));
+    error(here(), fmt::format("unexpected byte 0x{:02x} in '{}' (names are ASCII letters, "
+                              "digits, '_' and '.')",
+                              static_cast<unsigned char>(*p_), excerpt(word)));
+  }
 
   SourceLoc here() const {
     return SourceLoc{line_, static_cast<uint32_t>(p_ - line_start_) + 1};

@@ -79,6 +79,16 @@ TEST(Parser, ByteOrderMarkIsSkipped) {
   EXPECT_EQ(parse_error("graph @a() { return }\n\xEF\xBB\xBF"), "t.ir:2:1: error: unexpected byte 0xef");
 }
 
+// A name running into non-ASCII bytes is one bad word, not an ASCII name and a stray byte.
+TEST(ParserErrors, NonAsciiInNames) {
+  EXPECT_EQ(parse_error("graph @a(%x: f32[2]) {\n  %y = n\xc3\xa9g(%x)\n  return %y\n}\n"),
+            "t.ir:2:9: error: unexpected byte 0xc3 in 'n\\xc3\\xa9g' (names are ASCII letters, "
+            "digits, '_' and '.')");
+  EXPECT_EQ(parse_error("graph @a(%x\xc3\xa9: f32[2]) {\n  return %x\n}\n"),
+            "t.ir:1:12: error: unexpected byte 0xc3 in '%x\\xc3\\xa9' (names are ASCII letters, "
+            "digits, '_' and '.')");
+}
+
 // Lines end at \n, \r\n or a lone \r (classic Mac files): error columns and lines count alike.
 TEST(Parser, LineEndings) {
   for (const char* eol : {"\n", "\r\n", "\r"}) {
