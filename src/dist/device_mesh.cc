@@ -8,6 +8,8 @@
 
 #include "checks.h"
 #include "funcol/core/error.h"
+#include "funcol/core/tensor.h"
+#include "funcol/dist/work.h"
 
 namespace funcol {
 
@@ -17,6 +19,19 @@ std::string describe_dims(const std::vector<std::pair<std::string, int>>& dims) 
   std::vector<std::string> parts;
   for (const auto& [name, size] : dims) parts.push_back(fmt::format("{}={}", name, size));
   return fmt::format("{}", fmt::join(parts, " x "));
+}
+
+// The registry names of a dim's groups: the dim's name, then "tp.2", "tp.3", ...
+std::string dim_group_name(const std::string& dim, int k) {
+  return k == 1 ? dim : fmt::format("{}.{}", dim, k);
+}
+
+// Whether every rank of `group` holds the same `value` (one small all_reduce of max and -min).
+bool same_on_every_rank(ProcessGroup& group, int64_t value) {
+  Tensor t = Tensor::from_vector<int64_t>({value, -value}, {2});
+  group.all_reduce(t, ReduceOp::Max)->wait();
+  const std::vector<int64_t> v = t.to_vector<int64_t>();
+  return v[0] == -v[1];
 }
 
 }  // namespace
@@ -62,15 +77,30 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
       if (std::find(list.begin(), list.end(), ranks_[parent.rank()]) != list.end()) mine = list;
       lists.push_back(std::move(list));
     }
-    // A mesh of the same shape built again reuses its groups (every rank sees the same
-    // registry history, so every rank takes the same branch).
+    // A mesh of the same shape built again reuses its groups; a dim name an earlier mesh gave
+    // to groups of other ranks names the new ones "tp.2", "tp.3", ... The ranks decide
+    // together: registries differ between ranks once some built meshes over subgroups, and a
+    // rank reusing a group while another splits would leave the split waiting.
     const std::string& name = dims[d].first;
-    auto existing = parent.registry().find(name);
-    if (existing && existing->global_ranks() == mine) {
-      groups_.push_back(existing);
-    } else {
-      groups_.push_back(parent.split_group(lists, name));
+    int reuse = 0;  // k of this rank's registered group for this dim with exactly `mine`
+    for (int k = 1;; ++k) {
+      auto g = parent.registry().find(dim_group_name(name, k));
+      if (!g) break;
+      if (g->global_ranks() == mine) {
+        reuse = k;
+        break;
+      }
     }
+    if (same_on_every_rank(parent, reuse) && reuse != 0) {
+      groups_.push_back(parent.registry().find(dim_group_name(name, reuse)));
+      continue;
+    }
+    int k = 1;  // the first name free on every rank
+    for (;; ++k) {
+      const bool free = parent.registry().find(dim_group_name(name, k)) == nullptr;
+      if (same_on_every_rank(parent, free ? 1 : 0) && free) break;
+    }
+    groups_.push_back(parent.split_group(lists, dim_group_name(name, k)));
   }
 }
 

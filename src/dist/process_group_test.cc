@@ -202,6 +202,36 @@ TEST(DeviceMeshTest, MeshOverASubgroup) {
   });
 }
 
+// A second mesh may name a dim as an earlier one did over other ranks (as PyTorch's meshes, whose
+// dim names are their own): its group is registered as "tp.2". The ranks decide together, also
+// when only some of them built a mesh over a subgroup before (a rank reusing its group while
+// the others split used to leave the split waiting for it).
+TEST(DeviceMeshTest, DimNamesCanBeReusedByAnotherShape) {
+  run_ranks(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    DeviceMesh a(world, {{"dp", 2}, {"tp", 2}});
+    DeviceMesh b(world, {{"tp", 2}, {"dp", 2}});
+    EXPECT_EQ(a.group("tp")->name(), "tp");
+    EXPECT_EQ(b.group("tp")->name(), "tp.2");
+    EXPECT_EQ(b.group("tp")->global_ranks(), (std::vector<int>{r % 2, r % 2 + 2}));
+    EXPECT_EQ(world.registry().get("tp"), a.group("tp"));
+    Tensor t = Tensor::full({2}, DType::I32, r);
+    b.group("tp")->all_reduce(t, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.to_vector<int>(), std::vector<int>(2, 2 * (r % 2) + 2));
+    DeviceMesh b_again(world, {{"tp", 2}, {"dp", 2}});
+    EXPECT_EQ(b_again.group("dp"), b.group("dp"));
+  });
+  run_ranks(4, [](ProcessGroup& world) {
+    if (auto pair = new_group(world, {0, 1}, "pair")) DeviceMesh sub(*pair, {{"tp", 2}});
+    DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+    const int r = world.rank();
+    EXPECT_EQ(mesh.group("tp")->global_ranks(), (std::vector<int>{r - r % 2, r - r % 2 + 1}));
+    Tensor t = Tensor::full({1}, DType::I32, r);
+    mesh.group("tp")->all_reduce(t, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.item<int>(), 2 * (r - r % 2) + 1);
+  });
+}
+
 TEST(DeviceMeshTest, RejectsBadDims) {
   run_ranks(4, [](ProcessGroup& world) {
     expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"dp", 2}, {"tp", 3}}); },

@@ -12,7 +12,9 @@ namespace funcol {
 
 // An n-D mesh over a parent group's ranks, row-major: for dp=2,tp=2 over 4 ranks, rank
 // r = dp_index * 2 + tp_index. Constructing it is collective over the parent: it creates one
-// group per dim (this rank's slice along that dim) and registers it under the dim's name.
+// group per dim (this rank's slice along that dim) and registers it under the dim's name, or
+// "tp.2", "tp.3", ... when an earlier mesh gave that name to groups of other ranks (group(name)
+// takes the dim's name either way). A mesh of the same shape built again reuses its groups.
 class DeviceMesh {
  public:
   // dims: (name, size) pairs; the product must equal parent.size(); names must be unique.
