@@ -393,7 +393,20 @@ using StorageOf = std::conditional_t<std::is_same_v<T, bool>, BoolByte, T>;
 // ---------------------------------------------------------------------------------------------
 // Storage
 
-Storage::Storage(size_t nbytes) : data_(allocate_storage(nbytes)), nbytes_(nbytes) {}
+namespace {
+
+// funcol::Error is the base of every error the library throws: a failed allocation too.
+void* allocate_or_throw(size_t nbytes) {
+  try {
+    return allocate_storage(nbytes);
+  } catch (const std::bad_alloc&) {
+    throw Error(fmt::format("out of memory: cannot allocate {} bytes", nbytes));
+  }
+}
+
+}  // namespace
+
+Storage::Storage(size_t nbytes) : data_(allocate_or_throw(nbytes)), nbytes_(nbytes) {}
 
 Storage::~Storage() { free_storage(data_, nbytes_); }
 
@@ -561,6 +574,9 @@ Tensor Tensor::full_integer(const Shape& shape, DType dtype, int64_t value) {
 
 Tensor Tensor::arange(int64_t n, DType dtype) {
   if (n < 0) throw InvalidArgument(fmt::format("arange: n must be non-negative, got {}", n));
+  if (dtype == DType::Bool && n > 2) {  // fill_ makes any non-zero true; a range cannot
+    throw InvalidArgument(fmt::format("arange: {} values do not fit bool (0 and 1 only)", n));
+  }
   if (n > 1) check_value_fits(dtype, n - 1, "arange");
   Tensor t = empty({n}, dtype);
   dispatch(dtype, [&](auto tag) {
@@ -892,7 +908,7 @@ std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
     // torch.chunk: an empty dim still gives `chunks` (empty) pieces.
     return split_with_sizes(std::vector<int64_t>(static_cast<size_t>(chunks), 0), d);
   }
-  return split((size + chunks - 1) / chunks, d);
+  return split(size / chunks + (size % chunks != 0 ? 1 : 0), d);  // ceil, without overflow
 }
 
 Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {

@@ -70,6 +70,15 @@ TEST(DType, ReduceOps) {
   EXPECT_NE(msg.find("f16"), std::string::npos) << msg;
 }
 
+// A failed allocation is a funcol::Error too (DESIGN section 4), not a bare std::bad_alloc.
+TEST(Error, OutOfMemoryIsAnError) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer allocators abort on a 128 TiB request instead of throwing bad_alloc";
+#endif
+  const std::string msg = error_of<Error>([] { Tensor::zeros({int64_t{1} << 45}, DType::F32); });
+  EXPECT_EQ(msg, "out of memory: cannot allocate 140737488355328 bytes");
+}
+
 TEST(Error, CheckThrowsInternalError) {
   EXPECT_THROW(FUNCOL_CHECK(1 + 1 == 3, "math"), InternalError);
   EXPECT_NO_THROW(FUNCOL_CHECK(true));
@@ -154,11 +163,17 @@ TEST(Factories, EmptyZerosFullEveryDType) {
 TEST(Factories, ArangeEveryDType) {
   for (DType d : kAllDTypes) {
     SCOPED_TRACE(std::string(dtype_name(d)));
+    if (d == DType::Bool) {
+      // Only 0 and 1 fit: a longer range is refused (PyTorch refuses bool ranges altogether)
+      // instead of saturating to [0, 1, 1, 1, 1].
+      EXPECT_EQ(Tensor::arange(2, d).to_vector<int64_t>(), (std::vector<int64_t>{0, 1}));
+      EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::arange(5, DType::Bool); }),
+                "arange: 5 values do not fit bool (0 and 1 only)");
+      continue;
+    }
     Tensor t = Tensor::arange(5, d);
     EXPECT_EQ(t.sizes(), (Shape{5}));
-    std::vector<int64_t> want = {0, 1, 2, 3, 4};
-    if (d == DType::Bool) want = {0, 1, 1, 1, 1};
-    EXPECT_EQ(t.to_vector<int64_t>(), want);
+    EXPECT_EQ(t.to_vector<int64_t>(), (std::vector<int64_t>{0, 1, 2, 3, 4}));
   }
   EXPECT_EQ(Tensor::arange(0, DType::F32).numel(), 0);
   EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::arange(-1, DType::F32); }),
@@ -601,6 +616,7 @@ TEST(Views, SplitAndChunk) {
   EXPECT_EQ(sizes_of(iota({5}).chunk(3)), (std::vector<Shape>{{2}, {2}, {1}}));
   EXPECT_EQ(sizes_of(iota({5}).chunk(5)), (std::vector<Shape>{{1}, {1}, {1}, {1}, {1}}));
   EXPECT_EQ(sizes_of(iota({2}).chunk(5)), (std::vector<Shape>{{1}, {1}}));
+  EXPECT_EQ(iota({24}).chunk(std::numeric_limits<int64_t>::max()).size(), 24u);  // no overflow
   EXPECT_EQ(sizes_of(Tensor::zeros({0}, DType::F32).chunk(3)), (std::vector<Shape>{{0}, {0}, {0}}));
   EXPECT_EQ(sizes_of(t.chunk(2, -1)), (std::vector<Shape>{{6, 1}, {6, 1}}));
   EXPECT_EQ(t.chunk(2, 1)[1].to_vector<int>(), (std::vector<int>{1, 3, 5, 7, 9, 11}));
