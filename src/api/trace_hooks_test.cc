@@ -232,7 +232,7 @@ std::vector<Tensor> inplace_remaps(std::span<const Tensor> in) {
   Tensor exchanged = ops::zeros({4}, DType::I32);
   all_to_all_inplace(exchanged, in[1], std::nullopt, std::nullopt, "world");
   std::vector<Tensor> list;
-  for (int r = 0; r < 4; ++r) list.push_back(ops::zeros({}, DType::I32));
+  for (int r = 0; r < 4; ++r) list.push_back(ops::zeros({}, DType::I64));
   all_gather_inplace(list, ops::sum(in[1]), "world");
   std::vector<Tensor> out = {x, alias, gathered, scattered, exchanged};
   out.insert(out.end(), list.begin(), list.end());

@@ -523,12 +523,11 @@ std::vector<bool> reduced_dims(const Tensor& a, const std::vector<int64_t>& dims
 }
 
 // Accumulator of sum / mean / mse_loss: f16/bf16 in f32, f32/f64 in f64, integers wrap in
-// their own width (computed in uint64, exact modulo 2^bits), bool as "any".
+// 64 bits (uint64, exact modulo 2^64; sum writes i64, as torch.sum), bool as a count.
 template <typename S>
 using SumAccOf = std::conditional_t<
     kIsLowFloat<S>, float,
-    std::conditional_t<std::is_floating_point_v<S>, double,
-                       std::conditional_t<std::is_same_v<S, BoolByte>, uint8_t, uint64_t>>>;
+    std::conditional_t<std::is_floating_point_v<S>, double, uint64_t>>;
 
 Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool keepdim, bool mean,
                    const char* what) {
@@ -558,7 +557,8 @@ Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool ke
   for (size_t d = 0; d < sizes.size(); ++d) {
     if (reduce[d]) out_strides[d] = 0;
   }
-  Tensor out = Tensor::empty(out_shape, a.dtype());
+  // As torch.sum: integers and bool sum into i64.
+  Tensor out = Tensor::empty(out_shape, is_floating(a.dtype()) ? a.dtype() : DType::I64);
   const Shape in_strides = contiguous_strides(sizes);
   dispatch(a.dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
@@ -572,7 +572,7 @@ Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool ke
             Acc& dst = acc[static_cast<size_t>(off[1] + i * inner[1])];
             const S v = pa[off[0] + i * inner[0]];
             if constexpr (std::is_same_v<S, BoolByte>) {
-              dst = static_cast<uint8_t>(dst | (v.v != 0 ? 1 : 0));
+              dst += v.v != 0 ? 1 : 0;
             } else if constexpr (std::is_same_v<Acc, uint64_t>) {
               dst += static_cast<uint64_t>(static_cast<int64_t>(v));
             } else {
@@ -580,14 +580,13 @@ Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool ke
             }
           }
         });
-    S* po = static_cast<S*>(out.data_ptr());
-    for (size_t i = 0; i < acc.size(); ++i) {
-      if constexpr (std::is_same_v<Acc, uint64_t>) {
-        po[i] = static_cast<S>(acc[i]);
-      } else if constexpr (std::is_floating_point_v<Acc>) {
+    if constexpr (std::is_same_v<Acc, uint64_t>) {
+      auto* po = static_cast<int64_t*>(out.data_ptr());  // wraps modulo 2^64, as torch.sum
+      for (size_t i = 0; i < acc.size(); ++i) po[i] = static_cast<int64_t>(acc[i]);
+    } else {
+      S* po = static_cast<S*>(out.data_ptr());
+      for (size_t i = 0; i < acc.size(); ++i) {
         po[i] = cvt<S>(mean ? acc[i] / static_cast<Acc>(count) : acc[i]);
-      } else {
-        po[i] = cvt<S>(acc[i]);
       }
     }
   });

@@ -592,9 +592,15 @@ TEST(Reductions, SumAndMeanOverDims) {
   EXPECT_EQ(sum(t.transpose(0, 2), {0}, false).to_vector<float>(),
             sum(t, {2}, false).transpose(0, 1).contiguous().to_vector<float>());
   EXPECT_EQ(sum(Tensor::arange(5, DType::I32), {0}, false).item<int>(), 10);
-  EXPECT_EQ(sum(Tensor::full({300}, DType::I8, 1), {}, false).item<int>(),
-            static_cast<int8_t>(300 - 256));
-  EXPECT_EQ(sum(Tensor::from_vector<bool>({false, true}), {}, false).item<bool>(), true);
+  // As torch.sum: integers and bool sum into i64 (no i8 wraparound; bool counts).
+  const Tensor s8 = sum(Tensor::full({300}, DType::I8, 1), {}, false);
+  EXPECT_EQ(s8.dtype(), DType::I64);
+  EXPECT_EQ(s8.item<int64_t>(), 300);
+  EXPECT_EQ(sum(Tensor::full({2}, DType::I32, 2147483647), {}, false).item<int64_t>(),
+            int64_t{4294967294});
+  const Tensor sb = sum(Tensor::from_vector<bool>({true, false, true, true}), {}, false);
+  EXPECT_EQ(sb.dtype(), DType::I64);
+  EXPECT_EQ(sb.item<int64_t>(), 3);
   EXPECT_TRUE(std::isnan(mean(Tensor::zeros({0}, DType::F32), {}, false).item<float>()));
   EXPECT_EQ(sum(Tensor::zeros({0, 3}, DType::F32), {0}, false).to_vector<float>(),
             std::vector<float>(3, 0.f));

@@ -518,11 +518,7 @@ Tensors kernel_matmul(TIn in, const AttrList&) { return {matmul(in[0], in[1])}; 
 
 Types infer_reduction(In in, const AttrList& a, bool is_mean) {
   const Type& t = in[0];
-  if (is_mean) {
-    require_floating(t);
-  } else {
-    require_not_bool(t);
-  }
+  if (is_mean) require_floating(t);
   const auto& dims = a.get_ints("dims");
   const bool keepdim = a.get_bool("keepdim");
   std::vector<bool> reduced(static_cast<size_t>(t.rank()), dims.empty());
@@ -540,7 +536,8 @@ Types infer_reduction(In in, const AttrList& a, bool is_mean) {
       s.push_back(1);
     }
   }
-  return {Type(t.dtype, std::move(s))};
+  // As torch.sum: integers and bool sum into i64.
+  return {Type(is_floating(t.dtype) ? t.dtype : DType::I64, std::move(s))};
 }
 Types infer_sum(In in, const AttrList& a) { return infer_reduction(in, a, false); }
 Types infer_mean(In in, const AttrList& a) { return infer_reduction(in, a, true); }

@@ -291,7 +291,8 @@ TEST(ShapeInference, Math) {
   EXPECT_EQ(infer_error<ShapeError>("matmul", {f32({3}), f32({3, 1})}), "matmul: operands must be 2-D, got [3] and [3,1]");
   EXPECT_EQ(infer1("sum", {f32({2, 3, 4})}, {{"dims", {0, -1}}}), f32({3}));
   EXPECT_EQ(infer1("sum", {f32({2, 3, 4})}, {{"dims", {1}}, {"keepdim", true}}), f32({2, 1, 4}));
-  EXPECT_EQ(infer1("sum", {Type(DType::I32, {2, 3})}), Type(DType::I32, {}));
+  EXPECT_EQ(infer1("sum", {Type(DType::I32, {2, 3})}), Type(DType::I64, {}));  // as torch.sum
+  EXPECT_EQ(infer1("sum", {Type(DType::Bool, {2, 3})}, {{"dims", {1}}}), Type(DType::I64, {2}));
   EXPECT_EQ(infer1("mean", {f32({})}, {{"dims", {0}}}), f32({}));
   EXPECT_EQ(infer_error<ShapeError>("sum", {f32({2, 3})}, {{"dims", {1, -1}}}), "sum: dim 1 appears twice in dims [1,-1]");
   EXPECT_EQ(infer_error<InvalidArgument>("mean", {Type(DType::I64, {2})}),
