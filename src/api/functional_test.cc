@@ -1105,6 +1105,10 @@ TEST(GroupSpecTest, ListsOfRankLists) {
           HasSubstr("rank " + std::to_string(r) + " is not in any of the rank lists [[0, 1]]"));
     } else {
       EXPECT_EQ(&GroupSpec(Lists{{0, 1}}).resolve(), &g);
+      // A group that does not exist yet cannot be created by the listed ranks alone: an error
+      // at once, not a wait for ranks 2 and 3 in the world's split.
+      EXPECT_THAT(error_of([] { GroupSpec(Lists{{0}, {1}}).resolve(); }),
+                  HasSubstr("the rank lists [[0], [1]] leave out ranks [2, 3] of the world"));
     }
   });
 }

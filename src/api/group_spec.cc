@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dist/checks.h"
 #include "funcol/api/functional.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -99,10 +100,28 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   if (mine == nullptr) {
     throw InvalidArgument(fmt::format("rank {} is not in any of the rank lists {}", me, lists));
   }
-  if (auto group = world.registry().find_by_ranks(*mine)) return *group;
-  // Collective over the world: every rank splits with the same lists and the same fresh name.
-  std::shared_ptr<ProcessGroup> group =
-      world.split_group(sorted, world.registry().next_group_name());
+  std::shared_ptr<ProcessGroup> existing = world.registry().find_by_ranks(*mine);
+  if (static_cast<int>(seen.size()) != world.size()) {
+    // Only the listed ranks call: they may use groups that exist (as the seed), but creating
+    // groups is collective over the world, and the ranks left out never join it. Fail at once
+    // rather than wait for them.
+    if (existing) return *existing;
+    std::vector<int> missing;
+    for (int r = 0; r < world.size(); ++r) {
+      if (!seen.count(r)) missing.push_back(r);
+    }
+    throw InvalidArgument(fmt::format(
+        "the rank lists {} leave out ranks {} of the world: their groups do not exist yet, and "
+        "creating them is collective over the whole world (pass a partition of it)",
+        lists, missing));
+  }
+  // A partition: every rank calls. The ranks reuse their groups only when every rank has one
+  // (registries differ: a group is registered on its members only), else every rank splits
+  // with the same lists and the same fresh name.
+  if (dist_detail::same_on_every_rank(world, existing ? 1 : 0) && existing) return *existing;
+  const std::string name = dist_detail::first_free_name(
+      world, [&](int) { return world.registry().next_group_name(); });
+  std::shared_ptr<ProcessGroup> group = world.split_group(sorted, name);
   FUNCOL_CHECK(group != nullptr, "split_group returned null on a member rank");
   return *group;
 }

@@ -369,11 +369,7 @@ std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
                                             const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& new_name) {
   if (new_name.empty()) throw InvalidArgument("split_group: the group name is empty");
-  if (auto existing = parent.registry().find(new_name)) {
-    throw InvalidArgument(
-        fmt::format("split_group: group name '{}' is already registered (ranks {})", new_name,
-                    format_ranks(existing->global_ranks())));
-  }
+  // A name registered here is refused by agree_on_split, on every rank at once.
   const std::vector<int>& members = parent.global_ranks();
   const int me = members[parent.rank()];
   std::optional<std::vector<int>> mine;
@@ -399,7 +395,17 @@ std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) {
   const int n = parent.size();
-  if (n == 1) return;
+  // Where the name is taken on this rank: after the agreement, every rank refuses the same way.
+  std::string taken;
+  if (auto existing = parent.registry().find(new_name)) {
+    taken = fmt::format("split_group: group name '{}' is already registered (ranks {}) on rank {}",
+                        new_name, format_ranks(existing->global_ranks()),
+                        parent.global_ranks()[parent.rank()]);
+  }
+  if (n == 1) {
+    if (!taken.empty()) throw InvalidArgument(taken);
+    return;
+  }
   std::vector<std::string> lists;
   for (const auto& list : rank_lists) lists.push_back(format_ranks(list));
   const std::string mine = fmt::format("[{}] as '{}'", fmt::join(lists, ", "), new_name);
@@ -412,25 +418,49 @@ void agree_on_split(ProcessGroup& parent, int split,
                                   e.what()));
     }
   };
-  // The lengths first, so the texts can be gathered in blocks of the longest.
-  Tensor length = Tensor::full({1}, DType::I64, static_cast<int64_t>(mine.size()));
+  // "<what was passed>\n<where the name is taken, or nothing>", gathered in blocks of the
+  // longest, whose lengths go first.
+  const std::string record = mine + "\n" + taken;
+  Tensor length = Tensor::full({1}, DType::I64, static_cast<int64_t>(record.size()));
   Tensor lengths = Tensor::empty({n}, DType::I64);
   gather(lengths, length);
   const std::vector<int64_t> sizes = lengths.to_vector<int64_t>();
   const int64_t longest = *std::max_element(sizes.begin(), sizes.end());
   Tensor text = Tensor::zeros({longest}, DType::U8);
-  std::memcpy(text.raw_data_ptr(), mine.data(), mine.size());
+  std::memcpy(text.raw_data_ptr(), record.data(), record.size());
   Tensor texts = Tensor::empty({n * longest}, DType::U8);
   gather(texts, text);
   const char* all = static_cast<const char*>(texts.raw_data_ptr());
-  auto passed = [&](int r) { return std::string(all + r * longest, sizes[r]); };
+  auto part = [&](int r, bool second) {
+    const std::string full(all + r * longest, sizes[r]);
+    const size_t cut = full.find('\n');
+    return second ? full.substr(cut + 1) : full.substr(0, cut);
+  };
   for (int r = 1; r < n; ++r) {
-    if (passed(r) != passed(0)) {
+    if (part(r, false) != part(0, false)) {
       throw CommError(fmt::format(
           "split_group on group '{}' (split {}): rank {} passed {} but rank {} passed {}",
-          parent.name(), split, parent.global_ranks()[0], passed(0), parent.global_ranks()[r],
-          passed(r)));
+          parent.name(), split, parent.global_ranks()[0], part(0, false),
+          parent.global_ranks()[r], part(r, false)));
     }
+  }
+  for (int r = 0; r < n; ++r) {
+    if (!part(r, true).empty()) throw InvalidArgument(part(r, true));
+  }
+}
+
+bool same_on_every_rank(ProcessGroup& group, int64_t value) {
+  Tensor t = Tensor::from_vector<int64_t>({value, -value}, {2});
+  group.all_reduce(t, ReduceOp::Max)->wait();
+  const std::vector<int64_t> v = t.to_vector<int64_t>();
+  return v[0] == -v[1];
+}
+
+std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate) {
+  for (int k = 1;; ++k) {
+    std::string name = candidate(k);
+    const bool free = group.registry().find(name) == nullptr;
+    if (same_on_every_rank(group, free ? 1 : 0) && free) return name;
   }
 }
 

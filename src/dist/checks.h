@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -103,10 +104,18 @@ std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
 // Collective over `parent`: checks that every rank passed the same rank lists and name to
 // split number `split` of `parent` (two small all_gathers), so ranks that disagree all get the
 // same CommError at once, naming two of them and what each passed, instead of building groups
-// that never meet or that meet the wrong ranks. A missing rank fails the all_gathers as any
-// collective does.
+// that never meet or that meet the wrong ranks. A name registered on some rank fails every
+// rank the same way. A missing rank fails the all_gathers as any collective does.
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name);
+
+// Whether every rank of `group` holds the same `value` (one small all_reduce; every rank of
+// `group` calls it). Registries differ between ranks (a group is registered on its members
+// only), so decisions that read one must be agreed this way.
+bool same_on_every_rank(ProcessGroup& group, int64_t value);
+// The first of candidate(1), candidate(2), ... that no rank of `group` has registered (one
+// same_on_every_rank per candidate tried; every rank of `group` calls it).
+std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate);
 
 // "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);

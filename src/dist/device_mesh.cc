@@ -26,14 +26,6 @@ std::string dim_group_name(const std::string& dim, int k) {
   return k == 1 ? dim : fmt::format("{}.{}", dim, k);
 }
 
-// Whether every rank of `group` holds the same `value` (one small all_reduce of max and -min).
-bool same_on_every_rank(ProcessGroup& group, int64_t value) {
-  Tensor t = Tensor::from_vector<int64_t>({value, -value}, {2});
-  group.all_reduce(t, ReduceOp::Max)->wait();
-  const std::vector<int64_t> v = t.to_vector<int64_t>();
-  return v[0] == -v[1];
-}
-
 }  // namespace
 
 DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::string, int>>& dims)
@@ -91,16 +83,13 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
         break;
       }
     }
-    if (same_on_every_rank(parent, reuse) && reuse != 0) {
+    if (dist_detail::same_on_every_rank(parent, reuse) && reuse != 0) {
       groups_.push_back(parent.registry().find(dim_group_name(name, reuse)));
       continue;
     }
-    int k = 1;  // the first name free on every rank
-    for (;; ++k) {
-      const bool free = parent.registry().find(dim_group_name(name, k)) == nullptr;
-      if (same_on_every_rank(parent, free ? 1 : 0) && free) break;
-    }
-    groups_.push_back(parent.split_group(lists, dim_group_name(name, k)));
+    const std::string fresh = dist_detail::first_free_name(
+        parent, [&](int k) { return dim_group_name(name, k); });
+    groups_.push_back(parent.split_group(lists, fresh));
   }
 }
 

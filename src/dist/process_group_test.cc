@@ -171,6 +171,26 @@ TEST(NewGroupTest, RejectsBadRankLists) {
   });
 }
 
+// Registries differ between ranks (a group is registered on its members only), so name checks
+// and automatic names are agreed by every rank: a name taken on some ranks fails every rank
+// alike and leaves the world usable; an unnamed group skips a "group<N>" a user took.
+TEST(NewGroupTest, NamesTakenOnSomeRanksOnly) {
+  run_ranks(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    new_group(world, {0, 1}, "group1");  // on ranks 0 and 1 only
+    expect_error<InvalidArgument>([&] { new_group(world, {2, 3}, "group1"); },
+                                  {"group name 'group1' is already registered (ranks [0, 1]) "
+                                   "on rank 0"});
+    auto unnamed = new_group(world, {2, 3});
+    if (r >= 2) {
+      EXPECT_EQ(unnamed->name(), "group2");
+    }
+    Tensor t = Tensor::full({1}, DType::I32, 1);
+    world.all_reduce(t, ReduceOp::Sum)->wait();  // the world is still in step
+    EXPECT_EQ(t.item<int>(), 4);
+  });
+}
+
 TEST(DeviceMeshTest, RowMajorGroupsPerDim) {
   run_ranks(8, [](ProcessGroup& world) {
     DeviceMesh mesh(world, {{"pp", 2}, {"dp", 2}, {"tp", 2}});

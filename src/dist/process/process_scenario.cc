@@ -232,9 +232,10 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   std::vector<int> members;
   for (int r = 1; r < world.size(); ++r) members.push_back(r);
   if (world.rank() == victim) {
-    // Take split_group's part in the agreement (two all_gathers of what each rank passed), then
-    // die before the new group's own setup.
-    const std::string text = fmt::format("[[{}]] as 'sub'", fmt::join(members, ", "));
+    // Take split_group's part in the agreement (two all_gathers of what each rank passed and,
+    // after a newline, where the name is taken: nowhere), then die before the new group's own
+    // setup.
+    const std::string text = fmt::format("[[{}]] as 'sub'\n", fmt::join(members, ", "));
     const auto bytes = static_cast<int64_t>(text.size());
     Tensor lengths = Tensor::empty({world.size()}, DType::I64);
     world.all_gather(lengths, Tensor::full({1}, DType::I64, static_cast<double>(bytes)))->wait();
