@@ -57,8 +57,7 @@ void run_local(int world_size, const std::function<void(ProcessGroup& world)>& f
     throw InvalidArgument(
         fmt::format("run_local: timeout must not be negative, got {} ms", options.timeout.count()));
   }
-  std::chrono::milliseconds timeout =
-      options.timeout.count() > 0 ? options.timeout : default_timeout();
+  std::chrono::milliseconds timeout = effective_timeout(options.timeout);
   auto world = threads_detail::make_world(world_size, timeout);
   std::vector<std::unique_ptr<GroupRegistry>> registries;
   std::vector<std::shared_ptr<ProcessGroup>> groups;

@@ -30,6 +30,12 @@ std::chrono::milliseconds default_timeout() {
   return std::chrono::milliseconds(std::max<int64_t>(ms, 1));
 }
 
+std::chrono::milliseconds effective_timeout(std::chrono::milliseconds requested) {
+  if (requested.count() <= 0) return default_timeout();
+  constexpr auto kMax = std::chrono::milliseconds(static_cast<int64_t>(kMaxTimeoutSeconds * 1000));
+  return std::min(requested, kMax);
+}
+
 struct Work::Sleep {
   std::mutex mu;
   std::condition_variable cv;

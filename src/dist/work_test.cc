@@ -159,6 +159,17 @@ TEST_F(DefaultTimeoutTest, ReadsFractionalSeconds) {
   EXPECT_EQ(default_timeout(), std::chrono::milliseconds(1));
 }
 
+// A huge requested timeout ("never", milliseconds::max()) is capped so that now + timeout does
+// not overflow (it made every collective time out at once); zero means the default.
+TEST_F(DefaultTimeoutTest, EffectiveTimeoutCapsHugeValues) {
+  unsetenv("FUNCOL_TIMEOUT");
+  EXPECT_EQ(effective_timeout(std::chrono::milliseconds(0)), std::chrono::milliseconds(300'000));
+  EXPECT_EQ(effective_timeout(std::chrono::milliseconds(1500)), std::chrono::milliseconds(1500));
+  const auto cap = effective_timeout(std::chrono::milliseconds::max());
+  EXPECT_EQ(cap, std::chrono::milliseconds(int64_t{1'000'000'000'000}));
+  EXPECT_GT(std::chrono::steady_clock::now() + cap, std::chrono::steady_clock::now());
+}
+
 TEST_F(DefaultTimeoutTest, RejectsGarbage) {
   for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf"}) {
     setenv("FUNCOL_TIMEOUT", bad, 1);

@@ -17,6 +17,10 @@ namespace funcol {
 // Default collective timeout: 300 s, as torch.distributed's default for non-NCCL backends.
 // FUNCOL_TIMEOUT (seconds, may be fractional) overrides it.
 std::chrono::milliseconds default_timeout();
+// The timeout a run uses when `requested` is asked for: default_timeout() for zero (or less),
+// else `requested` capped at about 31 years, so that deadline arithmetic never overflows
+// (std::chrono::milliseconds::max() means "never time out" in effect).
+std::chrono::milliseconds effective_timeout(std::chrono::milliseconds requested);
 
 // One collective in flight. Backends finish it exactly once with finish() or fail();
 // wait() blocks until then (spinning briefly, then sleeping) and rethrows a failure.

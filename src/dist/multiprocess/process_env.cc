@@ -38,7 +38,7 @@ std::optional<int> env_int(const char* name) {
 }
 
 std::chrono::milliseconds resolve_timeout(std::chrono::milliseconds timeout) {
-  return timeout.count() > 0 ? timeout : default_timeout();
+  return effective_timeout(timeout);
 }
 
 StoreUrl parse_store_url(const std::string& url) {

@@ -137,6 +137,20 @@ TEST(RunLocalTest, RejectsInvalidWorldSizes) {
   EXPECT_THROW(run_local(2, noop, LocalOptions{std::chrono::milliseconds(-1)}), InvalidArgument);
 }
 
+// LocalOptions{milliseconds::max()} means "never time out": a late rank is waited for (the
+// deadline used to overflow, and every collective timed out at once).
+TEST(RunLocalTest, HugeTimeoutWaitsForALateRank) {
+  run_local(
+      2,
+      [](ProcessGroup& world) {
+        if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        Tensor t = Tensor::full({4}, DType::F32, 1);
+        world.all_reduce(t, ReduceOp::Sum)->wait();
+        EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2.f));
+      },
+      LocalOptions{std::chrono::milliseconds::max()});
+}
+
 TEST(RunLocalTest, SetsTheWorldOfEachRankThread) {
   std::atomic<int> seen{0};
   EXPECT_EQ(current_world(), nullptr);
