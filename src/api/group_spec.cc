@@ -118,7 +118,7 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   // A partition: every rank calls. The ranks reuse their groups only when every rank has one
   // (registries differ: a group is registered on its members only), else every rank splits
   // with the same lists and the same fresh name.
-  if (dist_detail::same_on_every_rank(world, existing ? 1 : 0) && existing) return *existing;
+  if (dist_detail::on_every_rank(world, existing != nullptr)) return *existing;
   const std::string name = dist_detail::first_free_name(
       world, [&](int) { return world.registry().next_group_name(); });
   std::shared_ptr<ProcessGroup> group = world.split_group(sorted, name);

@@ -456,11 +456,14 @@ bool same_on_every_rank(ProcessGroup& group, int64_t value) {
   return v[0] == -v[1];
 }
 
+bool on_every_rank(ProcessGroup& group, bool flag) {
+  return same_on_every_rank(group, flag ? 1 : 0) && flag;
+}
+
 std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate) {
   for (int k = 1;; ++k) {
     std::string name = candidate(k);
-    const bool free = group.registry().find(name) == nullptr;
-    if (same_on_every_rank(group, free ? 1 : 0) && free) return name;
+    if (on_every_rank(group, group.registry().find(name) == nullptr)) return name;
   }
 }
 

@@ -113,6 +113,9 @@ void agree_on_split(ProcessGroup& parent, int split,
 // `group` calls it). Registries differ between ranks (a group is registered on its members
 // only), so decisions that read one must be agreed this way.
 bool same_on_every_rank(ProcessGroup& group, int64_t value);
+// Whether `flag` is true on every rank of `group` (same_on_every_rank; every rank calls it,
+// whatever its flag).
+bool on_every_rank(ProcessGroup& group, bool flag);
 // The first of candidate(1), candidate(2), ... that no rank of `group` has registered (one
 // same_on_every_rank per candidate tried; every rank of `group` calls it).
 std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate);
