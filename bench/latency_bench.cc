@@ -7,7 +7,9 @@
 // counter the other spins on. It shows how much of funcol's latency is protocol and how much is
 // the machine (cache-line handoffs and the data's cache misses). A variant with a fixed
 // executor (rank 1 always reduces) keeps the data in one core's cache, as a loop that never
-// reads its results allows; it is the floor, not a design.
+// reads its results allows; it is the floor, not a design. A one-shot protocol (each rank
+// stages its buffer and reduces everyone's into its own, as small all-reduces on GPUs often
+// do) shows whether trading the writes to the peer's buffer for a staging copy pays here.
 //
 // Both sides run one thread per CPU (as `funcol bench`: see LocalOptions::bind_threads).
 //
@@ -21,6 +23,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "dist/affinity.h"
 #include "dist/spin.h"
@@ -74,6 +78,67 @@ Stats funcol_all_reduce(int64_t numel, int iters) {
   return summarize(std::move(times));
 }
 
+// Runs `call(r, i, buf)` for i = 1.. on two threads bound one per CPU, each with its own
+// f32[numel] buffer; returns rank 0's per-call times, after a tenth as many untimed calls.
+template <typename Call>
+Stats time_pair(int64_t numel, int iters, Call call) {
+  const int total = iters + iters / 10;
+  std::vector<double> times(static_cast<size_t>(iters));
+  auto body = [&](int r) {
+    funcol::dist_detail::CpuBinding binding(funcol::tools::reference_cpu(r));
+    std::vector<float> buf(static_cast<size_t>(numel), 0.0f);
+    for (int64_t i = 1; i <= total; ++i) {
+      const auto t0 = Clock::now();
+      call(r, i, buf.data());
+      const int64_t timed = i - (total - iters) - 1;
+      if (r == 0 && timed >= 0) {
+        times[static_cast<size_t>(timed)] =
+            std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      }
+    }
+  };
+  std::thread peer(body, 1);
+  body(0);
+  peer.join();
+  return summarize(std::move(times));
+}
+
+// One-shot: each thread copies its buffer (streaming stores) into its own staging area and
+// publishes it, then reduces every staging area in rank order into its own buffer. Two staging
+// areas alternate by call, so a peer still reading the previous call's copy is never
+// overwritten: a thread can only start call i+2 after its peer started call i+1, that is,
+// finished call i. One one-way handoff per call and no writes to another thread's memory;
+// every rank computes the same sum in the same order.
+Stats one_shot_all_reduce(int64_t numel, int iters) {
+  struct alignas(64) Box {
+    std::atomic<int64_t> seq{0};
+  };
+  const auto n = static_cast<size_t>(numel);
+  std::vector<float> staging[2][2];
+  for (auto& r : staging) {
+    for (auto& b : r) b.assign(n + 16, 0.0f);
+  }
+  Box box[2];
+  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+    float* mine = staging[r][i % 2].data();
+    if (n % 16 == 0) {
+      // Streamed to memory: a plain copy first has to take the lines back from the peer,
+      // which read them two calls ago (1.59 against 1.48 us at 4 KiB, 465 ns round trips).
+      for (size_t b = 0; b < n; b += 4) _mm_stream_ps(mine + b, _mm_loadu_ps(buf + b));
+      _mm_sfence();
+    } else {
+      std::memcpy(mine, buf, n * sizeof(float));
+    }
+    box[r].seq.store(i, std::memory_order_release);
+    funcol::dist_detail::poll_until(
+        [&] { return box[1 - r].seq.load(std::memory_order_acquire) >= i; }, 4096);
+    const void* srcs[2] = {staging[0][i % 2].data(), staging[1][i % 2].data()};
+    const char* theirs = static_cast<const char*>(srcs[1 - r]);
+    for (size_t b = 0; b < n * sizeof(float); b += 64) __builtin_prefetch(theirs + b, 0, 3);
+    funcol::reduce_buffers(funcol::ReduceOp::Sum, funcol::DType::F32, buf, srcs, 2, numel);
+  });
+}
+
 // The minimal protocol; `fixed`: rank 1 always executes.
 Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   struct alignas(64) Box {
@@ -86,42 +151,29 @@ Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   Box box[2];
   Counter arrivals, done;
   const auto n = static_cast<size_t>(numel);
-  const int total = iters + iters / 10;
-  std::vector<double> times(static_cast<size_t>(iters));
   auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
     funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
   };
-  auto body = [&](int r) {
-    funcol::dist_detail::CpuBinding binding(funcol::tools::reference_cpu(r));
-    std::vector<float> buf(n, 0.0f);
-    for (int64_t i = 1; i <= total; ++i) {
-      const auto t0 = Clock::now();
-      box[r].buf = buf.data();
-      box[r].seq.store(i, std::memory_order_release);
-      const int64_t arrived = arrivals.v.fetch_add(1, std::memory_order_acq_rel) + 1;
-      const bool execute = fixed ? r == 1 : arrived == 2 * i;
-      if (execute) {
-        spin_until(box[1 - r].seq, i);
-        // funcol's own kernel, so that only the protocol differs.
-        const void* srcs[2] = {box[0].buf, box[1].buf};
-        funcol::reduce_buffers(funcol::ReduceOp::Sum, funcol::DType::F32, box[0].buf, srcs, 2,
-                               numel);
-        std::memcpy(box[1].buf, box[0].buf, n * sizeof(float));
-        done.v.store(i, std::memory_order_release);
-      } else {
-        spin_until(done.v, i);
-      }
-      const int64_t timed = i - (total - iters) - 1;
-      if (r == 0 && timed >= 0) {
-        times[static_cast<size_t>(timed)] =
-            std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-      }
+  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+    box[r].buf = buf;
+    box[r].seq.store(i, std::memory_order_release);
+    const int64_t arrived = arrivals.v.fetch_add(1, std::memory_order_acq_rel) + 1;
+    const bool execute = fixed ? r == 1 : arrived == 2 * i;
+    if (execute) {
+      spin_until(box[1 - r].seq, i);
+      // As funcol's lane: ask for all of the peer's lines, to be written, before reducing.
+      const char* theirs = reinterpret_cast<const char*>(box[1 - r].buf);
+      for (size_t b = 0; b < n * sizeof(float); b += 64) __builtin_prefetch(theirs + b, 1, 3);
+      // funcol's own kernel, so that only the protocol differs.
+      const void* srcs[2] = {box[0].buf, box[1].buf};
+      funcol::reduce_buffers(funcol::ReduceOp::Sum, funcol::DType::F32, box[0].buf, srcs, 2,
+                             numel);
+      std::memcpy(box[1].buf, box[0].buf, n * sizeof(float));
+      done.v.store(i, std::memory_order_release);
+    } else {
+      spin_until(done.v, i);
     }
-  };
-  std::thread peer(body, 1);
-  body(0);
-  peer.join();
-  return summarize(std::move(times));
+  });
 }
 
 }  // namespace
@@ -146,20 +198,22 @@ int main(int argc, char** argv) {
               "per-call time in us\n",
               iters);
   std::printf("# handoff reference: 2 threads, cache-line round trip %.0f ns\n", handoff);
-  std::printf("%-10s %-34s %8s %8s %10s\n", "bytes", "implementation", "p50_us", "mean_us",
+  std::printf("%-10s %-38s %8s %8s %10s\n", "bytes", "implementation", "p50_us", "mean_us",
               "p50/handoff");
   for (int64_t numel : {int64_t{1}, int64_t{1024}}) {
     const Stats f = funcol_all_reduce(numel, iters);
     const Stats m = minimal_all_reduce(numel, iters, false);
     const Stats x = minimal_all_reduce(numel, iters, true);
+    const Stats o = one_shot_all_reduce(numel, iters);
     const int64_t bytes = numel * 4;
     auto row = [&](const char* name, const Stats& s) {
-      std::printf("%-10lld %-34s %8.2f %8.2f %10.1f\n", static_cast<long long>(bytes), name, s.p50,
+      std::printf("%-10lld %-38s %8.2f %8.2f %10.1f\n", static_cast<long long>(bytes), name, s.p50,
                   s.mean, s.p50 * 1000.0 / handoff);
     };
     row("funcol threads", f);
     row("minimal (last arrival executes)", m);
     row("minimal (fixed executor: floor)", x);
+    row("one-shot (staged, every rank reduces)", o);
   }
   return 0;
 }

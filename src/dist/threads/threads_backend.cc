@@ -1543,6 +1543,31 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, uint64
   return op;
 }
 
+// Asks for every member's lines before the reduction touches any: the peers' buffers sit in
+// other cores' caches, and one request per line up front overlaps their transfers, which the
+// reduction's in-order loads (the hardware prefetcher does not cross pages or start at once)
+// would otherwise wait for a few at a time. Outputs are asked for with intent to write. Capped
+// so that the prefetched lines fit in L1 with room. At 360-490 ns round trips it took a 4 KiB
+// all_reduce from 1.48-1.54 to 1.18-1.36 us (funcol bench); at 110-140 ns it changes nothing
+// beyond noise (0.46-0.53 us either way).
+void prefetch_members(const std::array<LaneRecord, kLaneMaxRanks>& records, int n,
+                      size_t bytes) {
+  constexpr size_t kMaxPrefetchBytes = 16 * 1024;
+  const size_t each = std::min(bytes, kMaxPrefetchBytes / static_cast<size_t>(n));
+  for (int m = 0; m < n; ++m) {
+    const auto* in = static_cast<const char*>(records[m].slot.in);
+    const auto* out = static_cast<const char*>(records[m].slot.out);
+    for (size_t b = 0; b < each; b += 64) {
+      if (in == out) {
+        __builtin_prefetch(out + b, 1, 3);
+      } else {
+        __builtin_prefetch(in + b, 0, 3);
+        __builtin_prefetch(out + b, 1, 3);
+      }
+    }
+  }
+}
+
 void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
   const int n = static_cast<int>(group.global_ranks.size());
   auto& records = ls.records;
@@ -1558,10 +1583,11 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
     try {
       // As an Op's chunk: reduce in rank order into rank 0's buffer, copy it to the others.
       const Slot& s0 = records[0].slot;
+      const size_t bytes = static_cast<size_t>(s0.count) * itemsize(s0.dtype);
+      prefetch_members(records, n, bytes);
       std::array<const void*, kLaneMaxRanks> srcs;
       for (int m = 0; m < n; ++m) srcs[m] = records[m].slot.in;
       reduce_buffers(records[0].reduce_op, s0.dtype, s0.out, srcs.data(), n, s0.count);
-      const size_t bytes = static_cast<size_t>(s0.count) * itemsize(s0.dtype);
       for (int m = 1; m < n; ++m) copy_bytes(records[m].slot.out, s0.out, bytes, false);
     } catch (const std::exception& e) {
       mismatch = fmt::format("{}: {}", records[0].work->description(), e.what());
