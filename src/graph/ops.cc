@@ -77,7 +77,7 @@ void coerce_attr(const OpDef& op, const AttrSpec& spec, Attr& value) {
   const AttrKind have = value.kind();
   bool ok = have == spec.kind;
   if (!ok && spec.kind == AttrKind::Float && have == AttrKind::Int) {
-    value = Attr(static_cast<double>(value.as_int()));
+    if (!spec.keeps_int) value = Attr(static_cast<double>(value.as_int()));
     ok = true;
   }
   if (!ok && spec.kind == AttrKind::IntList && have == AttrKind::List) {

@@ -431,8 +431,13 @@ Tensors kernel_zeros(TIn, const AttrList& a) {
 }
 
 Types infer_full(In in, const AttrList& a) { return infer_factory(in, a); }
+// `value` is an integer exactly as written (int64 values above 2^53 included), or a float.
 Tensors kernel_full(TIn, const AttrList& a) {
-  return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), a.get_float("value"))};
+  const Attr& value = a.get("value");
+  if (value.kind() == AttrKind::Int) {
+    return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), value.as_int())};
+  }
+  return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), value.as_float())};
 }
 
 // expand: torch.expand's broadcast view (gradients of sum and mean). `shape` may add leading
@@ -654,7 +659,7 @@ std::vector<OpDef> build_op_table() {
   t.push_back(compute("zeros", 0, {shape_attr, dtype_attr()}, infer_factory, kernel_zeros));
   // Made by autodiff: constants (the loss seed, 1/N scales) and broadcasts of reduced gradients.
   t.push_back(compute("full", 0,
-                      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float}},
+                      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float, .keeps_int = true}},
                       infer_full, kernel_full));
   t.push_back(compute("expand", 1, {shape_attr}, infer_expand, kernel_expand, true));
   // Math.

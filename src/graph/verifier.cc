@@ -108,7 +108,8 @@ class Verifier {
     for (size_t i = 0; i < attrs.size(); ++i) {
       const AttrSpec& spec = op.attrs[i];
       if (!attrs[i].has_value()) fail_at(n, fmt::format("attribute '{}' is missing", spec.name));
-      if (attrs[i].kind() != spec.kind) {
+      const bool kept_int = spec.keeps_int && attrs[i].kind() == AttrKind::Int;
+      if (attrs[i].kind() != spec.kind && !kept_int) {
         fail_at(n, fmt::format("attribute '{}' must be {}, got {}", spec.name,
                                attr_kind_description(spec.kind), attrs[i].str()));
       }

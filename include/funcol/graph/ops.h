@@ -43,6 +43,9 @@ struct AttrSpec {
   // Validates and normalizes a value after its kind was checked, e.g. reduce_op lower-cases
   // and rejects unknown names. Throws InvalidArgument. Null: any value of the kind is fine.
   void (*canonicalize)(Attr& value) = nullptr;
+  // A Float attribute that keeps an integer value as it is (AttrKind::Int) instead of
+  // converting it to a double, which would round integers above 2^53 (full's `value`).
+  bool keeps_int = false;
 };
 
 // How many results a node of an op has.
