@@ -40,14 +40,17 @@ std::vector<Chunk> split_cases(std::string_view text, bool split) {
   uint32_t line = 1;
   size_t pos = 0;
   while (pos <= text.size()) {
-    const size_t eol = std::min(text.find('\n', pos), text.size());
+    // Lines end as the parser's do: "\n", "\r\n" or a lone "\r".
+    const size_t eol = std::min(text.find_first_of("\r\n", pos), text.size());
+    const size_t next =
+        eol == text.size() ? eol : eol + (text.substr(eol, 2) == "\r\n" ? 2 : 1);
     if (text.substr(pos, kSplitMarker.size()) == kSplitMarker) {
       chunks.push_back(Chunk{text.substr(start, pos - start), start_line});
-      start = std::min(eol + 1, text.size());
+      start = next;
       start_line = line + 1;
     }
     if (eol == text.size()) break;
-    pos = eol + 1;
+    pos = next;
     ++line;
   }
   chunks.push_back(Chunk{text.substr(start), start_line});
