@@ -32,6 +32,7 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
     : dims_(dims) {
   if (dims.empty()) throw InvalidArgument("DeviceMesh: needs at least one dim");
   int64_t product = 1;
+  bool overflow = false;
   for (size_t i = 0; i < dims.size(); ++i) {
     const auto& [name, size] = dims[i];
     if (name.empty()) throw InvalidArgument(fmt::format("DeviceMesh: dim {} has an empty name", i));
@@ -43,12 +44,13 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
         throw InvalidArgument(fmt::format("DeviceMesh: dim name '{}' is used twice", name));
       }
     }
-    product *= size;
+    overflow = overflow || __builtin_mul_overflow(product, int64_t{size}, &product);
   }
-  if (product != parent.size()) {
-    throw InvalidArgument(fmt::format(
-        "DeviceMesh: dims {} need {} ranks but group '{}' has {}", describe_dims(dims), product,
-        parent.name(), parent.size()));
+  if (overflow || product != parent.size()) {
+    throw InvalidArgument(fmt::format("DeviceMesh: dims {} need {} ranks but group '{}' has {}",
+                                      describe_dims(dims),
+                                      overflow ? "more than 2^63" : std::to_string(product),
+                                      parent.name(), parent.size()));
   }
   ranks_ = parent.global_ranks();
   const int ndims = static_cast<int>(dims.size());

@@ -261,6 +261,10 @@ TEST(DeviceMeshTest, RejectsBadDims) {
     expect_error<InvalidArgument>([&] { DeviceMesh(world, {}); }, {"at least one dim"});
     expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"a", 0}, {"b", 4}}); },
                                   {"'a' has size 0"});
+    // A product past int64 wraps to 4 (2^64 + 4) without the overflow check; it crashed.
+    expect_error<InvalidArgument>(
+        [&] { DeviceMesh(world, {{"d0", 769546}, {"d1", 494770}, {"d2", 8681}, {"d3", 5581}}); },
+        {"need more than 2^63 ranks", "'world' has 4"});
     DeviceMesh mesh(world, {{"x", 4}});
     expect_error<InvalidArgument>([&] { mesh.group("y"); }, {"unknown dim 'y'", "x"});
     expect_error<InvalidArgument>([&] { mesh.group(1); }, {"dim 1 is out of range"});

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "funcol/dist/process_group.h"
 #include "funcol/graph/graph.h"
 
 namespace funcol {
@@ -53,6 +54,23 @@ const char* span_kind_name(SpanKind kind) {
       return "wait";
   }
   return "?";
+}
+
+void align_epochs(ProcessGroup& world, std::span<Profiler* const> profilers) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point mine = Clock::now();
+  const int64_t ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(mine.time_since_epoch()).count();
+  // Latest and (negated) earliest reading, in one collective.
+  Tensor range = Tensor::from_vector<int64_t>({ns, -ns});
+  world.all_reduce(range, ReduceOp::Max)->wait();
+  const std::vector<int64_t> r = range.to_vector<int64_t>();
+  const bool shared_clock = r[0] + r[1] < int64_t{1'000'000'000};
+  const Clock::time_point epoch =
+      shared_clock ? Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::nanoseconds(r[0])))
+                   : Clock::now();
+  for (Profiler* p : profilers) p->set_epoch(epoch);
 }
 
 std::string trace_events_json(const Profiler& profiler, int rank) {

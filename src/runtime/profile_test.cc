@@ -3,8 +3,12 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <chrono>
+#include <cstdlib>
 #include <map>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -105,6 +109,30 @@ TEST(Profile, ExecutorRecordsEveryKindOfSpanPerIteration) {
     std::set<int> tids;
     for (const json& e : events_of(trace, r, "X")) tids.insert(e["tid"].get<int>());
     EXPECT_EQ(tids, (std::set<int>{0, 1})) << "rank " << r;
+  }
+}
+
+// align_epochs gives every rank one time 0: the ranks here share the clock, so every profiler
+// of every rank gets the same epoch, however late a rank comes (rank 1 comes 50 ms after rank
+// 0); one rank's own reading would differ from another's.
+TEST(Profile, AlignEpochsGivesEveryRankOneTimeZero) {
+  using Clock = std::chrono::steady_clock;
+  std::array<Clock::time_point, 4> epochs{};
+  run_local(2, [&](ProcessGroup& world) {
+    Profiler a, b;
+    world.barrier();
+    if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const Clock::time_point before = Clock::now();
+    Profiler* const both[] = {&a, &b};
+    align_epochs(world, both);
+    const auto r = static_cast<size_t>(world.rank());
+    epochs[2 * r] = a.epoch();
+    epochs[2 * r + 1] = b.epoch();
+    EXPECT_GE(a.epoch(), before);  // the latest reading: no rank's time 0 before its own
+    EXPECT_GE(a.now_ns(), 0);
+  });
+  for (const Clock::time_point& e : epochs) {
+    EXPECT_EQ(e.time_since_epoch().count(), epochs[0].time_since_epoch().count());
   }
 }
 

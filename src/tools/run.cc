@@ -115,10 +115,14 @@ Prepared prepare(const RunOptions& o, const std::string& text) {
   p.mesh = parse_mesh(o.mesh);
   if (!p.mesh.empty()) {
     int64_t product = 1;
-    for (const auto& [name, size] : p.mesh) product *= size;
-    if (product != o.ranks) {
-      throw InvalidArgument(
-          fmt::format("--mesh {} spans {} ranks but --ranks is {}", o.mesh, product, o.ranks));
+    bool overflow = false;
+    for (const auto& [name, size] : p.mesh) {
+      overflow = overflow || __builtin_mul_overflow(product, int64_t{size}, &product);
+    }
+    if (overflow || product != o.ranks) {
+      throw InvalidArgument(fmt::format("--mesh {} spans {} ranks but --ranks is {}", o.mesh,
+                                        overflow ? "more than 2^63" : std::to_string(product),
+                                        o.ranks));
     }
   }
   std::vector<std::string> known = {"world"};
@@ -162,9 +166,10 @@ RankReport run_rank(const Prepared& p, const RunOptions& o, ProcessGroup& world)
       profiler.reserve(std::min<size_t>(static_cast<size_t>(o.iters) * (p.graph->num_nodes() + 1),
                                         size_t{1} << 20));
     }
-    // Line the ranks up, so every rank's trace starts at (nearly) the same instant.
+    // Line the ranks up: one time 0 for every rank's trace (align_epochs).
     world.barrier();
-    profiler.reset_epoch();
+    Profiler* const profilers[] = {&profiler};
+    align_epochs(world, profilers);
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<Tensor> outputs;
     for (int i = 0; i < o.iters; ++i) outputs = executor.run(inputs);

@@ -269,7 +269,9 @@ void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on
   bool identical = true;
 
   world.barrier();
-  for (Variant& v : variants) v.profiler.reset_epoch();
+  std::vector<Profiler*> profilers;
+  for (Variant& v : variants) profilers.push_back(&v.profiler);
+  align_epochs(world, profilers);
   for (int step = 1; step <= o.steps; ++step) {
     // The first step warms caches and allocators up; it is not timed (unless it is the only one).
     const bool timed = step > 1 || o.steps == 1;

@@ -3,12 +3,14 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 namespace funcol {
 
 class Node;
+class ProcessGroup;
 
 // What a span measures. Compute: one non-collective node's kernel. Communication: one
 // collective, from the moment it was issued until its Work was seen complete (polled after
@@ -33,9 +35,10 @@ class Profiler {
  public:
   Profiler() : epoch_(std::chrono::steady_clock::now()) {}
 
-  // Moves the epoch to now. Call right after a barrier so every rank's time 0 is (nearly) the
-  // same instant, also across hosts whose clocks differ.
+  // Moves the epoch to now (see also align_epochs, which gives every rank the same time 0).
   void reset_epoch() { epoch_ = std::chrono::steady_clock::now(); }
+  void set_epoch(std::chrono::steady_clock::time_point epoch) { epoch_ = epoch; }
+  std::chrono::steady_clock::time_point epoch() const { return epoch_; }
   int64_t now_ns() const {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                                 epoch_)
@@ -50,6 +53,14 @@ class Profiler {
   std::chrono::steady_clock::time_point epoch_;
   std::vector<Span> spans_;
 };
+
+// Gives every rank's profilers one time 0: collective over `world` (every rank calls it, after
+// the same collectives). Each rank reads its clock; where the readings lie within a second of
+// each other (ranks on one host share the monotonic clock: threads, or processes on loopback),
+// time 0 is the latest reading on any rank, one instant for all, so the ranks' traces line up
+// exactly. Otherwise (hosts whose clocks differ) each rank's time 0 is its own reading, taken
+// as the ranks leave the collective. Call it right after a barrier.
+void align_epochs(ProcessGroup& world, std::span<Profiler* const> profilers);
 
 // One rank's trace events as a JSON array (text): metadata naming process `rank` "rank R" and
 // its threads "compute" (tid 0) and "communication" (tid 1), then one complete ("X") event per
