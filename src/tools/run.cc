@@ -333,9 +333,8 @@ std::vector<std::pair<std::string, int>> parse_mesh(std::string_view text) {
     const long size = size_text.empty() ? 0 : std::strtol(size_text.c_str(), &end, 10);
     if (size_text.empty() || *end != '\0' || errno != 0 || size < 1 || size > (1 << 20)) {
       throw InvalidArgument(
-          fmt::format("--mesh '{}': size of '{}' must be a positive integer, "
-                      "got '{}'",
-                      text, name, size_text));
+          fmt::format("--mesh '{}': size of '{}' must be an integer from 1 to {}, got '{}'",
+                      text, name, 1 << 20, size_text));
     }
     for (const auto& [n, s] : dims) {
       if (n == name) {

@@ -561,7 +561,8 @@ std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
   };
   j["compute_ms_by_op"] = {{"unbucketed", by_op(r.unbucketed)},
                            {"bucketed", r.bucketed.ran ? by_op(r.bucketed) : json(nullptr)}};
-  j["variants_identical"] = r.variants_identical;
+  // Compared only when both variants ran.
+  j["variants_identical"] = r.bucketed.ran ? json(r.variants_identical) : json(nullptr);
   j["timed_steps"] = r.timed_steps;
   j["config"] = {{"ranks", o.ranks},
                  {"layers", o.layers},
@@ -572,6 +573,8 @@ std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
                  {"optimizer", o.optimizer},
                  {"bucket_cap_mb", o.bucket_cap_mb},
                  {"no_bucketing", o.no_bucketing},
+                 {"no_overlap", o.no_overlap},
+                 {"seed", o.seed},
                  {"backend", o.backend}};
   return j.dump();
 }

@@ -224,6 +224,10 @@ TEST(Train, NoBucketingRunsOneVariantAndJsonSaysSo) {
     EXPECT_FALSE(j[key]["unbucketed"].is_null()) << key;
   }
   EXPECT_TRUE(j["bucketed_over_unbucketed"].is_null());
+  EXPECT_TRUE(j["variants_identical"].is_null());  // nothing was compared
+  EXPECT_EQ(j["config"]["no_bucketing"], true);
+  EXPECT_EQ(j["config"]["no_overlap"], o.no_overlap);
+  EXPECT_EQ(j["config"]["seed"], o.seed);
 }
 
 // Runs the command and returns (status, stdout, stderr).

@@ -52,12 +52,14 @@ class GroupSpec {
   GroupSpec(const std::shared_ptr<ProcessGroup>& group) : value_(group.get()) {}
   GroupSpec(const DeviceMesh& mesh) : value_(&mesh) {}
   GroupSpec(std::pair<const DeviceMesh*, int> mesh_dim) : value_(mesh_dim) {}
-  // std::make_pair(&mesh, dim) of a non-const mesh (a template, so that a braced {&mesh, dim}
-  // still picks the constructor above).
+  // std::make_pair(&mesh, dim) of a non-const mesh (a template, so that it does not compete
+  // with the constructor above).
   template <typename Mesh,
             typename = std::enable_if_t<std::is_same_v<std::remove_const_t<Mesh>, DeviceMesh>>>
   GroupSpec(std::pair<Mesh*, int> mesh_dim)
       : value_(std::pair<const DeviceMesh*, int>(mesh_dim.first, mesh_dim.second)) {}
+  // The seed's (mesh, dim) pair; as a function argument, write it {mesh, dim} (a braced
+  // {&mesh, dim} there does not compile: GroupSpec({&mesh, dim}) and std::make_pair do).
   GroupSpec(const DeviceMesh& mesh, int dim) : value_(std::make_pair(&mesh, dim)) {}
   // A bare int or nullptr is no group (the seed's "Unsupported group type"): a compile error
   // here rather than a literal 0 silently becoming a null group name.
