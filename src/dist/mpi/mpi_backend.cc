@@ -558,6 +558,26 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       start_collective(slot);
       return;
     }
+    // MPI matches a communicator's collectives by the order each rank posts them. A
+    // collective is posted when its signature exchange completes, and exchanges can complete
+    // in a different order on different ranks: with two in flight, one rank could post
+    // [sig 1, sig 2, data 1] and another [sig 1, data 1, sig 2], pairing a signature with
+    // data (wrong results, MPI_ERR_IN_STATUS, crashes). So one exchange at a time: every
+    // rank posts sig 1, data 1, sig 2, data 2, ... Collectives still overlap each other.
+    detail_queue_.push_back(slot);
+    if (!exchanging_) exchange_next();
+  }
+
+  // Posts the signature exchange of the next queued collective (detail mode).
+  void exchange_next() {
+    if (detail_queue_.empty()) {
+      exchanging_ = false;
+      return;
+    }
+    exchanging_ = true;
+    const std::shared_ptr<Slot> slot = std::move(detail_queue_.front());
+    detail_queue_.pop_front();
+    const std::shared_ptr<CollectiveOp>& op = slot->op;
     const int bytes = static_cast<int>(process::signature_bytes(size()));
     auto mine =
         std::make_shared<std::vector<char>>(process::encode_signature(op->signature, size()));
@@ -565,17 +585,23 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     MPI_Request request;
     int rc = MPI_Iallgather(mine->data(), bytes, MPI_BYTE, all->data(), bytes, MPI_BYTE, comm_,
                             &request);
-    if (rc != MPI_SUCCESS) return fail_mpi(slot, rc);
+    if (rc != MPI_SUCCESS) {
+      fail_mpi(slot, rc);
+      return exchange_next();
+    }
     auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
     Runtime::get().track({request}, [self, slot, mine, all](int code) {
-      if (code != MPI_SUCCESS) return self->fail_mpi(slot, code);
-      if (slot->op->done()) return self->finished(slot, {});
-      if (auto mismatch = self->check_gathered(*slot->op, *all)) {
+      if (code != MPI_SUCCESS) {
+        self->fail_mpi(slot, code);
+      } else if (slot->op->done()) {
+        self->finished(slot, {});
+      } else if (auto mismatch = self->check_gathered(*slot->op, *all)) {
         // Every rank saw the same signatures and skips the collective: the group stays usable.
         self->finished(slot, [self, op = slot->op, m = *mismatch] { self->fail_mismatch(op, m); });
-        return;
+      } else {
+        self->start_collective(slot);
       }
-      self->start_collective(slot);
+      self->exchange_next();
     });
   }
 
@@ -717,6 +743,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
   MPI_Comm comm_;
   std::deque<std::shared_ptr<Slot>> order_;  // communication thread only
+  // Detail mode (communication thread only): collectives waiting for their signature
+  // exchange, and whether one exchange is in flight.
+  std::deque<std::shared_ptr<Slot>> detail_queue_;
+  bool exchanging_ = false;
 };
 
 }  // namespace

@@ -6,7 +6,8 @@
 //
 //  kill      the last rank raises SIGKILL mid-run; every survivor's next collective fails with
 //            a CommError naming it within FUNCOL_TIMEOUT plus a few seconds
-//  mismatch  (FUNCOL_DEBUG=detail) ranks issue different collectives, then all_to_alls with
+//  mismatch  (FUNCOL_DEBUG=detail) 100 collectives in flight at once each give their own
+//            result; then ranks issue different collectives, then all_to_alls with
 //            inconsistent split sizes; each fails on every rank showing both sides, and the
 //            group keeps working afterwards
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
@@ -27,8 +28,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -83,6 +86,37 @@ void check_sum(funcol::ProcessGroup& world) {
   if (t.to_vector<int>()[0] != n * (n + 1) / 2) failed("all_reduce gave a wrong sum");
 }
 
+// Many collectives in flight at once, of two kinds, each with its own values, waited only
+// afterwards: every one must give its own result. (mpi in detail mode posted a collective when
+// its signature exchange completed, which ranks saw in different orders: results were mixed up
+// between collectives, or MPI failed.)
+void check_in_flight(funcol::ProcessGroup& world) {
+  constexpr int kOps = 50;
+  const int n = world.size();
+  std::vector<Tensor> sums, gathered;
+  std::vector<std::shared_ptr<funcol::Work>> works;
+  for (int i = 0; i < kOps; ++i) {
+    sums.push_back(Tensor::full({4}, DType::I64, int64_t{1000} * i + world.rank() + 1));
+    works.push_back(world.all_reduce(sums.back(), ReduceOp::Sum));
+    gathered.push_back(Tensor::empty({2 * n}, DType::I32));
+    works.push_back(world.all_gather(gathered.back(), Tensor::full({2}, DType::I32, i * n +
+                                                                        world.rank())));
+  }
+  for (auto& w : works) w->wait();
+  for (int i = 0; i < kOps; ++i) {
+    const int64_t want = int64_t{1000} * i * n + n * (n + 1) / 2;
+    if (sums[i].to_vector<int64_t>() != std::vector<int64_t>(4, want)) {
+      failed(fmt::format("in-flight all_reduce {} gave {} (want {})", i,
+                         sums[i].to_vector<int64_t>()[0], want));
+    }
+    std::vector<int> want_g;
+    for (int r = 0; r < n; ++r) want_g.insert(want_g.end(), 2, i * n + r);
+    if (gathered[i].to_vector<int>() != want_g) {
+      failed(fmt::format("in-flight all_gather {} gave wrong blocks", i));
+    }
+  }
+}
+
 double timeout_seconds() {
   return std::chrono::duration<double>(funcol::default_timeout()).count();
 }
@@ -115,6 +149,7 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   }
   const int n = world.size();
   check_sum(world);
+  check_in_flight(world);
   // Rank 0 all-reduces while the others all-gather.
   Tensor x = Tensor::full({8}, DType::F32, 1);
   Tensor gathered = Tensor::empty({8 * n}, DType::F32);
