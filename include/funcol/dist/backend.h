@@ -72,7 +72,9 @@ struct InitOptions {
 // (naming available_backends()) and CommError when rendezvous fails or times out.
 std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
                                                  const InitOptions& options = {});
-// Releases the process's world (and its subgroups). Safe to call when none exists.
+// Releases the process's world (and its subgroups). Safe to call when none exists. First waits
+// for every collective this process issued (results dropped included) to end, each within its
+// timeout, so that what it issued completes for its peers too; then says goodbye.
 void destroy_process_group();
 
 }  // namespace funcol

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "dist/checks.h"
 #include "funcol/core/error.h"
@@ -107,6 +108,12 @@ void ProcessJob::shutdown() {
   }
   cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
+}
+
+void ProcessJob::drain() {
+  // Each collective's own deadline (the watchdog fails it) comes first; this one is a backstop.
+  const auto deadline = std::chrono::steady_clock::now() + timeout_ + std::chrono::seconds(5);
+  for (const auto& group : live_groups()) group->drain(deadline);
 }
 
 void ProcessJob::add_group(const std::shared_ptr<ProcessGroupBase>& group) {
@@ -347,6 +354,17 @@ void ProcessGroupBase::run_single_rank(CollectiveOp& op) {
 void ProcessGroupBase::remove_inflight(const CollectiveOp* op) {
   std::lock_guard lock(mu_);
   std::erase_if(inflight_, [&](const auto& p) { return p.get() == op; });
+}
+
+void ProcessGroupBase::drain(std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    {
+      std::lock_guard lock(mu_);
+      if (inflight_.empty() || broken_) return;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 void ProcessGroupBase::complete(const std::shared_ptr<CollectiveOp>& op) {

@@ -77,6 +77,9 @@ class ProcessJob {
   void add_group(const std::shared_ptr<ProcessGroupBase>& group);
   void remove_group(const ProcessGroupBase* group);
 
+  // Waits until every collective issued on every live group has ended, within the timeout
+  // (destroy_process_group, before shutdown: see ProcessGroupBase::drain).
+  void drain();
   // Says goodbye to the peers and stops the watchdog (destroy_process_group).
   void shutdown();
 
@@ -138,6 +141,11 @@ class ProcessGroupBase : public ProcessGroup,
   std::optional<std::chrono::steady_clock::time_point> check_deadlines(
       std::chrono::steady_clock::time_point now);
   void on_peer_lost(const PeerLoss& loss);
+  // Waits until every collective issued on this group has ended (completed, failed, or timed
+  // out through the job's watchdog), or until `deadline`. destroy_process_group drains every
+  // group before the goodbye: dropped results still complete, and peers get this process's
+  // part of every collective it issued.
+  void drain(std::chrono::steady_clock::time_point deadline);
 
  protected:
   ProcessGroupBase(int rank, std::vector<int> global_ranks, std::string name,

@@ -124,9 +124,13 @@ void destroy_process_group() {
     s.world = {};
     s.backend.clear();
   }
-  // Dropping the groups lets their workers finish what was issued; then the goodbye tells the
-  // peers how far this process got. Groups a caller still holds must not be used afterwards.
+  // Every collective issued on any group (a caller may still hold groups, or have dropped a
+  // result) ends first, within the timeout: what this process issued completes for its peers
+  // too (a goodbye with collectives still running failed them). Dropping the groups lets their
+  // workers finish; then the goodbye tells the peers how far this process got. Groups a caller
+  // still holds must not be used afterwards.
   auto job = world.job;
+  job->drain();
   registry.reset();
   world = {};
   job->shutdown();

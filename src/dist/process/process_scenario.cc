@@ -13,7 +13,8 @@
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
 //            before any of it is posted; the group is unusable afterwards
 //  timeout   the last rank stays away from a collective; the others time out naming it
-//  depart    the last rank leaves (destroy_process_group); the others fail at once naming it
+//  depart    the last rank leaves (destroy_process_group) with collectives still in flight,
+//            which complete for everyone; the others' next ones fail at once naming it
 //  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
 //            fails after FUNCOL_TIMEOUT naming it, and takes its keys out of the store
 //  split_kill  the last rank agrees to split_group([1..n-1]) and dies before the new group's
@@ -242,11 +243,29 @@ void scenario_timeout(funcol::ProcessGroup& world) {
 
 void scenario_depart(funcol::ProcessGroup& world) {
   const int leaver = world.size() - 1;
+  const int n = world.size();
   check_sum(world);
+  // Every rank issues collectives it never waits for (their results dropped), and one it reads
+  // only after the leaver destroyed its process group: what the leaver issued completes, for
+  // it and for the others. (Its goodbye used to go out with them still running: the others
+  // failed them, and on mpi the leaver hung or exited 1.) The others come 300 ms late, so the
+  // leaver reaches destroy_process_group long before they issue their part.
+  if (world.rank() != leaver) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (int i = 0; i < 20; ++i) {
+    world.all_reduce(Tensor::full({1 << 20}, DType::F32, 1), ReduceOp::Sum);
+  }
+  Tensor kept = Tensor::full({3}, DType::I64, world.rank() + 1);
+  world.all_reduce(kept, ReduceOp::Sum);
   if (world.rank() == leaver) {
     funcol::destroy_process_group();
+    if (kept.to_vector<int64_t>() != std::vector<int64_t>(3, n * (n + 1) / 2)) {
+      failed("a collective issued before destroy_process_group gave a wrong sum");
+    }
     ok("left");
     return;
+  }
+  if (kept.to_vector<int64_t>() != std::vector<int64_t>(3, n * (n + 1) / 2)) {
+    failed("a collective the leaver issued gave a wrong sum");
   }
   auto start = Clock::now();
   std::string msg = expect_comm_error(
