@@ -407,6 +407,12 @@ std::optional<std::string> ProcessGroupBase::broken() const {
   return broken_;
 }
 
+bool ProcessGroupBase::issued_before_leaving(const PeerLoss& loss, int64_t seq) const {
+  if (!loss.clean) return false;  // it died: whether it got there is unknown
+  const auto issued = loss.issued.find(name());
+  return issued != loss.issued.end() && issued->second > seq;
+}
+
 std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
                                               const std::string& what) const {
   std::string msg = fmt::format("{}: {}: {}", op.work->description(), job_->backend(), what);
@@ -417,7 +423,7 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
     std::vector<int> missing;
     for (const auto& loss : losses) {
       msg += "; " + loss.describe();
-      missing.push_back(loss.rank);
+      if (!issued_before_leaving(loss, op.seq)) missing.push_back(loss.rank);
     }
     std::sort(missing.begin(), missing.end());
     if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
@@ -457,12 +463,7 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   std::vector<std::string> losses;
   for (size_t i = 0; i < peers.size(); ++i) {
     if (auto loss = monitor->lost(peers[i])) {
-      // A rank that left cleanly after issuing this collective did arrive (its goodbye says
-      // how many it issued here); it only cannot help finish it.
-      const auto issued = loss->issued.find(name());
-      if (!loss->clean || issued == loss->issued.end() || issued->second <= op.seq) {
-        missing.push_back(peers[i]);
-      }
+      if (!issued_before_leaving(*loss, op.seq)) missing.push_back(peers[i]);
       losses.push_back(loss->describe());
     } else if (progress[i] == -1) {
       silent.push_back(peers[i]);

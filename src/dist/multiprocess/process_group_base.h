@@ -184,6 +184,10 @@ class ProcessGroupBase : public ProcessGroup,
   void mark_broken(const std::string& reason);
   void remove_inflight(const CollectiveOp* op);
   std::string timeout_message(const CollectiveOp& op);
+  // Whether a peer that went away had issued collective `seq` of this group: only one that
+  // left cleanly says so (its goodbye counts what it issued per group). Such a peer did
+  // arrive; it only cannot help finish the collective.
+  bool issued_before_leaving(const PeerLoss& loss, int64_t seq) const;
 
   std::shared_ptr<ProcessJob> job_;
   std::shared_ptr<std::atomic<int64_t>> issued_ = std::make_shared<std::atomic<int64_t>>(0);
