@@ -118,9 +118,10 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   // A partition: every rank calls. The ranks reuse their groups only when every rank has one
   // (registries differ: a group is registered on its members only), else every rank splits
   // with the same lists and the same fresh name.
-  if (dist_detail::on_every_rank(world, existing != nullptr)) return *existing;
+  constexpr std::string_view kWhat = "a group spec of rank lists";
+  if (dist_detail::on_every_rank(world, existing != nullptr, kWhat)) return *existing;
   const std::string name = dist_detail::first_free_name(
-      world, [&](int) { return world.registry().next_group_name(); });
+      world, [&](int) { return world.registry().next_group_name(); }, kWhat);
   std::shared_ptr<ProcessGroup> group = world.split_group(sorted, name);
   FUNCOL_CHECK(group != nullptr, "split_group returned null on a member rank");
   return *group;

@@ -449,21 +449,27 @@ void agree_on_split(ProcessGroup& parent, int split,
   }
 }
 
-bool same_on_every_rank(ProcessGroup& group, int64_t value) {
+bool same_on_every_rank(ProcessGroup& group, int64_t value, std::string_view what) {
   Tensor t = Tensor::from_vector<int64_t>({value, -value}, {2});
-  group.all_reduce(t, ReduceOp::Max)->wait();
+  try {
+    group.all_reduce(t, ReduceOp::Max)->wait();
+  } catch (const CommError& e) {
+    throw CommError(fmt::format("{}: agreeing with the other ranks of group '{}' failed: {}",
+                                what, group.name(), e.what()));
+  }
   const std::vector<int64_t> v = t.to_vector<int64_t>();
   return v[0] == -v[1];
 }
 
-bool on_every_rank(ProcessGroup& group, bool flag) {
-  return same_on_every_rank(group, flag ? 1 : 0) && flag;
+bool on_every_rank(ProcessGroup& group, bool flag, std::string_view what) {
+  return same_on_every_rank(group, flag ? 1 : 0, what) && flag;
 }
 
-std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate) {
+std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate,
+                            std::string_view what) {
   for (int k = 1;; ++k) {
     std::string name = candidate(k);
-    if (on_every_rank(group, group.registry().find(name) == nullptr)) return name;
+    if (on_every_rank(group, group.registry().find(name) == nullptr, what)) return name;
   }
 }
 

@@ -111,14 +111,17 @@ void agree_on_split(ProcessGroup& parent, int split,
 
 // Whether every rank of `group` holds the same `value` (one small all_reduce; every rank of
 // `group` calls it). Registries differ between ranks (a group is registered on its members
-// only), so decisions that read one must be agreed this way.
-bool same_on_every_rank(ProcessGroup& group, int64_t value);
+// only), so decisions that read one must be agreed this way. `what` names the user's call
+// (e.g. "new_group"): a CommError of the all_reduce (a rank that never came) says it was that
+// call's agreement that failed.
+bool same_on_every_rank(ProcessGroup& group, int64_t value, std::string_view what);
 // Whether `flag` is true on every rank of `group` (same_on_every_rank; every rank calls it,
 // whatever its flag).
-bool on_every_rank(ProcessGroup& group, bool flag);
+bool on_every_rank(ProcessGroup& group, bool flag, std::string_view what);
 // The first of candidate(1), candidate(2), ... that no rank of `group` has registered (one
 // same_on_every_rank per candidate tried; every rank of `group` calls it).
-std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate);
+std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate,
+                            std::string_view what);
 
 // "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);

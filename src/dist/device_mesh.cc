@@ -85,12 +85,12 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
         break;
       }
     }
-    if (dist_detail::same_on_every_rank(parent, reuse) && reuse != 0) {
+    if (dist_detail::same_on_every_rank(parent, reuse, "DeviceMesh") && reuse != 0) {
       groups_.push_back(parent.registry().find(dim_group_name(name, reuse)));
       continue;
     }
     const std::string fresh = dist_detail::first_free_name(
-        parent, [&](int k) { return dim_group_name(name, k); });
+        parent, [&](int k) { return dim_group_name(name, k); }, "DeviceMesh");
     groups_.push_back(parent.split_group(lists, fresh));
   }
 }

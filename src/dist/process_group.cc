@@ -340,9 +340,10 @@ std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<
   // An unnamed group takes the next "group<N>" that no rank has registered (a user may have
   // named a group so, on its members only).
   const std::string group_name =
-      !name.empty() ? name : dist_detail::first_free_name(parent, [&](int) {
-        return parent.registry().next_group_name();
-      });
+      !name.empty() ? name
+                    : dist_detail::first_free_name(
+                          parent, [&](int) { return parent.registry().next_group_name(); },
+                          "new_group");
   return parent.split_group({sorted}, group_name);
 }
 

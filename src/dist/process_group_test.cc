@@ -191,6 +191,17 @@ TEST(NewGroupTest, NamesTakenOnSomeRanksOnly) {
   });
 }
 
+// A rank that never comes to new_group: the others' error names new_group's agreement, not
+// only an all_reduce the user never called.
+TEST(NewGroupTest, ARankThatNeverComesFailsTheAgreementByName) {
+  run_ranks(3, [](ProcessGroup& world) {
+    if (world.rank() == 2) return;  // leaves without calling new_group
+    expect_error<CommError>([&] { new_group(world, {0, 1}); },
+                            {"new_group: agreeing with the other ranks of group 'world' failed",
+                             "missing ranks [2]"});
+  });
+}
+
 TEST(DeviceMeshTest, RowMajorGroupsPerDim) {
   run_ranks(8, [](ProcessGroup& world) {
     DeviceMesh mesh(world, {{"pp", 2}, {"dp", 2}, {"tp", 2}});
