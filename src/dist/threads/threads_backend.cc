@@ -2082,8 +2082,10 @@ class ThreadsGroup final : public ProcessGroup {
     return p;
   }
 
+  // `out_ready`: the output's storage was already waited for writing (an earlier slot of the
+  // same post has it too), so its pointer is taken as it is.
   static Slot make_slot(OpKind kind, DType dtype, int64_t count, const Tensor& in,
-                        const Tensor& out) {
+                        const Tensor& out, bool out_ready = false) {
     Slot s;
     s.dtype = dtype;
     s.count = count;
@@ -2101,7 +2103,9 @@ class ThreadsGroup final : public ProcessGroup {
       s.out = const_cast<char*>(s.in);
     } else {
       if (in.numel() > 0) s.in = static_cast<const char*>(in.const_data_ptr());
-      if (out.numel() > 0) s.out = static_cast<char*>(out.data_ptr());
+      if (out.numel() > 0) {
+        s.out = static_cast<char*>(out_ready ? out.raw_data_ptr() : out.data_ptr());
+      }
     }
     return s;
   }
@@ -2113,10 +2117,19 @@ class ThreadsGroup final : public ProcessGroup {
   // the run that way).
   static void add_slots(Post& p, const std::vector<Tensor>& outputs,
                         const std::vector<Tensor>& inputs, bool count_from_input) {
+    // A bucket's outputs often share one storage: waiting for it once is enough, and each
+    // wait counts a write with a locked add, which would wait for the slot stores before it
+    // (1000 x 4 KiB buckets, 5 alternating pairs: all_gather 0.717 -> 0.689 ms, all_reduce
+    // 0.489 -> 0.482 ms, medians).
+    const Storage* ready = nullptr;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Tensor& counted = count_from_input ? inputs[i] : outputs[i];
-      p.slots.push_back(
-          make_slot(p.kind, inputs[i].dtype(), counted.numel(), inputs[i], outputs[i]));
+      const Storage* out_storage = outputs[i].storage().get();
+      const bool out_ready = &outputs[i] != &inputs[i] && out_storage != nullptr &&
+                             out_storage == ready && out_storage != inputs[i].storage().get();
+      p.slots.push_back(make_slot(p.kind, inputs[i].dtype(), counted.numel(), inputs[i],
+                                  outputs[i], out_ready));
+      if (&outputs[i] != &inputs[i] && outputs[i].numel() > 0) ready = out_storage;
     }
     for (size_t i = 0; i < inputs.size(); ++i) {
       keep(p, inputs[i].storage());
