@@ -1,12 +1,18 @@
 // The caching host allocator behind Storage (see funcol/core/allocator.h).
 #include "funcol/core/allocator.h"
 
+#include <fmt/format.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
 #include <string>
 #include <vector>
+
+#include "funcol/core/error.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define FUNCOL_ASAN 1
@@ -20,6 +26,26 @@
 #endif
 
 namespace funcol {
+
+namespace detail {
+
+// FUNCOL_ALLOC_CACHE_MB's value (null or empty: the default, 1024 MB) in bytes. Anything but a
+// whole number of megabytes is refused, as the other FUNCOL_* variables are.
+size_t cache_limit_from(const char* env) {
+  if (env == nullptr || *env == '\0') return size_t{1024} << 20;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long mb = std::strtoull(env, &end, 10);
+  if (end == env || *end != '\0' || errno != 0 || *env == '-' ||
+      mb > (std::numeric_limits<size_t>::max() >> 20)) {
+    throw InvalidArgument(fmt::format(
+        "FUNCOL_ALLOC_CACHE_MB={}: expected a whole number of megabytes (0 or more)", env));
+  }
+  return static_cast<size_t>(mb) << 20;
+}
+
+}  // namespace detail
+
 namespace {
 
 constexpr size_t kPage = 4096;
@@ -55,14 +81,7 @@ void unpoison(void* p, size_t bytes) {
 #endif
 }
 
-size_t default_limit() {
-  const char* env = std::getenv("FUNCOL_ALLOC_CACHE_MB");
-  if (env == nullptr || *env == '\0') return size_t{1024} << 20;
-  char* end = nullptr;
-  const unsigned long long mb = std::strtoull(env, &end, 10);
-  if (end == env || *end != '\0') return size_t{1024} << 20;  // unreadable: the default
-  return static_cast<size_t>(mb) << 20;
-}
+size_t default_limit() { return detail::cache_limit_from(std::getenv("FUNCOL_ALLOC_CACHE_MB")); }
 
 class Cache {
  public:

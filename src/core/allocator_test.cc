@@ -5,13 +5,39 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "funcol/core/error.h"
 #include "funcol/core/tensor.h"
 
 namespace funcol {
+
+namespace detail {
+size_t cache_limit_from(const char* env);  // allocator.cc: FUNCOL_ALLOC_CACHE_MB's value
+}  // namespace detail
+
 namespace {
+
+// FUNCOL_ALLOC_CACHE_MB: a whole number of megabytes or nothing; anything else is refused (it
+// was ignored, the default applying silently), as FUNCOL_TIMEOUT and FUNCOL_STREAM_MB are.
+TEST(AllocatorEnv, CacheLimitIsAWholeNumberOfMegabytes) {
+  EXPECT_EQ(detail::cache_limit_from(nullptr), size_t{1024} << 20);
+  EXPECT_EQ(detail::cache_limit_from(""), size_t{1024} << 20);
+  EXPECT_EQ(detail::cache_limit_from("0"), 0u);
+  EXPECT_EQ(detail::cache_limit_from("64"), size_t{64} << 20);
+  for (const char* bad : {"abc", "12MB", "-1", "1.5", "99999999999999999999"}) {
+    try {
+      detail::cache_limit_from(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("FUNCOL_ALLOC_CACHE_MB=" + std::string(bad)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
 
 // Restores the default bound and empties the cache around each test.
 class AllocatorTest : public ::testing::Test {
