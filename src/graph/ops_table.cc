@@ -658,9 +658,10 @@ std::vector<OpDef> build_op_table() {
   t.push_back(compute("empty", 0, {shape_attr, dtype_attr()}, infer_factory, kernel_empty));
   t.push_back(compute("zeros", 0, {shape_attr, dtype_attr()}, infer_factory, kernel_zeros));
   // Made by autodiff: constants (the loss seed, 1/N scales) and broadcasts of reduced gradients.
-  t.push_back(compute("full", 0,
-                      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float, .keeps_int = true}},
-                      infer_full, kernel_full));
+  t.push_back(compute(
+      "full", 0,
+      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float, .keeps_int = true}},
+      infer_full, kernel_full));
   t.push_back(compute("expand", 1, {shape_attr}, infer_expand, kernel_expand, true));
   // Math.
   t.push_back(compute("add", 2, {}, infer_binary, kernel_add));
