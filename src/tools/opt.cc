@@ -214,7 +214,8 @@ void add_opt_command(CLI::App& app) {
                   "passes to run, e.g. 'bucket-all-gather{cap-mb=25},dce'");
   sub->add_option("-o,--output", options->output, "write the result here instead of stdout");
   sub->add_flag("--stats", options->stats,
-                "write {\"nodes\", \"ops\", \"passes\"} as one JSON line to stderr");
+                "write {\"nodes\", \"ops\", \"passes\"} as one JSON line to stderr (with "
+                "--split-input-file: totals over the cases)");
   sub->add_flag("--explain", options->explain,
                 "write the bucketing passes' decisions to stderr");
   sub->add_option("--emit", options->emit, "output format: ir or dot")
