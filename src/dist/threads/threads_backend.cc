@@ -62,6 +62,36 @@ using dist_detail::Backoff;
 using dist_detail::format_ranks;
 using dist_detail::split_mismatch;
 
+// The failure a rank gets for a collective that had failed before it issued it. When its peers
+// timed out waiting for it, their error names it among the missing ranks; said to it as it
+// is, that reads as if it never came: it is told it came too late. (Other failures, a
+// departure or a mismatch of others, stand as they are.)
+std::string issued_after_failure(const std::string& error, int rank) {
+  const std::string key = "missing ranks [";
+  const size_t at = error.rfind(key);
+  if (at == std::string::npos) return error;
+  for (const char* p = error.c_str() + at + key.size();;) {
+    char* end = nullptr;
+    const long r = std::strtol(p, &end, 10);
+    if (end == p) return error;
+    if (r == rank) break;
+    if (*end != ',') return error;
+    p = end + 1;
+  }
+  return fmt::format("{}; rank {} issued it only after the others had given up on it", error,
+                     rank);
+}
+
+std::string exception_text(const std::exception_ptr& e) {
+  try {
+    if (e) std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "unknown failure";
+}
+
 // The global rank this thread last issued a collective as (-1: none): where it starts taking
 // chunks of a running op (see Op::claim).
 thread_local int tl_rank = -1;
@@ -640,9 +670,10 @@ class World {
   // Posts `post` as member `member` of op `seq` on `group`; fails the op on mismatch or when a
   // member departed before joining. Returns the op (possibly already failed). The first member
   // to join publishes `spare` (a fresh Op of this group, allocated outside the group's lock)
-  // as the op; the others leave it for their next collective.
+  // as the op; the others leave it for their next collective. `*late`: the op had already
+  // failed (a timeout, a departure, a mismatch of others) when this member joined.
   std::shared_ptr<Op> join(SharedGroup& group, int member, uint64_t seq, Post&& post,
-                           std::shared_ptr<Op>& spare);
+                           std::shared_ptr<Op>& spare, bool* late);
   // Appends op to `global_rank`'s queue and runs whatever became eligible.
   void push(int global_rank, int member, const std::shared_ptr<Op>& op);
   // Pops finished ops off `global_rank`'s queue head and marks the new head; collects ops that
@@ -1205,7 +1236,7 @@ std::string World::mismatch_message(const std::string& what, int rank_a, const P
 }
 
 std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Post&& post,
-                                std::shared_ptr<Op>& spare) {
+                                std::shared_ptr<Op>& spare, bool* late) {
   std::shared_ptr<Op> op;
   std::string failure;
   {
@@ -1216,6 +1247,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       slot = std::move(spare);
     }
     op = slot;
+    *late = op->state_.load(std::memory_order_acquire) != kPending;
     const int me = group.global_ranks[member];
     if (group.lane) failure = lane_crossed_locked(group, member, seq, post, *op);
     if (failure.empty() && op->state_.load(std::memory_order_acquire) == kPending &&
@@ -1495,13 +1527,14 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
     prev = ls.state.load(std::memory_order_acquire);
   }
   if ((prev & kLaneFailed) != 0) {
-    // Failed before this member arrived (timeout, departure, mismatch): the same error.
+    // Failed before this member arrived (timeout, departure, mismatch): the same error, said
+    // from this member's side.
     record.work.reset();  // nobody else touches a record that arrived after the failure
     {
       std::lock_guard<SpinMutex> lock(group.mu);
       join_absent_locked(group, seq, bit);
     }
-    work->fail_with(ls.error);
+    work->fail_with(issued_after_failure(ls.error, group.global_ranks[member]));
     lane_exit(group, ls, 1);
   } else if (((prev | bit) & kLaneArrived) == group.full_mask()) {
     lane_execute(group, ls);
@@ -2164,8 +2197,18 @@ class ThreadsGroup final : public ProcessGroup {
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
     if (!spare_) spare_ = std::make_shared<Op>(world_.get(), shared_, size());
-    std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post), spare_);
+    bool late = false;
+    std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post), spare_, &late);
     world_->push(global_rank_, rank(), op);
+    if (late) {
+      // This rank gets the failure said from its side (a timeout's "missing ranks" names it).
+      while (!op->is_completed()) std::this_thread::yield();  // its failer is finishing it
+      auto failed = std::make_shared<Work>(op->description());
+      failed->fail(std::make_exception_ptr(
+          CommError(issued_after_failure(exception_text(op->exception()), global_rank_))));
+      attach(failed, outputs);
+      return failed;
+    }
     attach(op, outputs);
     return op;
   }

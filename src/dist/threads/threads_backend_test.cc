@@ -1221,10 +1221,37 @@ TEST(FailureTest, TimeoutWhenAPeerNeverArrives) {
       kShortTimeout);
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 0): timed out after 0.2 s; missing ranks [1]");
-  EXPECT_EQ(messages[1], messages[0]);  // the late rank joins the failed collective
+  // The late rank joins the failed collective, and is told that it came too late rather than
+  // only that it is missing.
+  EXPECT_EQ(messages[1],
+            messages[0] + "; rank 1 issued it only after the others had given up on it");
   EXPECT_GE(waited[0], 0.19);
   EXPECT_LT(waited[0], 2.0);
   EXPECT_LT(waited[1], 0.1);
+}
+
+// The same on the Op path (a collective too big for the lane) and for a rank named among
+// several missing ones; ranks that are not named keep the error as it is.
+TEST(FailureTest, ARankLateForATimedOutCollectiveIsToldSo) {
+  std::atomic<bool> gave_up{false};
+  std::vector<std::string> messages(3);
+  run_local(
+      3,
+      [&](ProcessGroup& world) {
+        Tensor t = Tensor::full({1 << 16}, DType::F32, 1);
+        if (world.rank() >= 1) {
+          await(gave_up);  // rank 0 gave up on them both
+        }
+        messages[world.rank()] =
+            comm_error([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); });
+        if (world.rank() == 0) gave_up = true;
+      },
+      kShortTimeout);
+  const std::string base =
+      "all_reduce on group 'world' (seq 0): timed out after 0.2 s; missing ranks [1, 2]";
+  EXPECT_EQ(messages[0], base);
+  EXPECT_EQ(messages[1], base + "; rank 1 issued it only after the others had given up on it");
+  EXPECT_EQ(messages[2], base + "; rank 2 issued it only after the others had given up on it");
 }
 
 TEST(FailureTest, TimeoutFromEnvironment) {
