@@ -253,5 +253,45 @@ TEST(TraceCollectives, InplaceRemapsTraceFunctionally) {
   });
 }
 
+// An in-place collective into a view writes the view's base too, eagerly and traced (the graph
+// returned the base unchanged): narrow, a narrow of a transpose, a narrow of a view, and the
+// same view written twice.
+std::vector<Tensor> inplace_into_views(std::span<const Tensor> in) {
+  // x: [4, 2] f32.
+  Tensor z = ops::clone(in[0]);
+  Tensor head = ops::narrow(z, 0, 1, 2);  // rows 1 and 2
+  all_reduce_inplace(head, "sum", "world");
+  all_reduce_inplace(head, "max", "world");
+  Tensor col = ops::narrow(ops::transpose(z, 0, 1), 1, 3, 1);  // row 3, as a column
+  all_reduce_inplace(col, "sum", "world");
+  Tensor before = ops::clone(z);
+  Tensor v = ops::view(z, {8});
+  reduce_scatter_tensor_inplace(ops::narrow(v, 0, 0, 2), ops::clone(v), "world", "sum");
+  return {z, head, col, before, v};
+}
+
+TEST(TraceCollectives, InplaceIntoAViewWritesItsBase) {
+  auto traced = trace("views", {Type(DType::F32, {4, 2})}, inplace_into_views, {{"world", 4}});
+  expect_runs_like_eager(*traced, inplace_into_views, [](int r) {
+    std::vector<float> x(8);
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 5 + r) % 9 - 4);
+    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2})};
+  });
+  // Views that eagerly may be copies (reshape) cannot be written through: an error, not a
+  // graph that differs from eager.
+  try {
+    trace("reshape", {Type(DType::F32, {4, 2})},
+          [](std::span<const Tensor> in) {
+            Tensor z = ops::clone(in[0]);
+            all_reduce_inplace(ops::reshape(z, {8}), "sum", "world");
+            return std::vector<Tensor>{z};
+          },
+          {{"world", 4}});
+    ADD_FAILURE() << "an in-place write into a reshape was traced";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be traced"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace funcol

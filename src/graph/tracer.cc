@@ -41,10 +41,14 @@ std::string_view default_hint(const OpDef& op) {
 
 namespace {
 
-// What a traced tensor's annotation holds.
+// What a traced tensor's annotation holds. A view (narrow, transpose, ...) also keeps the
+// tensor it views and the node that made it, so that an in-place write into the view reaches
+// that base, as it does eagerly.
 struct Ref {
   uint64_t tracer_id = 0;
   Value* value = nullptr;
+  std::shared_ptr<Ref> base;
+  const Node* view = nullptr;
 };
 
 // The deleter type identifies the tracer's annotations (std::get_deleter is type-checked), so a
@@ -69,7 +73,10 @@ Tracer::~Tracer() = default;
 
 Tensor Tracer::wrap(Value* value) const {
   Tensor t = Tensor::meta(value->shape(), value->dtype());
-  t.set_annotation(std::shared_ptr<Ref>(new Ref{id_, value}, RefDeleter{}));
+  auto* ref = new Ref;
+  ref->tracer_id = id_;
+  ref->value = value;
+  t.set_annotation(std::shared_ptr<Ref>(ref, RefDeleter{}));
   return t;
 }
 
@@ -115,7 +122,62 @@ void Tracer::assign(const Tensor& t, const Tensor& value) {
                                       source->type().str(), target->ref(), target->type().str()));
   }
   // ref_of's Ref is shared by every copy of `t`: rebinding it rebinds them all.
-  static_cast<Ref*>(t.annotation().get())->value = source;
+  Ref* ref = static_cast<Ref*>(t.annotation().get());
+  ref->value = source;
+  // A view: its base takes the written elements too, and its base's base, and so on.
+  for (; ref->base; ref = ref->base.get()) {
+    ref->base->value = write_through(*ref->view, ref->base->value, ref->value);
+  }
+}
+
+// The value of a view's base after `written` was written into the view that `view` made: the
+// base rebuilt around it (narrow), or the written value viewed back (transpose, permute, view,
+// view_dtype). Views that eagerly are sometimes copies (reshape, flatten) or that repeat
+// elements (expand) cannot be written through: an error, rather than a graph that differs
+// from eager execution.
+Value* Tracer::write_through(const Node& view, Value* base, Value* written) {
+  Builder b(*graph_);
+  b.set_name_hint("inplace");
+  const std::string_view op = view.op_name();
+  if (op == "narrow") {
+    const int64_t dim = view.attr("dim").as_int();
+    const int64_t start = view.attr("start").as_int();
+    const int64_t length = view.attr("length").as_int();
+    const int64_t size = base->shape()[static_cast<size_t>(dim)];
+    std::vector<Value*> parts;
+    auto piece = [&](int64_t from, int64_t len) {
+      if (len > 0) {
+        parts.push_back(
+            b.value("narrow", {base}, {{"dim", dim}, {"start", from}, {"length", len}}));
+      }
+    };
+    piece(0, start);
+    parts.push_back(written);
+    piece(start + length, size - start - length);
+    return parts.size() == 1 ? written : b.value("cat", parts, {{"dim", dim}});
+  }
+  if (op == "transpose") {
+    return b.value("transpose", {written},
+                   {{"dim0", view.attr("dim0").as_int()}, {"dim1", view.attr("dim1").as_int()}});
+  }
+  if (op == "permute") {
+    const std::vector<int64_t>& dims = view.attr("dims").as_ints();
+    std::vector<int64_t> inverse(dims.size());
+    for (size_t i = 0; i < dims.size(); ++i) {
+      const int64_t d = dims[i] < 0 ? dims[i] + static_cast<int64_t>(dims.size()) : dims[i];
+      inverse[static_cast<size_t>(d)] = static_cast<int64_t>(i);
+    }
+    return b.value("permute", {written}, {{"dims", inverse}});
+  }
+  if (op == "view") {
+    return b.value("view", {written}, {{"shape", std::vector<int64_t>(base->shape())}});
+  }
+  if (op == "view_dtype") return b.value("view_dtype", {written}, {{"dtype", base->dtype()}});
+  throw InvalidArgument(fmt::format(
+      "tracer: an in-place write into {} (a {} of {}) cannot be traced: eagerly it {} its base; "
+      "write into the base, or use the functional form and its result",
+      view.result(0)->ref(), op, view.operand(0)->ref(),
+      op == "expand" ? "would repeat elements of" : "may or may not share memory with"));
 }
 
 std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Tensor> operands,
@@ -137,6 +199,12 @@ std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Ten
   std::vector<Tensor> results;
   results.reserve(node->num_results());
   for (size_t r = 0; r < node->num_results(); ++r) results.push_back(wrap(node->result(r)));
+  if (op.is_view && node->num_results() == 1 && operands.size() == 1) {
+    // The view remembers its base (see assign).
+    auto* ref = static_cast<Ref*>(results[0].annotation().get());
+    ref->base = std::static_pointer_cast<Ref>(operands[0].annotation());
+    ref->view = node;
+  }
   return results;
 }
 

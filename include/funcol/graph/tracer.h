@@ -50,8 +50,12 @@ class Tracer {
   Value* value(const Tensor& t) const;
   // Makes `t`, and every copy of it (copies share the annotation), stand for `value`'s graph
   // value from now on: an in-place op traced functionally, as PyTorch functionalizes
-  // `t.copy_(r)`. Views recorded from `t` before keep the value they were made from. Throws
-  // InvalidArgument when either tensor is not traced by this tracer or their types differ.
+  // `t.copy_(r)`. When `t` is a view (narrow, transpose, permute, view, view_dtype) of another
+  // traced tensor, that base stands for its value with the view's elements replaced, as
+  // eagerly (and so on up a chain of views); other views recorded from the base before keep
+  // the value they were made from. Throws InvalidArgument when either tensor is not traced by
+  // this tracer, their types differ, or `t` is a view that cannot be written through
+  // (reshape and flatten, which eagerly copy some layouts; expand).
   void assign(const Tensor& t, const Tensor& value);
 
   // Group sizes for collectives recorded without a live process group (tracing outside any
@@ -68,6 +72,7 @@ class Tracer {
 
  private:
   Tensor wrap(Value* value) const;
+  Value* write_through(const Node& view, Value* base, Value* written);
 
   uint64_t id_;
   std::unique_ptr<Graph> graph_;
