@@ -213,24 +213,24 @@ Sinkable sinkable_nodes(const Graph& graph) {
 // Whether `n` passes a buffer on without reading it: a wait_tensor or a view.
 bool passes_on(const Node& n) { return is_wait(n) || n.op().is_view; }
 
-// The first node (in `order`) that reads the data of `n`'s results, looking through waits and
+// The first node (in `order`) that reads the data of value `v`, looking through waits and
 // views (see passes_on) to their users. Null when nothing does (only graph outputs, or nothing
 // at all).
-Node* first_reader(const Node& n, const OrderIndex& order) {
+Node* first_reader(const Value& v, const OrderIndex& order) {
   Node* first = nullptr;
-  std::vector<const Node*> work = {&n};
+  std::vector<const Value*> work = {&v};
   std::unordered_set<const Node*> seen;  // membership only, never iterated
   while (!work.empty()) {
-    const Node* m = work.back();
+    const Value* value = work.back();
     work.pop_back();
-    for (size_t i = 0; i < m->num_results(); ++i) {
-      for (const Use& u : m->result(i)->uses()) {
-        if (!u.user) continue;
-        if (passes_on(*u.user)) {
-          if (seen.insert(u.user).second) work.push_back(u.user);
-        } else if (!first || order.before(*u.user, *first)) {
-          first = u.user;
+    for (const Use& u : value->uses()) {
+      if (!u.user) continue;
+      if (passes_on(*u.user)) {
+        if (seen.insert(u.user).second) {
+          for (size_t i = 0; i < u.user->num_results(); ++i) work.push_back(u.user->result(i));
         }
+      } else if (!first || order.before(*u.user, *first)) {
+        first = u.user;
       }
     }
   }
@@ -315,9 +315,9 @@ class MaxAddTree {
 };
 
 // The bytes of collective results held before they are read, kept up to date while phase 1
-// moves collectives under a budget: a collective holds its result bytes from itself up to and
-// including its first reader (first_reader: waits and views of the buffer do not read it) or
-// to the end when there is none. Hoisting a collective makes it hold memory over more nodes,
+// moves collectives under a budget: each result of a collective is held from the collective up
+// to and including that result's first reader (first_reader: waits and views of the buffer do
+// not read it) or to the end when there is none. Hoisting a collective makes it hold memory over more nodes,
 // and may make it the first reader of a collective whose data it reads; where a wait sits
 // changes nothing (the buffer exists from the issue on).
 //
@@ -338,7 +338,12 @@ class HeldBytes {
     for (size_t i = 0; i < nodes_.size(); ++i) index_.emplace(nodes_[i], i);
     // Every collective's start first: a collective read by another holds up to that one's.
     for (Node* c : nodes_) {
-      if (c->op().is_collective()) held_.emplace(c, Held{index_.at(c), 0, result_bytes(*c), {}});
+      if (!c->op().is_collective()) continue;
+      Held h{index_.at(c), result_bytes(*c), {}};
+      for (size_t r = 0; r < c->num_results(); ++r) {
+        h.parts.push_back({std::min(kMaxHeldBytes, c->result(r)->type().nbytes()), 0, nullptr});
+      }
+      held_.emplace(c, std::move(h));
     }
     for (Node* c : nodes_) {
       if (c->op().is_collective()) update_reader(*c);
@@ -374,10 +379,12 @@ class HeldBytes {
       hoisted_with_.emplace(n, &c);
     }
     Held& h = held_.at(&c);
-    tree_.add(h.lo, h.hi, -h.bytes);
+    remove(h);
     h.lo = index_.at(&stop);
-    h.hi = end_of(h.reader);  // c's first reader stays: it is after c
-    tree_.add(h.lo, h.hi, h.bytes);
+    for (Part& p : h.parts) {
+      p.hi = end_of(p.reader);  // c's first readers stay: they are after c
+      tree_.add(h.lo, p.hi, p.bytes);
+    }
     // The collectives whose data c or its operand nodes read (through waits and views): c may
     // now be their first reader, or is and starts earlier.
     std::vector<Node*> sources;
@@ -401,19 +408,28 @@ class HeldBytes {
       }
     }
     for (Node* k : sources) {
-      const Held& hk = held_.at(k);
-      tree_.add(hk.lo, hk.hi, -hk.bytes);
+      remove(held_.at(k));
       update_reader(*k);
     }
   }
 
  private:
-  struct Held {
-    int64_t lo;    // first original position held (a moved collective: the node after it)
-    int64_t hi;    // last original position held
+  // One result of a collective: held up to its own first reader (a coalesced collective's
+  // results are read at different places, and each is released there).
+  struct Part {
     int64_t bytes;
+    int64_t hi;    // last original position held
     Node* reader;  // first reader, or null
   };
+  struct Held {
+    int64_t lo;     // first original position held (a moved collective: the node after it)
+    int64_t bytes;  // all results: what hoisting the collective holds over the nodes it passes
+    std::vector<Part> parts;
+  };
+
+  void remove(const Held& h) {
+    for (const Part& p : h.parts) tree_.add(h.lo, p.hi, -p.bytes);
+  }
 
   // Collectives and sinkable nodes never count (a value below any budget minus any number of
   // held bytes): a collective never stops at either, as phase 2 moves the sinkable ones down
@@ -426,12 +442,15 @@ class HeldBytes {
     return values;
   }
 
-  // Finds c's first reader and adds its bytes over what it now holds.
+  // Finds the first reader of each of c's results and adds its bytes over what it now holds.
   void update_reader(Node& c) {
     Held& h = held_.at(&c);
-    h.reader = first_reader(c, order_);
-    h.hi = end_of(h.reader);
-    tree_.add(h.lo, h.hi, h.bytes);
+    for (size_t r = 0; r < h.parts.size(); ++r) {
+      Part& p = h.parts[r];
+      p.reader = first_reader(*c.result(r), order_);
+      p.hi = end_of(p.reader);
+      tree_.add(h.lo, p.hi, p.bytes);
+    }
   }
 
   // The last original position held: the reader itself, or, when the reader is a collective or
