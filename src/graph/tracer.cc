@@ -73,10 +73,7 @@ Tracer::~Tracer() = default;
 
 Tensor Tracer::wrap(Value* value) const {
   Tensor t = Tensor::meta(value->shape(), value->dtype());
-  auto* ref = new Ref;
-  ref->tracer_id = id_;
-  ref->value = value;
-  t.set_annotation(std::shared_ptr<Ref>(ref, RefDeleter{}));
+  t.set_annotation(std::shared_ptr<Ref>(new Ref{id_, value, nullptr, nullptr}, RefDeleter{}));
   return t;
 }
 

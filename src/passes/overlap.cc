@@ -317,9 +317,9 @@ class MaxAddTree {
 // The bytes of collective results held before they are read, kept up to date while phase 1
 // moves collectives under a budget: each result of a collective is held from the collective up
 // to and including that result's first reader (first_reader: waits and views of the buffer do
-// not read it) or to the end when there is none. Hoisting a collective makes it hold memory over more nodes,
-// and may make it the first reader of a collective whose data it reads; where a wait sits
-// changes nothing (the buffer exists from the issue on).
+// not read it) or to the end when there is none. Hoisting a collective makes it hold memory
+// over more nodes, and may make it the first reader of a collective whose data it reads; where
+// a wait sits changes nothing (the buffer exists from the issue on).
 //
 // Phase 1 under a budget moves only collectives, and never one past another, so every other
 // node keeps its place relative to the others: the nodes a collective holds memory over are a
@@ -339,7 +339,7 @@ class HeldBytes {
     // Every collective's start first: a collective read by another holds up to that one's.
     for (Node* c : nodes_) {
       if (!c->op().is_collective()) continue;
-      Held h{index_.at(c), result_bytes(*c), {}};
+      Held h{index_.at(c), {}};
       for (size_t r = 0; r < c->num_results(); ++r) {
         h.parts.push_back({std::min(kMaxHeldBytes, c->result(r)->type().nbytes()), 0, nullptr});
       }
@@ -360,7 +360,8 @@ class HeldBytes {
       // start; any other node keeps its original position.
       lo = anchor->op().is_collective() ? held_.at(anchor).lo : index_.at(anchor) + 1;
     }
-    const __int128 room = static_cast<__int128>(budget) - held_.at(&c).bytes;
+    // Hoisted, c holds all its results over the nodes it passes.
+    const __int128 room = static_cast<__int128>(budget) - result_bytes(c);
     const int64_t j = tree_.last_above(lo, index_.at(&c) - 1, room);
     if (j < 0) return nullptr;
     *held_there = static_cast<int64_t>(std::min<__int128>(tree_.at(j), kMaxHeldBytes));
@@ -422,8 +423,7 @@ class HeldBytes {
     Node* reader;  // first reader, or null
   };
   struct Held {
-    int64_t lo;     // first original position held (a moved collective: the node after it)
-    int64_t bytes;  // all results: what hoisting the collective holds over the nodes it passes
+    int64_t lo;  // first original position held (a moved collective: the node after it)
     std::vector<Part> parts;
   };
 

@@ -82,16 +82,6 @@ std::string issued_after_failure(const std::string& error, int rank) {
                      rank);
 }
 
-std::string exception_text(const std::exception_ptr& e) {
-  try {
-    if (e) std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-  }
-  return "unknown failure";
-}
-
 // The global rank this thread last issued a collective as (-1: none): where it starts taking
 // chunks of a running op (see Op::claim).
 thread_local int tl_rank = -1;
@@ -1250,8 +1240,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     *late = op->state_.load(std::memory_order_acquire) != kPending;
     const int me = group.global_ranks[member];
     if (group.lane) failure = lane_crossed_locked(group, member, seq, post, *op);
-    if (failure.empty() && op->state_.load(std::memory_order_acquire) == kPending &&
-        !op->doomed_) {
+    if (failure.empty() && !*late && !op->doomed_) {
       // The rows a member keeps for itself must agree with themselves too (the pairwise check
       // below sees only members that joined before it).
       if (post.kind == OpKind::AllToAll &&
@@ -2203,11 +2192,14 @@ class ThreadsGroup final : public ProcessGroup {
     if (late) {
       // This rank gets the failure said from its side (a timeout's "missing ranks" names it).
       while (!op->is_completed()) std::this_thread::yield();  // its failer is finishing it
-      auto failed = std::make_shared<Work>(op->description());
-      failed->fail(std::make_exception_ptr(
-          CommError(issued_after_failure(exception_text(op->exception()), global_rank_))));
-      attach(failed, outputs);
-      return failed;
+      const std::string error = failure_message(*op, "unknown failure");
+      const std::string mine = issued_after_failure(error, global_rank_);
+      if (mine != error) {
+        auto failed = std::make_shared<Work>(op->description());
+        failed->fail(std::make_exception_ptr(CommError(mine)));
+        attach(failed, outputs);
+        return failed;
+      }
     }
     attach(op, outputs);
     return op;
