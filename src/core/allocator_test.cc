@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "funcol/core/error.h"
@@ -57,6 +58,27 @@ TEST_F(AllocatorTest, BlocksAreAligned) {
     std::memset(p, 0xab, n);
     free_storage(p, n);
   }
+}
+
+// A block of a page or more has its pages to itself: nothing else (a Storage's reference
+// counts, malloc's headers) sits on a line that a peer reading the block pulls into its cache.
+TEST_F(AllocatorTest, BlocksOfAPageOrMoreOwnTheirPages) {
+  std::vector<std::pair<void*, size_t>> blocks;
+  for (size_t n : {size_t{4096}, size_t{4097}, size_t{12288}, kMinCachedBytes + 1}) {
+    for (int i = 0; i < 3; ++i) {
+      void* p = allocate_storage(n);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 4096, 0u) << n;
+      std::memset(p, 0xcd, n);
+      blocks.emplace_back(p, n);
+    }
+  }
+  for (const auto& [p, n] : blocks) free_storage(p, n);
+  // The same for tensors: the data of a 4 KiB tensor does not share its page with its Storage.
+  const Tensor t = Tensor::zeros({1024}, DType::F32);
+  const auto data = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const auto meta = reinterpret_cast<uintptr_t>(t.storage().get());
+  EXPECT_EQ(data % 4096, 0u);
+  EXPECT_NE(data / 4096, meta / 4096);
 }
 
 TEST_F(AllocatorTest, LargeBlockIsReusedAfterFree) {

@@ -309,6 +309,40 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
   check_outputs_apart(kOp, outputs, inputs);
 }
 
+void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inputs,
+                           ReduceOp reduce_op) {
+  constexpr std::string_view kOp = "all_reduce_flat";
+  if (inputs == nullptr) throw InvalidArgument("all_reduce_flat: null input list");
+  auto usable = [](const Tensor& t) { return t.defined() && !t.is_meta() && t.is_contiguous(); };
+  if (!usable(output)) check_buffer(kOp, output, "output");
+  if (output.dim() != 1) {
+    throw ShapeError(fmt::format("{}: the output must be one-dimensional, got {}", kOp,
+                                 type_str(output.dtype(), output.sizes())));
+  }
+  check_reduce(kOp, reduce_op, output.dtype());
+  const Range out = range_of(output, 0, true);
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs->size(); ++i) {
+    const Tensor& in = (*inputs)[i];
+    // The names are formatted only for a message: a bucket passes thousands of inputs.
+    if (!usable(in)) check_buffer(kOp, in, fmt::format("input {}", i));
+    if (in.dtype() != output.dtype()) {
+      check_same_dtype(kOp, output, "output", in, fmt::format("input {}", i));
+    }
+    total += in.numel();
+    if (in.numel() > 0 && in.storage().get() == out.storage) {
+      const Range r = range_of(in, i, false);
+      if (r.begin < out.end && out.begin < r.end) {
+        throw InvalidArgument(fmt::format("{}: input {} shares bytes with the output", kOp, i));
+      }
+    }
+  }
+  if (total != output.numel()) {
+    throw ShapeError(fmt::format("{}: the inputs hold {} elements but the output has {}", kOp,
+                                 total, output.numel()));
+  }
+}
+
 void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,
                          const std::vector<Tensor>& inputs, InPlace in_place, int rank) {
   const size_t block = in_place == InPlace::kOwnInput ? 0 : static_cast<size_t>(rank);

@@ -52,6 +52,11 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
 // same rank when one disagrees with itself), on every backend.
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
 
+// all_reduce_flat: a one-dimensional contiguous output of the inputs' dtype and their total
+// element count, contiguous inputs, none of them sharing bytes with the output.
+void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inputs,
+                           ReduceOp reduce_op);
+
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);
 // all_reduce_coalesced (in place): each tensor checked as all_reduce's, and no two overlapping

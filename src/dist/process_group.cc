@@ -176,6 +176,21 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_coalesced_into(const std::vector<
   return staged_all_reduce("all_reduce_coalesced_into", outputs, inputs, op);
 }
 
+std::shared_ptr<Work> ProcessGroup::all_reduce_flat(
+    const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs, ReduceOp op) {
+  dist_detail::check_all_reduce_flat(output, inputs.get(), op);
+  if (inputs->empty()) return dist_detail::empty_coalesced("all_reduce_flat", *this);
+  // The output is the staging buffer: the inputs are packed into it and it is reduced in place.
+  output.storage()->wait_for_write();
+  const size_t isz = output.itemsize();
+  int64_t off = 0;
+  for (const Tensor& t : *inputs) {
+    copy_in(raw_bytes(output) + off * isz, t);
+    off += t.numel();
+  }
+  return all_reduce(output, op);
+}
+
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                          const std::vector<Tensor>& inputs) {
   dist_detail::check_all_gather_coalesced(*this, outputs, inputs);

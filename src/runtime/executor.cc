@@ -176,6 +176,10 @@ struct LoweredBucket {
   // collective (its storage is shared), so such a use copies it.
   std::vector<int64_t> offsets;  // member i's first element in the buffer
   int64_t numel = 0;
+  // An all_reduce chain's members, handed to ProcessGroup::all_reduce_flat as one list: held
+  // from issue until the collective is closed, so that the members are released here, on this
+  // thread, rather than by whichever thread finished the collective.
+  std::shared_ptr<std::vector<Tensor>> held;
 };
 
 // One collective of the current run between its issue and its completion.
@@ -419,44 +423,60 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
   };
   std::shared_ptr<Work> work;
   if (st.bucket != kNone) {
-    // A lowered bucket chain: the members go straight to one coalesced primitive.
+    // A lowered bucket chain: the members go straight to one primitive, whose results are
+    // views of one buffer.
     LoweredBucket& b = buckets[st.bucket];
-    // The members are lent to the primitive's list and handed back afterwards (even when it
-    // throws): a Tensor copy costs two reference counts, and a bucket has thousands of members.
-    std::vector<Tensor> ins;
-    ins.reserve(in.size());
-    std::vector<uint8_t> lent;  // 1: ins[i] is in[i] itself, moved
-    lent.reserve(in.size());
-    struct GiveBack {
-      std::span<Tensor> in;
-      std::vector<Tensor>& ins;
-      std::vector<uint8_t>& lent;
-      ~GiveBack() {
-        for (size_t i = 0; i < lent.size(); ++i) {
-          if (lent[i]) in[i] = std::move(ins[i]);
-        }
-      }
-    } give_back{in, ins, lent};
-    for (Tensor& t : in) {
-      const bool lend = t.is_contiguous();
-      ins.push_back(lend ? std::move(t) : t.contiguous());
-      lent.push_back(lend);
-    }
-    b.outs.clear();
     const DType dtype = b.out_types.front()->dtype;
     const Tensor flat = Tensor::empty({b.numel}, dtype);
+    b.outs.clear();
     for (size_t i = 0; i < b.out_types.size(); ++i) {
       b.outs.push_back(
           Tensor::from_storage(flat.storage(), b.out_types[i]->shape, dtype, b.offsets[i]));
     }
-    switch (st.op->collective) {
-      case CollectiveKind::AllGather: work = g.all_gather_coalesced(b.outs, ins); break;
-      case CollectiveKind::ReduceScatter:
-        work = g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
-        break;
-      default: work = g.all_reduce_coalesced_into(b.outs, ins, st.reduce_op); break;
-    }
     out[0] = b.outs.front();  // what the wait_tensor of the chain waits on
+    if (st.op->collective == CollectiveKind::AllReduce) {
+      // The members are reduced where they are into the buffer. The list owns them (one
+      // reference for the backend to hold): a member's last use moves it in.
+      auto list = std::make_shared<std::vector<Tensor>>();
+      list->reserve(in.size());
+      for (size_t i = 0; i < in.size(); ++i) {
+        Tensor& t = in[i];
+        if (!t.is_contiguous()) {
+          list->push_back(t.contiguous());
+        } else if (release[i] || st.copy_operands) {
+          list->push_back(std::move(t));
+        } else {
+          list->push_back(t);
+        }
+      }
+      b.held = list;
+      work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
+    } else {
+      // The members are lent to the primitive's list and handed back afterwards (even when it
+      // throws): a Tensor copy costs two reference counts, and a bucket has thousands.
+      std::vector<Tensor> ins;
+      ins.reserve(in.size());
+      std::vector<uint8_t> lent;  // 1: ins[i] is in[i] itself, moved
+      lent.reserve(in.size());
+      struct GiveBack {
+        std::span<Tensor> in;
+        std::vector<Tensor>& ins;
+        std::vector<uint8_t>& lent;
+        ~GiveBack() {
+          for (size_t i = 0; i < lent.size(); ++i) {
+            if (lent[i]) in[i] = std::move(ins[i]);
+          }
+        }
+      } give_back{in, ins, lent};
+      for (Tensor& t : in) {
+        const bool lend = t.is_contiguous();
+        ins.push_back(lend ? std::move(t) : t.contiguous());
+        lent.push_back(lend);
+      }
+      work = st.op->collective == CollectiveKind::AllGather
+                 ? g.all_gather_coalesced(b.outs, ins)
+                 : g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
+    }
   } else switch (st.op->collective) {
     case CollectiveKind::AllReduce:
       if (!coalesced) {
@@ -538,6 +558,7 @@ void Executor::Impl::close(uint32_t index, int64_t now) {
   }
   f.open = false;
   f.work.reset();
+  if (steps[f.step].bucket != kNone) buckets[steps[f.step].bucket].held.reset();
   auto it = std::find(open.begin(), open.end(), index);
   if (it != open.end()) open.erase(it);
 }
@@ -680,7 +701,10 @@ void Executor::Impl::finish(size_t& cur) {
 void Executor::Impl::abort() noexcept {
   for (Tensor& t : slots) t = Tensor();
   for (Tensor& t : scratch) t = Tensor();
-  for (LoweredBucket& b : buckets) b.outs.clear();
+  for (LoweredBucket& b : buckets) {
+    b.outs.clear();
+    b.held.reset();  // the backend holds its own reference while it still reads the members
+  }
   for (Inflight& f : inflight) {
     f.work.reset();
     f.open = false;

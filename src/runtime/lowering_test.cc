@@ -354,16 +354,17 @@ TEST(LowerBuckets, SameMemberTwiceInOneBucket) {
   EXPECT_EQ(expect_same_either_way(2, text), 1u);
 }
 
-// A group whose all_reduce_coalesced_into throws on its first call, before any rank posts.
+// A group whose all_reduce_flat (a lowered all_reduce bucket's primitive) throws on its first
+// call, before any rank posts.
 class ThrowsOnceGroup final : public testing::ForwardingGroup {
  public:
   using ForwardingGroup::ForwardingGroup;
   bool fuses_coalesced() const override { return true; }
-  std::shared_ptr<Work> all_reduce_coalesced_into(const std::vector<Tensor>& outputs,
-                                                  const std::vector<Tensor>& inputs,
-                                                  ReduceOp op) override {
+  std::shared_ptr<Work> all_reduce_flat(const Tensor& output,
+                                        std::shared_ptr<const std::vector<Tensor>> inputs,
+                                        ReduceOp op) override {
     if (calls_++ == 0) throw CommError("refused");
-    return ProcessGroup::all_reduce_coalesced_into(outputs, inputs, op);
+    return ProcessGroup::all_reduce_flat(output, std::move(inputs), op);
   }
 
  private:
@@ -372,7 +373,7 @@ class ThrowsOnceGroup final : public testing::ForwardingGroup {
 
 // A bucket's primitive that throws fails that run, naming the bucket, and nothing more: the
 // later runs (new inputs each time; 80 KB members, so buffers come from the allocator's cache)
-// get every sum right and the members lent to the primitive back intact (%n reads %a after the
+// get every sum right and the members handed to the primitive intact (%n reads %a after the
 // bucket; %b is an output).
 TEST(LowerBuckets, AThrowingPrimitiveFailsOnlyItsRun) {
   const std::string text =

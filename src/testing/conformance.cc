@@ -561,6 +561,75 @@ void run_all_reduce_coalesced(Ctx& c, const std::vector<DType>& dtypes,
   work->wait();
 }
 
+// all_reduce_flat: the inputs (of `counts` elements, one dtype) reduced into one buffer laid
+// end to end; the inputs are checked intact afterwards.
+void run_all_reduce_flat(Ctx& c, DType dtype, const std::vector<int64_t>& counts, ReduceOp op) {
+  auto inputs = std::make_shared<std::vector<Tensor>>();
+  std::vector<std::vector<double>> ins;
+  int64_t total = 0;
+  for (size_t t = 0; t < counts.size(); ++t) {
+    std::vector<double> in(counts[t]);
+    for (int64_t i = 0; i < counts[t]; ++i) in[i] = reduce_input(dtype, op, c.n, c.r, i + 13 * t);
+    inputs->push_back(make(in, {counts[t]}, dtype));
+    ins.push_back(std::move(in));
+    total += counts[t];
+  }
+  const Tensor output = Tensor::empty({total}, dtype);
+  auto work = c.pg.all_reduce_flat(output, inputs, op);
+  int64_t off = 0;
+  for (size_t t = 0; t < counts.size(); ++t) {
+    std::vector<double> expected(counts[t]);
+    for (int64_t i = 0; i < counts[t]; ++i) {
+      expected[i] = reduce_expected(dtype, op, c.n, i + 13 * t);
+    }
+    const std::string what = "tensor " + std::to_string(t) + ", " + std::string(reduce_op_name(op));
+    expect_values(output.narrow(0, off, counts[t]), expected,
+                  c.where(case_name("all_reduce_flat", dtype, what.c_str(), counts[t])));
+    expect_values((*inputs)[t], ins[t],
+                  c.where(case_name("all_reduce_flat", dtype, (what + ", input intact").c_str(),
+                                    counts[t])));
+    off += counts[t];
+  }
+  work->wait();
+}
+
+// all_reduce_flat's argument errors, raised on every rank before anything is sent.
+void all_reduce_flat_errors(Ctx& c) {
+  auto expect_error = [&](auto&& call, const std::string& needle, const std::string& what) {
+    try {
+      call();
+      fail(c.where("all_reduce_flat accepted " + what));
+    } catch (const Error& e) {
+      expect_true(std::string(e.what()).find(needle) != std::string::npos,
+                  c.where("all_reduce_flat, " + what + ": " + e.what()));
+    }
+  };
+  auto list = [](std::vector<Tensor> t) {
+    return std::make_shared<const std::vector<Tensor>>(std::move(t));
+  };
+  const Tensor out = Tensor::zeros({6}, DType::F32);
+  expect_error([&] { c.pg.all_reduce_flat(out, nullptr, ReduceOp::Sum); }, "null input list",
+               "a null list");
+  expect_error([&] {
+    c.pg.all_reduce_flat(out, list({Tensor::zeros({5}, DType::F32)}), ReduceOp::Sum);
+  }, "the inputs hold 5 elements but the output has 6", "a short output");
+  expect_error([&] {
+    c.pg.all_reduce_flat(out, list({Tensor::zeros({6}, DType::I32)}), ReduceOp::Sum);
+  }, "dtype", "an input of another dtype");
+  expect_error([&] {
+    c.pg.all_reduce_flat(Tensor::zeros({2, 3}, DType::F32), list({Tensor::zeros({6}, DType::F32)}),
+                         ReduceOp::Sum);
+  }, "one-dimensional", "a 2-d output");
+  expect_error([&] {
+    c.pg.all_reduce_flat(out, list({Tensor::zeros({3}, DType::F32), out.narrow(0, 2, 3)}),
+                         ReduceOp::Sum);
+  }, "input 1 shares bytes with the output", "an input inside the output");
+  expect_error([&] {
+    c.pg.all_reduce_flat(Tensor::zeros({2}, DType::Bool), list({Tensor::zeros({2}, DType::Bool)}),
+                         ReduceOp::Avg);
+  }, "avg", "avg of bool");
+}
+
 void run_all_gather_coalesced(Ctx& c, const std::vector<DType>& dtypes,
                               const std::vector<int64_t>& counts) {
   std::vector<Tensor> inputs, outputs;
@@ -613,6 +682,7 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
       run_all_reduce_coalesced(c, same, counts, op);
       run_all_reduce_coalesced(c, same, counts, op, /*into=*/true);
       run_reduce_scatter_coalesced(c, same, counts, op);
+      run_all_reduce_flat(c, dtype, {0, 1000, 0, 7, 1}, op);
     }
     run_all_gather_coalesced(c, same, counts);
   }
@@ -631,7 +701,9 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
         c.pg.all_reduce_coalesced({}, ReduceOp::Sum),
         c.pg.all_reduce_coalesced_into({}, {}, ReduceOp::Sum),
         c.pg.all_gather_coalesced({}, {}),
-        c.pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum)};
+        c.pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum),
+        c.pg.all_reduce_flat(Tensor::empty({0}, DType::F32),
+                             std::make_shared<const std::vector<Tensor>>(), ReduceOp::Sum)};
     for (const auto& w : works) {
       expect_true(w->is_completed(), c.where("empty " + w->description() + " not finished"));
     }
@@ -666,6 +738,7 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
                   c.where(std::string("overlap message: ") + e.what()));
     }
   }
+  all_reduce_flat_errors(c);
   // Reference scenario: int64 reduce_scatter_coalesced of ones(n) and ones(n)+1 -> [n], [2n].
   std::vector<Tensor> ins = {Tensor::full({c.n}, DType::I64, 1), Tensor::full({c.n}, DType::I64, 2)};
   std::vector<Tensor> outs = {Tensor::empty({1}, DType::I64), Tensor::empty({1}, DType::I64)};

@@ -72,6 +72,17 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> all_reduce_coalesced_into(const std::vector<Tensor>& outputs,
                                                           const std::vector<Tensor>& inputs,
                                                           ReduceOp op);
+  // All-reduce of `inputs` laid end to end: `output` (contiguous and one-dimensional, of the
+  // inputs' dtype, as many elements as all of them) receives at each input's offset the
+  // reduction of every rank's inputs[i]. A bucket of all_reduces without a pack copy: the
+  // inputs are read where they are, the results are views of one buffer. The backend keeps the
+  // list alive (one reference, not one per tensor) until the collective finished; nobody may
+  // write the inputs meanwhile. Every rank's inputs have the same element counts. The default
+  // copies the inputs into `output` and all-reduces it in place; threads reduces straight from
+  // the inputs.
+  virtual std::shared_ptr<Work> all_reduce_flat(const Tensor& output,
+                                                std::shared_ptr<const std::vector<Tensor>> inputs,
+                                                ReduceOp op);
   virtual std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                      const std::vector<Tensor>& inputs);
   virtual std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,

@@ -556,6 +556,20 @@ TEST(FailureTest, MismatchedDtype) {
       {"all_reduce(f32[4], op sum)", "all_reduce(f64[4], op sum)"});
 }
 
+// all_reduce_flat lists whose counts differ (even with equal totals) are a mismatch: the
+// reduction would pair different tensors' elements.
+TEST(FailureTest, MismatchedFlatCounts) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        auto inputs = std::make_shared<std::vector<Tensor>>();
+        inputs->push_back(Tensor::full({pg.rank() == 0 ? 2 : 3}, DType::F32, 1));
+        inputs->push_back(Tensor::full({pg.rank() == 0 ? 3 : 2}, DType::F32, 1));
+        return pg.all_reduce_flat(Tensor::empty({5}, DType::F32), inputs, ReduceOp::Sum);
+      },
+      {"all_reduce_flat(f32, 2 tensors: numel 2, 3, op sum)",
+       "all_reduce_flat(f32, 2 tensors: numel 3, 2, op sum)"});
+}
+
 TEST(FailureTest, MismatchedShape) {
   expect_mismatch(
       [](ProcessGroup& pg) {
@@ -1104,6 +1118,65 @@ TEST(LaneTest, WaitsForEarlierReadersOfItsBuffer) {
       EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 3));
     }
   });
+}
+
+// A lane all_reduce over an input of an unfinished all_reduce_flat waits for it: the flat
+// collective reads its inputs in place.
+TEST(LaneTest, WaitsForAnAllReduceFlatReadingItsBuffer) {
+  run_ranks(3, [](ProcessGroup& world) {
+    auto pair = world.split_group({{0, 1}, {2}}, "pair");
+    auto inputs = std::make_shared<std::vector<Tensor>>();
+    inputs->push_back(Tensor::full({5}, DType::F32, 1));
+    inputs->push_back(Tensor::full({4}, DType::F32, world.rank() + 1));
+    const Tensor out = Tensor::zeros({9}, DType::F32);
+    if (world.rank() == 2) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto flat = world.all_reduce_flat(out, inputs, ReduceOp::Sum);
+    if (pair) pair->all_reduce((*inputs)[1], ReduceOp::Sum)->wait();
+    flat->wait();
+    EXPECT_EQ(out.to_vector<float>(), std::vector<float>({3, 3, 3, 3, 3, 6, 6, 6, 6}));
+    if (pair) {
+      EXPECT_EQ((*inputs)[1].to_vector<float>(), std::vector<float>(4, 3));
+    }
+  });
+}
+
+// A coalesced list's references are released by the time its waiter returns, whichever rank
+// finished it (complete() leaves another rank's references to that rank's thread), and the
+// input list of an all_reduce_flat is held once and let go: the caller holds the only
+// references again. Results nobody waited for are freed by the end of the run.
+TEST(OpPathTest, ReleasesCoalescedListsToTheirRank) {
+  std::vector<std::weak_ptr<Storage>> dropped(2);
+  run_ranks(2, [&](ProcessGroup& pg) {
+    for (int i = 0; i < 20; ++i) {
+      if (pg.rank() == i % 2) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::vector<Tensor> ins, outs;
+      for (int k = 0; k < 5; ++k) {
+        ins.push_back(Tensor::full({64}, DType::F32, pg.rank() + k));
+        outs.push_back(Tensor::zeros({128}, DType::F32));
+      }
+      pg.all_gather_coalesced(outs, ins)->wait();
+      for (int k = 0; k < 5; ++k) {
+        EXPECT_EQ(ins[k].storage().use_count(), 1) << i << " " << k;
+        EXPECT_EQ(outs[k].storage().use_count(), 1) << i << " " << k;
+        EXPECT_EQ(outs[k].narrow(0, 63, 2).to_vector<float>(),
+                  std::vector<float>({0.f + k, 1.f + k}));
+      }
+      auto list = std::make_shared<std::vector<Tensor>>(ins);
+      const Tensor flat = Tensor::empty({320}, DType::F32);
+      pg.all_reduce_flat(flat, list, ReduceOp::Sum)->wait();
+      EXPECT_EQ(list.use_count(), 1) << i;
+      EXPECT_EQ(flat.storage().use_count(), 1) << i;
+      EXPECT_EQ(flat.narrow(0, 64 * 4, 1).to_vector<float>(), std::vector<float>({9})) << i;
+    }
+    std::vector<Tensor> ins, outs;
+    for (int k = 0; k < 5; ++k) {
+      ins.push_back(Tensor::full({64}, DType::F32, 1));
+      outs.push_back(Tensor::zeros({128}, DType::F32));
+    }
+    dropped[pg.rank()] = outs[0].storage();
+    pg.all_gather_coalesced(outs, ins);  // neither waited for nor kept
+  });
+  for (const auto& d : dropped) EXPECT_TRUE(d.expired());
 }
 
 // The lane keeps a buffer alive only until someone sees its collective finished: after a wait
