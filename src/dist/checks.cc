@@ -309,38 +309,54 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
   check_outputs_apart(kOp, outputs, inputs);
 }
 
-void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inputs,
-                           ReduceOp reduce_op) {
-  constexpr std::string_view kOp = "all_reduce_flat";
-  if (inputs == nullptr) throw InvalidArgument("all_reduce_flat: null input list");
+namespace {
+
+// The flat forms' checks: `output` holds `times` the inputs' elements.
+void check_flat(std::string_view op, const Tensor& output, const std::vector<Tensor>* inputs,
+                int64_t times) {
+  if (inputs == nullptr) throw InvalidArgument(fmt::format("{}: null input list", op));
   auto usable = [](const Tensor& t) { return t.defined() && !t.is_meta() && t.is_contiguous(); };
-  if (!usable(output)) check_buffer(kOp, output, "output");
+  if (!usable(output)) check_buffer(op, output, "output");
   if (output.dim() != 1) {
-    throw ShapeError(fmt::format("{}: the output must be one-dimensional, got {}", kOp,
+    throw ShapeError(fmt::format("{}: the output must be one-dimensional, got {}", op,
                                  type_str(output.dtype(), output.sizes())));
   }
-  check_reduce(kOp, reduce_op, output.dtype());
   const Range out = range_of(output, 0, true);
   int64_t total = 0;
   for (size_t i = 0; i < inputs->size(); ++i) {
     const Tensor& in = (*inputs)[i];
     // The names are formatted only for a message: a bucket passes thousands of inputs.
-    if (!usable(in)) check_buffer(kOp, in, fmt::format("input {}", i));
+    if (!usable(in)) check_buffer(op, in, fmt::format("input {}", i));
     if (in.dtype() != output.dtype()) {
-      check_same_dtype(kOp, output, "output", in, fmt::format("input {}", i));
+      check_same_dtype(op, output, "output", in, fmt::format("input {}", i));
     }
     total += in.numel();
     if (in.numel() > 0 && in.storage().get() == out.storage) {
       const Range r = range_of(in, i, false);
       if (r.begin < out.end && out.begin < r.end) {
-        throw InvalidArgument(fmt::format("{}: input {} shares bytes with the output", kOp, i));
+        throw InvalidArgument(fmt::format("{}: input {} shares bytes with the output", op, i));
       }
     }
   }
-  if (total != output.numel()) {
-    throw ShapeError(fmt::format("{}: the inputs hold {} elements but the output has {}", kOp,
-                                 total, output.numel()));
+  if (total * times != output.numel()) {
+    throw ShapeError(fmt::format("{}: the inputs hold {} elements{} but the output has {}", op,
+                                 total, times == 1 ? "" : fmt::format(" ({}x: {})", times,
+                                                                       total * times),
+                                 output.numel()));
   }
+}
+
+}  // namespace
+
+void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inputs,
+                           ReduceOp reduce_op) {
+  check_flat("all_reduce_flat", output, inputs, 1);
+  check_reduce("all_reduce_flat", reduce_op, output.dtype());
+}
+
+void check_all_gather_flat(const ProcessGroup& group, const Tensor& output,
+                           const std::vector<Tensor>* inputs) {
+  check_flat("all_gather_flat", output, inputs, group.size());
 }
 
 void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,

@@ -56,6 +56,9 @@ std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
 // element count, contiguous inputs, none of them sharing bytes with the output.
 void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inputs,
                            ReduceOp reduce_op);
+// all_gather_flat: the same, with group.size() times the inputs' elements in the output.
+void check_all_gather_flat(const ProcessGroup& group, const Tensor& output,
+                           const std::vector<Tensor>* inputs);
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);

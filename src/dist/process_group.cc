@@ -191,6 +191,20 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_flat(
   return all_reduce(output, op);
 }
 
+std::shared_ptr<Work> ProcessGroup::all_gather_flat(
+    const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs) {
+  dist_detail::check_all_gather_flat(*this, output, inputs.get());
+  if (inputs->empty()) return dist_detail::empty_coalesced("all_gather_flat", *this);
+  std::vector<Tensor> outputs;
+  outputs.reserve(inputs->size());
+  int64_t off = 0;
+  for (const Tensor& t : *inputs) {
+    outputs.push_back(output.narrow(0, off, size() * t.numel()));
+    off += size() * t.numel();
+  }
+  return all_gather_coalesced(outputs, *inputs);
+}
+
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                          const std::vector<Tensor>& inputs) {
   dist_detail::check_all_gather_coalesced(*this, outputs, inputs);

@@ -434,9 +434,10 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
           Tensor::from_storage(flat.storage(), b.out_types[i]->shape, dtype, b.offsets[i]));
     }
     out[0] = b.outs.front();  // what the wait_tensor of the chain waits on
-    if (st.op->collective == CollectiveKind::AllReduce) {
-      // The members are reduced where they are into the buffer. The list owns them (one
-      // reference for the backend to hold): a member's last use moves it in.
+    if (st.op->collective != CollectiveKind::ReduceScatter) {
+      // The members are read where they are into the buffer (all_reduce_flat,
+      // all_gather_flat). The list owns them (one reference for the backend to hold): a
+      // member's last use moves it in.
       auto list = std::make_shared<std::vector<Tensor>>();
       list->reserve(in.size());
       for (size_t i = 0; i < in.size(); ++i) {
@@ -450,7 +451,9 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
         }
       }
       b.held = list;
-      work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
+      work = st.op->collective == CollectiveKind::AllReduce
+                 ? g.all_reduce_flat(flat, std::move(list), st.reduce_op)
+                 : g.all_gather_flat(flat, std::move(list));
     } else {
       // The members are lent to the primitive's list and handed back afterwards (even when it
       // throws): a Tensor copy costs two reference counts, and a bucket has thousands.
@@ -473,9 +476,7 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
         ins.push_back(lend ? std::move(t) : t.contiguous());
         lent.push_back(lend);
       }
-      work = st.op->collective == CollectiveKind::AllGather
-                 ? g.all_gather_coalesced(b.outs, ins)
-                 : g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
+      work = g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
     }
   } else switch (st.op->collective) {
     case CollectiveKind::AllReduce:

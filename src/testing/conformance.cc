@@ -593,6 +593,33 @@ void run_all_reduce_flat(Ctx& c, DType dtype, const std::vector<int64_t>& counts
   work->wait();
 }
 
+// all_gather_flat: each input's stretch of the output holds every rank's input in rank order.
+void run_all_gather_flat(Ctx& c, DType dtype, const std::vector<int64_t>& counts) {
+  auto inputs = std::make_shared<std::vector<Tensor>>();
+  int64_t total = 0;
+  for (size_t t = 0; t < counts.size(); ++t) {
+    std::vector<double> in(counts[t]);
+    for (int64_t i = 0; i < counts[t]; ++i) in[i] = tag(dtype, c.r * 7 + i + t);
+    inputs->push_back(make(in, {counts[t]}, dtype));
+    total += counts[t];
+  }
+  const Tensor output = Tensor::empty({c.n * total}, dtype);
+  c.pg.all_gather_flat(output, inputs);
+  int64_t off = 0;
+  for (size_t t = 0; t < counts.size(); ++t) {
+    std::vector<double> expected(counts[t] * c.n);
+    for (int j = 0; j < c.n; ++j) {
+      for (int64_t i = 0; i < counts[t]; ++i) {
+        expected[j * counts[t] + i] = tag(dtype, j * 7 + i + t);
+      }
+    }
+    expect_values(output.narrow(0, off, c.n * counts[t]), expected,
+                  c.where(case_name("all_gather_flat", dtype,
+                                    ("tensor " + std::to_string(t)).c_str(), counts[t])));
+    off += c.n * counts[t];
+  }
+}
+
 // all_reduce_flat's argument errors, raised on every rank before anything is sent.
 void all_reduce_flat_errors(Ctx& c) {
   auto expect_error = [&](auto&& call, const std::string& needle, const std::string& what) {
@@ -628,6 +655,18 @@ void all_reduce_flat_errors(Ctx& c) {
     c.pg.all_reduce_flat(Tensor::zeros({2}, DType::Bool), list({Tensor::zeros({2}, DType::Bool)}),
                          ReduceOp::Avg);
   }, "avg", "avg of bool");
+  // all_gather_flat: size() times the inputs' elements, the same rules otherwise.
+  const Tensor gathered = Tensor::zeros({4 * c.n}, DType::F32);
+  if (c.n > 1) {
+    expect_error([&] {
+      c.pg.all_gather_flat(gathered, list({Tensor::zeros({4 * c.n}, DType::F32)}));
+    }, "but the output has", "an output of all ranks' inputs for one rank's");
+  }
+  expect_error([&] {
+    c.pg.all_gather_flat(gathered,
+                         list({Tensor::zeros({3}, DType::F32), gathered.narrow(0, 0, 1)}));
+  }, "input 1 shares bytes with the output", "an input inside the output");
+  expect_error([&] { c.pg.all_gather_flat(gathered, nullptr); }, "null input list", "a null list");
 }
 
 void run_all_gather_coalesced(Ctx& c, const std::vector<DType>& dtypes,
@@ -684,6 +723,7 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
       run_reduce_scatter_coalesced(c, same, counts, op);
       run_all_reduce_flat(c, dtype, {0, 1000, 0, 7, 1}, op);
     }
+    run_all_gather_flat(c, dtype, {0, 1000, 0, 7, 1});
     run_all_gather_coalesced(c, same, counts);
   }
   const std::vector<DType> mixed = {DType::F32, DType::I32, DType::BF16, DType::U8, DType::F32};
@@ -703,7 +743,9 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
         c.pg.all_gather_coalesced({}, {}),
         c.pg.reduce_scatter_coalesced({}, {}, ReduceOp::Sum),
         c.pg.all_reduce_flat(Tensor::empty({0}, DType::F32),
-                             std::make_shared<const std::vector<Tensor>>(), ReduceOp::Sum)};
+                             std::make_shared<const std::vector<Tensor>>(), ReduceOp::Sum),
+        c.pg.all_gather_flat(Tensor::empty({0}, DType::F32),
+                             std::make_shared<const std::vector<Tensor>>())};
     for (const auto& w : works) {
       expect_true(w->is_completed(), c.where("empty " + w->description() + " not finished"));
     }

@@ -83,6 +83,14 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> all_reduce_flat(const Tensor& output,
                                                 std::shared_ptr<const std::vector<Tensor>> inputs,
                                                 ReduceOp op);
+  // All-gather of `inputs` laid end to end: `output` (contiguous and one-dimensional, of the
+  // inputs' dtype, size() times as many elements as all of them) receives, for each input i
+  // in turn, every rank's inputs[i] in rank order: input i's stretch starts at size() times
+  // the elements of the inputs before it (a bucket of all_gathers' results, back to back).
+  // The list is held as all_reduce_flat's. The default runs all_gather_coalesced on views of
+  // `output`.
+  virtual std::shared_ptr<Work> all_gather_flat(const Tensor& output,
+                                                std::shared_ptr<const std::vector<Tensor>> inputs);
   virtual std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                      const std::vector<Tensor>& inputs);
   virtual std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,

@@ -302,8 +302,9 @@ struct Post {
   std::vector<int64_t> output_splits;  // all_to_all rows from each rank
   // Keeps the buffers alive until the op finished (a dropped result must stay valid).
   InlineVec<std::shared_ptr<Storage>, 2> keep;
-  // all_reduce_flat: slots[0] is the output (its count the total, no input); the inputs are
-  // read in order into it. Counts are compared across ranks as a coalesced list's slots are.
+  // all_reduce_flat / all_gather_flat: slots[0] is the output (its count its numel, no input);
+  // the inputs are read in order into it. Counts are compared across ranks as a coalesced
+  // list's slots are.
   bool flat = false;
   std::vector<const char*> flat_in;
   std::vector<int64_t> flat_counts;
@@ -313,7 +314,7 @@ struct Post {
   // "all_reduce(f32, numel 16, op sum)", for mismatch messages.
   std::string summary() const {
     if (flat) {
-      std::string s = fmt::format("all_reduce_flat({}, {} tensors: numel ",
+      std::string s = fmt::format("{}_flat({}, {} tensors: numel ", op_name(kind, false),
                                   dtype_name(slots[0].dtype), flat_counts.size());
       for (size_t i = 0; i < flat_counts.size(); ++i) {
         if (i == 8 && flat_counts.size() > 9) {
@@ -322,7 +323,7 @@ struct Post {
         }
         s += fmt::format("{}{}", i ? ", " : "", flat_counts[i]);
       }
-      return s + fmt::format(", op {})", reduce_op_name(reduce_op));
+      return s + (reduces(kind) ? fmt::format(", op {})", reduce_op_name(reduce_op)) : ")");
     }
     std::string s = op_name(kind, coalesced) + "(";
     if (kind == OpKind::Barrier) return s + ")";
@@ -882,7 +883,16 @@ void Op::plan() {
   // Bytes each kind moves per unit of work, to size the chunks.
   int64_t total = 0;
   int64_t row_bytes = 0;
-  switch (p0.kind) {
+  if (p0.flat) {
+    // Each input's first element (the same on every rank: the counts agree); the output holds
+    // the total (all_reduce) or size_ times it (all_gather).
+    flat_off_.resize(p0.flat_counts.size() + 1);
+    flat_off_[0] = 0;
+    for (size_t i = 0; i < p0.flat_counts.size(); ++i) {
+      flat_off_[i + 1] = flat_off_[i] + p0.flat_counts[i];
+    }
+  }
+  switch (p0.flat ? OpKind::Barrier : p0.kind) {
     case OpKind::AllReduce:
     case OpKind::Broadcast:
       if (n == 1 && in_place(p0)) break;  // nothing to move
@@ -899,6 +909,7 @@ void Op::plan() {
       }
       break;
     case OpKind::Barrier:
+      if (p0.flat) total = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
       break;
   }
   const int64_t chunk_bytes = std::clamp(total / n, kMinChunkBytes, kMaxChunkBytes);
@@ -918,6 +929,16 @@ void Op::plan() {
       }
       break;
     case OpKind::AllGather:
+      if (p0.flat) {
+        // t = the input, a = the source rank.
+        for (size_t t = 0; t < p0.flat_counts.size(); ++t) {
+          for (int j = 0; j < n; ++j) {
+            add_ranges(static_cast<int>(t), j, 0, p0.flat_counts[t], itemsize(p0.slots[0].dtype));
+          }
+        }
+        break;
+      }
+      [[fallthrough]];
     case OpKind::ReduceScatter:
       for (size_t t = 0; t < p0.slots.size(); ++t) {
         for (int j = 0; j < n; ++j) {
@@ -947,14 +968,6 @@ void Op::plan() {
     case OpKind::Barrier:
       break;
   }
-  if (p0.flat) {
-    // Each input's first element in the output (the same on every rank: the counts agree).
-    flat_off_.resize(p0.flat_counts.size() + 1);
-    flat_off_[0] = 0;
-    for (size_t i = 0; i < p0.flat_counts.size(); ++i) {
-      flat_off_[i + 1] = flat_off_[i] + p0.flat_counts[i];
-    }
-  }
   // Group consecutive small pieces (coalesced lists, small per-rank blocks) into chunks of
   // about chunk_bytes.
   chunk_starts_.clear();
@@ -963,7 +976,7 @@ void Op::plan() {
     const Piece& p = pieces_[i];
     int64_t bytes = p0.kind == OpKind::AllToAll
                         ? p.len
-                        : p.len * static_cast<int64_t>(itemsize(p0.slots[p.t].dtype));
+                        : p.len * static_cast<int64_t>(itemsize(p0.slots[p0.flat ? 0 : p.t].dtype));
     if (chunk_starts_.empty() || acc >= chunk_bytes) {
       chunk_starts_.push_back(static_cast<uint32_t>(i));
       acc = 0;
@@ -1008,9 +1021,10 @@ void Op::run_piece(const Piece& p) {
     move_bytes(dst, src, p.len, stream_);
     return;
   }
-  const DType dtype = p0.slots[p.t].dtype;
+  const Slot& slot0 = p0.slots[p0.flat ? 0 : p.t];  // a flat all_gather's t is an input
+  const DType dtype = slot0.dtype;
   const int64_t isz = static_cast<int64_t>(itemsize(dtype));
-  const int64_t count = p0.slots[p.t].count;
+  const int64_t count = slot0.count;
   const int64_t off = p.begin * isz;
   const size_t bytes = static_cast<size_t>(p.len * isz);
   std::array<const void*, 64> stack_srcs;
@@ -1053,6 +1067,17 @@ void Op::run_piece(const Piece& p) {
       break;
     }
     case OpKind::AllGather: {
+      if (p0.flat) {
+        // t = the input, a = the source rank: rank a's input t goes to its block of input t's
+        // stretch of every output (size_ times the input's offset).
+        const char* src = members_[p.a].post.flat_in[p.t] + off;
+        const int64_t dst_off =
+            (n * flat_off_[p.t] + p.a * p0.flat_counts[p.t]) * isz + off;
+        for (int k = 0; k < n; ++k) {
+          copy_bytes(members_[k].post.slots[0].out + dst_off, src, bytes, stream_);
+        }
+        break;
+      }
       // a = the source rank: its input goes to block a of every output.
       const char* src = members_[p.a].post.slots[p.t].in + off;
       const int64_t dst_off = (p.a * count) * isz + off;
@@ -2205,9 +2230,27 @@ class ThreadsGroup final : public ProcessGroup {
                                         ReduceOp op) override {
     dist_detail::check_all_reduce_flat(output, inputs.get(), op);
     if (inputs->empty()) return dist_detail::empty_coalesced("all_reduce_flat", *this);
-    const size_t m = inputs->size();
-    Post p = make_post(OpKind::AllReduce, true, 1);
+    Post p = flat_post(OpKind::AllReduce, output, std::move(inputs));
     p.reduce_op = op;
+    return issue(std::move(p), output);
+  }
+
+  // As all_reduce_flat: each piece copies one rank's input (or 64 KiB of it) to its block of
+  // every output. A bucket of 1000 x 4 KiB all_gathers took 0.43-0.46 ms instead of 0.51-0.57
+  // ms as a coalesced list.
+  std::shared_ptr<Work> all_gather_flat(
+      const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs) override {
+    dist_detail::check_all_gather_flat(*this, output, inputs.get());
+    if (inputs->empty()) return dist_detail::empty_coalesced("all_gather_flat", *this);
+    Post p = flat_post(OpKind::AllGather, output, std::move(inputs));
+    return issue(std::move(p), output);
+  }
+
+  // A flat post: slots[0] is `output`; per input only its pointer, count and storage.
+  static Post flat_post(OpKind kind, const Tensor& output,
+                        std::shared_ptr<const std::vector<Tensor>> inputs) {
+    const size_t m = inputs->size();
+    Post p = make_post(kind, true, 1);
     p.flat = true;
     p.flat_in.reserve(m);
     p.flat_counts.reserve(m);
@@ -2225,7 +2268,7 @@ class ThreadsGroup final : public ProcessGroup {
     if (output.numel() > 0) s.out = static_cast<char*>(output.data_ptr());
     keep(p, output.storage());
     p.hold = std::move(inputs);
-    return issue(std::move(p), output);
+    return p;
   }
 
   std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,

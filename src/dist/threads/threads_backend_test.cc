@@ -568,6 +568,14 @@ TEST(FailureTest, MismatchedFlatCounts) {
       },
       {"all_reduce_flat(f32, 2 tensors: numel 2, 3, op sum)",
        "all_reduce_flat(f32, 2 tensors: numel 3, 2, op sum)"});
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        auto inputs = std::make_shared<std::vector<Tensor>>(1, Tensor::full({2}, DType::F32, 1));
+        if (pg.rank() == 0) return pg.all_gather_flat(Tensor::empty({4}, DType::F32), inputs);
+        return pg.all_reduce_flat(Tensor::empty({2}, DType::F32), inputs, ReduceOp::Sum);
+      },
+      {"all_gather_flat(f32, 1 tensors: numel 2)",
+       "all_reduce_flat(f32, 1 tensors: numel 2, op sum)"});
 }
 
 TEST(FailureTest, MismatchedShape) {
