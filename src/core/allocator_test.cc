@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -58,6 +59,33 @@ TEST_F(AllocatorTest, BlocksAreAligned) {
     std::memset(p, 0xab, n);
     free_storage(p, n);
   }
+}
+
+// A thread gets back the block it freed, not the one another thread freed after it: two ranks'
+// threads allocating the same size each step keep their own buffers (and their cached lines).
+TEST_F(AllocatorTest, AThreadGetsBackTheBlockItFreed) {
+  constexpr size_t n = 2 * kMinCachedBytes;
+  void* main_block = allocate_storage(n);
+  std::atomic<int> step{0};
+  void* mine = nullptr;
+  void* again = nullptr;
+  std::thread other([&] {
+    mine = allocate_storage(n);
+    free_storage(mine, n);
+    step.store(1);
+    while (step.load() != 2) std::this_thread::yield();
+    again = allocate_storage(n);
+  });
+  while (step.load() != 1) std::this_thread::yield();
+  free_storage(main_block, n);  // now the most recently freed block of this size
+  step.store(2);
+  other.join();
+  EXPECT_NE(mine, main_block);
+  EXPECT_EQ(again, mine);
+  void* main_again = allocate_storage(n);
+  EXPECT_EQ(main_again, main_block);
+  free_storage(again, n);
+  free_storage(main_again, n);
 }
 
 // A block of a page or more has its pages to itself: nothing else (a Storage's reference

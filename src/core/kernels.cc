@@ -220,7 +220,7 @@ inline T combine2(T a, T b) {
 }
 
 template <typename T, typename Op, bool kAvg>
-void reduce2_distinct(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2_distinct(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) out[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
@@ -230,7 +230,7 @@ void reduce2_distinct(T* __restrict out, const T* __restrict a, const T* __restr
 
 // out == a.
 template <typename T, typename Op, bool kAvg>
-void reduce2_into_a(T* __restrict a, const T* __restrict b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2_into_a(T* __restrict a, const T* __restrict b, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) a[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
@@ -240,12 +240,42 @@ void reduce2_into_a(T* __restrict a, const T* __restrict b, int64_t n) {
 
 // out == b.
 template <typename T, typename Op, bool kAvg>
-void reduce2_into_b(const T* __restrict a, T* __restrict b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2_into_b(const T* __restrict a, T* __restrict b, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) b[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
   }
   for (; i < n; ++i) b[i] = combine2<T, Op, kAvg>(a[i], b[i]);
+}
+
+// The two-source reduction (every 2-rank reduction), its loops compiled for the baseline ISA
+// or, on a CPU that has it, AVX2: twice the elements per instruction. The results are the same
+// either way (no FMA is enabled, nothing is reassociated).
+template <typename T, typename Op, bool kAvg>
+void reduce2(T* out, const T* a, const T* b, int64_t n) {
+  if (out == a) {
+    reduce2_into_a<T, Op, kAvg>(out, b, n);
+  } else if (out == b) {
+    reduce2_into_b<T, Op, kAvg>(a, out, n);
+  } else {
+    reduce2_distinct<T, Op, kAvg>(out, a, b, n);
+  }
+}
+
+template <typename T, typename Op, bool kAvg>
+__attribute__((target("avx2"))) void reduce2_avx2(T* out, const T* a, const T* b, int64_t n) {
+  if (out == a) {
+    reduce2_into_a<T, Op, kAvg>(out, b, n);
+  } else if (out == b) {
+    reduce2_into_b<T, Op, kAvg>(a, out, n);
+  } else {
+    reduce2_distinct<T, Op, kAvg>(out, a, b, n);
+  }
+}
+
+bool have_avx2() {
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have;
 }
 
 template <typename T, typename Op>
@@ -262,12 +292,10 @@ void reduce_typed(void* out_ptr, const void* const* src_ptrs, int nsrc, int64_t 
         constexpr bool kAvg = decltype(avg_tag)::value;
         if (out == a && out == b) {
           reduce_blocked<T, Op>(out, srcs, nsrc, count, avg);
-        } else if (out == a) {
-          reduce2_into_a<R, Op, kAvg>(out, b, count);
-        } else if (out == b) {
-          reduce2_into_b<R, Op, kAvg>(a, out, count);
+        } else if (have_avx2()) {
+          reduce2_avx2<R, Op, kAvg>(out, a, b, count);
         } else {
-          reduce2_distinct<R, Op, kAvg>(out, a, b, count);
+          reduce2<R, Op, kAvg>(out, a, b, count);
         }
       };
       if (avg) {
