@@ -220,7 +220,8 @@ inline T combine2(T a, T b) {
 }
 
 template <typename T, typename Op, bool kAvg>
-[[gnu::always_inline]] inline void reduce2_distinct(T* __restrict out, const T* __restrict a, const T* __restrict b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2_distinct(T* __restrict out, const T* __restrict a,
+                                                    const T* __restrict b, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) out[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
@@ -230,7 +231,8 @@ template <typename T, typename Op, bool kAvg>
 
 // out == a.
 template <typename T, typename Op, bool kAvg>
-[[gnu::always_inline]] inline void reduce2_into_a(T* __restrict a, const T* __restrict b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2_into_a(T* __restrict a, const T* __restrict b,
+                                                  int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) a[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
@@ -240,7 +242,8 @@ template <typename T, typename Op, bool kAvg>
 
 // out == b.
 template <typename T, typename Op, bool kAvg>
-[[gnu::always_inline]] inline void reduce2_into_b(const T* __restrict a, T* __restrict b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2_into_b(const T* __restrict a, T* __restrict b,
+                                                  int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) b[i + j] = combine2<T, Op, kAvg>(a[i + j], b[i + j]);
@@ -252,7 +255,7 @@ template <typename T, typename Op, bool kAvg>
 // or, on a CPU that has it, AVX2: twice the elements per instruction. The results are the same
 // either way (no FMA is enabled, nothing is reassociated).
 template <typename T, typename Op, bool kAvg>
-void reduce2(T* out, const T* a, const T* b, int64_t n) {
+[[gnu::always_inline]] inline void reduce2(T* out, const T* a, const T* b, int64_t n) {
   if (out == a) {
     reduce2_into_a<T, Op, kAvg>(out, b, n);
   } else if (out == b) {
@@ -264,13 +267,7 @@ void reduce2(T* out, const T* a, const T* b, int64_t n) {
 
 template <typename T, typename Op, bool kAvg>
 __attribute__((target("avx2"))) void reduce2_avx2(T* out, const T* a, const T* b, int64_t n) {
-  if (out == a) {
-    reduce2_into_a<T, Op, kAvg>(out, b, n);
-  } else if (out == b) {
-    reduce2_into_b<T, Op, kAvg>(a, out, n);
-  } else {
-    reduce2_distinct<T, Op, kAvg>(out, a, b, n);
-  }
+  reduce2<T, Op, kAvg>(out, a, b, n);  // inlined: compiled for AVX2 here
 }
 
 bool have_avx2() {
