@@ -1,13 +1,15 @@
-// Host memory for tensor storage: 64-byte aligned blocks, large ones cached for reuse.
+// Host memory for tensor storage: 64-byte aligned blocks (page-aligned from a page up, so that
+// nothing else shares their lines), large ones cached for reuse.
 //
 // A training step or a bucketed graph allocates the same large buffers (packed buckets,
 // gathered outputs) every iteration. Returning them to the OS and faulting fresh zeroed pages
 // back in costs more than the collective itself, so blocks of at least kMinCachedBytes are kept
 // on free lists keyed by their page-rounded size and handed out again, like PyTorch's caching
-// allocators. The cache is bounded: FUNCOL_ALLOC_CACHE_MB (whole megabytes, default 1024, 0
-// disables; another value is an InvalidArgument at the first cached allocation) or
-// set_allocator_cache_limit; beyond it the largest cached blocks are freed first. Thread-safe.
-// Under AddressSanitizer cached blocks are poisoned, so a use after free is still reported.
+// allocators; a thread gets back the blocks it freed where it can. The cache is bounded:
+// FUNCOL_ALLOC_CACHE_MB (whole megabytes, default 1024, 0 disables; another value is an
+// InvalidArgument at the first cached allocation) or set_allocator_cache_limit; beyond it the
+// largest cached blocks are freed first. Thread-safe. Under AddressSanitizer cached blocks are
+// poisoned, so a use after free is still reported.
 #pragma once
 
 #include <cstddef>
