@@ -655,6 +655,12 @@ struct RankState {
   alignas(64) SpinMutex returned_mu;
   std::atomic<bool> has_returned{false};
   std::vector<std::pair<std::shared_ptr<Op>, int>> returned;  // guarded by returned_mu
+
+  // A rank that never issued again: its references go with the world (each breaks the cycle
+  // from a result's storage, through the Work attached to it, back to the storage).
+  ~RankState() {
+    for (auto& [op, m] : returned) op->release_returned_keep(op->members_[m].global_rank);
+  }
 };
 
 // A split_group in progress: the first rank creates the groups, the others find them.

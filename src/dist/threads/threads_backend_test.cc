@@ -1182,7 +1182,11 @@ TEST(OpPathTest, ReleasesCoalescedListsToTheirRank) {
       outs.push_back(Tensor::zeros({128}, DType::F32));
     }
     dropped[pg.rank()] = outs[0].storage();
-    pg.all_gather_coalesced(outs, ins);  // neither waited for nor kept
+    // Neither waited for nor kept, and finished by rank 1 (it joins last): rank 0's references
+    // are left to rank 0's thread, which never issues again (the end of its run, which waits
+    // for what it issued, releases them).
+    if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    pg.all_gather_coalesced(outs, ins);
   });
   for (const auto& d : dropped) EXPECT_TRUE(d.expired());
 }
