@@ -176,9 +176,9 @@ struct LoweredBucket {
   // collective (its storage is shared), so such a use copies it.
   std::vector<int64_t> offsets;  // member i's first element in the buffer
   int64_t numel = 0;
-  // An all_reduce chain's members, handed to ProcessGroup::all_reduce_flat as one list: held
-  // from issue until the collective is closed, so that the members are released here, on this
-  // thread, rather than by whichever thread finished the collective.
+  // An all_reduce or all_gather chain's members, handed to ProcessGroup::all_reduce_flat or
+  // all_gather_flat as one list: held from issue until the collective is closed, so that the
+  // members are released here, on this thread, rather than by whichever thread finished it.
   std::shared_ptr<std::vector<Tensor>> held;
 };
 
