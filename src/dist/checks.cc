@@ -286,6 +286,13 @@ std::string in_place_rule(InPlace in_place, int rank) {
 
 }  // namespace
 
+namespace {
+
+// What check_buffer accepts, tested without formatting its message (buckets check thousands).
+bool usable(const Tensor& t) { return t.defined() && !t.is_meta() && t.is_contiguous(); }
+
+}  // namespace
+
 void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,
                            ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce_coalesced_into";
@@ -294,7 +301,6 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
     const Tensor& out = outputs[i];
     const Tensor& in = inputs[i];
     // The names are formatted only for a message: a bucket passes thousands of pairs.
-    auto usable = [](const Tensor& t) { return t.defined() && !t.is_meta() && t.is_contiguous(); };
     if (!usable(out)) check_buffer(kOp, out, fmt::format("output {}", i));
     if (!usable(in)) check_buffer(kOp, in, fmt::format("input {}", i));
     if (out.dtype() != in.dtype()) {
@@ -315,7 +321,6 @@ namespace {
 void check_flat(std::string_view op, const Tensor& output, const std::vector<Tensor>* inputs,
                 int64_t times) {
   if (inputs == nullptr) throw InvalidArgument(fmt::format("{}: null input list", op));
-  auto usable = [](const Tensor& t) { return t.defined() && !t.is_meta() && t.is_contiguous(); };
   if (!usable(output)) check_buffer(op, output, "output");
   if (output.dim() != 1) {
     throw ShapeError(fmt::format("{}: the output must be one-dimensional, got {}", op,

@@ -651,15 +651,15 @@ struct RankState {
   alignas(64) std::atomic<bool> departed{false};
   std::string departed_reason;  // written before departed is set, read after it is seen
   // The ops another thread completed whose keep-alive references for this rank it left for
-  // this rank's own thread to release (see World::complete): (op, member).
+  // this rank's own thread to release (see World::complete).
   alignas(64) SpinMutex returned_mu;
   std::atomic<bool> has_returned{false};
-  std::vector<std::pair<std::shared_ptr<Op>, int>> returned;  // guarded by returned_mu
+  std::vector<std::shared_ptr<Op>> returned;  // guarded by returned_mu
 
   // A rank that never issued again: its references go with the world (each breaks the cycle
   // from a result's storage, through the Work attached to it, back to the storage).
   ~RankState() {
-    for (auto& [op, m] : returned) op->release_returned_keep(op->members_[m].global_rank);
+    for (auto& op : returned) op->release_returned_keep(-1);
   }
 };
 
@@ -891,14 +891,14 @@ void Op::plan() {
   int64_t row_bytes = 0;
   if (p0.flat) {
     // Each input's first element (the same on every rank: the counts agree); the output holds
-    // the total (all_reduce) or size_ times it (all_gather).
+    // the total (all_reduce) or size_ times it (all_gather), and is what moves.
     flat_off_.resize(p0.flat_counts.size() + 1);
     flat_off_[0] = 0;
     for (size_t i = 0; i < p0.flat_counts.size(); ++i) {
       flat_off_[i + 1] = flat_off_[i] + p0.flat_counts[i];
     }
-  }
-  switch (p0.flat ? OpKind::Barrier : p0.kind) {
+    total = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
+  } else switch (p0.kind) {
     case OpKind::AllReduce:
     case OpKind::Broadcast:
       if (n == 1 && in_place(p0)) break;  // nothing to move
@@ -915,7 +915,6 @@ void Op::plan() {
       }
       break;
     case OpKind::Barrier:
-      if (p0.flat) total = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
       break;
   }
   const int64_t chunk_bytes = std::clamp(total / n, kMinChunkBytes, kMaxChunkBytes);
@@ -1221,7 +1220,7 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
     member.keep_returned.store(true, std::memory_order_release);
     RankState& rs = *ranks_[member.global_rank];
     std::lock_guard<SpinMutex> lock(rs.returned_mu);
-    rs.returned.emplace_back(op, m);
+    rs.returned.push_back(op);
     rs.has_returned.store(true, std::memory_order_release);
   }
   std::exception_ptr error;
@@ -1247,13 +1246,13 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
 void World::release_returned(int global_rank) {
   RankState& rs = *ranks_[global_rank];
   if (!rs.has_returned.load(std::memory_order_acquire)) return;
-  std::vector<std::pair<std::shared_ptr<Op>, int>> returned;
+  std::vector<std::shared_ptr<Op>> returned;
   {
     std::lock_guard<SpinMutex> lock(rs.returned_mu);
     returned.swap(rs.returned);
     rs.has_returned.store(false, std::memory_order_relaxed);
   }
-  for (auto& [op, m] : returned) op->release_returned_keep(op->members_[m].global_rank);
+  for (auto& op : returned) op->release_returned_keep(global_rank);
 }
 
 void World::advance(int global_rank, OpList& ready) {
