@@ -124,9 +124,53 @@ TEST_F(AllocatorTest, LargeBlockIsReusedAfterFree) {
   free_storage(q, n - 100);
 }
 
-TEST_F(AllocatorTest, SmallBlocksAreNotCached) {
-  void* p = allocate_storage(kMinCachedBytes - 4096);
-  free_storage(p, kMinCachedBytes - 4096);
+TEST_F(AllocatorTest, BlocksBelowAPageAreNotCached) {
+  void* p = allocate_storage(4000);
+  free_storage(p, 4000);
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+}
+
+// Blocks of a page up to kMinCachedBytes stay with the thread that freed them: that thread gets
+// them back, another thread does not, and the bound and empty_storage_cache apply to them.
+TEST_F(AllocatorTest, PageBlocksAreCachedByTheThreadThatFreesThem) {
+  constexpr size_t n = 3 * 4096;
+  const AllocatorStats before = allocator_stats();
+  void* p = allocate_storage(n);
+  free_storage(p, n);
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(n));
+  EXPECT_EQ(allocator_stats().cached_blocks, 1);
+  void* elsewhere = nullptr;
+  std::thread([&] {
+    elsewhere = allocate_storage(n);
+    std::memset(elsewhere, 1, n);
+  }).join();
+  EXPECT_NE(elsewhere, p);
+  void* again = allocate_storage(n - 100);  // the same page-rounded class
+  EXPECT_EQ(again, p);
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+  const AllocatorStats after = allocator_stats();
+  EXPECT_EQ(after.hits - before.hits, 1);
+  EXPECT_EQ(after.misses - before.misses, 2);  // this thread's first and the other thread's
+  free_storage(elsewhere, n);  // freed here: now this thread's
+  free_storage(again, n);
+  EXPECT_EQ(allocator_stats().cached_blocks, 2);
+  empty_storage_cache();
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+  EXPECT_EQ(allocator_stats().cached_bytes, 0);
+  // A bound smaller than a block keeps none; 0 disables.
+  set_allocator_cache_limit(n - 1);
+  void* q = allocate_storage(n);
+  free_storage(q, n);
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+}
+
+// A thread that exits frees the page blocks it kept, and its cache no longer counts.
+TEST_F(AllocatorTest, AThreadsPageBlocksGoWhenItExits) {
+  std::thread([] {
+    void* p = allocate_storage(4096);
+    free_storage(p, 4096);
+    EXPECT_EQ(allocator_stats().cached_blocks, 1);
+  }).join();
   EXPECT_EQ(allocator_stats().cached_blocks, 0);
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <thread>
 
@@ -429,6 +430,37 @@ TEST(Factories, FromStorage) {
   EXPECT_THROW(Tensor::from_storage(storage, {1}, DType::F32, -1), InvalidArgument);
 }
 
+TEST(Factories, Placed) {
+  auto storage = std::make_shared<Storage>(64);
+  Tensor like = Tensor::meta({2, 2}, DType::F32);
+  Tensor a = Tensor::placed(like, storage, 0);
+  Tensor b = Tensor::placed(like, storage, 4);
+  EXPECT_TRUE(a.shares_storage(b));
+  EXPECT_EQ(b.sizes(), (Shape{2, 2}));
+  EXPECT_EQ(b.dtype(), DType::F32);
+  EXPECT_EQ(b.storage_offset(), 4);
+  EXPECT_EQ(a.sizes().data(), like.sizes().data());  // the layout is shared, not rebuilt
+  Tensor::from_storage(storage, {16}, DType::F32).copy_(Tensor::arange(16, DType::F32));
+  EXPECT_EQ(b.to_vector<float>(), (std::vector<float>{4, 5, 6, 7}));
+  // A strided `like` (sizes [2, 2], strides [1, 4]) reaches its last element at 1 + 4 past
+  // the offset.
+  Tensor t = Tensor::meta({2, 4}, DType::F32).transpose(0, 1).narrow(0, 0, 2);
+  EXPECT_EQ(Tensor::placed(t, storage, 10).to_vector<float>(),
+            (std::vector<float>{10, 14, 11, 15}));
+  EXPECT_EQ(error_of<ShapeError>([&] { Tensor::placed(t, storage, 11); }),
+            "placed: f32[2,2] at offset 11 needs 68 bytes but the storage has 64");
+  EXPECT_EQ(error_of<ShapeError>([&] { Tensor::placed(like, storage, 13); }),
+            "placed: f32[2,2] at offset 13 needs 68 bytes but the storage has 64");
+  EXPECT_EQ(error_of<ShapeError>([&] { Tensor::placed(like, storage, INT64_MAX - 1); }),
+            "placed: f32[2,2] at offset 9223372036854775806 lies past the end of the storage "
+            "(64 bytes)");
+  // Nothing to hold: any offset inside or past the end, as from_storage.
+  EXPECT_EQ(Tensor::placed(Tensor::meta({0}, DType::F32), storage, 100).numel(), 0);
+  EXPECT_THROW(Tensor::placed(like, storage, -1), InvalidArgument);
+  EXPECT_THROW(Tensor::placed(like, nullptr, 0), InvalidArgument);
+  EXPECT_THROW(Tensor::placed(Tensor(), storage, 0), InvalidArgument);
+}
+
 // ---- views ----------------------------------------------------------------------------------
 
 Tensor iota(const Shape& shape, DType dtype = DType::I64) {
@@ -477,6 +509,17 @@ TEST(Views, LayoutsAreSharedAndImmutable) {
   EXPECT_EQ(Tensor().numel(), 0);
   EXPECT_TRUE(Tensor::empty({0, 5}, DType::F32).transpose(0, 1).is_contiguous());
   EXPECT_TRUE(Tensor::empty({0, 4, 3}, DType::F32).transpose(1, 2).is_contiguous());
+}
+
+TEST(Views, ContiguousLayoutsAreSharedAcrossThreads) {
+  // Interned: a shape's contiguous layout is one object for every thread (a thread's own cache
+  // alone would give each thread its own).
+  const Tensor here = Tensor::empty({7, 3, 5}, DType::F32);
+  const Tensor there = std::async(std::launch::async, [] {
+                         return Tensor::zeros({7, 3, 5}, DType::I8).view({7, 15}).view({7, 3, 5});
+                       }).get();
+  EXPECT_EQ(here.sizes().data(), there.sizes().data());
+  EXPECT_EQ(there.strides(), (Shape{15, 5, 1}));
 }
 
 TEST(Views, TensorsMadeAfterTheThreadsLayoutCacheIsGone) {

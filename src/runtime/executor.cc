@@ -162,11 +162,21 @@ struct Step {
 };
 
 // A bucketing chain run as one coalesced primitive on its members (ExecutorOptions::
-// lower_buckets). The collective step allocates `outs` and issues the primitive on them; the
-// Take steps hand them to the chain's last nodes.
+// lower_buckets). The collective step allocates the members' results and issues the primitive
+// on them; they reach the chain's last nodes' slots at once (all_reduce, all_gather) or through
+// `outs` and the Take steps (reduce_scatter, whose primitive takes a list of outputs).
 struct LoweredBucket {
-  std::vector<const Type*> out_types;  // member i's result type
-  std::vector<Tensor> outs;            // this run's member results, from issue to Take
+  // Member i's result type as a meta tensor: its layout is shared by every run's result i (a
+  // bucket's thousand results are placed without building or looking up a layout each).
+  std::vector<Tensor> types;
+  // Member i's result slot. With `direct` (all_reduce and all_gather chains) the results are
+  // placed there at issue (nothing reads a slot before its value's Take step, and each value
+  // has a slot of its own), so `outs` stays empty and Take has nothing to do: a bucket of a
+  // thousand members saves a pass over a thousand Tensors, on lines its data swept out of the
+  // cache.
+  std::vector<uint32_t> out_slots;
+  bool direct = false;
+  std::vector<Tensor> outs;  // reduce_scatter: this run's member results, from issue to Take
   // One buffer holds every member's result, back to back: one allocation per run and one
   // storage for the backend to track, as the chain's split pieces share the bucket's buffer
   // (all_reduce, reduce_scatter). An all_gather chain's reshapes copy each member out, but its
@@ -426,14 +436,18 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     // A lowered bucket chain: the members go straight to one primitive, whose results are
     // views of one buffer.
     LoweredBucket& b = buckets[st.bucket];
-    const DType dtype = b.out_types.front()->dtype;
-    const Tensor flat = Tensor::empty({b.numel}, dtype);
+    const Tensor flat = Tensor::empty({b.numel}, b.types.front().dtype());
     b.outs.clear();
-    for (size_t i = 0; i < b.out_types.size(); ++i) {
-      b.outs.push_back(
-          Tensor::from_storage(flat.storage(), b.out_types[i]->shape, dtype, b.offsets[i]));
+    for (size_t i = 0; i < b.types.size(); ++i) {
+      Tensor result = Tensor::placed(b.types[i], flat.storage(), b.offsets[i]);
+      if (b.direct) {
+        slots[b.out_slots[i]] = std::move(result);
+      } else {
+        b.outs.push_back(std::move(result));
+      }
     }
-    out[0] = b.outs.front();  // what the wait_tensor of the chain waits on
+    // What the wait_tensor of the chain waits on.
+    out[0] = b.direct ? slots[b.out_slots.front()] : b.outs.front();
     if (st.op->collective != CollectiveKind::ReduceScatter) {
       // The members are read where they are into the buffer (all_reduce_flat,
       // all_gather_flat). The list owns them (one reference for the backend to hold): a
@@ -660,6 +674,7 @@ void Executor::Impl::run_steps(size_t& cur) {
         break;
       case StepKind::Take: {
         LoweredBucket& b = buckets[st.bucket];
+        if (b.direct) break;  // placed at issue
         for (uint32_t r = 0; r < st.num_results; ++r) {
           slots[st.results_begin + r] = std::move(b.outs[st.take_begin + r]);
         }
@@ -911,8 +926,8 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
     for (const Type* t : c.out_types) {
       lb.offsets.push_back(lb.numel);
       lb.numel += t->numel();
+      lb.types.push_back(Tensor::meta(t->shape, t->dtype));
     }
-    lb.out_types = std::move(c.out_types);
     buckets.push_back(std::move(lb));
     st.bucket = index;
     st.operands_begin = static_cast<uint32_t>(operand_slots.size());
@@ -937,7 +952,11 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       take.bucket = index;
       take.take_begin = next;
       next += take.num_results;
+      for (uint32_t r = 0; r < take.num_results; ++r) {
+        buckets[index].out_slots.push_back(take.results_begin + r);
+      }
     }
+    buckets[index].direct = st.op->collective != CollectiveKind::ReduceScatter;
   }
 }
 

@@ -137,6 +137,12 @@ class Tensor {
   // Wraps existing storage (backends, executor buffer reuse).
   static Tensor from_storage(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype,
                              int64_t offset = 0);
+  // A tensor of `like`'s sizes, strides and dtype on `storage` at element `offset`, sharing
+  // `like`'s layout (`like` is usually a meta tensor): what from_storage gives, without
+  // building or looking up a layout, for callers that place thousands of tensors of known
+  // types (the executor's bucket results). The elements must lie inside the storage
+  // (ShapeError); `like` must be defined and `storage` non-null (InvalidArgument).
+  static Tensor placed(const Tensor& like, std::shared_ptr<Storage> storage, int64_t offset);
 
   // ---- metadata (never waits) ----
   // A moved-from Tensor is undefined.
