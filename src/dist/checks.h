@@ -59,6 +59,9 @@ void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inpu
 // all_gather_flat: the same, with group.size() times the inputs' elements in the output.
 void check_all_gather_flat(const ProcessGroup& group, const Tensor& output,
                            const std::vector<Tensor>* inputs);
+// Copies checked all_reduce_flat inputs back to back into the output (after whatever still
+// reads or writes it), for a backend that then reduces the output in place.
+void pack_flat(const Tensor& output, const std::vector<Tensor>& inputs);
 
 // Coalesced forms: equal list lengths, each pair checked as the single-tensor form.
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs);

@@ -181,14 +181,18 @@ std::shared_ptr<Work> ProcessGroup::all_reduce_flat(
   dist_detail::check_all_reduce_flat(output, inputs.get(), op);
   if (inputs->empty()) return dist_detail::empty_coalesced("all_reduce_flat", *this);
   // The output is the staging buffer: the inputs are packed into it and it is reduced in place.
+  dist_detail::pack_flat(output, *inputs);
+  return all_reduce(output, op);
+}
+
+void dist_detail::pack_flat(const Tensor& output, const std::vector<Tensor>& inputs) {
   output.storage()->wait_for_write();
   const size_t isz = output.itemsize();
   int64_t off = 0;
-  for (const Tensor& t : *inputs) {
+  for (const Tensor& t : inputs) {
     copy_in(raw_bytes(output) + off * isz, t);
     off += t.numel();
   }
-  return all_reduce(output, op);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather_flat(

@@ -399,6 +399,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     switch (op->kind) {
       case OpKind::AllReduce:
       case OpKind::AllReduceCoalesced:
+      case OpKind::AllReduceFlat:  // a signature kind; such ops run as AllReduce
         for (const auto& t : op->outputs) all_reduce_one(t, op->reduce_op, timeout);
         break;
       case OpKind::AllGather:

@@ -649,6 +649,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     switch (op->kind) {
       case OpKind::AllReduce:
       case OpKind::AllReduceCoalesced:
+      case OpKind::AllReduceFlat:  // a signature kind; such ops run as AllReduce
         for (const auto& t : op->outputs) {
           if (t.numel() == 0) continue;
           rc = MPI_Iallreduce(MPI_IN_PLACE, t.raw_data_ptr(), static_cast<int>(t.numel()),

@@ -82,19 +82,22 @@ std::string_view op_kind_name(OpKind kind) {
       return "all_gather_coalesced";
     case OpKind::ReduceScatterCoalesced:
       return "reduce_scatter_coalesced";
+    case OpKind::AllReduceFlat:
+      return "all_reduce_flat";
   }
   return "unknown";
 }
 
 bool reduces(OpKind kind) {
   return kind == OpKind::AllReduce || kind == OpKind::ReduceScatter ||
-         kind == OpKind::AllReduceCoalesced || kind == OpKind::ReduceScatterCoalesced;
+         kind == OpKind::AllReduceCoalesced || kind == OpKind::ReduceScatterCoalesced ||
+         kind == OpKind::AllReduceFlat;
 }
 
 namespace {
 bool coalesced(OpKind kind) {
   return kind == OpKind::AllReduceCoalesced || kind == OpKind::AllGatherCoalesced ||
-         kind == OpKind::ReduceScatterCoalesced;
+         kind == OpKind::ReduceScatterCoalesced || kind == OpKind::AllReduceFlat;
 }
 }  // namespace
 

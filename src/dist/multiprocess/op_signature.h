@@ -21,6 +21,10 @@ enum class OpKind : uint8_t {
   AllReduceCoalesced,
   AllGatherCoalesced,
   ReduceScatterCoalesced,
+  // A signature only: all_reduce_flat runs as one all_reduce of the packed inputs, and its
+  // signature lists the inputs, so that detail mode tells apart ranks whose inputs differ but
+  // add up to the same total (their elements would be reduced with the wrong peers').
+  AllReduceFlat,
 };
 
 // "all_reduce", "all_gather_coalesced", ...

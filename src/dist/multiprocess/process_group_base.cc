@@ -269,6 +269,20 @@ std::shared_ptr<Work> ProcessGroupBase::all_reduce_coalesced(const std::vector<T
   return issue(std::move(c));
 }
 
+std::shared_ptr<Work> ProcessGroupBase::all_reduce_flat(
+    const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs, ReduceOp op) {
+  dist_detail::check_all_reduce_flat(output, inputs.get(), op);
+  if (inputs->empty()) return dist_detail::empty_coalesced("all_reduce_flat", *this);
+  dist_detail::pack_flat(output, *inputs);
+  auto c = make_op(OpKind::AllReduce);
+  set_reduce(*c, op);
+  add_slot(*c, output, output, output.numel());
+  c->signature.kind = OpKind::AllReduceFlat;
+  c->signature.slots.clear();
+  for (const Tensor& t : *inputs) c->signature.slots.push_back({t.dtype(), t.numel()});
+  return issue(std::move(c));
+}
+
 std::shared_ptr<Work> ProcessGroupBase::all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                              const std::vector<Tensor>& inputs) {
   dist_detail::check_all_gather_coalesced(*this, outputs, inputs);
@@ -303,7 +317,7 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   op->seq = issued_->load();
   issued_->store(op->seq + 1);
   op->work = std::make_shared<Work>(
-      fmt::format("{} on group '{}' (seq {})", op_kind_name(op->kind), name(), op->seq));
+      fmt::format("{} on group '{}' (seq {})", op_kind_name(op->signature.kind), name(), op->seq));
   op->issued_at = Clock::now();
   op->deadline = op->issued_at + job_->timeout();
   for (const auto& t : op->outputs) {

@@ -124,6 +124,11 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> barrier_async() override;
   std::shared_ptr<Work> all_reduce_coalesced(const std::vector<Tensor>& tensors,
                                              ReduceOp op) override;
+  // One all_reduce of the inputs packed into the output, as ProcessGroup's; its detail-mode
+  // signature lists every input (OpKind::AllReduceFlat).
+  std::shared_ptr<Work> all_reduce_flat(const Tensor& output,
+                                        std::shared_ptr<const std::vector<Tensor>> inputs,
+                                        ReduceOp op) override;
   std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
                                              const std::vector<Tensor>& inputs) override;
   std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,

@@ -8,8 +8,9 @@
 //            a CommError naming it within FUNCOL_TIMEOUT plus a few seconds
 //  mismatch  (FUNCOL_DEBUG=detail) 100 collectives in flight at once each give their own
 //            result; then ranks issue different collectives, then all_to_alls with
-//            inconsistent split sizes; each fails on every rank showing both sides, and the
-//            group keeps working afterwards
+//            inconsistent split sizes, then all_reduce_flats whose inputs split the same total
+//            differently; each fails on every rank showing both sides, and the group keeps
+//            working afterwards
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
 //            before any of it is posted; the group is unusable afterwards
 //  timeout   the last rank stays away from a collective; the others time out naming it
@@ -197,6 +198,18 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(own_msg,
                   "mismatched split sizes: rank 0 sends 3 rows to rank 0 but rank 0 expects 1 "
                   "rows from rank 0");
+  // all_reduce_flat whose inputs add up to the same total but split differently (rank 0: 2 + 3
+  // elements, the others 3 + 2): one packed all_reduce would reduce mismatched elements.
+  auto flat_in = std::make_shared<std::vector<Tensor>>();
+  flat_in->push_back(Tensor::full({world.rank() == 0 ? 2 : 3}, DType::F32, 1));
+  flat_in->push_back(Tensor::full({world.rank() == 0 ? 3 : 2}, DType::F32, 1));
+  Tensor flat_out = Tensor::empty({5}, DType::F32);
+  std::string flat_msg = expect_comm_error(
+      [&] { world.all_reduce_flat(flat_out, flat_in, ReduceOp::Sum)->wait(); },
+      "all_reduce_flat with differently split inputs");
+  expect_contains(flat_msg, "rank 0 issued all_reduce_flat(2 tensors: f32 numel 2, f32 numel 3, "
+                            "op sum)");
+  expect_contains(flat_msg, "issued all_reduce_flat(2 tensors: f32 numel 3, f32 numel 2, op sum)");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();
   check_sum(world);
