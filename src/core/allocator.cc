@@ -53,7 +53,8 @@ size_t cache_limit_from(const char* env) {
 namespace {
 
 constexpr size_t kPage = 4096;
-// The most bytes of page blocks each thread keeps (see ThreadPages), within the cache's bound.
+// The most bytes of page blocks each thread keeps (see ThreadPages); they count against the
+// cache's bound.
 constexpr size_t kThreadPagesBytes = size_t{16} << 20;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -146,12 +147,12 @@ class Cache {
     std::vector<std::pair<void*, size_t>> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (bytes > limit_) {
+      if (bytes + page_reserved_ > limit_) {
         evicted.emplace_back(p, bytes);
       } else {
         // Make room by freeing the largest cached blocks first: they are the rarest to reuse
         // and free the most memory per system call.
-        while (cached_bytes_ + bytes > limit_) evict_largest(evicted);
+        while (cached_bytes_ + page_reserved_ + bytes > limit_) evict_largest(evicted);
         poison(p, bytes);
         free_[bytes].push_back({p, thread_tag()});
         cached_bytes_ += bytes;
@@ -166,10 +167,10 @@ class Cache {
     {
       std::lock_guard<std::mutex> lock(mu_);
       limit_ = limit;
-      page_limit_.store(std::min(limit, kThreadPagesBytes), std::memory_order_relaxed);
-      // Every thread's page blocks go back at its next allocation or free.
+      // Every thread's page blocks go back at its next allocation or free (and their room
+      // with them).
       page_epoch_.fetch_add(1, std::memory_order_release);
-      while (cached_bytes_ > limit_) evict_largest(evicted);
+      while (cached_bytes_ + page_reserved_ > limit_ && !free_.empty()) evict_largest(evicted);
     }
     for (const auto& [q, n] : evicted) system_free(q, n);
   }
@@ -180,8 +181,28 @@ class Cache {
             misses_, static_cast<int64_t>(limit_)};
   }
 
-  // The bound of each thread's page cache, and the generation that set_limit starts.
-  size_t page_limit() const { return page_limit_.load(std::memory_order_relaxed); }
+  // Room within the bound for `bytes` more of a thread's page blocks, made by evicting the
+  // largest shared blocks where needed; false when the bound cannot hold them.
+  bool reserve_pages(size_t bytes) {
+    std::vector<std::pair<void*, size_t>> evicted;
+    bool ok = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (page_reserved_ + bytes <= limit_) {
+        while (cached_bytes_ + page_reserved_ + bytes > limit_) evict_largest(evicted);
+        page_reserved_ += bytes;
+        ok = true;
+      }
+    }
+    for (const auto& [q, n] : evicted) system_free(q, n);
+    return ok;
+  }
+  void release_pages(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    page_reserved_ -= bytes;
+  }
+
+  // The generation set_limit starts (a thread's page blocks go back when it changes).
   uint64_t page_epoch() const { return page_epoch_.load(std::memory_order_acquire); }
 
  private:
@@ -210,7 +231,7 @@ class Cache {
   int64_t hits_ = 0;
   int64_t misses_ = 0;
   size_t limit_ = default_limit();
-  std::atomic<size_t> page_limit_{std::min(limit_, kThreadPagesBytes)};
+  size_t page_reserved_ = 0;  // room the threads' page caches hold within limit_
   std::atomic<uint64_t> page_epoch_{0};
 };
 
@@ -271,12 +292,16 @@ class ThreadPages {
     return p;
   }
 
-  // Keeps a freed block unless the cache is full; false: the caller frees it.
+  // Keeps a freed block unless this cache or the bound is full; false: the caller frees it.
   bool give(void* p, size_t bytes) {
     sync();
-    if (static_cast<size_t>(bytes_.load(std::memory_order_relaxed)) + bytes >
-        cache().page_limit()) {
-      return false;
+    const size_t need = static_cast<size_t>(bytes_.load(std::memory_order_relaxed)) + bytes;
+    if (need > reserved_) {
+      // Room is taken from the shared bound a megabyte at a time: one lock per megabyte of
+      // growth, not per block.
+      const size_t want = std::min(kThreadPagesBytes, std::max(need, reserved_ + kReserveStep));
+      if (need > want || !cache().reserve_pages(want - reserved_)) return false;
+      reserved_ = want;
     }
     lists_[bytes / kPage].push_back(p);
     add(static_cast<int64_t>(bytes), 1);
@@ -317,6 +342,8 @@ class ThreadPages {
     }
     bytes_.store(0, std::memory_order_relaxed);
     blocks_.store(0, std::memory_order_relaxed);
+    if (reserved_ > 0) cache().release_pages(reserved_);
+    reserved_ = 0;
   }
   // Counters are written by the owner only (plain stores: no read-modify-write) and read by
   // allocator_stats() from any thread.
@@ -342,7 +369,9 @@ class ThreadPages {
   }
 
   std::array<std::vector<void*>, kMinCachedBytes / kPage> lists_;  // [pages]: LIFO
+  static constexpr size_t kReserveStep = size_t{1} << 20;
   uint64_t epoch_ = cache().page_epoch();
+  size_t reserved_ = 0;  // room taken from the shared bound (Cache::reserve_pages)
   std::atomic<int64_t> bytes_{0};
   std::atomic<int64_t> blocks_{0};
   std::atomic<int64_t> hits_{0};

@@ -164,6 +164,45 @@ TEST_F(AllocatorTest, PageBlocksAreCachedByTheThreadThatFreesThem) {
   EXPECT_EQ(allocator_stats().cached_blocks, 0);
 }
 
+// Page blocks count against the bound with the shared cache's blocks: room for them evicts the
+// largest shared blocks, and threads together keep no more than the bound.
+TEST_F(AllocatorTest, PageBlocksStayWithinTheBound) {
+  constexpr size_t kMiB = size_t{1} << 20, page_block = 60 << 10;
+  set_allocator_cache_limit(kMiB);
+  void* big = allocate_storage(kMiB);
+  free_storage(big, kMiB);
+  ASSERT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(kMiB));
+  auto free_sixteen = [] {
+    std::vector<void*> blocks;
+    for (int i = 0; i < 16; ++i) blocks.push_back(allocate_storage(page_block));
+    for (void* p : blocks) free_storage(p, page_block);
+  };
+  free_sixteen();  // 960 KiB: the 1 MiB shared block makes room
+  AllocatorStats s = allocator_stats();
+  EXPECT_EQ(s.cached_bytes, static_cast<int64_t>(16 * page_block));
+  EXPECT_EQ(s.cached_blocks, 16);
+  std::atomic<int> done{0};
+  std::atomic<bool> leave{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&] {
+      free_sixteen();  // no room left: to the system
+      done.fetch_add(1);
+      while (!leave.load()) std::this_thread::yield();
+    });
+  }
+  while (done.load() != 3) std::this_thread::yield();
+  s = allocator_stats();  // the threads still live, with whatever they kept
+  EXPECT_LE(s.cached_bytes, s.limit_bytes);
+  leave.store(true);
+  for (auto& t : threads) t.join();
+  // Emptying gives the room back: a large block is cached again.
+  empty_storage_cache();
+  void* again = allocate_storage(kMiB);
+  free_storage(again, kMiB);
+  EXPECT_EQ(allocator_stats().cached_bytes, static_cast<int64_t>(kMiB));
+}
+
 // A thread that exits frees the page blocks it kept, and its cache no longer counts.
 TEST_F(AllocatorTest, AThreadsPageBlocksGoWhenItExits) {
   std::thread([] {

@@ -916,6 +916,21 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       default: break;
     }
     if (!matched || !worth_lowering(*st.group, st.op->collective, c)) continue;
+    // A chain that overlaps an earlier lowered one runs node by node: its skipped or taken
+    // nodes already belong to that chain (a reduce_scatter chain packing an all_gather chain's
+    // result reshapes), or its members are values that chain never materialises (the pieces of
+    // its skipped split).
+    auto claimed = [&](const Node* n) {
+      const StepKind kind = steps[step_of.at(n)].kind;
+      return kind == StepKind::Skip || kind == StepKind::Take;
+    };
+    if (std::any_of(c.skip.begin(), c.skip.end(), claimed) ||
+        std::any_of(c.take.begin(), c.take.end(), claimed) ||
+        std::any_of(c.members.begin(), c.members.end(), [&](const Value* m) {
+          return m->node() != nullptr && steps[step_of.at(m->node())].kind == StepKind::Skip;
+        })) {
+      continue;
+    }
     // Every chain form keeps one dtype (casts are not lowered).
     if (std::any_of(c.out_types.begin(), c.out_types.end(),
                     [&](const Type* t) { return t->dtype != c.out_types.front()->dtype; })) {

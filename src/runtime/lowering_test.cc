@@ -338,6 +338,31 @@ TEST(LowerBuckets, ChainsWhoseIntermediatesAreUsedElsewhereAreNotLowered) {
   EXPECT_EQ(expect_same_either_way(2, wait_is_output), 0u);
 }
 
+// A reduce_scatter chain that packs an all_gather chain's results: its reshapes are the gather
+// chain's last nodes and its members the gather's split pieces, which the lowered gather never
+// materialises. The gather is lowered, the scatter runs node by node (it threw "reduce_scatter:
+// input is undefined" before).
+TEST(LowerBuckets, AChainOverlappingAnEarlierOneRunsAsWritten) {
+  const std::string text =
+      "graph @g(%a: f32[3], %b: f32[4]) {\n"
+      "  %pack = cat(%a, %b) {dim = 0}\n"
+      "  %bucket = all_gather_into_tensor(%pack) {group_size = 2, group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %rows = view(%w) {shape = [2, 7]}\n"
+      "  %s:2 = split_with_sizes(%rows) {split_sizes = [3, 4], dim = 1}\n"
+      "  %o0 = reshape(%s#0) {shape = [2, 3]}\n"
+      "  %o1 = reshape(%s#1) {shape = [2, 4]}\n"
+      "  %c = cat(%o0, %o1) {dim = 1}\n"
+      "  %p = flatten(%c)\n"
+      "  %rs = reduce_scatter_tensor(%p) {reduce_op = \"sum\", group_size = 2, "
+      "group = \"world\"}\n"
+      "  %w2 = wait_tensor(%rs)\n"
+      "  %t:2 = split_with_sizes(%w2) {split_sizes = [3, 4], dim = 0}\n"
+      "  return %t#0, %t#1\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(2, text), 1u);
+}
+
 TEST(LowerBuckets, SameMemberTwiceInOneBucket) {
   const std::string text =
       "graph @g(%a: f32[3]) {\n"
