@@ -150,9 +150,7 @@ class Cache {
       if (bytes + page_reserved_ > limit_) {
         evicted.emplace_back(p, bytes);
       } else {
-        // Make room by freeing the largest cached blocks first: they are the rarest to reuse
-        // and free the most memory per system call.
-        while (cached_bytes_ + page_reserved_ + bytes > limit_) evict_largest(evicted);
+        make_room(bytes, evicted);
         poison(p, bytes);
         free_[bytes].push_back({p, thread_tag()});
         cached_bytes_ += bytes;
@@ -170,7 +168,7 @@ class Cache {
       // Every thread's page blocks go back at its next allocation or free (and their room
       // with them).
       page_epoch_.fetch_add(1, std::memory_order_release);
-      while (cached_bytes_ + page_reserved_ > limit_ && !free_.empty()) evict_largest(evicted);
+      make_room(0, evicted);
     }
     for (const auto& [q, n] : evicted) system_free(q, n);
   }
@@ -189,7 +187,7 @@ class Cache {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (page_reserved_ + bytes <= limit_) {
-        while (cached_bytes_ + page_reserved_ + bytes > limit_) evict_largest(evicted);
+        make_room(bytes, evicted);
         page_reserved_ += bytes;
         ok = true;
       }
@@ -206,6 +204,15 @@ class Cache {
   uint64_t page_epoch() const { return page_epoch_.load(std::memory_order_acquire); }
 
  private:
+  // Evicts until `bytes` more fit within the bound beside the cached blocks and the threads'
+  // reserved room (or nothing is left to evict), the largest blocks first: they are the rarest
+  // to reuse and free the most memory per system call.
+  void make_room(size_t bytes, std::vector<std::pair<void*, size_t>>& evicted) {
+    while (cached_bytes_ + page_reserved_ + bytes > limit_ && !free_.empty()) {
+      evict_largest(evicted);
+    }
+  }
+
   void evict_largest(std::vector<std::pair<void*, size_t>>& out) {
     auto it = std::prev(free_.end());
     const size_t bytes = it->first;
@@ -281,13 +288,14 @@ class ThreadPages {
     sync();
     std::vector<void*>& list = lists_[bytes / kPage];
     if (list.empty()) {
-      misses_.store(misses_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+      bump(misses_, 1);
       return nullptr;
     }
     void* p = list.back();
     list.pop_back();
-    add(-static_cast<int64_t>(bytes), -1);
-    hits_.store(hits_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    bump(bytes_, -static_cast<int64_t>(bytes));
+    bump(blocks_, -1);
+    bump(hits_, 1);
     unpoison(p, bytes);
     return p;
   }
@@ -304,7 +312,8 @@ class ThreadPages {
       reserved_ = want;
     }
     lists_[bytes / kPage].push_back(p);
-    add(static_cast<int64_t>(bytes), 1);
+    bump(bytes_, static_cast<int64_t>(bytes));
+    bump(blocks_, 1);
     poison(p, bytes);
     return true;
   }
@@ -347,9 +356,8 @@ class ThreadPages {
   }
   // Counters are written by the owner only (plain stores: no read-modify-write) and read by
   // allocator_stats() from any thread.
-  void add(int64_t bytes, int64_t blocks) {
-    bytes_.store(bytes_.load(std::memory_order_relaxed) + bytes, std::memory_order_relaxed);
-    blocks_.store(blocks_.load(std::memory_order_relaxed) + blocks, std::memory_order_relaxed);
+  static void bump(std::atomic<int64_t>& counter, int64_t delta) {
+    counter.store(counter.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
   }
   static std::mutex& registry_mu() {
     static auto* mu = new std::mutex;

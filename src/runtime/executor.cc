@@ -169,11 +169,11 @@ struct LoweredBucket {
   // Member i's result type as a meta tensor: its layout is shared by every run's result i (a
   // bucket's thousand results are placed without building or looking up a layout each).
   std::vector<Tensor> types;
-  // Member i's result slot. With `direct` (all_reduce and all_gather chains) the results are
-  // placed there at issue (nothing reads a slot before its value's Take step, and each value
-  // has a slot of its own), so `outs` stays empty and Take has nothing to do: a bucket of a
-  // thousand members saves a pass over a thousand Tensors, on lines its data swept out of the
-  // cache.
+  // Member i's result slot. With `direct` (all_reduce and all_gather chains, issued through
+  // the flat primitives) the results are placed there at issue (nothing reads a slot before
+  // its value's Take step, and each value has a slot of its own), so `outs` stays empty and
+  // Take has nothing to do: a bucket of a thousand members saves a pass over a thousand
+  // Tensors, on lines its data swept out of the cache.
   std::vector<uint32_t> out_slots;
   bool direct = false;
   std::vector<Tensor> outs;  // reduce_scatter: this run's member results, from issue to Take
@@ -448,7 +448,7 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     }
     // What the wait_tensor of the chain waits on.
     out[0] = b.direct ? slots[b.out_slots.front()] : b.outs.front();
-    if (st.op->collective != CollectiveKind::ReduceScatter) {
+    if (b.direct) {
       // The members are read where they are into the buffer (all_reduce_flat,
       // all_gather_flat). The list owns them (one reference for the backend to hold): a
       // member's last use moves it in.
@@ -943,6 +943,7 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       lb.numel += t->numel();
       lb.types.push_back(Tensor::meta(t->shape, t->dtype));
     }
+    lb.direct = st.op->collective != CollectiveKind::ReduceScatter;
     buckets.push_back(std::move(lb));
     st.bucket = index;
     st.operands_begin = static_cast<uint32_t>(operand_slots.size());
@@ -971,7 +972,6 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
         buckets[index].out_slots.push_back(take.results_begin + r);
       }
     }
-    buckets[index].direct = st.op->collective != CollectiveKind::ReduceScatter;
   }
 }
 
