@@ -12,6 +12,7 @@
 
 #include "elem.h"
 #include "gemm.h"
+#include "simd.h"
 #include "strided.h"
 
 namespace funcol {
@@ -20,6 +21,17 @@ using detail::BoolByte;
 using detail::cvt;
 using detail::dispatch;
 using detail::kIsLowFloat;
+
+namespace detail {
+
+std::atomic<bool> reduce_avx2_disabled{false};
+
+bool have_avx2() {
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have && !reduce_avx2_disabled.load(std::memory_order_relaxed);
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -270,11 +282,6 @@ __attribute__((target("avx2"))) void reduce2_avx2(T* out, const T* a, const T* b
   reduce2<T, Op, kAvg>(out, a, b, n);  // inlined: compiled for AVX2 here
 }
 
-bool have_avx2() {
-  static const bool have = __builtin_cpu_supports("avx2");
-  return have;
-}
-
 template <typename T, typename Op>
 void reduce_typed(void* out_ptr, const void* const* src_ptrs, int nsrc, int64_t count, bool avg) {
   using R = RawOf<T>;
@@ -289,7 +296,7 @@ void reduce_typed(void* out_ptr, const void* const* src_ptrs, int nsrc, int64_t 
         constexpr bool kAvg = decltype(avg_tag)::value;
         if (out == a && out == b) {
           reduce_blocked<T, Op>(out, srcs, nsrc, count, avg);
-        } else if (have_avx2()) {
+        } else if (detail::have_avx2()) {
           reduce2_avx2<R, Op, kAvg>(out, a, b, count);
         } else {
           reduce2<R, Op, kAvg>(out, a, b, count);

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "gemm.h"
+#include "simd.h"
 
 namespace funcol {
 namespace {
@@ -82,12 +83,14 @@ Tensor make_input(DType d, ReduceOp op, int k, int64_t count) {
   return Tensor::from_vector<double>(v).to(d);
 }
 
-TEST(ReduceBuffers, EveryDTypeOpSourceCountAndLength) {
+// Every dtype and valid op, nsrc in [min_src, max_src], each count: the result into a separate
+// output and into the first and the last source.
+void expect_reductions(int min_src, int max_src, std::initializer_list<int64_t> counts) {
   for (DType d : kAllDTypes) {
     for (ReduceOp op : kAllOps) {
       if (!op_valid(op, d)) continue;
-      for (int nsrc = 1; nsrc <= 8; ++nsrc) {
-        for (int64_t count : {0, 1, 7, 1000}) {
+      for (int nsrc = min_src; nsrc <= max_src; ++nsrc) {
+        for (int64_t count : counts) {
           SCOPED_TRACE(fmt_trace(d, op, nsrc, count));
           std::vector<Tensor> inputs;
           std::vector<const void*> srcs;
@@ -113,6 +116,56 @@ TEST(ReduceBuffers, EveryDTypeOpSourceCountAndLength) {
             ASSERT_EQ(copies[alias].to_vector<double>(), want) << "aliasing source " << alias;
           }
         }
+      }
+    }
+  }
+}
+
+TEST(ReduceBuffers, EveryDTypeOpSourceCountAndLength) { expect_reductions(1, 8, {0, 1, 7, 1000}); }
+
+// Sends the two-source reductions to the portable loops while it lives.
+struct PortableReductions {
+  PortableReductions() { detail::reduce_avx2_disabled = true; }
+  ~PortableReductions() { detail::reduce_avx2_disabled = false; }
+};
+
+// The loops a CPU without AVX2 runs, on this one: two sources (the only case with an AVX2
+// loop), lengths around the 16-element inner loop.
+TEST(ReduceBuffers, PortableLoopsWithoutAvx2) {
+  PortableReductions portable;
+  ASSERT_FALSE(detail::have_avx2());
+  expect_reductions(2, 2, {0, 1, 15, 16, 17, 33, 1000, 1003});
+}
+
+// Both loops give the same bits on arbitrary values (nothing is fused or reassociated): a rank
+// on a CPU without AVX2 agrees with one that has it. Out of place and into either source.
+TEST(ReduceBuffers, PortableAndAvx2LoopsAgreeBitForBit) {
+  constexpr int64_t kCount = 1003;
+  for (DType d : kAllDTypes) {
+    for (ReduceOp op : kAllOps) {
+      if (!op_valid(op, d)) continue;
+      SCOPED_TRACE(fmt_trace(d, op, 2, kCount));
+      const Tensor a = Tensor::rand({kCount}, d, 11);
+      const Tensor b = Tensor::rand({kCount}, d, 12);
+      // NaN in either source (min and max propagate it).
+      if (d == DType::F32) {
+        a.data<float>()[5] = b.data<float>()[9] = std::numeric_limits<float>::quiet_NaN();
+      } else if (d == DType::F64) {
+        a.data<double>()[5] = b.data<double>()[9] = std::numeric_limits<double>::quiet_NaN();
+      }
+      for (int into = 0; into < 3; ++into) {  // 0: separate output, 1: into a, 2: into b
+        auto run = [&] {
+          Tensor x = a.clone(), y = b.clone(), out = Tensor::zeros({kCount}, d);
+          const void* srcs[] = {x.data_ptr(), y.data_ptr()};
+          void* dst = into == 0 ? out.data_ptr() : into == 1 ? x.data_ptr() : y.data_ptr();
+          reduce_buffers(op, d, dst, srcs, 2, kCount);
+          return into == 0 ? out : into == 1 ? x : y;
+        };
+        const Tensor fast = run();
+        PortableReductions portable;
+        const Tensor slow = run();
+        ASSERT_TRUE(fast.view_dtype(DType::U8).equal(slow.view_dtype(DType::U8)))
+            << "into " << into;
       }
     }
   }
