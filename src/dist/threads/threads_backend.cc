@@ -63,21 +63,13 @@ using dist_detail::format_ranks;
 using dist_detail::split_mismatch;
 
 // The failure a rank gets for a collective that had failed before it issued it. When its peers
-// timed out waiting for it, their error names it among the missing ranks; said to it as it
-// is, that reads as if it never came: it is told it came too late. (Other failures, a
-// departure or a mismatch of others, stand as they are.)
-std::string issued_after_failure(const std::string& error, int rank) {
-  const std::string key = "missing ranks [";
-  const size_t at = error.rfind(key);
-  if (at == std::string::npos) return error;
-  for (const char* p = error.c_str() + at + key.size();;) {
-    char* end = nullptr;
-    const long r = std::strtol(p, &end, 10);
-    if (end == p) return error;
-    if (r == rank) break;
-    if (*end != ',') return error;
-    p = end + 1;
-  }
+// timed out waiting for it (`given_up_on`: the global ranks that timeout found missing), their
+// error names it among the missing ranks; said to it as it is, that reads as if it never came:
+// it is told it came too late. (Other failures, a departure or a mismatch of others, stand as
+// they are.)
+std::string issued_after_failure(const std::string& error, const std::vector<int>& given_up_on,
+                                 int rank) {
+  if (std::find(given_up_on.begin(), given_up_on.end(), rank) == given_up_on.end()) return error;
   return fmt::format("{}; rank {} issued it only after the others had given up on it", error,
                      rank);
 }
@@ -429,6 +421,7 @@ struct LaneSlot {
   std::atomic<int> exits{0};
   // Written under the group's mu before kLaneFailed is set; read by whoever sees it set.
   std::string error;
+  std::vector<int> given_up_on;  // a timeout's missing ranks (global); else empty
   std::array<LaneRecord, kLaneMaxRanks> records;
 };
 
@@ -506,6 +499,8 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   int joined_count_ = 0;
   int ref_ = -1;  // the first rank whose post was stored: the reference descriptor
   bool doomed_ = false;  // a join found a mismatch or departure; fail_op follows
+  // A timeout's missing ranks (global), written by fail_op before the op completes.
+  std::vector<int> given_up_on_;
 
   std::atomic<int> heads_{0};  // members at whose queue head this op is
   std::atomic<int> state_{kPending};
@@ -733,10 +728,13 @@ class World {
   void work(const std::shared_ptr<Op>& op, OpList& ready);
   // Helps any running op with chunks left; false when there was nothing to do.
   bool help_any();
-  // Fails a pending op (exactly once; false when it already started or finished).
-  bool fail_op(const std::shared_ptr<Op>& op, const std::string& message);
-  // The timeout failure of op (missing ranks, or the collectives it is stuck behind).
-  std::string timeout_message(Op& op);
+  // Fails a pending op (exactly once; false when it already started or finished);
+  // `given_up_on`: the members a timeout found missing (global ranks).
+  bool fail_op(const std::shared_ptr<Op>& op, const std::string& message,
+               std::vector<int> given_up_on = {});
+  // The timeout failure of op (missing ranks, or the collectives it is stuck behind); the
+  // missing ranks also go to *missing.
+  std::string timeout_message(Op& op, std::vector<int>* missing);
   void depart(int rank, const std::string& reason);
   void drain(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
@@ -779,8 +777,10 @@ class World {
   // Fails the lane collective `seq` with `message` unless it failed already or every member
   // arrived; `absent` (bits) are members that will never arrive (they issued `seq` on the Op
   // path, or gave up waiting for the slot). Fails the members that arrived. Needs group.mu.
+  // `given_up_on`: as fail_op's.
   bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
-                        uint64_t absent, uint64_t* failed_arrived = nullptr);
+                        uint64_t absent, uint64_t* failed_arrived = nullptr,
+                        const std::vector<int>& given_up_on = {});
   // Whether members gave up on an earlier (or a later) collective of `seq`'s slot.
   bool lane_absence_locked(const SharedGroup& group, uint64_t seq, bool earlier) const;
   // Applies the absences registered for `seq` to the slot this rank just claimed for it: fails
@@ -1330,11 +1330,13 @@ std::string failure_message(const Work& work, const std::string& fallback) {
   }
 }
 
-bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message) {
+bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
+                    std::vector<int> given_up_on) {
   int expected = kPending;
   if (!op->state_.compare_exchange_strong(expected, kFinished, std::memory_order_acq_rel)) {
     return false;
   }
+  op->given_up_on_ = std::move(given_up_on);  // before fail(): read once the op is completed
   std::vector<std::shared_ptr<Storage>> keep;
   std::vector<std::shared_ptr<const void>> holds;
   std::vector<int> joined;
@@ -1695,7 +1697,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       std::lock_guard<SpinMutex> lock(group.mu);
       join_absent_locked(group, seq, bit);
     }
-    work->fail_with(issued_after_failure(ls.error, group.global_ranks[member]));
+    work->fail_with(issued_after_failure(ls.error, ls.given_up_on, group.global_ranks[member]));
     lane_exit(group, ls, 1);
   } else if (((prev | bit) & kLaneArrived) == group.full_mask()) {
     lane_execute(group, ls);
@@ -1801,7 +1803,8 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
 }
 
 bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
-                             uint64_t absent, uint64_t* failed_arrived) {
+                             uint64_t absent, uint64_t* failed_arrived,
+                             const std::vector<int>& given_up_on) {
   LaneSlot& ls = group.lane_slot(seq);
   uint64_t prev = ls.state.load(std::memory_order_acquire);
   for (;;) {
@@ -1810,6 +1813,7 @@ bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string
       return false;  // finished, failed already, or being executed
     }
     ls.error = message;
+    ls.given_up_on = given_up_on;
     if (ls.state.compare_exchange_weak(prev, prev | absent | kLaneFailed,
                                        std::memory_order_seq_cst, std::memory_order_acquire)) {
       break;
@@ -1959,7 +1963,7 @@ void World::lane_check(LaneWork& work, bool timed_out) {
                        fmt::format("{}: timed out after {:g} s; missing ranks {}", what,
                                    std::chrono::duration<double>(timeout_).count(),
                                    format_ranks(missing)),
-                       0);
+                       0, nullptr, missing);
     }
   }
   if (crossed) fail_op(crossed, failure);
@@ -2014,7 +2018,7 @@ void LaneWork::wait() {
   rethrow_if_failed();
 }
 
-std::string World::timeout_message(Op& op) {
+std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {
   double seconds = std::chrono::duration<double>(timeout_).count();
   std::vector<int> missing;
   std::vector<std::pair<int, int>> members;  // (member, global rank) of joined members
@@ -2029,8 +2033,10 @@ std::string World::timeout_message(Op& op) {
     }
   }
   if (!missing.empty()) {
-    return fmt::format("{}: timed out after {:g} s; missing ranks {}", op.description(), seconds,
-                       format_ranks(missing));
+    std::string message = fmt::format("{}: timed out after {:g} s; missing ranks {}",
+                                      op.description(), seconds, format_ranks(missing));
+    *missing_out = std::move(missing);
+    return message;
   }
   // Everyone joined, but some member is still busy with an earlier collective.
   std::string blockers;
@@ -2088,7 +2094,9 @@ void Op::wait() {
       bool pending = state_.load(std::memory_order_acquire) == kPending;
       if (pending && now >= deadline_) {
         auto self = shared_from_this();
-        world_->fail_op(self, world_->timeout_message(*this));
+        std::vector<int> missing;
+        std::string message = world_->timeout_message(*this, &missing);
+        world_->fail_op(self, message, std::move(missing));
         continue;
       }
       // A running op finishes without us; re-check now and then all the same.
@@ -2431,7 +2439,7 @@ class ThreadsGroup final : public ProcessGroup {
       // This rank gets the failure said from its side (a timeout's "missing ranks" names it).
       while (!op->is_completed()) std::this_thread::yield();  // its failer is finishing it
       const std::string error = failure_message(*op, "unknown failure");
-      const std::string mine = issued_after_failure(error, global_rank_);
+      const std::string mine = issued_after_failure(error, op->given_up_on_, global_rank_);
       if (mine != error) {
         auto failed = std::make_shared<Work>(op->description());
         failed->fail(std::make_exception_ptr(CommError(mine)));
