@@ -777,20 +777,27 @@ bool Tensor::is_ready() const { return !storage_ || storage_->is_ready(); }
 // ---------------------------------------------------------------------------------------------
 // Data access
 
+// The data accessors test the storage only: a tensor without one is undefined or meta, and
+// check_not_meta throws for either (a bucket's thousand inputs are read through these, and two
+// calls of it each cost more than the pointer).
 void* Tensor::data_ptr() const {
-  check_not_meta(*this, "data_ptr");
+  if (storage_ == nullptr) check_not_meta(*this, "data_ptr");
   storage_->wait_for_write();
-  return raw_data_ptr();
+  return first_element();
 }
 
 const void* Tensor::const_data_ptr() const {
-  check_not_meta(*this, "const_data_ptr");
+  if (storage_ == nullptr) check_not_meta(*this, "const_data_ptr");
   storage_->wait();
-  return raw_data_ptr();
+  return first_element();
 }
 
 void* Tensor::raw_data_ptr() const {
-  check_not_meta(*this, "raw_data_ptr");
+  if (storage_ == nullptr) check_not_meta(*this, "raw_data_ptr");
+  return first_element();
+}
+
+void* Tensor::first_element() const {
   return static_cast<char*>(storage_->raw()) + offset_ * static_cast<int64_t>(itemsize());
 }
 

@@ -419,8 +419,13 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     return Tensor::empty(t.shape, t.dtype);
   };
   // The backend reads input bytes directly: an input still produced by an earlier collective
-  // (a graph that skips its wait_tensor) is waited first. Free when it is ready.
-  for (const Tensor& t : in) t.wait();
+  // (a graph that skips its wait_tensor) is waited first. Free when it is ready, but a pass over
+  // a bucket's thousand storages all the same: all_reduce_flat waits for its inputs itself.
+  const bool waits_itself = st.bucket != kNone && buckets[st.bucket].direct &&
+                            st.op->collective == CollectiveKind::AllReduce;
+  if (!waits_itself) {
+    for (const Tensor& t : in) t.wait();
+  }
   // Out of place as the functional ops: the result is a copy reduced (or overwritten) in place,
   // unless this is the operand's last use and nothing else holds its storage: then the operand
   // itself is donated, as a bucket's packed buffer always is.

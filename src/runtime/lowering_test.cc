@@ -174,6 +174,25 @@ TEST(LowerBuckets, ReduceBucketOfEveryWorldSizeAndOp) {
   }
 }
 
+// A bucket's members that are still pending (results of all_gathers whose wait_tensor the
+// graph skips) are read only once ready: all_reduce_flat waits for them.
+TEST(LowerBuckets, PendingMembersAreWaitedBeforeTheyAreRead) {
+  for (int n : {1, 2, 4}) {
+    const std::string text =
+        "graph @g(%x: f32[2], %y: f32[3]) {\n"
+        "  %a = all_gather_into_tensor(%x) {group_size = " + g(n) + ", group = \"world\"}\n"
+        "  %b = all_gather_into_tensor(%y) {group_size = " + g(n) + ", group = \"world\"}\n"
+        "  %pack = cat(%a, %b) {dim = 0}\n"
+        "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"world\"}\n"
+        "  %w = wait_tensor(%bucket)\n"
+        "  %s:2 = split_with_sizes(%w) {split_sizes = [" + g(2 * n) + ", " + g(3 * n) +
+        "], dim = 0}\n"
+        "  return %s#0, %s#1\n"
+        "}\n";
+    EXPECT_EQ(expect_same_either_way(n, text), 1u) << n;
+  }
+}
+
 // The observed loop (profiler, on_node) runs lowered chains the same way: every node is still
 // reported once per run, and the bucket is one communication span.
 TEST(LowerBuckets, ObservedRunsLowerTheSameWay) {

@@ -249,6 +249,7 @@ class Tensor {
   DType dtype_ = DType::F32;
 
   Tensor with_layout(Shape sizes, Shape strides, int64_t offset) const;
+  void* first_element() const;  // storage_ non-null
   static Tensor full_integer(const Shape& shape, DType dtype, int64_t value);
   const Tensor& fill_integer_(int64_t value) const;
   // An unsigned value no int64_t holds (no integer dtype holds it either).

@@ -77,7 +77,8 @@ class ProcessGroup {
   // reduction of every rank's inputs[i]. A bucket of all_reduces without a pack copy: the
   // inputs are read where they are, the results are views of one buffer. The backend keeps the
   // list alive (one reference, not one per tensor) until the collective finished; nobody may
-  // write the inputs meanwhile. Every rank's inputs have the same element counts. The default
+  // write the inputs meanwhile. An input still pending (the result of a collective not yet
+  // waited) is waited for first. Every rank's inputs have the same element counts. The default
   // copies the inputs into `output` and all-reduces it in place; threads reduces straight from
   // the inputs.
   virtual std::shared_ptr<Work> all_reduce_flat(const Tensor& output,
