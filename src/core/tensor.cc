@@ -47,8 +47,16 @@ Shape contiguous_strides(const Shape& shape) {
 }
 
 int64_t shape_numel(const Shape& shape) {
+  // A zero dim makes the product zero whatever the others are: found first, the product of
+  // the others (which need not fit in int64) is never taken.
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(n, d, &n)) {
+      throw ShapeError(fmt::format("shape {} has more elements than an int64 holds",
+                                   shape_str(shape)));
+    }
+  }
   return n;
 }
 
@@ -196,13 +204,15 @@ std::shared_ptr<const detail::Layout> view_layout(Shape sizes, Shape strides) {
 std::string list_str(const std::vector<int64_t>& v) { return shape_str(v); }
 
 // Validates a shape given to a factory: no negative dims, byte size representable.
+// The nonzero dims must multiply to an int64 byte count even in a zero-sized tensor (as the
+// IR's check_type): then its strides and every product of some of its dims fit too.
 void check_shape(const Shape& shape, DType dtype, const char* what) {
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) {
       throw ShapeError(fmt::format("{}: negative size {} in shape {}", what, d, shape_str(shape)));
     }
-    if (__builtin_mul_overflow(n, d, &n)) {
+    if (d != 0 && __builtin_mul_overflow(n, d, &n)) {
       throw InvalidArgument(fmt::format("{}: shape {} is too large", what, shape_str(shape)));
     }
   }
@@ -282,8 +292,11 @@ void check_not_meta(const Tensor& t, const char* what) {
 // Resolves one -1 in a requested shape against numel.
 Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
   Shape out = shape;
-  int64_t known = 1;
-  bool overflow = false;  // the known dims multiply past int64: no tensor has that shape
+  int64_t known = 1;  // the product of the nonzero given dims (then 0 if any is 0)
+  bool zero = false;
+  // Those dims multiply past int64: no tensor has that shape, not even an empty one (see
+  // check_shape).
+  bool overflow = false;
   std::optional<size_t> infer;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
@@ -295,10 +308,13 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
     } else if (shape[i] < 0) {
       throw ShapeError(
           fmt::format("{}: invalid size {} in shape {}", what, shape[i], shape_str(shape)));
+    } else if (shape[i] == 0) {
+      zero = true;
     } else {
       overflow = overflow || __builtin_mul_overflow(known, shape[i], &known);
     }
   }
+  if (zero) known = 0;
   if (overflow) {
     throw ShapeError(fmt::format("{}: shape {} is invalid for a tensor of {} elements", what,
                                  shape_str(shape), numel));

@@ -743,6 +743,30 @@ TEST(Views, HugeSizesAreRefusedNotWrapped) {
   EXPECT_THROW(Tensor::from_storage(storage, {4}, DType::F32, INT64_MAX - 1), ShapeError);
 }
 
+// A zero dim empties a tensor, but its other dims must still multiply to an int64 byte count:
+// its strides and the counts of reductions over some of its dims are such products (the IR's
+// types follow the same rule, found by fuzzing: a view's type took the product of
+// [..., 8777777773777777777, ..., 0] dim by dim and overflowed).
+TEST(Views, EmptyTensorsWithHugeDims) {
+  constexpr int64_t kHuge = int64_t{1} << 40;
+  EXPECT_EQ(shape_numel({kHuge, kHuge, 0}), 0);
+  EXPECT_EQ(shape_numel({}), 1);
+  EXPECT_EQ(error_of<ShapeError>([&] { shape_numel({kHuge, kHuge}); }),
+            "shape [1099511627776,1099511627776] has more elements than an int64 holds");
+  EXPECT_EQ(error_of<InvalidArgument>([&] { Tensor::empty({0, kHuge, kHuge}, DType::F32); }),
+            "empty: shape [0,1099511627776,1099511627776] is too large");
+  EXPECT_THROW(Tensor::zeros({kHuge, kHuge, 0}, DType::F32), InvalidArgument);
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::zeros({0}, DType::F32).view({0, int64_t{1} << 62, 4});
+            }),
+            "view: shape [0,4611686018427387904,4] is invalid for a tensor of 0 elements");
+  // Large dims whose product fits are fine, and so are reductions over them.
+  const Tensor e = Tensor::zeros({0, 1 << 20, 1 << 20}, DType::F32);
+  EXPECT_EQ(e.strides(), (Shape{int64_t{1} << 40, 1 << 20, 1}));
+  EXPECT_EQ(sum(e, {1, 2}, false).sizes(), (Shape{0}));
+  EXPECT_EQ(sum(e, {0, 2}, true).sizes(), (Shape{1, 1 << 20, 1}));
+}
+
 // ---- copies ---------------------------------------------------------------------------------
 
 TEST(Copies, ContiguousCloneTo) {

@@ -89,8 +89,9 @@ std::string input_name(size_t i, size_t n) {
 // A shape with at most one -1, resolved against `numel` (view, reshape).
 Shape resolve_shape(const std::vector<int64_t>& shape, int64_t numel) {
   int infer_at = -1;
-  int64_t known = 1;
-  bool overflow = false;
+  int64_t known = 1;  // the product of the nonzero given dims (then 0 if any is 0)
+  bool zero = false;
+  bool overflow = false;  // they multiply past 2^62: no value has that shape (check_type)
   for (size_t i = 0; i < shape.size(); ++i) {
     const int64_t d = shape[i];
     if (d == -1) {
@@ -98,14 +99,17 @@ Shape resolve_shape(const std::vector<int64_t>& shape, int64_t numel) {
       infer_at = static_cast<int>(i);
     } else if (d < 0) {
       throw ShapeError(fmt::format("shape {} has a negative dim {}", list_str(shape), d));
+    } else if (d == 0) {
+      zero = true;
     } else if (!overflow) {
-      if (d != 0 && known > kMaxTypeBytes / d) {
+      if (known > kMaxTypeBytes / d) {
         overflow = true;
       } else {
         known *= d;
       }
     }
   }
+  if (zero) known = 0;
   if (shape.size() > static_cast<size_t>(kMaxRank)) {
     throw ShapeError(fmt::format("shape has {} dims; at most {} are supported", shape.size(), kMaxRank));
   }

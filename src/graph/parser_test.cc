@@ -249,6 +249,18 @@ TEST(ParserErrors, BadType) {
   EXPECT_EQ(parse_error("graph @g(%x: f32[-1]) { return }"), "t.ir:1:18: error: negative dim -1 in type");
   EXPECT_EQ(parse_error("graph @g(%x: f32[4611686018427387904, 4]) { return }"),
             "t.ir:1:14: error: value of type f32[4611686018427387904,4] is larger than 2^62 bytes");
+  // A zero dim empties the value, but its other dims must still fit (else a stride or a
+  // reduction's count, a product of some of them, would overflow).
+  EXPECT_EQ(parse_error("graph @g(%x: f32[0, 4611686018427387904, 4]) { return }"),
+            "t.ir:1:14: error: value of type f32[0,4611686018427387904,4] has nonzero dims that "
+            "span more than 2^62 bytes");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4611686018427387904, 4, 0]) { return }"),
+            "t.ir:1:14: error: value of type f32[4611686018427387904,4,0] has nonzero dims that "
+            "span more than 2^62 bytes");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[0]) {\n  %v = view(%x) {shape = [0, "
+                        "4611686018427387904, 4]}\n  return %v\n}"),
+            "t.ir:2:8: error: %v: view: shape [0,4611686018427387904,4] is invalid for input of "
+            "size 0");
   EXPECT_EQ(parse_error("graph @g(%x: f32) { return }"),
             "t.ir:1:17: error: expected '[' after the dtype, found ')'");
 }

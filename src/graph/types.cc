@@ -1,6 +1,7 @@
 // Type and Attr: the value types and attribute values of the IR.
 #include "funcol/graph/types.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "funcol/core/error.h"
@@ -8,11 +9,7 @@
 
 namespace funcol {
 
-int64_t Type::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
+int64_t Type::numel() const { return shape_numel(shape); }
 
 std::string Type::str() const {
   std::string out;
@@ -32,15 +29,17 @@ void check_type(DType dtype, const Shape& shape, std::string_view what) {
                        " in shape " + shape_str(shape));
     }
   }
-  // Zero-sized values are fine whatever the other dims; overflow is checked only when every
-  // dim is positive.
+  // The nonzero dims must multiply to at most 2^62 bytes even in a zero-sized value: then every
+  // product of some of its dims (a stride, the count a reduction folds, a row) fits in int64
+  // too, and nothing downstream needs to guard against overflow.
+  const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
   for (int64_t d : shape) {
-    if (d == 0) return;
-  }
-  for (int64_t d : shape) {
+    if (d == 0) continue;
     if (bytes > kMaxTypeBytes / d) {
       throw ShapeError(std::string(what) + " of type " + std::string(dtype_name(dtype)) +
-                       shape_str(shape) + " is larger than 2^62 bytes");
+                       shape_str(shape) +
+                       (empty ? " has nonzero dims that span more than 2^62 bytes"
+                              : " is larger than 2^62 bytes"));
     }
     bytes *= d;
   }

@@ -265,7 +265,8 @@ class Tensor {
 
 // Row-major (contiguous) strides of a shape.
 Shape contiguous_strides(const Shape& shape);
-// Product of the dims (1 for a scalar shape).
+// Product of the dims (1 for a scalar shape; 0 when any dim is 0, however large the others);
+// ShapeError when it does not fit in int64.
 int64_t shape_numel(const Shape& shape);
 // "[2,3]".
 std::string shape_str(const Shape& shape);
