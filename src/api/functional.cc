@@ -10,7 +10,6 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
-#include <numeric>
 #include <span>
 #include <string>
 #include <string_view>
@@ -149,21 +148,25 @@ class GatherRearrange final : public Waitable {
   mutable std::atomic<bool> done_{false};
 };
 
-Shape gathered_shape(const Shape& s, int64_t dim, int64_t world) {
+Shape gathered_shape(const Shape& s, int64_t dim, int64_t world, std::string_view op) {
   if (s.empty()) return {world};
   Shape out = s;
-  out[static_cast<size_t>(dim)] *= world;
+  int64_t& d = out[static_cast<size_t>(dim)];
+  if (__builtin_mul_overflow(d, world, &d)) {
+    throw ShapeError(fmt::format("{}: dim {} of size {} gathered from {} ranks does not fit in "
+                                 "int64",
+                                 op, dim, s[static_cast<size_t>(dim)], world));
+  }
   return out;
 }
 
 Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   const int64_t world = pg.size();
   const Shape& s = t.sizes();
-  Shape staging_shape = s.empty() ? Shape{world} : s;
-  if (!s.empty()) staging_shape[0] *= world;
+  const Shape staging_shape = gathered_shape(s, 0, world, "all_gather_tensor");
   Tensor staging = Tensor::empty(staging_shape, t.dtype());
   guard_input(pg.all_gather(staging, ready_input(t)), t);
-  const Shape result_shape = gathered_shape(s, dim, world);
+  const Shape result_shape = gathered_shape(s, dim, world, "all_gather_tensor");
   const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
   // Rank-major blocks already are the result's layout when nothing precedes gather_dim.
   if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return staging.view(result_shape);
@@ -215,25 +218,32 @@ Shape scattered_shape(const Shape& s, int64_t dim, int64_t world) {
   return out;
 }
 
-void check_splits(const std::vector<int64_t>& splits, int64_t world, std::string_view name) {
+// Returns the splits' sum.
+int64_t check_splits(const std::vector<int64_t>& splits, int64_t world, std::string_view name) {
   if (static_cast<int64_t>(splits.size()) != world) {
     throw InvalidArgument(
         fmt::format("all_to_all_single: {} has {} entries, expected group_size {}", name,
                     splits.size(), world));
   }
+  int64_t total = 0;
   for (size_t i = 0; i < splits.size(); ++i) {
     if (splits[i] < 0) {
       throw InvalidArgument(
           fmt::format("all_to_all_single: {}[{}] is negative ({})", name, i, splits[i]));
     }
+    if (__builtin_add_overflow(total, splits[i], &total)) {
+      throw InvalidArgument(fmt::format("all_to_all_single: {} {} sum to more than int64 holds",
+                                        name, splits));
+    }
   }
+  return total;
 }
 
 // all_to_all over dim-0 rows with validated splits; the output has sum(output_splits) rows.
 Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int64_t>& out_splits,
                        const std::vector<int64_t>& in_splits) {
   Shape out_shape = t.sizes();
-  out_shape[0] = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+  out_shape[0] = check_splits(out_splits, pg.size(), "output_split_sizes");
   Tensor out = Tensor::empty(out_shape, t.dtype());
   guard_input(pg.all_to_all(out, ready_input(t), out_splits, in_splits), t);
   return out;
@@ -359,8 +369,7 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
     out_splits = std::move(*output_split_sizes);
     in_splits = std::move(*input_split_sizes);
     check_splits(out_splits, world, "output_split_sizes");
-    check_splits(in_splits, world, "input_split_sizes");
-    const int64_t total = std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0});
+    const int64_t total = check_splits(in_splits, world, "input_split_sizes");
     if (total != t.size(0)) {
       throw ShapeError(fmt::format(
           "all_to_all_single: input_split_sizes {} sum to {} but input dimension 0 is {}",
@@ -476,7 +485,7 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
   std::vector<Tensor> outputs;
   outputs.reserve(inputs.size());
   for (const Tensor& t : inputs) {
-    outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size()), t.dtype()));
+    outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size(), kOp), t.dtype()));
     ready_input(t);
   }
   guard_inputs(pg.all_gather_coalesced(outputs, inputs), inputs);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <random>
 #include <stdexcept>
@@ -872,6 +873,17 @@ TEST(Errors, ShapesSplitsAndArguments) {
                   all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{1, 1, 1, 2}, world);
                 }),
                 HasSubstr("input_split_sizes [1, 1, 1, 2] sum to 5 but input dimension 0 is 4"));
+    const int64_t kMax = std::numeric_limits<int64_t>::max();
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(x, Splits{kMax, kMax, 0, 0}, Splits{1, 1, 1, 1}, world);
+                }),
+                HasSubstr("output_split_sizes [9223372036854775807, 9223372036854775807, 0, 0] "
+                          "sum to more than int64 holds"));
+    EXPECT_THAT(error_of([&] {
+                  all_to_all_single(x, Splits{1, 1, 1, 1}, Splits{kMax, 1, 0, 0}, world);
+                }),
+                HasSubstr("input_split_sizes [9223372036854775807, 1, 0, 0] sum to more than "
+                          "int64 holds"));
     EXPECT_THAT(error_of([&] {
                   permute_tensor(x, {1, 2, 0}, world);
                 }),
@@ -894,6 +906,15 @@ TEST(Errors, ShapesSplitsAndArguments) {
                 }),
                 HasSubstr("undefined input tensor for tensor at index 1"));
     EXPECT_THROW(all_gather_tensor(x, 2, world), ShapeError);
+    // Empty inputs whose gathered dim would leave int64 (every rank fails before issuing).
+    const Tensor wide = Tensor::empty({0, int64_t{1} << 61}, DType::U8);
+    EXPECT_THAT(error_of([&] { all_gather_tensor(wide, 1, world); }),
+                HasSubstr("all_gather_tensor: dim 1 of size 2305843009213693952 gathered from 4 "
+                          "ranks does not fit in int64"));
+    const Tensor tall = Tensor::empty({int64_t{1} << 61, 0}, DType::U8);
+    EXPECT_THAT(error_of([&] { all_gather_into_tensor_coalesced({tall}, world); }),
+                HasSubstr("all_gather_into_tensor_coalesced: dim 0 of size 2305843009213693952 "
+                          "gathered from 4 ranks does not fit in int64"));
   });
 }
 

@@ -1304,7 +1304,10 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
           "cat: tensor {} has shape {} but tensor 0 has {} (all dims but {} must match)", i,
           shape_str(t.sizes()), shape_str(first.sizes()), d));
     }
-    sizes[d] += t.sizes()[d];
+    if (__builtin_add_overflow(sizes[d], t.sizes()[d], &sizes[d])) {
+      throw ShapeError(fmt::format("cat: the tensors' sizes at dim {} sum to more than int64 holds",
+                                   d));
+    }
     any_meta = any_meta || t.is_meta();
   }
   if (any_meta) return meta(sizes, first.dtype_);

@@ -765,6 +765,12 @@ TEST(Views, EmptyTensorsWithHugeDims) {
   EXPECT_EQ(e.strides(), (Shape{int64_t{1} << 40, 1 << 20, 1}));
   EXPECT_EQ(sum(e, {1, 2}, false).sizes(), (Shape{0}));
   EXPECT_EQ(sum(e, {0, 2}, true).sizes(), (Shape{1, 1 << 20, 1}));
+  // Empty tensors concatenated past int64 along a dim.
+  const Tensor wide = Tensor::zeros({0, int64_t{1} << 60}, DType::F32);
+  const std::vector<Tensor> eight(8, wide);
+  EXPECT_EQ(error_of<ShapeError>([&] { Tensor::cat(eight, 1); }),
+            "cat: the tensors' sizes at dim 1 sum to more than int64 holds");
+  EXPECT_THROW(Tensor::cat({wide, wide}, 1), InvalidArgument);  // fits in int64, not in bytes
 }
 
 // ---- copies ---------------------------------------------------------------------------------

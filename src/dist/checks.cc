@@ -147,7 +147,10 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
         throw InvalidArgument(
             fmt::format("all_to_all: {}[{}] is negative ({})", name, j, splits[j]));
       }
-      total += splits[j];
+      if (__builtin_add_overflow(total, splits[j], &total)) {
+        throw InvalidArgument(
+            fmt::format("all_to_all: {} {} sum to more than int64 holds", name, splits));
+      }
     }
     if (total != t.size(0)) {
       throw ShapeError(fmt::format("all_to_all: {} sum to {} but {} dim 0 is {}", name, total,

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <string>
 
 #include "funcol/core/error.h"
@@ -316,6 +317,9 @@ TEST(ArgumentChecksTest, PrimitivesValidateSynchronously) {
                                   {"has 1 entries", "group size is 2"});
     expect_error<InvalidArgument>([&] { pg.all_to_all(out, in, {6, -1}, {6, -1}); },
                                   {"negative"});
+    const int64_t kMax = std::numeric_limits<int64_t>::max();
+    expect_error<InvalidArgument>([&] { pg.all_to_all(out, in, {kMax, kMax}, {2, 3}); },
+                                  {"output_split_sizes", "sum to more than int64 holds"});
     expect_error<InvalidArgument>([&] { pg.all_to_all(out, in, {2, 3}, {}); },
                                   {"specified together"});
     expect_error<ShapeError>(
