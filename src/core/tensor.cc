@@ -289,6 +289,23 @@ void check_not_meta(const Tensor& t, const char* what) {
   }
 }
 
+// The storage offset of a view `index` elements of `stride` past `t`'s. It must stay an int64
+// count of bytes (first_element and view_dtype scale it by the itemsize): a view of a tensor
+// with elements stays inside its storage, but views of an empty one (narrowed to the end of one
+// dim, then of another) add products of sizes and strides that can leave int64.
+int64_t view_offset(const Tensor& t, int64_t index, int64_t stride, const char* what) {
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(index, stride, &offset) ||
+      __builtin_add_overflow(t.storage_offset(), offset, &offset) ||
+      __builtin_mul_overflow(offset, static_cast<int64_t>(t.itemsize()), &bytes)) {
+    throw ShapeError(fmt::format(
+        "{}: storage offset {} + {} * stride {} does not fit in int64 (as bytes of {})", what,
+        t.storage_offset(), index, stride, dtype_name(t.dtype())));
+  }
+  return offset;
+}
+
 // Resolves one -1 in a requested shape against numel.
 Shape infer_shape(const Shape& shape, int64_t numel, const char* what) {
   Shape out = shape;
@@ -717,13 +734,14 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
     throw InvalidArgument(fmt::format("from_storage: negative offset {}", offset));
   }
   // (offset + numel) elements in bytes; check_shape bounded the shape's bytes, so only an
-  // offset far past any storage overflows here.
+  // offset far past any storage overflows here. An empty tensor may lie past the end, but its
+  // offset too must be an int64 count of bytes (first_element scales it by the itemsize).
   const int64_t numel = shape_numel(shape);
   const auto isz = static_cast<int64_t>(funcol::itemsize(dtype));
   int64_t needed = 0;
   const bool overflow = __builtin_add_overflow(offset, numel, &needed) ||
                         __builtin_mul_overflow(needed, isz, &needed);
-  if (numel > 0 && overflow) {
+  if (overflow) {
     throw ShapeError(fmt::format("from_storage: {} at offset {} lies past the end of the storage "
                                  "({} bytes)",
                                  type_str(dtype, shape), offset, storage->nbytes()));
@@ -769,6 +787,12 @@ Tensor Tensor::placed(const Tensor& like, std::shared_ptr<Storage> storage, int6
                                    type_str(like.dtype_, sizes), offset, needed,
                                    storage->nbytes()));
     }
+  } else if (int64_t bytes = 0;
+             __builtin_mul_overflow(offset, static_cast<int64_t>(like.itemsize()), &bytes)) {
+    // Nothing to hold, but first_element scales the offset by the itemsize (as from_storage).
+    throw ShapeError(fmt::format("placed: {} at offset {} lies past the end of the storage "
+                                 "({} bytes)",
+                                 type_str(like.dtype_, like.sizes()), offset, storage->nbytes()));
   }
   Tensor t;
   t.storage_ = std::move(storage);
@@ -924,6 +948,8 @@ Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
 Tensor Tensor::view(const Shape& shape) const {
   check_defined(*this, "view");
   Shape s = infer_shape(shape, numel(), "view");
+  // An empty tensor's new nonzero dims must fit in int64 bytes too, as any tensor's.
+  check_shape(s, dtype_, "view");
   auto strides = view_strides(this->sizes(), this->strides(), s);
   if (!strides) {
     throw InvalidArgument(
@@ -936,6 +962,7 @@ Tensor Tensor::view(const Shape& shape) const {
 Tensor Tensor::reshape(const Shape& shape) const {
   check_defined(*this, "reshape");
   Shape s = infer_shape(shape, numel(), "reshape");
+  check_shape(s, dtype_, "reshape");  // as view's
   if (auto strides = view_strides(this->sizes(), this->strides(), s)) {
     return with_layout(std::move(s), std::move(*strides), offset_);
   }
@@ -965,7 +992,8 @@ Tensor Tensor::narrow(int64_t dim, int64_t start, int64_t length) const {
   }
   Shape sizes = this->sizes();
   sizes[d] = length;
-  return with_layout(std::move(sizes), strides(), offset_ + start * strides()[d]);
+  const int64_t offset = view_offset(*this, start, strides()[d], "narrow");
+  return with_layout(std::move(sizes), strides(), offset);
 }
 
 std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
@@ -981,8 +1009,11 @@ std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
     out.push_back(narrow(d, 0, 0));
     return out;
   }
-  for (int64_t start = 0; start < size; start += split_size) {
-    out.push_back(narrow(d, start, std::min(split_size, size - start)));
+  // Stepped by the piece's length, not split_size: start + split_size may pass INT64_MAX after
+  // the last piece of a bool/u8/i8 dim near it (chunk(2) of one of INT64_MAX).
+  for (int64_t start = 0, length = 0; start < size; start += length) {
+    length = std::min(split_size, size - start);
+    out.push_back(narrow(d, start, length));
   }
   return out;
 }
@@ -1192,7 +1223,7 @@ Tensor Tensor::select(int64_t dim, int64_t index) const {
   if (index < 0) index += size;
   Shape sizes = this->sizes();
   Shape strides = this->strides();
-  const int64_t offset = offset_ + index * this->strides()[d];
+  const int64_t offset = view_offset(*this, index, this->strides()[d], "select");
   sizes.erase(sizes.begin() + d);
   strides.erase(strides.begin() + d);
   return with_layout(std::move(sizes), std::move(strides), offset);

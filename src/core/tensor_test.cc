@@ -773,6 +773,74 @@ TEST(Views, EmptyTensorsWithHugeDims) {
   EXPECT_THROW(Tensor::cat({wide, wide}, 1), InvalidArgument);  // fits in int64, not in bytes
 }
 
+// Bool, u8 and i8 dims may come near INT64_MAX: splitting one steps the start by the split
+// size, which must not step past int64 after the last piece (UBSan: signed overflow).
+TEST(Views, SplitOfADimNearInt64Max) {
+  constexpr int64_t kBig = int64_t{1} << 62;
+  const Tensor t = Tensor::meta({INT64_MAX}, DType::Bool);
+  EXPECT_EQ(sizes_of(t.chunk(2)), (std::vector<Shape>{{kBig}, {kBig - 1}}));
+  EXPECT_EQ(sizes_of(t.split(kBig)), (std::vector<Shape>{{kBig}, {kBig - 1}}));
+  EXPECT_EQ(sizes_of(t.split(INT64_MAX - 1)), (std::vector<Shape>{{INT64_MAX - 1}, {1}}));
+  EXPECT_EQ(t.chunk(2)[1].storage_offset(), kBig);
+}
+
+// The storage offset of a view of an empty tensor is not bounded by its storage: narrowing to
+// the end of one dim and then of another adds products of sizes and strides whose sum leaves
+// int64 (and first_element() scales it by the itemsize). Refused, as from_storage and placed
+// refuse an offset whose bytes leave int64.
+TEST(Views, StorageOffsetsThatLeaveInt64AreRefused) {
+  // Nonzero dims that multiply to 2^63 - 2, the most that fits.
+  const int64_t half = INT64_MAX / 2;  // 2^62 - 1
+  const Tensor e = Tensor::zeros({half, 2, 0}, DType::Bool);
+  const Tensor end0 = e.narrow(0, half, 0);
+  EXPECT_EQ(end0.storage_offset(), INT64_MAX - 1);
+  EXPECT_EQ(error_of<ShapeError>([&] { end0.narrow(1, 2, 0); }),
+            "narrow: storage offset 9223372036854775806 + 2 * stride 1 does not fit in int64 "
+            "(as bytes of bool)");
+  EXPECT_EQ(end0.narrow(1, 1, 0).storage_offset(), INT64_MAX);  // fits: kept
+  const int64_t third = INT64_MAX / 3;  // 3 * third = 2^63 - 2
+  const Tensor t = Tensor::zeros({third, 3, 0}, DType::U8).narrow(0, third, 0);
+  EXPECT_EQ(error_of<ShapeError>([&] { t.select(1, 2); }),
+            "select: storage offset 9223372036854775806 + 2 * stride 1 does not fit in int64 "
+            "(as bytes of u8)");
+  // In bytes: an f64 element offset of 2^60 is 2^63 bytes.
+  const int64_t f64_max = (int64_t{1} << 59) - 1;
+  const Tensor f = Tensor::zeros({f64_max, 2, 0}, DType::F64).narrow(0, f64_max, 0);
+  EXPECT_EQ(f.storage_offset(), (int64_t{1} << 60) - 2);
+  EXPECT_EQ(error_of<ShapeError>([&] { f.narrow(1, 2, 0); }),
+            "narrow: storage offset 1152921504606846974 + 2 * stride 1 does not fit in int64 "
+            "(as bytes of f64)");
+
+  auto storage = std::make_shared<Storage>(64);
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::from_storage(storage, {0}, DType::F64, INT64_MAX / 4);
+            }),
+            "from_storage: f64[0] at offset 2305843009213693951 lies past the end of the storage "
+            "(64 bytes)");
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::placed(Tensor::meta({0}, DType::F32), storage, INT64_MAX);
+            }),
+            "placed: f32[0] at offset 9223372036854775807 lies past the end of the storage "
+            "(64 bytes)");
+  // Offsets whose bytes fit stay accepted for empty tensors, past the end of the storage too.
+  EXPECT_EQ(Tensor::from_storage(storage, {0}, DType::F64, INT64_MAX / 8).numel(), 0);
+  EXPECT_EQ(Tensor::placed(Tensor::meta({0}, DType::F32), storage, INT64_MAX / 4).numel(), 0);
+}
+
+// view and reshape of an empty tensor may name nonzero dims that multiply within int64 but not
+// within int64 bytes: the factories refuse such a shape (check_shape), and view_dtype to a
+// smaller itemsize would scale its last dim and strides past int64.
+TEST(Views, ViewsOfEmptyTensorsMustFitInBytes) {
+  constexpr int64_t kBig = int64_t{1} << 62;
+  const Tensor e = Tensor::zeros({0}, DType::F32);
+  EXPECT_EQ(error_of<InvalidArgument>([&] { e.view({0, kBig}); }),
+            "view: shape [0,4611686018427387904] is too large");
+  EXPECT_EQ(error_of<InvalidArgument>([&] { e.reshape({kBig, 0}); }),
+            "reshape: shape [4611686018427387904,0] is too large");
+  EXPECT_EQ(e.view({0, kBig / 4}).view_dtype(DType::U8).sizes(), (Shape{0, kBig}));
+  EXPECT_EQ(Tensor::zeros({0}, DType::U8).view({0, kBig}).sizes(), (Shape{0, kBig}));
+}
+
 // ---- copies ---------------------------------------------------------------------------------
 
 TEST(Copies, ContiguousCloneTo) {
