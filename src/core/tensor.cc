@@ -837,7 +837,10 @@ void* Tensor::raw_data_ptr() const {
   return first_element();
 }
 
+// An empty tensor's offset may lie past the end of its storage (views narrowed to the end,
+// from_storage): it gets the storage's first byte, never a pointer outside the allocation.
 void* Tensor::first_element() const {
+  if (layout_->numel == 0) return storage_->raw();
   return static_cast<char*>(storage_->raw()) + offset_ * static_cast<int64_t>(itemsize());
 }
 

@@ -822,9 +822,17 @@ TEST(Views, StorageOffsetsThatLeaveInt64AreRefused) {
             }),
             "placed: f32[0] at offset 9223372036854775807 lies past the end of the storage "
             "(64 bytes)");
-  // Offsets whose bytes fit stay accepted for empty tensors, past the end of the storage too.
-  EXPECT_EQ(Tensor::from_storage(storage, {0}, DType::F64, INT64_MAX / 8).numel(), 0);
+  // Offsets whose bytes fit stay accepted for empty tensors, past the end of the storage too;
+  // their data pointer is the storage's first byte, not one outside it (UBSan checks pointer
+  // arithmetic), and copying them copies nothing.
+  const Tensor past = Tensor::from_storage(storage, {0}, DType::F64, INT64_MAX / 8);
+  EXPECT_EQ(past.numel(), 0);
+  EXPECT_EQ(past.data_ptr(), storage->raw());
+  EXPECT_EQ(past.clone().numel(), 0);
   EXPECT_EQ(Tensor::placed(Tensor::meta({0}, DType::F32), storage, INT64_MAX / 4).numel(), 0);
+  const Tensor four = Tensor::zeros({4}, DType::F32);
+  EXPECT_EQ(four.narrow(0, 4, 0).const_data_ptr(), four.storage()->raw());
+  EXPECT_EQ(four.narrow(0, 3, 1).const_data_ptr(), four.data<float>() + 3);
 }
 
 // view and reshape of an empty tensor may name nonzero dims that multiply within int64 but not
