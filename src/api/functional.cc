@@ -239,11 +239,12 @@ int64_t check_splits(const std::vector<int64_t>& splits, int64_t world, std::str
   return total;
 }
 
-// all_to_all over dim-0 rows with validated splits; the output has sum(output_splits) rows.
+// all_to_all over dim-0 rows with validated splits; the output has out_rows =
+// sum(output_splits) rows.
 Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int64_t>& out_splits,
-                       const std::vector<int64_t>& in_splits) {
+                       const std::vector<int64_t>& in_splits, int64_t out_rows) {
   Shape out_shape = t.sizes();
-  out_shape[0] = check_splits(out_splits, pg.size(), "output_split_sizes");
+  out_shape[0] = out_rows;
   Tensor out = Tensor::empty(out_shape, t.dtype());
   guard_input(pg.all_to_all(out, ready_input(t), out_splits, in_splits), t);
   return out;
@@ -365,10 +366,11 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
   const int64_t world = pg.size();
   std::vector<int64_t> out_splits;
   std::vector<int64_t> in_splits;
+  int64_t out_rows = t.size(0);  // even splits: as many rows as the input
   if (input_split_sizes) {
     out_splits = std::move(*output_split_sizes);
     in_splits = std::move(*input_split_sizes);
-    check_splits(out_splits, world, "output_split_sizes");
+    out_rows = check_splits(out_splits, world, "output_split_sizes");
     const int64_t total = check_splits(in_splits, world, "input_split_sizes");
     if (total != t.size(0)) {
       throw ShapeError(fmt::format(
@@ -385,7 +387,7 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
     out_splits.assign(static_cast<size_t>(world), t.size(0) / world);
     in_splits = out_splits;
   }
-  return all_to_all_impl(pg, t, out_splits, in_splits);
+  return all_to_all_impl(pg, t, out_splits, in_splits, out_rows);
 }
 
 Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
@@ -441,7 +443,7 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
   }
   if (is_tracked(t)) return api_detail::tape_permute(t, out_splits, in_splits, pg);
   Tensor flat = t.contiguous().view({numel});
-  return all_to_all_impl(pg, flat, out_splits, in_splits).view(t.sizes());
+  return all_to_all_impl(pg, flat, out_splits, in_splits, numel).view(t.sizes());
 }
 
 std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
