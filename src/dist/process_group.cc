@@ -203,6 +203,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather_flat(
   outputs.reserve(inputs->size());
   int64_t off = 0;
   for (const Tensor& t : *inputs) {
+    t.wait();  // pending inputs are waited first, as all_reduce_flat's
     outputs.push_back(output.narrow(0, off, size() * t.numel()));
     off += size() * t.numel();
   }

@@ -420,10 +420,9 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
   };
   // The backend reads input bytes directly: an input still produced by an earlier collective
   // (a graph that skips its wait_tensor) is waited first. Free when it is ready, but a pass over
-  // a bucket's thousand storages all the same: all_reduce_flat waits for its inputs itself.
-  const bool waits_itself = st.bucket != kNone && buckets[st.bucket].direct &&
-                            st.op->collective == CollectiveKind::AllReduce;
-  if (!waits_itself) {
+  // a bucket's thousand storages all the same: the flat primitives wait for their inputs
+  // themselves.
+  if (st.bucket == kNone || !buckets[st.bucket].direct) {
     for (const Tensor& t : in) t.wait();
   }
   // Out of place as the functional ops: the result is a copy reduced (or overwritten) in place,

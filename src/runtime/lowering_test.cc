@@ -73,9 +73,15 @@ size_t expect_same_either_way(int n, const std::string& text, const Setup& setup
 std::string g(int n) { return std::to_string(n); }
 
 // The default-mode all-gather bucket of bucket-all-gather for inputs f32[3] and f32[2,2]
-// (flattened), with a consumer of one member result.
-std::string gather_default(int n) {
-  return "graph @g(%a: f32[3], %b: f32[2,2]) {\n"
+// (flattened), with a consumer of one member result. With `pending`, the members are the
+// unwaited results of all_reduces of the graph's inputs.
+std::string gather_default(int n, bool pending = false) {
+  const std::string members =
+      pending ? "graph @g(%p: f32[3], %q: f32[2,2]) {\n"
+                "  %a = all_reduce(%p) {reduce_op = \"sum\", group = \"world\"}\n"
+                "  %b = all_reduce(%q) {reduce_op = \"sum\", group = \"world\"}\n"
+              : "graph @g(%a: f32[3], %b: f32[2,2]) {\n";
+  return members +
          "  %bf = flatten(%b)\n"
          "  %pack = cat(%a, %bf) {dim = 0}\n"
          "  %bucket = all_gather_into_tensor(%pack) {group_size = " + g(n) +
@@ -174,8 +180,8 @@ TEST(LowerBuckets, ReduceBucketOfEveryWorldSizeAndOp) {
   }
 }
 
-// A bucket's members that are still pending (results of all_gathers whose wait_tensor the
-// graph skips) are read only once ready: all_reduce_flat waits for them.
+// A bucket's members that are still pending (results of collectives whose wait_tensor the
+// graph skips) are read only once ready: all_reduce_flat and all_gather_flat wait for them.
 TEST(LowerBuckets, PendingMembersAreWaitedBeforeTheyAreRead) {
   for (int n : {1, 2, 4}) {
     const std::string text =
@@ -190,6 +196,7 @@ TEST(LowerBuckets, PendingMembersAreWaitedBeforeTheyAreRead) {
         "  return %s#0, %s#1\n"
         "}\n";
     EXPECT_EQ(expect_same_either_way(n, text), 1u) << n;
+    EXPECT_EQ(expect_same_either_way(n, gather_default(n, true)), 1u) << "all_gather " << n;
   }
 }
 

@@ -88,8 +88,8 @@ class ProcessGroup {
   // inputs' dtype, size() times as many elements as all of them) receives, for each input i
   // in turn, every rank's inputs[i] in rank order: input i's stretch starts at size() times
   // the elements of the inputs before it (a bucket of all_gathers' results, back to back).
-  // The list is held as all_reduce_flat's. The default runs all_gather_coalesced on views of
-  // `output`.
+  // The list is held, and pending inputs waited, as all_reduce_flat's. The default runs
+  // all_gather_coalesced on views of `output`.
   virtual std::shared_ptr<Work> all_gather_flat(const Tensor& output,
                                                 std::shared_ptr<const std::vector<Tensor>> inputs);
   virtual std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
