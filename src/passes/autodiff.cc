@@ -41,6 +41,21 @@ Graph copy_graph(const Graph& g) {
   return out;
 }
 
+// Throws InvalidArgument(message); for a graph parsed from text, located at `loc` (a value's
+// definition, or the graph's header for the graph as a whole), so that `funcol opt` prints
+// FILE:LINE:COL as for the errors about one node.
+[[noreturn]] void throw_in_graph(const Graph& graph, SourceLoc loc, const std::string& message) {
+  if (loc.known()) {
+    const std::string& file = graph.source_file();
+    throw LocatedError<InvalidArgument>(message, file.empty() ? "<input>" : file,
+                                        static_cast<int>(loc.line), static_cast<int>(loc.col),
+                                        message);
+  }
+  throw InvalidArgument(message);
+}
+
+SourceLoc definition_of(const Value& v) { return v.node() ? v.node()->loc() : v.loc(); }
+
 }  // namespace
 
 std::vector<int> floating_inputs(const Graph& graph) {
@@ -53,32 +68,37 @@ std::vector<int> floating_inputs(const Graph& graph) {
 
 void make_joint_graph(Graph& graph, const std::vector<int>& wrt) {
   if (graph.outputs().empty()) {
-    throw InvalidArgument(fmt::format("autodiff: graph @{} has no outputs (the first output is "
-                                      "the loss)",
-                                      graph.name()));
+    throw_in_graph(graph, graph.loc(),
+                   fmt::format("autodiff: graph @{} has no outputs (the first output is the loss)",
+                               graph.name()));
   }
   Value* loss = graph.outputs()[0];
   if (!is_loss_type(loss->type())) {
-    throw InvalidArgument(fmt::format("autodiff: the loss (first output {} of graph @{}) must be "
-                                      "a scalar of a floating dtype, got {}",
-                                      loss->ref(), graph.name(), loss->type().str()));
+    throw_in_graph(graph, definition_of(*loss),
+                   fmt::format("autodiff: the loss (first output {} of graph @{}) must be a "
+                               "scalar of a floating dtype, got {}",
+                               loss->ref(), graph.name(), loss->type().str()));
   }
   std::vector<Value*> values;
   for (size_t k = 0; k < wrt.size(); ++k) {
     const int i = wrt[k];
     if (i < 0 || static_cast<size_t>(i) >= graph.num_inputs()) {
-      throw InvalidArgument(fmt::format("autodiff: wrt index {} is out of range (graph @{} has "
-                                        "{} inputs)",
-                                        i, graph.name(), graph.num_inputs()));
+      throw_in_graph(graph, graph.loc(),
+                     fmt::format("autodiff: wrt index {} is out of range (graph @{} has {} "
+                                 "inputs)",
+                                 i, graph.name(), graph.num_inputs()));
     }
     for (size_t j = 0; j < k; ++j) {
-      if (wrt[j] == i) throw InvalidArgument(fmt::format("autodiff: wrt index {} is repeated", i));
+      if (wrt[j] == i) {
+        throw_in_graph(graph, graph.loc(), fmt::format("autodiff: wrt index {} is repeated", i));
+      }
     }
     Value* v = graph.input(static_cast<size_t>(i));
     if (!is_floating(v->dtype())) {
-      throw InvalidArgument(fmt::format("autodiff: input {} ({}) has dtype {}; only floating "
-                                        "inputs have gradients",
-                                        i, v->ref(), dtype_name(v->dtype())));
+      throw_in_graph(graph, v->loc(),
+                     fmt::format("autodiff: input {} ({}) has dtype {}; only floating inputs "
+                                 "have gradients",
+                                 i, v->ref(), dtype_name(v->dtype())));
     }
     values.push_back(v);
   }
