@@ -1156,8 +1156,13 @@ TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
               repeat(2, 4));
     EXPECT_EQ(all_reduce(ones, "sum", {mesh2, 1}).to_vector<float>(), repeat(2, 4));
     EXPECT_THAT(error_of([&] { GroupSpec(mesh2, 2).resolve(); }),
-                HasSubstr("mesh dim 2 is out of range for a 2-d DeviceMesh"));
-    EXPECT_THAT(error_of([&] { GroupSpec(mesh2, -1).resolve(); }), HasSubstr("mesh dim -1"));
+                HasSubstr("mesh dim 2 is out of range for a 2-d DeviceMesh (expected -2 to 1)"));
+    // Negative dims count from the last, as PyTorch's (mesh, dim) index a Python list.
+    EXPECT_EQ(&GroupSpec(mesh2, -1).resolve(), &dim1);
+    EXPECT_EQ(&GroupSpec(mesh2, -2).resolve(), &dim0);
+    EXPECT_EQ(mesh2.group(-1).get(), &dim1);
+    EXPECT_THAT(error_of([&] { GroupSpec(mesh2, -3).resolve(); }),
+                HasSubstr("mesh dim -3 is out of range for a 2-d DeviceMesh (expected -2 to 1)"));
     const DeviceMesh* null_mesh = nullptr;
     EXPECT_THAT(error_of([&] {
                   GroupSpec({null_mesh, 0}).resolve();

@@ -129,10 +129,6 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
 
 ProcessGroup& resolve_mesh_dim(const DeviceMesh* mesh, int dim) {
   if (mesh == nullptr) throw InvalidArgument("null DeviceMesh as group");
-  if (dim < 0 || dim >= mesh->ndim()) {
-    throw InvalidArgument(
-        fmt::format("mesh dim {} is out of range for a {}-d DeviceMesh", dim, mesh->ndim()));
-  }
   return *mesh->group(dim);
 }
 

@@ -106,10 +106,13 @@ std::shared_ptr<ProcessGroup> DeviceMesh::group(const std::string& name) const {
 }
 
 std::shared_ptr<ProcessGroup> DeviceMesh::group(int dim) const {
-  if (dim < 0 || dim >= ndim()) {
-    throw InvalidArgument(fmt::format("DeviceMesh: dim {} is out of range for a {}-D mesh", dim, ndim()));
+  // Negative dims count from the last, as PyTorch's (mesh, dim) group specs index a list.
+  if (dim < -ndim() || dim >= ndim()) {
+    throw InvalidArgument(fmt::format("mesh dim {} is out of range for a {}-d DeviceMesh "
+                                      "(expected {} to {})",
+                                      dim, ndim(), -ndim(), ndim() - 1));
   }
-  return groups_[dim];
+  return groups_[static_cast<size_t>(dim < 0 ? dim + ndim() : dim)];
 }
 
 }  // namespace funcol

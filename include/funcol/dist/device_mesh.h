@@ -22,7 +22,8 @@ class DeviceMesh {
 
   int ndim() const { return static_cast<int>(dims_.size()); }
   const std::vector<std::pair<std::string, int>>& dims() const { return dims_; }
-  // This rank's group along a dim (by name or index). Throws InvalidArgument when unknown.
+  // This rank's group along a dim, by name or index (a negative index counts from the last
+  // dim, as in Python). Throws InvalidArgument when unknown.
   std::shared_ptr<ProcessGroup> group(const std::string& name) const;
   std::shared_ptr<ProcessGroup> group(int dim) const;
   // This rank's coordinate along each dim.
