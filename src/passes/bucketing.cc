@@ -205,6 +205,7 @@ struct Entry {
   DType out_dtype = DType::F32;  // the collective's dtype (a folded cast converts into it)
   int64_t bytes = 0;             // max(input bytes, output bytes)
   BucketKey key;
+  int32_t index = 0;             // position in wait order (among all entries)
 
   // What gets packed: the cast's input, else the collective's input. Read when needed, never
   // cached: merging an earlier bucket re-points operands at its unpacked values.
@@ -335,6 +336,7 @@ class Bucketer {
   std::vector<Entry*> bucket_;
   int64_t bucket_bytes_ = 0;
   int64_t first_key_ = kMaxKey;  // smallest key of a member collective
+  int32_t first_index_ = 0;      // Entry::index of the first member
   int64_t bucket_index_ = 0;
 
   // Per-node scratch, indexed by OrderIndex id; a slot is valid when its epoch is current.
@@ -345,6 +347,12 @@ class Bucketer {
   std::vector<uint32_t> item_;     // region sort: item index of a node
   uint32_t item_epoch_ = 0;
   std::vector<uint32_t> item_mark_;
+  // Per node id: at least the largest Entry::index of a collective that is the node or one of
+  // its ancestors (-1: none). A node below the bucket's first member's index cannot depend on
+  // the bucket (its members come later in wait order), so the dependency search stops there
+  // instead of walking compute chains that lead back to earlier collectives only. Set for the
+  // whole graph once, and for each bucket's new nodes as they are made.
+  std::vector<int32_t> latest_;
   // depends_on_bucket's search stack, kept between calls.
   struct Frame {
     const Node* node;
@@ -363,6 +371,7 @@ class Bucketer {
     witness_.resize(cap, kNoId);
     item_.resize(cap, 0);
     item_mark_.resize(cap, 0);
+    latest_.resize(cap, std::numeric_limits<int32_t>::max());
   }
 
   void say(std::string_view line) {
@@ -377,15 +386,31 @@ class Bucketer {
     return n.op_name() == spec_.op || (n.op().pack != nullptr && n.op().collective == opt_.kind);
   }
   std::vector<Entry> collect();
+  struct Bounds {
+    int64_t lo = kMinKey;
+    Node* lo_node = nullptr;
+    int64_t hi = kMaxKey;
+    Node* hi_node = nullptr;
+  };
+  Bounds bounds(const std::vector<Entry*>& members) const;
+  void find_latest(const std::vector<Entry>& entries);
+  void note_new_nodes(const std::vector<Entry*>& members, const std::vector<Node*>& nodes);
   BucketKey key_of(const Node& coll, DType dtype) const;
   bool depends_on_bucket(const Entry& e, std::string* path);
   void add_to_bucket(Entry* e);
   void close_bucket(std::string_view reason);
   bool merge(std::vector<Entry*>& members);
   bool place_normally(const std::vector<Entry*>& members);
+  // The nodes plan_region orders, and their neighbours that survive the merge (null: the
+  // graph's start or end).
+  struct Region {
+    std::vector<Node*> nodes;
+    Node* before = nullptr;
+    Node* anchor = nullptr;
+  };
   std::optional<std::vector<uint32_t>> plan_region(const std::vector<Entry*>& members,
-                                                   std::vector<Node*>& region);
-  void emit_region(const std::vector<Entry*>& members, const std::vector<Node*>& region,
+                                                   Region& region);
+  void emit_region(const std::vector<Entry*>& members, const Region& region,
                    const std::vector<uint32_t>& order);
   DType bucket_dtype(const std::vector<Entry*>& members) const;
   Node* emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket);
@@ -450,12 +475,36 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.bytes = std::max(in_bytes, coll->result(0)->type().nbytes());
     e.key = key_of(*coll, e.out_dtype);
+    e.index = static_cast<int32_t>(entries.size());
     entries.push_back(std::move(e));
   }
   for (Node* c : colls_) {
     if (!seen[order_.id(c)]) unwaited_.push_back(c);
   }
   return entries;
+}
+
+void Bucketer::find_latest(const std::vector<Entry>& entries) {
+  grow_scratch();
+  std::fill(latest_.begin(), latest_.end(), -1);
+  for (const Entry& e : entries) latest_[order_.id(e.coll)] = e.index;
+  for (const Node& n : graph_.nodes()) {
+    int32_t& mine = latest_[order_.id(&n)];
+    for (const Value* v : n.operands()) {
+      if (v->node()) mine = std::max(mine, latest_[order_.id(v->node())]);
+    }
+  }
+}
+
+// A bucket's new nodes (its packing, collective and unpacking) get the index of its last
+// member: no ancestor of theirs comes later in wait order (a member's input cannot depend on a
+// collective waited after the member).
+void Bucketer::note_new_nodes(const std::vector<Entry*>& members,
+                              const std::vector<Node*>& nodes) {
+  grow_scratch();
+  int32_t last = -1;
+  for (const Entry* m : members) last = std::max(last, m->index);
+  for (const Node* n : nodes) latest_[order_.id(n)] = last;
 }
 
 // Does `e`'s collective depend on a member of the current bucket? A backward search from it
@@ -497,6 +546,7 @@ bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
     const OrderIndex::Pos dp = order_.pos(d);
     if (dp.key < first_key_) continue;
     const uint32_t did = dp.id;
+    if (latest_[did] < first_index_) continue;  // no member among its ancestors
     if (mark_epoch_[did] == epoch_) {
       FUNCOL_CHECK(state_[did] != kOpen, "bucketing: cycle in the graph");
       if (state_[did] == kDirty) {
@@ -545,6 +595,7 @@ void Bucketer::add_to_bucket(Entry* e) {
   state_[id] = kDirty;
   witness_[id] = kNoId;
   first_key_ = std::min(first_key_, order_.key(e->coll));
+  if (bucket_.empty()) first_index_ = e->index;
   bucket_.push_back(e);
   bucket_bytes_ += e->bytes;
 }
@@ -609,6 +660,7 @@ void Bucketer::close_bucket(std::string_view reason) {
 
 BucketingStats Bucketer::run() {
   std::vector<Entry> entries = collect();
+  find_latest(entries);
   stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
     explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
@@ -903,36 +955,40 @@ void Bucketer::key_new_nodes(const std::vector<Node*>& first_nodes,
   }
 }
 
+// The latest definition of a member's input (lo) and the earliest consumer of a member's
+// wait (hi); a gap exists when lo < hi.
+Bucketer::Bounds Bucketer::bounds(const std::vector<Entry*>& members) const {
+  Bounds b;
+  for (const Entry* m : members) {
+    const int64_t k = order_.def_key(m->source());
+    if (k > b.lo) {
+      b.lo = k;
+      b.lo_node = m->source()->node();
+    }
+    for (const Use& u : m->wait->result(0)->uses()) {
+      if (!u.user) continue;
+      const int64_t uk = order_.key(u.user);
+      if (uk < b.hi) {
+        b.hi = uk;
+        b.hi_node = u.user;
+      }
+    }
+  }
+  return b;
+}
+
 // The gap case: some place after every input and before every consumer exists. The merged
 // collective goes after the latest member issued before the first consumer (or after the
 // latest input, when that is later), the merged wait before the first member wait after it
 // (or before the first consumer): nothing else moves.
 bool Bucketer::place_normally(const std::vector<Entry*>& members) {
-  int64_t lo = kMinKey;
-  Node* lo_node = nullptr;
-  int64_t hi = kMaxKey;
-  Node* hi_node = nullptr;
+  const auto [lo, lo_node, hi, hi_node] = bounds(members);
+  if (lo >= hi) return false;
   // The members' collective and wait keys, read once here for the two scans below.
   std::vector<std::pair<int64_t, int64_t>>& keys = member_keys_;
   keys.clear();
   keys.reserve(members.size());
-  for (const Entry* m : members) {
-    keys.emplace_back(order_.key(m->coll), order_.key(m->wait));
-    const int64_t k = order_.def_key(m->source());
-    if (k > lo) {
-      lo = k;
-      lo_node = m->source()->node();
-    }
-    for (const Use& u : m->wait->result(0)->uses()) {
-      if (!u.user) continue;
-      const int64_t uk = order_.key(u.user);
-      if (uk < hi) {
-        hi = uk;
-        hi_node = u.user;
-      }
-    }
-  }
-  if (lo >= hi) return false;
+  for (const Entry* m : members) keys.emplace_back(order_.key(m->coll), order_.key(m->wait));
   int64_t c_key = kMinKey;
   Node* c_node = nullptr;
   for (size_t i = 0; i < members.size(); ++i) {
@@ -971,32 +1027,30 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
   finish(members, repl);
   key_new_nodes(x.created(), y.created());
+  note_new_nodes(members, x.created());
+  note_new_nodes(members, y.created());
   return true;
 }
 
 // The no-gap case (a member's wait is used before another member's input exists): a stable
-// topological order of the region between the first and the last member, with the merged
-// collective X after the inputs and the merged wait Y before the consumers, everything else
-// in graph order as far as the edges allow, and the collectives that stay unmerged kept in
-// their issue order. Returns the order as item indices (region nodes, then X, then Y), or
-// nothing when no such order exists (a member would force two unmerged collectives to swap).
+// topological order of the window from the first consumer of a member's wait to the latest
+// member input, with the merged collective X after the inputs and the merged wait Y before
+// the consumers, everything else in graph order as far as the edges allow, and the
+// collectives that stay unmerged kept in their issue order. Nothing outside the window needs
+// to move: nothing before the first consumer descends from a member's wait, nothing after the
+// latest input is an ancestor of one, and every path from a consumer to an input stays
+// inside. (The window lies between the first and the last member; reordering all of that
+// span cost every bucket the graph's size when members are issued far ahead of their waits.)
+// Returns the order as item indices (region nodes, then X, then Y), or nothing when no such
+// order exists (a member would force two unmerged collectives to swap); an empty order when
+// the members leave a gap (nothing to reorder).
 std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Entry*>& members,
-                                                           std::vector<Node*>& region) {
-  int64_t first = kMaxKey, last = kMinKey;
-  Node* first_node = nullptr;
-  Node* last_node = nullptr;
+                                                           Region& region) {
+  region.nodes.clear();
+  const Bounds b = bounds(members);
+  if (b.lo < b.hi) return std::vector<uint32_t>{};
   int64_t x_prio = kMinKey, y_prio = kMaxKey;
   for (const Entry* m : members) {
-    for (Node* n : {m->cast, m->coll}) {
-      if (n && order_.key(n) < first) {
-        first = order_.key(n);
-        first_node = n;
-      }
-    }
-    if (order_.key(m->wait) > last) {
-      last = order_.key(m->wait);
-      last_node = m->wait;
-    }
     x_prio = std::max(x_prio, order_.key(m->coll));
     y_prio = std::min(y_prio, order_.key(m->wait));
   }
@@ -1011,17 +1065,26 @@ std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Ent
       item_[id] = kNoId;
     }
   }
-  region.clear();
-  for (Node* n = first_node;; n = n->next()) {
+  auto is_member = [&](const Node* n) {
+    const uint32_t id = order_.id(n);
+    return item_mark_[id] == item_epoch_ && item_[id] == kNoId;
+  };
+  for (Node* n = b.hi_node;; n = n->next()) {
     const uint32_t id = order_.id(n);
     if (item_mark_[id] != item_epoch_) {
       item_mark_[id] = item_epoch_;
-      item_[id] = static_cast<uint32_t>(region.size());
-      region.push_back(n);
+      item_[id] = static_cast<uint32_t>(region.nodes.size());
+      region.nodes.push_back(n);
     }
-    if (n == last_node) break;
+    if (n == b.lo_node) break;
   }
-  const auto num_items = static_cast<uint32_t>(region.size() + 2);
+  // The window's neighbours that survive the merge (members are erased).
+  region.before = b.hi_node->prev();
+  while (region.before && is_member(region.before)) region.before = region.before->prev();
+  region.anchor = b.lo_node->next();
+  while (region.anchor && is_member(region.anchor)) region.anchor = region.anchor->next();
+  const std::vector<Node*>& nodes = region.nodes;
+  const auto num_items = static_cast<uint32_t>(nodes.size() + 2);
   const uint32_t x_item = num_items - 2, y_item = num_items - 1;
   auto item_of = [&](const Node* n) -> std::optional<uint32_t> {
     if (!n) return std::nullopt;
@@ -1031,8 +1094,8 @@ std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Ent
   };
   std::vector<std::pair<uint32_t, uint32_t>> edges;
   uint32_t prev_coll = kNoId;
-  for (uint32_t i = 0; i < region.size(); ++i) {
-    const Node* n = region[i];
+  for (uint32_t i = 0; i < nodes.size(); ++i) {
+    const Node* n = nodes[i];
     for (const Value* v : n->operands()) {
       auto d = item_of(v->node());
       if (!d) continue;
@@ -1067,7 +1130,7 @@ std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Ent
   auto prio = [&](uint32_t i) {
     if (i == x_item) return x_prio;
     if (i == y_item) return y_prio;
-    return order_.key(region[i]);
+    return order_.key(nodes[i]);
   };
   using QItem = std::pair<int64_t, uint32_t>;
   std::priority_queue<QItem, std::vector<QItem>, std::greater<>> ready;
@@ -1088,43 +1151,29 @@ std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Ent
   return order;
 }
 
-void Bucketer::emit_region(const std::vector<Entry*>& members, const std::vector<Node*>& region,
+void Bucketer::emit_region(const std::vector<Entry*>& members, const Region& region,
                            const std::vector<uint32_t>& order) {
-  // The region's neighbours are not members, so they survive the edit.
-  Node* first_member = nullptr;
-  int64_t first = kMaxKey;
-  Node* last_member = nullptr;
-  int64_t last = kMinKey;
-  for (const Entry* m : members) {
-    for (Node* n : {m->cast, m->coll}) {
-      if (n && order_.key(n) < first) {
-        first = order_.key(n);
-        first_member = n;
-      }
-    }
-    if (order_.key(m->wait) > last) {
-      last = order_.key(m->wait);
-      last_member = m->wait;
-    }
-  }
-  Node* before_region = first_member->prev();
-  Node* anchor = last_member->next();
+  FUNCOL_CHECK(!region.nodes.empty(), "bucketing: a region to reorder without nodes");
+  Node* before_region = region.before;
+  Node* anchor = region.anchor;
   const DType bucket = bucket_dtype(members);
   Emitter x(graph_, anchor);
   Node* coll = emit_pack(x, members, bucket);
   Emitter y(graph_, anchor);
   std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
   finish(members, repl);
-  const auto x_item = static_cast<uint32_t>(region.size());
+  const auto x_item = static_cast<uint32_t>(region.nodes.size());
   for (uint32_t i : order) {
     if (i < x_item) {
-      graph_.move_before(region[i], anchor);
+      graph_.move_before(region.nodes[i], anchor);
     } else {
       for (Node* n : (i == x_item ? x : y).created()) graph_.move_before(n, anchor);
     }
   }
   for (Node* n : x.created()) order_.add(n);
   for (Node* n : y.created()) order_.add(n);
+  note_new_nodes(members, x.created());
+  note_new_nodes(members, y.created());
   Node* first_new = before_region ? before_region->next() : graph_.first_node();
   Node* last_new = anchor ? anchor->prev() : graph_.last_node();
   size_t count = 0;
@@ -1141,7 +1190,7 @@ void Bucketer::emit_region(const std::vector<Entry*>& members, const std::vector
 bool Bucketer::merge(std::vector<Entry*>& members) {
   if (members.size() < 2) return false;
   if (place_normally(members)) return true;
-  std::vector<Node*> region;
+  Region region;
   if (auto order = plan_region(members, region)) {
     emit_region(members, region, *order);
     ++stats_.region_reorders;

@@ -31,9 +31,11 @@ int count_collectives(const Graph& g) {
   return n;
 }
 
-TEST(BucketingProperty, AnyPipelineKeepsTheGraphValidDeterministicAndBitIdentical) {
-  check_property([] {
-    const std::unique_ptr<Graph> original = random_graph();
+// After a random pipeline, the graph verifies, has no more collectives, is the same for the
+// same input, and computes bit-identical outputs on 4 ranks.
+void check_any_pipeline(bool one_key) {
+  check_property([one_key] {
+    const std::unique_ptr<Graph> original = random_graph(one_key);
     const std::string text = print(*original);
     const std::string pipeline_text = random_pipeline();
     RC_LOG() << pipeline_text << "\n" << text;
@@ -59,6 +61,15 @@ TEST(BucketingProperty, AnyPipelineKeepsTheGraphValidDeterministicAndBitIdentica
   });
 }
 
+TEST(BucketingProperty, AnyPipelineKeepsTheGraphValidDeterministicAndBitIdentical) {
+  check_any_pipeline(/*one_key=*/false);
+}
+
+// Long runs of one key: many buckets are placed by reordering their region.
+TEST(BucketingProperty, AnyPipelineOnOneKeyKeepsTheGraphValidDeterministicAndBitIdentical) {
+  check_any_pipeline(/*one_key=*/true);
+}
+
 // Names of the collectives of `g`, in issue (graph) order.
 std::vector<std::string> collective_names(const Graph& g) {
   std::vector<std::string> names;
@@ -68,9 +79,9 @@ std::vector<std::string> collective_names(const Graph& g) {
   return names;
 }
 
-TEST(BucketingProperty, CollectivesLeftUnmergedKeepTheirIssueOrder) {
-  check_property([] {
-    const std::unique_ptr<Graph> original = random_graph();
+void check_issue_order(bool one_key) {
+  check_property([one_key] {
+    const std::unique_ptr<Graph> original = random_graph(one_key);
     const std::string pipeline_text = random_pipeline();
     RC_LOG() << pipeline_text << "\n" << print(*original);
     std::unique_ptr<Graph> g = parse_graph(print(*original));
@@ -91,9 +102,17 @@ TEST(BucketingProperty, CollectivesLeftUnmergedKeepTheirIssueOrder) {
   });
 }
 
-TEST(BucketingProperty, EveryBucketingPassIsIdempotent) {
-  check_property([] {
-    const std::unique_ptr<Graph> original = random_graph();
+TEST(BucketingProperty, CollectivesLeftUnmergedKeepTheirIssueOrder) {
+  check_issue_order(/*one_key=*/false);
+}
+
+TEST(BucketingProperty, CollectivesLeftUnmergedKeepTheirIssueOrderOnOneKey) {
+  check_issue_order(/*one_key=*/true);
+}
+
+void check_idempotent(bool one_key) {
+  check_property([one_key] {
+    const std::unique_ptr<Graph> original = random_graph(one_key);
     // One bucketing pass (a pipeline of several is not a fixed point in general: a
     // multidtype bucket may give a later default pass a new all-gather of some dtype).
     const std::string pass = random_pass(/*allow_dce=*/false);
@@ -105,14 +124,29 @@ TEST(BucketingProperty, EveryBucketingPassIsIdempotent) {
     pipeline.run(*g);
     pipeline.set_explain(nullptr);
     // A member dropped because a later bucket's collective blocked it may merge in a second run
-    // (bucket_collectives says so); every other result is a fixed point.
+    // (bucket_collectives says so).
     RC_PRE(explain.str().find("dropped %") == std::string::npos);
     const std::string once = print(*g);
     std::vector<PassStat> stats;
+    std::ostringstream again;
+    pipeline.set_explain(&again);
     pipeline.run(*g, &stats);
-    RC_ASSERT(!stats.at(0).changed);
-    RC_ASSERT(print(*g) == once);
+    RC_LOG() << again.str();
+    // So may a collective when a second run skips a bucket that depends on an earlier one (the
+    // dependency is on one member of the earlier bucket the first time, on the whole packed
+    // bucket the second), freeing room under the cap. Every other result is a fixed point.
+    if (stats.at(0).changed) {
+      RC_ASSERT(again.str().find("depends on bucket") != std::string::npos);
+    } else {
+      RC_ASSERT(print(*g) == once);
+    }
   });
+}
+
+TEST(BucketingProperty, EveryBucketingPassIsIdempotent) { check_idempotent(/*one_key=*/false); }
+
+TEST(BucketingProperty, EveryBucketingPassIsIdempotentOnOneKey) {
+  check_idempotent(/*one_key=*/true);
 }
 
 }  // namespace

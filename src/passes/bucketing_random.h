@@ -50,13 +50,22 @@ inline bool chance(int one_in) { return *rc::gen::inRange(0, one_in) == 0; }
 // reduce ops; waits issued at once or later in random order (so wait order differs from issue
 // order and consumers of early waits precede later inputs); collectives whose result has a
 // second user; compute (neg, add, flatten, casts) on any value, so later collectives depend
-// on earlier ones. Every value nobody uses is an output.
-inline std::unique_ptr<Graph> random_graph() {
-  static const std::vector<DType> kDtypes = {DType::F32, DType::BF16, DType::F16, DType::I32,
-                                             DType::I64, DType::U8,   DType::I8,  DType::Bool};
+// on earlier ones. Every value nobody uses is an output. With `one_key`, every value is f32
+// and every collective is on the world group with reduce op sum, so that runs are long and
+// buckets have many members: the case where no place fits a bucket between its inputs and
+// its consumers (a region to reorder) comes up often instead of rarely.
+inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
+  static const std::vector<DType> kAllDtypes = {DType::F32, DType::BF16, DType::F16, DType::I32,
+                                                DType::I64, DType::U8,   DType::I8,  DType::Bool};
   static const std::vector<Shape> kShapes = {{4}, {8}, {4, 2}, {8, 3}, {}, {0, 2}, {4, 1, 3}, {12}};
-  static const std::vector<std::string> kGroups = {"world", "tp", "dp"};
-  static const std::vector<std::string> kOps = {"sum", "avg", "max", "min", "product"};
+  static const std::vector<std::string> kAllGroups = {"world", "tp", "dp"};
+  static const std::vector<std::string> kAllOps = {"sum", "avg", "max", "min", "product"};
+  static const std::vector<DType> kF32 = {DType::F32};
+  static const std::vector<std::string> kWorld = {"world"};
+  static const std::vector<std::string> kSum = {"sum"};
+  const std::vector<DType>& kDtypes = one_key ? kF32 : kAllDtypes;
+  const std::vector<std::string>& kGroups = one_key ? kWorld : kAllGroups;
+  const std::vector<std::string>& kOps = one_key ? kSum : kAllOps;
   auto g = std::make_unique<Graph>("rand");
   Builder b(*g);
   std::vector<Value*> pool;
@@ -65,7 +74,7 @@ inline std::unique_ptr<Graph> random_graph() {
     pool.push_back(g->add_input("in" + std::to_string(i), Type(pick(kDtypes), pick(kShapes))));
   }
   std::vector<Node*> pending;
-  const int steps = *rc::gen::inRange(1, 30);
+  const int steps = *rc::gen::inRange(1, one_key ? 50 : 30);
   for (int s = 0; s < steps; ++s) {
     const int what = *rc::gen::inRange(0, 10);
     if (what < 5) {

@@ -88,17 +88,21 @@ struct BucketingStats {
 // two or more becomes one collective over a packed buffer with unpacking that gives every
 // consumer exactly the value it had; a single-user convert_element_type feeding an all-gather
 // is folded into the packing. New nodes go where every input is defined and before every
-// consumer; when no such place exists the region between the first and last member is
-// reordered (stably, keeping the issue order of the collectives not merged; a member that
-// would break that order is dropped).
+// consumer; when no such place exists, the nodes from the first consumer of a member's wait to
+// the latest member input (a span within the members' region) are reordered (stably, keeping
+// the issue order of the collectives not merged; a member that would break that order is
+// dropped).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
-// routine again on it merges nothing more, unless it dropped members: merging a later bucket
-// can move the collective that made an earlier bucket drop one, and a second run may then
-// merge the dropped member with the (already packed) bucket. The routine does not do that
-// itself, as it would copy the whole bucket once more to save one small collective. Near-linear time and memory. When `explain` is
-// given, appends a human-readable account: every bucket with its members, bytes and why it
-// closed, every skipped collective and why. Throws what check_bucket_options throws.
+// routine again on it merges nothing more, with two exceptions. When it dropped members:
+// merging a later bucket can move the collective that made an earlier bucket drop one, and a
+// second run may then merge the dropped member with the (already packed) bucket. When a bucket
+// depends on an earlier bucket through one of its members: a second run finds it depending on
+// the whole packed bucket and skips it, which can leave room under the cap for a later
+// collective. The routine does not rerun itself, as that would copy whole buckets once more to
+// save a small collective. Near-linear time and memory. When `explain` is given, appends a
+// human-readable account: every bucket with its members, bytes and why it closed, every
+// skipped collective and why. Throws what check_bucket_options throws.
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
                                   std::string* explain = nullptr);
 
