@@ -326,6 +326,7 @@ int run_in_job(Options o) {
     } else {
       std::fprintf(stderr, "fusion_bench: rank %d: %s\n", rank, e.what());
     }
+    funcol::tools::note_departure_error();
     status = 1;
   }
   std::fflush(nullptr);

@@ -1102,6 +1102,7 @@ BenchReport run_process_rank(const BenchOptions& o, std::FILE* out) {
     finish_report(report);
     if (rank == 0) print_summary(out, o, report);
   } catch (...) {
+    note_departure_error();
     try {
       rethrow_for_rank(rank);
     } catch (...) {

@@ -297,6 +297,16 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
 
 [[noreturn]] void rethrow_for_rank(int rank) { rethrow_prefixed(fmt::format("rank {}: ", rank)); }
 
+void note_departure_error() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    set_departure_error(e.what());
+  } catch (...) {
+    set_departure_error("an exception that is not a std::exception");
+  }
+}
+
 std::string error_line(const Error& e, const std::string& prefix) {
   const auto* at = dynamic_cast<const SourceLocated*>(&e);
   std::string message = at != nullptr ? at->message() : e.what();
@@ -461,6 +471,7 @@ int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, 
   } catch (const Error& e) {
     std::fprintf(err, "%s\n", error_line(e, fmt::format("rank {}: ", rank)).c_str());
     std::fflush(err);
+    note_departure_error();
     status = 1;
   }
   world.reset();

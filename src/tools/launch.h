@@ -138,6 +138,9 @@ std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& 
 // Rethrows the exception in flight with "rank R: " in front, keeping funcol's error kinds and
 // locations (rethrow_prefixed).
 [[noreturn]] void rethrow_for_rank(int rank);
+// Inside a catch block: records the exception being handled as this process's departure error
+// (set_departure_error), so that its peers' errors name it.
+void note_departure_error();
 
 // How the command prints an error: "FILE:LINE:COL: error: MESSAGE" for one located in IR text
 // (SourceLocated), else "funcol: error: MESSAGE"; MESSAGE starts with `prefix` (once).

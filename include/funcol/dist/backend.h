@@ -77,4 +77,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
 // timeout, so that what it issued completes for its peers too; then says goodbye.
 void destroy_process_group();
 
+// Records why this process is about to leave its job (one line, say an exception's what()), for
+// a process backend's goodbye: the peers' errors about collectives it never joined then read
+// "rank R departed after an error (WHAT)" instead of "rank R departed (destroy_process_group)".
+// Call it before destroy_process_group (or before exiting, when the exit handler says goodbye).
+// The threads backend needs none: a rank's exception reaches its peers' errors by itself.
+void set_departure_error(const std::string& what);
+
 }  // namespace funcol

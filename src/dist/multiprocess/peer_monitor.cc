@@ -89,6 +89,9 @@ struct PeerMonitor::Peer {
 };
 
 std::string PeerLoss::describe() const {
+  if (clean && !error.empty()) {
+    return fmt::format("rank {} departed after an error ({})", rank, error);
+  }
   if (clean) return fmt::format("rank {} departed (destroy_process_group)", rank);
   return fmt::format("rank {} died (its process exited or was killed)", rank);
 }
@@ -327,16 +330,28 @@ bool PeerMonitor::send_to(int rank, uint8_t type, const std::string& payload) {
   return true;
 }
 
+void PeerMonitor::set_departure_error(std::string error) {
+  // One line, and short: it is quoted inside the peers' own error messages.
+  error = error.substr(0, error.find('\n'));
+  constexpr size_t kMaxBytes = 400;
+  if (error.size() > kMaxBytes) error = error.substr(0, kMaxBytes - 3) + "...";
+  std::lock_guard lock(mu_);
+  departure_error_ = std::move(error);
+}
+
 void PeerMonitor::shutdown() {
   {
     std::lock_guard lock(mu_);
     if (stopping_ || !thread_.joinable()) return;
   }
-  // Goodbye with this process's progress, so peers fail only what this rank never issued.
+  // Goodbye with the departure error (possibly empty), then this process's progress, so peers
+  // fail only what this rank never issued.
   std::string bye;
   {
     std::lock_guard lock(mu_);
     leaving_ = true;
+    append_u32(bye, static_cast<uint32_t>(departure_error_.size()));
+    bye += departure_error_;
     std::map<std::string, int64_t> counts = removed_groups_;
     for (const auto& [name, issued] : groups_) counts[name] = issued->load();
     for (const auto& [name, count] : counts) {
@@ -384,7 +399,8 @@ void PeerMonitor::stop_thread() {
   cv_.notify_all();
 }
 
-void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued) {
+void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued,
+                            std::string error) {
   PeerLoss loss;
   std::function<void(const PeerLoss&)> callback;
   {
@@ -393,6 +409,7 @@ void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t>
     loss.rank = rank;
     loss.clean = clean;
     loss.issued = std::move(issued);
+    loss.error = std::move(error);
     lost_[rank] = loss;
     callback = on_peer_lost_;
   }
@@ -405,7 +422,12 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
   switch (type) {
     case kBye: {
       std::map<std::string, int64_t> issued;
+      std::string error;
       uint32_t len;
+      if (read_u32(payload, pos, len) && pos + len <= payload.size()) {
+        error = payload.substr(pos, len);
+        pos += len;
+      }
       while (read_u32(payload, pos, len) && pos + len <= payload.size()) {
         std::string name = payload.substr(pos, len);
         pos += len;
@@ -413,7 +435,7 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
         if (!read_i64(payload, pos, v)) break;
         issued[name] = v;
       }
-      mark_lost(from, /*clean=*/true, std::move(issued));
+      mark_lost(from, /*clean=*/true, std::move(issued), std::move(error));
       break;
     }
     case kQuery: {

@@ -23,7 +23,10 @@ struct PeerLoss {
   bool clean = false;  // true: destroy_process_group (a goodbye); false: its process vanished
   // Clean leaves only: collectives the peer had issued per group name when it left.
   std::map<std::string, int64_t> issued;
-  // "rank 2 died (its process exited or was killed)" / "rank 2 departed (destroy_process_group)".
+  // Clean leaves only: the error the peer left because of (set_departure_error), or empty.
+  std::string error;
+  // "rank 2 died (its process exited or was killed)" / "rank 2 departed (destroy_process_group)"
+  // / "rank 2 departed after an error (ShapeError: ...)".
   std::string describe() const;
 };
 
@@ -77,8 +80,10 @@ class PeerMonitor {
   std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
                                       std::chrono::milliseconds wait);
 
-  // Says goodbye to every peer (with this process's progress) and stops the monitor thread.
-  // Idempotent; the destructor calls it.
+  // What this process is leaving because of, for the goodbye (peers name it); empty: none.
+  void set_departure_error(std::string error);
+  // Says goodbye to every peer (with this process's progress and its departure error, if any)
+  // and stops the monitor thread. Idempotent; the destructor calls it.
   void shutdown();
   // Stops and closes every connection without a goodbye, as if this process died (tests).
   void close_abruptly();
@@ -88,7 +93,8 @@ class PeerMonitor {
   void stop_thread();
   void run();
   void handle_message(int from, uint8_t type, const std::string& payload);
-  void mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued);
+  void mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued,
+                 std::string error = {});
   bool send_to(int rank, uint8_t type, const std::string& payload);
   void wake();
 
@@ -104,6 +110,7 @@ class PeerMonitor {
   std::vector<std::unique_ptr<Peer>> peers_;  // index = rank; null for this rank
   std::map<std::string, std::shared_ptr<std::atomic<int64_t>>> groups_;
   std::map<std::string, int64_t> removed_groups_;  // final counts, still reported in the goodbye
+  std::string departure_error_;
   std::map<int, PeerLoss> lost_;
   std::function<void(const PeerLoss&)> on_peer_lost_;
   uint64_t next_query_ = 1;

@@ -82,6 +82,24 @@ TEST(PeerMonitor, AGoodbyeCarriesProgress) {
   EXPECT_TRUE(losses[0].clean);
 }
 
+TEST(PeerMonitor, AGoodbyeCarriesTheDepartureError) {
+  auto m = mesh(3);
+  m[1]->set_departure_error("ShapeError: first line\nsecond line");
+  m[1]->shutdown();
+  m[2]->set_departure_error(std::string(1000, 'x'));
+  m[2]->shutdown();
+  for (int r : {1, 2}) {
+    while (!m[0]->lost(r)) std::this_thread::sleep_for(milliseconds(1));
+  }
+  const PeerLoss one = *m[0]->lost(1);
+  EXPECT_TRUE(one.clean);
+  EXPECT_EQ(one.error, "ShapeError: first line");
+  EXPECT_EQ(one.describe(), "rank 1 departed after an error (ShapeError: first line)");
+  // Quoted inside other errors: at most 400 bytes.
+  const PeerLoss two = *m[0]->lost(2);
+  EXPECT_EQ(two.error, std::string(397, 'x') + "...");
+}
+
 // A rank that leaves after seeing another die: the death is the cause to name, even when the
 // goodbye arrives first.
 TEST(PeerMonitor, LossesNameADeathSeenAfterADeparture) {

@@ -270,6 +270,8 @@ void scenario_depart(funcol::ProcessGroup& world) {
   Tensor kept = Tensor::full({3}, DType::I64, world.rank() + 1);
   world.all_reduce(kept, ReduceOp::Sum);
   if (world.rank() == leaver) {
+    // It leaves because of an error of its own: the others' errors name it (its first line).
+    funcol::set_departure_error("ShapeError: the leaver's own error\nits second line");
     funcol::destroy_process_group();
     if (kept.to_vector<int64_t>() != std::vector<int64_t>(3, n * (n + 1) / 2)) {
       failed("a collective issued before destroy_process_group gave a wrong sum");
@@ -287,7 +289,9 @@ void scenario_depart(funcol::ProcessGroup& world) {
       },
       "collectives after a rank left");
   const double took = seconds_since(start);
-  expect_contains(msg, fmt::format("rank {} departed", leaver));
+  expect_contains(msg, fmt::format("rank {} departed after an error (ShapeError: the leaver's own "
+                                   "error)",
+                                   leaver));
   if (took > 10) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
