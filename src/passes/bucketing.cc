@@ -347,12 +347,17 @@ class Bucketer {
   std::vector<uint32_t> item_;     // region sort: item index of a node
   uint32_t item_epoch_ = 0;
   std::vector<uint32_t> item_mark_;
-  // Per node id: at least the largest Entry::index of a collective that is the node or one of
-  // its ancestors (-1: none). A node below the bucket's first member's index cannot depend on
-  // the bucket (its members come later in wait order), so the dependency search stops there
-  // instead of walking compute chains that lead back to earlier collectives only. Set for the
-  // whole graph once, and for each bucket's new nodes as they are made.
+  // Per node id: at least the largest Entry::index of an eligible collective that is the node
+  // or one of its ancestors (-1: none). A node below the bucket's first member's index cannot
+  // depend on the bucket (its members come later in wait order), so the dependency search
+  // stops there instead of walking compute chains that lead back to earlier collectives only.
+  // Set for the whole graph once, and for each bucket's new nodes as they are made.
   std::vector<int32_t> latest_;
+  // The explanation's dependency paths: a node's distance (in nodes) to the member its witness
+  // chain ends at, valid when hops_epoch_ is the current epoch.
+  std::vector<uint32_t> hops_;
+  std::vector<uint32_t> hops_epoch_;
+  std::vector<std::pair<uint32_t, size_t>> walked_;
   // depends_on_bucket's search stack, kept between calls.
   struct Frame {
     const Node* node;
@@ -372,6 +377,8 @@ class Bucketer {
     item_.resize(cap, 0);
     item_mark_.resize(cap, 0);
     latest_.resize(cap, std::numeric_limits<int32_t>::max());
+    hops_.resize(cap, 0);
+    hops_epoch_.resize(cap, 0);
   }
 
   void say(std::string_view line) {
@@ -487,7 +494,12 @@ std::vector<Entry> Bucketer::collect() {
 void Bucketer::find_latest(const std::vector<Entry>& entries) {
   grow_scratch();
   std::fill(latest_.begin(), latest_.end(), -1);
-  for (const Entry& e : entries) latest_[order_.id(e.coll)] = e.index;
+  // Only an eligible collective can be a member. (An ineligible one can also be read without
+  // its wait, so it can be an ancestor of a collective waited before it: seeded, it would
+  // disable the cutoff below everything it reaches.)
+  for (const Entry& e : entries) {
+    if (e.eligible) latest_[order_.id(e.coll)] = e.index;
+  }
   for (const Node& n : graph_.nodes()) {
     int32_t& mine = latest_[order_.id(&n)];
     for (const Value* v : n.operands()) {
@@ -497,8 +509,8 @@ void Bucketer::find_latest(const std::vector<Entry>& entries) {
 }
 
 // A bucket's new nodes (its packing, collective and unpacking) get the index of its last
-// member: no ancestor of theirs comes later in wait order (a member's input cannot depend on a
-// collective waited after the member).
+// member: no eligible ancestor of theirs comes later in wait order (a member's input can depend
+// on an eligible collective only through its wait, which comes before the member's).
 void Bucketer::note_new_nodes(const std::vector<Entry*>& members,
                               const std::vector<Node*>& nodes) {
   grow_scratch();
@@ -560,14 +572,25 @@ bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
     stack.push_back({d, did, 0});
   }
   if (!dirty || !path) return dirty;
-  // Follow the witnesses from the candidate to the member collective.
+  // Follow the witnesses from the candidate to the member collective. Past the names shown,
+  // only the count is wanted: the chain's nodes learn their distance to the member, so that
+  // candidates that meet the same chain (a long one, say) do not walk it again each.
   std::vector<std::string> names;
   const Node* n = e.coll;
   uint32_t id = root;
   constexpr size_t kMaxShown = 12;
   size_t hops = 0;
+  std::vector<std::pair<uint32_t, size_t>>& walked = walked_;  // (id, hops before it)
+  walked.clear();
   while (true) {
-    if (hops < kMaxShown) names.push_back("%" + n->name());
+    if (hops < kMaxShown) {
+      names.push_back("%" + n->name());
+    } else if (hops_epoch_[id] == epoch_) {
+      hops += hops_[id];
+      break;
+    } else {
+      walked.emplace_back(id, hops);
+    }
     ++hops;
     const uint32_t w = witness_[id];
     if (w == kNoId) break;
@@ -582,6 +605,10 @@ bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
     }
     FUNCOL_CHECK(next != nullptr, "bucketing: broken dependency witness");
     n = next;
+  }
+  for (const auto& [walked_id, before] : walked) {
+    hops_epoch_[walked_id] = epoch_;
+    hops_[walked_id] = static_cast<uint32_t>(hops - before);
   }
   *path = fmt::format("{}", fmt::join(names, " <- "));
   if (hops > kMaxShown) *path += fmt::format(" <- ... ({} nodes in all)", hops);
