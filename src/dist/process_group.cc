@@ -316,10 +316,8 @@ std::shared_ptr<ProcessGroup> GroupRegistry::find(const std::string& name) const
 }
 
 std::shared_ptr<ProcessGroup> GroupRegistry::find_locked(const std::string& name) const {
-  for (const auto& g : groups_) {
-    if (g->name() == name) return g;
-  }
-  return nullptr;
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : groups_[it->second];
 }
 
 void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
@@ -330,6 +328,8 @@ void GroupRegistry::add(std::shared_ptr<ProcessGroup> group) {
     throw InvalidArgument(fmt::format("group name '{}' is already registered (ranks {})",
                                       group->name(), format_ranks(existing->global_ranks())));
   }
+  by_name_.emplace(group->name(), groups_.size());
+  by_ranks_.emplace(group->global_ranks(), groups_.size());  // keeps the first
   groups_.push_back(std::move(group));
 }
 
@@ -343,10 +343,8 @@ std::vector<std::string> GroupRegistry::names() const {
 std::shared_ptr<ProcessGroup> GroupRegistry::find_by_ranks(
     const std::vector<int>& global_ranks) const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& g : groups_) {
-    if (g->global_ranks() == global_ranks) return g;
-  }
-  return nullptr;
+  auto it = by_ranks_.find(global_ranks);
+  return it == by_ranks_.end() ? nullptr : groups_[it->second];
 }
 
 std::string GroupRegistry::next_group_name() {

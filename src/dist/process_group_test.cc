@@ -117,6 +117,11 @@ TEST(GroupRegistryTest, WorldIsRegisteredAndNamesAreUnique) {
     EXPECT_EQ(reg.next_group_name(), "group2");
     reg.add(reg.world());  // the same group again is a no-op
     EXPECT_EQ(reg.names().size(), 1u);
+    // A second group of the same ranks: found by its name; by its ranks the first one is.
+    auto dup = new_group(world, {0, 1}, "dup");
+    EXPECT_EQ(reg.find("dup"), dup);
+    EXPECT_EQ(reg.find_by_ranks({0, 1}).get(), &world);
+    EXPECT_EQ(reg.names(), (std::vector<std::string>{"world", "dup"}));
   });
 }
 
