@@ -52,6 +52,7 @@
 #include "checks.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
+#include "funcol/dist/backend.h"
 #include "funcol/dist/work.h"
 #include "spin.h"
 
@@ -1407,6 +1408,9 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     std::lock_guard<SpinMutex> lock(group.mu);
     std::shared_ptr<Op>& slot = group.pending_slot(seq);
     if (!slot) {
+      if (!spare) {
+        spare = std::make_shared<Op>(this, &group, static_cast<int>(group.global_ranks.size()));
+      }
       spare->init(seq, post.kind, post.coalesced, dist_detail::deadline_after(timeout_));
       slot = std::move(spare);
     }
@@ -2425,13 +2429,18 @@ class ThreadsGroup final : public ProcessGroup {
   // `outputs`: a range of Tensors or of pointers to them.
   template <typename Outputs>
   std::shared_ptr<Work> issue(Post&& post, const Outputs& outputs) {
+    check_caller(post.kind);
     // One thread at a time: the ranks must agree on the order of a group's collectives, which
     // two threads issuing on one rank's group cannot promise (and spare_ is this thread's).
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
     world_->release_returned(global_rank_);  // before this post counts its storages again
-    if (!spare_) spare_ = std::make_shared<Op>(world_.get(), shared_, size());
+    // A spare sized to the group, made before the lock; not kept for large groups, where every
+    // rank's spare would hold a member record per rank (R^2 in all: 5.9 GB at 4096 ranks).
+    if (!spare_ && size() <= kMaxSpareMembers) {
+      spare_ = std::make_shared<Op>(world_.get(), shared_, size());
+    }
     bool late = false;
     std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post), spare_, &late);
     world_->push(global_rank_, rank(), op);
@@ -2454,6 +2463,7 @@ class ThreadsGroup final : public ProcessGroup {
   // A small all_reduce through the lane (see LaneSlot): no Post, no Op.
   std::shared_ptr<Work> issue_lane(const Tensor& tensor, ReduceOp op) {
     const Slot slot = make_slot(OpKind::AllReduce, tensor.dtype(), tensor.numel(), tensor, tensor);
+    check_caller(OpKind::AllReduce);
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
@@ -2489,6 +2499,29 @@ class ThreadsGroup final : public ProcessGroup {
   int global_rank_;
   // Marks an issue in progress; a second thread issuing on the same group meanwhile gets an
   // error instead of racing on the sequence numbers.
+  // A rank's thread that issues on another rank's group object of the same world would post as
+  // that rank (rank 2 calling rank 0's group gave rank 1 a wrong sum, silently): refused. Any
+  // other thread (one a rank started, or a rank of another world) may issue for this rank.
+  void check_caller(OpKind kind) const {
+    // The calling thread's rank in this group's world, cached per thread by its world.
+    thread_local const ProcessGroup* seen_world = nullptr;
+    thread_local const World* caller_world = nullptr;
+    thread_local int caller_rank = -1;
+    const ProcessGroup* cw = funcol::current_world();
+    if (cw != seen_world) {
+      seen_world = cw;
+      const auto* tg = dynamic_cast<const ThreadsGroup*>(cw);
+      caller_world = tg ? tg->world_.get() : nullptr;
+      caller_rank = tg ? tg->global_rank_ : -1;
+    }
+    if (caller_world != world_.get() || caller_rank == global_rank_) return;
+    throw InvalidArgument(fmt::format(
+        "{} on group '{}': this group object belongs to global rank {}, but global rank {} "
+        "called it; each rank must issue on its own group objects (new_group, DeviceMesh and "
+        "the registry give every rank its own)",
+        op_name(kind, false), name(), global_rank_, caller_rank));
+  }
+
   class IssueGuard {
    public:
     IssueGuard(std::atomic<bool>& flag, const ProcessGroup& group) : flag_(flag) {
@@ -2511,7 +2544,10 @@ class ThreadsGroup final : public ProcessGroup {
   std::atomic<bool> issuing_{false};
   uint64_t next_seq_ = 0;
   uint64_t next_split_ = 0;
-  std::shared_ptr<Op> spare_;  // the Op this rank publishes if it is first to join the next one
+  // The Op this rank publishes if it is first to join the next one (groups of at most
+  // kMaxSpareMembers; a larger group's first joiner makes it under the group's lock).
+  static constexpr int kMaxSpareMembers = 16;
+  std::shared_ptr<Op> spare_;
 };
 
 std::shared_ptr<World> make_world(int world_size, std::chrono::milliseconds timeout) {

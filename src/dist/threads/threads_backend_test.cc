@@ -238,6 +238,66 @@ TEST(RunLocalTest, BarrierSeparatesPhases) {
   });
 }
 
+// A rank's thread issuing on another rank's group object would post as that rank: refused,
+// naming both ranks, before anything is posted. A thread the owner started may issue for it.
+TEST(RunLocalTest, ARankCannotIssueOnAnotherRanksGroupObject) {
+  std::atomic<ProcessGroup*> rank0_group{nullptr};
+  std::atomic<bool> refused{false};
+  run_ranks(4, [&](ProcessGroup& world) {
+    auto g = new_group(world, {0, 1});
+    if (world.rank() == 0) rank0_group = g.get();
+    world.barrier();
+    if (world.rank() == 2) {
+      Tensor t = Tensor::full({4}, DType::F32, 100);
+      try {
+        rank0_group.load()->all_reduce(t, ReduceOp::Sum);
+        ADD_FAILURE() << "rank 2 issued on rank 0's group object";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("all_reduce on group 'group1': this group object "
+                                             "belongs to global rank 0, but global rank 2 called "
+                                             "it"),
+                  std::string::npos)
+            << e.what();
+      }
+      refused = true;
+    }
+    if (world.rank() < 2) {
+      await(refused);
+      Tensor t = Tensor::full({4}, DType::F32, 1);
+      if (world.rank() == 0) {
+        std::thread helper([&] { g->all_reduce(t, ReduceOp::Sum)->wait(); });
+        helper.join();
+      } else {
+        g->all_reduce(t, ReduceOp::Sum)->wait();
+      }
+      EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2.0f)) << "rank " << world.rank();
+    }
+    world.barrier();  // rank 0's group object outlives rank 2's use of it
+  });
+}
+
+// Groups of more than 16 ranks keep no spare op per rank (R spares of R members each): the
+// first rank to join makes the op. Results are the same.
+TEST(RunLocalTest, LargeGroupsMakeTheirOpsWhenFirstJoined) {
+  run_ranks(24, [](ProcessGroup& world) {
+    std::vector<int> first20(20);
+    for (int r = 0; r < 20; ++r) first20[r] = r;
+    auto big = new_group(world, first20);
+    for (int i = 0; i < 3; ++i) {
+      Tensor t = Tensor::full({1000}, DType::I64, world.rank() + 1);
+      world.all_reduce(t, ReduceOp::Sum)->wait();
+      EXPECT_EQ(t.to_vector<int64_t>(), std::vector<int64_t>(1000, 24 * 25 / 2));
+      if (big) {
+        Tensor g = Tensor::empty({20}, DType::I64);
+        big->all_gather(g, Tensor::full({1}, DType::I64, world.rank()))->wait();
+        std::vector<int64_t> expected(20);
+        for (int r = 0; r < 20; ++r) expected[r] = r;
+        EXPECT_EQ(g.to_vector<int64_t>(), expected);
+      }
+    }
+  });
+}
+
 TEST(RunLocalTest, IndependentGroupsOverlap) {
   // Rank 0/1 finish many collectives on their pair while ranks 2/3 hold theirs open: groups do
   // not serialize each other.
