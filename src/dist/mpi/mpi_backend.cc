@@ -286,6 +286,55 @@ class Runtime {
     create_types_and_ops();
   }
 
+  // Tests every tracked request at once with MPI_Testsome: one pass of Open MPI's progress
+  // engine for all of them (an MPI_Testall per collective drove it once each, so a pass cost
+  // O(in flight): waiting for 64,000 small all_reduces in flight took 19.5 s). Collectives
+  // whose requests all completed, or one of which failed, leave the list in order; then, with
+  // `call_done`, their callbacks run (done(MPI_SUCCESS or the error), which may track more).
+  // True when any left.
+  bool test_active(bool call_done) {
+    if (active_.empty()) return false;
+    flat_.clear();
+    for (const Active& a : active_) flat_.insert(flat_.end(), a.requests.begin(), a.requests.end());
+    const int n = static_cast<int>(flat_.size());
+    indices_.resize(flat_.size());
+    statuses_.resize(flat_.size());
+    int outcount = 0;
+    const int rc = MPI_Testsome(n, flat_.data(), &outcount, indices_.data(), statuses_.data());
+    // The error of each request that completed with one; any other failure fails them all.
+    errors_.assign(flat_.size(), MPI_SUCCESS);
+    if (rc == MPI_ERR_IN_STATUS) {
+      for (int k = 0; k < outcount && outcount != MPI_UNDEFINED; ++k) {
+        errors_[static_cast<size_t>(indices_[k])] = statuses_[k].MPI_ERROR;
+      }
+    } else if (rc != MPI_SUCCESS) {
+      errors_.assign(flat_.size(), rc);
+    }
+    std::vector<std::pair<std::function<void(int)>, int>> finished;
+    size_t off = 0, kept = 0;
+    for (size_t i = 0; i < active_.size(); ++i) {
+      Active& a = active_[i];
+      bool all_done = true;
+      int error = MPI_SUCCESS;
+      for (size_t r = 0; r < a.requests.size(); ++r, ++off) {
+        a.requests[r] = flat_[off];
+        if (flat_[off] != MPI_REQUEST_NULL) all_done = false;
+        if (error == MPI_SUCCESS) error = errors_[off];
+      }
+      if (all_done || error != MPI_SUCCESS) {
+        finished.emplace_back(std::move(a.done), error);
+      } else {
+        if (kept != i) active_[kept] = std::move(a);
+        ++kept;
+      }
+    }
+    active_.resize(kept);
+    if (call_done) {
+      for (auto& [done, error] : finished) done(error);
+    }
+    return !finished.empty();
+  }
+
   void loop() {
     int idle = 0;
     while (true) {
@@ -305,19 +354,7 @@ class Runtime {
       }
       for (auto& task : tasks) task();
       bool progressed = !tasks.empty();
-      for (size_t i = 0; i < active_.size();) {
-        int flag = 0;
-        int rc = MPI_Testall(static_cast<int>(active_[i].requests.size()),
-                             active_[i].requests.data(), &flag, MPI_STATUSES_IGNORE);
-        if (rc == MPI_SUCCESS && !flag) {
-          ++i;
-          continue;
-        }
-        auto done = std::move(active_[i].done);
-        active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
-        done(rc);
-        progressed = true;
-      }
+      if (test_active(/*call_done=*/true)) progressed = true;
       if (progressed) {
         idle = 0;
       } else if (++idle <= kSpinPolls) {
@@ -345,16 +382,7 @@ class Runtime {
       // Let healthy collectives still in flight finish first.
       const auto deadline = Clock::now() + kExitDrain;
       while (!active_.empty() && !unclean_.load() && Clock::now() < deadline) {
-        for (size_t i = 0; i < active_.size();) {
-          int flag = 0;
-          int rc = MPI_Testall(static_cast<int>(active_[i].requests.size()),
-                               active_[i].requests.data(), &flag, MPI_STATUSES_IGNORE);
-          if (rc != MPI_SUCCESS || flag) {
-            active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
-          } else {
-            ++i;
-          }
-        }
+        test_active(/*call_done=*/false);
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
       if (unclean_.load() || !active_.empty()) {
@@ -391,6 +419,11 @@ class Runtime {
   bool stopping_ = false;
   bool stopped_ = false;
   std::vector<Active> active_;  // communication thread only
+  // test_active's scratch (communication thread only).
+  std::vector<MPI_Request> flat_;
+  std::vector<int> indices_;
+  std::vector<MPI_Status> statuses_;
+  std::vector<int> errors_;
   std::string init_error_;
   bool owns_mpi_ = false;
   std::atomic<bool> unclean_{false};

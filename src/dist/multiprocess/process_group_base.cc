@@ -367,7 +367,11 @@ void ProcessGroupBase::run_single_rank(CollectiveOp& op) {
 
 void ProcessGroupBase::remove_inflight(const CollectiveOp* op) {
   std::lock_guard lock(mu_);
-  std::erase_if(inflight_, [&](const auto& p) { return p.get() == op; });
+  // Usually the oldest (a group's collectives complete in issue order): found at once and
+  // erased from the deque's front, where a scan of them all cost O(in flight) per completion.
+  auto it = std::find_if(inflight_.begin(), inflight_.end(),
+                         [&](const auto& p) { return p.get() == op; });
+  if (it != inflight_.end()) inflight_.erase(it);
 }
 
 void ProcessGroupBase::drain(std::chrono::steady_clock::time_point deadline) {
@@ -387,7 +391,7 @@ void ProcessGroupBase::complete(const std::shared_ptr<CollectiveOp>& op) {
 }
 
 void ProcessGroupBase::mark_broken(const std::string& reason) {
-  std::vector<std::shared_ptr<CollectiveOp>> others;
+  std::deque<std::shared_ptr<CollectiveOp>> others;
   {
     std::lock_guard lock(mu_);
     if (!broken_) broken_ = reason;

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -198,7 +199,7 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<std::atomic<int64_t>> issued_ = std::make_shared<std::atomic<int64_t>>(0);
   std::mutex issue_mu_;  // sequence numbers and submit() in one order
   mutable std::mutex mu_;
-  std::vector<std::shared_ptr<CollectiveOp>> inflight_;
+  std::deque<std::shared_ptr<CollectiveOp>> inflight_;  // issue order
   std::optional<std::string> broken_;
   bool attached_ = false;
   std::atomic<int> splits_{0};  // split_group calls so far
