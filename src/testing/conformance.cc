@@ -1062,6 +1062,24 @@ void family_stress(Ctx& c, const LargePolicy&) {
   }
   std::shuffle(pending.begin(), pending.end(), rng);
   for (const auto& p : pending) expect_values(p.tensor, p.expected, p.what);
+  // Hundreds in flight on two groups before any wait (mpi posts at most 64 of a group's at a
+  // time and queues the rest), then checked newest first.
+  std::vector<PendingCheck> many;
+  for (int i = 0; i < 300; ++i) {
+    ProcessGroup& g = i % 50 == 49 ? *parity : c.pg;
+    PendingCheck check;
+    check.what = c.where("in flight #" + std::to_string(i) + " on group '" + g.name() + "'");
+    check.tensor = make({static_cast<double>(me + i), 1, static_cast<double>(i)}, {3}, DType::I64);
+    g.all_reduce(check.tensor, ReduceOp::Sum);
+    double ranks = 0;
+    for (int r : g.global_ranks()) ranks += r + i;
+    const double n = g.size();
+    check.expected = {ranks, n, n * i};
+    many.push_back(std::move(check));
+  }
+  for (auto it = many.rbegin(); it != many.rend(); ++it) {
+    expect_values(it->tensor, it->expected, it->what);
+  }
 }
 
 using Family = void (*)(Ctx&, const LargePolicy&);

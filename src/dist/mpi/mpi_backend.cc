@@ -469,6 +469,7 @@ struct Slot {
   std::shared_ptr<CollectiveOp> op;
   bool finished = false;         // MPI is done with it (or it failed)
   std::function<void()> finish;  // what completes its Work, run in issue order
+  bool posted = false;           // counted in its group's window (see kMaxPosted)
 };
 
 class MpiProcessGroup final : public process::ProcessGroupBase {
@@ -588,7 +589,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     slot->op = op;
     order_.push_back(slot);
     if (!job()->detail()) {
-      start_collective(slot);
+      // At most kMaxPosted of a group's collectives are posted to MPI at once; the rest wait
+      // here, in issue order, so every rank posts the same sequence.
+      window_queue_.push_back(slot);
+      post_from_window();
       return;
     }
     // MPI matches a communicator's collectives by the order each rank posts them. A
@@ -599,6 +603,24 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     // rank posts sig 1, data 1, sig 2, data 2, ... Collectives still overlap each other.
     detail_queue_.push_back(slot);
     if (!exchanging_) exchange_next();
+  }
+
+  // Posts queued collectives while the window has room (not in detail mode, whose exchanges
+  // already keep one collective at a time waiting to be posted). Open MPI's nonblocking
+  // collectives are walked on every progress call, each of them: with all of 64,000 small
+  // all_reduces posted, waiting for them took 15.7 s, quadratic in the number in flight.
+  void post_from_window() {
+    while (posted_ < kMaxPosted && !window_queue_.empty()) {
+      std::shared_ptr<Slot> slot = std::move(window_queue_.front());
+      window_queue_.pop_front();
+      if (slot->op->done()) {  // failed while it waited (timeout, lost peer)
+        finished(slot, {});
+        continue;
+      }
+      slot->posted = true;
+      ++posted_;
+      start_collective(slot);
+    }
   }
 
   // Posts the signature exchange of the next queued collective (detail mode).
@@ -768,6 +790,11 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   void finished(const std::shared_ptr<Slot>& slot, std::function<void()> finish) {
     slot->finished = true;
     slot->finish = std::move(finish);
+    if (slot->posted) {
+      slot->posted = false;
+      --posted_;
+      post_from_window();
+    }
     while (!order_.empty() && (order_.front()->finished || order_.front()->op->done())) {
       auto front = std::move(order_.front());
       order_.pop_front();
@@ -781,6 +808,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   // exchange, and whether one exchange is in flight.
   std::deque<std::shared_ptr<Slot>> detail_queue_;
   bool exchanging_ = false;
+  // The window (communication thread only): collectives not posted yet, and how many are.
+  static constexpr int kMaxPosted = 64;
+  std::deque<std::shared_ptr<Slot>> window_queue_;
+  int posted_ = 0;
 };
 
 }  // namespace
