@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <optional>
 #include <random>
-#include <map>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>

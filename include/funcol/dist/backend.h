@@ -81,7 +81,8 @@ void destroy_process_group();
 // a process backend's goodbye: the peers' errors about collectives it never joined then read
 // "rank R departed after an error (WHAT)" instead of "rank R departed (destroy_process_group)".
 // Call it before destroy_process_group (or before exiting, when the exit handler says goodbye).
-// The threads backend needs none: a rank's exception reaches its peers' errors by itself.
+// Does nothing without a process world (or in a job of one process). The threads backend needs
+// none: a rank's exception reaches its peers' errors by itself.
 void set_departure_error(const std::string& what);
 
 }  // namespace funcol

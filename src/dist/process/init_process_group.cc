@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <utility>
 
 #include "dist/multiprocess/process_world.h"
 #include "funcol/core/error.h"
@@ -51,7 +50,6 @@ struct ProcessState {
   // job down explicitly.
   std::vector<std::shared_ptr<process::ProcessJob>> jobs;
   bool exit_handler = false;
-  std::string departure_error;  // set_departure_error, for the current world's goodbye
 };
 
 ProcessState& state() {
@@ -104,7 +102,6 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   s.registry = std::move(registry);
   s.world = world;
   s.jobs.push_back(world.job);
-  s.departure_error.clear();
   dist_detail::set_process_world(world.world.get());
   if (!s.exit_handler) {
     // A process that exits without destroy_process_group still says goodbye, so its peers
@@ -119,7 +116,6 @@ void destroy_process_group() {
   ProcessState& s = state();
   std::unique_ptr<GroupRegistry> registry;
   process::ProcessWorld world;
-  std::string error;
   {
     std::lock_guard lock(s.mu);
     if (!s.world.world) return;
@@ -128,7 +124,6 @@ void destroy_process_group() {
     world = std::move(s.world);
     s.world = {};
     s.backend.clear();
-    error = std::exchange(s.departure_error, {});
   }
   // Every collective issued on any group (a caller may still hold groups, or have dropped a
   // result) ends first, within the timeout: what this process issued completes for its peers
@@ -139,14 +134,16 @@ void destroy_process_group() {
   job->drain();
   registry.reset();
   world = {};
-  if (!error.empty() && job->monitor() != nullptr) job->monitor()->set_departure_error(error);
   job->shutdown();
 }
 
 void set_departure_error(const std::string& what) {
   ProcessState& s = state();
   std::lock_guard lock(s.mu);
-  s.departure_error = what;
+  // The world's peer monitor sends it with its goodbye (a job of one process has none).
+  if (s.world.job && s.world.job->monitor() != nullptr) {
+    s.world.job->monitor()->set_departure_error(what);
+  }
 }
 
 }  // namespace funcol

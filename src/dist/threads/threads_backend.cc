@@ -2497,8 +2497,6 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<World> world_;
   SharedGroup* shared_;
   int global_rank_;
-  // Marks an issue in progress; a second thread issuing on the same group meanwhile gets an
-  // error instead of racing on the sequence numbers.
   // A rank's thread that issues on another rank's group object of the same world would post as
   // that rank (rank 2 calling rank 0's group gave rank 1 a wrong sum, silently): refused. Any
   // other thread (one a rank started, or a rank of another world) may issue for this rank.
@@ -2522,6 +2520,8 @@ class ThreadsGroup final : public ProcessGroup {
         op_name(kind, false), name(), global_rank_, caller_rank));
   }
 
+  // Marks an issue in progress; a second thread issuing on the same group meanwhile gets an
+  // error instead of racing on the sequence numbers.
   class IssueGuard {
    public:
     IssueGuard(std::atomic<bool>& flag, const ProcessGroup& group) : flag_(flag) {
