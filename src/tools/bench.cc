@@ -1278,7 +1278,8 @@ void add_bench_command(CLI::App& app) {
       ->type_name("RANK")
       ->capture_default_str();
   CLI::Option* ranks =
-      sub->add_option("--ranks", f->ranks, "number of ranks (joining a gloo job: its world size)")
+      sub->add_option("--ranks", f->ranks,
+                      "number of ranks (inside an mpirun or gloo job: its world size)")
           ->type_name("N")
           ->capture_default_str();
   sub->add_option("--backend", f->backend,

@@ -259,8 +259,8 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
   if (const std::optional<int> n = job_world_size(backend, join)) return *n;
   if (fallback) return *fallback;
   throw InvalidArgument(
-      "--ranks is required (the number of ranks), unless this process joins a gloo job as one "
-      "rank with --rank and --world-size");
+      "--ranks is required (the number of ranks), unless this process is a rank of an mpirun "
+      "job or joins a gloo job as one rank with --rank and --world-size");
 }
 
 void check_job_options(const std::string& backend, const InitOptions& join, int ranks) {
@@ -269,6 +269,17 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
     throw InvalidArgument(fmt::format(
         "--ranks {}: the threads backend runs at most {} ranks (a thread each)", ranks,
         kMaxLocalRanks));
+  }
+  if (backend == "mpi") {
+    // Inside mpirun, before MPI starts: the graph and sizes are checked against --ranks next.
+    const std::optional<int> size = job_world_size(backend, join);
+    if (size && *size != ranks) {
+      const std::optional<int> rank = process::env_int("OMPI_COMM_WORLD_RANK");
+      throw InvalidArgument(fmt::format("{}--ranks {} does not match the job's {} processes",
+                                        rank ? fmt::format("rank {}: ", *rank) : "", ranks,
+                                        *size));
+    }
+    return;
   }
   if (backend != "gloo") return;
   const std::optional<Known> rank = known(join.rank, "--rank", "RANK");

@@ -410,7 +410,8 @@ void add_run_command(CLI::App& app) {
   auto job = std::make_shared<JobFlags>();
   sub->add_option("file", o->file, "IR file ('-' reads standard input)")->required();
   CLI::Option* ranks = sub->add_option(
-      "--ranks", o->ranks, "number of ranks (required unless this process joins a gloo job)");
+      "--ranks", o->ranks,
+      "number of ranks (required unless this process is a rank of an mpirun or gloo job)");
   ranks->transform(decimal_integer());
   sub->add_option("--backend", o->backend,
                   "threads, mpi (starts mpirun) or gloo (starts processes, or with --rank joins "

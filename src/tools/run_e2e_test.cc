@@ -163,6 +163,33 @@ TEST_F(RunE2E, StaticErrorsArePrintedOnceBeforeAnyRankStarts) {
   }
 }
 
+#ifdef FUNCOL_WITH_MPI
+// Inside a user's mpirun, --ranks that disagrees with -np is the error, not the graph's group
+// sizes checked against the mistyped --ranks.
+TEST_F(RunE2E, RanksThatDisagreeWithMpirunAreTheError) {
+  const std::string file = write("ag.ir", R"(graph @g(%x: f32[2]) {
+  %ag = all_gather_into_tensor(%x) {group_size = 2, group = "world"} : f32[4]
+  %w = wait_tensor(%ag) : f32[4]
+  return %w
+}
+)");
+  const std::string mpirun =
+      geteuid() == 0 ? "mpirun --allow-run-as-root" : "mpirun";  // as the launcher (launch.cc)
+  const e2e::ShellResult bad = e2e::run_shell(mpirun + " -np 2 --oversubscribe " + FUNCOL_BIN +
+                                              " run " + file + " --backend mpi --ranks 1");
+  EXPECT_NE(bad.status, 0) << bad.err;
+  EXPECT_NE(bad.err.find("funcol: error: rank 0: --ranks 1 does not match the job's 2 processes"),
+            std::string::npos)
+      << bad.err;
+  EXPECT_EQ(bad.err.find("group_size"), std::string::npos) << bad.err;
+  // Without --ranks the job's size is the number of ranks.
+  const e2e::ShellResult good = e2e::run_shell(mpirun + " -np 2 --oversubscribe " + FUNCOL_BIN +
+                                               " run " + file + " --backend mpi --outputs json");
+  EXPECT_EQ(good.status, 0) << good.err;
+  EXPECT_EQ(std::count(good.out.begin(), good.out.end(), '\n'), 2) << good.out;
+}
+#endif
+
 TEST_F(RunE2E, RuntimeErrorIsPrintedOnceWithItsRank) {
   const std::string file = write("div.ir", R"(graph @g(%x: i32[2,3]) {
   %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : i32[2,3]
@@ -395,8 +422,8 @@ TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {
        e + "invalid store 'ftp://x': unknown scheme (expected a directory, file:///dir or "
            "redis://host:port)\n"},
       {{"--backend", "gloo"},
-       e + "--ranks is required (the number of ranks), unless this process joins a gloo job as "
-           "one rank with --rank and --world-size\n"},
+       e + "--ranks is required (the number of ranks), unless this process is a rank of an "
+           "mpirun job or joins a gloo job as one rank with --rank and --world-size\n"},
   };
   for (const auto& [flags, message] : cases) {
     SpawnOptions s;

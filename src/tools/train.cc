@@ -796,8 +796,8 @@ void add_train_command(CLI::App& app) {
       "execute; compare with a single-process reference");
   auto o = std::make_shared<TrainOptions>();
   auto job = std::make_shared<JobFlags>();
-  CLI::Option* ranks = add_integer_option(*sub, "--ranks", o->ranks,
-                                          "number of ranks (joining a gloo job: its world size)");
+  CLI::Option* ranks = add_integer_option(
+      *sub, "--ranks", o->ranks, "number of ranks (inside an mpirun or gloo job: its world size)");
   add_integer_option(*sub, "--layers", o->layers, "number of [hidden, hidden] layers");
   add_integer_option(*sub, "--hidden", o->hidden, "width; a multiple of --ranks");
   add_integer_option(*sub, "--batch", o->batch, "rows per rank");

@@ -507,16 +507,19 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
   std::optional<Clock::time_point> earliest;
   {
     std::lock_guard lock(mu_);
+    // The first open collective decides: inflight_ is in issue order and its deadlines never
+    // decrease along it (issued_at plus the job's timeout, taken under issue_mu_; a peer's
+    // death lowers each to min(deadline, a later now + kDeathGrace)). Scanning every one cost
+    // O(in flight) per watchdog tick, O(N^2) over a long run with N in flight.
     for (auto& op : inflight_) {
       if (op->done()) continue;
       if (op->deadline <= now) {
-        if (!expired) {
-          expired = op;
-          loss = op->loss;
-        }
-      } else if (!earliest || op->deadline < *earliest) {
+        expired = op;
+        loss = op->loss;
+      } else {
         earliest = op->deadline;
       }
+      break;
     }
   }
   if (expired) {
