@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -108,12 +109,30 @@ struct OpProd {
     }
   }
 };
-// Min and max propagate NaN (as torch.minimum / torch.maximum).
+// The bits of two floats of equal value (a zero of either sign) or-ed (a negative zero if
+// either is) or and-ed (a positive zero if either is); other equal floats have equal bits.
+template <typename A>
+using BitsOf = std::conditional_t<sizeof(A) == 4, uint32_t, uint64_t>;
+template <typename A>
+inline A or_bits(A a, A b) {
+  return std::bit_cast<A>(static_cast<BitsOf<A>>(std::bit_cast<BitsOf<A>>(a) |
+                                                 std::bit_cast<BitsOf<A>>(b)));
+}
+template <typename A>
+inline A and_bits(A a, A b) {
+  return std::bit_cast<A>(static_cast<BitsOf<A>>(std::bit_cast<BitsOf<A>>(a) &
+                                                 std::bit_cast<BitsOf<A>>(b)));
+}
+
+// Min and max propagate NaN (as torch.minimum / torch.maximum) and order -0 below +0 (IEEE
+// 754-2019 minimum and maximum): the result does not depend on the order in which the ranks'
+// values are combined, so every backend (MPI and Gloo combine in their own order) gives the
+// same bits.
 struct OpMin {
   template <typename A>
   static A apply(A a, A b) {
     if constexpr (std::is_floating_point_v<A>) {
-      return (a < b || a != a) ? a : b;
+      return a < b ? a : b < a ? b : a != a ? a : b != b ? b : or_bits(a, b);
     } else {
       return a < b ? a : b;
     }
@@ -123,7 +142,7 @@ struct OpMax {
   template <typename A>
   static A apply(A a, A b) {
     if constexpr (std::is_floating_point_v<A>) {
-      return (a > b || a != a) ? a : b;
+      return a > b ? a : b > a ? b : a != a ? a : b != b ? b : and_bits(a, b);
     } else {
       return a > b ? a : b;
     }

@@ -295,6 +295,83 @@ void nan_propagation(Ctx& c) {
   }
 }
 
+// Float min and max order -0 below +0, so the sign of a zero result does not depend on the
+// order a backend combines the ranks in. Element k holds -0 on rank j when bit j of k is set,
+// else +0: min is -0 where any rank holds -0, max is +0 where any rank holds +0.
+void signed_zeros(Ctx& c) {
+  const int64_t count = int64_t{1} << std::min(c.n, 8);
+  for (DType dtype : {DType::F32, DType::F64, DType::F16, DType::BF16}) {
+    for (ReduceOp op : {ReduceOp::Min, ReduceOp::Max}) {
+      std::vector<double> in(count);
+      for (int64_t k = 0; k < count; ++k) in[k] = (k >> c.r) & 1 ? -0.0 : 0.0;
+      Tensor t = make(in, {count}, dtype);
+      c.pg.all_reduce(t, op)->wait();
+      const std::string what = c.where(case_name(
+          "all_reduce", dtype, (std::string(reduce_op_name(op)) + " signed zeros").c_str(), count));
+      Tensor out = t.contiguous();
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t all = (int64_t{1} << std::min(c.n, 8)) - 1;  // ranks above 8 hold +0
+        const bool any_negative = (k & all) != 0;
+        const bool any_positive = (k & all) != all || c.n > 8;
+        const bool negative = op == ReduceOp::Min ? any_negative : !any_positive;
+        const double v = element(dtype, out.const_data_ptr(), k);
+        if (v != 0 || std::signbit(v) != negative) {
+          fail(what + ": element " + std::to_string(k) + " is " + (std::signbit(v) ? "-" : "") +
+               std::to_string(v) + ", expected " + (negative ? "-0" : "+0"));
+        }
+      }
+    }
+  }
+}
+
+// The value of `x` rounded once to f16 or bf16.
+double round_to(DType dtype, double x) {
+  const auto f = static_cast<float>(x);
+  return dtype == DType::F16 ? static_cast<float>(Eigen::half(f))
+                             : static_cast<float>(Eigen::bfloat16(f));
+}
+
+// f16/bf16 sums, averages and products accumulate in f32 and round once on every backend (MPI
+// and Gloo combine two buffers at a time: rounding each partial result overflowed an f16 avg of
+// 60000 to inf and made 2048 + 1 + 1 in f16 2048). The ranks' values (exact in the dtype):
+// rank 0 `first`, every other rank `rest`; all_reduce, all_reduce_coalesced and reduce_scatter.
+void low_precision_accumulation(Ctx& c) {
+  constexpr int64_t kCount = 64;
+  struct Case {
+    DType dtype;
+    ReduceOp op;
+    double first, rest;
+  };
+  const Case cases[] = {{DType::F16, ReduceOp::Avg, 60000, 60000},
+                        {DType::F16, ReduceOp::Sum, 2048, 1},
+                        {DType::BF16, ReduceOp::Sum, 256, 1},
+                        {DType::F16, ReduceOp::Product, 1.0 / 256, 256}};
+  for (const Case& k : cases) {
+    double exact = k.first;  // in f32 as the kernels accumulate, then rounded once
+    for (int i = 1; i < c.n; ++i) {
+      exact = k.op == ReduceOp::Product ? static_cast<float>(exact * k.rest)
+                                        : static_cast<float>(exact + k.rest);
+    }
+    if (k.op == ReduceOp::Avg) exact = static_cast<float>(static_cast<float>(exact) / c.n);
+    const std::vector<double> expected(kCount, round_to(k.dtype, exact));
+    const double mine = c.r == 0 ? k.first : k.rest;
+    const std::string label = std::string(reduce_op_name(k.op)) + " rounds once";
+    Tensor t = Tensor::full({kCount}, k.dtype, mine);
+    c.pg.all_reduce(t, k.op)->wait();
+    expect_values(t, expected, c.where(case_name("all_reduce", k.dtype, label.c_str(), kCount)));
+    std::vector<Tensor> list = {Tensor::full({kCount}, k.dtype, mine),
+                                Tensor::full({3}, k.dtype, mine)};
+    c.pg.all_reduce_coalesced(list, k.op)->wait();
+    expect_values(list[1], std::vector<double>(3, expected[0]),
+                  c.where(case_name("all_reduce_coalesced", k.dtype, label.c_str(), 3)));
+    Tensor input = Tensor::full({kCount * c.n}, k.dtype, mine);
+    Tensor output = Tensor::empty({kCount}, k.dtype);
+    c.pg.reduce_scatter(output, input, k.op)->wait();
+    expect_values(output, expected,
+                  c.where(case_name("reduce_scatter", k.dtype, label.c_str(), kCount)));
+  }
+}
+
 
 void run_all_reduce(Ctx& c, DType dtype, ReduceOp op, int64_t count) {
   std::string what = c.where(case_name("all_reduce", dtype, std::string(reduce_op_name(op)).c_str(), count));
@@ -326,6 +403,8 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
                 c.where("all_reduce(i32 full(-rank), avg) truncates toward zero"));
   integer_wraparound(c);
   nan_propagation(c);
+  signed_zeros(c);
+  low_precision_accumulation(c);
 }
 
 // ---- reduce_scatter ----

@@ -12,8 +12,9 @@ namespace funcol {
 // ---- collective reduction kernels on raw contiguous buffers ----
 // out[i] = op(srcs[0][i], ..., srcs[nsrc-1][i]) for i in [0, count), combining sources in index
 // order so every rank computes bit-identical results. f16/bf16 accumulate in f32 and round
-// once; Avg sums then divides by nsrc (integers: truncating division). Bitwise ops on floating
-// dtypes throw InvalidArgument. `out` may alias srcs[k].
+// once; Avg sums then divides by nsrc (integers: truncating division). Float min and max
+// propagate NaN and order -0 below +0. Bitwise ops on floating dtypes throw InvalidArgument.
+// `out` may alias srcs[k].
 void reduce_buffers(ReduceOp op, DType dtype, void* out, const void* const* srcs, int nsrc,
                     int64_t count);
 // acc[i] = op(acc[i], src[i]); Avg behaves as Sum here (call finish_avg once at the end).

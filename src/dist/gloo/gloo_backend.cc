@@ -29,6 +29,7 @@
 
 #include "dist/checks.h"
 #include "dist/multiprocess/process_env.h"
+#include "dist/multiprocess/wide_reduce.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 
@@ -450,14 +451,25 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   void all_reduce_one(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
     const int64_t n = t.numel();
     if (n == 0) return;
-    const DType dtype = t.dtype();
-    // Avg sums first and divides once at the end; Gloo combines two buffers at a time, so
-    // f16/bf16 round after each combination (exact for the integer-valued tests).
+    if (process::reduces_in_f32(t.dtype(), op)) {
+      // Gloo combines two buffers at a time: in f16/bf16 every partial sum would round.
+      std::vector<float> wide = process::to_f32(t);
+      all_reduce_buffer(wide.data(), DType::F32, n, op, timeout);
+      process::from_f32(wide, op, size(), t);
+      return;
+    }
+    all_reduce_buffer(t.raw_data_ptr(), t.dtype(), n, op, timeout);
+    if (op == ReduceOp::Avg) finish_avg(t.dtype(), t.raw_data_ptr(), n, size());
+  }
+
+  // Avg sums here; the caller divides once at the end.
+  void all_reduce_buffer(void* data, DType dtype, int64_t n, ReduceOp op,
+                         std::chrono::milliseconds timeout) {
     const ReduceOp combine = op == ReduceOp::Avg ? ReduceOp::Sum : op;
     with_element_type(dtype, [&](auto e) {
       using E = decltype(e);
       gloo::AllreduceOptions o(context_);
-      o.setOutput<E>(as<E>(t), static_cast<size_t>(n));
+      o.setOutput<E>(static_cast<E*>(data), static_cast<size_t>(n));
       o.setReduceFunction([dtype, combine](void* out, const void* a, const void* b, size_t count) {
         const void* srcs[2] = {a, b};
         reduce_buffers(combine, dtype, out, srcs, 2, static_cast<int64_t>(count));
@@ -465,7 +477,6 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       o.setTimeout(timeout);
       gloo::allreduce(o);
     });
-    if (op == ReduceOp::Avg) finish_avg(dtype, t.raw_data_ptr(), n, size());
   }
 
   void all_gather_one(const Tensor& out, const Tensor& in, std::chrono::milliseconds timeout) {

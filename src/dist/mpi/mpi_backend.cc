@@ -18,6 +18,7 @@
 
 #include "dist/checks.h"
 #include "dist/multiprocess/process_env.h"
+#include "dist/multiprocess/wide_reduce.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 
@@ -26,6 +27,9 @@ namespace {
 
 using process::CollectiveOp;
 using process::OpKind;
+using process::from_f32;
+using process::reduces_in_f32;
+using process::to_f32;
 using Clock = std::chrono::steady_clock;
 
 // Polls without sleeping this many times after the last progress, then backs off to at most
@@ -111,8 +115,9 @@ void create_types_and_ops() {
 }
 
 // Predefined operators where they compute exactly what funcol's kernels do: bitwise ops, integer
-// min and max, f32/f64 sum and product. funcol's kernels through user-defined operators for the
-// rest: f16/bf16 (accumulated in f32) and bool; integer sum and product, which must wrap around
+// min and max, f32/f64 sum and product (f16/bf16 sums, averages and products travel in f32:
+// reduces_in_f32). funcol's kernels through user-defined operators for the rest: f16/bf16 min
+// and max, bool; integer sum and product, which must wrap around
 // (Open MPI 4.1's AVX component saturates i8/u8/i16 sums of 16 bytes or more, so results changed
 // with the buffer size and hence with bucketing); float min and max, which must propagate NaN
 // (MPI_MAX keeps one operand or the other depending on their order). Avg sums; the caller
@@ -667,6 +672,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     struct Scratch {
       std::vector<std::vector<char>> copies;
       std::vector<int> sc, sd, rc, rd;
+      // f16/bf16 sums, averages and products (reduces_in_f32): the f32 copies MPI reads, and
+      // the f32 results with the tensors they are rounded into at the end.
+      std::vector<std::vector<float>> wide_inputs;
+      std::vector<std::pair<Tensor, std::vector<float>>> wide_outputs;
     };
     auto scratch = std::make_shared<Scratch>();
     std::vector<MPI_Request> requests;
@@ -707,9 +716,14 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       case OpKind::AllReduceFlat:  // a signature kind; such ops run as AllReduce
         for (const auto& t : op->outputs) {
           if (t.numel() == 0) continue;
-          rc = MPI_Iallreduce(MPI_IN_PLACE, t.raw_data_ptr(), static_cast<int>(t.numel()),
-                              mpi_type(t.dtype()), mpi_op(op->reduce_op, t.dtype()), comm_,
-                              &request);
+          void* buffer = t.raw_data_ptr();
+          DType dtype = t.dtype();
+          if (reduces_in_f32(dtype, op->reduce_op)) {
+            buffer = scratch->wide_outputs.emplace_back(t, to_f32(t)).second.data();
+            dtype = DType::F32;
+          }
+          rc = MPI_Iallreduce(MPI_IN_PLACE, buffer, static_cast<int>(t.numel()), mpi_type(dtype),
+                              mpi_op(op->reduce_op, dtype), comm_, &request);
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
         break;
@@ -734,9 +748,21 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           const Tensor& in = op->inputs[i];
           const Tensor& out = op->outputs[i];
           if (out.numel() == 0) continue;
-          rc = MPI_Ireduce_scatter_block(send_buffer(in, out), out.raw_data_ptr(),
-                                         static_cast<int>(out.numel()), mpi_type(in.dtype()),
-                                         mpi_op(op->reduce_op, in.dtype()), comm_, &request);
+          const void* send = nullptr;
+          void* receive = out.raw_data_ptr();
+          DType dtype = in.dtype();
+          if (reduces_in_f32(dtype, op->reduce_op)) {
+            send = scratch->wide_inputs.emplace_back(to_f32(in)).data();
+            receive = scratch->wide_outputs
+                          .emplace_back(out, std::vector<float>(static_cast<size_t>(out.numel())))
+                          .second.data();
+            dtype = DType::F32;
+          } else {
+            send = send_buffer(in, out);
+          }
+          rc = MPI_Ireduce_scatter_block(send, receive, static_cast<int>(out.numel()),
+                                         mpi_type(dtype), mpi_op(op->reduce_op, dtype), comm_,
+                                         &request);
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
         break;
@@ -772,11 +798,16 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
     Runtime::get().track(std::move(requests), [self, slot, scratch](int code) {
       if (code != MPI_SUCCESS) return self->fail_mpi(slot, code);
-      self->finished(slot, [self, op = slot->op] {
+      self->finished(slot, [self, op = slot->op, scratch] {
         if (op->done()) return;  // failed meanwhile (timeout, lost peer): leave the buffers be
+        for (auto& [t, wide] : scratch->wide_outputs) {
+          from_f32(wide, op->reduce_op, self->size(), t);
+        }
         if (op->reduce_op == ReduceOp::Avg && process::reduces(op->kind)) {
           for (const auto& t : op->outputs) {
-            if (t.numel() > 0) finish_avg(t.dtype(), t.raw_data_ptr(), t.numel(), self->size());
+            if (t.numel() > 0 && !reduces_in_f32(t.dtype(), op->reduce_op)) {
+              finish_avg(t.dtype(), t.raw_data_ptr(), t.numel(), self->size());
+            }
           }
         }
         self->complete(op);

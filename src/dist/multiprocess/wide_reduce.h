@@ -1,0 +1,25 @@
+// f16/bf16 reductions on the process backends: sums, averages and products travel in f32.
+#pragma once
+
+#include <vector>
+
+#include "funcol/core/dtype.h"
+#include "funcol/core/tensor.h"
+
+namespace funcol::process {
+
+// Whether a reduction of `dtype` by `op` runs on an f32 copy of the data: f16/bf16 sum, avg and
+// product. MPI and Gloo combine two buffers at a time and would round every partial result to
+// the dtype (an f16 avg of 60000 and 60000 overflowed to inf on two ranks; 2048 + 1 + 1 gave
+// 2048 on three); in f32 they accumulate and round once, as the threads backend's kernels do.
+// Min, max and the bitwise ops are exact in any dtype, so they travel as they are.
+bool reduces_in_f32(DType dtype, ReduceOp op);
+
+// The f32 values of contiguous `t`.
+std::vector<float> to_f32(const Tensor& t);
+
+// Writes reduced f32 `values` into contiguous `out`, rounding each once; Avg first divides by
+// `ranks` in f32 (as the threads backend divides its f32 sum).
+void from_f32(std::vector<float>& values, ReduceOp op, int ranks, const Tensor& out);
+
+}  // namespace funcol::process
