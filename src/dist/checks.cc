@@ -165,6 +165,44 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
   return layout;
 }
 
+int8_t pack_shape(std::span<const int64_t> sizes, ShapeWords& words) {
+  words.fill(0);
+  const auto ndim = static_cast<int64_t>(sizes.size());
+  if (ndim <= kShapeWords) {
+    std::copy(sizes.begin(), sizes.end(), words.begin());
+    return static_cast<int8_t>(ndim);
+  }
+  std::copy(sizes.begin(), sizes.begin() + (kShapeWords - 1), words.begin());
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the count and every dim
+  auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(ndim);
+  for (int64_t d : sizes) mix(d);
+  words[kShapeWords - 1] = static_cast<int64_t>(h);
+  return static_cast<int8_t>(std::min<int64_t>(ndim, 127));
+}
+
+bool same_packed_shape(int ndim_a, const ShapeWords& a, int ndim_b, const ShapeWords& b) {
+  if (ndim_a < 0 || ndim_b < 0) return true;
+  if (ndim_a != ndim_b) return false;
+  const int words = std::min(ndim_a, kShapeWords);
+  return std::equal(a.begin(), a.begin() + words, b.begin());
+}
+
+std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words) {
+  if (ndim <= kShapeWords) {
+    return fmt::format("{}[{}]", dtype_name(dtype),
+                       fmt::join(words.begin(), words.begin() + std::max(ndim, 0), ","));
+  }
+  return fmt::format("{}[{},...: {}{} dims, #{:08x}]", dtype_name(dtype),
+                     fmt::join(words.begin(), words.end() - 1, ","), ndim == 127 ? ">= " : "",
+                     ndim, static_cast<uint32_t>(static_cast<uint64_t>(words.back()) >> 32));
+}
+
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {
   return fmt::format(
       "mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects {} rows from "

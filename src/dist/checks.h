@@ -1,10 +1,12 @@
 // Synchronous argument checks shared by every backend's ProcessGroup primitives.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,6 +48,19 @@ struct AllToAllLayout {
 AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
                                 const std::vector<int64_t>& output_splits,
                                 const std::vector<int64_t>& input_splits, int group_size);
+
+// A tensor's shape as the ranks of a collective compare it (torch.distributed's DETAIL mode
+// compares whole shapes), in a fixed size that fits a slot or a fixed-size signature: up to
+// kShapeWords dims as they are; a longer shape as its first kShapeWords - 1 dims and, last, a
+// hash of all of them with their count.
+constexpr int kShapeWords = 6;
+using ShapeWords = std::array<int64_t, kShapeWords>;
+// Fills `words`; returns the dim count (at most 127: longer shapes differ in their hash).
+int8_t pack_shape(std::span<const int64_t> sizes, ShapeWords& words);
+// Whether two packed shapes are equal; a negative ndim (no shape recorded) matches any.
+bool same_packed_shape(int ndim_a, const ShapeWords& a, int ndim_b, const ShapeWords& b);
+// "f32[2,3]"; longer shapes "f32[2,3,4,5,6,...: 9 dims, #1a2b3c4d]".
+std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words);
 
 // "mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 1 rows from rank 0",
 // for an all_to_all whose ranks disagree on the rows between `from` and `to` (global ranks; the

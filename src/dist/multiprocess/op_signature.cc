@@ -14,7 +14,7 @@ namespace {
 constexpr int kSlotsInFull = 8;
 // kind, reduce op, root, slot count, hash of every slot, then the slots, then the splits.
 constexpr size_t kHeaderBytes = 2 * sizeof(int64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t);
-constexpr size_t kSlotBytes = 2 * sizeof(int64_t);
+constexpr size_t kSlotBytes = (3 + dist_detail::kShapeWords) * sizeof(int64_t);
 
 class Writer {
  public:
@@ -56,6 +56,8 @@ uint64_t hash_slots(const std::vector<OpSignature::Slot>& slots) {
   for (const auto& s : slots) {
     mix(static_cast<int64_t>(s.dtype));
     mix(s.count);
+    mix(s.ndim);
+    for (int64_t w : s.dims) mix(w);
   }
   return h;
 }
@@ -112,7 +114,9 @@ std::string OpSignature::summary() const {
       s += "...";
       break;
     }
-    s += fmt::format("{} {} {}", dtype_name(slots[i].dtype), count_name, slots[i].count);
+    s += slots[i].ndim < 0
+             ? fmt::format("{} {} {}", dtype_name(slots[i].dtype), count_name, slots[i].count)
+             : dist_detail::describe_packed_shape(slots[i].dtype, slots[i].ndim, slots[i].dims);
   }
   if (reduces(kind)) s += fmt::format(", op {}", reduce_op_name(reduce_op));
   if (kind == OpKind::Broadcast) s += fmt::format(", src {}", root);
@@ -126,7 +130,8 @@ bool OpSignature::same_call(const OpSignature& o) const {
   return hash_slots(slots) == hash_slots(o.slots) &&
          std::equal(slots.begin(), slots.begin() + std::min<size_t>(slots.size(), kSlotsInFull),
                     o.slots.begin(), [](const Slot& a, const Slot& b) {
-                      return a.dtype == b.dtype && a.count == b.count;
+                      return a.dtype == b.dtype && a.count == b.count && a.ndim == b.ndim &&
+                             a.dims == b.dims;
                     });
 }
 
@@ -147,6 +152,8 @@ std::vector<char> encode_signature(const OpSignature& sig, int group_size) {
     bool have = i < static_cast<int>(sig.slots.size());
     w.put(have ? static_cast<int64_t>(sig.slots[i].dtype) : 0);
     w.put(have ? sig.slots[i].count : 0);
+    w.put(have ? sig.slots[i].ndim : -1);
+    for (int d = 0; d < dist_detail::kShapeWords; ++d) w.put(have ? sig.slots[i].dims[d] : 0);
   }
   for (int r = 0; r < group_size; ++r) {
     w.put(r < static_cast<int>(sig.input_splits.size()) ? sig.input_splits[r] : 0);
@@ -170,6 +177,8 @@ OpSignature decode_signature(const char* bytes, int group_size) {
     OpSignature::Slot s;
     s.dtype = static_cast<DType>(rd.get());
     s.count = rd.get();
+    s.ndim = static_cast<int>(rd.get());
+    for (int64_t& d : s.dims) d = rd.get();
     if (i < nslots) sig.slots.push_back(s);
   }
   // Slots past the first eight are known only by the hash: stand-ins that carry it.

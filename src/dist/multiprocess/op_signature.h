@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/checks.h"
 #include "funcol/core/dtype.h"
 
 namespace funcol::process {
@@ -32,8 +33,8 @@ std::string_view op_kind_name(OpKind kind);
 bool reduces(OpKind kind);
 
 // One rank's view of one collective, compared as the threads backend compares its posts: the
-// op, the reduce op (reductions), the root (broadcast), and per tensor its dtype and per-rank
-// element count (all_reduce/broadcast numel, all_gather input numel, reduce_scatter output
+// op, the reduce op (reductions), the root (broadcast), and per tensor its dtype, shape and
+// per-rank element count (all_reduce/broadcast numel, all_gather input numel, reduce_scatter output
 // numel, all_to_all elements per row); all_to_all also sends its split sizes, checked pairwise.
 // With FUNCOL_DEBUG=detail every rank gathers every rank's signature before the collective
 // runs, and all of them fail with the same CommError when they disagree (PyTorch's
@@ -42,6 +43,10 @@ struct OpSignature {
   struct Slot {
     DType dtype = DType::F32;
     int64_t count = 0;
+    // The input's shape (dist_detail::pack_shape); ndim -1 where only the count is compared
+    // (all_to_all rows, all_reduce_flat inputs).
+    int ndim = -1;
+    dist_detail::ShapeWords dims{};
   };
   OpKind kind = OpKind::Barrier;
   ReduceOp reduce_op = ReduceOp::Sum;

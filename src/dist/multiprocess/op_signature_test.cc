@@ -52,6 +52,43 @@ TEST(OpSignature, SummaryMatchesTheThreadsBackend) {
   EXPECT_EQ(c.summary(), "all_gather_coalesced(2 tensors: f32 numel 2, i8 numel 3)");
 }
 
+OpSignature all_reduce_shaped(const Shape& shape) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  OpSignature s = all_reduce(DType::F32, numel, ReduceOp::Sum);
+  s.slots[0].ndim = dist_detail::pack_shape(shape, s.slots[0].dims);
+  return s;
+}
+
+// Shapes travel and are compared, also past the dims a signature holds in full and in the
+// tensors of a list known only by the hash.
+TEST(OpSignature, ShapesAreCompared) {
+  const OpSignature a = round_trip(all_reduce_shaped({2, 3}), 2);
+  const OpSignature b = round_trip(all_reduce_shaped({3, 2}), 2);
+  EXPECT_EQ(a.summary(), "all_reduce(f32[2,3], op sum)");
+  auto msg = check_signatures({a, b}, {0, 1}, "all_reduce on group 'world' (seq 0)");
+  ASSERT_TRUE(msg);
+  EXPECT_EQ(*msg,
+            "all_reduce on group 'world' (seq 0): mismatched collectives: rank 0 issued "
+            "all_reduce(f32[2,3], op sum) but rank 1 issued all_reduce(f32[3,2], op sum)");
+  const OpSignature long_a = round_trip(all_reduce_shaped({1, 1, 1, 1, 1, 2, 3}), 2);
+  const OpSignature long_b = round_trip(all_reduce_shaped({1, 1, 1, 1, 1, 3, 2}), 2);
+  EXPECT_FALSE(check_signatures({long_a, long_a}, {0, 1}, "x"));
+  ASSERT_TRUE(check_signatures({long_a, long_b}, {0, 1}, "x"));
+  EXPECT_NE(long_a.summary(), long_b.summary());
+  EXPECT_EQ(long_a.summary().rfind("all_reduce(f32[1,1,1,1,1,...: 7 dims, #", 0), 0u)
+      << long_a.summary();
+  // The tenth tensor of a coalesced list differs in shape only.
+  OpSignature list_a, list_b;
+  list_a.kind = list_b.kind = OpKind::AllReduceCoalesced;
+  for (int i = 0; i < 10; ++i) {
+    list_a.slots.push_back(all_reduce_shaped({2, 3}).slots[0]);
+    list_b.slots.push_back(all_reduce_shaped(i == 9 ? Shape{3, 2} : Shape{2, 3}).slots[0]);
+  }
+  EXPECT_FALSE(check_signatures({round_trip(list_a, 2), round_trip(list_a, 2)}, {0, 1}, "x"));
+  EXPECT_TRUE(check_signatures({round_trip(list_a, 2), round_trip(list_b, 2)}, {0, 1}, "x"));
+}
+
 TEST(OpSignature, AgreeingRanksPass) {
   auto s = round_trip(all_reduce(DType::F32, 8, ReduceOp::Max), 2);
   EXPECT_FALSE(check_signatures({s, s}, {0, 1}, "all_reduce on group 'world' (seq 0)"));

@@ -43,7 +43,10 @@ std::shared_ptr<CollectiveOp> make_op(OpKind kind) {
 void add_slot(CollectiveOp& op, const Tensor& in, const Tensor& out, int64_t count) {
   op.inputs.push_back(in);
   op.outputs.push_back(out);
-  op.signature.slots.push_back({in.dtype(), count});
+  OpSignature::Slot& slot = op.signature.slots.emplace_back();
+  slot.dtype = in.dtype();
+  slot.count = count;
+  if (op.kind != OpKind::AllToAll) slot.ndim = dist_detail::pack_shape(in.sizes(), slot.dims);
   if (op.inputs.size() == 1) op.dtype = in.dtype();
 }
 

@@ -33,6 +33,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "funcol/core/error.h"
@@ -165,8 +166,8 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
       },
       "mismatched collectives");
   expect_contains(msg, "mismatched collectives");
-  expect_contains(msg, "rank 0 issued all_reduce(f32 numel 8, op sum)");
-  expect_contains(msg, "issued all_gather(f32 numel 8)");
+  expect_contains(msg, "rank 0 issued all_reduce(f32[8], op sum)");
+  expect_contains(msg, "issued all_gather(f32[8])");
   // Same op, different dtype.
   std::string dtype_msg = expect_comm_error(
       [&] {
@@ -174,8 +175,21 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
         world.all_reduce(t, ReduceOp::Max)->wait();
       },
       "all_reduce with different dtypes");
-  expect_contains(dtype_msg, "f32 numel 4");
-  expect_contains(dtype_msg, "f64 numel 4");
+  expect_contains(dtype_msg, "f32[4]");
+  expect_contains(dtype_msg, "f64[4]");
+  // Same op, dtype and element count, different shapes (torch.distributed's DETAIL mode
+  // compares sizes too), also past the dims a signature holds in full.
+  for (const auto& [mine, theirs] : std::vector<std::pair<funcol::Shape, funcol::Shape>>{
+           {{2, 3}, {3, 2}}, {{1, 1, 1, 1, 1, 2, 3}, {1, 1, 1, 1, 1, 3, 2}}}) {
+    std::string shape_msg = expect_comm_error(
+        [&] {
+          Tensor t = Tensor::full(world.rank() == 0 ? mine : theirs, DType::F32, 1);
+          world.all_reduce(t, ReduceOp::Sum)->wait();
+        },
+        "all_reduce with different shapes");
+    expect_contains(shape_msg, "mismatched collectives");
+  }
+  check_sum(world);  // the group stays usable
   // all_to_all: rank 0 sends rank 1 one row, rank 1 expects two from rank 0.
   std::vector<int64_t> in_splits(n, 1), out_splits(n, 1);
   if (world.rank() == 1) out_splits[0] = 2;

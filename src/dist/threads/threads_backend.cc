@@ -257,8 +257,7 @@ bool reduces(OpKind kind) { return kind == OpKind::AllReduce || kind == OpKind::
 // descriptors are compared on: all_reduce/broadcast numel, all_gather input numel,
 // reduce_scatter output numel, all_to_all elements per row.
 // The input's shape is compared across ranks too (as torch.distributed's DETAIL debug mode
-// does), when it has at most kMaxShapeDims dims; all_to_all compares only rows' sizes.
-constexpr int kMaxShapeDims = 6;
+// does; packed as dist_detail::pack_shape); all_to_all compares only rows' sizes.
 // The shape comes last: a peer comparing two slots of equal count reads it only for two or
 // more dims (one cache line less per member for the lane's executor).
 struct Slot {
@@ -268,19 +267,18 @@ struct Slot {
   const char* in = nullptr;
   char* out = nullptr;
   const Storage* in_storage = nullptr;  // identity only: whose bytes `in` reads
-  std::array<int64_t, kMaxShapeDims> dims{};
+  dist_detail::ShapeWords dims{};
 
   // For slots of equal count (a 0- or 1-dim shape is its count then).
   bool same_shape(const Slot& o) const {
     if (ndim < 0 || o.ndim < 0) return true;
     if (ndim != o.ndim) return false;
-    return ndim <= 1 || std::equal(dims.begin(), dims.begin() + ndim, o.dims.begin());
+    return ndim <= 1 || dist_detail::same_packed_shape(ndim, dims, o.ndim, o.dims);
   }
   // "f32[2,3]", or "f32 row 4" / "f32 numel 6" without a recorded shape.
   std::string describe(bool rows) const {
     if (ndim < 0) return fmt::format("{} {} {}", dtype_name(dtype), rows ? "row" : "numel", count);
-    return fmt::format("{}[{}]", dtype_name(dtype),
-                       fmt::join(dims.begin(), dims.begin() + ndim, ","));
+    return dist_detail::describe_packed_shape(dtype, ndim, dims);
   }
 };
 
@@ -2360,10 +2358,7 @@ class ThreadsGroup final : public ProcessGroup {
                         const Tensor& out, bool out_ready) {
     s.dtype = dtype;
     s.count = count;
-    if (kind != OpKind::AllToAll && in.dim() <= kMaxShapeDims) {
-      s.ndim = static_cast<int8_t>(in.dim());
-      std::copy(in.sizes().begin(), in.sizes().end(), s.dims.begin());
-    }
+    if (kind != OpKind::AllToAll) s.ndim = dist_detail::pack_shape(in.sizes(), s.dims);
     // An input (or in-place output) still being produced by another collective must be
     // complete before any rank reads or writes it; an output also waits for the collectives
     // that still read it (data_ptr).

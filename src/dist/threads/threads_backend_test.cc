@@ -658,6 +658,25 @@ TEST(FailureTest, MismatchedShapeWithEqualNumel) {
       {"all_gather(f32[2,3])", "all_gather(f32[3,2])"});
 }
 
+// More dims than a slot holds in full: the first ones, the dim count and a hash of the whole
+// shape are compared (a 7-d mismatch in the last dims went through unnoticed).
+TEST(FailureTest, MismatchedShapeWithManyDims) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = pg.rank() == 0 ? Tensor::full({1, 1, 1, 1, 1, 2, 3}, DType::F32, 1)
+                                  : Tensor::full({1, 1, 1, 1, 1, 3, 2}, DType::F32, 1);
+        return pg.all_reduce(t, ReduceOp::Sum);
+      },
+      {"all_reduce(f32[1,1,1,1,1,...: 7 dims, #", "mismatched collectives"});
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        Tensor t = pg.rank() == 0 ? Tensor::full({1, 1, 1, 1, 1, 1, 6}, DType::F32, 1)
+                                  : Tensor::full({1, 1, 1, 1, 1, 6}, DType::F32, 1);
+        return pg.all_reduce(t, ReduceOp::Sum);
+      },
+      {"f32[1,1,1,1,1,...: 7 dims, #", "f32[1,1,1,1,1,6]"});
+}
+
 TEST(FailureTest, MismatchedCoalescedLists) {
   expect_mismatch(
       [](ProcessGroup& pg) {
