@@ -127,9 +127,10 @@ std::vector<Tensor> make_inputs(const Graph& graph, uint64_t seed, int rank) {
 
 namespace {
 
-// Skip and Take only appear in lowered bucket chains (see lower_buckets): Skip does nothing,
-// Take moves the bucket's member results into its result slots.
-enum class StepKind : uint8_t { Kernel, Collective, Wait, Skip, Take };
+// Skip and Take only appear in lowered bucket chains (see lower_buckets) and folded casts (see
+// fold_casts): Skip does nothing, Take moves the bucket's member results into its result
+// slots. CatCasts is a cat that converts the operands of casts folded into it.
+enum class StepKind : uint8_t { Kernel, Collective, Wait, Skip, Take, CatCasts };
 
 // One node, with everything run() needs precomputed.
 struct Step {
@@ -201,6 +202,22 @@ struct Inflight {
   bool open = false;
 };
 
+// A CatCasts step's result (see Executor::Impl::fold_casts): `in`, the cat's operands with the
+// folded casts' operands in their places, converted into one tensor of the cat's type.
+std::vector<Tensor> cat_casts(const Node& cat, std::span<const Tensor> in) {
+  const Type& type = cat.result(0)->type();
+  int64_t dim = cat.attr("dim").as_int();
+  if (dim < 0) dim += static_cast<int64_t>(type.rank());
+  Tensor out = Tensor::empty(type.shape, type.dtype);
+  int64_t at = 0;
+  for (const Tensor& t : in) {
+    const int64_t n = t.size(dim);
+    if (n > 0) out.narrow(dim, at, n).copy_(t);
+    at += n;
+  }
+  return {std::move(out)};
+}
+
 }  // namespace
 
 struct Executor::Impl {
@@ -239,6 +256,7 @@ struct Executor::Impl {
   std::vector<uint32_t> unseen;
   size_t unseen_head = 0;
   std::vector<LoweredBucket> buckets;
+  size_t folded_casts = 0;
   int runs = 0;
 
   Impl(const Graph& g, ProcessGroup& w, ExecutorOptions o)
@@ -250,6 +268,7 @@ struct Executor::Impl {
   void plan();
   void lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
                      const std::unordered_map<const Node*, uint32_t>& step_of);
+  void fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of);
   std::vector<Tensor> run(std::vector<Tensor> inputs);
   template <bool kObserve>
   void run_steps(size_t& cur);
@@ -362,6 +381,7 @@ void Executor::Impl::plan() {
     lower_buckets(slot_of, step_of);
     for (const Step& st : steps) max_operands = std::max<size_t>(max_operands, st.num_operands);
   }
+  fold_casts(step_of);
 
   // Last uses. Graph outputs are never released; a value nobody uses dies with its step.
   std::vector<uint32_t> last_use(num_slots, kNone);
@@ -664,13 +684,16 @@ void Executor::Impl::run_steps(size_t& cur) {
     }
     const std::span<const Tensor> in(sc, st.num_operands);
     switch (st.kind) {
-      case StepKind::Kernel: {
+      case StepKind::Kernel:
+      case StepKind::CatCasts: {
         int64_t t0 = 0;
         if constexpr (kObserve) {
           if (prof) t0 = prof->now_ns();
         }
         std::vector<Tensor> out =
-            st.kernel(in, AttrList(*st.op, std::span<const Attr>(st.attrs, st.num_attrs)));
+            st.kind == StepKind::Kernel
+                ? st.kernel(in, AttrList(*st.op, std::span<const Attr>(st.attrs, st.num_attrs)))
+                : cat_casts(*st.node, in);
         if (out.size() != st.num_results) {
           throw InternalError(fmt::format("kernel of {} returned {} results, expected {}",
                                           st.op->name, out.size(), st.num_results));
@@ -1017,6 +1040,49 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
   }
 }
 
+// A cat whose operands include casts (convert_element_type) used by nothing else, each in the
+// cat's dim and rank, with no collective or wait between cast and cat, reads the casts'
+// operands and converts them as it writes its result: one copy per operand instead of two.
+// The bucketing passes' default mode packs cast members so (DESIGN 6, step 4: the cast is
+// folded into the packing copy; Inductor fuses PyTorch's traced cat of casts likewise), where
+// the chain is not lowered. The value is the same: both convert with the same routine. Only
+// casts after the latest collective or wait are folded, so a cast's (larger) operand is never
+// held across communication in its place.
+void Executor::Impl::fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of) {
+  uint32_t after = 0;  // steps before this one are at or before the latest collective or wait
+  std::vector<uint32_t> seen(num_slots, 0);
+  for (uint32_t s = 0; s < steps.size(); ++s) {
+    Step& st = steps[s];
+    if (st.kind == StepKind::Collective || st.kind == StepKind::Wait) after = s + 1;
+    if (st.kind != StepKind::Kernel || st.op->name != "cat") continue;
+    const size_t rank = st.node->result(0)->type().rank();
+    bool folded = false;
+    for (uint32_t i = 0; i < st.num_operands; ++i) {
+      const Value* v = st.node->operand(i);
+      const Node* cast = sole_user(v, "cat") == st.node ? v->node() : nullptr;
+      if (cast == nullptr || cast->op_name() != "convert_element_type" ||
+          v->type().rank() != rank) {
+        continue;
+      }
+      Step& cs = steps[step_of.at(cast)];
+      if (cs.kind != StepKind::Kernel || step_of.at(cast) < after) continue;
+      operand_slots[st.operands_begin + i] = operand_slots[cs.operands_begin];
+      cs.kind = StepKind::Skip;
+      cs.num_operands = 0;
+      ++folded_casts;
+      folded = true;
+    }
+    if (!folded) continue;
+    st.kind = StepKind::CatCasts;
+    // A cast's operand may now be listed twice (cat(convert(x), x)).
+    for (uint32_t i = 0; i < st.num_operands; ++i) {
+      const uint32_t slot = operand_slots[st.operands_begin + i];
+      if (seen[slot] == s + 1) st.copy_operands = true;
+      seen[slot] = s + 1;
+    }
+  }
+}
+
 std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
   if (inputs.size() != graph.num_inputs()) {
     throw InvalidArgument(fmt::format("graph @{} takes {} inputs, got {}", graph.name(),
@@ -1091,6 +1157,8 @@ size_t Executor::pending_collectives() const {
 }
 
 size_t Executor::lowered_buckets() const { return impl_->buckets.size(); }
+
+size_t Executor::folded_casts() const { return impl_->folded_casts; }
 
 int64_t Executor::live_bytes() const {
   std::unordered_set<const Storage*> seen;

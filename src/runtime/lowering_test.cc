@@ -9,6 +9,7 @@
 
 #include "funcol/core/allocator.h"
 #include "funcol/core/error.h"
+#include "funcol/core/kernels.h"
 #include "funcol/dist/backend.h"
 #include "funcol/graph/parser.h"
 #include "funcol/runtime/executor.h"
@@ -21,6 +22,7 @@ namespace {
 struct Result {
   std::vector<std::vector<Tensor>> outputs;  // [rank][output]
   size_t lowered = 0;
+  size_t folded = 0;  // Executor::folded_casts
 };
 
 // Called on every rank before its Executor is made: registers groups, sets options.
@@ -33,6 +35,7 @@ Result run(int n, const std::string& text, bool lower, const Setup& setup = {}) 
   Result res;
   res.outputs.resize(static_cast<size_t>(n));
   std::vector<size_t> lowered(static_cast<size_t>(n));
+  std::vector<size_t> folded(static_cast<size_t>(n));
   run_local(n, [&](ProcessGroup& world) {
     ExecutorOptions options;
     options.lower_buckets = lower;
@@ -42,9 +45,12 @@ Result run(int n, const std::string& text, bool lower, const Setup& setup = {}) 
     ex.run(make_inputs(*graph, 7, world.rank()));
     res.outputs[r] = ex.run(make_inputs(*graph, 7, world.rank()));
     lowered[r] = ex.lowered_buckets();
+    folded[r] = ex.folded_casts();
   });
   for (size_t l : lowered) EXPECT_EQ(l, lowered[0]);
+  for (size_t f : folded) EXPECT_EQ(f, folded[0]);
   res.lowered = lowered[0];
+  res.folded = folded[0];
   return res;
 }
 
@@ -128,6 +134,83 @@ TEST(LowerBuckets, PackedGatherWithACastIsNotLowered) {
       "  return %o0, %o1\n"
       "}\n";
   EXPECT_EQ(expect_same_either_way(2, text), 0u);
+}
+
+// Casts feeding only a cat are folded into it (one converting copy), with the values the cast
+// and the cat give: checked against Tensor::to and Tensor::cat of the same inputs.
+TEST(FoldCasts, ACatConvertsTheCastsOperands) {
+  const std::string text =
+      "graph @g(%a: f32[2,3], %b: f64[2,1], %c: bf16[2,2]) {\n"
+      "  %ca = convert_element_type(%a) {dtype = bf16}\n"
+      "  %cb = convert_element_type(%b) {dtype = bf16}\n"
+      "  %cat = cat(%ca, %c, %cb) {dim = -1}\n"
+      "  return %cat\n"
+      "}\n";
+  const Result r = run(1, text, true);
+  EXPECT_EQ(r.folded, 2u);
+  const auto graph = parse_graph(text, ParseOptions{.file = "t.ir"});
+  const std::vector<Tensor> in = make_inputs(*graph, 7, 0);
+  const Tensor expected =
+      Tensor::cat({in[0].to(DType::BF16), in[2], in[1].to(DType::BF16)}, 1);
+  EXPECT_TRUE(r.outputs[0][0].equal(expected)) << r.outputs[0][0].to_string() << " vs "
+                                               << expected.to_string();
+}
+
+// Not folded: a cast with another use, a cast before a collective or wait (its larger operand
+// would live across the communication). A cast whose operand is also the cat's operand is
+// folded (the operand is then listed twice).
+TEST(FoldCasts, OnlySoleUseCastsAfterTheLastCommunicationAreFolded) {
+  const std::string text =
+      "graph @g(%a: f32[4], %b: f32[4], %x: f32[4], %d: f16[4]) {\n"
+      "  %ca = convert_element_type(%a) {dtype = f16}\n"
+      "  %cb = convert_element_type(%b) {dtype = f16}\n"
+      "  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%ar)\n"
+      "  %cw = convert_element_type(%w) {dtype = f16}\n"
+      "  %cd = convert_element_type(%d) {dtype = f16}\n"
+      "  %cat = cat(%ca, %cb, %cw, %cd, %d) {dim = 0}\n"
+      "  %twice = cat(%cat, %cb) {dim = 0}\n"
+      "  return %twice\n"
+      "}\n";
+  // %ca: before the all_reduce; %cb: used twice; %cw: folded; %cd: folded, its operand %d
+  // then listed twice.
+  const Result folded = run(2, text, true);
+  EXPECT_EQ(folded.folded, 2u);
+  const auto graph = parse_graph(text, ParseOptions{.file = "t.ir"});
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::vector<Tensor> in = make_inputs(*graph, 7, rank);
+    const std::vector<Tensor> other = make_inputs(*graph, 7, 1 - rank);
+    const Tensor sum = add(in[2], other[2]);
+    const Tensor cat = Tensor::cat(
+        {in[0].to(DType::F16), in[1].to(DType::F16), sum.to(DType::F16), in[3], in[3]}, 0);
+    const Tensor expected = Tensor::cat({cat, in[1].to(DType::F16)}, 0);
+    EXPECT_TRUE(folded.outputs[rank][0].equal(expected)) << rank;
+  }
+}
+
+// The default-mode all-gather bucket of two cast members: lowered where the group fuses
+// coalesced lists (its casts feed the collective directly), else run as written with the casts
+// folded into the packing cat; the same values either way.
+TEST(FoldCasts, DefaultModeGatherBucketOfCasts) {
+  const std::string text =
+      "graph @g(%a: f32[3], %b: f32[5]) {\n"
+      "  %ag_cast = convert_element_type(%a) {dtype = bf16}\n"
+      "  %ag_cast.1 = convert_element_type(%b) {dtype = bf16}\n"
+      "  %ag_pack = cat(%ag_cast, %ag_cast.1) {dim = 0}\n"
+      "  %ag_bucket = all_gather_into_tensor(%ag_pack) {group_size = 2, group = \"world\"}\n"
+      "  %ag_wait = wait_tensor(%ag_bucket)\n"
+      "  %ag_rows = view(%ag_wait) {shape = [2, 8]}\n"
+      "  %ag_split:2 = split_with_sizes(%ag_rows) {split_sizes = [3, 5], dim = 1}\n"
+      "  %o0 = reshape(%ag_split#0) {shape = [6]}\n"
+      "  %o1 = reshape(%ag_split#1) {shape = [10]}\n"
+      "  return %o0, %o1\n"
+      "}\n";
+  const Result lowered = run(2, text, true);
+  EXPECT_EQ(lowered.lowered, 1u);
+  EXPECT_EQ(lowered.folded, 0u);
+  const Result folded = run(2, text, false);
+  EXPECT_EQ(folded.folded, 2u);
+  expect_same(lowered, folded);
 }
 
 TEST(LowerBuckets, ScatterBucketDefaultAndPackedModes) {

@@ -32,7 +32,9 @@ Tensor mul(const Tensor& a, const Tensor& b);
 Tensor div(const Tensor& a, const Tensor& b);
 Tensor neg(const Tensor& a);
 Tensor relu(const Tensor& a);
-// a * scalar (gradients, optimizers).
+// a * scalar in a's dtype (gradients, optimizers): an integer tensor times an integral scalar
+// wraps; times any other scalar the product is converted back, truncated (i32 3 * 0.5 = 1,
+// where PyTorch would promote to a floating result).
 Tensor mul_scalar(const Tensor& a, double scalar);
 // 1 where a > 0 else 0, in a's dtype (relu's gradient mask).
 Tensor gt_zero_mask(const Tensor& a);

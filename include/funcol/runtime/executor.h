@@ -75,6 +75,10 @@ class Executor {
   int64_t live_bytes() const;
   // Bucket chains run as one coalesced primitive (see ExecutorOptions::lower_buckets).
   size_t lowered_buckets() const;
+  // Casts folded into the cat that is their only user: that cat converts as it copies, one copy
+  // instead of two (convert_element_type results used by one cat, with no collective or wait
+  // between them: the packing the bucketing passes' default mode writes for cast members).
+  size_t folded_casts() const;
 
  private:
   struct Impl;
