@@ -1040,39 +1040,48 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
   }
 }
 
-// A cat whose operands include casts (convert_element_type) used by nothing else, each in the
-// cat's dim and rank, with no collective or wait between cast and cat, reads the casts'
-// operands and converts them as it writes its result: one copy per operand instead of two.
-// The bucketing passes' default mode packs cast members so (DESIGN 6, step 4: the cast is
-// folded into the packing copy; Inductor fuses PyTorch's traced cat of casts likewise), where
-// the chain is not lowered. The value is the same: both convert with the same routine. Only
-// casts after the latest collective or wait are folded, so a cast's (larger) operand is never
-// held across communication in its place.
+// The casts (convert_element_type) that directly precede a cat and are used by nothing else,
+// in the cat's dim and rank, are folded into it: the cat reads their operands and converts
+// them as it writes its result, one copy per operand instead of two. The bucketing passes'
+// default mode packs cast members so (DESIGN 6, step 4: the cast is folded into the packing
+// copy; Inductor fuses PyTorch's traced cat of casts likewise), where the chain is not
+// lowered. The value is the same: both convert with the same routine. Only the run of such
+// casts right before the cat is folded, so no operand outlives its last use past other steps,
+// and not a cast of a collective's result, whose failure is reported at the cast.
 void Executor::Impl::fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of) {
-  uint32_t after = 0;  // steps before this one are at or before the latest collective or wait
   std::vector<uint32_t> seen(num_slots, 0);
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
-    if (st.kind == StepKind::Collective || st.kind == StepKind::Wait) after = s + 1;
     if (st.kind != StepKind::Kernel || st.op->name != "cat") continue;
     const size_t rank = st.node->result(0)->type().rank();
-    bool folded = false;
-    for (uint32_t i = 0; i < st.num_operands; ++i) {
-      const Value* v = st.node->operand(i);
-      const Node* cast = sole_user(v, "cat") == st.node ? v->node() : nullptr;
-      if (cast == nullptr || cast->op_name() != "convert_element_type" ||
-          v->type().rank() != rank) {
-        continue;
+    // The steps from `first` to s - 1 are casts that only this cat uses.
+    uint32_t first = s;
+    auto foldable = [&](const Step& cs) {
+      if (cs.kind != StepKind::Kernel || cs.node->op_name() != "convert_element_type") {
+        return false;
       }
-      Step& cs = steps[step_of.at(cast)];
-      if (cs.kind != StepKind::Kernel || step_of.at(cast) < after) continue;
+      const Value* v = cs.node->result(0);
+      const Value* from = cs.node->operand(0);
+      while (from->node() != nullptr && from->node()->op().is_view &&
+             from->node()->num_operands() > 0) {
+        from = from->node()->operand(0);
+      }
+      return sole_user(v, "cat") == st.node && v->type().rank() == rank &&
+             (from->node() == nullptr || !from->node()->op().is_collective());
+    };
+    while (first > 0 && foldable(steps[first - 1])) --first;
+    if (first == s) continue;
+    for (uint32_t i = 0; i < st.num_operands; ++i) {
+      const Node* cast = st.node->operand(i)->node();
+      if (cast == nullptr) continue;
+      const uint32_t c = step_of.at(cast);
+      if (c < first || c >= s) continue;
+      Step& cs = steps[c];
       operand_slots[st.operands_begin + i] = operand_slots[cs.operands_begin];
       cs.kind = StepKind::Skip;
       cs.num_operands = 0;
       ++folded_casts;
-      folded = true;
     }
-    if (!folded) continue;
     st.kind = StepKind::CatCasts;
     // A cast's operand may now be listed twice (cat(convert(x), x)).
     for (uint32_t i = 0; i < st.num_operands; ++i) {

@@ -156,33 +156,39 @@ TEST(FoldCasts, ACatConvertsTheCastsOperands) {
                                                << expected.to_string();
 }
 
-// Not folded: a cast with another use, a cast before a collective or wait (its larger operand
-// would live across the communication). A cast whose operand is also the cat's operand is
-// folded (the operand is then listed twice).
-TEST(FoldCasts, OnlySoleUseCastsAfterTheLastCommunicationAreFolded) {
+// Only the run of sole-use casts right before the cat is folded: not a cast with other steps
+// between it and the cat (its larger operand would outlive its last use), nor one used twice,
+// nor one reading an unwaited collective's result (a failure of the collective is reported at
+// the cast). A cast whose operand is also the cat's operand is folded (the operand is then
+// listed twice).
+TEST(FoldCasts, OnlySoleUseCastsRightBeforeTheCatAreFolded) {
   const std::string text =
-      "graph @g(%a: f32[4], %b: f32[4], %x: f32[4], %d: f16[4]) {\n"
+      "graph @g(%a: f32[4], %b: f32[4], %x: f32[4], %y: f32[4], %d: f16[4]) {\n"
       "  %ca = convert_element_type(%a) {dtype = f16}\n"
-      "  %cb = convert_element_type(%b) {dtype = f16}\n"
       "  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %ar2 = all_reduce(%y) {reduce_op = \"sum\", group = \"world\"}\n"
       "  %w = wait_tensor(%ar)\n"
+      "  %cb = convert_element_type(%b) {dtype = f16}\n"
+      "  %cp = convert_element_type(%ar2) {dtype = f16}\n"
       "  %cw = convert_element_type(%w) {dtype = f16}\n"
       "  %cd = convert_element_type(%d) {dtype = f16}\n"
-      "  %cat = cat(%ca, %cb, %cw, %cd, %d) {dim = 0}\n"
+      "  %cat = cat(%ca, %cb, %cp, %cw, %cd, %d) {dim = 0}\n"
       "  %twice = cat(%cat, %cb) {dim = 0}\n"
-      "  return %twice\n"
+      "  %w2 = wait_tensor(%ar2)\n"
+      "  return %twice, %w2\n"
       "}\n";
-  // %ca: before the all_reduce; %cb: used twice; %cw: folded; %cd: folded, its operand %d
-  // then listed twice.
   const Result folded = run(2, text, true);
-  EXPECT_EQ(folded.folded, 2u);
+  EXPECT_EQ(folded.folded, 2u);  // %cw and %cd
   const auto graph = parse_graph(text, ParseOptions{.file = "t.ir"});
   for (int rank = 0; rank < 2; ++rank) {
     const std::vector<Tensor> in = make_inputs(*graph, 7, rank);
     const std::vector<Tensor> other = make_inputs(*graph, 7, 1 - rank);
-    const Tensor sum = add(in[2], other[2]);
-    const Tensor cat = Tensor::cat(
-        {in[0].to(DType::F16), in[1].to(DType::F16), sum.to(DType::F16), in[3], in[3]}, 0);
+    const Tensor x = add(in[2], other[2]);
+    const Tensor y = add(in[3], other[3]);
+    const Tensor cat =
+        Tensor::cat({in[0].to(DType::F16), in[1].to(DType::F16), y.to(DType::F16),
+                     x.to(DType::F16), in[4], in[4]},
+                    0);
     const Tensor expected = Tensor::cat({cat, in[1].to(DType::F16)}, 0);
     EXPECT_TRUE(folded.outputs[rank][0].equal(expected)) << rank;
   }

@@ -362,6 +362,8 @@ void low_precision_accumulation(Ctx& c) {
     std::vector<Tensor> list = {Tensor::full({kCount}, k.dtype, mine),
                                 Tensor::full({3}, k.dtype, mine)};
     c.pg.all_reduce_coalesced(list, k.op)->wait();
+    expect_values(list[0], expected,
+                  c.where(case_name("all_reduce_coalesced", k.dtype, label.c_str(), kCount)));
     expect_values(list[1], std::vector<double>(3, expected[0]),
                   c.where(case_name("all_reduce_coalesced", k.dtype, label.c_str(), 3)));
     Tensor input = Tensor::full({kCount * c.n}, k.dtype, mine);

@@ -76,8 +76,8 @@ class Executor {
   // Bucket chains run as one coalesced primitive (see ExecutorOptions::lower_buckets).
   size_t lowered_buckets() const;
   // Casts folded into the cat that is their only user: that cat converts as it copies, one copy
-  // instead of two (convert_element_type results used by one cat, with no collective or wait
-  // between them: the packing the bucketing passes' default mode writes for cast members).
+  // instead of two (the convert_element_type nodes right before a cat that only it uses: the
+  // packing the bucketing passes' default mode writes for cast members).
   size_t folded_casts() const;
 
  private:

@@ -673,9 +673,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       std::vector<std::vector<char>> copies;
       std::vector<int> sc, sd, rc, rd;
       // f16/bf16 sums, averages and products (reduces_in_f32): the f32 copies MPI reads, and
-      // the f32 results with the tensors they are rounded into at the end.
+      // the f32 results with the index of the output they are rounded into at the end (an
+      // index, not a Tensor: another reference would keep the executor from donating it).
       std::vector<std::vector<float>> wide_inputs;
-      std::vector<std::pair<Tensor, std::vector<float>>> wide_outputs;
+      std::vector<std::pair<size_t, std::vector<float>>> wide_outputs;
     };
     auto scratch = std::make_shared<Scratch>();
     std::vector<MPI_Request> requests;
@@ -714,12 +715,13 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       case OpKind::AllReduce:
       case OpKind::AllReduceCoalesced:
       case OpKind::AllReduceFlat:  // a signature kind; such ops run as AllReduce
-        for (const auto& t : op->outputs) {
+        for (size_t i = 0; i < op->outputs.size(); ++i) {
+          const Tensor& t = op->outputs[i];
           if (t.numel() == 0) continue;
           void* buffer = t.raw_data_ptr();
           DType dtype = t.dtype();
           if (reduces_in_f32(dtype, op->reduce_op)) {
-            buffer = scratch->wide_outputs.emplace_back(t, to_f32(t)).second.data();
+            buffer = scratch->wide_outputs.emplace_back(i, to_f32(t)).second.data();
             dtype = DType::F32;
           }
           rc = MPI_Iallreduce(MPI_IN_PLACE, buffer, static_cast<int>(t.numel()), mpi_type(dtype),
@@ -754,7 +756,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           if (reduces_in_f32(dtype, op->reduce_op)) {
             send = scratch->wide_inputs.emplace_back(to_f32(in)).data();
             receive = scratch->wide_outputs
-                          .emplace_back(out, std::vector<float>(static_cast<size_t>(out.numel())))
+                          .emplace_back(i, std::vector<float>(static_cast<size_t>(out.numel())))
                           .second.data();
             dtype = DType::F32;
           } else {
@@ -800,8 +802,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       if (code != MPI_SUCCESS) return self->fail_mpi(slot, code);
       self->finished(slot, [self, op = slot->op, scratch] {
         if (op->done()) return;  // failed meanwhile (timeout, lost peer): leave the buffers be
-        for (auto& [t, wide] : scratch->wide_outputs) {
-          from_f32(wide, op->reduce_op, self->size(), t);
+        for (auto& [i, wide] : scratch->wide_outputs) {
+          from_f32(wide, op->reduce_op, self->size(), op->outputs[i]);
         }
         if (op->reduce_op == ReduceOp::Avg && process::reduces(op->kind)) {
           for (const auto& t : op->outputs) {
