@@ -453,8 +453,8 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     if (n == 0) return;
     if (process::reduces_in_f32(t.dtype(), op)) {
       // Gloo combines two buffers at a time: in f16/bf16 every partial sum would round.
-      std::vector<float> wide = process::to_f32(t);
-      all_reduce_buffer(wide.data(), DType::F32, n, op, timeout);
+      const Tensor wide = process::to_f32(t);
+      all_reduce_buffer(wide.raw_data_ptr(), DType::F32, n, op, timeout);
       process::from_f32(wide, op, size(), t);
       return;
     }

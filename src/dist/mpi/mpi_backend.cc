@@ -675,8 +675,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       // f16/bf16 sums, averages and products (reduces_in_f32): the f32 copies MPI reads, and
       // the f32 results with the index of the output they are rounded into at the end (an
       // index, not a Tensor: another reference would keep the executor from donating it).
-      std::vector<std::vector<float>> wide_inputs;
-      std::vector<std::pair<size_t, std::vector<float>>> wide_outputs;
+      std::vector<Tensor> wide_inputs;
+      std::vector<std::pair<size_t, Tensor>> wide_outputs;
     };
     auto scratch = std::make_shared<Scratch>();
     std::vector<MPI_Request> requests;
@@ -721,7 +721,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           void* buffer = t.raw_data_ptr();
           DType dtype = t.dtype();
           if (reduces_in_f32(dtype, op->reduce_op)) {
-            buffer = scratch->wide_outputs.emplace_back(i, to_f32(t)).second.data();
+            buffer = scratch->wide_outputs.emplace_back(i, to_f32(t)).second.raw_data_ptr();
             dtype = DType::F32;
           }
           rc = MPI_Iallreduce(MPI_IN_PLACE, buffer, static_cast<int>(t.numel()), mpi_type(dtype),
@@ -754,10 +754,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           void* receive = out.raw_data_ptr();
           DType dtype = in.dtype();
           if (reduces_in_f32(dtype, op->reduce_op)) {
-            send = scratch->wide_inputs.emplace_back(to_f32(in)).data();
+            send = scratch->wide_inputs.emplace_back(to_f32(in)).raw_data_ptr();
             receive = scratch->wide_outputs
-                          .emplace_back(i, std::vector<float>(static_cast<size_t>(out.numel())))
-                          .second.data();
+                          .emplace_back(i, Tensor::empty({out.numel()}, DType::F32))
+                          .second.raw_data_ptr();
             dtype = DType::F32;
           } else {
             send = send_buffer(in, out);

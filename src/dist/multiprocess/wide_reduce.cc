@@ -11,19 +11,22 @@ bool reduces_in_f32(DType dtype, ReduceOp op) {
          (op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Product);
 }
 
-std::vector<float> to_f32(const Tensor& t) {
+Tensor to_f32(const Tensor& t) {
   FUNCOL_CHECK(t.is_contiguous(), "to_f32: the tensor must be contiguous");
-  std::vector<float> values(static_cast<size_t>(t.numel()));
-  convert_buffer(t.dtype(), t.raw_data_ptr(), DType::F32, values.data(), t.numel());
+  // Raw pointers: `t` is pending on the very collective that converts it (Tensor::to would
+  // wait for it).
+  Tensor values = Tensor::empty({t.numel()}, DType::F32);
+  convert_buffer(t.dtype(), t.raw_data_ptr(), DType::F32, values.raw_data_ptr(), t.numel());
   return values;
 }
 
-void from_f32(std::vector<float>& values, ReduceOp op, int ranks, const Tensor& out) {
-  FUNCOL_CHECK(out.is_contiguous() && static_cast<int64_t>(values.size()) == out.numel(),
-               "from_f32: the output must be contiguous and as long as the values");
-  const auto n = static_cast<int64_t>(values.size());
-  if (op == ReduceOp::Avg) finish_avg(DType::F32, values.data(), n, ranks);
-  convert_buffer(DType::F32, values.data(), out.dtype(), out.raw_data_ptr(), n);
+void from_f32(const Tensor& values, ReduceOp op, int ranks, const Tensor& out) {
+  FUNCOL_CHECK(out.is_contiguous() && values.is_contiguous() && values.dtype() == DType::F32 &&
+                   values.numel() == out.numel(),
+               "from_f32: the values must be contiguous f32 as long as the contiguous output");
+  if (op == ReduceOp::Avg) finish_avg(DType::F32, values.raw_data_ptr(), values.numel(), ranks);
+  convert_buffer(DType::F32, values.raw_data_ptr(), out.dtype(), out.raw_data_ptr(),
+                 out.numel());
 }
 
 }  // namespace funcol::process

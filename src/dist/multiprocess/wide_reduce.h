@@ -1,8 +1,6 @@
 // f16/bf16 reductions on the process backends: sums, averages and products travel in f32.
 #pragma once
 
-#include <vector>
-
 #include "funcol/core/dtype.h"
 #include "funcol/core/tensor.h"
 
@@ -15,11 +13,13 @@ namespace funcol::process {
 // Min, max and the bitwise ops are exact in any dtype, so they travel as they are.
 bool reduces_in_f32(DType dtype, ReduceOp op);
 
-// The f32 values of contiguous `t`.
-std::vector<float> to_f32(const Tensor& t);
+// The f32 values of contiguous `t`, in a buffer from the caching allocator (reused from one
+// collective to the next, as the tensors' own buffers are).
+Tensor to_f32(const Tensor& t);
 
-// Writes reduced f32 `values` into contiguous `out`, rounding each once; Avg first divides by
-// `ranks` in f32 (as the threads backend divides its f32 sum).
-void from_f32(std::vector<float>& values, ReduceOp op, int ranks, const Tensor& out);
+// Writes reduced f32 `values` (a contiguous f32 tensor as long as `out`) into contiguous `out`,
+// rounding each once; Avg first divides by `ranks` in f32 (as the threads backend divides its
+// f32 sum).
+void from_f32(const Tensor& values, ReduceOp op, int ranks, const Tensor& out);
 
 }  // namespace funcol::process
