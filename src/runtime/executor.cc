@@ -1053,7 +1053,7 @@ void Executor::Impl::fold_casts(const std::unordered_map<const Node*, uint32_t>&
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
     if (st.kind != StepKind::Kernel || st.op->name != "cat") continue;
-    const size_t rank = st.node->result(0)->type().rank();
+    const int64_t rank = st.node->result(0)->type().rank();
     // The steps from `first` to s - 1 are casts that only this cat uses.
     uint32_t first = s;
     auto foldable = [&](const Step& cs) {
