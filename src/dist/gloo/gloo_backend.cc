@@ -16,6 +16,7 @@
 
 #define HIREDIS_NESTED_INCLUDE 1
 #include <gloo/allgather.h>
+#include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
@@ -451,31 +452,57 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   void all_reduce_one(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
     const int64_t n = t.numel();
     if (n == 0) return;
-    if (process::reduces_in_f32(t.dtype(), op)) {
-      // Gloo combines two buffers at a time: in f16/bf16 every partial sum would round.
-      const Tensor wide = process::to_f32(t);
-      all_reduce_buffer(wide.raw_data_ptr(), DType::F32, n, op, timeout);
-      process::from_f32(wide, op, size(), t);
-      return;
-    }
-    all_reduce_buffer(t.raw_data_ptr(), t.dtype(), n, op, timeout);
-    if (op == ReduceOp::Avg) finish_avg(t.dtype(), t.raw_data_ptr(), n, size());
-  }
-
-  // Avg sums here; the caller divides once at the end.
-  void all_reduce_buffer(void* data, DType dtype, int64_t n, ReduceOp op,
-                         std::chrono::milliseconds timeout) {
+    if (process::reduces_in_f32(t.dtype(), op)) return all_reduce_exact(t, op, timeout);
+    // Avg sums first and divides once at the end.
+    const DType dtype = t.dtype();
     const ReduceOp combine = op == ReduceOp::Avg ? ReduceOp::Sum : op;
     with_element_type(dtype, [&](auto e) {
       using E = decltype(e);
       gloo::AllreduceOptions o(context_);
-      o.setOutput<E>(static_cast<E*>(data), static_cast<size_t>(n));
+      o.setOutput<E>(as<E>(t), static_cast<size_t>(n));
       o.setReduceFunction([dtype, combine](void* out, const void* a, const void* b, size_t count) {
         const void* srcs[2] = {a, b};
         reduce_buffers(combine, dtype, out, srcs, 2, static_cast<int64_t>(count));
       });
       o.setTimeout(timeout);
       gloo::allreduce(o);
+    });
+    if (op == ReduceOp::Avg) finish_avg(dtype, t.raw_data_ptr(), n, size());
+  }
+
+  // f16/bf16 sums, averages and products (process::reduces_in_f32): Gloo's all-reduce combines
+  // two buffers at a time and would round every partial result. As a reduce-scatter (an
+  // all-to-all of the blocks, then each rank reduces its block over every rank in rank order,
+  // accumulating in f32 and rounding once, as the threads backend does) and an all-gather of
+  // the reduced blocks: the same bytes on the wire as a ring all-reduce, in the dtype.
+  void all_reduce_exact(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+    const int64_t n = t.numel();
+    const int g = size();
+    const int me = rank();
+    const auto isz = static_cast<int64_t>(t.itemsize());
+    std::vector<int64_t> counts(g);  // block r goes to rank r; the first n % g get one more
+    for (int r = 0; r < g; ++r) counts[r] = n / g + (r < n % g ? 1 : 0);
+    char* data = static_cast<char*>(t.raw_data_ptr());
+    std::vector<char> blocks(static_cast<size_t>(counts[me] * isz * g));
+    std::vector<char> mine(static_cast<size_t>(std::max<int64_t>(counts[me], 1) * isz));
+    with_element_type(t.dtype(), [&](auto e) {
+      using E = decltype(e);
+      gloo::AlltoallvOptions o(context_);
+      o.setInput<E>(reinterpret_cast<E*>(data), counts);
+      o.setOutput<E>(reinterpret_cast<E*>(blocks.data()), std::vector<int64_t>(g, counts[me]));
+      o.setTimeout(timeout);
+      gloo::alltoallv(o);
+    });
+    std::vector<const void*> srcs(g);
+    for (int r = 0; r < g; ++r) srcs[r] = blocks.data() + r * counts[me] * isz;
+    reduce_buffers(op, t.dtype(), mine.data(), srcs.data(), g, counts[me]);
+    with_element_type(t.dtype(), [&](auto e) {
+      using E = decltype(e);
+      gloo::AllgathervOptions o(context_);
+      o.setInput<E>(reinterpret_cast<E*>(mine.data()), static_cast<size_t>(counts[me]));
+      o.setOutput<E>(reinterpret_cast<E*>(data), std::vector<size_t>(counts.begin(), counts.end()));
+      o.setTimeout(timeout);
+      gloo::allgatherv(o);
     });
   }
 

@@ -1,4 +1,5 @@
-// f16/bf16 reductions on the process backends: sums, averages and products travel in f32.
+// f16/bf16 reductions on the process backends: sums, averages and products accumulate in f32
+// (mpi reduces an f32 copy; gloo's all-reduce reduces each block in rank order).
 #pragma once
 
 #include "funcol/core/dtype.h"
@@ -6,11 +7,11 @@
 
 namespace funcol::process {
 
-// Whether a reduction of `dtype` by `op` runs on an f32 copy of the data: f16/bf16 sum, avg and
-// product. MPI and Gloo combine two buffers at a time and would round every partial result to
-// the dtype (an f16 avg of 60000 and 60000 overflowed to inf on two ranks; 2048 + 1 + 1 gave
-// 2048 on three); in f32 they accumulate and round once, as the threads backend's kernels do.
-// Min, max and the bitwise ops are exact in any dtype, so they travel as they are.
+// Whether a reduction of `dtype` by `op` must not be combined pairwise in the dtype: f16/bf16
+// sum, avg and product. MPI and Gloo combine two buffers at a time and would round every
+// partial result to the dtype (an f16 avg of 60000 and 60000 overflowed to inf on two ranks;
+// 2048 + 1 + 1 gave 2048 on three); in f32 they accumulate and round once, as the threads
+// backend's kernels do. Min, max and the bitwise ops are exact in any dtype.
 bool reduces_in_f32(DType dtype, ReduceOp op);
 
 // The f32 values of contiguous `t`, in a buffer from the caching allocator (reused from one
