@@ -297,29 +297,40 @@ void nan_propagation(Ctx& c) {
 
 // Float min and max order -0 below +0, so the sign of a zero result does not depend on the
 // order a backend combines the ranks in. Element k holds -0 on rank j when bit j of k is set,
-// else +0: min is -0 where any rank holds -0, max is +0 where any rank holds +0.
+// else +0: min is -0 where any rank holds -0, max is +0 where any rank holds +0. all_reduce,
+// and reduce_scatter of the pattern repeated once per rank (every block is the pattern).
 void signed_zeros(Ctx& c) {
   const int64_t count = int64_t{1} << std::min(c.n, 8);
+  const int64_t all = count - 1;  // ranks above 8 hold +0
   for (DType dtype : {DType::F32, DType::F64, DType::F16, DType::BF16}) {
     for (ReduceOp op : {ReduceOp::Min, ReduceOp::Max}) {
       std::vector<double> in(count);
       for (int64_t k = 0; k < count; ++k) in[k] = (k >> c.r) & 1 ? -0.0 : 0.0;
+      auto check = [&](const char* collective, const Tensor& result) {
+        const std::string what = c.where(case_name(
+            collective, dtype, (std::string(reduce_op_name(op)) + " signed zeros").c_str(),
+            count));
+        Tensor out = result.contiguous();
+        for (int64_t k = 0; k < count; ++k) {
+          const bool any_negative = k != 0;
+          const bool any_positive = k != all || c.n > 8;
+          const bool negative = op == ReduceOp::Min ? any_negative : !any_positive;
+          const double v = element(dtype, out.const_data_ptr(), k);
+          if (v != 0 || std::signbit(v) != negative) {
+            fail(what + ": element " + std::to_string(k) + " is " +
+                 (std::signbit(v) ? "-" : "") + std::to_string(v) + ", expected " +
+                 (negative ? "-0" : "+0"));
+          }
+        }
+      };
       Tensor t = make(in, {count}, dtype);
       c.pg.all_reduce(t, op)->wait();
-      const std::string what = c.where(case_name(
-          "all_reduce", dtype, (std::string(reduce_op_name(op)) + " signed zeros").c_str(), count));
-      Tensor out = t.contiguous();
-      for (int64_t k = 0; k < count; ++k) {
-        const int64_t all = (int64_t{1} << std::min(c.n, 8)) - 1;  // ranks above 8 hold +0
-        const bool any_negative = (k & all) != 0;
-        const bool any_positive = (k & all) != all || c.n > 8;
-        const bool negative = op == ReduceOp::Min ? any_negative : !any_positive;
-        const double v = element(dtype, out.const_data_ptr(), k);
-        if (v != 0 || std::signbit(v) != negative) {
-          fail(what + ": element " + std::to_string(k) + " is " + (std::signbit(v) ? "-" : "") +
-               std::to_string(v) + ", expected " + (negative ? "-0" : "+0"));
-        }
-      }
+      check("all_reduce", t);
+      std::vector<double> repeated;
+      for (int i = 0; i < c.n; ++i) repeated.insert(repeated.end(), in.begin(), in.end());
+      Tensor scattered = Tensor::empty({count}, dtype);
+      c.pg.reduce_scatter(scattered, make(repeated, {count * c.n}, dtype), op)->wait();
+      check("reduce_scatter", scattered);
     }
   }
 }
