@@ -672,11 +672,12 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     struct Scratch {
       std::vector<std::vector<char>> copies;
       std::vector<int> sc, sd, rc, rd;
-      // f16/bf16 sums, averages and products (reduces_in_f32): the f32 copies MPI reads, and
-      // the f32 results with the index of the output they are rounded into at the end (an
-      // index, not a Tensor: another reference would keep the executor from donating it).
-      std::vector<Tensor> wide_inputs;
+      // f16/bf16 sums, averages and products (reduces_in_f32), each with the index of its
+      // output (an index, not a Tensor: another reference would keep the executor from
+      // donating it): an all-reduce's f32 copy, rounded into the output at the end; a
+      // reduce-scatter's blocks from every rank, reduced into the output at the end.
       std::vector<std::pair<size_t, Tensor>> wide_outputs;
+      std::vector<std::pair<size_t, Tensor>> blocks;
     };
     auto scratch = std::make_shared<Scratch>();
     std::vector<MPI_Request> requests;
@@ -750,21 +751,19 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           const Tensor& in = op->inputs[i];
           const Tensor& out = op->outputs[i];
           if (out.numel() == 0) continue;
-          const void* send = nullptr;
-          void* receive = out.raw_data_ptr();
-          DType dtype = in.dtype();
-          if (reduces_in_f32(dtype, op->reduce_op)) {
-            send = scratch->wide_inputs.emplace_back(to_f32(in)).raw_data_ptr();
-            receive = scratch->wide_outputs
-                          .emplace_back(i, Tensor::empty({out.numel()}, DType::F32))
-                          .second.raw_data_ptr();
-            dtype = DType::F32;
+          const int n = static_cast<int>(out.numel());
+          const MPI_Datatype type = mpi_type(in.dtype());
+          if (reduces_in_f32(in.dtype(), op->reduce_op)) {
+            // An all-to-all of the blocks; each rank reduces its own over every rank in rank
+            // order at the end (in f32, rounding once), as the threads and gloo backends do.
+            Tensor& blocks =
+                scratch->blocks.emplace_back(i, Tensor::empty({in.numel()}, in.dtype())).second;
+            rc = MPI_Ialltoall(in.raw_data_ptr(), n, type, blocks.raw_data_ptr(), n, type, comm_,
+                               &request);
           } else {
-            send = send_buffer(in, out);
+            rc = MPI_Ireduce_scatter_block(send_buffer(in, out), out.raw_data_ptr(), n, type,
+                                           mpi_op(op->reduce_op, in.dtype()), comm_, &request);
           }
-          rc = MPI_Ireduce_scatter_block(send, receive, static_cast<int>(out.numel()),
-                                         mpi_type(dtype), mpi_op(op->reduce_op, dtype), comm_,
-                                         &request);
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
         break;
@@ -804,6 +803,16 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         if (op->done()) return;  // failed meanwhile (timeout, lost peer): leave the buffers be
         for (auto& [i, wide] : scratch->wide_outputs) {
           from_f32(wide, op->reduce_op, self->size(), op->outputs[i]);
+        }
+        for (auto& [i, blocks] : scratch->blocks) {
+          const Tensor& out = op->outputs[i];
+          const auto bytes = static_cast<int64_t>(out.nbytes());
+          std::vector<const void*> srcs(self->size());
+          for (int r = 0; r < self->size(); ++r) {
+            srcs[r] = static_cast<const char*>(blocks.raw_data_ptr()) + r * bytes;
+          }
+          reduce_buffers(op->reduce_op, out.dtype(), out.raw_data_ptr(), srcs.data(),
+                         self->size(), out.numel());
         }
         if (op->reduce_op == ReduceOp::Avg && process::reduces(op->kind)) {
           for (const auto& t : op->outputs) {

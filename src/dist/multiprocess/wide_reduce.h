@@ -1,5 +1,6 @@
 // f16/bf16 reductions on the process backends: sums, averages and products accumulate in f32
-// (mpi reduces an f32 copy; gloo's all-reduce reduces each block in rank order).
+// (mpi's all-reduce reduces an f32 copy; the reduce-scatters, and gloo's all-reduce, reduce
+// each rank's block over every rank in rank order).
 #pragma once
 
 #include "funcol/core/dtype.h"
