@@ -173,16 +173,10 @@ int8_t pack_shape(std::span<const int64_t> sizes, ShapeWords& words) {
     return static_cast<int8_t>(ndim);
   }
   std::copy(sizes.begin(), sizes.begin() + (kShapeWords - 1), words.begin());
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the count and every dim
-  auto mix = [&](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(ndim);
-  for (int64_t d : sizes) mix(d);
-  words[kShapeWords - 1] = static_cast<int64_t>(h);
+  Fnv1a h;  // over the count and every dim
+  h.mix(ndim);
+  for (int64_t d : sizes) h.mix(d);
+  words[kShapeWords - 1] = static_cast<int64_t>(h.value());
   return static_cast<int8_t>(std::min<int64_t>(ndim, 127));
 }
 

@@ -49,6 +49,22 @@ AllToAllLayout check_all_to_all(const Tensor& output, const Tensor& input,
                                 const std::vector<int64_t>& output_splits,
                                 const std::vector<int64_t>& input_splits, int group_size);
 
+// FNV-1a over 64-bit words, byte by byte (collective signatures and long shapes, compared
+// across ranks: the same on every machine).
+class Fnv1a {
+ public:
+  void mix(int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h_ ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h_ *= 1099511628211ull;
+    }
+  }
+  uint64_t value() const { return h_; }
+
+ private:
+  uint64_t h_ = 1469598103934665603ull;
+};
+
 // A tensor's shape as the ranks of a collective compare it (torch.distributed's DETAIL mode
 // compares whole shapes), in a fixed size that fits a slot or a fixed-size signature: up to
 // kShapeWords dims as they are; a longer shape as its first kShapeWords - 1 dims and, last, a

@@ -483,19 +483,8 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     std::vector<int64_t> counts(g);  // block r goes to rank r; the first n % g get one more
     for (int r = 0; r < g; ++r) counts[r] = n / g + (r < n % g ? 1 : 0);
     char* data = static_cast<char*>(t.raw_data_ptr());
-    std::vector<char> blocks(static_cast<size_t>(counts[me] * isz * g));
     std::vector<char> mine(static_cast<size_t>(std::max<int64_t>(counts[me], 1) * isz));
-    with_element_type(t.dtype(), [&](auto e) {
-      using E = decltype(e);
-      gloo::AlltoallvOptions o(context_);
-      o.setInput<E>(reinterpret_cast<E*>(data), counts);
-      o.setOutput<E>(reinterpret_cast<E*>(blocks.data()), std::vector<int64_t>(g, counts[me]));
-      o.setTimeout(timeout);
-      gloo::alltoallv(o);
-    });
-    std::vector<const void*> srcs(g);
-    for (int r = 0; r < g; ++r) srcs[r] = blocks.data() + r * counts[me] * isz;
-    reduce_buffers(op, t.dtype(), mine.data(), srcs.data(), g, counts[me]);
+    scatter_reduce(data, t.dtype(), counts, mine.data(), op, timeout);
     with_element_type(t.dtype(), [&](auto e) {
       using E = decltype(e);
       gloo::AllgathervOptions o(context_);
@@ -526,21 +515,26 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                           std::chrono::milliseconds timeout) {
     const int64_t n = out.numel();
     if (n == 0) return;
+    scatter_reduce(in.raw_data_ptr(), in.dtype(), std::vector<int64_t>(size(), n),
+                   out.raw_data_ptr(), op, timeout);
+  }
+
+  // Block r of `data` (counts[r] elements, the blocks back to back) goes to rank r; this rank
+  // reduces the blocks it receives into `out` in rank order (process::reduce_blocks).
+  void scatter_reduce(const void* data, DType dtype, const std::vector<int64_t>& counts,
+                      void* out, ReduceOp op, std::chrono::milliseconds timeout) {
     const int g = size();
-    const size_t block = static_cast<size_t>(n) * out.itemsize();
-    std::vector<char> blocks(block * g);
-    with_element_type(in.dtype(), [&](auto e) {
+    const int64_t mine = counts[rank()];
+    std::vector<char> blocks(static_cast<size_t>(mine * g) * itemsize(dtype));
+    with_element_type(dtype, [&](auto e) {
       using E = decltype(e);
-      std::vector<int64_t> counts(g, n);
       gloo::AlltoallvOptions o(context_);
-      o.setInput<E>(as<E>(in), counts);
-      o.setOutput<E>(reinterpret_cast<E*>(blocks.data()), counts);
+      o.setInput<E>(static_cast<E*>(const_cast<void*>(data)), counts);
+      o.setOutput<E>(reinterpret_cast<E*>(blocks.data()), std::vector<int64_t>(g, mine));
       o.setTimeout(timeout);
       gloo::alltoallv(o);
     });
-    std::vector<const void*> srcs(g);
-    for (int r = 0; r < g; ++r) srcs[r] = blocks.data() + r * block;
-    reduce_buffers(op, out.dtype(), out.raw_data_ptr(), srcs.data(), g, n);
+    process::reduce_blocks(op, dtype, out, blocks.data(), g, mine);
   }
 
   std::shared_ptr<GlooShared> shared_;

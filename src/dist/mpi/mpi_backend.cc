@@ -806,13 +806,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         }
         for (auto& [i, blocks] : scratch->blocks) {
           const Tensor& out = op->outputs[i];
-          const auto bytes = static_cast<int64_t>(out.nbytes());
-          std::vector<const void*> srcs(self->size());
-          for (int r = 0; r < self->size(); ++r) {
-            srcs[r] = static_cast<const char*>(blocks.raw_data_ptr()) + r * bytes;
-          }
-          reduce_buffers(op->reduce_op, out.dtype(), out.raw_data_ptr(), srcs.data(),
-                         self->size(), out.numel());
+          process::reduce_blocks(op->reduce_op, out.dtype(), out.raw_data_ptr(),
+                                 blocks.raw_data_ptr(), self->size(), out.numel());
         }
         if (op->reduce_op == ReduceOp::Avg && process::reduces(op->kind)) {
           for (const auto& t : op->outputs) {

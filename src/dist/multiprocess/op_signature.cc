@@ -46,20 +46,14 @@ class Reader {
 
 // FNV-1a over every slot, so long coalesced lists compare in full.
 uint64_t hash_slots(const std::vector<OpSignature::Slot>& slots) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
+  dist_detail::Fnv1a h;
   for (const auto& s : slots) {
-    mix(static_cast<int64_t>(s.dtype));
-    mix(s.count);
-    mix(s.ndim);
-    for (int64_t w : s.dims) mix(w);
+    h.mix(static_cast<int64_t>(s.dtype));
+    h.mix(s.count);
+    h.mix(s.ndim);
+    for (int64_t w : s.dims) h.mix(w);
   }
-  return h;
+  return h.value();
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
-// f16/bf16 reductions in f32 on the process backends.
+// Exact f16/bf16 reductions on the process backends.
 #include "dist/multiprocess/wide_reduce.h"
+
+#include <vector>
 
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
@@ -9,6 +11,14 @@ namespace funcol::process {
 bool reduces_in_f32(DType dtype, ReduceOp op) {
   return (dtype == DType::F16 || dtype == DType::BF16) &&
          (op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Product);
+}
+
+void reduce_blocks(ReduceOp op, DType dtype, void* out, const void* blocks, int ranks,
+                   int64_t count) {
+  const int64_t bytes = count * static_cast<int64_t>(itemsize(dtype));
+  std::vector<const void*> srcs(static_cast<size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) srcs[r] = static_cast<const char*>(blocks) + r * bytes;
+  reduce_buffers(op, dtype, out, srcs.data(), ranks, count);
 }
 
 Tensor to_f32(const Tensor& t) {

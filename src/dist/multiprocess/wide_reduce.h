@@ -15,6 +15,12 @@ namespace funcol::process {
 // backend's kernels do. Min, max and the bitwise ops are exact in any dtype.
 bool reduces_in_f32(DType dtype, ReduceOp op);
 
+// Reduces `ranks` blocks of `count` elements each, back to back in `blocks` (block r from rank
+// r), into `out` in rank order, as the threads backend's kernels do (f16/bf16 in f32, rounding
+// once; avg divided once): the local step of a reduce-scatter made of an all-to-all.
+void reduce_blocks(ReduceOp op, DType dtype, void* out, const void* blocks, int ranks,
+                   int64_t count);
+
 // The f32 values of contiguous `t`, in a buffer from the caching allocator (reused from one
 // collective to the next, as the tensors' own buffers are).
 Tensor to_f32(const Tensor& t);
