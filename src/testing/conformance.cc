@@ -386,6 +386,47 @@ void low_precision_accumulation(Ctx& c) {
 }
 
 
+// f16/bf16 sums and averages in flight among other collectives, waited only at the end, in
+// reverse order. On mpi each is an all-to-all, then an all-gather posted once the all-to-all
+// completed: every rank must post both before anything issued after them (MPI pairs a
+// communicator's collectives by posting order; small ones are one all-gather). Counts from 1
+// up give uneven blocks, some empty on larger groups; every eighth is large (two steps).
+void low_precision_in_flight(Ctx& c) {
+  constexpr int kOps = 24;
+  const int n = c.n;
+  std::vector<Tensor> halves, maxima, gathered;
+  std::vector<std::vector<Tensor>> lists;
+  std::vector<std::shared_ptr<Work>> works;
+  for (int i = 0; i < kOps; ++i) {
+    const int64_t count = i % 8 == 0 ? 300001 : (i * 37) % 101 + 1;
+    halves.push_back(Tensor::full({count}, i % 2 ? DType::BF16 : DType::F16, i + c.r));
+    works.push_back(c.pg.all_reduce(halves.back(), ReduceOp::Sum));
+    maxima.push_back(Tensor::full({5}, DType::F32, i * c.r));
+    works.push_back(c.pg.all_reduce(maxima.back(), ReduceOp::Max));
+    gathered.push_back(Tensor::empty({2 * n}, DType::I32));
+    works.push_back(c.pg.all_gather(gathered.back(), Tensor::full({2}, DType::I32, i * n + c.r)));
+    if (i % 4 == 0) {
+      lists.push_back({Tensor::full({3}, DType::F16, c.r), Tensor::full({2}, DType::F32, c.r)});
+      works.push_back(c.pg.all_reduce_coalesced(lists.back(), ReduceOp::Avg));
+    }
+  }
+  for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait();
+  for (int i = 0; i < kOps; ++i) {
+    const std::string what = c.where("in flight #" + std::to_string(i));
+    const int64_t count = halves[i].numel();
+    expect_values(halves[i], std::vector<double>(count, n * i + n * (n - 1) / 2.0),
+                  what + ": f16/bf16 sum");
+    expect_values(maxima[i], std::vector<double>(5, i * (n - 1)), what + ": f32 max");
+    std::vector<double> blocks;
+    for (int r = 0; r < n; ++r) blocks.insert(blocks.end(), 2, i * n + r);
+    expect_values(gathered[i], blocks, what + ": all_gather");
+  }
+  for (const auto& list : lists) {
+    expect_values(list[0], std::vector<double>(3, (n - 1) / 2.0), c.where("in flight: f16 avg"));
+    expect_values(list[1], std::vector<double>(2, (n - 1) / 2.0), c.where("in flight: f32 avg"));
+  }
+}
+
 void run_all_reduce(Ctx& c, DType dtype, ReduceOp op, int64_t count) {
   std::string what = c.where(case_name("all_reduce", dtype, std::string(reduce_op_name(op)).c_str(), count));
   Tensor t = make(periodic(input_table(dtype, op, c.n, c.r), 0, count), {count}, dtype);
@@ -418,6 +459,7 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
   nan_propagation(c);
   signed_zeros(c);
   low_precision_accumulation(c);
+  low_precision_in_flight(c);
 }
 
 // ---- reduce_scatter ----

@@ -27,9 +27,7 @@ namespace {
 
 using process::CollectiveOp;
 using process::OpKind;
-using process::from_f32;
 using process::reduces_in_f32;
-using process::to_f32;
 using Clock = std::chrono::steady_clock;
 
 // Polls without sleeping this many times after the last progress, then backs off to at most
@@ -615,7 +613,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   // collectives are walked on every progress call, each of them: with all of 64,000 small
   // all_reduces posted, waiting for them took 15.7 s, quadratic in the number in flight.
   void post_from_window() {
-    while (posted_ < kMaxPosted && !window_queue_.empty()) {
+    while (!gate_ && posted_ < kMaxPosted && !window_queue_.empty()) {
       std::shared_ptr<Slot> slot = std::move(window_queue_.front());
       window_queue_.pop_front();
       if (slot->op->done()) {  // failed while it waited (timeout, lost peer)
@@ -630,7 +628,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
   // Posts the signature exchange of the next queued collective (detail mode).
   void exchange_next() {
-    if (detail_queue_.empty()) {
+    if (detail_queue_.empty() || gate_) {  // open_gate() comes back here
       exchanging_ = false;
       return;
     }
@@ -674,10 +672,21 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       std::vector<int> sc, sd, rc, rd;
       // f16/bf16 sums, averages and products (reduces_in_f32), each with the index of its
       // output (an index, not a Tensor: another reference would keep the executor from
-      // donating it): an all-reduce's f32 copy, rounded into the output at the end; a
-      // reduce-scatter's blocks from every rank, reduced into the output at the end.
-      std::vector<std::pair<size_t, Tensor>> wide_outputs;
+      // donating it). A reduce-scatter's blocks from every rank (or a small all-reduce's
+      // tensors), reduced into the output in rank order at the end (in f32, rounding once, as
+      // the threads backend).
       std::vector<std::pair<size_t, Tensor>> blocks;
+      // A larger all-reduce of those in two steps, in the dtype's bytes: an all-to-all gives
+      // this rank every rank's block rank() (`blocks`), reduced as a reduce-scatter's into
+      // its place in the output, then an all-gather of the reduced blocks.
+      struct TwoStep {
+        size_t index;
+        Tensor blocks;
+        Tensor late;  // the all-gather's buffer when the op failed before it was posted
+        std::vector<int> counts, displs;  // block r: elements [displs[r], + counts[r])
+        std::vector<int> mine, mine_displs;  // counts[rank()] from every rank, back to back
+      };
+      std::vector<TwoStep> two_step;
     };
     auto scratch = std::make_shared<Scratch>();
     std::vector<MPI_Request> requests;
@@ -719,14 +728,40 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         for (size_t i = 0; i < op->outputs.size(); ++i) {
           const Tensor& t = op->outputs[i];
           if (t.numel() == 0) continue;
-          void* buffer = t.raw_data_ptr();
-          DType dtype = t.dtype();
-          if (reduces_in_f32(dtype, op->reduce_op)) {
-            buffer = scratch->wide_outputs.emplace_back(i, to_f32(t)).second.raw_data_ptr();
-            dtype = DType::F32;
+          const MPI_Datatype type = mpi_type(t.dtype());
+          if (reduces_in_f32(t.dtype(), op->reduce_op) &&
+              t.nbytes() * static_cast<size_t>(size()) <= kGatherReduceBytes) {
+            // Small: every rank's tensor, reduced here in rank order at the end (as a
+            // reduce-scatter's blocks). One collective, posted as any other.
+            Tensor& all =
+                scratch->blocks.emplace_back(i, Tensor::empty({t.numel() * size()}, t.dtype()))
+                    .second;
+            rc = MPI_Iallgather(t.raw_data_ptr(), static_cast<int>(t.numel()), type,
+                                all.raw_data_ptr(), static_cast<int>(t.numel()), type, comm_,
+                                &request);
+          } else if (reduces_in_f32(t.dtype(), op->reduce_op)) {
+            auto& step = scratch->two_step.emplace_back();
+            step.index = i;
+            const int n = static_cast<int>(t.numel());
+            const int g = size();
+            for (int r = 0, at = 0; r < g; ++r) {  // the first n % g blocks get one more
+              step.counts.push_back(n / g + (r < n % g ? 1 : 0));
+              step.displs.push_back(at);
+              at += step.counts.back();
+            }
+            const int mine = step.counts[static_cast<size_t>(rank())];
+            for (int r = 0; r < g; ++r) {
+              step.mine.push_back(mine);
+              step.mine_displs.push_back(r * mine);
+            }
+            step.blocks = Tensor::empty({int64_t{mine} * g}, t.dtype());
+            rc = MPI_Ialltoallv(t.raw_data_ptr(), step.counts.data(), step.displs.data(), type,
+                                step.blocks.raw_data_ptr(), step.mine.data(),
+                                step.mine_displs.data(), type, comm_, &request);
+          } else {
+            rc = MPI_Iallreduce(MPI_IN_PLACE, t.raw_data_ptr(), static_cast<int>(t.numel()), type,
+                                mpi_op(op->reduce_op, t.dtype()), comm_, &request);
           }
-          rc = MPI_Iallreduce(MPI_IN_PLACE, buffer, static_cast<int>(t.numel()), mpi_type(dtype),
-                              mpi_op(op->reduce_op, dtype), comm_, &request);
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
         break;
@@ -797,13 +832,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         break;
     }
     auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
-    Runtime::get().track(std::move(requests), [self, slot, scratch](int code) {
+    auto when_done = [self, slot, scratch](int code) {
       if (code != MPI_SUCCESS) return self->fail_mpi(slot, code);
       self->finished(slot, [self, op = slot->op, scratch] {
         if (op->done()) return;  // failed meanwhile (timeout, lost peer): leave the buffers be
-        for (auto& [i, wide] : scratch->wide_outputs) {
-          from_f32(wide, op->reduce_op, self->size(), op->outputs[i]);
-        }
         for (auto& [i, blocks] : scratch->blocks) {
           const Tensor& out = op->outputs[i];
           process::reduce_blocks(op->reduce_op, out.dtype(), out.raw_data_ptr(),
@@ -818,7 +850,56 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         }
         self->complete(op);
       });
+    };
+    if (scratch->two_step.empty()) {
+      Runtime::get().track(std::move(requests), std::move(when_done));
+      return;
+    }
+    // The all-gathers are posted when the all-to-alls completed, and MPI pairs a
+    // communicator's collectives by the order each rank posts them: nothing else is posted on
+    // it meanwhile (gate_), so every rank posts all-to-all, all-gather, then what came next.
+    gate_ = true;
+    Runtime::get().track(std::move(requests), [self, slot, scratch, when_done](int code) {
+      if (code != MPI_SUCCESS) {
+        self->open_gate();
+        return self->fail_mpi(slot, code);
+      }
+      const auto& op = slot->op;
+      std::vector<MPI_Request> gathers;
+      int rc = MPI_SUCCESS;
+      for (auto& step : scratch->two_step) {
+        const Tensor& out = op->outputs[step.index];
+        // Failed meanwhile (timeout, lost peer): the output is left alone, but the block is
+        // still reduced and gathered, in a scratch buffer, for the ranks that go on.
+        Tensor late;
+        if (op->done()) late = Tensor::empty({out.numel()}, out.dtype());
+        char* base = static_cast<char*>(late.defined() ? late.raw_data_ptr() : out.raw_data_ptr());
+        if (late.defined()) step.late = late;
+        const auto me = static_cast<size_t>(self->rank());
+        process::reduce_blocks(op->reduce_op, out.dtype(),
+                               base + int64_t{step.displs[me]} * out.itemsize(),
+                               step.blocks.raw_data_ptr(), self->size(), step.counts[me]);
+        MPI_Request request = MPI_REQUEST_NULL;
+        const MPI_Datatype type = mpi_type(out.dtype());
+        rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, type, base, step.counts.data(), step.displs.data(),
+                             type, self->comm_, &request);
+        if (rc != MPI_SUCCESS) break;
+        gathers.push_back(request);
+      }
+      self->open_gate();
+      if (rc != MPI_SUCCESS) {
+        if (!gathers.empty()) Runtime::get().track(std::move(gathers), [slot, scratch](int) {});
+        return self->fail_mpi(slot, rc);
+      }
+      Runtime::get().track(std::move(gathers), when_done);
     });
+  }
+
+  // Lets the group post again after a two-step all-reduce posted its all-gathers (gate_).
+  void open_gate() {
+    gate_ = false;
+    post_from_window();
+    if (job()->detail() && !exchanging_) exchange_next();
   }
 
   // Ends the slot's collective once every collective issued before it on this group ended:
@@ -847,8 +928,16 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   bool exchanging_ = false;
   // The window (communication thread only): collectives not posted yet, and how many are.
   static constexpr int kMaxPosted = 64;
+  // f16/bf16 sum, avg and product all-reduces whose tensors, gathered from every rank, take at
+  // most this many bytes run as one all-gather and a local reduction; larger ones in two steps
+  // (see Scratch), which hold back the group's later collectives until the first step is done.
+  // 40,000 f16 all-reduces of 4 KiB, 200 in flight, 2 ranks: two steps took 1.7x the time.
+  static constexpr size_t kGatherReduceBytes = size_t{1} << 20;
   std::deque<std::shared_ptr<Slot>> window_queue_;
   int posted_ = 0;
+  // Set while a two-step all-reduce waits for its all-to-alls (communication thread only):
+  // nothing is posted on comm_ until its all-gathers are.
+  bool gate_ = false;
 };
 
 }  // namespace

@@ -1,6 +1,6 @@
-// f16/bf16 reductions on the process backends: sums, averages and products accumulate in f32
-// (mpi's all-reduce reduces an f32 copy; the reduce-scatters, and gloo's all-reduce, reduce
-// each rank's block over every rank in rank order).
+// f16/bf16 reductions on the process backends: sums, averages and products accumulate in f32,
+// each rank reducing its block over every rank in rank order (the reduce-scatters, and the
+// all-reduces as a reduce-scatter and an all-gather).
 #pragma once
 
 #include "funcol/core/dtype.h"
@@ -20,14 +20,5 @@ bool reduces_in_f32(DType dtype, ReduceOp op);
 // once; avg divided once): the local step of a reduce-scatter made of an all-to-all.
 void reduce_blocks(ReduceOp op, DType dtype, void* out, const void* blocks, int ranks,
                    int64_t count);
-
-// The f32 values of contiguous `t`, in a buffer from the caching allocator (reused from one
-// collective to the next, as the tensors' own buffers are).
-Tensor to_f32(const Tensor& t);
-
-// Writes reduced f32 `values` (a contiguous f32 tensor as long as `out`) into contiguous `out`,
-// rounding each once; Avg first divides by `ranks` in f32 (as the threads backend divides its
-// f32 sum).
-void from_f32(const Tensor& values, ReduceOp op, int ranks, const Tensor& out);
 
 }  // namespace funcol::process

@@ -25,6 +25,7 @@
 
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -96,11 +97,15 @@ void check_sum(funcol::ProcessGroup& world) {
 void check_in_flight(funcol::ProcessGroup& world) {
   constexpr int kOps = 50;
   const int n = world.size();
-  std::vector<Tensor> sums, gathered;
+  std::vector<Tensor> sums, gathered, halves;
   std::vector<std::shared_ptr<funcol::Work>> works;
   for (int i = 0; i < kOps; ++i) {
     sums.push_back(Tensor::full({4}, DType::I64, int64_t{1000} * i + world.rank() + 1));
     works.push_back(world.all_reduce(sums.back(), ReduceOp::Sum));
+    if (i % 10 == 0) {  // large: on mpi an all-to-all, then an all-gather posted on its completion
+      halves.push_back(Tensor::full({300001}, DType::F16, i + world.rank()));
+      works.push_back(world.all_reduce(halves.back(), ReduceOp::Sum));
+    }
     gathered.push_back(Tensor::empty({2 * n}, DType::I32));
     works.push_back(world.all_gather(gathered.back(), Tensor::full({2}, DType::I32, i * n +
                                                                         world.rank())));
@@ -116,6 +121,13 @@ void check_in_flight(funcol::ProcessGroup& world) {
     for (int r = 0; r < n; ++r) want_g.insert(want_g.end(), 2, i * n + r);
     if (gathered[i].to_vector<int>() != want_g) {
       failed(fmt::format("in-flight all_gather {} gave wrong blocks", i));
+    }
+  }
+  for (size_t k = 0; k < halves.size(); ++k) {
+    const float want = static_cast<float>(10 * k * n + n * (n - 1) / 2);
+    const std::vector<float> got = halves[k].to(DType::F32).to_vector<float>();
+    if (std::any_of(got.begin(), got.end(), [&](float v) { return v != want; })) {
+      failed(fmt::format("in-flight f16 all_reduce {} gave wrong sums", 10 * k));
     }
   }
 }
