@@ -493,6 +493,22 @@ void family_reduce_scatter(Ctx& c, const LargePolicy& large) {
   Tensor out = Tensor::empty({1}, DType::F32);
   c.pg.reduce_scatter(out, in, ReduceOp::Avg);
   expect_values(out, {static_cast<double>(c.r)}, c.where("reduce_scatter(tensor(ranks), avg)"));
+  // Floating sums add in rank order on every backend: 2^24 (f32; 2^53 for f64) from rank 0
+  // and 1 from every other rank stays 2^24, each 1 lost in turn (the 1s added first would
+  // make 2^24 + 4 on 4 ranks). Exact: every input element is its rank's value.
+  for (DType dtype : {DType::F32, DType::F64}) {
+    const double big = dtype == DType::F32 ? 16777216.0 : 9007199254740992.0;
+    const std::vector<double> mine(static_cast<size_t>(3 * c.n), c.r == 0 ? big : 1.0);
+    Tensor sum = Tensor::empty({3}, dtype);
+    c.pg.reduce_scatter(sum, make(mine, {3 * c.n}, dtype), ReduceOp::Sum)->wait();
+    double want = big;
+    for (int k = 1; k < c.n; ++k) {
+      want = dtype == DType::F32 ? static_cast<float>(static_cast<float>(want) + 1.0f)
+                                 : want + 1.0;
+    }
+    expect_values(sum, std::vector<double>(3, want),
+                  c.where(case_name("reduce_scatter", dtype, "sum in rank order", 3)));
+  }
 }
 
 // ---- all_gather ----
