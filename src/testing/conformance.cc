@@ -427,6 +427,32 @@ void low_precision_in_flight(Ctx& c) {
   }
 }
 
+// Floating sums add in rank order on every backend: 2^24 (f32; 2^53 for f64) from rank 0 and 1
+// from every other rank stays 2^24, each 1 lost in turn (the 1s added first would make 2^24 + 4
+// on 4 ranks). all_reduce small (one all-gather on mpi and gloo) and large (two steps there),
+// and reduce_scatter.
+void float_sums_in_rank_order(Ctx& c) {
+  for (DType dtype : {DType::F32, DType::F64}) {
+    const double big = dtype == DType::F32 ? 16777216.0 : 9007199254740992.0;
+    const double mine = c.r == 0 ? big : 1.0;
+    double want = big;
+    for (int k = 1; k < c.n; ++k) {
+      want = dtype == DType::F32 ? static_cast<float>(static_cast<float>(want) + 1.0f)
+                                 : want + 1.0;
+    }
+    for (int64_t count : {int64_t{3}, int64_t{300001}}) {
+      Tensor t = Tensor::full({count}, dtype, mine);
+      c.pg.all_reduce(t, ReduceOp::Sum)->wait();
+      expect_values(t, std::vector<double>(count, want),
+                    c.where(case_name("all_reduce", dtype, "sum in rank order", count)));
+    }
+    Tensor sum = Tensor::empty({3}, dtype);
+    c.pg.reduce_scatter(sum, Tensor::full({3 * c.n}, dtype, mine), ReduceOp::Sum)->wait();
+    expect_values(sum, std::vector<double>(3, want),
+                  c.where(case_name("reduce_scatter", dtype, "sum in rank order", 3)));
+  }
+}
+
 void run_all_reduce(Ctx& c, DType dtype, ReduceOp op, int64_t count) {
   std::string what = c.where(case_name("all_reduce", dtype, std::string(reduce_op_name(op)).c_str(), count));
   Tensor t = make(periodic(input_table(dtype, op, c.n, c.r), 0, count), {count}, dtype);
@@ -460,6 +486,7 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
   signed_zeros(c);
   low_precision_accumulation(c);
   low_precision_in_flight(c);
+  float_sums_in_rank_order(c);
 }
 
 // ---- reduce_scatter ----
@@ -493,22 +520,6 @@ void family_reduce_scatter(Ctx& c, const LargePolicy& large) {
   Tensor out = Tensor::empty({1}, DType::F32);
   c.pg.reduce_scatter(out, in, ReduceOp::Avg);
   expect_values(out, {static_cast<double>(c.r)}, c.where("reduce_scatter(tensor(ranks), avg)"));
-  // Floating sums add in rank order on every backend: 2^24 (f32; 2^53 for f64) from rank 0
-  // and 1 from every other rank stays 2^24, each 1 lost in turn (the 1s added first would
-  // make 2^24 + 4 on 4 ranks). Exact: every input element is its rank's value.
-  for (DType dtype : {DType::F32, DType::F64}) {
-    const double big = dtype == DType::F32 ? 16777216.0 : 9007199254740992.0;
-    const std::vector<double> mine(static_cast<size_t>(3 * c.n), c.r == 0 ? big : 1.0);
-    Tensor sum = Tensor::empty({3}, dtype);
-    c.pg.reduce_scatter(sum, make(mine, {3 * c.n}, dtype), ReduceOp::Sum)->wait();
-    double want = big;
-    for (int k = 1; k < c.n; ++k) {
-      want = dtype == DType::F32 ? static_cast<float>(static_cast<float>(want) + 1.0f)
-                                 : want + 1.0;
-    }
-    expect_values(sum, std::vector<double>(3, want),
-                  c.where(case_name("reduce_scatter", dtype, "sum in rank order", 3)));
-  }
 }
 
 // ---- all_gather ----
@@ -1289,6 +1300,7 @@ void expect_values(const Tensor& actual, const std::vector<double>& expected,
     double v = element(c.dtype(), p, static_cast<int64_t>(i));
     if (v != expected[i]) {
       std::ostringstream s;
+      s.precision(17);  // every digit: 2^24 + 2 against 2^24
       s << what << ": element " << i << " is " << v << ", expected " << expected[i];
       fail(s.str());
     }

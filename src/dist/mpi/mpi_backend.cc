@@ -27,7 +27,7 @@ namespace {
 
 using process::CollectiveOp;
 using process::OpKind;
-using process::reduces_in_f32;
+using process::order_sensitive;
 using Clock = std::chrono::steady_clock;
 
 // Polls without sleeping this many times after the last progress, then backs off to at most
@@ -113,18 +113,18 @@ void create_types_and_ops() {
 }
 
 // Predefined operators where they compute exactly what funcol's kernels do: bitwise ops, integer
-// min and max, f32/f64 sum and product (f16/bf16 sums, averages and products travel in f32:
-// reduces_in_f32). funcol's kernels through user-defined operators for the rest: f16/bf16 min
-// and max, bool; integer sum and product, which must wrap around
-// (Open MPI 4.1's AVX component saturates i8/u8/i16 sums of 16 bytes or more, so results changed
-// with the buffer size and hence with bucketing); float min and max, which must propagate NaN
-// (MPI_MAX keeps one operand or the other depending on their order). Avg sums; the caller
+// min and max. funcol's kernels through user-defined operators for the rest: f16/bf16 min and
+// max, bool; integer sum and product, which must wrap around (Open MPI 4.1's AVX component
+// saturates i8/u8/i16 sums of 16 bytes or more, so results changed with the buffer size and
+// hence with bucketing); float min and max, which must propagate NaN (MPI_MAX keeps one operand
+// or the other depending on their order). Floating sums, averages and products never reach
+// MPI's operators: they are reduced in rank order (order_sensitive). Avg sums; the caller
 // divides afterwards.
 MPI_Op mpi_op(ReduceOp op, DType dtype) {
   const bool adds = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Product;
-  const bool predefined =
-      dtype == DType::F32 || dtype == DType::F64 ? adds : is_integer(dtype) && !adds;
-  if (!predefined) return g_custom_ops[static_cast<int>(op == ReduceOp::Avg ? ReduceOp::Sum : op)];
+  if (!is_integer(dtype) || adds) {
+    return g_custom_ops[static_cast<int>(op == ReduceOp::Avg ? ReduceOp::Sum : op)];
+  }
   switch (op) {
     case ReduceOp::Sum:
     case ReduceOp::Avg:
@@ -668,17 +668,17 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     // Buffers MPI reads or writes until completion: copies of overlapping inputs and the
     // all-to-all count arrays.
     struct Scratch {
-      std::vector<std::vector<char>> copies;
+      std::vector<Tensor> copies;
       std::vector<int> sc, sd, rc, rd;
       // Outputs by index (not a Tensor: another reference would keep the executor from
-      // donating one). A reduce-scatter's blocks from every rank, or a small f16/bf16 sum,
-      // avg or product all-reduce's tensors (reduces_in_f32), reduced into the output in rank
+      // donating one). A reduce-scatter's blocks from every rank, or a small floating sum,
+      // avg or product all-reduce's tensors (order_sensitive), reduced into the output in rank
       // order at the end (f16/bf16 in f32, rounding once), as the threads backend does.
       std::vector<std::pair<size_t, Tensor>> blocks;
       std::vector<size_t> by_mpi;  // outputs MPI's all-reduce reduced (an avg is its sum)
-      // A larger f16/bf16 all-reduce in two steps, in the dtype's bytes: an all-to-all gives
-      // this rank every rank's block rank() (`blocks`), reduced as a reduce-scatter's into
-      // its place in the output, then an all-gather of the reduced blocks.
+      // A larger such all-reduce in two steps, in the dtype's bytes: an all-to-all gives this
+      // rank every rank's block rank() (`blocks`), reduced as a reduce-scatter's into its
+      // place in the output, then an all-gather of the reduced blocks.
       struct TwoStep {
         size_t index;
         Tensor blocks;
@@ -715,9 +715,12 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     auto send_buffer = [&](const Tensor& in, const Tensor& out) -> const void* {
       const void* p = in.raw_data_ptr();
       if (!overlaps(p, in.nbytes(), out.raw_data_ptr(), out.nbytes())) return p;
-      auto& copy = scratch->copies.emplace_back(in.nbytes());
-      std::memcpy(copy.data(), p, in.nbytes());
-      return copy.data();
+      // From the caching allocator: a fresh vector's zeroing and page faults cost more than
+      // the copy (see gloo's scatter_reduce).
+      const Tensor& copy = scratch->copies.emplace_back(
+          Tensor::empty({static_cast<int64_t>(in.nbytes())}, DType::U8));
+      std::memcpy(copy.raw_data_ptr(), p, in.nbytes());
+      return copy.raw_data_ptr();
     };
     int rc = MPI_SUCCESS;
     MPI_Request request = MPI_REQUEST_NULL;
@@ -729,8 +732,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           const Tensor& t = op->outputs[i];
           if (t.numel() == 0) continue;
           const MPI_Datatype type = mpi_type(t.dtype());
-          if (reduces_in_f32(t.dtype(), op->reduce_op) &&
-              t.nbytes() * static_cast<size_t>(size()) <= kGatherReduceBytes) {
+          if (order_sensitive(t.dtype(), op->reduce_op) &&
+              t.nbytes() * static_cast<size_t>(size()) <= process::kGatherReduceBytes) {
             // Small: every rank's tensor, reduced here in rank order at the end (as a
             // reduce-scatter's blocks). One collective, posted as any other.
             Tensor& all =
@@ -739,7 +742,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
             rc = MPI_Iallgather(t.raw_data_ptr(), static_cast<int>(t.numel()), type,
                                 all.raw_data_ptr(), static_cast<int>(t.numel()), type, comm_,
                                 &request);
-          } else if (reduces_in_f32(t.dtype(), op->reduce_op)) {
+          } else if (order_sensitive(t.dtype(), op->reduce_op)) {
             auto& step = scratch->two_step.emplace_back();
             step.index = i;
             const int n = static_cast<int>(t.numel());
@@ -925,11 +928,6 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   bool exchanging_ = false;
   // The window (communication thread only): collectives not posted yet, and how many are.
   static constexpr int kMaxPosted = 64;
-  // f16/bf16 sum, avg and product all-reduces whose tensors, gathered from every rank, take at
-  // most this many bytes run as one all-gather and a local reduction; larger ones in two steps
-  // (see Scratch), which hold back the group's later collectives until the first step is done.
-  // 40,000 f16 all-reduces of 4 KiB, 200 in flight, 2 ranks: two steps took 1.7x the time.
-  static constexpr size_t kGatherReduceBytes = size_t{1} << 20;
   std::deque<std::shared_ptr<Slot>> window_queue_;
   int posted_ = 0;
   // Set while a two-step all-reduce waits for its all-to-alls (communication thread only):

@@ -1,4 +1,4 @@
-// Exact f16/bf16 reductions on the process backends.
+// Reductions in rank order on the process backends.
 #include "dist/multiprocess/wide_reduce.h"
 
 #include <vector>
@@ -7,8 +7,8 @@
 
 namespace funcol::process {
 
-bool reduces_in_f32(DType dtype, ReduceOp op) {
-  return (dtype == DType::F16 || dtype == DType::BF16) &&
+bool order_sensitive(DType dtype, ReduceOp op) {
+  return is_floating(dtype) &&
          (op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Product);
 }
 
