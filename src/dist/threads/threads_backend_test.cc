@@ -454,7 +454,9 @@ TEST(FailureTest, PeerBeyondRank64ThrowsBeforeJoining) {
               "missing ranks [69]")
         << "rank " << r;
   }
-  EXPECT_LT(seconds_since(start), 5.0);
+  // Half the timeout: 70 threads take 1-3 s under ThreadSanitizer on two busy cores, and once
+  // 5.04 s (a CI run beside a build).
+  EXPECT_LT(seconds_since(start), 10.0);
 }
 
 TEST(FailureTest, PendingCollectiveFailsWhenPeerThrowsLater) {
