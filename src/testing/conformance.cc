@@ -390,7 +390,7 @@ void low_precision_accumulation(Ctx& c) {
 // reverse order. On mpi each is an all-to-all, then an all-gather posted once the all-to-all
 // completed: every rank must post both before anything issued after them (MPI pairs a
 // communicator's collectives by posting order; small ones are one all-gather). Counts from 1
-// up give uneven blocks, some empty on larger groups; every eighth is large (two steps).
+// up; every eighth is large (two steps there, in uneven blocks: 300001 elements).
 void low_precision_in_flight(Ctx& c) {
   constexpr int kOps = 24;
   const int n = c.n;

@@ -549,8 +549,8 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                       void* out, ReduceOp op, std::chrono::milliseconds timeout) {
     const int g = size();
     const int64_t mine = counts[rank()];
-    // From the caching allocator (64 MiB reduce-scatter: 0.92-1.08 s with a zeroed vector's
-    // page faults, XXX).
+    // From the caching allocator: a zeroed vector's memset and page faults took most of a 64
+    // MiB reduce-scatter's time (0.92-1.08 s against 51-59 ms, 2 ranks, a loaded host).
     const Tensor blocks = Tensor::empty({mine * g}, dtype);
     with_element_type(dtype, [&](auto e) {
       using E = decltype(e);

@@ -860,9 +860,11 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     // it meanwhile (gate_), so every rank posts all-to-all, all-gather, then what came next.
     gate_ = true;
     Runtime::get().track(std::move(requests), [self, slot, scratch, when_done](int code) {
+      // On an error the group is failed first (queued collectives then leave without being
+      // posted on the failed communicator), then let go.
       if (code != MPI_SUCCESS) {
-        self->open_gate();
-        return self->fail_mpi(slot, code);
+        self->fail_mpi(slot, code);
+        return self->open_gate();
       }
       const auto& op = slot->op;
       std::vector<MPI_Request> gathers;
@@ -886,11 +888,12 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         if (rc != MPI_SUCCESS) break;
         gathers.push_back(request);
       }
-      self->open_gate();
       if (rc != MPI_SUCCESS) {
         if (!gathers.empty()) Runtime::get().track(std::move(gathers), [slot, scratch](int) {});
-        return self->fail_mpi(slot, rc);
+        self->fail_mpi(slot, rc);
+        return self->open_gate();
       }
+      self->open_gate();
       Runtime::get().track(std::move(gathers), when_done);
     });
   }
