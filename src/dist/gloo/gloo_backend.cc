@@ -452,12 +452,12 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   void all_reduce_one(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
     const int64_t n = t.numel();
     if (n == 0) return;
-    if (process::order_sensitive(t.dtype(), op)) {
-      if (t.nbytes() * static_cast<size_t>(size()) <= process::kGatherReduceBytes) {
-        return all_reduce_gathered(t, op, timeout);
-      }
-      return all_reduce_exact(t, op, timeout);
+    // Small ones of every dtype and op as one all-gather: Gloo's all-reduce cost 0.96 ms a
+    // collective with 200 small i32 ones in flight (2 ranks), its all-gather 0.07 ms.
+    if (t.nbytes() * static_cast<size_t>(size()) <= process::kGatherReduceBytes) {
+      return all_reduce_gathered(t, op, timeout);
     }
+    if (process::order_sensitive(t.dtype(), op)) return all_reduce_exact(t, op, timeout);
     // Avg sums first and divides once at the end.
     const DType dtype = t.dtype();
     const ReduceOp combine = op == ReduceOp::Avg ? ReduceOp::Sum : op;
@@ -475,8 +475,9 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     if (op == ReduceOp::Avg) finish_avg(dtype, t.raw_data_ptr(), n, size());
   }
 
-  // Floating sums, averages and products of up to kGatherReduceBytes gathered: every rank's
-  // tensor, reduced here in rank order (f16/bf16 in f32, rounding once): one Gloo collective.
+  // All-reduces of up to kGatherReduceBytes gathered: every rank's tensor, reduced here in
+  // rank order (f16/bf16 sums, averages and products in f32, rounding once; avg divided once):
+  // one Gloo collective.
   void all_reduce_gathered(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
     const int64_t n = t.numel();
     const Tensor all = Tensor::empty({n * size()}, t.dtype());
