@@ -17,7 +17,6 @@
 #define HIREDIS_NESTED_INCLUDE 1
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
-#include <gloo/allreduce.h>
 #include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -32,7 +31,6 @@
 #include "dist/multiprocess/process_env.h"
 #include "dist/multiprocess/wide_reduce.h"
 #include "funcol/core/error.h"
-#include "funcol/core/kernels.h"
 
 namespace funcol::gloo_backend {
 namespace {
@@ -59,7 +57,7 @@ std::string gloo_message(const std::exception& e) {
 }
 
 // Calls f with a value of an unsigned type as wide as one element: Gloo's templates need only
-// the element size; the reduction function knows the real dtype.
+// the element size (Gloo only moves bytes here; funcol's kernels reduce them).
 template <typename F>
 void with_element_type(DType dtype, F&& f) {
   switch (itemsize(dtype)) {
@@ -449,35 +447,23 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     complete(op);
   }
 
+  // Every all-reduce is reduced here, in rank order, as the threads backend does (Gloo's own
+  // combines two buffers at a time in its order, and would round every f16/bf16 partial
+  // result): small ones as one all-gather (Gloo's all-reduce cost 0.96 ms a collective with
+  // 200 small i32 ones in flight, 2 ranks; its all-gather 0.07 ms), larger ones as a
+  // reduce-scatter and an all-gather (64 MiB, 2 ranks: f32 55-60 ms against 62-107 ms for
+  // Gloo's, i32 63-65 ms against 76-81 ms).
   void all_reduce_one(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
-    const int64_t n = t.numel();
-    if (n == 0) return;
-    // Small ones of every dtype and op as one all-gather: Gloo's all-reduce cost 0.96 ms a
-    // collective with 200 small i32 ones in flight (2 ranks), its all-gather 0.07 ms.
+    if (t.numel() == 0) return;
     if (t.nbytes() * static_cast<size_t>(size()) <= process::kGatherReduceBytes) {
-      return all_reduce_gathered(t, op, timeout);
+      all_reduce_gathered(t, op, timeout);
+    } else {
+      all_reduce_scattered(t, op, timeout);
     }
-    if (process::order_sensitive(t.dtype(), op)) return all_reduce_exact(t, op, timeout);
-    // Avg sums first and divides once at the end.
-    const DType dtype = t.dtype();
-    const ReduceOp combine = op == ReduceOp::Avg ? ReduceOp::Sum : op;
-    with_element_type(dtype, [&](auto e) {
-      using E = decltype(e);
-      gloo::AllreduceOptions o(context_);
-      o.setOutput<E>(as<E>(t), static_cast<size_t>(n));
-      o.setReduceFunction([dtype, combine](void* out, const void* a, const void* b, size_t count) {
-        const void* srcs[2] = {a, b};
-        reduce_buffers(combine, dtype, out, srcs, 2, static_cast<int64_t>(count));
-      });
-      o.setTimeout(timeout);
-      gloo::allreduce(o);
-    });
-    if (op == ReduceOp::Avg) finish_avg(dtype, t.raw_data_ptr(), n, size());
   }
 
-  // All-reduces of up to kGatherReduceBytes gathered: every rank's tensor, reduced here in
-  // rank order (f16/bf16 sums, averages and products in f32, rounding once; avg divided once):
-  // one Gloo collective.
+  // Every rank's tensor, reduced here in rank order (process::reduce_blocks: f16/bf16 sums,
+  // averages and products in f32, rounding once; avg divided once): one Gloo collective.
   void all_reduce_gathered(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
     const int64_t n = t.numel();
     const Tensor all = Tensor::empty({n * size()}, t.dtype());
@@ -492,13 +478,10 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     process::reduce_blocks(op, t.dtype(), t.raw_data_ptr(), all.raw_data_ptr(), size(), n);
   }
 
-  // Larger floating sums, averages and products (process::order_sensitive): Gloo's all-reduce
-  // combines two buffers at a time, in its own order, and would round every f16/bf16 partial
-  // result. As a reduce-scatter (an all-to-all of the blocks, then each rank reduces its block
-  // over every rank in rank order, f16/bf16 in f32 rounding once, as the threads backend does)
-  // and an all-gather of the reduced blocks: the same bytes on the wire as a ring all-reduce.
-  // f32, 2 ranks, against Gloo's all-reduce: 64 MiB 55-60 ms against 62-107 ms.
-  void all_reduce_exact(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+  // A reduce-scatter (an all-to-all of the blocks, then each rank reduces its block over
+  // every rank in rank order) and an all-gather of the reduced blocks: the same bytes on the
+  // wire as a ring all-reduce.
+  void all_reduce_scattered(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
     const int64_t n = t.numel();
     const int g = size();
     const int me = rank();
