@@ -453,6 +453,33 @@ void float_sums_in_rank_order(Ctx& c) {
   }
 }
 
+// Large all-reduces of integers and of min, max and the bitwise ops (mpi and gloo reduce them
+// as a reduce-scatter and an all-gather, like the floating sums): i32 sums wrap, i64 xor of a
+// bit per rank, u8 max, bool or.
+void large_exact_all_reduces(Ctx& c) {
+  constexpr int64_t kCount = 300001;  // more than 1 MiB gathered in every case
+  struct Case {
+    DType dtype;
+    ReduceOp op;
+    double mine, want;
+  };
+  const int n = c.n;
+  const Case cases[] = {
+      {DType::I32, ReduceOp::Sum, c.r == 0 ? 2147483647.0 : 1.0,
+       static_cast<double>(static_cast<int32_t>(static_cast<uint32_t>(2147483647u + (n - 1))))},
+      {DType::I64, ReduceOp::BXor, static_cast<double>(int64_t{1} << c.r),
+       static_cast<double>((int64_t{1} << n) - 1)},
+      {DType::U8, ReduceOp::Max, static_cast<double>(c.r), static_cast<double>(n - 1)},
+      {DType::Bool, ReduceOp::BOr, c.r == n - 1 ? 1.0 : 0.0, 1.0}};
+  for (const Case& k : cases) {
+    Tensor t = Tensor::full({kCount}, k.dtype, k.mine);
+    c.pg.all_reduce(t, k.op)->wait();
+    expect_values(t, std::vector<double>(kCount, k.want),
+                  c.where(case_name("all_reduce", k.dtype,
+                                    std::string(reduce_op_name(k.op)).c_str(), kCount)));
+  }
+}
+
 void run_all_reduce(Ctx& c, DType dtype, ReduceOp op, int64_t count) {
   std::string what = c.where(case_name("all_reduce", dtype, std::string(reduce_op_name(op)).c_str(), count));
   Tensor t = make(periodic(input_table(dtype, op, c.n, c.r), 0, count), {count}, dtype);
@@ -487,6 +514,7 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
   low_precision_accumulation(c);
   low_precision_in_flight(c);
   float_sums_in_rank_order(c);
+  large_exact_all_reduces(c);
 }
 
 // ---- reduce_scatter ----
