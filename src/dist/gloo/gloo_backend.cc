@@ -486,11 +486,10 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     const int g = size();
     const int me = rank();
     const auto isz = static_cast<int64_t>(t.itemsize());
-    std::vector<int64_t> counts(g);  // block r goes to rank r; the first n % g get one more
-    for (int r = 0; r < g; ++r) counts[r] = n / g + (r < n % g ? 1 : 0);
+    std::vector<int64_t> counts(g);  // block r goes to rank r
+    for (int r = 0; r < g; ++r) counts[r] = process::block_elements(n, g, r);
     char* data = static_cast<char*>(t.raw_data_ptr());
-    // Scratch from the caching allocator: a fresh zeroed vector's page faults took most of a
-    // 64 MiB collective's time on this host.
+    // Scratch from the caching allocator, as scatter_reduce's.
     const Tensor mine = Tensor::empty({std::max<int64_t>(counts[me], 1) * isz}, DType::U8);
     scatter_reduce(data, t.dtype(), counts, mine.raw_data_ptr(), op, timeout);
     with_element_type(t.dtype(), [&](auto e) {

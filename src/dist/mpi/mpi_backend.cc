@@ -756,8 +756,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
             step.index = i;
             const int n = static_cast<int>(t.numel());
             const int g = size();
-            for (int r = 0, at = 0; r < g; ++r) {  // the first n % g blocks get one more
-              step.counts.push_back(n / g + (r < n % g ? 1 : 0));
+            for (int r = 0, at = 0; r < g; ++r) {
+              step.counts.push_back(static_cast<int>(process::block_elements(n, g, r)));
               step.displs.push_back(at);
               at += step.counts.back();
             }

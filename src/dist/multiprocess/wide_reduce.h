@@ -1,5 +1,6 @@
 // Reductions on the process backends in rank order, as on threads: the reduce-scatters, and
-// the floating sums, averages and products of all-reduces (f16/bf16 accumulating in f32).
+// the all-reduces mpi and gloo reduce themselves (f16/bf16 sums, averages and products
+// accumulating in f32).
 #pragma once
 
 #include "funcol/core/dtype.h"
@@ -15,12 +16,19 @@ namespace funcol::process {
 // kernels do: bit-identical to it on every backend and group size.
 bool order_sensitive(DType dtype, ReduceOp op);
 
-// Such all-reduces whose tensors, gathered from every rank, take at most this many bytes run as
-// one all-gather and a local reduction (reduce_blocks); larger ones as a reduce-scatter (an
+// The all-reduces reduced here (gloo: all of them; mpi: order_sensitive ones, and every
+// larger one) whose tensors, gathered from every rank, take at most this many bytes run as one
+// all-gather and a local reduction (reduce_blocks); larger ones as a reduce-scatter (an
 // all-to-all and reduce_blocks) and an all-gather of the reduced blocks, which on mpi holds back
 // the group's later collectives until its first step is done (40,000 f16 all-reduces of 4 KiB,
 // 200 in flight, 2 ranks: 1.7x the time in two steps).
 inline constexpr size_t kGatherReduceBytes = size_t{1} << 20;
+
+// Elements of block `r` when `n` are split over `ranks` blocks for a reduce-scatter and an
+// all-gather: the first n % ranks blocks get one more.
+inline int64_t block_elements(int64_t n, int ranks, int r) {
+  return n / ranks + (r < n % ranks ? 1 : 0);
+}
 
 // Reduces `ranks` blocks of `count` elements each, back to back in `blocks` (block r from rank
 // r), into `out` in rank order, as the threads backend's kernels do (f16/bf16 in f32, rounding
