@@ -1131,6 +1131,16 @@ TEST(GroupSpecTest, ListsOfRankLists) {
       EXPECT_THAT(error_of([] { GroupSpec(Lists{{0}, {1}}).resolve(); }),
                   HasSubstr("the rank lists [[0], [1]] leave out ranks [2, 3] of the world"));
     }
+    // One-rank lists too: {0} is a list there, not the rank 0 (which would make the whole
+    // argument the rank list [0, 1, 2, 3], the world).
+    EXPECT_EQ(all_reduce(x, "sum", {{0}, {1}, {2}, {3}}).to_vector<float>(), repeat(r, 2));
+    EXPECT_EQ(GroupSpec({{3}, {2}, {1}, {0}}).resolve().global_ranks(), std::vector<int>{r});
+    const std::vector<int> mine = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    const std::vector<int> other = r < 2 ? std::vector<int>{2, 3} : std::vector<int>{0, 1};
+    EXPECT_EQ(&GroupSpec({mine, other}).resolve(), &g);  // vectors as braced elements
+    EXPECT_EQ(all_reduce(x, "sum", {0, 1, 2, 3}).to_vector<float>(), repeat(6, 2));  // ranks
+    EXPECT_THAT(error_of([] { GroupSpec({0, {1, 2, 3}}); }),
+                HasSubstr("a braced group holds ranks and rank lists both"));
   });
 }
 

@@ -134,6 +134,29 @@ ProcessGroup& resolve_mesh_dim(const DeviceMesh* mesh, int dim) {
 
 }  // namespace
 
+GroupSpec::GroupSpec(std::initializer_list<api_detail::RankOrRanks> items) {
+  const bool lists = items.size() > 0 && items.begin()->is_list();
+  std::vector<int> ranks;
+  std::vector<std::vector<int>> rank_lists;
+  for (const api_detail::RankOrRanks& item : items) {
+    if (item.is_list() != lists) {
+      throw InvalidArgument(
+          "a braced group holds ranks and rank lists both: give ranks ({0, 1}) or rank lists "
+          "({{0, 1}, {2, 3}})");
+    }
+    if (lists) {
+      rank_lists.push_back(item.ranks());
+    } else {
+      ranks.push_back(item.ranks().front());
+    }
+  }
+  if (lists) {
+    value_ = std::move(rank_lists);
+  } else {
+    value_ = std::move(ranks);
+  }
+}
+
 ProcessGroup& GroupSpec::resolve() const {
   return std::visit(
       [](const auto& v) -> ProcessGroup& {

@@ -1,16 +1,14 @@
 // Parser of the IR text format: a hand-written lexer and a non-recursive descent parser.
 #include "funcol/graph/parser.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iostream>
-#include <iterator>
+#include <memory>
 #include <optional>
-#include <sstream>
 #include <string_view>
 #include <unordered_map>
 
@@ -800,33 +798,43 @@ ParseError no_graph_error(const std::string& file, size_t line) {
                     "expected a graph ('graph @name(...) { ... }'): the input holds none");
 }
 
-std::string read_text_file(const std::string& path) {
-  if (path == "-") {
-    std::ostringstream ss;
-    ss << std::cin.rdbuf();
-    return ss.str();
+namespace {
+
+// Reads `in` to its end in blocks; a read error or a stream over max_bytes throws (never a
+// silent prefix, as the standard streams give on a read error or when memory runs out).
+std::string read_stream(std::FILE* in, const std::string& name, size_t max_bytes) {
+  std::string text;
+  constexpr size_t kBlock = size_t{1} << 20;
+  for (;;) {
+    const size_t at = text.size();
+    // One byte past the limit tells a stream of exactly max_bytes from a longer one.
+    const size_t want = std::min(kBlock, max_bytes + 1 - at);
+    text.resize(at + want);
+    const size_t got = std::fread(text.data() + at, 1, want, in);
+    text.resize(at + got);
+    if (text.size() > max_bytes) {
+      throw InvalidArgument(fmt::format("cannot read {}: it holds more than {} bytes", name,
+                                        max_bytes));
+    }
+    if (got == want) continue;
+    if (std::ferror(in)) {
+      throw InvalidArgument(fmt::format("cannot read {}: {}", name, std::strerror(errno)));
+    }
+    return text;
   }
+}
+
+}  // namespace
+
+std::string read_text_file(const std::string& path, size_t max_bytes) {
+  if (path == "-") return read_stream(stdin, "<stdin>", max_bytes);
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     throw InvalidArgument(fmt::format("cannot read {}: is a directory", path));
   }
-  std::ifstream in(path, std::ios::binary);
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> in(std::fopen(path.c_str(), "rb"), &std::fclose);
   if (!in) throw InvalidArgument(fmt::format("cannot read {}: {}", path, std::strerror(errno)));
-  std::string text;
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  if (size > 0) {
-    text.resize(static_cast<size_t>(size));
-    in.seekg(0, std::ios::beg);
-    in.read(text.data(), size);
-    if (in.gcount() != size) throw InvalidArgument(fmt::format("cannot read {}: read error", path));
-  } else {
-    // Not seekable (a pipe or a special file): read it as a stream.
-    in.clear();
-    in.seekg(0, std::ios::beg);
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  return text;
+  return read_stream(in.get(), path, max_bytes);
 }
 
 Module parse_file(const std::string& path) {

@@ -1,6 +1,9 @@
 // Tests of the IR parser: accepted syntax and one case per error kind with its exact location.
 #include "funcol/graph/parser.h"
 
+#include <cstdio>
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "funcol/core/error.h"
@@ -376,6 +379,42 @@ TEST(ParserErrors, NestingTooDeep) {
   std::string deep(40, '[');
   EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = sum(%x) {dims = " + deep),
             "t.ir:2:56: error: attribute lists nest deeper than 32 levels");
+}
+
+// The whole file, to the byte, up to the limit; one byte more (or an endless stream) is an
+// error, never a silently cut prefix.
+TEST(ReadTextFile, ReadsUpToTheLimitAndNoFurther) {
+  const std::string path = ::testing::TempDir() + "read_text_file_test.ir";
+  std::string bytes(3 << 20, 'x');  // more than one read block
+  bytes[0] = '\0';
+  bytes.back() = 'y';
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(bytes.data(), 1, bytes.size(), f), bytes.size());
+    std::fclose(f);
+  }
+  EXPECT_EQ(read_text_file(path), bytes);
+  EXPECT_EQ(read_text_file(path, bytes.size()), bytes);
+  try {
+    read_text_file(path, bytes.size() - 1);
+    ADD_FAILURE() << "a file over the limit was read";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "cannot read " + path + ": it holds more than " + std::to_string(bytes.size() - 1) +
+                  " bytes");
+  }
+  std::remove(path.c_str());
+  EXPECT_THROW(
+      {
+        try {
+          read_text_file("/dev/zero", 5 << 20);
+        } catch (const InvalidArgument& e) {
+          EXPECT_STREQ(e.what(), "cannot read /dev/zero: it holds more than 5242880 bytes");
+          throw;
+        }
+      },
+      InvalidArgument);
 }
 
 }  // namespace

@@ -37,17 +37,37 @@ namespace funcol {
 // A plain rank list is created with new_group(world, ranks) when not found; a rank outside the
 // list gets an error at once and takes no part, so for a strict subset create the group first
 // on every rank with new_group(world, ranks) (or make the non-members call that concurrently).
+namespace api_detail {
+
+// One element of a braced group argument: a rank (`0`) or a rank list (`{0, 1}`, or a
+// std::vector<int>). With separate initializer_list<int> and initializer_list<vector<int>>
+// constructors, C++ would read {{0}, {1}} as the rank list [0, 1] ({0} initialises an int), so
+// one-rank lists (tensor-parallel size 1) silently meant the whole group.
+class RankOrRanks {
+ public:
+  RankOrRanks(int rank) : ranks_{rank}, is_list_(false) {}
+  RankOrRanks(std::initializer_list<int> ranks) : ranks_(ranks), is_list_(true) {}
+  RankOrRanks(std::vector<int> ranks) : ranks_(std::move(ranks)), is_list_(true) {}
+  const std::vector<int>& ranks() const { return ranks_; }
+  bool is_list() const { return is_list_; }
+
+ private:
+  std::vector<int> ranks_;
+  bool is_list_;
+};
+
+}  // namespace api_detail
+
 class GroupSpec {
  public:
   // A null name becomes the empty name, which resolve() rejects.
   GroupSpec(const char* name) : value_(std::string(name ? name : "")) {}
   GroupSpec(std::string name) : value_(std::move(name)) {}
   GroupSpec(std::vector<int> ranks) : value_(std::move(ranks)) {}
-  GroupSpec(std::initializer_list<int> ranks) : value_(std::vector<int>(ranks)) {}
   GroupSpec(std::vector<std::vector<int>> rank_lists) : value_(std::move(rank_lists)) {}
-  // So that a braced {{0, 1}, {2, 3}} argument is a list of rank lists.
-  GroupSpec(std::initializer_list<std::vector<int>> rank_lists)
-      : value_(std::vector<std::vector<int>>(rank_lists)) {}
+  // A braced argument: {0, 1} is a rank list, {{0, 1}, {2, 3}} and {{0}, {1}} lists of rank
+  // lists; ranks and lists mixed ({0, {1}}) throw InvalidArgument.
+  GroupSpec(std::initializer_list<api_detail::RankOrRanks> items);
   GroupSpec(ProcessGroup& group) : value_(&group) {}
   GroupSpec(const std::shared_ptr<ProcessGroup>& group) : value_(group.get()) {}
   GroupSpec(const DeviceMesh& mesh) : value_(&mesh) {}

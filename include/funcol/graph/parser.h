@@ -1,6 +1,7 @@
 // Parser of the IR text format (DESIGN §5): errors are ParseError "FILE:LINE:COL: error: ...".
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,8 +41,13 @@ ParseError no_graph_error(const std::string& file, size_t line = 1);
 // Reads and parses `path` ("-": standard input). Throws InvalidArgument when it cannot be read.
 Module parse_file(const std::string& path);
 
+// The most read_text_file reads by default: 256 MiB (bench/gen_hoisted.sh's graph of 50,000
+// all_gathers per input, 100,000 collectives and their waits, takes 14 MB).
+inline constexpr size_t kMaxTextFileBytes = size_t{256} << 20;
+
 // Reads `path` ("-": standard input) into a string; throws InvalidArgument
-// "cannot read FILE: reason".
-std::string read_text_file(const std::string& path);
+// "cannot read FILE: reason", also when it holds more than `max_bytes` (so an endless stream
+// such as /dev/zero ends with an error).
+std::string read_text_file(const std::string& path, size_t max_bytes = kMaxTextFileBytes);
 
 }  // namespace funcol
