@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <new>
 #include <thread>
 
@@ -133,6 +134,10 @@ std::optional<int> flag_int(const std::string& text, const char* flag, int min) 
   if (text.empty()) return std::nullopt;
   int v = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range && ptr == text.data() + text.size()) {
+    throw InvalidArgument(fmt::format("{} must be an integer from {} to {}, got '{}'", flag, min,
+                                      std::numeric_limits<int>::max(), text));
+  }
   if (ec != std::errc() || ptr != text.data() + text.size() || v < min) {
     throw InvalidArgument(
         fmt::format("{} must be an integer of at least {}, got '{}'", flag, min, text));
@@ -340,17 +345,36 @@ int print_command_error(std::FILE* err) {
   return 1;
 }
 
-CLI::Validator decimal_integer() {
+CLI::Validator decimal_integer(int64_t min, uint64_t max) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
+      [min, max](std::string& text) -> std::string {
         const bool negative = !text.empty() && text[0] == '-';
         const char* begin = text.data() + (negative ? 1 : 0);
         const char* end = text.data() + text.size();
         uint64_t magnitude = 0;
         const auto [ptr, ec] = std::from_chars(begin, end, magnitude);
         if (begin == end || ptr != end) return "expected a decimal integer, got " + text;
-        if (ec != std::errc()) return text + " is out of range";
-        text = (negative ? "-" : "") + std::to_string(magnitude);
+        // -min as unsigned: 2^63 for INT64_MIN, 0 for a non-negative min.
+        const uint64_t most_negative = min < 0 ? uint64_t{0} - static_cast<uint64_t>(min) : 0;
+        if (ec != std::errc() || (negative ? magnitude > most_negative : magnitude > max)) {
+          return fmt::format("{} is out of range: expected an integer from {} to {}", text, min,
+                             max);
+        }
+        text = (negative && magnitude != 0 ? "-" : "") + std::to_string(magnitude);
+        return {};
+      },
+      "");
+}
+
+CLI::Validator decimal_number() {
+  return CLI::Validator(
+      [](const std::string& text) -> std::string {
+        double value = 0;
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (text.empty() || ptr != end || ec != std::errc()) {
+          return "expected a number, got '" + text + "'";
+        }
         return {};
       },
       "");
@@ -366,7 +390,8 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
           },
           "UINT64"))
       // After the sign check: CLI11 alone saturates 2^64 and more to 2^64 - 1.
-      ->transform(decimal_integer())
+      ->transform(decimal_integer(std::numeric_limits<int64_t>::min(),
+                                  std::numeric_limits<uint64_t>::max()))
       ->capture_default_str();
 }
 

@@ -3,8 +3,10 @@
 
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -50,16 +52,21 @@ struct JobFlags {
 void add_job_flags(CLI::App& command, JobFlags& flags);
 // Adds --seed (an unsigned 64-bit seed in decimal; "-1" is an error, not 2^64 - 1).
 void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description);
-// For integer options (->transform(decimal_integer())): accepts decimal digits with an optional
-// '-' and rewrites them without leading zeros, as CLI11 alone reads 010 as octal 8 and 0x10 as
-// 16. The option's own conversion still checks the range.
-CLI::Validator decimal_integer();
-// Adds an integer option read through decimal_integer(), its default shown in --help.
+// For integer options (->transform(decimal_integer(min, max))): accepts decimal digits with an
+// optional '-' and rewrites them without leading zeros, as CLI11 alone reads 010 as octal 8 and
+// 0x10 as 16; a value outside [min, max] (the option's type's range) is an error that names it.
+CLI::Validator decimal_integer(int64_t min, uint64_t max);
+// For floating-point options: a decimal number, all of the text ("1e-3", not "abc" or "1x").
+CLI::Validator decimal_number();
+// Adds an integer option read through decimal_integer() over T's range, its default shown in
+// --help.
 template <typename T>
 CLI::Option* add_integer_option(CLI::App& command, const std::string& name, T& value,
                                 const std::string& description) {
+  static_assert(std::is_integral_v<T>);
   return command.add_option(name, value, description)
-      ->transform(decimal_integer())
+      ->transform(decimal_integer(static_cast<int64_t>(std::numeric_limits<T>::min()),
+                                  static_cast<uint64_t>(std::numeric_limits<T>::max())))
       ->capture_default_str();
 }
 

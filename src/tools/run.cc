@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <new>
 #include <optional>
@@ -412,7 +413,8 @@ void add_run_command(CLI::App& app) {
   CLI::Option* ranks = sub->add_option(
       "--ranks", o->ranks,
       "number of ranks (required unless this process is a rank of an mpirun or gloo job)");
-  ranks->transform(decimal_integer());
+  ranks->transform(
+      decimal_integer(std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
   sub->add_option("--backend", o->backend,
                   "threads, mpi (starts mpirun) or gloo (starts processes, or with --rank joins "
                   "a job as one of them)")

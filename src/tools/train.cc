@@ -802,7 +802,7 @@ void add_train_command(CLI::App& app) {
   add_integer_option(*sub, "--hidden", o->hidden, "width; a multiple of --ranks");
   add_integer_option(*sub, "--batch", o->batch, "rows per rank");
   add_integer_option(*sub, "--steps", o->steps, "training steps");
-  sub->add_option("--lr", o->lr, "learning rate")->capture_default_str();
+  sub->add_option("--lr", o->lr, "learning rate")->check(decimal_number())->capture_default_str();
   sub->add_option("--optimizer", o->optimizer, "sgd or adam")->capture_default_str();
   sub->add_option("--bucket-cap-mb", o->bucket_cap_mb,
                   "bucket cap in MB (a list such as 1:25 sets the cap of each bucket)")

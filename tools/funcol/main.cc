@@ -30,6 +30,13 @@ int main(int argc, char** argv) {
     // A command line that does not parse is an error like every other ("funcol: error: ...",
     // exit status 1), not CLI11's own message and codes (104-115).
     std::string what = e.what();
+    // An option given more often than it may be: CLI11 says "--graph: At Most 1 required but
+    // received 2".
+    const std::string at_most = ": At Most 1 required but received ";
+    if (const size_t at = what.find(at_most); at != std::string::npos) {
+      what = what.substr(0, at) + ": given " + what.substr(at + at_most.size()) +
+             " times; give it once";
+    }
     // Messages start in lower case, as every other error; CLI11 capitalises its sentences
     // ("A subcommand is required"), not acronyms.
     if (what.size() > 1 && std::isupper(static_cast<unsigned char>(what[0])) &&
