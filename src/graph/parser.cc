@@ -455,6 +455,8 @@ class Parser {
     const SourceLoc loc = tok_.loc;
     if (tok_.kind != Tok::Ident) error_expected("a type such as f32[8,16]");
     const std::optional<DType> dtype = parse_dtype(tok_.text);
+    // A ':' that ends its line meets the next line's `return`: no type, not a bad one.
+    if (!dtype && tok_.text == "return") error_expected("a type such as f32[8,16]");
     if (!dtype) error(tok_.loc, fmt::format("unknown dtype '{}'", excerpt(tok_.text)));
     advance();
     expect(Tok::LBracket, "'[' after the dtype");

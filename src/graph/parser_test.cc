@@ -246,6 +246,9 @@ TEST(ParserErrors, BadDtype) {
   EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = convert_element_type(%x) {dtype = float}\n"
                         "  return %y\n}"),
             "t.ir:2:42: error: unknown dtype 'float'");
+  // A ':' with no type after it, at the end of its line.
+  EXPECT_EQ(parse_error("graph @g(%x: f32[8]) {\n  %y = neg(%x) :\n  return %y\n}"),
+            "t.ir:3:3: error: expected a type such as f32[8,16], found 'return'");
 }
 
 TEST(ParserErrors, BadType) {

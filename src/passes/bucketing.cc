@@ -690,9 +690,10 @@ BucketingStats Bucketer::run() {
   find_latest(entries);
   stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
-    explain_->append(fmt::format("{} @{}: {} {} collectives (cap-mb={} mode={})\n", spec_.pass,
-                                 graph_.name(), stats_.collectives, spec_.op,
-                                 format_cap_mb(opt_.cap_mb), bucket_mode_name(opt_.mode)));
+    explain_->append(fmt::format("{} @{}: {} {} collective{} (cap-mb={} mode={})\n",
+                                 spec_.pass, graph_.name(), stats_.collectives, spec_.op,
+                                 stats_.collectives == 1 ? "" : "s", format_cap_mb(opt_.cap_mb),
+                                 bucket_mode_name(opt_.mode)));
   }
   // Not in the walk (DESIGN §6 point 1 walks the waits), so they end no run; still reported.
   for (const Node* c : unwaited_) {

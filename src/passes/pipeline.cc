@@ -48,10 +48,15 @@ class PipelineParser {
     while (!at_end() && is_space(peek())) ++pos_;
   }
 
-  [[noreturn]] void fail(std::string_view what) const {
-    std::string found = at_end() ? std::string("end of pipeline") : fmt::format("'{}'", peek());
-    throw InvalidArgument(fmt::format("invalid pass pipeline '{}': {} at column {}, found {}", text_,
-                                      what, pos_ + 1, found));
+  // `what` at the current column, and what was found there unless `found` is false (an error
+  // about a whole option, not a character).
+  [[noreturn]] void fail(std::string_view what, bool found = true) const {
+    std::string message =
+        fmt::format("invalid pass pipeline '{}': {} at column {}", text_, what, pos_ + 1);
+    if (found) {
+      message += at_end() ? ", found end of pipeline" : fmt::format(", found '{}'", peek());
+    }
+    throw InvalidArgument(message);
   }
 
   std::string_view take(bool (*pred)(char)) {
@@ -86,7 +91,8 @@ class PipelineParser {
       for (const auto& [k, v] : entries) {
         if (k == key) {
           pos_ = key_pos;
-          fail(fmt::format("option '{}' of pass {} is given twice", key, spec.name));
+          fail(fmt::format("option '{}' of pass {} is given twice", key, spec.name),
+               /*found=*/false);
         }
       }
       entries.emplace_back(std::move(key), std::move(value));

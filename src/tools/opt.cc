@@ -53,7 +53,12 @@ std::vector<Chunk> split_cases(std::string_view text, bool split) {
     pos = next;
     ++line;
   }
-  chunks.push_back(Chunk{text.substr(start), start_line});
+  // A separator that ends the file (blank lines at most after it) opens no case, as in
+  // mlir-opt.
+  const std::string_view rest = text.substr(std::min(start, text.size()));
+  if (chunks.empty() || rest.find_first_not_of(" \t\r\n") != std::string_view::npos) {
+    chunks.push_back(Chunk{rest, start_line});
+  }
   return chunks;
 }
 

@@ -420,11 +420,21 @@ void add_run_command(CLI::App& app) {
                   "a job as one of them)")
       ->capture_default_str();
   add_job_flags(*sub, *job);
+  // An empty value given is an error, not the option left out (an empty string means that).
+  auto given = [](const char* what) {
+    return CLI::Validator(
+        [what](const std::string& text) {
+          return text.empty() ? fmt::format("expected {}, got ''", what) : std::string();
+        },
+        "");
+  };
   sub->add_option("--mesh", o->mesh,
-                  "device mesh over the ranks, e.g. dp=2,tp=2; its dim names are group names");
+                  "device mesh over the ranks, e.g. dp=2,tp=2; its dim names are group names")
+      ->check(given("NAME=SIZE[,NAME=SIZE...], e.g. dp=2,tp=2"));
   add_seed_option(*sub, o->seed, "seed of the generated inputs");
   sub->add_option("--outputs", o->outputs,
-                  "'json': one line per rank with every output's dtype, shape, digest and data");
+                  "'json': one line per rank with every output's dtype, shape, digest and data")
+      ->check(given("'json'"));
   add_integer_option(*sub, "--iters", o->iters, "runs of the graph (outputs are the last run's)");
   sub->add_option("--trace", o->trace,
                   "write a Chrome/Perfetto trace of every rank's compute and communication");

@@ -582,10 +582,10 @@ std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
 std::string train_summary(const TrainOptions& o, const TrainReport& r) {
   std::string s;
   s += fmt::format(
-      "funcol train: {}-layer MLP, hidden {}, FSDP over {} ranks ({}), batch {} per rank ({} "
-      "global), {} lr {}, {} steps\n",
-      o.layers, o.hidden, o.ranks, o.backend, o.batch, o.batch * o.ranks, o.optimizer, o.lr,
-      o.steps);
+      "funcol train: {}-layer MLP, hidden {}, FSDP over {} rank{} ({}), batch {} per rank ({} "
+      "global), {} lr {}, {} step{}\n",
+      o.layers, o.hidden, o.ranks, o.ranks == 1 ? "" : "s", o.backend, o.batch,
+      o.batch * o.ranks, o.optimizer, o.lr, o.steps, o.steps == 1 ? "" : "s");
   s += fmt::format("  loss                 {:.6g} -> {:.6g} (step 1 -> {})\n", r.initial_loss,
                    r.final_loss, o.steps);
   s += fmt::format(
@@ -597,15 +597,17 @@ std::string train_summary(const TrainOptions& o, const TrainReport& r) {
                      r.unbucketed.collectives_per_step, r.bucketed.collectives_per_step,
                      o.bucket_cap_mb);
     s += fmt::format(
-        "  step time            {} unbucketed, {} bucketed: {:.2f}x (median of {} steps, side "
+        "  step time            {} unbucketed, {} bucketed: {:.2f}x (median of {} step{}, side "
         "by side, slowest rank)\n",
         format_ms(r.unbucketed.step_ms), format_ms(r.bucketed.step_ms),
-        r.unbucketed.step_ms > 0 ? r.bucketed.step_ms / r.unbucketed.step_ms : 0.0, r.timed_steps);
+        r.unbucketed.step_ms > 0 ? r.bucketed.step_ms / r.unbucketed.step_ms : 0.0, r.timed_steps,
+        r.timed_steps == 1 ? "" : "s");
   } else {
     s += fmt::format("  collectives per step {} (bucketing off)\n",
                      r.unbucketed.collectives_per_step);
-    s += fmt::format("  step time            {} (median of {} steps, slowest rank)\n",
-                     format_ms(r.unbucketed.step_ms), r.timed_steps);
+    s += fmt::format("  step time            {} (median of {} step{}, slowest rank)\n",
+                     format_ms(r.unbucketed.step_ms), r.timed_steps,
+                     r.timed_steps == 1 ? "" : "s");
   }
   s += "  where the time went  per step, mean over ranks (communication: time with a collective "
        "in flight, overlapping the rest):\n";
