@@ -293,5 +293,51 @@ TEST(TraceCollectives, InplaceIntoAViewWritesItsBase) {
   }
 }
 
+// Views see the in-place writes into their base made after them, eagerly and traced (the
+// graph used to keep the value a view was made from): a narrow taken before a write that
+// overlaps it, a view of a view, split_with_sizes parts (written through, and seeing the other
+// parts' writes), a view written through a later view of the same base.
+std::vector<Tensor> views_see_later_writes(std::span<const Tensor> in) {
+  // x: [4, 2] f32.
+  Tensor z = ops::clone(in[0]);
+  Tensor early = ops::narrow(z, 0, 0, 2);  // rows 0-1
+  Tensor t = ops::transpose(z, 0, 1);
+  Tensor deep = ops::narrow(t, 1, 1, 2);  // rows 1-2, as columns of the transpose
+  std::vector<Tensor> parts = ops::split_with_sizes(z, {1, 3});
+  Tensor flat = ops::view(z, {8});
+  all_reduce_inplace(ops::narrow(z, 0, 1, 2), "sum", "world");  // rows 1-2
+  all_reduce_inplace(parts[1], "max", "world");                  // rows 1-3
+  all_reduce_inplace(ops::narrow(flat, 0, 0, 2), "sum", "world");  // row 0
+  Tensor after = ops::clone(early);
+  all_reduce_inplace(early, "max", "world");  // rows 0-1, through the first view
+  return {z, early, t, deep, parts[0], parts[1], flat, after};
+}
+
+TEST(TraceCollectives, ViewsSeeLaterWritesIntoTheirBase) {
+  auto traced =
+      trace("later", {Type(DType::F32, {4, 2})}, views_see_later_writes, {{"world", 4}});
+  expect_runs_like_eager(*traced, views_see_later_writes, [](int r) {
+    std::vector<float> x(8);
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 5 + r) % 9 - 4);
+    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2})};
+  });
+  // A reshape used after a write into its base: eagerly it may be a copy that misses the write.
+  try {
+    trace("stale", {Type(DType::F32, {4, 2})},
+          [](std::span<const Tensor> in) {
+            Tensor z = ops::clone(in[0]);
+            Tensor r = ops::reshape(z, {8});
+            all_reduce_inplace(ops::narrow(z, 0, 0, 2), "sum", "world");
+            return std::vector<Tensor>{ops::neg(r)};
+          },
+          {{"world", 4}});
+    ADD_FAILURE() << "a reshape used after a write into its base was traced";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("is used after an in-place write into"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace funcol

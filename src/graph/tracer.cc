@@ -39,7 +39,7 @@ std::string_view default_hint(const OpDef& op) {
 
 }  // namespace
 
-namespace {
+namespace tracer_detail {
 
 // What a traced tensor's annotation holds. A view (narrow, transpose, ...) also keeps the
 // tensor it views and the node that made it, so that an in-place write into the view reaches
@@ -47,9 +47,22 @@ namespace {
 struct Ref {
   uint64_t tracer_id = 0;
   Value* value = nullptr;
+  // A view's base, the node that made it and which of its results it is (split_with_sizes).
   std::shared_ptr<Ref> base;
   const Node* view = nullptr;
+  size_t result = 0;
+  // Bumped whenever `value` is rebound (an in-place write into it, its view or its base), and
+  // the base's generation `value` was derived from: a view whose base moved on since is derived
+  // again from the base's value when next used, as the eager view sees the base's writes.
+  uint64_t generation = 0;
+  uint64_t base_generation = 0;
 };
+
+}  // namespace tracer_detail
+
+namespace {
+
+using tracer_detail::Ref;
 
 // The deleter type identifies the tracer's annotations (std::get_deleter is type-checked), so a
 // tensor annotated by anything else is never mistaken for a traced one.
@@ -58,9 +71,19 @@ struct RefDeleter {
 };
 
 // The tracer reference of `t`, or null when it has none.
-const Ref* ref_of(const Tensor& t) {
+Ref* ref_of(const Tensor& t) {
   if (!t.annotation() || !std::get_deleter<RefDeleter>(t.annotation())) return nullptr;
-  return static_cast<const Ref*>(t.annotation().get());
+  return static_cast<Ref*>(t.annotation().get());
+}
+
+// Where result `result` of a split_with_sizes node starts: its dim and its first index there.
+std::pair<int64_t, int64_t> split_piece(const Node& split, size_t result) {
+  int64_t dim = split.attr("dim").as_int();
+  if (dim < 0) dim += static_cast<int64_t>(split.operand(0)->shape().size());
+  const std::vector<int64_t>& sizes = split.attr("split_sizes").as_ints();
+  int64_t start = 0;
+  for (size_t i = 0; i < result; ++i) start += sizes[i];
+  return {dim, start};
 }
 
 }  // namespace
@@ -73,7 +96,10 @@ Tracer::~Tracer() = default;
 
 Tensor Tracer::wrap(Value* value) const {
   Tensor t = Tensor::meta(value->shape(), value->dtype());
-  t.set_annotation(std::shared_ptr<Ref>(new Ref{id_, value, nullptr, nullptr}, RefDeleter{}));
+  auto ref = std::shared_ptr<Ref>(new Ref, RefDeleter{});
+  ref->tracer_id = id_;
+  ref->value = value;
+  t.set_annotation(std::move(ref));
   return t;
 }
 
@@ -91,7 +117,7 @@ bool Tracer::owns(const Tensor& t) const {
 
 Value* Tracer::value(const Tensor& t) const {
   if (!t.defined()) throw InvalidArgument("tracer: an undefined tensor is not a traced value");
-  const Ref* ref = ref_of(t);
+  Ref* ref = ref_of(t);
   if (!ref) {
     throw InvalidArgument(fmt::format(
         "tracer: tensor {} is not a traced value (graphs take data only through their inputs; "
@@ -102,6 +128,7 @@ Value* Tracer::value(const Tensor& t) const {
     throw InvalidArgument(
         fmt::format("tracer: tensor {} belongs to another trace", type_str(t.dtype(), t.sizes())));
   }
+  refresh(*ref);
   if (t.dtype() != ref->value->dtype() || t.sizes() != ref->value->shape()) {
     throw InvalidArgument(
         fmt::format("tracer: tensor {} does not match its traced value {} of "
@@ -112,7 +139,7 @@ Value* Tracer::value(const Tensor& t) const {
 }
 
 void Tracer::assign(const Tensor& t, const Tensor& value) {
-  Value* target = this->value(t);
+  Value* target = this->value(t);  // brings t and its bases up to date
   Value* source = this->value(value);
   if (target->type() != source->type()) {
     throw InvalidArgument(fmt::format("tracer: cannot assign a value of type {} to {} of type {}",
@@ -121,10 +148,59 @@ void Tracer::assign(const Tensor& t, const Tensor& value) {
   // ref_of's Ref is shared by every copy of `t`: rebinding it rebinds them all.
   Ref* ref = static_cast<Ref*>(t.annotation().get());
   ref->value = source;
-  // A view: its base takes the written elements too, and its base's base, and so on.
+  ++ref->generation;
+  // A view: its base takes the written elements too, and its base's base, and so on. The views
+  // of the chain stay current; every other view of those bases is derived again when used.
   for (; ref->base; ref = ref->base.get()) {
-    ref->base->value = write_through(*ref->view, ref->base->value, ref->value);
+    Ref& base = *ref->base;
+    base.value = write_through(*ref->view, ref->result, base.value, ref->value);
+    ++base.generation;
+    ref->base_generation = base.generation;
   }
+}
+
+void Tracer::refresh(Ref& ref) const {
+  if (!ref.base) return;
+  Ref& base = *ref.base;
+  refresh(base);
+  if (ref.base_generation == base.generation) return;
+  ref.value = view_again(*ref.view, ref.result, base.value);
+  ref.base_generation = base.generation;
+  ++ref.generation;
+}
+
+// The view `view` made (its result `result`), made again from its base's current value.
+Value* Tracer::view_again(const Node& view, size_t result, Value* base) const {
+  Builder b(*graph_);
+  b.set_name_hint(view.result(result)->name());
+  const std::string_view op = view.op_name();
+  const Value& old = *view.result(result);
+  if (op == "narrow") {
+    return b.value("narrow", {base},
+                   {{"dim", view.attr("dim").as_int()},
+                    {"start", view.attr("start").as_int()},
+                    {"length", view.attr("length").as_int()}});
+  }
+  if (op == "split_with_sizes") {
+    const auto [dim, start] = split_piece(view, result);
+    const int64_t length = old.shape()[static_cast<size_t>(dim)];
+    return b.value("narrow", {base}, {{"dim", dim}, {"start", start}, {"length", length}});
+  }
+  if (op == "transpose") {
+    return b.value("transpose", {base},
+                   {{"dim0", view.attr("dim0").as_int()}, {"dim1", view.attr("dim1").as_int()}});
+  }
+  if (op == "permute") return b.value("permute", {base}, {{"dims", view.attr("dims").as_ints()}});
+  if (op == "view") return b.value("view", {base}, {{"shape", std::vector<int64_t>(old.shape())}});
+  if (op == "view_dtype") return b.value("view_dtype", {base}, {{"dtype", old.dtype()}});
+  if (op == "expand") {
+    return b.value("expand", {base}, {{"shape", std::vector<int64_t>(old.shape())}});
+  }
+  throw InvalidArgument(fmt::format(
+      "tracer: {} (a {} of {}) is used after an in-place write into {}: eagerly a {} may or may "
+      "not share memory with its base, so it may or may not see the write; take it after the "
+      "write, or clone it before",
+      old.ref(), op, view.operand(0)->ref(), view.operand(0)->ref(), op));
 }
 
 // The value of a view's base after `written` was written into the view that `view` made: the
@@ -132,14 +208,15 @@ void Tracer::assign(const Tensor& t, const Tensor& value) {
 // view_dtype). Views that eagerly are sometimes copies (reshape, flatten) or that repeat
 // elements (expand) cannot be written through: an error, rather than a graph that differs
 // from eager execution.
-Value* Tracer::write_through(const Node& view, Value* base, Value* written) {
+Value* Tracer::write_through(const Node& view, size_t result, Value* base, Value* written) {
   Builder b(*graph_);
   b.set_name_hint("inplace");
   const std::string_view op = view.op_name();
-  if (op == "narrow") {
-    const int64_t dim = view.attr("dim").as_int();
-    const int64_t start = view.attr("start").as_int();
-    const int64_t length = view.attr("length").as_int();
+  if (op == "narrow" || op == "split_with_sizes") {
+    const auto [dim, start] =
+        op == "narrow" ? std::pair(view.attr("dim").as_int(), view.attr("start").as_int())
+                       : split_piece(view, result);
+    const int64_t length = written->shape()[static_cast<size_t>(dim)];
     const int64_t size = base->shape()[static_cast<size_t>(dim)];
     std::vector<Value*> parts;
     auto piece = [&](int64_t from, int64_t len) {
@@ -196,11 +273,16 @@ std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Ten
   std::vector<Tensor> results;
   results.reserve(node->num_results());
   for (size_t r = 0; r < node->num_results(); ++r) results.push_back(wrap(node->result(r)));
-  if (op.is_view && node->num_results() == 1 && operands.size() == 1) {
-    // The view remembers its base (see assign).
-    auto* ref = static_cast<Ref*>(results[0].annotation().get());
-    ref->base = std::static_pointer_cast<Ref>(operands[0].annotation());
-    ref->view = node;
+  if (op.is_view && operands.size() == 1) {
+    // Each view remembers its base (see assign and refresh).
+    auto base = std::static_pointer_cast<Ref>(operands[0].annotation());
+    for (size_t r = 0; r < results.size(); ++r) {
+      auto* ref = static_cast<Ref*>(results[r].annotation().get());
+      ref->base = base;
+      ref->view = node;
+      ref->result = r;
+      ref->base_generation = base->generation;
+    }
   }
   return results;
 }

@@ -16,6 +16,10 @@
 
 namespace funcol {
 
+namespace tracer_detail {
+struct Ref;  // what a traced tensor's annotation holds (tracer.cc)
+}  // namespace tracer_detail
+
 // Records a graph. Each traced tensor is a meta tensor (sizes and dtype, no data) whose
 // annotation names the graph value it stands for; ops recorded on traced tensors append nodes
 // (with shape inference) and return new traced tensors. The functional collectives of
@@ -50,12 +54,14 @@ class Tracer {
   Value* value(const Tensor& t) const;
   // Makes `t`, and every copy of it (copies share the annotation), stand for `value`'s graph
   // value from now on: an in-place op traced functionally, as PyTorch functionalizes
-  // `t.copy_(r)`. When `t` is a view (narrow, transpose, permute, view, view_dtype) of another
-  // traced tensor, that base stands for its value with the view's elements replaced, as
-  // eagerly (and so on up a chain of views); other views recorded from the base before keep
-  // the value they were made from. Throws InvalidArgument when either tensor is not traced by
-  // this tracer, their types differ, or `t` is a view that cannot be written through
-  // (reshape and flatten, which eagerly copy some layouts; expand).
+  // `t.copy_(r)`. When `t` is a view (narrow, split_with_sizes, transpose, permute, view,
+  // view_dtype) of another traced tensor, that base stands for its value with the view's
+  // elements replaced, as eagerly (and so on up a chain of views). Other views of the base,
+  // made before or after, see the write from then on, as eager views do; a reshape or flatten
+  // of it made before the write and used after is an InvalidArgument (eagerly it may be a
+  // copy). Throws InvalidArgument when either tensor is not traced by this tracer, their types
+  // differ, or `t` is a view that cannot be written through (reshape and flatten, which eagerly
+  // copy some layouts; expand).
   void assign(const Tensor& t, const Tensor& value);
 
   // Group sizes for collectives recorded without a live process group (tracing outside any
@@ -72,7 +78,11 @@ class Tracer {
 
  private:
   Tensor wrap(Value* value) const;
-  Value* write_through(const Node& view, Value* base, Value* written);
+  // The base's value after `written` was written into result `result` of `view`.
+  Value* write_through(const Node& view, size_t result, Value* base, Value* written);
+  // Brings a view (and its bases) up to date with the in-place writes into its bases.
+  void refresh(tracer_detail::Ref& ref) const;
+  Value* view_again(const Node& view, size_t result, Value* base) const;
 
   uint64_t id_;
   std::unique_ptr<Graph> graph_;
