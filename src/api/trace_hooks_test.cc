@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -336,6 +337,64 @@ TEST(TraceCollectives, ViewsSeeLaterWritesIntoTheirBase) {
     EXPECT_NE(std::string(e.what()).find("is used after an in-place write into"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// A random program of views and in-place all_reduces into them (seeded: the eager run and the
+// trace make the same choices): narrows, transposes, split_with_sizes parts and a flat view,
+// taken from the base and from each other before and after writes through any of them. The
+// traced graph gives the eager values for every one of them.
+Fn random_views_program(uint32_t seed) {
+  return [seed](std::span<const Tensor> in) {
+    std::mt19937 rng(seed);
+    auto pick = [&rng](size_t n) { return static_cast<size_t>(rng() % n); };
+    Tensor z = ops::clone(in[0]);  // [4, 6]
+    std::vector<Tensor> live = {z, ops::view(z, {24})};
+    for (int step = 0; step < 8; ++step) {
+      const Tensor v = live[pick(live.size())];
+      const int64_t rank = static_cast<int64_t>(v.sizes().size());
+      switch (pick(4)) {
+        case 0: {  // a narrow of any dim
+          const int64_t dim = static_cast<int64_t>(pick(static_cast<size_t>(rank)));
+          const int64_t size = v.sizes()[static_cast<size_t>(dim)];
+          if (size < 1) break;
+          const int64_t start = static_cast<int64_t>(pick(static_cast<size_t>(size)));
+          const int64_t length = 1 + static_cast<int64_t>(pick(static_cast<size_t>(size - start)));
+          live.push_back(ops::narrow(v, dim, start, length));
+          break;
+        }
+        case 1:
+          if (rank == 2) live.push_back(ops::transpose(v, 0, 1));
+          break;
+        case 2: {  // split dim 0 in two
+          const int64_t size = v.sizes()[0];
+          if (size < 2) break;
+          const int64_t first = 1 + static_cast<int64_t>(pick(static_cast<size_t>(size - 1)));
+          for (const Tensor& part : ops::split_with_sizes(v, {first, size - first})) {
+            live.push_back(part);
+          }
+          break;
+        }
+        default:
+          all_reduce_inplace(v, pick(2) == 0 ? "sum" : "max", "world");
+          break;
+      }
+    }
+    return live;
+  };
+}
+
+TEST(TraceCollectives, RandomViewsAndInplaceWritesRunLikeEager) {
+  for (uint32_t seed = 1; seed <= 300; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const Fn program = random_views_program(seed);
+    auto traced = trace("random", {Type(DType::F32, {4, 6})}, program, {{"world", 4}});
+    expect_runs_like_eager(*traced, program, [](int r) {
+      std::vector<float> x(24);
+      for (int i = 0; i < 24; ++i) x[i] = static_cast<float>((i * 7 + 3 * r) % 11 - 5);
+      return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 6})};
+    });
+    if (HasFailure()) break;
   }
 }
 
