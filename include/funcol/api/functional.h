@@ -68,6 +68,17 @@ class GroupSpec {
   // A braced argument: {0, 1} is a rank list, {{0, 1}, {2, 3}} and {{0}, {1}} lists of rank
   // lists; ranks and lists mixed ({0, {1}}) throw InvalidArgument.
   GroupSpec(std::initializer_list<api_detail::RankOrRanks> items);
+  // A std::initializer_list<int> or <std::vector<int>> object: a rank list or a list of rank
+  // lists. (A braced {{0}, {1}} deduces no T here, so it takes the constructor above.)
+  template <typename T, typename = std::enable_if_t<std::is_same_v<T, int> ||
+                                                    std::is_same_v<T, std::vector<int>>>>
+  GroupSpec(std::initializer_list<T> items) {
+    if constexpr (std::is_same_v<T, int>) {
+      value_ = std::vector<int>(items);
+    } else {
+      value_ = std::vector<std::vector<int>>(items);
+    }
+  }
   GroupSpec(ProcessGroup& group) : value_(&group) {}
   GroupSpec(const std::shared_ptr<ProcessGroup>& group) : value_(group.get()) {}
   GroupSpec(const DeviceMesh& mesh) : value_(&mesh) {}
