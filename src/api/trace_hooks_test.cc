@@ -297,7 +297,8 @@ TEST(TraceCollectives, InplaceIntoAViewWritesItsBase) {
 // Views see the in-place writes into their base made after them, eagerly and traced (the
 // graph used to keep the value a view was made from): a narrow taken before a write that
 // overlaps it, a view of a view, split_with_sizes parts (written through, and seeing the other
-// parts' writes), a view written through a later view of the same base.
+// parts' writes), a view written through a later view of the same base, a narrow with a
+// negative dim and start.
 std::vector<Tensor> views_see_later_writes(std::span<const Tensor> in) {
   // x: [4, 2] f32.
   Tensor z = ops::clone(in[0]);
@@ -309,6 +310,7 @@ std::vector<Tensor> views_see_later_writes(std::span<const Tensor> in) {
   all_reduce_inplace(ops::narrow(z, 0, 1, 2), "sum", "world");  // rows 1-2
   all_reduce_inplace(parts[1], "max", "world");                  // rows 1-3
   all_reduce_inplace(ops::narrow(flat, 0, 0, 2), "sum", "world");  // row 0
+  all_reduce_inplace(ops::narrow(z, -1, -1, 1), "max", "world");    // column 1, dims wrapped
   Tensor after = ops::clone(early);
   all_reduce_inplace(early, "max", "world");  // rows 0-1, through the first view
   return {z, early, t, deep, parts[0], parts[1], flat, after};

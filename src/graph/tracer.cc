@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <optional>
 
 #include "funcol/core/error.h"
 #include "funcol/graph/ops.h"
@@ -76,14 +77,26 @@ Ref* ref_of(const Tensor& t) {
   return static_cast<Ref*>(t.annotation().get());
 }
 
-// Where result `result` of a split_with_sizes node starts: its dim and its first index there.
-std::pair<int64_t, int64_t> split_piece(const Node& split, size_t result) {
-  int64_t dim = split.attr("dim").as_int();
-  if (dim < 0) dim += static_cast<int64_t>(split.operand(0)->shape().size());
-  const std::vector<int64_t>& sizes = split.attr("split_sizes").as_ints();
+// The stretch of its base that result `result` of a narrow or split_with_sizes node covers
+// (dim and start wrapped as the ops wrap them), or nullopt for other views.
+struct Piece {
+  int64_t dim, start, length;
+};
+std::optional<Piece> piece_of(const Node& view, size_t result) {
+  const std::string_view op = view.op_name();
+  if (op != "narrow" && op != "split_with_sizes") return std::nullopt;
+  const Shape& base = view.operand(0)->shape();
+  int64_t dim = view.attr("dim").as_int();
+  if (dim < 0) dim += static_cast<int64_t>(base.size());
   int64_t start = 0;
-  for (size_t i = 0; i < result; ++i) start += sizes[i];
-  return {dim, start};
+  if (op == "narrow") {
+    start = view.attr("start").as_int();
+    if (start < 0) start += base[static_cast<size_t>(dim)];
+  } else {
+    const std::vector<int64_t>& sizes = view.attr("split_sizes").as_ints();
+    for (size_t i = 0; i < result; ++i) start += sizes[i];
+  }
+  return Piece{dim, start, view.result(result)->shape()[static_cast<size_t>(dim)]};
 }
 
 }  // namespace
@@ -175,16 +188,8 @@ Value* Tracer::view_again(const Node& view, size_t result, Value* base) const {
   b.set_name_hint(view.result(result)->name());
   const std::string_view op = view.op_name();
   const Value& old = *view.result(result);
-  if (op == "narrow") {
-    return b.value("narrow", {base},
-                   {{"dim", view.attr("dim").as_int()},
-                    {"start", view.attr("start").as_int()},
-                    {"length", view.attr("length").as_int()}});
-  }
-  if (op == "split_with_sizes") {
-    const auto [dim, start] = split_piece(view, result);
-    const int64_t length = old.shape()[static_cast<size_t>(dim)];
-    return b.value("narrow", {base}, {{"dim", dim}, {"start", start}, {"length", length}});
+  if (const std::optional<Piece> p = piece_of(view, result)) {
+    return b.value("narrow", {base}, {{"dim", p->dim}, {"start", p->start}, {"length", p->length}});
   }
   if (op == "transpose") {
     return b.value("transpose", {base},
@@ -212,11 +217,8 @@ Value* Tracer::write_through(const Node& view, size_t result, Value* base, Value
   Builder b(*graph_);
   b.set_name_hint("inplace");
   const std::string_view op = view.op_name();
-  if (op == "narrow" || op == "split_with_sizes") {
-    const auto [dim, start] =
-        op == "narrow" ? std::pair(view.attr("dim").as_int(), view.attr("start").as_int())
-                       : split_piece(view, result);
-    const int64_t length = written->shape()[static_cast<size_t>(dim)];
+  if (const std::optional<Piece> p = piece_of(view, result)) {
+    const auto [dim, start, length] = *p;
     const int64_t size = base->shape()[static_cast<size_t>(dim)];
     std::vector<Value*> parts;
     auto piece = [&](int64_t from, int64_t len) {
