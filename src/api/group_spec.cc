@@ -118,7 +118,7 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   // A partition: every rank calls. The ranks reuse their groups only when every rank has one
   // (registries differ: a group is registered on its members only), else every rank splits
   // with the same lists and the same fresh name.
-  constexpr std::string_view kWhat = "a group spec of rank lists";
+  constexpr const char* kWhat = "a group spec of rank lists";
   if (dist_detail::on_every_rank(world, existing != nullptr, kWhat)) return *existing;
   const std::string name = dist_detail::first_free_name(
       world, [&](int) { return world.registry().next_group_name(); }, kWhat);

@@ -502,6 +502,7 @@ void agree_on_split(ProcessGroup& parent, int split,
   // The user called new_group (or made a mesh): a failure of the gathers below is theirs.
   auto gather = [&](Tensor& out, const Tensor& in) {
     try {
+      const InternalStep step("split_group");
       parent.all_gather(out, in)->wait();
     } catch (const CommError& e) {
       throw CommError(fmt::format("split_group on group '{}' (split {}): {}", parent.name(), split,
@@ -539,9 +540,30 @@ void agree_on_split(ProcessGroup& parent, int split,
   }
 }
 
-bool same_on_every_rank(ProcessGroup& group, int64_t value, std::string_view what) {
+namespace {
+thread_local const char* t_internal_step = nullptr;
+}  // namespace
+
+InternalStep::InternalStep(const char* label) : previous_(t_internal_step) {
+  t_internal_step = label;
+}
+
+InternalStep::~InternalStep() { t_internal_step = previous_; }
+
+const char* internal_step() { return t_internal_step; }
+
+bool same_step(const char* a, const char* b) {
+  return a == b || (a != nullptr && b != nullptr && std::strcmp(a, b) == 0);
+}
+
+std::string describe_step(const char* label) {
+  return label == nullptr ? std::string() : fmt::format(" [funcol's agreement step for {}]", label);
+}
+
+bool same_on_every_rank(ProcessGroup& group, int64_t value, const char* what) {
   Tensor t = Tensor::from_vector<int64_t>({value, -value}, {2});
   try {
+    const InternalStep step(what);
     group.all_reduce(t, ReduceOp::Max)->wait();
   } catch (const CommError& e) {
     throw CommError(fmt::format("{}: agreeing with the other ranks of group '{}' failed: {}",
@@ -551,12 +573,12 @@ bool same_on_every_rank(ProcessGroup& group, int64_t value, std::string_view wha
   return v[0] == -v[1];
 }
 
-bool on_every_rank(ProcessGroup& group, bool flag, std::string_view what) {
+bool on_every_rank(ProcessGroup& group, bool flag, const char* what) {
   return same_on_every_rank(group, flag ? 1 : 0, what) && flag;
 }
 
 std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate,
-                            std::string_view what) {
+                            const char* what) {
   for (int k = 1;; ++k) {
     std::string name = candidate(k);
     if (on_every_rank(group, group.registry().find(name) == nullptr, what)) return name;

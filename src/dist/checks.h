@@ -137,6 +137,29 @@ void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs
 void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& input,
                       std::optional<InPlace> in_place, int rank);
 
+// The collective funcol itself runs inside a user's call (e.g. new_group's agreement on a
+// name) is labelled with that call while it is issued: backends record internal_step() with
+// each collective (nullptr for a user's own), compare it across ranks like the op and print it
+// in mismatch messages ("... [funcol's agreement step for new_group]"), so that such a step
+// never pairs with a user's collective of the same shape and a peer's error says what it was.
+// `label` must outlive the scope (a string literal); scopes nest.
+class InternalStep {
+ public:
+  explicit InternalStep(const char* label);
+  ~InternalStep();
+  InternalStep(const InternalStep&) = delete;
+  InternalStep& operator=(const InternalStep&) = delete;
+
+ private:
+  const char* previous_;
+};
+// The calling thread's innermost InternalStep label, or nullptr.
+const char* internal_step();
+// Whether two recorded labels name the same step (both nullptr: two user collectives).
+bool same_step(const char* a, const char* b);
+// " [funcol's agreement step for <label>]", or "" for nullptr.
+std::string describe_step(const char* label);
+
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it
 // is in none.
@@ -153,17 +176,17 @@ void agree_on_split(ProcessGroup& parent, int split,
 
 // Whether every rank of `group` holds the same `value` (one small all_reduce; every rank of
 // `group` calls it). Registries differ between ranks (a group is registered on its members
-// only), so decisions that read one must be agreed this way. `what` names the user's call
-// (e.g. "new_group"): a CommError of the all_reduce (a rank that never came) says it was that
-// call's agreement that failed.
-bool same_on_every_rank(ProcessGroup& group, int64_t value, std::string_view what);
+// only), so decisions that read one must be agreed this way. `what` (a string literal) names
+// the user's call (e.g. "new_group") and labels the all_reduce (InternalStep); a CommError of
+// the all_reduce (a rank that never came) says it was that call's agreement that failed.
+bool same_on_every_rank(ProcessGroup& group, int64_t value, const char* what);
 // Whether `flag` is true on every rank of `group` (same_on_every_rank; every rank calls it,
 // whatever its flag).
-bool on_every_rank(ProcessGroup& group, bool flag, std::string_view what);
+bool on_every_rank(ProcessGroup& group, bool flag, const char* what);
 // The first of candidate(1), candidate(2), ... that no rank of `group` has registered (one
 // same_on_every_rank per candidate tried; every rank of `group` calls it).
 std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate,
-                            std::string_view what);
+                            const char* what);
 
 // "[0, 2, 3]".
 std::string format_ranks(const std::vector<int>& ranks);

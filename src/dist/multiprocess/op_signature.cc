@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "dist/checks.h"
@@ -12,8 +13,11 @@ namespace funcol::process {
 namespace {
 
 constexpr int kSlotsInFull = 8;
-// kind, reduce op, root, slot count, hash of every slot, then the slots, then the splits.
-constexpr size_t kHeaderBytes = 2 * sizeof(int64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t);
+// kind, reduce op, root, slot count, hash of every slot, the internal step's label (at most
+// kStepBytes - 1 characters, zero-padded), then the slots, then the splits.
+constexpr size_t kStepBytes = 48;
+constexpr size_t kHeaderBytes =
+    2 * sizeof(int64_t) + 2 * sizeof(int64_t) + sizeof(uint64_t) + kStepBytes;
 constexpr size_t kSlotBytes = (3 + dist_detail::kShapeWords) * sizeof(int64_t);
 
 class Writer {
@@ -22,6 +26,11 @@ class Writer {
   void put(int64_t v) {
     std::memcpy(out_.data() + pos_, &v, sizeof v);
     pos_ += sizeof v;
+  }
+  // `text` cut to n - 1 bytes, then zeros up to n.
+  void put_text(const std::string& text, size_t n) {
+    std::memcpy(out_.data() + pos_, text.data(), std::min(text.size(), n - 1));
+    pos_ += n;
   }
 
  private:
@@ -37,6 +46,11 @@ class Reader {
     std::memcpy(&v, in_ + pos_, sizeof v);
     pos_ += sizeof v;
     return v;
+  }
+  std::string get_text(size_t n) {
+    const std::string text(in_ + pos_, strnlen(in_ + pos_, n));
+    pos_ += n;
+    return text;
   }
 
  private:
@@ -114,11 +128,11 @@ std::string OpSignature::summary() const {
   }
   if (reduces(kind)) s += fmt::format(", op {}", reduce_op_name(reduce_op));
   if (kind == OpKind::Broadcast) s += fmt::format(", src {}", root);
-  return s + ")";
+  return s + ")" + dist_detail::describe_step(step.empty() ? nullptr : step.c_str());
 }
 
 bool OpSignature::same_call(const OpSignature& o) const {
-  if (kind != o.kind || slots.size() != o.slots.size()) return false;
+  if (kind != o.kind || slots.size() != o.slots.size() || step != o.step) return false;
   if (reduces(kind) && reduce_op != o.reduce_op) return false;
   if (kind == OpKind::Broadcast && root != o.root) return false;
   return hash_slots(slots) == hash_slots(o.slots) &&
@@ -142,6 +156,7 @@ std::vector<char> encode_signature(const OpSignature& sig, int group_size) {
   w.put(sig.root);
   w.put(static_cast<int64_t>(sig.slots.size()));
   w.put(static_cast<int64_t>(hash_slots(sig.slots)));
+  w.put_text(sig.step, kStepBytes);
   for (int i = 0; i < kSlotsInFull; ++i) {
     bool have = i < static_cast<int>(sig.slots.size());
     w.put(have ? static_cast<int64_t>(sig.slots[i].dtype) : 0);
@@ -167,6 +182,7 @@ OpSignature decode_signature(const char* bytes, int group_size) {
   const int64_t nslots = rd.get();
   FUNCOL_CHECK(nslots >= 0, "corrupt collective signature");
   const uint64_t hash = static_cast<uint64_t>(rd.get());
+  sig.step = rd.get_text(kStepBytes);
   for (int i = 0; i < kSlotsInFull; ++i) {
     OpSignature::Slot s;
     s.dtype = static_cast<DType>(rd.get());

@@ -38,6 +38,15 @@ TEST(OpSignature, RoundTripKeepsEveryField) {
   EXPECT_EQ(a2a_back.input_splits, a2a.input_splits);
   EXPECT_EQ(a2a_back.output_splits, a2a.output_splits);
   EXPECT_EQ(a2a_back.summary(), "all_to_all(i64 row 5)");
+
+  // funcol's own step: kept, printed, and never the same call as a user's collective.
+  OpSignature step = all_reduce(DType::I64, 2, ReduceOp::Max);
+  step.step = "new_group";
+  OpSignature step_back = round_trip(step, 2);
+  EXPECT_TRUE(step_back.same_call(step));
+  EXPECT_FALSE(step_back.same_call(all_reduce(DType::I64, 2, ReduceOp::Max)));
+  EXPECT_EQ(step_back.summary(),
+            "all_reduce(i64 numel 2, op max) [funcol's agreement step for new_group]");
 }
 
 TEST(OpSignature, SummaryMatchesTheThreadsBackend) {

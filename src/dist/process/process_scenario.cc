@@ -9,8 +9,8 @@
 //  mismatch  (FUNCOL_DEBUG=detail) 100 collectives in flight at once each give their own
 //            result; then ranks issue different collectives, then all_to_alls with
 //            inconsistent split sizes, then all_reduce_flats whose inputs split the same total
-//            differently; each fails on every rank showing both sides, and the group keeps
-//            working afterwards
+//            differently, then new_group's agreement against a user's all_reduce; each fails
+//            on every rank showing both sides, and the group keeps working afterwards
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
 //            before any of it is posted; the group is unusable afterwards
 //  timeout   the last rank stays away from a collective; the others time out naming it
@@ -236,6 +236,21 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(flat_msg, "rank 0 issued all_reduce_flat(2 tensors: f32 numel 2, f32 numel 3, "
                             "op sum)");
   expect_contains(flat_msg, "issued all_reduce_flat(2 tensors: f32 numel 3, f32 numel 2, op sum)");
+  // funcol's own collective inside new_group (its agreement on a name) against a user's
+  // all_reduce of the same shape and op: a mismatch that names the agreement, on every rank.
+  std::string step_msg = expect_comm_error(
+      [&] {
+        if (world.rank() == 0) {
+          funcol::new_group(world, {0, 1});
+        } else {
+          Tensor t = Tensor::zeros({2}, DType::I64);
+          world.all_reduce(t, ReduceOp::Max)->wait();
+        }
+      },
+      "new_group's agreement against a user's all_reduce");
+  expect_contains(step_msg,
+                  "rank 0 issued all_reduce(i64[2], op max) [funcol's agreement step for "
+                  "new_group] but rank 1 issued all_reduce(i64[2], op max)");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();
   check_sum(world);

@@ -301,9 +301,11 @@ struct Post {
   std::vector<int64_t> flat_counts;
   std::vector<const Storage*> flat_storages;  // identity only (World::wait_readers)
   std::shared_ptr<const void> hold;           // the input list, alive until the op finished
+  const char* step = nullptr;  // dist_detail::internal_step() of the issuing thread
 
   // "all_reduce(f32, numel 16, op sum)", for mismatch messages.
-  std::string summary() const {
+  std::string summary() const { return call_summary() + dist_detail::describe_step(step); }
+  std::string call_summary() const {
     if (flat) {
       std::string s = fmt::format("{}_flat({}, {} tensors: numel ", op_name(kind, false),
                                   dtype_name(slots[0].dtype), flat_counts.size());
@@ -334,6 +336,7 @@ struct Post {
 
   bool same_call(const Post& o) const {
     if (kind != o.kind || coalesced != o.coalesced || slots.size() != o.slots.size()) return false;
+    if (!dist_detail::same_step(step, o.step)) return false;
     if (flat != o.flat || flat_counts != o.flat_counts) return false;
     if (reduces(kind) && reduce_op != o.reduce_op) return false;
     if (kind == OpKind::Broadcast && root != o.root) return false;
@@ -399,18 +402,21 @@ struct alignas(64) LaneRecord {
   std::shared_ptr<LaneWork> work;  // finished (and released) by the executor or a failer
   ReduceOp reduce_op = ReduceOp::Sum;
   Slot slot;
+  const char* step = nullptr;  // as Post::step
 
-  Post post() const { return post(slot, reduce_op); }
-  static Post post(const Slot& slot, ReduceOp reduce_op) {
+  Post post() const { return post(slot, reduce_op, step); }
+  static Post post(const Slot& slot, ReduceOp reduce_op, const char* step) {
     Post p;
     p.kind = OpKind::AllReduce;
     p.reduce_op = reduce_op;
     p.slots.push_back(slot);
+    p.step = step;
     return p;
   }
   bool same_call(const LaneRecord& o) const {
     return slot.dtype == o.slot.dtype && slot.count == o.slot.count &&
-           slot.same_shape(o.slot) && reduce_op == o.reduce_op;
+           slot.same_shape(o.slot) && reduce_op == o.reduce_op &&
+           dist_detail::same_step(step, o.step);
   }
 };
 
@@ -1555,6 +1561,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   auto post = [&] {
     record.slot = slot;
     record.reduce_op = op;
+    record.step = dist_detail::internal_step();
     if (record.work != work) previous = std::exchange(record.work, work);
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
@@ -1612,9 +1619,10 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         std::lock_guard<SpinMutex> lock(group.mu);
         ahead = group.find_pending(seq);
         if (ahead && ahead->ref_ >= 0) {
-          message = mismatch_message(work->description(), group.global_ranks[member],
-                                     LaneRecord::post(slot, op), group.global_ranks[ahead->ref_],
-                                     ahead->members_[ahead->ref_].post);
+          message = mismatch_message(
+              work->description(), group.global_ranks[member],
+              LaneRecord::post(slot, op, dist_detail::internal_step()),
+              group.global_ranks[ahead->ref_], ahead->members_[ahead->ref_].post);
           ahead->doomed_ = true;
           join_absent_locked(group, seq, bit);  // this member never joins it
         }
@@ -2340,6 +2348,7 @@ class ThreadsGroup final : public ProcessGroup {
     Post p;
     p.kind = kind;
     p.coalesced = coalesced;
+    p.step = dist_detail::internal_step();
     p.slots.reserve(slots);
     return p;
   }
