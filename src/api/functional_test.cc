@@ -1141,6 +1141,11 @@ TEST(GroupSpecTest, ListsOfRankLists) {
     EXPECT_EQ(all_reduce(x, "sum", {0, 1, 2, 3}).to_vector<float>(), repeat(6, 2));  // ranks
     EXPECT_THAT(error_of([] { GroupSpec({0, {1, 2, 3}}); }),
                 HasSubstr("a braced group holds ranks and rank lists both"));
+    // A one-rank list after ranks too (it used to become the rank 3: the world).
+    EXPECT_THAT(error_of([&] { all_reduce(x, "sum", {0, 1, 2, {3}}); }),
+                HasSubstr("a braced group holds ranks and rank lists both"));
+    EXPECT_THAT(error_of([] { GroupSpec({0, {1}}); }),
+                HasSubstr("a braced group holds ranks and rank lists both"));
     // initializer_list objects, as the earlier constructors took them.
     const std::initializer_list<int> all = {0, 1, 2, 3};
     EXPECT_EQ(&GroupSpec(all).resolve(), &world);

@@ -69,11 +69,14 @@ class GroupSpec {
   // lists; ranks and lists mixed ({0, {1}}) throw InvalidArgument.
   GroupSpec(std::initializer_list<api_detail::RankOrRanks> items);
   // A std::initializer_list<int> or <std::vector<int>> object: a rank list or a list of rank
-  // lists. (A braced {{0}, {1}} deduces no T here, so it takes the constructor above.)
-  template <typename T, typename = std::enable_if_t<std::is_same_v<T, int> ||
-                                                    std::is_same_v<T, std::vector<int>>>>
-  GroupSpec(std::initializer_list<T> items) {
-    if constexpr (std::is_same_v<T, int>) {
+  // lists. (A braced argument deduces no L here, so every braced form takes the constructor
+  // above; an initializer_list<T> parameter would take {0, {1}} as the ranks [0, 1].)
+  template <typename L, typename List = std::remove_cvref_t<L>,
+            typename = std::enable_if_t<std::is_same_v<List, std::initializer_list<int>> ||
+                                        std::is_same_v<List,
+                                                       std::initializer_list<std::vector<int>>>>>
+  GroupSpec(L&& items) {
+    if constexpr (std::is_same_v<List, std::initializer_list<int>>) {
       value_ = std::vector<int>(items);
     } else {
       value_ = std::vector<std::vector<int>>(items);
