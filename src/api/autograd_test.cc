@@ -178,6 +178,23 @@ TEST_P(EagerGradCheck, Coalesced) {
   EXPECT_EQ(n, expected(6 + 8));
 }
 
+// Ranks use different results of one coalesced call: every rank's backward collective still
+// lists every result (zeros where its own loss uses none), as PyTorch's does; listing only the
+// used ones gave the ranks mismatched collectives.
+TEST_P(EagerGradCheck, CoalescedResultsUsedOnSomeRanksOnly) {
+  const int w = GetParam();
+  const int64_t n =
+      eager_gradcheck(w, {{2, 3}, {4, 2}}, [](GradTape& tape, const auto& x, int rank) {
+        const std::vector<Tensor> ar = all_reduce_coalesced_autograd({x[0], x[1]}, "sum", "world");
+        const std::vector<Tensor> ag = all_gather_into_tensor_coalesced_autograd(ar, "world");
+        const std::vector<Tensor> rs = reduce_scatter_tensor_coalesced_autograd(ag, "sum", "world");
+        if (rank % 2 == 1) return sum_of_cubes(tape, rs[1]);
+        const Tensor a = sum_of_cubes(tape, rs[0]);
+        return tape.call_one("add", std::vector<Tensor>{a, sum_of_cubes(tape, ar[1])});
+      });
+  EXPECT_EQ(n, expected(6 + 8));
+}
+
 // A 0-d input gathers to [group_size]; its gradient (a reduce_scatter, [1]) must come back 0-d.
 TEST_P(EagerGradCheck, ZeroDimAllGather) {
   const int w = GetParam();

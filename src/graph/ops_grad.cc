@@ -272,20 +272,23 @@ Grads grad_all_to_all(Builder& b, const Node& n, GIn g) {
                              {"group", n.attr("group")}}))};
 }
 
-// Coalesced: one backward collective over the results that have a gradient (the others give
-// their operand none), each result waited.
+// Coalesced: one backward collective over every floating result, a result without a gradient
+// taking zeros (as PyTorch materialises them), each result waited. Which results reach a loss
+// can differ between ranks (an eager tape's loss is the rank's own), but every rank's backward
+// collective must list the same tensors; and a result unused here may carry a peer's gradient
+// into its operand.
 Grads coalesced(Builder& b, const Node& n, GIn g, std::string_view op, const NamedAttrs& attrs) {
-  std::vector<Value*> present;
-  for (Value* v : g) {
-    if (v) present.push_back(v);
-  }
   Grads out(n.num_operands(), nullptr);
-  if (present.empty()) return out;
-  Node* c = b.create(op, present, attrs);
-  size_t k = 0;
+  if (std::none_of(g.begin(), g.end(), [](Value* v) { return v != nullptr; })) return out;
+  std::vector<Value*> grads;
+  std::vector<size_t> which;
   for (size_t i = 0; i < g.size(); ++i) {
-    if (g[i]) out[i] = waited(b, c->result(k++));
+    if (!g[i] && !is_floating(n.result(i)->dtype())) continue;
+    grads.push_back(g[i] ? g[i] : zeros(b, n.result(i)->type()));
+    which.push_back(i);
   }
+  Node* c = b.create(op, grads, attrs);
+  for (size_t k = 0; k < which.size(); ++k) out[which[k]] = waited(b, c->result(k));
   return out;
 }
 
