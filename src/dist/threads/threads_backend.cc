@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #ifdef __SSE2__
@@ -394,6 +395,53 @@ constexpr bool lane_serves(uint64_t state, uint64_t seq) {
   return (state & kLaneBusy) != 0 && lane_seq(state) == lane_seq(lane_seq_bits(seq));
 }
 
+// RankState::last_issued: the low bits hold the group id.
+constexpr int kIssuedGroupBits = 20;
+// A wait that has slept this long (and has at least as long left before its deadline) prints
+// what it waits for if every missing rank's last collective waits too (World::warn_stalled).
+// FUNCOL_STALL_WARNING sets it in seconds (0: never), read when run_local starts.
+std::chrono::nanoseconds stall_warning_after() {
+  const std::optional<double> seconds =
+      dist_detail::env_number("FUNCOL_STALL_WARNING", "a number of seconds (0 or more)",
+                              [](double v) { return v >= 0 && v <= 1e9; });
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::duration<double>(seconds.value_or(10.0)));
+}
+
+// When a sleeping wait looks whether it stalls: every `after` while it sleeps, until it warned
+// or its deadline is less than `after` away.
+class StallClock {
+ public:
+  explicit StallClock(std::chrono::nanoseconds after) : after_(after), done_(after.count() == 0) {}
+  // Whether to look now.
+  bool due(Clock::time_point now, Clock::time_point deadline) {
+    if (done_) return false;
+    if (look_ == Clock::time_point()) {
+      look_ = now + after_;
+      return false;
+    }
+    if (now < look_) return false;
+    look_ = now + after_;
+    looks_++;
+    done_ = deadline - now < after_;
+    return !done_;
+  }
+  void warned() { done_ = true; }
+  // How long the wait has slept, in whole `after`s.
+  std::chrono::nanoseconds slept() const { return looks_ * after_; }
+  // Until when a wait with `deadline` may sleep before it looks.
+  Clock::time_point next(Clock::time_point deadline) const {
+    if (done_ || look_ == Clock::time_point()) return deadline;
+    return std::min(deadline, look_);
+  }
+
+ private:
+  const std::chrono::nanoseconds after_;
+  Clock::time_point look_{};
+  int looks_ = 0;
+  bool done_;
+};
+
 class LaneWork;
 
 // One member's part of a lane collective; written by the member before it sets its bit.
@@ -650,6 +698,10 @@ struct RankState {
   alignas(64) std::atomic<int> queued{0};
   alignas(64) std::atomic<bool> departed{false};
   std::string departed_reason;  // written before departed is set, read after it is seen
+  // The collective this rank issued last, for timeout messages and stall warnings (what a
+  // missing rank is doing): (seq + 1) << kIssuedGroupBits | group id, 0 before any; written by
+  // the issuing thread, read by others (one word, so never a torn pair).
+  alignas(64) std::atomic<uint64_t> last_issued{0};
   // The ops another thread completed whose keep-alive references for this rank it left for
   // this rank's own thread to release (see World::complete).
   alignas(64) SpinMutex returned_mu;
@@ -687,7 +739,8 @@ class World {
       : size_(size),
         timeout_(timeout),
         wait_spin_(size > usable_cores() ? std::chrono::nanoseconds(0) : Backoff::kSpin),
-        stream_bytes_(stream_threshold()) {
+        stream_bytes_(stream_threshold()),
+        stall_warning_(stall_warning_after()) {
     for (int r = 0; r < size; ++r) ranks_.push_back(std::make_unique<RankState>());
     std::vector<int> all(size);
     for (int r = 0; r < size; ++r) all[r] = r;
@@ -740,6 +793,28 @@ class World {
   // The timeout failure of op (missing ranks, or the collectives it is stuck behind); the
   // missing ranks also go to *missing.
   std::string timeout_message(Op& op, std::vector<int>* missing);
+  // Why op is not done yet: "; missing ranks [1] (...)" or " waiting for earlier
+  // collectives: ..." (timeout_message's text after "timed out after N s").
+  // `all_waiting` (optional): whether every missing rank's last collective is itself missing
+  // ranks (whereabouts).
+  std::string stall_report(Op& op, std::vector<int>* missing, bool* all_waiting = nullptr);
+  // Records that `global_rank` issued collective `seq` of `group` (RankState::last_issued).
+  void note_issued(int global_rank, const SharedGroup& group, uint64_t seq) {
+    if (group.id >= (1 << kIssuedGroupBits)) return;
+    ranks_[global_rank]->last_issued.store(((seq + 1) << kIssuedGroupBits) | uint64_t(group.id),
+                                           std::memory_order_relaxed);
+  }
+  // " (rank 1's last collective, all_reduce on group 'g' (seq 3), is itself missing ranks
+  // [0])" for the missing ranks whose last collective waits for others (at most 4 named), or
+  // "": a deadlock shows as ranks each missing in the other's collective.
+  // `all_waiting` (optional): whether every missing rank's last collective is so.
+  std::string whereabouts(const std::vector<int>& missing, bool* all_waiting = nullptr);
+  // Prints a warning to stderr for a wait that has slept `slept` (StallClock): `description`
+  // waits; `report` says why (stall_report).
+  void warn_stalled(const std::string& description, std::chrono::nanoseconds slept,
+                    const std::string& report);
+  // warn_stalled for a lane collective whose missing ranks all wait elsewhere (true: warned).
+  bool lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept);
   void depart(int rank, const std::string& reason);
   void drain(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
@@ -766,6 +841,7 @@ class World {
   // cores: 4 KiB all_reduce 8.8-13.5 us instead of 13-20 us; funcol train's step 10% shorter).
   std::chrono::nanoseconds wait_spin_;
   const int64_t stream_bytes_;  // copies of ops moving this much stream (stream_threshold)
+  const std::chrono::nanoseconds stall_warning_;  // stall_warning_after()
   std::vector<std::unique_ptr<RankState>> ranks_;
   // Ranks that departed so far: joins look for departed members only when it is non-zero
   // (reading every member's RankState on every collective would pull their cache lines).
@@ -1382,8 +1458,15 @@ std::string World::mismatch_message(const std::string& what, int rank_a, const P
                                     int rank_b, const Post& b) {
   // Lower rank first, so every rank (and every run) reads the same message.
   if (rank_b < rank_a) return mismatch_message(what, rank_b, b, rank_a, a);
+  // Every member reads this one message: when the sides issued different ops, the head names
+  // neither ("collective on group ..."), so that no rank reads that it issued the other's.
+  std::string head = what;
+  if (a.kind != b.kind || a.coalesced != b.coalesced) {
+    const size_t on = what.find(" on group ");
+    if (on != std::string::npos) head = "collective" + what.substr(on);
+  }
   std::string message =
-      fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}", what,
+      fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}", head,
                   rank_a, a.summary(), rank_b, b.summary());
   // A summary lists a long list's first 8 tensors only: when the lists differ only further on,
   // both would read the same, so name the first tensor that differs.
@@ -1942,6 +2025,14 @@ void World::lane_check(LaneWork& work, bool timed_out) {
   LaneSlot& ls = group.lane_slot(seq);
   std::shared_ptr<Op> crossed;
   std::string failure;
+  // A timeout's account of the missing ranks, taken before the lock (whereabouts locks other
+  // groups): used if they are still the ones missing under it.
+  uint64_t noted_arrived = 0;
+  std::string notes;
+  if (timed_out) {
+    noted_arrived = ls.state.load(std::memory_order_acquire) & kLaneArrived;
+    notes = whereabouts(missing_ranks(group, noted_arrived));
+  }
   {
     std::lock_guard<SpinMutex> lock(group.mu);
     const uint64_t state = ls.state.load(std::memory_order_acquire);
@@ -1970,9 +2061,9 @@ void World::lane_check(LaneWork& work, bool timed_out) {
       lane_fail_locked(group, seq, departed_message(what, departed, missing), 0);
     } else if (timed_out) {
       lane_fail_locked(group, seq,
-                       fmt::format("{}: timed out after {:g} s; missing ranks {}", what,
+                       fmt::format("{}: timed out after {:g} s; missing ranks {}{}", what,
                                    std::chrono::duration<double>(timeout_).count(),
-                                   format_ranks(missing)),
+                                   format_ranks(missing), arrived == noted_arrived ? notes : ""),
                        0, nullptr, missing);
     }
   }
@@ -2010,6 +2101,7 @@ void World::wait_readers(int global_rank, const Storage* storage) {
 void LaneWork::wait() {
   if (!is_completed()) {
     Backoff backoff(world_->wait_spin_);
+    StallClock stall(world_->stall_warning_);
     for (unsigned polls = 0; !is_completed(); ++polls) {
       // Help any big op while spinning (as Op::wait), every 16th poll.
       if ((!backoff.spinning() || polls % 16 == 0) && world_->help_any()) {
@@ -2020,6 +2112,10 @@ void LaneWork::wait() {
       // Departures and Op-path mismatches are checked now and then; the timeout at the deadline.
       auto now = Clock::now();
       world_->lane_check(*this, now >= deadline_);
+      if (!is_completed() && stall.due(now, deadline_) &&
+          world_->lane_warn_stalled(*this, stall.slept())) {
+        stall.warned();
+      }
       if (!is_completed()) sleep_until(std::min(deadline_, now + std::chrono::milliseconds(20)));
       backoff.reset();
     }
@@ -2029,7 +2125,12 @@ void LaneWork::wait() {
 }
 
 std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {
-  double seconds = std::chrono::duration<double>(timeout_).count();
+  return fmt::format("{}: timed out after {:g} s{}", op.description(),
+                     std::chrono::duration<double>(timeout_).count(),
+                     stall_report(op, missing_out));
+}
+
+std::string World::stall_report(Op& op, std::vector<int>* missing_out, bool* all_waiting) {
   std::vector<int> missing;
   std::vector<std::pair<int, int>> members;  // (member, global rank) of joined members
   {
@@ -2043,10 +2144,10 @@ std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {
     }
   }
   if (!missing.empty()) {
-    std::string message = fmt::format("{}: timed out after {:g} s; missing ranks {}",
-                                      op.description(), seconds, format_ranks(missing));
+    std::string report = fmt::format("; missing ranks {}{}", format_ranks(missing),
+                                     whereabouts(missing, all_waiting));
     *missing_out = std::move(missing);
-    return message;
+    return report;
   }
   // Everyone joined, but some member is still busy with an earlier collective.
   std::string blockers;
@@ -2060,8 +2161,74 @@ std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {
     if (!blockers.empty()) blockers += "; ";
     blockers += fmt::format("rank {} is still in {}", r, it->op->description());
   }
-  return fmt::format("{}: timed out after {:g} s waiting for earlier collectives: {}",
-                     op.description(), seconds, blockers.empty() ? "(none found)" : blockers);
+  if (all_waiting) *all_waiting = false;
+  return fmt::format(" waiting for earlier collectives: {}",
+                     blockers.empty() ? "(none found)" : blockers);
+}
+
+std::string World::whereabouts(const std::vector<int>& missing, bool* all_waiting) {
+  constexpr size_t kMaxNamed = 4;
+  std::vector<std::string> notes;
+  bool all = !missing.empty();
+  for (int r : missing) {
+    const uint64_t last = ranks_[r]->last_issued.load(std::memory_order_relaxed);
+    const uint64_t seq = (last >> kIssuedGroupBits) - 1;
+    SharedGroup* group = nullptr;
+    if (last != 0) {
+      std::lock_guard<std::mutex> lock(mu_);  // never held with a group's mu
+      group = groups_[last & ((uint64_t{1} << kIssuedGroupBits) - 1)].get();
+    }
+    std::string what;
+    std::vector<int> waits_for;
+    if (group != nullptr) {
+      std::lock_guard<SpinMutex> lock(group->mu);
+      if (std::shared_ptr<Op> op = group->find_pending(seq)) {
+        for (int m = 0; m < op->size_; ++m) {
+          if (!op->members_[m].joined) waits_for.push_back(group->global_ranks[m]);
+        }
+        what = op->description();
+      } else if (group->lane) {
+        const uint64_t state = group->lane_slot(seq).state.load(std::memory_order_acquire);
+        if (lane_serves(state, seq) && (state & kLaneFailed) == 0) {
+          waits_for = missing_ranks(*group, state & kLaneArrived);
+          what = collective_name(OpKind::AllReduce, false, *group, seq);
+        }
+      }
+    }
+    if (waits_for.empty()) {
+      all = false;
+      continue;
+    }
+    if (notes.size() < kMaxNamed) {
+      notes.push_back(fmt::format("rank {}'s last collective, {}, is itself missing ranks {}", r,
+                                  what, format_ranks(waits_for)));
+    }
+  }
+  if (all_waiting) *all_waiting = all;
+  return notes.empty() ? std::string() : fmt::format(" ({})", fmt::join(notes, "; "));
+}
+
+bool World::lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept) {
+  SharedGroup& group = *work.group_;
+  const uint64_t state = group.lane_slot(work.seq_).state.load(std::memory_order_acquire);
+  if (!lane_serves(state, work.seq_) || (state & kLaneFailed) != 0) return false;
+  const std::vector<int> missing = missing_ranks(group, state & kLaneArrived);
+  bool all_waiting = false;
+  const std::string notes = whereabouts(missing, &all_waiting);
+  if (!all_waiting) return false;
+  warn_stalled(work.description(), slept,
+               fmt::format("; missing ranks {}{}", format_ranks(missing), notes));
+  return true;
+}
+
+void World::warn_stalled(const std::string& description, std::chrono::nanoseconds slept,
+                         const std::string& report) {
+  fmt::print(stderr,
+             "funcol: warning: {} has waited {:g} s{}: a deadlock unless a rank issues what "
+             "another waits for; it fails when its timeout ({:g} s) runs out\n",
+             description, std::chrono::duration<double>(slept).count(), report,
+             std::chrono::duration<double>(timeout_).count());
+  std::fflush(stderr);
 }
 
 const std::string& Op::description() const {
@@ -2080,6 +2247,7 @@ const std::string& LaneWork::description() const {
 void Op::wait() {
   if (!is_completed()) {
     Backoff backoff(world_->wait_spin_);
+    StallClock stall(world_->stall_warning_);
     for (unsigned polls = 0; !is_completed(); ++polls) {
       // Help: take chunks of this op, or of any running op (the one this op waits behind).
       // While spinning, look only every 16th poll: the executor of a small op writes the
@@ -2109,8 +2277,17 @@ void Op::wait() {
         world_->fail_op(self, message, std::move(missing));
         continue;
       }
+      if (pending && stall.due(now, deadline_)) {
+        std::vector<int> missing;
+        bool all_waiting = false;
+        const std::string report = world_->stall_report(*this, &missing, &all_waiting);
+        if (all_waiting) {
+          world_->warn_stalled(description(), stall.slept(), report);
+          stall.warned();
+        }
+      }
       // A running op finishes without us; re-check now and then all the same.
-      sleep_until(pending ? deadline_ : now + std::chrono::milliseconds(100));
+      sleep_until(pending ? stall.next(deadline_) : now + std::chrono::milliseconds(100));
       backoff.reset();
     }
   }
@@ -2439,6 +2616,7 @@ class ThreadsGroup final : public ProcessGroup {
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
+    world_->note_issued(global_rank_, *shared_, seq);
     world_->release_returned(global_rank_);  // before this post counts its storages again
     // A spare sized to the group, made before the lock; not kept for large groups, where every
     // rank's spare would hold a member record per rank (R^2 in all: 5.9 GB at 4096 ranks).
@@ -2471,6 +2649,7 @@ class ThreadsGroup final : public ProcessGroup {
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
+    world_->note_issued(global_rank_, *shared_, seq);
     world_->release_returned(global_rank_);
     world_->wait_readers(global_rank_, slot.in_storage);
     std::shared_ptr<LaneWork> work =

@@ -606,7 +606,8 @@ TEST(FailureTest, MismatchedOp) {
         Tensor out = Tensor::empty({8}, DType::F32);
         return pg.all_gather(out, t);
       },
-      {"rank 0 issued all_reduce(f32[4], op sum) but rank 1 issued all_gather(f32[4])"});
+      {"collective on group 'world' (seq 0): mismatched collectives: rank 0 issued "
+       "all_reduce(f32[4], op sum) but rank 1 issued all_gather(f32[4])"});
 }
 
 TEST(FailureTest, MismatchedDtype) {
@@ -1418,6 +1419,59 @@ TEST(FailureTest, ARankLateForATimedOutCollectiveIsToldSo) {
   EXPECT_EQ(messages[0], base);
   EXPECT_EQ(messages[1], base + "; rank 1 issued it only after the others had given up on it");
   EXPECT_EQ(messages[2], base + "; rank 2 issued it only after the others had given up on it");
+}
+
+// Ranks that each wait for a collective the other has not issued (rank 1 on the world, rank 0,
+// a little later, on a subgroup of both): a deadlock. Before the timeout each prints a warning
+// (FUNCOL_STALL_WARNING seconds into its wait) naming what the missing rank waits for, and the
+// first timeout says the same, so the cycle shows. On the lane and on the Op path.
+TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
+  for (const int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+    ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.2");
+    std::vector<std::string> messages(2);
+    ::testing::internal::CaptureStderr();
+    run_local(
+        2,
+        [&](ProcessGroup& world) {
+          auto pair = new_group(world, {0, 1}, "pair");  // agreed over world's seq 0 and 1
+          Tensor t = Tensor::full({numel}, DType::F32, 1);
+          if (world.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          ProcessGroup& group = world.rank() == 0 ? *pair : world;
+          messages[world.rank()] = comm_error([&] { group.all_reduce(t, ReduceOp::Sum)->wait(); });
+        },
+        LocalOptions{std::chrono::milliseconds(1500)});
+    const std::string warnings = ::testing::internal::GetCapturedStderr();
+    const std::string rank0 =
+        "missing ranks [0] (rank 0's last collective, all_reduce on group 'pair' (seq 0), is "
+        "itself missing ranks [1])";
+    const std::string rank1 =
+        "missing ranks [1] (rank 1's last collective, all_reduce on group 'world' (seq 2), is "
+        "itself missing ranks [0])";
+    EXPECT_EQ(messages[1], "all_reduce on group 'world' (seq 2): timed out after 1.5 s; " + rank0)
+        << numel;
+    EXPECT_NE(messages[0].find("all_reduce on group 'pair' (seq 0)"), std::string::npos);
+    for (const std::string& line : std::vector<std::string>{
+             "funcol: warning: all_reduce on group 'world' (seq 2) has waited ",
+          "funcol: warning: all_reduce on group 'pair' (seq 0) has waited ", rank0, rank1,
+          "a deadlock unless a rank issues what another waits for; it fails when its timeout "
+          "(1.5 s) runs out\n"}) {
+      EXPECT_NE(warnings.find(line), std::string::npos) << numel << ": " << line << "\n"
+                                                        << warnings;
+    }
+  }
+}
+
+// A rank busy elsewhere (its last collective done) is no deadlock: no warning.
+TEST(FailureTest, NoStallWarningForARankBusyElsewhere) {
+  ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.1");
+  ::testing::internal::CaptureStderr();
+  run_local(2, [&](ProcessGroup& world) {
+    if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    Tensor t = Tensor::full({4}, DType::F32, 1);
+    world.all_reduce(t, ReduceOp::Sum)->wait();
+    EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2.0f));
+  });
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
 TEST(FailureTest, TimeoutFromEnvironment) {
