@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "funcol/core/dtype.h"
@@ -99,8 +100,11 @@ inline T float_to_low(float f) {
   }
 }
 
-// Converts one element. Floating to integer saturates to int64 then wraps to the target width
-// (NaN gives 0), so no conversion is undefined behaviour. To bool: value != 0.
+// Converts one element; no conversion is undefined behaviour. Floating to integer truncates
+// toward zero; i32 and i64 saturate at their range (PyTorch's result is undefined there), and
+// u8, i8 and i16 wrap modulo 2^bits as PyTorch's CPU conversions do (through int64), except
+// that infinities and magnitudes beyond int64 saturate at the target's range too. NaN gives 0.
+// To bool: value != 0.
 template <typename To, typename From>
 inline To cvt(From v) {
   if constexpr (std::is_same_v<To, From>) {
@@ -116,15 +120,15 @@ inline To cvt(From v) {
   } else if constexpr (kIsLowFloat<To>) {
     return float_to_low<To>(static_cast<float>(v));
   } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
-    int64_t i;
-    if (std::isnan(v)) {
-      i = 0;
-    } else if (v >= static_cast<From>(9.2233720368547758e18)) {
-      i = INT64_MAX;
-    } else if (v < static_cast<From>(-9.2233720368547758e18)) {
-      i = INT64_MIN;
-    } else {
-      i = static_cast<int64_t>(v);
+    constexpr bool kWraps = sizeof(To) < sizeof(int32_t);
+    using Lim = std::numeric_limits<To>;
+    if (std::isnan(v)) return To(0);
+    if (v >= static_cast<From>(9.2233720368547758e18)) return Lim::max();
+    if (v < static_cast<From>(-9.2233720368547758e18)) return Lim::min();
+    const int64_t i = static_cast<int64_t>(v);
+    if constexpr (!kWraps && sizeof(To) < sizeof(int64_t)) {
+      if (i > static_cast<int64_t>(Lim::max())) return Lim::max();
+      if (i < static_cast<int64_t>(Lim::min())) return Lim::min();
     }
     return static_cast<To>(i);
   } else {

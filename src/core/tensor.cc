@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <numeric>
 #include <optional>
 #include <shared_mutex>
@@ -260,10 +261,11 @@ void check_value_fits(DType dtype, V value, const char* what) {
       if constexpr (std::is_integral_v<V>) {
         fits = std::in_range<S>(value);
       } else {
-        // [lowest, max + 1): max itself may not be a double (int64), max + 1 is a power of two.
+        // [lowest, max], as PyTorch's overflow check (255.5 does not fit u8, though it would
+        // truncate to 255); for int64, whose max is no double, [lowest, max + 1 = 2^63).
         const double lo = static_cast<double>(std::numeric_limits<S>::lowest());
-        const double hi = static_cast<double>(std::numeric_limits<S>::max()) + 1.0;
-        fits = value >= lo && value < hi;
+        const double max = static_cast<double>(std::numeric_limits<S>::max());
+        fits = value >= lo && (sizeof(S) == 8 ? value < max + 1.0 : value <= max);
       }
     } else if constexpr (std::is_same_v<S, float> || kIsLowFloat<S>) {
       // From FLT_MAX plus half its last step up, a double rounds to infinity as a float (the tie
@@ -370,12 +372,18 @@ std::optional<Shape> view_strides(const Shape& old_sizes, const Shape& old_strid
   int64_t view_numel = 1;
   for (int64_t tensor_d = static_cast<int64_t>(old_sizes.size()) - 1; tensor_d >= 0; --tensor_d) {
     tensor_numel *= old_sizes[tensor_d];
-    bool chunk_ends =
-        tensor_d == 0 || (old_sizes[tensor_d - 1] != 1 &&
-                          old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride);
+    // Strides of meta tensors (no storage) may be so large that these products overflow: a
+    // product past int64 is no stride the old layout has, nor one the view could have.
+    int64_t next_stride = 0;
+    const bool next_fits =
+        !__builtin_mul_overflow(tensor_numel, chunk_base_stride, &next_stride);
+    bool chunk_ends = tensor_d == 0 || (old_sizes[tensor_d - 1] != 1 &&
+                                        (!next_fits || old_strides[tensor_d - 1] != next_stride));
     if (!chunk_ends) continue;
     while (view_d >= 0 && (view_numel < tensor_numel || new_sizes[view_d] == 1)) {
-      new_strides[view_d] = view_numel * chunk_base_stride;
+      if (__builtin_mul_overflow(view_numel, chunk_base_stride, &new_strides[view_d])) {
+        return std::nullopt;
+      }
       view_numel *= new_sizes[view_d];
       --view_d;
     }
@@ -492,6 +500,17 @@ void* allocate_or_throw(size_t nbytes) {
   } catch (const std::bad_alloc&) {
     throw Error(fmt::format("out of memory: cannot allocate {} bytes", nbytes));
   }
+}
+
+// std::vector<V>(n), whose failure to allocate throws funcol::Error too.
+template <typename V>
+std::vector<V> vector_or_throw(size_t n) {
+  try {
+    return std::vector<V>(n);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {
+  }
+  throw Error(fmt::format("out of memory: cannot allocate {} elements of {} bytes", n, sizeof(V)));
 }
 
 }  // namespace
@@ -701,7 +720,7 @@ Tensor Tensor::rand(const Shape& shape, DType dtype, uint64_t seed) {
   return t;
 }
 
-template <typename T>
+template <ElementType T>
 Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
   const DType dtype = dtype_for<T>();
   Shape s = shape.empty() ? Shape{static_cast<int64_t>(values.size())} : shape;
@@ -844,7 +863,7 @@ void* Tensor::first_element() const {
   return static_cast<char*>(storage_->raw()) + offset_ * static_cast<int64_t>(itemsize());
 }
 
-template <typename T>
+template <ElementType T>
 T* Tensor::data() const {
   constexpr DType want = dtype_for<T>();
   if (defined() && want != dtype_) {
@@ -859,11 +878,11 @@ const Tensor& Tensor::wait() const {
   return *this;
 }
 
-template <typename T>
+template <ElementType T>
 std::vector<T> Tensor::to_vector() const {
   check_not_meta(*this, "to_vector");
   storage_->wait();
-  std::vector<T> out(static_cast<size_t>(numel()));
+  std::vector<T> out = vector_or_throw<T>(static_cast<size_t>(numel()));
   const char* base = static_cast<const char*>(raw_data_ptr());
   size_t k = 0;
   using Dst = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
@@ -882,7 +901,7 @@ std::vector<T> Tensor::to_vector() const {
   return out;
 }
 
-template <typename T>
+template <ElementType T>
 T Tensor::item() const {
   check_not_meta(*this, "item");
   if (numel() != 1) {
@@ -905,6 +924,9 @@ std::string Tensor::to_string() const {
   const std::string type = type_str(dtype_, sizes());
   if (is_meta()) return "tensor(" + type + ", meta)";
   storage_->wait();
+  // No elements: "[]" whatever the shape (which the type shows), as PyTorch prints
+  // tensor([], size=(N, 0)); one "[]" per row would cost as much as the rows.
+  if (numel() == 0) return "tensor(" + type + ", [])";
   // Like PyTorch's print options: beyond 1000 elements show 3 items at each end of every dim.
   constexpr int64_t kThreshold = 1000;
   constexpr int64_t kEdge = 3;
@@ -1057,7 +1079,7 @@ std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
   const int64_t size = sizes()[d];
   if (size == 0) {
     // torch.chunk: an empty dim still gives `chunks` (empty) pieces.
-    return split_with_sizes(std::vector<int64_t>(static_cast<size_t>(chunks), 0), d);
+    return split_with_sizes(vector_or_throw<int64_t>(static_cast<size_t>(chunks)), d);
   }
   return split(size / chunks + (size % chunks != 0 ? 1 : 0), d);  // ceil, without overflow
 }

@@ -771,7 +771,32 @@ TEST(Views, EmptyTensorsWithHugeDims) {
   EXPECT_EQ(error_of<ShapeError>([&] { Tensor::cat(eight, 1); }),
             "cat: the tensors' sizes at dim 1 sum to more than int64 holds");
   EXPECT_THROW(Tensor::cat({wide, wide}, 1), InvalidArgument);  // fits in int64, not in bytes
+  // A meta tensor's strides may be so large that the strides a view would need leave int64
+  // (UBSan: signed overflow): no view then.
+  const Tensor big = Tensor::meta({3, kHuge, 1}, DType::F64).unsqueeze(0).transpose(1, 3);
+  EXPECT_EQ(error_of<Error>([&] { big.view({1, -1}); }),
+            "view: cannot view f64[1,1,1099511627776,3] with strides "
+            "[3298534883328,1,1,1099511627776] as shape [1,-1] without a copy (use reshape)");
+  // Lists too long to allocate fail with funcol::Error, as storage does.
+  EXPECT_EQ(error_of<Error>([] {
+              Tensor::zeros({1}, DType::F32).expand({int64_t{1} << 60}).to_vector<float>();
+            }),
+            "out of memory: cannot allocate 1152921504606846976 elements of 4 bytes");
+  EXPECT_EQ(error_of<Error>([] { Tensor::zeros({0}, DType::F32).chunk(int64_t{1} << 62); }),
+            "out of memory: cannot allocate 4611686018427387904 elements of 8 bytes");
 }
+
+// from_vector, data, to_vector and item take the element types of the ten dtypes (and long
+// long) only: another type is a compile error, not a link error.
+template <typename T>
+concept Readable = requires(const Tensor& t) {
+  t.template item<T>();
+  t.template to_vector<T>();
+  t.template data<T>();
+  Tensor::from_vector<T>({});
+};
+static_assert(Readable<float> && Readable<long long> && Readable<Eigen::bfloat16>);
+static_assert(!Readable<unsigned> && !Readable<size_t> && !Readable<char>);
 
 // Bool, u8 and i8 dims may come near INT64_MAX: splitting one steps the start by the split
 // size, which must not step past int64 after the last piece (UBSan: signed overflow).
@@ -874,6 +899,37 @@ TEST(Copies, ContiguousCloneTo) {
   }
 }
 
+// Floating to integer: truncation toward zero; i32 and i64 saturate, u8/i8/i16 wrap modulo
+// 2^bits as PyTorch's CPU conversions do (through int64); infinities and magnitudes past int64
+// saturate everywhere; NaN gives 0. (+inf used to give -1 in i32.)
+TEST(Copies, FloatToIntegerConversions) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const Tensor x = Tensor::from_vector<double>({std::nan(""), inf, -inf, 3e9, -3e9, 1e20, 300.7,
+                                                -1.9, 2.5});
+  EXPECT_EQ(x.to(DType::I32).to_vector<int32_t>(),
+            (std::vector<int32_t>{0, INT32_MAX, INT32_MIN, INT32_MAX, INT32_MIN, INT32_MAX, 300,
+                                  -1, 2}));
+  EXPECT_EQ(x.to(DType::I64).to_vector<int64_t>(),
+            (std::vector<int64_t>{0, INT64_MAX, INT64_MIN, 3000000000, -3000000000, INT64_MAX,
+                                  300, -1, 2}));
+  // 3e9 = 0xb2d05e00: its low byte 0 and low 16 bits 0x5e00; 300 = 0x12c.
+  EXPECT_EQ(x.to(DType::I8).to_vector<int>(),
+            (std::vector<int>{0, 127, -128, 0, 0, 127, 44, -1, 2}));
+  EXPECT_EQ(x.to(DType::U8).to_vector<int>(),
+            (std::vector<int>{0, 255, 0, 0, 0, 255, 44, 255, 2}));
+  EXPECT_EQ(x.to(DType::I16).to_vector<int>(),
+            (std::vector<int>{0, 32767, -32768, 0x5e00, -0x5e00, 32767, 300, -1, 2}));
+  EXPECT_EQ(Tensor::full({}, DType::F32, inf).item<int>(), INT32_MAX);
+  // A value past the type's range is refused by the factories, as PyTorch's overflow check
+  // does, though it would truncate into range.
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({1}, DType::U8, 255.5); }),
+            "full: value 255.5 cannot be converted to u8 without overflow");
+  EXPECT_THROW(Tensor::full({1}, DType::I8, -128.5), InvalidArgument);
+  EXPECT_EQ(Tensor::full({1}, DType::U8, 255.0).item<int>(), 255);
+  EXPECT_EQ(Tensor::full({1}, DType::I8, -128.0).item<int>(), -128);
+  EXPECT_EQ(Tensor::full({1}, DType::I8, 127.9 - 0.9).item<int>(), 127);
+}
+
 TEST(Copies, CopyConvertsAndChecksShape) {
   Tensor dst = Tensor::zeros({2, 3}, DType::I32);
   dst.copy_(Tensor::from_vector<double>({1.9, -1.9, 2, 3, 4, 5}, {2, 3}));
@@ -944,6 +1000,10 @@ TEST(Print, ToString) {
   EXPECT_EQ(Tensor::arange(2000, DType::I32).to_string(),
             "tensor(i32[2000], [0, 1, 2, ..., 1997, 1998, 1999])");
   EXPECT_EQ(Tensor().to_string(), "tensor(undefined)");
+  // No elements: one "[]" whatever the shape, at once (it printed one per row).
+  EXPECT_EQ(Tensor::zeros({2, 0}, DType::F32).to_string(), "tensor(f32[2,0], [])");
+  EXPECT_EQ(Tensor::zeros({int64_t{1} << 40, 0}, DType::F32).to_string(),
+            "tensor(f32[1099511627776,0], [])");
   // A NaN prints as nan whatever its sign bit (0/0 gives a negative one on x86), as PyTorch.
   for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
     const Tensor nans = Tensor::from_vector<double>({-std::nan(""), std::nan(""), -0.0}).to(d);

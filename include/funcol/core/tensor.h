@@ -101,6 +101,15 @@ inline const Shape kNoDims{};
 
 }  // namespace detail
 
+// The element types of from_vector, data, to_vector and item: the ten dtypes' (dtype_of) and
+// long long (what 1LL gives; int64_t is long on LP64 Linux). Others fail to compile.
+template <typename T>
+concept ElementType =
+    std::same_as<T, bool> || std::same_as<T, uint8_t> || std::same_as<T, int8_t> ||
+    std::same_as<T, int16_t> || std::same_as<T, int32_t> || std::same_as<T, int64_t> ||
+    std::same_as<T, long long> || std::same_as<T, Eigen::half> ||
+    std::same_as<T, Eigen::bfloat16> || std::same_as<T, float> || std::same_as<T, double>;
+
 // An n-dimensional strided view of a Storage. Copying a Tensor is cheap and shares the storage.
 // A *meta* tensor has sizes and dtype but no storage (tracing and shape inference use it).
 //
@@ -130,7 +139,7 @@ class Tensor {
   // Deterministic in seed: floats uniform in [-1, 1), integers in [0, 100), bool at random.
   static Tensor rand(const Shape& shape, DType dtype, uint64_t seed);
   // Copies `values` (numel must equal the product of shape; an empty shape means 1-D).
-  template <typename T>
+  template <ElementType T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape = {});
   // A tensor with sizes and dtype but no storage.
   static Tensor meta(const Shape& shape, DType dtype);
@@ -176,17 +185,17 @@ class Tensor {
   // collectives that read it too.
   const void* const_data_ptr() const;
   // Typed pointer, as data_ptr(); throws InvalidArgument when T does not match dtype().
-  template <typename T>
+  template <ElementType T>
   T* data() const;
   // Pointer to the first element WITHOUT waiting, for the producer of pending data.
   void* raw_data_ptr() const;
   // Waits for pending storage; returns *this. Waiting twice costs nothing.
   const Tensor& wait() const;
   // Elements in logical (row-major) order converted to T; waits.
-  template <typename T>
+  template <ElementType T>
   std::vector<T> to_vector() const;
   // The only element converted to T; throws ShapeError unless numel() == 1.
-  template <typename T>
+  template <ElementType T>
   T item() const;
   // "tensor(f32[2,2], [[1, 2], [3, 4]])"; waits. Long tensors are abbreviated.
   std::string to_string() const;
