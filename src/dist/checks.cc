@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <tuple>
 #include <utility>
 
@@ -541,19 +542,34 @@ void agree_on_split(ProcessGroup& parent, int split,
 }
 
 namespace {
-thread_local const char* t_internal_step = nullptr;
+// The labels InternalSteps were given, id - 1 indexing them (one per call site: a handful).
+std::mutex g_step_labels_mu;
+std::vector<const char*> g_step_labels;
+thread_local uint8_t t_internal_step = 0;
+
+uint8_t step_id(const char* label) {
+  std::lock_guard<std::mutex> lock(g_step_labels_mu);
+  for (size_t i = 0; i < g_step_labels.size(); ++i) {
+    if (std::strcmp(g_step_labels[i], label) == 0) return static_cast<uint8_t>(i + 1);
+  }
+  FUNCOL_CHECK(g_step_labels.size() < 255, "too many internal step labels");
+  g_step_labels.push_back(label);
+  return static_cast<uint8_t>(g_step_labels.size());
+}
 }  // namespace
 
 InternalStep::InternalStep(const char* label) : previous_(t_internal_step) {
-  t_internal_step = label;
+  t_internal_step = step_id(label);
 }
 
 InternalStep::~InternalStep() { t_internal_step = previous_; }
 
-const char* internal_step() { return t_internal_step; }
+uint8_t internal_step() { return t_internal_step; }
 
-bool same_step(const char* a, const char* b) {
-  return a == b || (a != nullptr && b != nullptr && std::strcmp(a, b) == 0);
+const char* step_label(uint8_t step) {
+  if (step == 0) return nullptr;
+  std::lock_guard<std::mutex> lock(g_step_labels_mu);
+  return g_step_labels[step - 1];
 }
 
 std::string describe_step(const char* label) {

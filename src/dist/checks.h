@@ -139,10 +139,10 @@ void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& i
 
 // The collective funcol itself runs inside a user's call (e.g. new_group's agreement on a
 // name) is labelled with that call while it is issued: backends record internal_step() with
-// each collective (nullptr for a user's own), compare it across ranks like the op and print it
-// in mismatch messages ("... [funcol's agreement step for new_group]"), so that such a step
-// never pairs with a user's collective of the same shape and a peer's error says what it was.
-// `label` must outlive the scope (a string literal); scopes nest.
+// each collective (0 for a user's own), compare it across ranks like the op and print its
+// label in mismatch messages ("... [funcol's agreement step for new_group]"), so that such a
+// step never pairs with a user's collective of the same shape and a peer's error says what it
+// was. `label` must outlive the program (a string literal); scopes nest.
 class InternalStep {
  public:
   explicit InternalStep(const char* label);
@@ -151,12 +151,13 @@ class InternalStep {
   InternalStep& operator=(const InternalStep&) = delete;
 
  private:
-  const char* previous_;
+  uint8_t previous_;
 };
-// The calling thread's innermost InternalStep label, or nullptr.
-const char* internal_step();
-// Whether two recorded labels name the same step (both nullptr: two user collectives).
-bool same_step(const char* a, const char* b);
+// The calling thread's innermost InternalStep as a small id (one byte, for records compared on
+// a hot path; equal labels get equal ids in one process), or 0.
+uint8_t internal_step();
+// The label of an id internal_step() gave (nullptr for 0).
+const char* step_label(uint8_t step);
 // " [funcol's agreement step for <label>]", or "" for nullptr.
 std::string describe_step(const char* label);
 

@@ -37,7 +37,9 @@ std::shared_ptr<CollectiveOp> make_op(OpKind kind) {
   auto op = std::make_shared<CollectiveOp>();
   op->kind = kind;
   op->signature.kind = kind;
-  if (const char* step = dist_detail::internal_step()) op->signature.step = step;
+  if (const char* step = dist_detail::step_label(dist_detail::internal_step())) {
+    op->signature.step = step;
+  }
   return op;
 }
 

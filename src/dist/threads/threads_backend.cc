@@ -302,10 +302,12 @@ struct Post {
   std::vector<int64_t> flat_counts;
   std::vector<const Storage*> flat_storages;  // identity only (World::wait_readers)
   std::shared_ptr<const void> hold;           // the input list, alive until the op finished
-  const char* step = nullptr;  // dist_detail::internal_step() of the issuing thread
+  uint8_t step = 0;  // dist_detail::internal_step() of the issuing thread
 
   // "all_reduce(f32, numel 16, op sum)", for mismatch messages.
-  std::string summary() const { return call_summary() + dist_detail::describe_step(step); }
+  std::string summary() const {
+    return call_summary() + dist_detail::describe_step(dist_detail::step_label(step));
+  }
   std::string call_summary() const {
     if (flat) {
       std::string s = fmt::format("{}_flat({}, {} tensors: numel ", op_name(kind, false),
@@ -337,7 +339,7 @@ struct Post {
 
   bool same_call(const Post& o) const {
     if (kind != o.kind || coalesced != o.coalesced || slots.size() != o.slots.size()) return false;
-    if (!dist_detail::same_step(step, o.step)) return false;
+    if (step != o.step) return false;
     if (flat != o.flat || flat_counts != o.flat_counts) return false;
     if (reduces(kind) && reduce_op != o.reduce_op) return false;
     if (kind == OpKind::Broadcast && root != o.root) return false;
@@ -409,14 +411,17 @@ std::chrono::nanoseconds stall_warning_after() {
 }
 
 // When a sleeping wait looks whether it stalls: every `after` while it sleeps, until it warned
-// or its deadline is less than `after` away.
+// or its deadline is less than `after` away. `after` is read at the first due() only: a wait
+// that ends while it spins never touches the line that holds it.
 class StallClock {
  public:
-  explicit StallClock(std::chrono::nanoseconds after) : after_(after), done_(after.count() == 0) {}
+  explicit StallClock(const std::chrono::nanoseconds& after) : after_ref_(after) {}
   // Whether to look now.
   bool due(Clock::time_point now, Clock::time_point deadline) {
     if (done_) return false;
     if (look_ == Clock::time_point()) {
+      after_ = after_ref_;
+      done_ = after_.count() == 0;
       look_ = now + after_;
       return false;
     }
@@ -436,10 +441,11 @@ class StallClock {
   }
 
  private:
-  const std::chrono::nanoseconds after_;
+  const std::chrono::nanoseconds& after_ref_;
+  std::chrono::nanoseconds after_{0};
   Clock::time_point look_{};
   int looks_ = 0;
-  bool done_;
+  bool done_ = false;
 };
 
 class LaneWork;
@@ -449,11 +455,11 @@ class LaneWork;
 struct alignas(64) LaneRecord {
   std::shared_ptr<LaneWork> work;  // finished (and released) by the executor or a failer
   ReduceOp reduce_op = ReduceOp::Sum;
+  uint8_t step = 0;  // as Post::step (in the padding before the slot: the first line)
   Slot slot;
-  const char* step = nullptr;  // as Post::step
 
   Post post() const { return post(slot, reduce_op, step); }
-  static Post post(const Slot& slot, ReduceOp reduce_op, const char* step) {
+  static Post post(const Slot& slot, ReduceOp reduce_op, uint8_t step) {
     Post p;
     p.kind = OpKind::AllReduce;
     p.reduce_op = reduce_op;
@@ -463,8 +469,7 @@ struct alignas(64) LaneRecord {
   }
   bool same_call(const LaneRecord& o) const {
     return slot.dtype == o.slot.dtype && slot.count == o.slot.count &&
-           slot.same_shape(o.slot) && reduce_op == o.reduce_op &&
-           dist_detail::same_step(step, o.step);
+           slot.same_shape(o.slot) && reduce_op == o.reduce_op && step == o.step;
   }
 };
 
@@ -798,11 +803,10 @@ class World {
   // `all_waiting` (optional): whether every missing rank's last collective is itself missing
   // ranks (whereabouts).
   std::string stall_report(Op& op, std::vector<int>* missing, bool* all_waiting = nullptr);
-  // Records that `global_rank` issued collective `seq` of `group` (RankState::last_issued).
-  void note_issued(int global_rank, const SharedGroup& group, uint64_t seq) {
-    if (group.id >= (1 << kIssuedGroupBits)) return;
-    ranks_[global_rank]->last_issued.store(((seq + 1) << kIssuedGroupBits) | uint64_t(group.id),
-                                           std::memory_order_relaxed);
+  // Where `global_rank` records the collective it issued last (RankState::last_issued); a
+  // group caches it, so that issuing touches no line of the World's.
+  std::atomic<uint64_t>& last_issued_of(int global_rank) {
+    return ranks_[global_rank]->last_issued;
   }
   // " (rank 1's last collective, all_reduce on group 'g' (seq 3), is itself missing ranks
   // [0])" for the missing ranks whose last collective waits for others (at most 4 named), or
@@ -2343,7 +2347,9 @@ class ThreadsGroup final : public ProcessGroup {
       : ProcessGroup(rank, shared->global_ranks, std::move(name), registry),
         world_(std::move(world)),
         shared_(shared),
-        global_rank_(shared->global_ranks[rank]) {}
+        global_rank_(shared->global_ranks[rank]),
+        last_issued_(world_->last_issued_of(global_rank_)),
+        group_id_(static_cast<uint64_t>(shared->id)) {}
 
   std::string backend() const override { return "threads"; }
 
@@ -2616,7 +2622,7 @@ class ThreadsGroup final : public ProcessGroup {
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
-    world_->note_issued(global_rank_, *shared_, seq);
+    note_issued(seq);
     world_->release_returned(global_rank_);  // before this post counts its storages again
     // A spare sized to the group, made before the lock; not kept for large groups, where every
     // rank's spare would hold a member record per rank (R^2 in all: 5.9 GB at 4096 ranks).
@@ -2649,7 +2655,7 @@ class ThreadsGroup final : public ProcessGroup {
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
-    world_->note_issued(global_rank_, *shared_, seq);
+    note_issued(seq);
     world_->release_returned(global_rank_);
     world_->wait_readers(global_rank_, slot.in_storage);
     std::shared_ptr<LaneWork> work =
@@ -2680,6 +2686,14 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<World> world_;
   SharedGroup* shared_;
   int global_rank_;
+  std::atomic<uint64_t>& last_issued_;  // this rank's RankState::last_issued
+  const uint64_t group_id_;             // shared_->id, for last_issued_
+
+  void note_issued(uint64_t seq) {
+    if (group_id_ < (uint64_t{1} << kIssuedGroupBits)) {
+      last_issued_.store(((seq + 1) << kIssuedGroupBits) | group_id_, std::memory_order_relaxed);
+    }
+  }
   // A rank's thread that issues on another rank's group object of the same world would post as
   // that rank (rank 2 calling rank 0's group gave rank 1 a wrong sum, silently): refused. Any
   // other thread (one a rank started, or a rank of another world) may issue for this rank.
