@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "arg_checks.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 #include "funcol/graph/backward.h"
@@ -32,6 +33,7 @@ struct GradTape::State {
 
 namespace {
 
+using api_detail::normalize_dim;
 using State = GradTape::State;
 
 // What a tracked tensor's annotation holds. The tape is referenced weakly: the tape's tensors
@@ -191,15 +193,6 @@ Tensor call_one_on(const std::shared_ptr<State>& state, std::string_view op,
     throw InvalidArgument(fmt::format("{} has {} results, expected 1", op, r.size()));
   }
   return r[0];
-}
-
-int64_t wrap_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view what) {
-  const int64_t n = std::max<int64_t>(ndim, 1);
-  if (dim < -n || dim >= n) {
-    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
-                                 what, dim, ndim, -n, n - 1));
-  }
-  return dim < 0 ? dim + n : dim;
 }
 
 // Runs one backward node eagerly: collectives through the functional API (inputs made
@@ -405,7 +398,7 @@ Tensor all_gather_tensor_autograd(const Tensor& t, int64_t gather_dim, const Gro
   std::shared_ptr<State> state = tape_of(in, "all_gather_tensor");
   if (!state) return all_gather_tensor(t, gather_dim, group);
   ProcessGroup& pg = group.resolve();
-  const int64_t dim = wrap_dim(gather_dim, t.dim(), "all_gather_tensor", "gather_dim");
+  const int64_t dim = normalize_dim(gather_dim, t.dim(), "all_gather_tensor", "gather_dim");
   const Tensor r = all_gather_tensor(untracked(t), 0, pg);
   const int64_t w = pg.size();
   Tensor out = record_waited(state, "all_gather_into_tensor", in,
@@ -430,8 +423,8 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
   // the recorded graph's.
   const Tensor r = reduce_scatter_tensor(untracked(t), reduce_op, scatter_dim, pg);
   const int64_t w = pg.size();
-  const Tensor f[] = {scatter_dim_to_front(state, t, wrap_dim(scatter_dim, t.dim(), kOp,
-                                                              "scatter_dim"), w)};
+  const Tensor f[] = {
+      scatter_dim_to_front(state, t, normalize_dim(scatter_dim, t.dim(), kOp, "scatter_dim"), w)};
   return record_waited(state, kOp, f,
                        {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}},
                        {r})[0];
@@ -528,7 +521,7 @@ std::vector<Tensor> tape_reduce_scatter_coalesced(const std::vector<Tensor>& inp
   std::vector<Tensor> fronts;
   fronts.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
-    const int64_t dim = wrap_dim(scatter_dims[i], inputs[i].dim(), kOp, "scatter_dim");
+    const int64_t dim = normalize_dim(scatter_dims[i], inputs[i].dim(), kOp, "scatter_dim");
     fronts.push_back(scatter_dim_to_front(state, inputs[i], dim, w));
   }
   return record_waited(state, kOp, fronts,

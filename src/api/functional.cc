@@ -18,6 +18,7 @@
 #include "funcol/api/autograd.h"
 #include "funcol/core/dtype.h"
 #include "funcol/core/error.h"
+#include "arg_checks.h"
 #include "funcol/graph/tracer.h"
 #include "tape_hooks.h"
 #include "trace_hooks.h"
@@ -25,30 +26,16 @@
 namespace funcol {
 namespace {
 
+using api_detail::check_contiguous;
+using api_detail::check_reduce_scatter_input;
+using api_detail::index_suffix;
+using api_detail::normalize_dim;
+
 void check_input(const Tensor& t, std::string_view op, std::string_view suffix = {}) {
   if (!t.defined()) throw InvalidArgument(fmt::format("{}: undefined input tensor{}", op, suffix));
   if (t.is_meta()) {
     throw InvalidArgument(fmt::format("{}: input is a meta tensor with no data{}", op, suffix));
   }
-}
-
-// The seed's message (an AssertionError there); the native ops require contiguous buffers.
-void check_contiguous(const Tensor& t, std::string_view op, std::string_view suffix = {}) {
-  if (!t.is_contiguous()) {
-    throw InvalidArgument(fmt::format("Tensor must be contiguous for {}{}", op, suffix));
-  }
-}
-
-std::string index_suffix(size_t i) { return fmt::format(" for tensor at index {}", i); }
-
-// dim in [-n, n) with n = max(ndim, 1) (a 0-d tensor accepts 0 and -1, as torch does).
-int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg) {
-  const int64_t n = std::max<int64_t>(ndim, 1);
-  if (dim < -n || dim >= n) {
-    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
-                                 arg, dim, ndim, -n, n - 1));
-  }
-  return dim < 0 ? dim + n : dim;
 }
 
 int64_t prod(const Shape& s, size_t begin, size_t end) {
@@ -176,24 +163,6 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   result.storage()->add_pending(std::make_shared<GatherRearrange>(
       std::move(staging), result.storage(), world, outer, block_bytes));
   return result;
-}
-
-// Validates a reduce_scatter input: at least 1-d, size(dim) divisible by the group size,
-// contiguous when scattered along dim 0 (the seed sends only that one as is; any other
-// scatter_dim goes through its chunk + cat copy first). Returns the normalized scatter dim.
-int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t world,
-                                   std::string_view op, std::string_view suffix) {
-  if (scatter_dim == 0) check_contiguous(t, op, suffix);
-  if (t.dim() == 0) {
-    throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
-  }
-  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
-  if (t.size(dim) % world != 0) {
-    throw ShapeError(
-        fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}", op, dim,
-                    t.size(dim), world, suffix));
-  }
-  return dim;
 }
 
 // The seed's chunk(world, dim) + cat(dim 0), done eagerly (it needs only the input): the block

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "arg_checks.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 
@@ -44,29 +45,11 @@ std::vector<Tensor> waited(Tracer& tr, const std::vector<Tensor>& ts) {
   return out;
 }
 
-// dim in [-n, n) with n = max(ndim, 1), as the eager functions normalize it.
-int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg) {
-  const int64_t n = std::max<int64_t>(ndim, 1);
-  if (dim < -n || dim >= n) {
-    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
-                                 arg, dim, ndim, -n, n - 1));
-  }
-  return dim < 0 ? dim + n : dim;
-}
-
 // Moves scatter_dim's group_size chunks to dim 0 (chunk + cat), as the seed does before a
 // reduce_scatter along another dim. Checks divisibility with the eager message.
 Tensor scatter_dim_to_front(Tracer& tr, const Tensor& t, int64_t scatter_dim, int size,
                             std::string_view op, std::string_view suffix) {
-  if (t.dim() == 0) {
-    throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
-  }
-  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
-  if (t.size(dim) % size != 0) {
-    throw ShapeError(
-        fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}", op, dim,
-                    t.size(dim), size, suffix));
-  }
+  const int64_t dim = check_reduce_scatter_input(t, scatter_dim, size, op, suffix);
   if (dim == 0) return t;
   const Tensor in[] = {t};
   std::vector<Tensor> chunks = tr.record(
@@ -88,6 +71,7 @@ Tensor trace_all_reduce(Tracer& tr, const Tensor& t, const std::string& reduce_o
 Tensor trace_all_gather_tensor(Tracer& tr, const Tensor& t, int64_t gather_dim,
                                const GroupSpec& group) {
   constexpr std::string_view kOp = "all_gather_tensor";
+  check_contiguous(t, kOp);
   const int64_t dim = normalize_dim(gather_dim, t.dim(), kOp, "gather_dim");
   const TracedGroup g = traced_group(tr, group, kOp);
   const Tensor in[] = {t};
@@ -121,6 +105,7 @@ Tensor trace_all_to_all_single(Tracer& tr, const Tensor& t,
         "output_split_sizes and input_split_sizes must either be specified together or both set "
         "to None");
   }
+  check_contiguous(t, "all_to_all_single");
   if (t.dim() == 0) throw ShapeError("all_to_all_single: input must have at least one dimension");
   const TracedGroup g = traced_group(tr, group, "all_to_all_single");
   std::vector<int64_t> out_splits, in_splits;
@@ -175,7 +160,9 @@ std::vector<Tensor> trace_all_reduce_coalesced(Tracer& tr, const std::vector<Ten
 std::vector<Tensor> trace_all_gather_into_tensor_coalesced(Tracer& tr,
                                                            const std::vector<Tensor>& inputs,
                                                            const GroupSpec& group) {
-  const TracedGroup g = traced_group(tr, group, "all_gather_into_tensor_coalesced");
+  constexpr std::string_view kOp = "all_gather_into_tensor_coalesced";
+  for (size_t i = 0; i < inputs.size(); ++i) check_contiguous(inputs[i], kOp, index_suffix(i));
+  const TracedGroup g = traced_group(tr, group, kOp);
   if (inputs.empty()) return {};
   return waited(tr, tr.record("all_gather_into_tensor_coalesced", inputs,
                               {{"group_size", g.size}, {"group", g.name}}));
@@ -198,7 +185,7 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
   fronted.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     fronted.push_back(scatter_dim_to_front(tr, inputs[i], scatter_dims[i], g.size, kOp,
-                                           fmt::format(" for tensor at index {}", i)));
+                                           index_suffix(i)));
   }
   return waited(tr,
                 tr.record("reduce_scatter_tensor_coalesced", fronted,

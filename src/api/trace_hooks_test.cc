@@ -150,6 +150,41 @@ TEST(TraceCollectives, ErrorsMatchTheEagerOnes) {
         all_gather_inplace(list, in[0], "world");
       },
       "all_gather_inplace: tensor_list[0] dtype f16 does not match the input dtype f32");
+  // Views carry their eager layout: what eagerly refuses a layout refuses it traced.
+  expect_error([](auto in) { all_gather_tensor(ops::transpose(in[0], 0, 1), 0, "world"); },
+               "Tensor must be contiguous for all_gather_tensor");
+  expect_error(
+      [](auto in) { reduce_scatter_tensor(ops::transpose(in[0], 0, 1), "sum", 0, "world"); },
+      "Tensor must be contiguous for reduce_scatter_tensor");
+  expect_error(
+      [](auto in) {
+        all_to_all_single(ops::transpose(in[0], 0, 1), std::nullopt, std::nullopt, "world");
+      },
+      "Tensor must be contiguous for all_to_all_single");
+  expect_error([](auto in) { ops::view(ops::transpose(in[0], 0, 1), {24}); },
+               "view: cannot view f32[4,6] with strides [1,4] as shape [24] without a copy");
+  expect_error([](auto in) { ops::view(ops::narrow(in[0], 1, 1, 2), {12}); },
+               "without a copy (use reshape)");
+  expect_error([](auto in) { ops::view_dtype(ops::transpose(in[0], 0, 1), DType::I16); },
+               "the last dim must have stride 1, it has 4");
+  expect_error(
+      [](auto in) {
+        ops::view_dtype(ops::narrow(ops::view_dtype(in[0], DType::I16), 1, 1, 2), DType::I32);
+      },
+      "the storage offset (1) is not a multiple of 2");
+  // A collective through ops::call is refused traced as eagerly (it would have no wait).
+  expect_error(
+      [](auto in) { ops::call("all_reduce", std::vector<Tensor>{in[0]}, {{"reduce_op", "sum"}}); },
+      "all_reduce: collectives run through the functional API");
+  // A view that needs no copy is fine, and so is a reshape that copies.
+  trace("ok", {Type(DType::F32, {6, 4})},
+        [](std::span<const Tensor> in) {
+          const Tensor t = ops::transpose(in[0], 0, 1);
+          return std::vector<Tensor>{ops::view(ops::narrow(in[0], 0, 1, 2), {8}),
+                                     ops::reshape(t, {24}),
+                                     all_gather_tensor(ops::clone(t), 0, "world")};
+        },
+        {{"world", 4}});
 }
 
 // Groups resolve through the rank's registry when tracing inside a rank: mesh dims by name.
@@ -314,6 +349,34 @@ std::vector<Tensor> views_see_later_writes(std::span<const Tensor> in) {
   Tensor after = ops::clone(early);
   all_reduce_inplace(early, "max", "world");  // rows 0-1, through the first view
   return {z, early, t, deep, parts[0], parts[1], flat, after};
+}
+
+// ops::call("wait_tensor") returns its operand itself, eagerly and traced: a write into one
+// shows in the other. And a write the tracer refuses (into an expand) changes nothing, as the
+// eager write that fails writes nothing, when the program catches the error.
+std::vector<Tensor> wait_alias_and_refused_write(std::span<const Tensor> in) {
+  const Tensor r = all_reduce(in[0], "sum", "world");
+  const Tensor w = ops::call_one("wait_tensor", std::vector<Tensor>{r});
+  all_reduce_inplace(r, "sum", "world");
+  const Tensor z = ops::clone(in[0]);
+  const Tensor e = ops::call_one("expand", std::vector<Tensor>{ops::narrow(z, 0, 0, 1)},
+                                 {{"shape", Shape{4, 2}}});
+  try {
+    all_reduce_inplace(e, "sum", "world");
+    throw std::logic_error("a write into an expand was not refused");
+  } catch (const InvalidArgument&) {
+  }
+  return {w, e, z};
+}
+
+TEST(TraceCollectives, WaitAliasesAndRefusedWritesChangeNothing) {
+  auto traced = trace("alias", {Type(DType::F32, {4, 2})}, wait_alias_and_refused_write,
+                      {{"world", 4}});
+  expect_runs_like_eager(*traced, wait_alias_and_refused_write, [](int r) {
+    std::vector<float> x(8);
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 3 + r) % 7 - 3);
+    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2})};
+  });
 }
 
 TEST(TraceCollectives, ViewsSeeLaterWritesIntoTheirBase) {

@@ -107,8 +107,8 @@ Tracer::Tracer(std::string graph_name)
 
 Tracer::~Tracer() = default;
 
-Tensor Tracer::wrap(Value* value) const {
-  Tensor t = Tensor::meta(value->shape(), value->dtype());
+Tensor Tracer::wrap(Value* value, Tensor layout) const {
+  Tensor t = layout.defined() ? std::move(layout) : Tensor::meta(value->shape(), value->dtype());
   auto ref = std::shared_ptr<Ref>(new Ref, RefDeleter{});
   ref->tracer_id = id_;
   ref->value = value;
@@ -158,8 +158,12 @@ void Tracer::assign(const Tensor& t, const Tensor& value) {
     throw InvalidArgument(fmt::format("tracer: cannot assign a value of type {} to {} of type {}",
                                       source->type().str(), target->ref(), target->type().str()));
   }
-  // ref_of's Ref is shared by every copy of `t`: rebinding it rebinds them all.
+  // ref_of's Ref is shared by every copy of `t`: rebinding it rebinds them all. A chain that
+  // cannot be written through is refused before anything changes.
   Ref* ref = static_cast<Ref*>(t.annotation().get());
+  for (const Ref* r = ref; r->base; r = r->base.get()) {
+    if (!writes_through(*r->view, r->result)) throw not_written_through(*r->view);
+  }
   ref->value = source;
   ++ref->generation;
   // A view: its base takes the written elements too, and its base's base, and so on. The views
@@ -208,6 +212,12 @@ Value* Tracer::view_again(const Node& view, size_t result, Value* base) const {
       old.ref(), op, view.operand(0)->ref(), view.operand(0)->ref(), op));
 }
 
+bool Tracer::writes_through(const Node& view, size_t result) {
+  const std::string_view op = view.op_name();
+  return piece_of(view, result) || op == "transpose" || op == "permute" || op == "view" ||
+         op == "view_dtype";
+}
+
 // The value of a view's base after `written` was written into the view that `view` made: the
 // base rebuilt around it (narrow), or the written value viewed back (transpose, permute, view,
 // view_dtype). Views that eagerly are sometimes copies (reshape, flatten) or that repeat
@@ -249,7 +259,12 @@ Value* Tracer::write_through(const Node& view, size_t result, Value* base, Value
     return b.value("view", {written}, {{"shape", std::vector<int64_t>(base->shape())}});
   }
   if (op == "view_dtype") return b.value("view_dtype", {written}, {{"dtype", base->dtype()}});
-  throw InvalidArgument(fmt::format(
+  throw not_written_through(view);
+}
+
+InvalidArgument Tracer::not_written_through(const Node& view) {
+  const std::string_view op = view.op_name();
+  return InvalidArgument(fmt::format(
       "tracer: an in-place write into {} (a {} of {}) cannot be traced: eagerly it {} its base; "
       "write into the base, or use the functional form and its result",
       view.result(0)->ref(), op, view.operand(0)->ref(),
@@ -269,12 +284,24 @@ std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Ten
       throw InvalidArgument(fmt::format("{}: operand {}: {}", op.name, i, e.what()));
     }
   }
+  // A view gets the layout it has eagerly, from the view itself on its operand's layout; the
+  // view's own errors ("cannot view ... without a copy") come from there, as eagerly. Shape
+  // inference first: the kernel may assume what it accepts.
+  std::vector<Tensor> layouts;
+  if (op.is_view && operands.size() == 1) {
+    const std::vector<Attr> attr_values = make_attrs(op, attrs);
+    const Type in(operands[0].dtype(), operands[0].sizes());
+    infer_types(op, std::span<const Type>(&in, 1), attr_values);
+    layouts = run_kernel(op, operands, attr_values);
+  }
   Builder b(*graph_);
   b.set_name_hint(name_hint.empty() ? default_hint(op) : name_hint);
   Node* node = b.create(op.name, std::move(values), attrs);
   std::vector<Tensor> results;
   results.reserve(node->num_results());
-  for (size_t r = 0; r < node->num_results(); ++r) results.push_back(wrap(node->result(r)));
+  for (size_t r = 0; r < node->num_results(); ++r) {
+    results.push_back(wrap(node->result(r), r < layouts.size() ? layouts[r] : Tensor()));
+  }
   if (op.is_view && operands.size() == 1) {
     // Each view remembers its base (see assign and refresh).
     auto base = std::static_pointer_cast<Ref>(operands[0].annotation());
@@ -378,18 +405,24 @@ std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> opera
     traced |= ref_of(t) != nullptr;
     meta |= t.is_meta();
   }
+  if (op.collective != CollectiveKind::None && op.collective != CollectiveKind::Wait) {
+    throw InvalidArgument(
+        fmt::format("{}: collectives run through the functional API (funcol::{}), not ops::call",
+                    op.name, op.name));
+  }
   Tracer* tracer = current_tracer();
   if (traced || (operands.empty() && tracer)) {
     if (!tracer) {
       throw InvalidArgument(fmt::format(
           "{}: a traced tensor is used outside its trace (no tracer is current)", op.name));
     }
+    // Eagerly wait_tensor returns its operand itself (writes into one show in the other); the
+    // functional collectives recorded their wait already.
+    if (op.collective == CollectiveKind::Wait && operands.size() == 1) {
+      tracer->value(operands[0]);  // a traced tensor of this trace
+      return {operands[0]};
+    }
     return tracer->record(op.name, operands, attrs);
-  }
-  if (op.collective != CollectiveKind::None && op.collective != CollectiveKind::Wait) {
-    throw InvalidArgument(
-        fmt::format("{}: collectives run through the functional API (funcol::{}), not ops::call",
-                    op.name, op.name));
   }
   const std::vector<Attr> values = make_attrs(op, attrs);
   std::vector<Type> types;

@@ -22,9 +22,12 @@ struct Ref;  // what a traced tensor's annotation holds (tracer.cc)
 
 // Records a graph. Each traced tensor is a meta tensor (sizes and dtype, no data) whose
 // annotation names the graph value it stands for; ops recorded on traced tensors append nodes
-// (with shape inference) and return new traced tensors. The functional collectives of
-// <funcol/api/functional.h> record `collective` + `wait_tensor` pairs while a tracer is current
-// on the calling thread (see TraceScope), as PyTorch's funcol does under tracing.
+// (with shape inference) and return new traced tensors. A view's traced tensor has the layout
+// (strides, offset) the view would have eagerly, so that what eagerly refuses a layout (a view
+// that needs a copy, a collective's non-contiguous input) refuses it while tracing too. The
+// functional collectives of <funcol/api/functional.h> record `collective` + `wait_tensor` pairs
+// while a tracer is current on the calling thread (see TraceScope), as PyTorch's funcol does
+// under tracing.
 class Tracer {
  public:
   explicit Tracer(std::string graph_name);
@@ -38,7 +41,8 @@ class Tracer {
 
   // Appends a node of op `op` over traced `operands` and returns its results as traced
   // tensors. Throws InvalidArgument for an unknown op, an untraced operand, bad attributes,
-  // and ShapeError / InvalidArgument from shape inference ("matmul: ..."). The node is named
+  // and ShapeError / InvalidArgument from shape inference ("matmul: ...") or, for a view, from
+  // the view eagerly ("view: cannot view ... without a copy"). The node is named
   // from `name_hint` (empty: a short name derived from the op).
   std::vector<Tensor> record(std::string_view op, std::span<const Tensor> operands,
                              const NamedAttrs& attrs = {}, std::string_view name_hint = {});
@@ -61,7 +65,8 @@ class Tracer {
   // of it made before the write and used after is an InvalidArgument (eagerly it may be a
   // copy). Throws InvalidArgument when either tensor is not traced by this tracer, their types
   // differ, or `t` is a view that cannot be written through (reshape and flatten, which eagerly
-  // copy some layouts; expand).
+  // copy some layouts; expand); then nothing changes, as an eager write that fails writes
+  // nothing.
   void assign(const Tensor& t, const Tensor& value);
 
   // Group sizes for collectives recorded without a live process group (tracing outside any
@@ -77,7 +82,12 @@ class Tracer {
   std::unique_ptr<Graph> finish();
 
  private:
-  Tensor wrap(Value* value) const;
+  // The traced tensor for `value`: `layout` (a view's eager layout) or a contiguous one.
+  Tensor wrap(Value* value, Tensor layout = {}) const;
+  // Whether a write into result `result` of `view` can be written through into its base.
+  static bool writes_through(const Node& view, size_t result);
+  // The error for a write into a view that does not write through.
+  static InvalidArgument not_written_through(const Node& view);
   // The base's value after `written` was written into result `result` of `view`.
   Value* write_through(const Node& view, size_t result, Value* base, Value* written);
   // Brings a view (and its bases) up to date with the in-place writes into its bases.

@@ -1,0 +1,44 @@
+// Argument checks shared by the eager and the recording functional collectives.
+#include "arg_checks.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "funcol/core/error.h"
+
+namespace funcol::api_detail {
+
+int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg) {
+  const int64_t n = std::max<int64_t>(ndim, 1);
+  if (dim < -n || dim >= n) {
+    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
+                                 arg, dim, ndim, -n, n - 1));
+  }
+  return dim < 0 ? dim + n : dim;
+}
+
+void check_contiguous(const Tensor& t, std::string_view op, std::string_view suffix) {
+  if (!t.is_contiguous()) {
+    throw InvalidArgument(fmt::format("Tensor must be contiguous for {}{}", op, suffix));
+  }
+}
+
+std::string index_suffix(size_t i) { return fmt::format(" for tensor at index {}", i); }
+
+int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t group_size,
+                                   std::string_view op, std::string_view suffix) {
+  if (scatter_dim == 0) check_contiguous(t, op, suffix);
+  if (t.dim() == 0) {
+    throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
+  }
+  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
+  if (t.size(dim) % group_size != 0) {
+    throw ShapeError(
+        fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}", op, dim,
+                    t.size(dim), group_size, suffix));
+  }
+  return dim;
+}
+
+}  // namespace funcol::api_detail

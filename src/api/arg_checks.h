@@ -1,0 +1,31 @@
+// Argument checks the eager functional collectives and their recording forms (trace_hooks.cc)
+// share, so that a traced call refuses what the eager call refuses, with the same message.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "funcol/core/tensor.h"
+
+namespace funcol::api_detail {
+
+// dim in [-n, n) with n = max(ndim, 1) (a 0-d tensor accepts 0 and -1, as torch does);
+// ShapeError "<op>: <arg> 5 is out of range for a 2-d input (expected -2..1)" otherwise.
+int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg);
+
+// The seed's "Tensor must be contiguous for <op><suffix>" (InvalidArgument); the native ops
+// require contiguous buffers. Traced tensors of views carry their eager layout, so this holds
+// for them too.
+void check_contiguous(const Tensor& t, std::string_view op, std::string_view suffix = {});
+
+// " for tensor at index 3", the suffix of a coalesced list's messages.
+std::string index_suffix(size_t i);
+
+// A reduce_scatter input: at least 1-d, size(dim) divisible by the group size, contiguous when
+// scattered along dim 0 (the seed sends only that one as is; any other scatter_dim goes through
+// its chunk + cat copy first). Returns the normalized scatter dim.
+int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t group_size,
+                                   std::string_view op, std::string_view suffix);
+
+}  // namespace funcol::api_detail
