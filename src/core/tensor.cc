@@ -2,6 +2,7 @@
 #include "funcol/core/tensor.h"
 
 #include <fmt/format.h>
+#include <sys/sysinfo.h>
 
 #include <algorithm>
 #include <array>
@@ -13,10 +14,10 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <stdexcept>
 #include <numeric>
 #include <optional>
 #include <shared_mutex>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
@@ -502,13 +503,25 @@ void* allocate_or_throw(size_t nbytes) {
   }
 }
 
-// std::vector<V>(n), whose failure to allocate throws funcol::Error too.
+// The machine's memory and swap in bytes (0 when unknown).
+uint64_t machine_memory_bytes() {
+  struct sysinfo info {};
+  if (sysinfo(&info) != 0) return 0;
+  return (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+}
+
+// std::vector<V>(n), whose failure to allocate throws funcol::Error too. A list larger than the
+// machine's memory and swap is refused before asking (AddressSanitizer aborts on such a request
+// rather than throwing).
 template <typename V>
 std::vector<V> vector_or_throw(size_t n) {
-  try {
-    return std::vector<V>(n);
-  } catch (const std::bad_alloc&) {
-  } catch (const std::length_error&) {
+  const uint64_t memory = machine_memory_bytes();
+  if (memory == 0 || n <= memory / sizeof(V)) {
+    try {
+      return std::vector<V>(n);
+    } catch (const std::bad_alloc&) {
+    } catch (const std::length_error&) {
+    }
   }
   throw Error(fmt::format("out of memory: cannot allocate {} elements of {} bytes", n, sizeof(V)));
 }

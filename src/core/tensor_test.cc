@@ -20,6 +20,7 @@ namespace {
 
 using testing::ManualWork;
 
+
 // Runs fn and returns the message of the E it throws (fails the test if it throws nothing).
 template <typename E, typename F>
 std::string error_of(F&& fn) {
