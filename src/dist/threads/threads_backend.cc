@@ -813,6 +813,11 @@ class World {
   // "": a deadlock shows as ranks each missing in the other's collective.
   // `all_waiting` (optional): whether every missing rank's last collective is so.
   std::string whereabouts(const std::vector<int>& missing, bool* all_waiting = nullptr);
+  // "; missing ranks [0] (...)": the ranks, then their whereabouts.
+  std::string missing_report(const std::vector<int>& missing, bool* all_waiting = nullptr) {
+    return fmt::format("; missing ranks {}{}", format_ranks(missing),
+                       whereabouts(missing, all_waiting));
+  }
   // Prints a warning to stderr for a wait that has slept `slept` (StallClock): `description`
   // waits; `report` says why (stall_report).
   void warn_stalled(const std::string& description, std::chrono::nanoseconds slept,
@@ -2148,8 +2153,7 @@ std::string World::stall_report(Op& op, std::vector<int>* missing_out, bool* all
     }
   }
   if (!missing.empty()) {
-    std::string report = fmt::format("; missing ranks {}{}", format_ranks(missing),
-                                     whereabouts(missing, all_waiting));
+    std::string report = missing_report(missing, all_waiting);
     *missing_out = std::move(missing);
     return report;
   }
@@ -2216,12 +2220,11 @@ bool World::lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept) {
   SharedGroup& group = *work.group_;
   const uint64_t state = group.lane_slot(work.seq_).state.load(std::memory_order_acquire);
   if (!lane_serves(state, work.seq_) || (state & kLaneFailed) != 0) return false;
-  const std::vector<int> missing = missing_ranks(group, state & kLaneArrived);
   bool all_waiting = false;
-  const std::string notes = whereabouts(missing, &all_waiting);
+  const std::string report =
+      missing_report(missing_ranks(group, state & kLaneArrived), &all_waiting);
   if (!all_waiting) return false;
-  warn_stalled(work.description(), slept,
-               fmt::format("; missing ranks {}{}", format_ranks(missing), notes));
+  warn_stalled(work.description(), slept, report);
   return true;
 }
 
