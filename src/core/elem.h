@@ -120,13 +120,12 @@ inline To cvt(From v) {
   } else if constexpr (kIsLowFloat<To>) {
     return float_to_low<To>(static_cast<float>(v));
   } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
-    constexpr bool kWraps = sizeof(To) < sizeof(int32_t);
     using Lim = std::numeric_limits<To>;
     if (std::isnan(v)) return To(0);
     if (v >= static_cast<From>(9.2233720368547758e18)) return Lim::max();
     if (v < static_cast<From>(-9.2233720368547758e18)) return Lim::min();
     const int64_t i = static_cast<int64_t>(v);
-    if constexpr (!kWraps && sizeof(To) < sizeof(int64_t)) {
+    if constexpr (sizeof(To) == sizeof(int32_t)) {  // i32 saturates; narrower types wrap
       if (i > static_cast<int64_t>(Lim::max())) return Lim::max();
       if (i < static_cast<int64_t>(Lim::min())) return Lim::min();
     }

@@ -503,11 +503,14 @@ void* allocate_or_throw(size_t nbytes) {
   }
 }
 
-// The machine's memory and swap in bytes (0 when unknown).
+// The machine's memory and swap in bytes (0 when unknown), asked once.
 uint64_t machine_memory_bytes() {
-  struct sysinfo info {};
-  if (sysinfo(&info) != 0) return 0;
-  return (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+  static const uint64_t bytes = [] {
+    struct sysinfo info {};
+    if (sysinfo(&info) != 0) return uint64_t{0};
+    return (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+  }();
+  return bytes;
 }
 
 // std::vector<V>(n), whose failure to allocate throws funcol::Error too. A list larger than the
