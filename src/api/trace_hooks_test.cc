@@ -229,6 +229,13 @@ void expect_runs_like_eager(const Graph& graph, const Fn& fn,
   }
 }
 
+// One f32[4,2] input of small integers that differ between ranks (sums stay exact).
+std::vector<Tensor> small_4x2_input(int rank) {
+  std::vector<float> x(8);
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 5 + rank) % 9 - 4);
+  return {Tensor::from_vector<float>(x, {4, 2})};
+}
+
 // A function written once runs eagerly and traced; the executor gives the eager result exactly.
 std::vector<Tensor> fsdp_layer(std::span<const Tensor> in) {
   // x: [2, 8], w: this rank's [2, 4] shard of an [8, 4] weight.
@@ -308,11 +315,7 @@ std::vector<Tensor> inplace_into_views(std::span<const Tensor> in) {
 
 TEST(TraceCollectives, InplaceIntoAViewWritesItsBase) {
   auto traced = trace("views", {Type(DType::F32, {4, 2})}, inplace_into_views, {{"world", 4}});
-  expect_runs_like_eager(*traced, inplace_into_views, [](int r) {
-    std::vector<float> x(8);
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 5 + r) % 9 - 4);
-    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2})};
-  });
+  expect_runs_like_eager(*traced, inplace_into_views, small_4x2_input);
   // Views that eagerly may be copies (reshape) cannot be written through: an error, not a
   // graph that differs from eager.
   try {
@@ -372,21 +375,13 @@ std::vector<Tensor> wait_alias_and_refused_write(std::span<const Tensor> in) {
 TEST(TraceCollectives, WaitAliasesAndRefusedWritesChangeNothing) {
   auto traced = trace("alias", {Type(DType::F32, {4, 2})}, wait_alias_and_refused_write,
                       {{"world", 4}});
-  expect_runs_like_eager(*traced, wait_alias_and_refused_write, [](int r) {
-    std::vector<float> x(8);
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 3 + r) % 7 - 3);
-    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2})};
-  });
+  expect_runs_like_eager(*traced, wait_alias_and_refused_write, small_4x2_input);
 }
 
 TEST(TraceCollectives, ViewsSeeLaterWritesIntoTheirBase) {
   auto traced =
       trace("later", {Type(DType::F32, {4, 2})}, views_see_later_writes, {{"world", 4}});
-  expect_runs_like_eager(*traced, views_see_later_writes, [](int r) {
-    std::vector<float> x(8);
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((i * 5 + r) % 9 - 4);
-    return std::vector<Tensor>{Tensor::from_vector<float>(x, {4, 2})};
-  });
+  expect_runs_like_eager(*traced, views_see_later_writes, small_4x2_input);
   // A reshape used after a write into its base: eagerly it may be a copy that misses the write.
   try {
     trace("stale", {Type(DType::F32, {4, 2})},
