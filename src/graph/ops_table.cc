@@ -35,13 +35,15 @@ int64_t wrap_dim(int64_t dim, int64_t rank, std::string_view what = "dim") {
 // a * b for dims, as a ShapeError when the product leaves the range a value may have.
 int64_t mul_dim(int64_t a, int64_t b, std::string_view what) {
   if (a != 0 && b > kMaxTypeBytes / a) {
-    throw ShapeError(fmt::format("{} overflows: {} * {}", what, a, b));
+    throw ShapeError(fmt::format("{} overflows: {} * {} is more than 2^62", what, a, b));
   }
   return a * b;
 }
 
 int64_t add_dim(int64_t a, int64_t b, std::string_view what) {
-  if (b > kMaxTypeBytes - a) throw ShapeError(fmt::format("{} overflows: {} + {}", what, a, b));
+  if (b > kMaxTypeBytes - a) {
+    throw ShapeError(fmt::format("{} overflows: {} + {} is more than 2^62", what, a, b));
+  }
   return a + b;
 }
 

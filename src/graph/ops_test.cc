@@ -1,6 +1,8 @@
 // Tests of the op table: schema, traits, shape inference edge cases and CPU kernels.
 #include "funcol/graph/ops.h"
 
+#include <limits>
+
 #include <gtest/gtest.h>
 
 #include "funcol/core/error.h"
@@ -160,7 +162,8 @@ TEST(ShapeInference, Collectives) {
             "group_size must be positive, got -2");
   EXPECT_EQ(infer_error<ShapeError>("all_gather_into_tensor", {f32({int64_t{1} << 40})},
                                     {{"group_size", 1 << 30}, {"group", "w"}}),
-            "all_gather_into_tensor: gathered dim 0 overflows: 1099511627776 * 1073741824");
+            "all_gather_into_tensor: gathered dim 0 overflows: 1099511627776 * 1073741824 is more "
+            "than 2^62");
   EXPECT_EQ(infer1("broadcast", {f32({2})}, {{"src", 3}, {"group", "w"}}), f32({2}));
   EXPECT_EQ(infer1("wait_tensor", {Type(DType::I8, {2, 2})}), Type(DType::I8, {2, 2}));
 }
@@ -203,6 +206,14 @@ TEST(ShapeInference, AllToAll) {
   EXPECT_EQ(infer_error<InvalidArgument>("all_to_all_single", {f32({6})},
                                          {{"output_split_sizes", {-1, 7}}, {"input_split_sizes", {3, 3}}, {"group", "w"}}),
             "all_to_all_single: output_split_sizes [-1,7] has a negative size");
+  // A sum past 2^62 names the two terms that cross it.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(infer_error<ShapeError>("all_to_all_single", {f32({4})},
+                                    {{"output_split_sizes", {3, kMax}},
+                                     {"input_split_sizes", {2, 2}},
+                                     {"group", "w"}}),
+            "all_to_all_single: sum of output_split_sizes overflows: 3 + 9223372036854775807 is "
+            "more than 2^62");
 }
 
 TEST(ShapeInference, Views) {

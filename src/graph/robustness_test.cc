@@ -92,7 +92,7 @@ TEST(Robustness, HugeIntegers) {
   EXPECT_EQ(parse_error("graph @g(%x: u8[4611686018427387903]) {\n  %y = all_gather_into_tensor(%x) "
                         "{group_size = 2, group = \"w\"}\n  return %y\n}"),
             "t.ir:2:8: error: %y: all_gather_into_tensor: gathered dim 0 overflows: "
-            "4611686018427387903 * 2");
+            "4611686018427387903 * 2 is more than 2^62");
 }
 
 TEST(Robustness, DeepNesting) {

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "funcol/core/error.h"
+#include "funcol/graph/printer.h"
 
 namespace funcol {
 namespace {
@@ -186,7 +187,9 @@ struct BucketKey {
   friend bool operator==(const BucketKey&, const BucketKey&) = default;
 
   std::string str() const {
-    std::string s = fmt::format("group \"{}\"", group);
+    // Quoted as the IR prints it: a name with a quote or a newline keeps the line readable.
+    std::string s = "group ";
+    print_string_literal(group, s);
     if (group_size) s += fmt::format(", group_size {}", group_size);
     if (!reduce_op.empty()) s += fmt::format(", reduce_op {}", reduce_op);
     if (has_dtype) s += fmt::format(", dtype {}", dtype_name(dtype));
@@ -213,6 +216,10 @@ struct Entry {
 };
 
 std::string bytes_str(int64_t b) { return fmt::format("{} B", b); }
+// a + b bytes, exact where int64 cannot hold the sum (each is at most kMaxTypeBytes = 2^62).
+std::string sum_bytes_str(int64_t a, int64_t b) {
+  return fmt::format("{} B", static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+}
 
 // ---- node emission ------------------------------------------------------------------------------
 
@@ -742,7 +749,7 @@ BucketingStats Bucketer::run() {
       const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
       if (e.bytes > cap - bucket_bytes_) {
         close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
-                                            bytes_str(e.bytes), bytes_str(bucket_bytes_ + e.bytes))
+                                            bytes_str(e.bytes), sum_bytes_str(bucket_bytes_, e.bytes))
                               : std::string());
       }
     }

@@ -631,6 +631,42 @@ TEST(BucketExplain, HeaderBucketsAndSummary) {
       "  1 bucket, 1 merged (2 collectives); skipped 0 dependent, 0 ineligible; dropped 0\n");
 }
 
+// A group name with a quote, a backslash and control bytes is quoted as the IR prints it, so a
+// run's line stays one line.
+TEST(BucketExplain, GroupNamesAreQuotedAsTheIrPrintsThem) {
+  std::unique_ptr<Graph> g = parse_graph(R"(graph @g(%x: f32[4], %y: f32[4]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "we\"ir\\d\n\t\x01"}
+  %b = all_reduce(%y) {reduce_op = "sum", group = "we\"ir\\d\n\t\x01"}
+  %wa = wait_tensor(%a)
+  %wb = wait_tensor(%b)
+  return %wa, %wb
+})");
+  std::string explain;
+  bucket_collectives(*g, opts(CollectiveKind::AllReduce), &explain);
+  EXPECT_NE(explain.find("  run of group \"we\\\"ir\\\\d\\n\\t\\x01\", reduce_op sum, "
+                           "dtype f32\n"),
+            std::string::npos)
+      << explain;
+}
+
+// Two members of 2^62 bytes each: the size a cap closes on is printed exactly, not wrapped
+// around int64.
+TEST(BucketExplain, CapReasonPrintsSumsPastInt64) {
+  std::unique_ptr<Graph> g = parse_graph(R"(graph @g(%x: i8[2305843009213693952], %y: i8[2305843009213693952]) {
+  %a = all_gather_into_tensor(%x) {group_size = 2, group = "world"}
+  %b = all_gather_into_tensor(%y) {group_size = 2, group = "world"}
+  %wa = wait_tensor(%a)
+  %wb = wait_tensor(%b)
+  return %wa, %wb
+})");
+  std::string explain;
+  bucket_collectives(*g, opts(CollectiveKind::AllGather, "1e13"), &explain);
+  EXPECT_NE(explain.find("closed: cap (adding %b of 4611686018427387904 B would make "
+                           "9223372036854775808 B)"),
+            std::string::npos)
+      << explain;
+}
+
 TEST(BucketPasses, PassRunWritesExplainAndReportsChange) {
   std::unique_ptr<Graph> g = parse_graph(kTwoAllGathers);
   BucketPass pass(opts(CollectiveKind::AllGather));
