@@ -749,7 +749,8 @@ BucketingStats Bucketer::run() {
       const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
       if (e.bytes > cap - bucket_bytes_) {
         close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
-                                            bytes_str(e.bytes), sum_bytes_str(bucket_bytes_, e.bytes))
+                                            bytes_str(e.bytes),
+                                            sum_bytes_str(bucket_bytes_, e.bytes))
                               : std::string());
       }
     }

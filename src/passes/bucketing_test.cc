@@ -652,7 +652,8 @@ TEST(BucketExplain, GroupNamesAreQuotedAsTheIrPrintsThem) {
 // Two members of 2^62 bytes each: the size a cap closes on is printed exactly, not wrapped
 // around int64.
 TEST(BucketExplain, CapReasonPrintsSumsPastInt64) {
-  std::unique_ptr<Graph> g = parse_graph(R"(graph @g(%x: i8[2305843009213693952], %y: i8[2305843009213693952]) {
+  std::unique_ptr<Graph> g = parse_graph(R"(graph @g(%x: i8[2305843009213693952],
+                                                   %y: i8[2305843009213693952]) {
   %a = all_gather_into_tensor(%x) {group_size = 2, group = "world"}
   %b = all_gather_into_tensor(%y) {group_size = 2, group = "world"}
   %wa = wait_tensor(%a)
