@@ -383,6 +383,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
 
   void run(const std::shared_ptr<CollectiveOp>& op) {
     const auto timeout = op_timeout(*op);
+    tag_ = kUserTag;  // the signature exchange pairs every op with its peers' (detail mode)
     if (job()->detail()) {
       std::vector<char> mine = process::encode_signature(op->signature, size());
       std::vector<char> all(mine.size() * size());
@@ -390,12 +391,14 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       o.setInput<char>(mine.data(), mine.size());
       o.setOutput<char>(all.data(), all.size());
       o.setTimeout(timeout);
+      o.setTag(tag_);
       gloo::allgather(o);
       if (auto mismatch = check_gathered(*op, all)) {
         fail_mismatch(op, *mismatch);
         return;
       }
     }
+    if (!op->signature.step.empty()) tag_ = kStepTag;
     switch (op->kind) {
       case OpKind::AllReduce:
       case OpKind::AllReduceCoalesced:
@@ -421,6 +424,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
           o.setInput<E>(as<E>(op->inputs[0]), op->send_counts);
           o.setOutput<E>(as<E>(op->outputs[0]), op->recv_counts);
           o.setTimeout(timeout);
+          o.setTag(tag_);
           gloo::alltoallv(o);
         });
         break;
@@ -433,6 +437,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
           o.setOutput<E>(as<E>(t), static_cast<size_t>(t.numel()));
           o.setRoot(op->root);
           o.setTimeout(timeout);
+          o.setTag(tag_);
           gloo::broadcast(o);
         });
         break;
@@ -440,6 +445,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       case OpKind::Barrier: {
         gloo::BarrierOptions o(context_);
         o.setTimeout(timeout);
+        o.setTag(tag_);
         gloo::barrier(o);
         break;
       }
@@ -473,6 +479,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       o.setInput<E>(as<E>(t), static_cast<size_t>(n));
       o.setOutput<E>(static_cast<E*>(all.raw_data_ptr()), static_cast<size_t>(n) * size());
       o.setTimeout(timeout);
+      o.setTag(tag_);
       gloo::allgather(o);
     });
     process::reduce_blocks(op, t.dtype(), t.raw_data_ptr(), all.raw_data_ptr(), size(), n);
@@ -498,6 +505,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       o.setInput<E>(static_cast<E*>(mine.raw_data_ptr()), static_cast<size_t>(counts[me]));
       o.setOutput<E>(reinterpret_cast<E*>(data), std::vector<size_t>(counts.begin(), counts.end()));
       o.setTimeout(timeout);
+      o.setTag(tag_);
       gloo::allgatherv(o);
     });
   }
@@ -511,6 +519,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       o.setInput<E>(as<E>(in), static_cast<size_t>(n));
       o.setOutput<E>(as<E>(out), static_cast<size_t>(n) * size());
       o.setTimeout(timeout);
+      o.setTag(tag_);
       gloo::allgather(o);
     });
   }
@@ -541,6 +550,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       o.setInput<E>(static_cast<E*>(const_cast<void*>(data)), counts);
       o.setOutput<E>(static_cast<E*>(blocks.raw_data_ptr()), std::vector<int64_t>(g, mine));
       o.setTimeout(timeout);
+      o.setTag(tag_);
       gloo::alltoallv(o);
     });
     process::reduce_blocks(op, dtype, out, blocks.raw_data_ptr(), g, mine);
@@ -548,6 +558,14 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
 
   std::shared_ptr<GlooShared> shared_;
   std::shared_ptr<gloo::Context> context_;  // null for a group of one rank
+  // Gloo pairs messages by the op and a tag. funcol's own agreement steps (new_group,
+  // split_group, ...) move their data under a tag of their own, so that Gloo never pairs one
+  // with a user's collective a peer issued at the same point: without FUNCOL_DEBUG=detail
+  // nothing compares the two, and a larger message than expected aborts the receiving rank
+  // inside Gloo's transport. Both sides then wait, and time out naming each other.
+  static constexpr uint32_t kUserTag = 0;
+  static constexpr uint32_t kStepTag = 1;
+  uint32_t tag_ = kUserTag;  // the running op's (worker thread only)
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -480,9 +480,10 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   static std::shared_ptr<MpiProcessGroup> create(int rank, std::vector<int> global_ranks,
                                                  std::string name, GroupRegistry* registry,
                                                  std::shared_ptr<process::ProcessJob> job,
-                                                 MPI_Comm comm) {
-    std::shared_ptr<MpiProcessGroup> group(new MpiProcessGroup(
-        rank, std::move(global_ranks), std::move(name), registry, std::move(job), comm));
+                                                 MPI_Comm comm, MPI_Comm step_comm) {
+    std::shared_ptr<MpiProcessGroup> group(new MpiProcessGroup(rank, std::move(global_ranks),
+                                                               std::move(name), registry,
+                                                               std::move(job), comm, step_comm));
     group->attach();
     return group;
   }
@@ -492,12 +493,15 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     // MPI_Finalize then, so leave it alone.
     if (comm_ != MPI_COMM_NULL && !broken()) {
       MPI_Comm comm = comm_;
+      MPI_Comm step_comm = step_comm_;
       // The last reference may go while the runtime finalises (a Work's completion drained at
       // exit holds the group): after MPI_Finalize, MPI frees communicators itself.
-      Runtime::get().post([comm]() mutable {
+      Runtime::get().post([comm, step_comm]() mutable {
         int finalized = 0;
         MPI_Finalized(&finalized);
-        if (!finalized) MPI_Comm_free(&comm);
+        if (finalized) return;
+        MPI_Comm_free(&comm);
+        if (step_comm != MPI_COMM_NULL) MPI_Comm_free(&step_comm);
       });
     }
   }
@@ -548,18 +552,25 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
                          losses.front().describe(), fmt::join(missing, ", "));
     };
     MPI_Comm parent = comm_;
-    MPI_Comm comm = Runtime::get().call_until(
+    auto [comm, step_comm] = Runtime::get().call_until(
         what,
         [parent, color, key, what] {
           MPI_Comm out = MPI_COMM_NULL;
+          MPI_Comm step = MPI_COMM_NULL;
           int rc = MPI_Comm_split(parent, color, key, &out);
           if (rc != MPI_SUCCESS) throw CommError(fmt::format("{} failed: {}", what, mpi_error(rc)));
-          if (out != MPI_COMM_NULL) MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
-          return out;
+          if (out != MPI_COMM_NULL) {
+            MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+            rc = MPI_Comm_dup(out, &step);
+            if (rc != MPI_SUCCESS) {
+              throw CommError(fmt::format("{} failed: MPI_Comm_dup: {}", what, mpi_error(rc)));
+            }
+          }
+          return std::pair<MPI_Comm, MPI_Comm>(out, step);
         },
         job()->timeout(), lost);
     if (!mine) return nullptr;
-    auto group = create(key, *mine, name, &registry(), job(), comm);
+    auto group = create(key, *mine, name, &registry(), job(), comm, step_comm);
     registry().add(group);
     return group;
   }
@@ -574,9 +585,19 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
  private:
   MpiProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
-                  GroupRegistry* registry, std::shared_ptr<process::ProcessJob> job, MPI_Comm comm)
+                  GroupRegistry* registry, std::shared_ptr<process::ProcessJob> job, MPI_Comm comm,
+                  MPI_Comm step_comm)
       : ProcessGroupBase(rank, std::move(global_ranks), std::move(name), registry, std::move(job)),
-        comm_(comm) {}
+        comm_(comm),
+        step_comm_(step_comm) {}
+
+  // Where an op's data travels: funcol's own agreement steps (new_group, split_group, ...) on
+  // a communicator of their own, so that MPI never pairs one with a user's collective that a
+  // peer issued at the same point (without FUNCOL_DEBUG=detail nothing compares the two; the
+  // signature exchange of detail mode stays on comm_, where it catches such a pair).
+  MPI_Comm data_comm(const CollectiveOp& op) const {
+    return op.signature.step.empty() ? comm_ : step_comm_;
+  }
 
   void fail_mpi(const std::shared_ptr<Slot>& slot, int rc) {
     std::string message = failure_message(*slot->op, mpi_error(rc));
@@ -665,6 +686,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
   void start_collective(const std::shared_ptr<Slot>& slot) {
     const auto& op = slot->op;
+    const MPI_Comm comm = data_comm(*op);
     // Buffers MPI reads or writes until completion: copies of overlapping inputs and the
     // all-to-all count arrays.
     struct Scratch {
@@ -737,7 +759,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
               t.nbytes() * static_cast<size_t>(size()) <= process::kGatherReduceBytes;
           if (small && !order_sensitive(t.dtype(), op->reduce_op)) {
             rc = MPI_Iallreduce(MPI_IN_PLACE, t.raw_data_ptr(), static_cast<int>(t.numel()), type,
-                                mpi_op(op->reduce_op, t.dtype()), comm_, &request);
+                                mpi_op(op->reduce_op, t.dtype()), comm, &request);
             scratch->by_mpi.push_back(i);
           } else if (small) {
             // A small floating sum, avg or product: every rank's tensor, reduced here in rank
@@ -747,7 +769,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
                 scratch->blocks.emplace_back(i, Tensor::empty({t.numel() * size()}, t.dtype()))
                     .second;
             rc = MPI_Iallgather(t.raw_data_ptr(), static_cast<int>(t.numel()), type,
-                                all.raw_data_ptr(), static_cast<int>(t.numel()), type, comm_,
+                                all.raw_data_ptr(), static_cast<int>(t.numel()), type, comm,
                                 &request);
           } else {
             // Larger ones of every dtype and op in two steps: Open MPI's all-reduce slows
@@ -769,7 +791,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
             step.blocks = Tensor::empty({int64_t{mine} * g}, t.dtype());
             rc = MPI_Ialltoallv(t.raw_data_ptr(), step.counts.data(), step.displs.data(), type,
                                 step.blocks.raw_data_ptr(), step.mine.data(),
-                                step.mine_displs.data(), type, comm_, &request);
+                                step.mine_displs.data(), type, comm, &request);
           }
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
@@ -785,7 +807,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           // In place when the input is this rank's own block of the output.
           const char* own = static_cast<const char*>(out.raw_data_ptr()) + rank() * in.nbytes();
           const void* send = in.raw_data_ptr() == own ? MPI_IN_PLACE : send_buffer(in, out);
-          rc = MPI_Iallgather(send, n, type, out.raw_data_ptr(), n, type, comm_, &request);
+          rc = MPI_Iallgather(send, n, type, out.raw_data_ptr(), n, type, comm, &request);
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
         break;
@@ -803,7 +825,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           // 40x the time at 16 MiB (f32, 2 ranks: 98-105 ms against 2.3-2.5 ms).
           Tensor& blocks =
               scratch->blocks.emplace_back(i, Tensor::empty({in.numel()}, in.dtype())).second;
-          rc = MPI_Ialltoall(in.raw_data_ptr(), n, type, blocks.raw_data_ptr(), n, type, comm_,
+          rc = MPI_Ialltoall(in.raw_data_ptr(), n, type, blocks.raw_data_ptr(), n, type, comm,
                              &request);
           if (!post(rc, request)) return fail_mpi(slot, rc);
         }
@@ -819,7 +841,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         }
         const MPI_Datatype type = mpi_type(in.dtype());
         rc = MPI_Ialltoallv(send_buffer(in, out), scratch->sc.data(), scratch->sd.data(), type,
-                            out.raw_data_ptr(), scratch->rc.data(), scratch->rd.data(), type, comm_,
+                            out.raw_data_ptr(), scratch->rc.data(), scratch->rd.data(), type, comm,
                             &request);
         if (!post(rc, request)) return fail_mpi(slot, rc);
         break;
@@ -828,12 +850,12 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         const Tensor& t = op->outputs[0];
         if (t.numel() == 0) break;
         rc = MPI_Ibcast(t.raw_data_ptr(), static_cast<int>(t.numel()), mpi_type(t.dtype()),
-                        op->root, comm_, &request);
+                        op->root, comm, &request);
         if (!post(rc, request)) return fail_mpi(slot, rc);
         break;
       }
       case OpKind::Barrier:
-        rc = MPI_Ibarrier(comm_, &request);
+        rc = MPI_Ibarrier(comm, &request);
         if (!post(rc, request)) return fail_mpi(slot, rc);
         break;
     }
@@ -889,7 +911,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         MPI_Request request = MPI_REQUEST_NULL;
         const MPI_Datatype type = mpi_type(out.dtype());
         rc = MPI_Iallgatherv(MPI_IN_PLACE, 0, type, base, step.counts.data(), step.displs.data(),
-                             type, self->comm_, &request);
+                             type, self->data_comm(*op), &request);
         if (rc != MPI_SUCCESS) break;
         gathers.push_back(request);
       }
@@ -929,6 +951,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   }
 
   MPI_Comm comm_;
+  MPI_Comm step_comm_;  // agreement steps' data (data_comm): a duplicate of comm_
   std::deque<std::shared_ptr<Slot>> order_;  // communication thread only
   // Detail mode (communication thread only): collectives waiting for their signature
   // exchange, and whether one exchange is in flight.
@@ -969,6 +992,10 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
       rt, [comm](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, comm.get(), r); }, deadline,
       fmt::format("init_process_group (MPI_Comm_idup over {} ranks)", size));
   rt.call([comm] { return MPI_Comm_set_errhandler(*comm, MPI_ERRORS_RETURN); });
+  auto step_comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+  run_with_deadline(
+      rt, [comm, step_comm](MPI_Request* r) { return MPI_Comm_idup(*comm, step_comm.get(), r); },
+      deadline, fmt::format("init_process_group (MPI_Comm_idup over {} ranks)", size));
 
   std::unique_ptr<process::PeerMonitor> monitor;
   if (size > 1) {
@@ -1011,7 +1038,8 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
                                                    process::debug_detail(), std::move(monitor));
   std::vector<int> ranks(size);
   std::iota(ranks.begin(), ranks.end(), 0);
-  auto world = MpiProcessGroup::create(rank, std::move(ranks), "world", &registry, job, *comm);
+  auto world = MpiProcessGroup::create(rank, std::move(ranks), "world", &registry, job, *comm,
+                                       *step_comm);
   return {world, job};
 }
 

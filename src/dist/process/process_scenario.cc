@@ -2,7 +2,7 @@
 // prints "SCENARIO OK rank R: ..." when it saw what the scenario expects, or
 // "SCENARIO FAILED rank R: ..." (exit 1) otherwise. run_scenario.sh counts the lines.
 //
-//   process_scenario --backend=gloo|mpi --scenario=kill|mismatch|timeout|depart
+//   process_scenario --backend=gloo|mpi --scenario=kill|mismatch|timeout|step_pairing|depart
 //
 //  kill      the last rank raises SIGKILL mid-run; every survivor's next collective fails with
 //            a CommError naming it within FUNCOL_TIMEOUT plus a few seconds
@@ -14,6 +14,10 @@
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
 //            before any of it is posted; the group is unusable afterwards
 //  timeout   the last rank stays away from a collective; the others time out naming it
+//  step_pairing  (without FUNCOL_DEBUG) rank 0 creates a group while rank 1 issues an
+//            all_reduce of the shape and op of the creation's agreement step: they never pair
+//            (the step's data travels apart), so both fail at the timeout instead of rank 1
+//            returning the step's values (or Gloo aborting a rank on a longer message)
 //  depart    the last rank leaves (destroy_process_group) with collectives still in flight,
 //            which complete for everyone; the others' next ones fail at once naming it
 //  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
@@ -37,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "dist/checks.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 
@@ -158,6 +163,21 @@ void scenario_kill(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// Rank 0 creates a group (an agreement step: all_reduce of i64[2], op max) while the others
+// issue an all_reduce of that shape and op; returns the CommError every rank must get.
+std::string group_against_all_reduce(funcol::ProcessGroup& world) {
+  return expect_comm_error(
+      [&] {
+        if (world.rank() == 0) {
+          funcol::new_group(world, {0, 1});
+        } else {
+          Tensor t = Tensor::zeros({2}, DType::I64);
+          world.all_reduce(t, ReduceOp::Max)->wait();
+        }
+      },
+      "new_group's agreement against a user's all_reduce");
+}
+
 void scenario_mismatch(funcol::ProcessGroup& world) {
   if (const char* d = std::getenv("FUNCOL_DEBUG"); d == nullptr || std::string(d) != "detail") {
     failed("run with FUNCOL_DEBUG=detail");
@@ -238,16 +258,7 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(flat_msg, "issued all_reduce_flat(2 tensors: f32 numel 3, f32 numel 2, op sum)");
   // funcol's own collective inside new_group (its agreement on a name) against a user's
   // all_reduce of the same shape and op: a mismatch that names the agreement, on every rank.
-  std::string step_msg = expect_comm_error(
-      [&] {
-        if (world.rank() == 0) {
-          funcol::new_group(world, {0, 1});
-        } else {
-          Tensor t = Tensor::zeros({2}, DType::I64);
-          world.all_reduce(t, ReduceOp::Max)->wait();
-        }
-      },
-      "new_group's agreement against a user's all_reduce");
+  std::string step_msg = group_against_all_reduce(world);
   expect_contains(step_msg,
                   "rank 0 issued all_reduce(i64[2], op max) [funcol's agreement step for "
                   "new_group] but rank 1 issued all_reduce(i64[2], op max)");
@@ -292,6 +303,17 @@ void scenario_timeout(funcol::ProcessGroup& world) {
     failed(fmt::format("timed out after {:.2f} s with FUNCOL_TIMEOUT {:.1f} s", took,
                        timeout_seconds()));
   }
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+void scenario_step_pairing(funcol::ProcessGroup& world) {
+  check_sum(world);
+  const auto start = Clock::now();
+  std::string msg = group_against_all_reduce(world);
+  const double took = seconds_since(start);
+  expect_contains(msg, "timed out after");
+  if (world.rank() == 0) expect_contains(msg, "new_group: agreeing with the other ranks");
+  if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
@@ -346,7 +368,8 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   if (world.rank() == victim) {
     // Take split_group's part in the agreement (two all_gathers of what each rank passed and,
     // after a newline, where the name is taken: nowhere), then die before the new group's own
-    // setup.
+    // setup. Labelled as split_group's own steps: their data travels apart from a user's.
+    const funcol::dist_detail::InternalStep step("split_group");
     const std::string text = fmt::format("[[{}]] as 'sub'\n", fmt::join(members, ", "));
     const auto bytes = static_cast<int64_t>(text.size());
     Tensor lengths = Tensor::empty({world.size()}, DType::I64);
@@ -390,7 +413,7 @@ int main(int argc, char** argv) {
   if (backend.empty() || scenario.empty()) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
-                 "--scenario=kill|mismatch|timeout|depart|lonely|split_kill\n");
+                 "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill\n");
     return 2;
   }
   if (scenario == "lonely") {
@@ -434,6 +457,8 @@ int main(int argc, char** argv) {
       scenario_count_limit(*world);
     } else if (scenario == "timeout") {
       scenario_timeout(*world);
+    } else if (scenario == "step_pairing") {
+      scenario_step_pairing(*world);
     } else if (scenario == "depart") {
       scenario_depart(*world);
     } else if (scenario == "split_kill") {
