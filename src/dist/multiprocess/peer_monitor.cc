@@ -22,7 +22,7 @@
 namespace funcol::process {
 namespace {
 
-enum MessageType : uint8_t { kHello = 1, kBye = 2, kQuery = 3, kReply = 4 };
+enum MessageType : uint8_t { kHello = 1, kBye = 2, kQuery = 3, kReply = 4, kGaveUp = 5 };
 constexpr size_t kFrameHeader = 5;  // u32 payload length, u8 type
 
 std::string errno_text(int err) { return std::strerror(err); }
@@ -238,6 +238,23 @@ void PeerMonitor::set_on_peer_lost(std::function<void(const PeerLoss&)> callback
   on_peer_lost_ = std::move(callback);
 }
 
+void PeerMonitor::set_on_gave_up(GaveUpCallback callback) {
+  std::lock_guard lock(mu_);
+  on_gave_up_ = std::move(callback);
+}
+
+void PeerMonitor::tell_gave_up(const std::vector<int>& ranks, const std::string& name,
+                               int64_t seq, const std::string& error) {
+  std::string payload;
+  append_u32(payload, static_cast<uint32_t>(name.size()));
+  payload += name;
+  append_i64(payload, seq);
+  payload += error;
+  for (int r : ranks) {
+    if (r != rank_) send_to(r, kGaveUp, payload);  // a lost peer is skipped
+  }
+}
+
 std::optional<PeerLoss> PeerMonitor::lost(int rank) const {
   std::lock_guard lock(mu_);
   auto it = lost_.find(rank);
@@ -450,6 +467,21 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
       }
       append_i64(reply, value);
       send_to(from, kReply, reply);
+      break;
+    }
+    case kGaveUp: {
+      uint32_t len;
+      int64_t seq;
+      if (!read_u32(payload, pos, len) || pos + len > payload.size()) return;
+      const std::string name = payload.substr(pos, len);
+      pos += len;
+      if (!read_i64(payload, pos, seq)) return;
+      GaveUpCallback callback;
+      {
+        std::lock_guard lock(mu_);
+        callback = on_gave_up_;
+      }
+      if (callback) callback(from, name, seq, payload.substr(pos));
       break;
     }
     case kReply: {

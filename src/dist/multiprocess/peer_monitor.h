@@ -62,6 +62,16 @@ class PeerMonitor {
 
   // Called on the monitor thread once per lost peer. Set before connect().
   void set_on_peer_lost(std::function<void(const PeerLoss&)> callback);
+  // Called on the monitor thread when a peer gave up on collective `seq` of group `name` (it
+  // timed out), with the peer's rank and its error. Set before connect().
+  using GaveUpCallback =
+      std::function<void(int from, const std::string& name, int64_t seq, const std::string& error)>;
+  void set_on_gave_up(GaveUpCallback callback);
+  // Tells `ranks` that this process gave up on collective `seq` of group `name`, with its
+  // error: a rank that issues it later then fails at once, saying it came too late, instead of
+  // running a collective nobody else will.
+  void tell_gave_up(const std::vector<int>& ranks, const std::string& name, int64_t seq,
+                    const std::string& error);
   // The loss of `rank`, or nullopt while it is connected.
   std::optional<PeerLoss> lost(int rank) const;
   // Waits up to `wait` until one of `ranks` is reported dead (a departure alone does not end
@@ -113,6 +123,7 @@ class PeerMonitor {
   std::string departure_error_;
   std::map<int, PeerLoss> lost_;
   std::function<void(const PeerLoss&)> on_peer_lost_;
+  GaveUpCallback on_gave_up_;
   uint64_t next_query_ = 1;
   std::map<uint64_t, std::map<int, int64_t>> answers_;  // query id -> rank -> issued
   bool stopping_ = false;

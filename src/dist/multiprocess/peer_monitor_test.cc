@@ -43,6 +43,28 @@ TEST(PeerMonitor, AnswersProgressQueries) {
   EXPECT_EQ(m[0]->query_progress("tp", {1}, milliseconds(5000)), std::vector<int64_t>{-2});
 }
 
+// A timed-out rank tells its peers which collective it gave up on, with its error.
+TEST(PeerMonitor, TellsPeersWhatItGaveUpOn) {
+  auto m = mesh(3);
+  struct GaveUp {
+    int from;
+    std::string name;
+    int64_t seq;
+    std::string error;
+  };
+  std::promise<GaveUp> seen;
+  m[2]->set_on_gave_up([&](int from, const std::string& name, int64_t seq,
+                           const std::string& error) { seen.set_value({from, name, seq, error}); });
+  m[0]->tell_gave_up({0, 2}, "tp.2", 7, "all_reduce on group 'tp.2' (seq 7): timed out");
+  auto f = seen.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const GaveUp got = f.get();
+  EXPECT_EQ(got.from, 0);
+  EXPECT_EQ(got.name, "tp.2");
+  EXPECT_EQ(got.seq, 7);
+  EXPECT_EQ(got.error, "all_reduce on group 'tp.2' (seq 7): timed out");
+}
+
 TEST(PeerMonitor, ReportsADeadPeerAtOnce) {
   auto m = mesh(3);
   std::promise<PeerLoss> seen;

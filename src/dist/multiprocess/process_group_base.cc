@@ -99,6 +99,10 @@ ProcessJob::ProcessJob(std::string backend, int rank, int world_size,
       monitor_(std::move(monitor)) {
   if (monitor_) {
     monitor_->set_on_peer_lost([this](const PeerLoss& loss) { on_peer_lost(loss); });
+    monitor_->set_on_gave_up(
+        [this](int from, const std::string& name, int64_t seq, const std::string& error) {
+          on_gave_up(from, name, seq, error);
+        });
   }
   watchdog_ = std::thread([this] { watchdog(); });
 }
@@ -149,6 +153,13 @@ std::vector<std::shared_ptr<ProcessGroupBase>> ProcessJob::live_groups() {
 
 void ProcessJob::on_peer_lost(const PeerLoss& loss) {
   for (auto& group : live_groups()) group->on_peer_lost(loss);
+}
+
+void ProcessJob::on_gave_up(int from, const std::string& name, int64_t seq,
+                            const std::string& error) {
+  for (auto& group : live_groups()) {
+    if (group->name() == name) group->on_peer_gave_up(from, seq, error);
+  }
 }
 
 void ProcessJob::watchdog() {
@@ -337,6 +348,12 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   }
   {
     std::lock_guard lock(mu_);
+    if (gave_up_ && op->seq == gave_up_->seq) {
+      // The peers gave up on this very collective before this rank issued it.
+      op->claim();
+      op->work->fail(std::make_exception_ptr(CommError(late_message(*op))));
+      return op->work;
+    }
     if (broken_) {
       op->claim();
       op->work->fail(std::make_exception_ptr(
@@ -529,10 +546,57 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
     }
   }
   if (expired) {
-    fail_op(expired, loss.empty() ? timeout_message(*expired)
-                                  : fmt::format("{}: {}", expired->work->description(), loss));
+    if (!loss.empty()) {
+      fail_op(expired, fmt::format("{}: {}", expired->work->description(), loss));
+    } else {
+      const std::string message = timeout_message(*expired);
+      // A peer that is only late learns at once, when it issues this, that nobody waits any
+      // more (its transport could otherwise pair it with what this rank's peers still run).
+      if (PeerMonitor* monitor = job_->monitor()) {
+        monitor->tell_gave_up(global_ranks(), name(), expired->seq, message);
+      }
+      fail_op(expired, message);
+    }
   }
   return earliest;
+}
+
+std::string ProcessGroupBase::late_message(const CollectiveOp& op) const {
+  const std::string& desc = op.work->description();
+  const std::string late = fmt::format("; rank {} issued it only after the others had given up "
+                                       "on it",
+                                       global_rank());
+  // The peer's error names the same collective unless the two ranks issued different ones.
+  if (gave_up_->error.rfind(desc + ":", 0) == 0) return gave_up_->error + late;
+  return fmt::format("{}: rank {} gave up on it: {}{}", desc, gave_up_->from, gave_up_->error,
+                     late);
+}
+
+void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string& error) {
+  const auto& members = global_ranks();
+  if (std::find(members.begin(), members.end(), from) == members.end()) return;
+  std::vector<std::shared_ptr<CollectiveOp>> victims;
+  {
+    std::lock_guard lock(mu_);
+    if (gave_up_) return;  // the first one decides; the others say the same
+    gave_up_ = GaveUp{from, seq, error};
+    if (!broken_) broken_ = error;
+    // What this rank issued before `seq` the peer did its part in: it may still complete.
+    for (auto& op : inflight_) {
+      if (op->seq >= seq && !op->done()) victims.push_back(op);
+    }
+    std::erase_if(inflight_, [&](const auto& op) {
+      return std::find(victims.begin(), victims.end(), op) != victims.end();
+    });
+  }
+  on_broken(error);
+  for (auto& op : victims) {
+    if (!op->claim()) continue;
+    op->work->fail(std::make_exception_ptr(CommError(
+        op->seq == seq ? error
+                       : fmt::format("{}: group '{}' failed earlier: {}",
+                                     op->work->description(), name(), error))));
+  }
 }
 
 void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {

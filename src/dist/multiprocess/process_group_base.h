@@ -87,6 +87,7 @@ class ProcessJob {
  private:
   void watchdog();
   void on_peer_lost(const PeerLoss& loss);
+  void on_gave_up(int from, const std::string& name, int64_t seq, const std::string& error);
   std::vector<std::shared_ptr<ProcessGroupBase>> live_groups();
 
   const std::string backend_;
@@ -147,6 +148,10 @@ class ProcessGroupBase : public ProcessGroup,
   std::optional<std::chrono::steady_clock::time_point> check_deadlines(
       std::chrono::steady_clock::time_point now);
   void on_peer_lost(const PeerLoss& loss);
+  // Peer `from` (a global rank) timed out on collective `seq` of this group with `error`:
+  // this rank's collectives from `seq` on can never complete. Those in flight fail now; if
+  // this rank issues `seq` only later, it fails at once, saying it came too late.
+  void on_peer_gave_up(int from, int64_t seq, const std::string& error);
   // Waits until every collective issued on this group has ended (completed, failed, or timed
   // out through the job's watchdog), or until `deadline`. destroy_process_group drains every
   // group before the goodbye: dropped results still complete, and peers get this process's
@@ -190,6 +195,8 @@ class ProcessGroupBase : public ProcessGroup,
   void mark_broken(const std::string& reason);
   void remove_inflight(const CollectiveOp* op);
   std::string timeout_message(const CollectiveOp& op);
+  // The error of collective gave_up_->seq issued after a peer gave up on it (mu_ held).
+  std::string late_message(const CollectiveOp& op) const;
   // Whether a peer that went away had issued collective `seq` of this group: only one that
   // left cleanly says so (its goodbye counts what it issued per group). Such a peer did
   // arrive; it only cannot help finish the collective.
@@ -201,6 +208,13 @@ class ProcessGroupBase : public ProcessGroup,
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<CollectiveOp>> inflight_;  // issue order
   std::optional<std::string> broken_;
+  // The first peer that gave up on a collective of this group (on_peer_gave_up).
+  struct GaveUp {
+    int from = -1;
+    int64_t seq = 0;
+    std::string error;
+  };
+  std::optional<GaveUp> gave_up_;
   bool attached_ = false;
   std::atomic<int> splits_{0};  // split_group calls so far
 };

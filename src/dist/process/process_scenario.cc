@@ -13,7 +13,8 @@
 //            on every rank showing both sides, and the group keeps working afterwards
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
 //            before any of it is posted; the group is unusable afterwards
-//  timeout   the last rank stays away from a collective; the others time out naming it
+//  timeout   the last rank stays away from a collective; the others time out naming it, and
+//            when it issues the collective later it fails at once, saying it came too late
 //  step_pairing  (without FUNCOL_DEBUG) rank 0 creates a group while rank 1 issues an
 //            all_reduce of the shape and op of the creation's agreement step: they never pair
 //            (the step's data travels apart), so both fail at the timeout instead of rank 1
@@ -289,9 +290,22 @@ void scenario_timeout(funcol::ProcessGroup& world) {
   const int late = world.size() - 1;
   check_sum(world);
   if (world.rank() == late) {
-    // The slow rank: stays away past the others' timeout (the scenario itself, not a sync).
-    std::this_thread::sleep_for(std::chrono::duration<double>(timeout_seconds() + 4));
-    ok("stayed away");
+    // The slow rank: stays away past the others' timeout (the scenario itself, not a sync),
+    // then issues the collective they gave up on: it fails at once, saying it came too late,
+    // and so does the next one.
+    std::this_thread::sleep_for(std::chrono::duration<double>(timeout_seconds() + 1.5));
+    const auto start = Clock::now();
+    std::string msg = expect_comm_error([&] { check_sum(world); }, "a collective issued late");
+    expect_contains(msg, fmt::format("missing ranks [{}]", late));
+    expect_contains(msg, fmt::format("rank {} issued it only after the others had given up on it",
+                                     late));
+    std::string next = expect_comm_error([&] { world.barrier(); }, "a barrier after it");
+    expect_contains(next, "unusable after an earlier failure");
+    const double took = seconds_since(start);
+    if (took > 1) failed(fmt::format("the late rank's errors took {:.2f} s", took));
+    ok(fmt::format("came late: {}", msg));
+    // An mpi rank that failed ends the job when it exits: the other has reported by now.
+    std::this_thread::sleep_for(std::chrono::duration<double>(4));
     return;
   }
   auto start = Clock::now();
@@ -304,6 +318,8 @@ void scenario_timeout(funcol::ProcessGroup& world) {
                        timeout_seconds()));
   }
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+  // Stays until the late rank has issued (an mpi rank that failed ends the job when it exits).
+  std::this_thread::sleep_for(std::chrono::duration<double>(4));
 }
 
 void scenario_step_pairing(funcol::ProcessGroup& world) {
