@@ -219,17 +219,18 @@ void PeerMonitor::connect(const std::vector<std::string>& addresses,
   connected_ = true;
 }
 
-void PeerMonitor::add_group(const std::string& name, std::shared_ptr<std::atomic<int64_t>> issued) {
+void PeerMonitor::add_group(const std::string& name, std::shared_ptr<std::atomic<int64_t>> issued,
+                            Describe describe) {
   std::lock_guard lock(mu_);
   removed_groups_.erase(name);
-  groups_[name] = std::move(issued);
+  groups_[name] = Group{std::move(issued), std::move(describe)};
 }
 
 void PeerMonitor::remove_group(const std::string& name) {
   std::lock_guard lock(mu_);
   auto it = groups_.find(name);
   if (it == groups_.end()) return;
-  removed_groups_[name] = it->second->load();
+  removed_groups_[name] = it->second.issued->load();
   groups_.erase(it);
 }
 
@@ -293,6 +294,14 @@ std::vector<PeerLoss> PeerMonitor::losses(const std::vector<int>& ranks,
 std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
                                                  const std::vector<int>& ranks,
                                                  std::chrono::milliseconds wait) {
+  return query_progress(name, ranks, wait, -1, nullptr);
+}
+
+std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
+                                                 const std::vector<int>& ranks,
+                                                 std::chrono::milliseconds wait, int64_t seq,
+                                                 std::vector<std::string>* at_seq) {
+  if (at_seq) at_seq->assign(ranks.size(), std::string());
   uint64_t id;
   {
     std::lock_guard lock(mu_);
@@ -301,15 +310,21 @@ std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
   }
   std::string payload;
   payload.append(reinterpret_cast<const char*>(&id), sizeof id);
+  append_i64(payload, seq);
   payload += name;
   size_t expected = 0;
   std::vector<int64_t> result(ranks.size(), -1);
   for (size_t i = 0; i < ranks.size(); ++i) {
     int r = ranks[i];
     if (r == rank_) {
-      std::lock_guard lock(mu_);
-      auto it = groups_.find(name);
-      result[i] = it == groups_.end() ? -2 : it->second->load();
+      Describe describe;
+      {
+        std::lock_guard lock(mu_);
+        auto it = groups_.find(name);
+        result[i] = it == groups_.end() ? -2 : it->second.issued->load();
+        if (it != groups_.end()) describe = it->second.describe;
+      }
+      if (at_seq && describe && seq >= 0) (*at_seq)[i] = describe(seq);
     } else if (r >= 0 && r < world_size_ && send_to(r, kQuery, payload)) {
       ++expected;
     }
@@ -318,7 +333,9 @@ std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
   cv_.wait_for(lock, wait, [&] { return answers_[id].size() >= expected; });
   for (size_t i = 0; i < ranks.size(); ++i) {
     auto it = answers_[id].find(ranks[i]);
-    if (it != answers_[id].end()) result[i] = it->second;
+    if (it == answers_[id].end()) continue;
+    result[i] = it->second.issued;
+    if (at_seq) (*at_seq)[i] = it->second.at_seq;
   }
   answers_.erase(id);
   return result;
@@ -370,7 +387,7 @@ void PeerMonitor::shutdown() {
     append_u32(bye, static_cast<uint32_t>(departure_error_.size()));
     bye += departure_error_;
     std::map<std::string, int64_t> counts = removed_groups_;
-    for (const auto& [name, issued] : groups_) counts[name] = issued->load();
+    for (const auto& [name, group] : groups_) counts[name] = group.issued->load();
     for (const auto& [name, count] : counts) {
       append_u32(bye, static_cast<uint32_t>(name.size()));
       bye += name;
@@ -456,16 +473,25 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
       break;
     }
     case kQuery: {
-      if (payload.size() < 8) return;
+      // id, the seq asked about (-1: none), the group's name.
+      if (payload.size() < 16) return;
       std::string reply = payload.substr(0, 8);
-      std::string name = payload.substr(8);
+      pos = 8;
+      int64_t seq = -1;
+      read_i64(payload, pos, seq);
+      const std::string name = payload.substr(pos);
       int64_t value = -2;
+      Describe describe;
       {
         std::lock_guard lock(mu_);
         auto it = groups_.find(name);
-        if (it != groups_.end()) value = it->second->load();
+        if (it != groups_.end()) {
+          value = it->second.issued->load();
+          describe = it->second.describe;
+        }
       }
       append_i64(reply, value);
+      if (describe && seq >= 0) reply += describe(seq);  // outside mu_: it takes the group's
       send_to(from, kReply, reply);
       break;
     }
@@ -493,7 +519,7 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
       {
         std::lock_guard lock(mu_);
         auto it = answers_.find(id);
-        if (it != answers_.end()) it->second[from] = value;
+        if (it != answers_.end()) it->second[from] = Answer{value, payload.substr(16)};
       }
       cv_.notify_all();
       break;

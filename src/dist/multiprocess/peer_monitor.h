@@ -53,9 +53,14 @@ class PeerMonitor {
   // higher ones. Throws CommError naming the missing ranks when not done within `timeout`.
   void connect(const std::vector<std::string>& addresses, std::chrono::milliseconds timeout);
 
+  // What this process issued as collective `seq` of a group ("all_reduce(f32[4], op sum)"), or
+  // "" when it no longer knows.
+  using Describe = std::function<std::string(int64_t seq)>;
   // Progress counters the monitor reports to peers: the number of collectives this process
-  // issued on the group `name`. Names are unique per process (the group registry's names).
-  void add_group(const std::string& name, std::shared_ptr<std::atomic<int64_t>> issued);
+  // issued on the group `name`, and what a given one was. Names are unique per process (the
+  // group registry's names).
+  void add_group(const std::string& name, std::shared_ptr<std::atomic<int64_t>> issued,
+                 Describe describe = nullptr);
   // The group's final count is kept for the goodbye: its last collectives may still be
   // completing on the peers.
   void remove_group(const std::string& name);
@@ -89,6 +94,11 @@ class PeerMonitor {
   // that has no such group.
   std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
                                       std::chrono::milliseconds wait);
+  // The same, and in `at_seq` (parallel to `ranks`) what each rank issued as collective `seq`
+  // ("" where it did not say: not issued, forgotten, or no answer).
+  std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
+                                      std::chrono::milliseconds wait, int64_t seq,
+                                      std::vector<std::string>* at_seq);
 
   // What this process is leaving because of, for the goodbye (peers name it); empty: none.
   void set_departure_error(std::string error);
@@ -118,14 +128,22 @@ class PeerMonitor {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   std::vector<std::unique_ptr<Peer>> peers_;  // index = rank; null for this rank
-  std::map<std::string, std::shared_ptr<std::atomic<int64_t>>> groups_;
+  struct Group {
+    std::shared_ptr<std::atomic<int64_t>> issued;
+    Describe describe;
+  };
+  std::map<std::string, Group> groups_;
   std::map<std::string, int64_t> removed_groups_;  // final counts, still reported in the goodbye
   std::string departure_error_;
   std::map<int, PeerLoss> lost_;
   std::function<void(const PeerLoss&)> on_peer_lost_;
   GaveUpCallback on_gave_up_;
   uint64_t next_query_ = 1;
-  std::map<uint64_t, std::map<int, int64_t>> answers_;  // query id -> rank -> issued
+  struct Answer {
+    int64_t issued = -1;
+    std::string at_seq;
+  };
+  std::map<uint64_t, std::map<int, Answer>> answers_;  // query id -> rank -> answer
   bool stopping_ = false;
   // Set by shutdown() before the goodbyes go out: from then on no loss is reported. A peer
   // that already closed its end answers our goodbye with a reset, and the reset can discard

@@ -43,6 +43,24 @@ TEST(PeerMonitor, AnswersProgressQueries) {
   EXPECT_EQ(m[0]->query_progress("tp", {1}, milliseconds(5000)), std::vector<int64_t>{-2});
 }
 
+// A query can also ask what each rank issued as one collective of the group.
+TEST(PeerMonitor, AnswersWhatARankIssuedAsASeq) {
+  auto m = mesh(3);
+  auto describe = [](int64_t seq) {
+    return seq == 3 ? std::string("all_reduce(f32[4], op sum)") : std::string();
+  };
+  m[1]->add_group("world", std::make_shared<std::atomic<int64_t>>(4), describe);
+  m[2]->add_group("world", std::make_shared<std::atomic<int64_t>>(4));  // says nothing
+  m[0]->add_group("world", std::make_shared<std::atomic<int64_t>>(4), describe);
+  std::vector<std::string> at_seq;
+  auto progress = m[0]->query_progress("world", {0, 1, 2}, milliseconds(5000), 3, &at_seq);
+  EXPECT_EQ(progress, (std::vector<int64_t>{4, 4, 4}));
+  EXPECT_EQ(at_seq, (std::vector<std::string>{"all_reduce(f32[4], op sum)",
+                                               "all_reduce(f32[4], op sum)", ""}));
+  m[0]->query_progress("world", {1}, milliseconds(5000), 2, &at_seq);
+  EXPECT_EQ(at_seq, std::vector<std::string>{""});
+}
+
 // A timed-out rank tells its peers which collective it gave up on, with its error.
 TEST(PeerMonitor, TellsPeersWhatItGaveUpOn) {
   auto m = mesh(3);

@@ -194,7 +194,10 @@ ProcessGroupBase::~ProcessGroupBase() {
 
 void ProcessGroupBase::attach() {
   job_->add_group(shared_from_this());
-  if (job_->monitor()) job_->monitor()->add_group(name(), issued_);
+  if (job_->monitor()) {
+    job_->monitor()->add_group(name(), issued_,
+                               [recent = recent_](int64_t seq) { return recent->describe(seq); });
+  }
   attached_ = true;
   // A peer may be gone before this group existed.
   if (job_->monitor()) {
@@ -332,6 +335,7 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   }
   std::lock_guard issue_lock(issue_mu_);
   op->seq = issued_->load();
+  recent_->record(op->seq, op->signature);
   issued_->store(op->seq + 1);
   op->work = std::make_shared<Work>(
       fmt::format("{} on group '{}' (seq {})", op_kind_name(op->signature.kind), name(), op->seq));
@@ -498,8 +502,10 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
     if (r != global_rank()) peers.push_back(r);
   }
   // Ask the peers how far they got on this group: those that never issued this seq are the
-  // ranks that did not arrive.
-  auto progress = monitor->query_progress(name(), peers, kProgressQueryWait);
+  // ranks that did not arrive. And what they issued as this seq: without FUNCOL_DEBUG=detail
+  // nothing else compares them.
+  std::vector<std::string> theirs;
+  auto progress = monitor->query_progress(name(), peers, kProgressQueryWait, op.seq, &theirs);
   std::vector<int> missing, silent;
   std::vector<std::string> losses;
   for (size_t i = 0; i < peers.size(); ++i) {
@@ -519,9 +525,35 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
                        dist_detail::format_ranks(silent), job_->backend());
   }
   if (missing.empty() && silent.empty()) {
-    msg += fmt::format("; every rank issued it but {} did not complete it", job_->backend());
+    const std::string mine = op.signature.summary();
+    size_t other = 0;
+    while (other < peers.size() && (theirs[other].empty() || theirs[other] == mine)) ++other;
+    if (other < peers.size()) {
+      // Lower rank first, as a mismatch says it.
+      const bool me_first = global_rank() < peers[other];
+      msg += fmt::format(
+          "; the ranks issued different collectives as seq {}: rank {} issued {} but rank {} "
+          "issued {} (FUNCOL_DEBUG=detail compares every collective before it runs)",
+          op.seq, me_first ? global_rank() : peers[other], me_first ? mine : theirs[other],
+          me_first ? peers[other] : global_rank(), me_first ? theirs[other] : mine);
+    } else {
+      msg += fmt::format("; every rank issued it but {} did not complete it", job_->backend());
+    }
   }
   return msg;
+}
+
+void ProcessGroupBase::RecentOps::record(int64_t seq, const OpSignature& signature) {
+  std::lock_guard lock(mu_);
+  ring_[static_cast<size_t>(seq) % kKept] = {seq, signature};
+  recorded_ = std::max(recorded_, static_cast<size_t>(seq) + 1);
+}
+
+std::string ProcessGroupBase::RecentOps::describe(int64_t seq) {
+  std::lock_guard lock(mu_);
+  if (seq < 0 || static_cast<size_t>(seq) >= recorded_) return {};
+  const auto& [at, signature] = ring_[static_cast<size_t>(seq) % kKept];
+  return at == seq ? signature.summary() : std::string();
 }
 
 std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_point now) {

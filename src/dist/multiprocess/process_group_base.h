@@ -2,6 +2,7 @@
 // numbers, detail-mode signatures, timeouts, and failing collectives when a peer is lost.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -202,8 +203,26 @@ class ProcessGroupBase : public ProcessGroup,
   // arrive; it only cannot help finish the collective.
   bool issued_before_leaving(const PeerLoss& loss, int64_t seq) const;
 
+  // The signatures of the last few collectives issued, for the peer monitor's answers: a peer
+  // whose collective timed out while every rank had issued one asks what each issued, so that
+  // ranks that issued different collectives (unchecked without FUNCOL_DEBUG=detail) hear so.
+  // Shared with the monitor's callback, which may outlive the group.
+  class RecentOps {
+   public:
+    void record(int64_t seq, const OpSignature& signature);
+    // The summary of collective `seq` ("" when it is not among the last kKept).
+    std::string describe(int64_t seq);
+
+   private:
+    static constexpr size_t kKept = 8;
+    std::mutex mu_;
+    std::array<std::pair<int64_t, OpSignature>, kKept> ring_{};
+    size_t recorded_ = 0;
+  };
+
   std::shared_ptr<ProcessJob> job_;
   std::shared_ptr<std::atomic<int64_t>> issued_ = std::make_shared<std::atomic<int64_t>>(0);
+  std::shared_ptr<RecentOps> recent_ = std::make_shared<RecentOps>();
   std::mutex issue_mu_;  // sequence numbers and submit() in one order
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<CollectiveOp>> inflight_;  // issue order

@@ -18,7 +18,8 @@
 //  step_pairing  (without FUNCOL_DEBUG) rank 0 creates a group while rank 1 issues an
 //            all_reduce of the shape and op of the creation's agreement step: they never pair
 //            (the step's data travels apart), so both fail at the timeout instead of rank 1
-//            returning the step's values (or Gloo aborting a rank on a longer message)
+//            returning the step's values (or Gloo aborting a rank on a longer message), and
+//            the timeout says what each issued
 //  depart    the last rank leaves (destroy_process_group) with collectives still in flight,
 //            which complete for everyone; the others' next ones fail at once naming it
 //  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
@@ -328,6 +329,10 @@ void scenario_step_pairing(funcol::ProcessGroup& world) {
   std::string msg = group_against_all_reduce(world);
   const double took = seconds_since(start);
   expect_contains(msg, "timed out after");
+  // Every rank had issued a collective as seq 1: the timeout says they differ.
+  expect_contains(msg, "the ranks issued different collectives as seq 1: rank 0 issued "
+                       "all_reduce(i64[2], op max) [funcol's agreement step for new_group] but "
+                       "rank 1 issued all_reduce(i64[2], op max)");
   if (world.rank() == 0) expect_contains(msg, "new_group: agreeing with the other ranks");
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
