@@ -110,6 +110,7 @@ ProcessJob::ProcessJob(std::string backend, int rank, int world_size,
 ProcessJob::~ProcessJob() { shutdown(); }
 
 void ProcessJob::shutdown() {
+  shut_down_.store(true, std::memory_order_release);
   if (monitor_) monitor_->shutdown();
   {
     std::lock_guard lock(mu_);
@@ -326,6 +327,14 @@ std::shared_ptr<Work> ProcessGroupBase::reduce_scatter_coalesced(const std::vect
 }
 
 std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) {
+  // A group a caller kept past destroy_process_group: its peers said goodbye and its transport
+  // is gone, so the collective could only wait out the timeout and blame a peer.
+  if (job_->shut_down()) {
+    throw InvalidArgument(fmt::format(
+        "{} on group '{}': the group was destroyed by destroy_process_group and cannot be used "
+        "afterwards",
+        op_kind_name(op->signature.kind), name()));
+  }
   // Inputs produced by earlier collectives must be complete before the transport reads them;
   // waiting here (not on the communication thread) cannot deadlock it.
   for (const auto& t : op->inputs) t.wait();

@@ -84,6 +84,8 @@ class ProcessJob {
   void drain();
   // Says goodbye to the peers and stops the watchdog (destroy_process_group).
   void shutdown();
+  // shutdown() was called: the job's groups can no longer be used.
+  bool shut_down() const { return shut_down_.load(std::memory_order_acquire); }
 
  private:
   void watchdog();
@@ -102,6 +104,7 @@ class ProcessJob {
   std::condition_variable cv_;
   std::vector<std::weak_ptr<ProcessGroupBase>> groups_;
   bool stopping_ = false;
+  std::atomic<bool> shut_down_{false};
   std::thread watchdog_;
 };
 

@@ -156,7 +156,18 @@ int main(int argc, char** argv) {
   config.reduced = reduced;
   funcol::testing::register_conformance_tests(config);
   int rc = RUN_ALL_TESTS();
-  g_world.reset();
+  // A group kept past destroy_process_group refuses collectives at once.
+  std::shared_ptr<funcol::ProcessGroup> kept = std::move(g_world);
   funcol::destroy_process_group();
+  try {
+    kept->all_reduce(funcol::Tensor::zeros({2}, funcol::DType::F32), funcol::ReduceOp::Sum);
+    std::fprintf(stderr, "a group used after destroy_process_group did not throw\n");
+    rc = 1;
+  } catch (const funcol::InvalidArgument& e) {
+    if (std::string(e.what()).find("destroyed by destroy_process_group") == std::string::npos) {
+      std::fprintf(stderr, "unexpected message: %s\n", e.what());
+      rc = 1;
+    }
+  }
   return rc;
 }
