@@ -92,6 +92,9 @@ class KeyStore {
   // True when every key exists (no waiting).
   virtual bool check(const std::vector<std::string>& keys) = 0;
   virtual void erase_own_keys() noexcept = 0;
+  // Deletes a key a previous job left where this process must write (a store that refuses to
+  // overwrite: Redis's SETNX). A file store overwrites such keys itself.
+  virtual void erase_stale(const std::string& key) noexcept { (void)key; }
 };
 
 // A Gloo store whose waits (Gloo's connectFullMesh waits for its peers' addresses) last the
@@ -135,6 +138,7 @@ class RedisKeyStore final : public KeyStore {
   gloo::rendezvous::Store& store() override { return store_; }
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
   void erase_own_keys() noexcept override { store_.erase_written(); }
+  void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
 
  private:
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
@@ -145,11 +149,12 @@ class RedisKeyStore final : public KeyStore {
       RedisStore::set(key, data);
       written.push_back(key);
     }
+    void erase(const std::string& key) noexcept {
+      void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
+      if (reply != nullptr) freeReplyObject(reply);
+    }
     void erase_written() noexcept {
-      for (const auto& key : written) {
-        void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
-        if (reply != nullptr) freeReplyObject(reply);
-      }
+      for (const auto& key : written) erase(key);
       written.clear();
     }
     std::vector<std::string> written;
@@ -276,8 +281,15 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     store->erase_own_keys();
     std::string msg = gloo_message(e);
     if (msg.find("already") != std::string::npos) {
-      msg += fmt::format(" (a previous job left its keys in '{}'; use a fresh store)",
-                         shared.url.text);
+      // This job fails, but the next one on this store should not: this rank's keys (its
+      // arrival, and the address Gloo writes under its index) go, as a file store overwrites
+      // them. Only a previous job can have left them: two jobs never share a store.
+      store->erase_stale(fmt::format("{}/arrive/{}", prefix, my_index));
+      store->erase_stale(fmt::format("{}/{}", prefix, my_index));
+      msg += fmt::format(
+          " (a previous job left its keys in '{}'; this rank removed its own, so the next job "
+          "can start there)",
+          shared.url.text);
     } else if (msg.find("Wait timeout") != std::string::npos) {
       // Every member's arrival key was there, but a member never wrote its address.
       msg += fmt::format(

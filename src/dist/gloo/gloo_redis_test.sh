@@ -35,10 +35,26 @@ for run in 1 2; do
   echo "gloo_redis_test.sh: run $run with FUNCOL_STORE=redis://127.0.0.1:$port"
   "$launch" --np 2 --timeout 500 --store "redis://127.0.0.1:$port" -- "$@" || exit 1
 done
+# A key a killed job left where rank 0 arrives: that job fails within FUNCOL_TIMEOUT, saying
+# so, and takes the stale key away; the job after it runs.
+redis-cli -p "$port" set funcol/world/arrive/0 "2 -" >/dev/null
+echo "gloo_redis_test.sh: a run on a store with a stale key (expected to fail)"
+if FUNCOL_TIMEOUT=3 "$launch" --np 2 --timeout 60 --store "redis://127.0.0.1:$port" -- "$@" \
+    >"$work/stale.log" 2>&1; then
+  echo "gloo_redis_test.sh: a run on a store with a stale key succeeded"
+  exit 1
+fi
+if ! grep -q "a previous job left its keys" "$work/stale.log"; then
+  echo "gloo_redis_test.sh: the run on a stale store does not say so:"
+  cat "$work/stale.log"
+  exit 1
+fi
+echo "gloo_redis_test.sh: run 3, after the failed one"
+"$launch" --np 2 --timeout 500 --store "redis://127.0.0.1:$port" -- "$@" || exit 1
 left=$(redis-cli -p "$port" dbsize)
 if [ "$left" != "0" ]; then
   echo "gloo_redis_test.sh: $left rendezvous keys were left in Redis:"
   redis-cli -p "$port" keys '*'
   exit 1
 fi
-echo "gloo_redis_test.sh: both runs passed; no keys left"
+echo "gloo_redis_test.sh: runs 1-3 passed, a stale key failed one run only; no keys left"
