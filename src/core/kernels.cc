@@ -724,10 +724,13 @@ Tensor neg(const Tensor& a) {
   check_data(a, "neg");
   if (a.dtype() == DType::Bool) throw InvalidArgument("neg: not supported for bool tensors");
   return unary(a, "neg", [](auto x) {
-    if constexpr (std::is_same_v<decltype(x), bool>) {
+    using X = decltype(x);
+    if constexpr (std::is_same_v<X, bool>) {
       return x;  // unreachable: rejected above
+    } else if constexpr (std::is_integral_v<X>) {
+      return wrap_sub(X{0}, x);
     } else {
-      return wrap_sub(decltype(x){0}, x);
+      return -x;  // flips the sign bit, as torch.neg: neg(+0.0) is -0.0, not 0 - 0.0 = +0.0
     }
   });
 }

@@ -469,6 +469,18 @@ TEST(Elementwise, ArithmeticOnFloatsAndIntegers) {
             3 * ((1LL << 53) + 1));
 }
 
+// neg flips the sign bit of floats, as torch.neg: a zero changes sign (0 - x would not).
+TEST(Elementwise, NegFlipsTheSignOfZero) {
+  for (DType dtype : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+    const Tensor z = neg(Tensor::zeros({2}, dtype)).to(DType::F64);
+    for (double v : z.to_vector<double>()) {
+      EXPECT_TRUE(v == 0 && std::signbit(v)) << dtype_name(dtype);
+    }
+    const Tensor back = neg(neg(Tensor::zeros({1}, dtype))).to(DType::F64);
+    EXPECT_FALSE(std::signbit(back.item<double>())) << dtype_name(dtype);
+  }
+}
+
 TEST(Elementwise, IntegerEdgeCases) {
   const int32_t kMin = std::numeric_limits<int32_t>::min();
   EXPECT_EQ(

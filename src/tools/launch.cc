@@ -381,17 +381,9 @@ CLI::Validator decimal_number() {
 }
 
 void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& description) {
+  // CLI11 alone saturates 2^64 and more to 2^64 - 1; one range for every value out of it.
   command.add_option("--seed", seed, description)
-      ->check(CLI::Validator(
-          [](std::string& text) {
-            return text.empty() || text[0] != '-'
-                       ? std::string()
-                       : "a seed is a non-negative integer, got " + text;
-          },
-          "UINT64"))
-      // After the sign check: CLI11 alone saturates 2^64 and more to 2^64 - 1.
-      ->transform(decimal_integer(std::numeric_limits<int64_t>::min(),
-                                  std::numeric_limits<uint64_t>::max()))
+      ->transform(decimal_integer(0, std::numeric_limits<uint64_t>::max()))
       ->capture_default_str();
 }
 
