@@ -92,9 +92,9 @@ class KeyStore {
   // True when every key exists (no waiting).
   virtual bool check(const std::vector<std::string>& keys) = 0;
   virtual void erase_own_keys() noexcept = 0;
-  // Deletes a key a previous job left where this process must write (a store that refuses to
-  // overwrite: Redis's SETNX). A file store overwrites such keys itself.
-  virtual void erase_stale(const std::string& key) noexcept { (void)key; }
+  // Deletes a key a previous job left where this process must write (Gloo's stores refuse to
+  // overwrite one).
+  virtual void erase_stale(const std::string& key) noexcept = 0;
 };
 
 // A Gloo store whose waits (Gloo's connectFullMesh waits for its peers' addresses) last the
@@ -119,12 +119,19 @@ class FileKeyStore final : public KeyStore {
   void erase_own_keys() noexcept override {
     for (const auto& path : store_.getAllKeyFilePaths()) ::unlink(path.c_str());
   }
+  void erase_stale(const std::string& key) noexcept override {
+    try {
+      ::unlink(store_.objectPath(key).c_str());
+    } catch (...) {  // a path Gloo cannot resolve: nothing to delete
+    }
+  }
 
  private:
-  // Exposes FileStore's protected existence check.
+  // Exposes FileStore's protected existence check and key paths.
   struct Store : TimedWaits<gloo::rendezvous::FileStore> {
     using TimedWaits::TimedWaits;
     using FileStore::check;
+    using FileStore::objectPath;
   };
   Store store_;
 };
@@ -281,11 +288,11 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     store->erase_own_keys();
     std::string msg = gloo_message(e);
     if (msg.find("already") != std::string::npos) {
-      // This job fails, but the next one on this store should not: this rank's keys (its
-      // arrival, and the address Gloo writes under its index) go, as a file store overwrites
-      // them. Only a previous job can have left them: two jobs never share a store.
+      // This job fails, but the next one on this store should not: the keys this rank writes
+      // (its arrival, and the address Gloo writes under its index) go. Only a previous job can
+      // have left them: two jobs never share a store.
       store->erase_stale(fmt::format("{}/arrive/{}", prefix, my_index));
-      store->erase_stale(fmt::format("{}/{}", prefix, my_index));
+      store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));
       msg += fmt::format(
           " (a previous job left its keys in '{}'; this rank removed its own, so the next job "
           "can start there)",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A store directory that a killed job left dirty: the next job's ranks, started by hand with
 # --rank/--store, must each fail with a CommError within FUNCOL_TIMEOUT (not Gloo's fixed 30 s
-# wait, and never hang), the rank whose key is taken saying the store is dirty.
+# wait, and never hang), the rank whose key is taken saying the store is dirty; the job after
+# them runs.
 #
 #   gloo_stale_store_test.sh FUNCOL GRAPH.ir
 set -uo pipefail
@@ -39,7 +40,21 @@ sleep 0.5
 job 0 "$work/r0" &
 pid0=$!
 expect_failures gloo_stale_store_test.sh "$start" "$work/r0" "$work/r1" -- "$pid0" "$pid1"
-grep -q "use a fresh store" "$work/r0" || { echo "rank 0 does not name the dirty store"; status=1; }
+grep -q "a previous job left its keys" "$work/r0" ||
+  { echo "rank 0 does not name the dirty store"; status=1; }
 grep -q "never connected.*use a fresh store" "$work/r1" ||
   { echo "rank 1 does not say that rank 0 never connected"; status=1; }
+
+# Only that job fails: rank 0 took the stale key away, so the next job on the store runs.
+job 0 "$work/n0" &
+next0=$!
+job 1 "$work/n1" &
+next1=$!
+for pid in $next0 $next1; do
+  if ! wait "$pid"; then
+    echo "gloo_stale_store_test.sh: the job after the failed one failed too:"
+    cat "$work/n0" "$work/n1"
+    status=1
+  fi
+done
 exit $status
