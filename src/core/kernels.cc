@@ -573,12 +573,13 @@ std::vector<bool> reduced_dims(const Tensor& a, const std::vector<int64_t>& dims
   return reduce;
 }
 
-// Accumulator of sum / mean / mse_loss: f16/bf16 in f32, f32/f64 in f64, integers wrap in
-// 64 bits (uint64, exact modulo 2^64; sum writes i64, as torch.sum), bool as a count.
+// Accumulator of sum / mean / mse_loss: every floating dtype in f64, rounded once at the end
+// (an f32 accumulator of f16 or bf16 ones stops growing at 2^24: the mean of 2^25 ones was
+// 0.5), integers wrap in 64 bits (uint64, exact modulo 2^64; sum writes i64, as torch.sum),
+// bool as a count.
 template <typename S>
-using SumAccOf = std::conditional_t<
-    kIsLowFloat<S>, float,
-    std::conditional_t<std::is_floating_point_v<S>, double, uint64_t>>;
+using SumAccOf = std::conditional_t<kIsLowFloat<S> || std::is_floating_point_v<S>, double,
+                                    uint64_t>;
 
 Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool keepdim, bool mean,
                    const char* what) {
@@ -736,12 +737,15 @@ Tensor neg(const Tensor& a) {
 }
 
 Tensor relu(const Tensor& a) {
+  check_data(a, "relu");
+  if (a.dtype() == DType::Bool) throw InvalidArgument("relu: not supported for bool tensors");
   return unary(a, "relu", [](auto x) {
     using C = decltype(x);
     if constexpr (std::is_same_v<C, bool>) {
-      return x;
+      return x;  // unreachable: rejected above
     } else if constexpr (std::is_floating_point_v<C>) {
-      return (x > 0 || x != x) ? x : C{0};  // NaN propagates, as torch.relu
+      // torch.relu is clamp_min(x, 0): NaN propagates, and -0.0 (not below 0) stays -0.0.
+      return (x >= 0 || x != x) ? x : C{0};
     } else {
       return x > 0 ? x : C{0};
     }

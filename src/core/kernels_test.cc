@@ -469,6 +469,30 @@ TEST(Elementwise, ArithmeticOnFloatsAndIntegers) {
             3 * ((1LL << 53) + 1));
 }
 
+// relu is torch.relu's clamp_min(x, 0): -0.0 is not below 0 and stays -0.0; NaN propagates;
+// bool is refused.
+TEST(Elementwise, ReluKeepsNegativeZeroAndNaN) {
+  for (DType dtype : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+    const Tensor x = Tensor::from_vector<double>({-0.0, -2.0, 3.0, NAN}).to(dtype);
+    const std::vector<double> r = relu(x).to(DType::F64).to_vector<double>();
+    EXPECT_TRUE(r[0] == 0 && std::signbit(r[0])) << dtype_name(dtype);
+    EXPECT_TRUE(r[1] == 0 && !std::signbit(r[1])) << dtype_name(dtype);
+    EXPECT_EQ(r[2], 3.0) << dtype_name(dtype);
+    EXPECT_TRUE(std::isnan(r[3])) << dtype_name(dtype);
+  }
+  EXPECT_THROW(relu(Tensor::zeros({2}, DType::Bool)), InvalidArgument);
+}
+
+// Sums accumulate in f64 for every floating dtype. 2048 plus 16383 halves of f32's last step
+// there (2^-13 each) is 2049.9998...: 2050 as f16. An f32 accumulator rounds each addition
+// back to 2048.
+TEST(Reductions, LowFloatSumsDoNotStallInAnF32Accumulator) {
+  std::vector<double> v(16384, 0x1p-13);
+  v[0] = 2048;
+  const Tensor x = Tensor::from_vector<double>(v).to(DType::F16);
+  EXPECT_EQ(sum(x, {}, false).item<float>(), 2050.0f);
+}
+
 // neg flips the sign bit of floats, as torch.neg: a zero changes sign (0 - x would not).
 TEST(Elementwise, NegFlipsTheSignOfZero) {
   for (DType dtype : {DType::F16, DType::BF16, DType::F32, DType::F64}) {

@@ -269,13 +269,10 @@ void check_value_fits(DType dtype, V value, const char* what) {
         fits = value >= lo && (sizeof(S) == 8 ? value < max + 1.0 : value <= max);
       }
     } else if constexpr (std::is_same_v<S, float> || kIsLowFloat<S>) {
-      // From FLT_MAX plus half its last step up, a double rounds to infinity as a float (the tie
-      // goes to the even 2^128); below that, the element is converted the way fill_ does it.
-      constexpr double kFloatOverflow = 0x1.ffffffp+127;
+      // PyTorch's check: a finite value beyond the dtype's largest finite one overflows, even
+      // where it would round down to it (65505 for f16); infinities and NaN convert.
       const double d = static_cast<double>(value);
-      if (std::isfinite(d)) {
-        fits = std::fabs(d) < kFloatOverflow && std::isfinite(cvt<float>(cvt<S>(d)));
-      }
+      if (std::isfinite(d)) fits = std::fabs(d) <= cvt<double>(std::numeric_limits<S>::max());
     }
   });
   if (!fits) {

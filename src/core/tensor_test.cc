@@ -205,8 +205,9 @@ TEST(Factories, IntegerValuesMustFit) {
   EXPECT_EQ(Tensor::full({1}, DType::Bool, 1000).item<int>(), 1);
 }
 
-// A finite value that would round to infinity is refused as an integer overflow is (PyTorch:
-// "value cannot be converted to type at::Half without overflow"); inf and nan are kept.
+// A finite value beyond the dtype's largest finite one is refused as an integer overflow is,
+// even where it would round down to that one (PyTorch's check: "value cannot be converted to
+// type at::Half without overflow"); inf and nan are kept.
 TEST(Factories, FloatingValuesMustNotOverflow) {
   EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({2}, DType::F16, 1e6); }),
             "full: value 1000000 cannot be converted to f16 without overflow");
@@ -218,19 +219,20 @@ TEST(Factories, FloatingValuesMustNotOverflow) {
   EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::zeros({2}, DType::BF16).fill_(-1e39); }),
             "fill_: value -1e+39 cannot be converted to bf16 without overflow");
   EXPECT_THROW(Tensor::arange(70000, DType::F16), InvalidArgument);
-  // The largest values that round to a finite element: f16 max is 65504 and 65520 its
-  // rounding edge; f32 and bf16 likewise.
+  // The largest finite values fit; anything beyond does not, though 65519 would round to f16's
+  // 65504, 3.4028235e38 to FLT_MAX and 3.39e38 to bf16's 0x1.fep+127.
   EXPECT_EQ(Tensor::full({1}, DType::F16, 65504).item<float>(), 65504.0f);
-  EXPECT_EQ(Tensor::full({1}, DType::F16, 65519.0).item<float>(), 65504.0f);
-  EXPECT_THROW(Tensor::full({1}, DType::F16, 65520.0), InvalidArgument);
+  EXPECT_EQ(Tensor::full({1}, DType::F16, -65504).item<float>(), -65504.0f);
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({1}, DType::F16, 65505.0); }),
+            "full: value 65505 cannot be converted to f16 without overflow");
+  EXPECT_THROW(Tensor::full({1}, DType::F16, 65519.0), InvalidArgument);
+  EXPECT_THROW(Tensor::full({1}, DType::F16, -65504.5), InvalidArgument);
   const double f32_max = std::numeric_limits<float>::max();
   EXPECT_EQ(Tensor::full({1}, DType::F32, f32_max).item<float>(),
             std::numeric_limits<float>::max());
-  EXPECT_EQ(Tensor::full({1}, DType::F32, 3.4028235e38).item<float>(),
-            std::numeric_limits<float>::max());
-  EXPECT_THROW(Tensor::full({1}, DType::F32, 0x1.ffffffp+127), InvalidArgument);
-  EXPECT_EQ(Tensor::full({1}, DType::BF16, 3.39e38).item<float>(), 0x1.fep+127f);
-  EXPECT_THROW(Tensor::full({1}, DType::BF16, 3.4e38), InvalidArgument);
+  EXPECT_THROW(Tensor::full({1}, DType::F32, 3.4028235e38), InvalidArgument);
+  EXPECT_EQ(Tensor::full({1}, DType::BF16, 0x1.fep+127).item<float>(), 0x1.fep+127f);
+  EXPECT_THROW(Tensor::full({1}, DType::BF16, 3.39e38), InvalidArgument);
   // f64 holds every double; infinities and nan stay allowed everywhere floating.
   EXPECT_EQ(Tensor::full({1}, DType::F64, 1e300).item<double>(), 1e300);
   const double inf = std::numeric_limits<double>::infinity();
