@@ -301,7 +301,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       // Every member's arrival key was there, but a member never wrote its address.
       msg += fmt::format(
           " (every rank's arrival key was in '{}', but these never connected: they failed during "
-          "the rendezvous, or a previous job left their keys there; use a fresh store)",
+          "the rendezvous, or a previous job left their keys there, which the rank whose key "
+          "was taken removes, so the next job can start there)",
           shared.url.text);
     }
     throw CommError(
