@@ -293,12 +293,6 @@ std::vector<PeerLoss> PeerMonitor::losses(const std::vector<int>& ranks,
 
 std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
                                                  const std::vector<int>& ranks,
-                                                 std::chrono::milliseconds wait) {
-  return query_progress(name, ranks, wait, -1, nullptr);
-}
-
-std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
-                                                 const std::vector<int>& ranks,
                                                  std::chrono::milliseconds wait, int64_t seq,
                                                  std::vector<std::string>* at_seq) {
   if (at_seq) at_seq->assign(ranks.size(), std::string());
@@ -317,14 +311,9 @@ std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
   for (size_t i = 0; i < ranks.size(); ++i) {
     int r = ranks[i];
     if (r == rank_) {
-      Describe describe;
-      {
-        std::lock_guard lock(mu_);
-        auto it = groups_.find(name);
-        result[i] = it == groups_.end() ? -2 : it->second.issued->load();
-        if (it != groups_.end()) describe = it->second.describe;
-      }
-      if (at_seq && describe && seq >= 0) (*at_seq)[i] = describe(seq);
+      Answer mine = local_answer(name, seq);
+      result[i] = mine.issued;
+      if (at_seq) (*at_seq)[i] = std::move(mine.at_seq);
     } else if (r >= 0 && r < world_size_ && send_to(r, kQuery, payload)) {
       ++expected;
     }
@@ -451,6 +440,20 @@ void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t>
   if (callback) callback(loss);
 }
 
+PeerMonitor::Answer PeerMonitor::local_answer(const std::string& name, int64_t seq) const {
+  Answer answer{-2, {}};
+  Describe describe;
+  {
+    std::lock_guard lock(mu_);
+    auto it = groups_.find(name);
+    if (it == groups_.end()) return answer;
+    answer.issued = it->second.issued->load();
+    describe = it->second.describe;
+  }
+  if (describe && seq >= 0) answer.at_seq = describe(seq);  // outside mu_: it takes the group's
+  return answer;
+}
+
 void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payload) {
   size_t pos = 0;
   switch (type) {
@@ -479,19 +482,9 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
       pos = 8;
       int64_t seq = -1;
       read_i64(payload, pos, seq);
-      const std::string name = payload.substr(pos);
-      int64_t value = -2;
-      Describe describe;
-      {
-        std::lock_guard lock(mu_);
-        auto it = groups_.find(name);
-        if (it != groups_.end()) {
-          value = it->second.issued->load();
-          describe = it->second.describe;
-        }
-      }
-      append_i64(reply, value);
-      if (describe && seq >= 0) reply += describe(seq);  // outside mu_: it takes the group's
+      const Answer answer = local_answer(payload.substr(pos), seq);
+      append_i64(reply, answer.issued);
+      reply += answer.at_seq;
       send_to(from, kReply, reply);
       break;
     }

@@ -92,13 +92,11 @@ class PeerMonitor {
   // Asks each of `ranks` how many collectives it issued on group `name`; -1 for a rank that
   // did not answer within `wait` (lost, or its process is stuck outside funcol), -2 for one
   // that has no such group.
+  // With `at_seq`, also what each rank issued as collective `seq` (parallel to `ranks`; "" where
+  // it did not say: not issued, forgotten, or no answer).
   std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
-                                      std::chrono::milliseconds wait);
-  // The same, and in `at_seq` (parallel to `ranks`) what each rank issued as collective `seq`
-  // ("" where it did not say: not issued, forgotten, or no answer).
-  std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
-                                      std::chrono::milliseconds wait, int64_t seq,
-                                      std::vector<std::string>* at_seq);
+                                      std::chrono::milliseconds wait, int64_t seq = -1,
+                                      std::vector<std::string>* at_seq = nullptr);
 
   // What this process is leaving because of, for the goodbye (peers name it); empty: none.
   void set_departure_error(std::string error);
@@ -113,6 +111,14 @@ class PeerMonitor {
   void stop_thread();
   void run();
   void handle_message(int from, uint8_t type, const std::string& payload);
+  // A progress answer: collectives issued on a group (-2: no such group), and what collective
+  // `seq` was (query_progress).
+  struct Answer {
+    int64_t issued = -1;
+    std::string at_seq;
+  };
+  // This process's answer about group `name`.
+  Answer local_answer(const std::string& name, int64_t seq) const;
   void mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued,
                  std::string error = {});
   bool send_to(int rank, uint8_t type, const std::string& payload);
@@ -139,10 +145,7 @@ class PeerMonitor {
   std::function<void(const PeerLoss&)> on_peer_lost_;
   GaveUpCallback on_gave_up_;
   uint64_t next_query_ = 1;
-  struct Answer {
-    int64_t issued = -1;
-    std::string at_seq;
-  };
+
   std::map<uint64_t, std::map<int, Answer>> answers_;  // query id -> rank -> answer
   bool stopping_ = false;
   // Set by shutdown() before the goodbyes go out: from then on no loss is reported. A peer

@@ -436,11 +436,14 @@ void ProcessGroupBase::mark_broken(const std::string& reason) {
   on_broken(reason);
   // Everything still in flight on this group would wait on the same broken transport.
   for (auto& other : others) {
-    if (other->claim()) {
-      other->work->fail(std::make_exception_ptr(CommError(fmt::format(
-          "{}: group '{}' failed earlier: {}", other->work->description(), name(), reason))));
-    }
+    if (other->claim()) other->work->fail(std::make_exception_ptr(failed_earlier(*other, reason)));
   }
+}
+
+CommError ProcessGroupBase::failed_earlier(const CollectiveOp& op,
+                                          const std::string& reason) const {
+  return CommError(
+      fmt::format("{}: group '{}' failed earlier: {}", op.work->description(), name(), reason));
 }
 
 void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
@@ -555,12 +558,11 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
 void ProcessGroupBase::RecentOps::record(int64_t seq, const OpSignature& signature) {
   std::lock_guard lock(mu_);
   ring_[static_cast<size_t>(seq) % kKept] = {seq, signature};
-  recorded_ = std::max(recorded_, static_cast<size_t>(seq) + 1);
 }
 
 std::string ProcessGroupBase::RecentOps::describe(int64_t seq) {
   std::lock_guard lock(mu_);
-  if (seq < 0 || static_cast<size_t>(seq) >= recorded_) return {};
+  if (seq < 0) return {};
   const auto& [at, signature] = ring_[static_cast<size_t>(seq) % kKept];
   return at == seq ? signature.summary() : std::string();
 }
@@ -633,10 +635,8 @@ void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string&
   on_broken(error);
   for (auto& op : victims) {
     if (!op->claim()) continue;
-    op->work->fail(std::make_exception_ptr(CommError(
-        op->seq == seq ? error
-                       : fmt::format("{}: group '{}' failed earlier: {}",
-                                     op->work->description(), name(), error))));
+    op->work->fail(
+        std::make_exception_ptr(op->seq == seq ? CommError(error) : failed_earlier(*op, error)));
   }
 }
 

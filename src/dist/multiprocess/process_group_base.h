@@ -197,6 +197,8 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> issue(std::shared_ptr<CollectiveOp> op);
   void run_single_rank(CollectiveOp& op);
   void mark_broken(const std::string& reason);
+  // "<op>: group 'G' failed earlier: <reason>", for a collective a failure found in flight.
+  CommError failed_earlier(const CollectiveOp& op, const std::string& reason) const;
   void remove_inflight(const CollectiveOp* op);
   std::string timeout_message(const CollectiveOp& op);
   // The error of collective gave_up_->seq issued after a peer gave up on it (mu_ held).
@@ -219,8 +221,12 @@ class ProcessGroupBase : public ProcessGroup,
    private:
     static constexpr size_t kKept = 8;
     std::mutex mu_;
-    std::array<std::pair<int64_t, OpSignature>, kKept> ring_{};
-    size_t recorded_ = 0;
+    // Entry seq % kKept: (seq, its signature); -1 where nothing was recorded yet.
+    std::array<std::pair<int64_t, OpSignature>, kKept> ring_ = [] {
+      std::array<std::pair<int64_t, OpSignature>, kKept> ring{};
+      for (auto& entry : ring) entry.first = -1;
+      return ring;
+    }();
   };
 
   std::shared_ptr<ProcessJob> job_;
