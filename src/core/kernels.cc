@@ -578,8 +578,7 @@ std::vector<bool> reduced_dims(const Tensor& a, const std::vector<int64_t>& dims
 // 0.5), integers wrap in 64 bits (uint64, exact modulo 2^64; sum writes i64, as torch.sum),
 // bool as a count.
 template <typename S>
-using SumAccOf = std::conditional_t<kIsLowFloat<S> || std::is_floating_point_v<S>, double,
-                                    uint64_t>;
+using SumAccOf = std::conditional_t<std::is_floating_point_v<ComputeOf<S>>, double, uint64_t>;
 
 Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool keepdim, bool mean,
                    const char* what) {
