@@ -1348,11 +1348,9 @@ int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index) {
   FUNCOL_CHECK(!options.cap_mb.empty(), "bucketing: empty cap list");
   const auto i =
       std::min<size_t>(static_cast<size_t>(std::max<int64_t>(index, 0)), options.cap_mb.size() - 1);
-  const double bytes = std::floor(options.cap_mb[i] * kBytesPerMb);
   // Caps beyond any value's size saturate at kMaxTypeBytes, so a bucket's packed buffer is
-  // never too large to be a value; a cap under one byte still admits one byte.
-  if (bytes >= static_cast<double>(kMaxTypeBytes)) return kMaxTypeBytes;
-  return std::max<int64_t>(1, static_cast<int64_t>(bytes));
+  // never too large to be a value.
+  return mb_to_bytes(options.cap_mb[i], kMaxTypeBytes);
 }
 
 void check_bucket_options(const BucketOptions& options) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "funcol/core/error.h"
+#include "funcol/passes/bucketing.h"
 
 namespace funcol {
 
@@ -707,13 +708,9 @@ std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options) {
       throw InvalidArgument(fmt::format(
           "option memory-budget-mb of pass overlap must be a positive number, got '{}'", *text));
     }
-    // MB as the bucketing passes count them (DESIGN §6: int(MB * 1024 * 1024) bytes); a budget
-    // beyond any count of held bytes saturates, and a positive one under a byte is one byte
-    // (as a bucket's cap): it was accepted as positive, so it must not act as no room at all.
-    const double bytes = mb * 1024.0 * 1024.0;
-    o.memory_budget_bytes = bytes >= static_cast<double>(kMaxHeldBytes)
-                                ? kMaxHeldBytes
-                                : std::max<int64_t>(1, static_cast<int64_t>(bytes));
+    // MB as the bucketing passes count them (DESIGN §6); a budget beyond any count of held
+    // bytes saturates, and one under a byte, accepted as positive, is one byte, not no room.
+    o.memory_budget_bytes = mb_to_bytes(mb, kMaxHeldBytes);
   }
   return std::make_unique<OverlapPass>(o);
 }

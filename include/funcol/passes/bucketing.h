@@ -2,6 +2,8 @@
 // (DESIGN §6; the seed's greedy_bucket_collective_by_mb, XLA's CombineInstructionsByKey).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -39,6 +41,14 @@ inline bool is_multidtype(BucketMode m) {
 inline constexpr double kDefaultBucketCapMb = 2000.0;
 // One MB of a cap, as the seed converts it: int(MB * 1024 * 1024) bytes.
 inline constexpr double kBytesPerMb = 1024.0 * 1024.0;
+// A positive number of MB as the passes count bytes (bucket caps, overlap's memory budget):
+// int(MB * 1024 * 1024), but at least one byte (a positive size under a byte still admits
+// one) and at most `max` (beyond it the size saturates).
+inline int64_t mb_to_bytes(double mb, int64_t max) {
+  const double bytes = std::floor(mb * kBytesPerMb);
+  if (bytes >= static_cast<double>(max)) return max;
+  return std::max<int64_t>(1, static_cast<int64_t>(bytes));
+}
 
 struct BucketOptions {
   // AllGather (all_gather_into_tensor), ReduceScatter (reduce_scatter_tensor) or AllReduce
