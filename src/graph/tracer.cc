@@ -228,7 +228,9 @@ Value* Tracer::write_through(const Node& view, size_t result, Value* base, Value
   b.set_name_hint("inplace");
   const std::string_view op = view.op_name();
   if (const std::optional<Piece> p = piece_of(view, result)) {
-    const auto [dim, start, length] = *p;
+    // Plain names, not a structured binding: the lambda below captures dim, which clang before
+    // 16 refuses for a binding (the libFuzzer build of test/fuzz uses clang 14).
+    const int64_t dim = p->dim, start = p->start, length = p->length;
     const int64_t size = base->shape()[static_cast<size_t>(dim)];
     std::vector<Value*> parts;
     auto piece = [&](int64_t from, int64_t len) {
