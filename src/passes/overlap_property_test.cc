@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "funcol/graph/parser.h"
 #include "funcol/graph/printer.h"
 #include "funcol/graph/verifier.h"
+#include "funcol/passes/bucketing.h"
 #include "funcol/passes/dce.h"
 #include "funcol/passes/pipeline.h"
 
@@ -120,8 +122,7 @@ TEST(OverlapProperty, KeepsIssueOrderWaitsAndOutputsAndIsIdempotent) {
     // A budget is never the reason for holding more than it (or than the input already did).
     if (!mb.empty()) {
       // Bytes as the pass counts them: int(MB * 2^20), and at least one.
-      const auto budget =
-          std::max<int64_t>(1, static_cast<int64_t>(std::stod(mb) * 1024 * 1024));
+      const int64_t budget = mb_to_bytes(std::stod(mb), std::numeric_limits<int64_t>::max());
       RC_ASSERT(peak_held_bytes(*g) <= std::max(budget, peak));
       // A budget above everything the graph could hold changes nothing.
       if (budget >= 1 << 20) {

@@ -145,7 +145,6 @@ class PeerMonitor {
   std::function<void(const PeerLoss&)> on_peer_lost_;
   GaveUpCallback on_gave_up_;
   uint64_t next_query_ = 1;
-
   std::map<uint64_t, std::map<int, Answer>> answers_;  // query id -> rank -> answer
   bool stopping_ = false;
   // Set by shutdown() before the goodbyes go out: from then on no loss is reported. A peer

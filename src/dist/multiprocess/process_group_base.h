@@ -221,12 +221,12 @@ class ProcessGroupBase : public ProcessGroup,
    private:
     static constexpr size_t kKept = 8;
     std::mutex mu_;
-    // Entry seq % kKept: (seq, its signature); -1 where nothing was recorded yet.
-    std::array<std::pair<int64_t, OpSignature>, kKept> ring_ = [] {
-      std::array<std::pair<int64_t, OpSignature>, kKept> ring{};
-      for (auto& entry : ring) entry.first = -1;
-      return ring;
-    }();
+    // Entry seq % kKept: a collective and its signature; seq -1 where nothing was recorded yet.
+    struct Entry {
+      int64_t seq = -1;
+      OpSignature signature;
+    };
+    std::array<Entry, kKept> ring_{};
   };
 
   std::shared_ptr<ProcessJob> job_;
