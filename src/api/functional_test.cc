@@ -1029,7 +1029,7 @@ TEST(GroupSpecTest, Names) {
               HasSubstr("no current rank: call inside run_local or after init"));
   EXPECT_THAT(error_of([] { all_reduce(Tensor::zeros({1}, DType::F32), "sum", "world"); }),
               HasSubstr("no current rank"));
-  EXPECT_THAT(error_of([] { GroupSpec({0}).resolve(); }), HasSubstr("no current rank"));
+  EXPECT_THAT(error_of([] { GroupSpec{0}.resolve(); }), HasSubstr("no current rank"));
   // A thread a rank starts has no rank of its own until it takes one with WorldScope.
   run_local(2, [](ProcessGroup& world) {
     std::string error;
@@ -1270,8 +1270,9 @@ TEST(Waits, WritingAnInputWaitsForItsCollective) {
          return reduce_scatter_tensor_coalesced({x}, "sum", {0}, w);
        }},
   };
-  for (const auto& [name, issue] : cases) {
+  for (const auto& [name, issue_each] : cases) {
     SCOPED_TRACE(name);
+    const auto& issue = issue_each;  // a lambda cannot capture a structured binding in clang 14
     std::vector<std::vector<double>> expected(2), got(2);
     run_local(2, [&](ProcessGroup& world) {
       const Tensor x = Tensor::full({4}, DType::F32, world.rank() + 1);

@@ -96,7 +96,9 @@ class GroupSpec {
   // {&mesh, dim} there does not compile: GroupSpec({&mesh, dim}) and std::make_pair do).
   GroupSpec(const DeviceMesh& mesh, int dim) : value_(std::make_pair(&mesh, dim)) {}
   // A bare int or nullptr is no group (the seed's "Unsupported group type"): a compile error
-  // here rather than a literal 0 silently becoming a null group name.
+  // here rather than a literal 0 silently becoming a null group name. A one-rank list written
+  // as a constructor call is GroupSpec{0}: clang reads GroupSpec({0}) as this int (g++ as the
+  // list); as a function argument, {0} is the list on both.
   GroupSpec(int) = delete;
   GroupSpec(std::nullptr_t) = delete;
 

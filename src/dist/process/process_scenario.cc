@@ -213,11 +213,12 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(dtype_msg, "f64[4]");
   // Same op, dtype and element count, different shapes (torch.distributed's DETAIL mode
   // compares sizes too), also past the dims a signature holds in full.
-  for (const auto& [mine, theirs] : std::vector<std::pair<funcol::Shape, funcol::Shape>>{
+  for (const auto& shapes : std::vector<std::pair<funcol::Shape, funcol::Shape>>{
            {{2, 3}, {3, 2}}, {{1, 1, 1, 1, 1, 2, 3}, {1, 1, 1, 1, 1, 3, 2}}}) {
     std::string shape_msg = expect_comm_error(
         [&] {
-          Tensor t = Tensor::full(world.rank() == 0 ? mine : theirs, DType::F32, 1);
+          Tensor t =
+              Tensor::full(world.rank() == 0 ? shapes.first : shapes.second, DType::F32, 1);
           world.all_reduce(t, ReduceOp::Sum)->wait();
         },
         "all_reduce with different shapes");
