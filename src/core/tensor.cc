@@ -1228,7 +1228,14 @@ Tensor Tensor::view_dtype(DType dtype) const {
 
 Tensor Tensor::unsqueeze(int64_t dim) const {
   check_defined(*this, "unsqueeze");
-  const int64_t d = wrap_dim(dim, this->dim() + 1, "unsqueeze");
+  // The new dim goes anywhere from before the first to after the last: rank + 1 places.
+  const int64_t places = this->dim() + 1;
+  if (dim < -places || dim >= places) {
+    throw ShapeError(fmt::format("unsqueeze: dim {} is out of range for a tensor of rank {} "
+                                 "(expected {} to {})",
+                                 dim, this->dim(), -places, places - 1));
+  }
+  const int64_t d = dim < 0 ? dim + places : dim;
   Shape sizes = this->sizes();
   Shape strides = this->strides();
   const int64_t stride = d < this->dim() ? this->sizes()[d] * this->strides()[d] : 1;

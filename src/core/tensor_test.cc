@@ -558,7 +558,9 @@ TEST(Views, PermuteUnsqueezeSqueeze) {
   EXPECT_EQ(t.unsqueeze(0).squeeze(0).sizes(), t.sizes());
   EXPECT_EQ(t.squeeze(1).sizes(), t.sizes());  // not size 1: no-op
   EXPECT_EQ(error_of<ShapeError>([&] { t.unsqueeze(4); }),
-            "unsqueeze: dim 4 is out of range for a tensor of rank 4");
+            "unsqueeze: dim 4 is out of range for a tensor of rank 3 (expected -4 to 3)");
+  EXPECT_EQ(error_of<ShapeError>([&] { t.unsqueeze(-5); }),
+            "unsqueeze: dim -5 is out of range for a tensor of rank 3 (expected -4 to 3)");
   EXPECT_EQ(error_of<ShapeError>([&] { t.size(3); }),
             "size: dim 3 is out of range for a tensor of rank 3");
   EXPECT_EQ(t.size(-1), 4);

@@ -479,8 +479,13 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.packed = packed;
     Value* coll_in = coll->operand(0);
+    // A packed all-gather's inputs can hold more than int64 counts (each up to kMaxTypeBytes):
+    // their sum saturates there, as caps do, so such a collective fills any bucket.
     int64_t in_bytes = 0;
-    for (const Value* v : coll->operands()) in_bytes += v->type().nbytes();
+    for (const Value* v : coll->operands()) {
+      const int64_t b = v->type().nbytes();
+      in_bytes = b > kMaxTypeBytes - in_bytes ? kMaxTypeBytes : in_bytes + b;
+    }
     e.out_dtype = packed ? coll->result(0)->dtype() : coll_in->dtype();
     // A single-user cast feeding an all-gather is folded into the packing copy.
     if (!packed && opt_.kind == CollectiveKind::AllGather && coll_in->node() &&

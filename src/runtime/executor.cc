@@ -45,9 +45,10 @@ std::string node_context(const Graph& graph, const Node& node, bool with_line = 
   rethrow_prefixed(node_context(graph, node) + ": ", at ? &*at : nullptr);
 }
 
-// Checks one collective's attributes against the size of the group it names.
+// Checks one collective's attributes against the size of the group it names. `same_graph`:
+// every rank runs this very graph, so its all_to_all split sizes are every rank's.
 void check_collective(const Graph& graph, const Node& node, const std::string& group_name,
-                      int size) {
+                      int size, bool same_graph) {
   const OpDef& op = node.op();
   auto fail = [&](const std::string& message) {
     fail_at(graph, node, message);
@@ -71,6 +72,28 @@ void check_collective(const Graph& graph, const Node& node, const std::string& g
       if (n != static_cast<size_t>(size)) {
         fail(fmt::format("{} has {} entries but group '{}' has {} ranks", name, n, group_name,
                          size));
+      }
+    }
+    // Rank r sends input_split_sizes[j] rows to rank j, which expects output_split_sizes[r]
+    // from it: with one list for every rank, only equal entries can match. (Gloo would abort
+    // the rank that receives more than it expects; the threads backend fails at the wait.)
+    if (same_graph) {
+      const std::vector<int64_t>& in = node.attr("input_split_sizes").as_ints();
+      const std::vector<int64_t>& out = node.attr("output_split_sizes").as_ints();
+      size_t r = 0;
+      size_t j = 0;
+      while (j < in.size() && in[j] == out[r]) ++j;
+      if (j == in.size()) {  // every in[j] is out[0]: look for an out[r] that is not
+        j = 0;
+        while (r < out.size() && out[r] == in[j]) ++r;
+      }
+      if (r < out.size() && j < in.size()) {
+        auto rows = [](int64_t k) { return fmt::format("{} row{}", k, k == 1 ? "" : "s"); };
+        fail(fmt::format("mismatched split sizes (every rank runs this graph): rank {} sends {} "
+                         "to rank {} (input_split_sizes[{}]) but rank {} expects {} from rank {} "
+                         "(output_split_sizes[{}]); split sizes the same on every rank must all "
+                         "be equal",
+                         r, rows(in[j]), j, j, j, rows(out[r]), r, r));
       }
     }
   }
@@ -105,7 +128,7 @@ void validate_groups(const Graph& graph,
       fail_at(graph, node,
               fmt::format("unknown group '{}' (known groups: {})", name, join_names(known)));
     }
-    check_collective(graph, node, name, *size);
+    check_collective(graph, node, name, *size, /*same_graph=*/true);
   }
 }
 
@@ -325,7 +348,7 @@ void Executor::Impl::plan() {
         fail_at(graph, node, fmt::format("unknown group '{}' (known groups: {})", name,
                                          join_names(registry.names())));
       }
-      check_collective(graph, node, name, group->size());
+      check_collective(graph, node, name, group->size(), options.check_same_graph);
       st.group = group.get();
       groups.push_back(std::move(group));
       if (op.attr_index("reduce_op") >= 0) {

@@ -492,6 +492,61 @@ TEST(ExecutorErrors, BroadcastSrcAndAllToAllSplitsAreChecked) {
             "ranks");
 }
 
+// Every rank runs the same graph (check_same_graph): rank r sends input_split_sizes[j] rows to
+// rank j, which expects output_split_sizes[r], so only equal entries can match. The first pair
+// that cannot is named, whichever list differs.
+TEST(ExecutorErrors, UnevenSplitSizesInOneGraphForEveryRankAreRefused) {
+  EXPECT_EQ(error_of<InvalidArgument>(2, R"(graph @g(%x: f32[4]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [2, 2], input_split_sizes = [1, 3], group = "world"} : f32[4]
+  return %a
+})"),
+            "graph @g, node %a (line 2): mismatched split sizes (every rank runs this graph): "
+            "rank 0 sends 1 row to rank 0 (input_split_sizes[0]) but rank 0 expects 2 rows from "
+            "rank 0 (output_split_sizes[0]); split sizes the same on every rank must all be equal");
+  EXPECT_EQ(error_of<InvalidArgument>(3, R"(graph @g(%x: f32[6]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [2, 2, 0], input_split_sizes = [2, 2, 2], group = "world"} : f32[4]
+  return %a
+})"),
+            "graph @g, node %a (line 2): mismatched split sizes (every rank runs this graph): "
+            "rank 2 sends 2 rows to rank 0 (input_split_sizes[0]) but rank 0 expects 0 rows from "
+            "rank 2 (output_split_sizes[2]); split sizes the same on every rank must all be equal");
+  // One rank: what it sends itself is what it receives.
+  EXPECT_EQ(error_of<InvalidArgument>(1, R"(graph @g(%x: f32[3]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [3], input_split_sizes = [3], group = "world"} : f32[3]
+  return %a
+})"),
+            "no error");
+}
+
+// Ranks that run graphs of their own (check_same_graph off) may split unevenly, as long as
+// their lists agree pairwise.
+TEST(Executor, PerRankGraphsSplitUnevenly) {
+  // Rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 3 to rank 0 and 1 to itself.
+  const std::unique_ptr<Graph> graphs[2] = {
+      parse(R"(graph @g(%x: f32[3]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [1, 3], input_split_sizes = [1, 2], group = "world"} : f32[4]
+  %w = wait_tensor(%a) : f32[4]
+  return %w
+})"),
+      parse(R"(graph @g(%x: f32[4]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [2, 1], input_split_sizes = [3, 1], group = "world"} : f32[3]
+  %w = wait_tensor(%a) : f32[3]
+  return %w
+})")};
+  std::vector<float> got[2];
+  run_local(2, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    ExecutorOptions options;
+    options.check_same_graph = false;
+    Executor ex(*graphs[r], world, options);
+    const Tensor x = r == 0 ? Tensor::from_vector<float>({1, 2, 3})
+                            : Tensor::from_vector<float>({10, 20, 30, 40});
+    got[r] = floats(ex.run({x})[0]);
+  });
+  EXPECT_EQ(got[0], (std::vector<float>{1, 10, 20, 30}));
+  EXPECT_EQ(got[1], (std::vector<float>{2, 3, 40}));
+}
+
 TEST(ExecutorErrors, KernelErrorsNameTheNode) {
   // Integer division by zero passes shape inference but not the kernel.
   const std::string e = error_of<Error>(1, R"(graph @g(%x: i32[2]) {

@@ -1,6 +1,7 @@
 // Process jobs of the funcol command: mpirun or N gloo processes with a file store.
 #include "tools/launch.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -10,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -51,6 +53,31 @@ int interrupted(std::FILE* err) {
   return 128 + sig;
 }
 
+// Copies what arrives on `fd` to stdout as it comes, until end of file, or until `done` is set
+// and nothing more arrives for a moment (something mpirun started may hold the pipe open). A
+// write that fails leaves ferror(stdout) set; the rest is still read, so mpirun never blocks.
+void copy_to_stdout(int fd, const std::atomic<bool>& done) {
+  char buf[1 << 16];
+  bool writing = true;
+  for (;;) {
+    pollfd p{fd, POLLIN, 0};
+    const int ready = poll(&p, 1, 100);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      if (done.load()) break;
+      continue;
+    }
+    const ssize_t n = read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    if (writing) {
+      writing = std::fwrite(buf, 1, static_cast<size_t>(n), stdout) == static_cast<size_t>(n) &&
+                std::fflush(stdout) == 0;
+    }
+  }
+  close(fd);
+}
+
 int launch_mpi(const JobOptions& o, const std::string& self, const std::vector<std::string>& args,
                std::FILE* err) {
   SpawnOptions s;
@@ -59,13 +86,26 @@ int launch_mpi(const JobOptions& o, const std::string& self, const std::vector<s
   if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
   s.argv.push_back(self);
   s.argv.insert(s.argv.end(), args.begin(), args.end());
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) {
+    throw Error(fmt::format("--backend mpi: cannot create a pipe: {}", std::strerror(errno)));
+  }
+  s.stdout_fd = out[1];
   pid_t pid = -1;
   try {
     pid = spawn_process(s);
   } catch (const Error& e) {
+    close(out[0]);
+    close(out[1]);
     throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
   }
+  close(out[1]);
+  std::fflush(stdout);
+  std::atomic<bool> done{false};
+  std::thread copier(copy_to_stdout, out[0], std::cref(done));
   const ExitStatus st = wait_all({pid}).front();
+  done = true;
+  copier.join();
   if (InterruptScope::signal() != 0) return interrupted(err);
   if (st.ok()) return 0;
   // The ranks printed their errors; add mpirun's own status only when it died oddly.
@@ -229,7 +269,8 @@ void add_job_flags(CLI::App& command, JobFlags& flags) {
                   "with --backend gloo and --rank: where the job's processes meet: a directory "
                   "every rank can reach (file:///dir is the same) or redis://host:port; "
                   "overrides FUNCOL_STORE")
-      ->type_name("URL");
+      ->type_name("URL")
+      ->check(given("a directory or redis://host:port"));
 }
 
 InitOptions parse_job_flags(const JobFlags& flags) {
@@ -376,6 +417,43 @@ CLI::Validator decimal_number() {
           return "expected a number, got '" + text + "'";
         }
         return {};
+      },
+      "");
+}
+
+TraceFile::TraceFile(std::string path) : path_(std::move(path)) {
+  if (path_.empty()) return;
+  std::error_code ec;
+  created_ = !std::filesystem::exists(path_, ec);
+  errno = 0;
+  std::ofstream f(path_, std::ios::binary | std::ios::app);
+  if (!f) {
+    throw InvalidArgument(fmt::format("cannot write trace file {}: {}", path_,
+                                      errno != 0 ? std::strerror(errno) : "cannot open it"));
+  }
+}
+
+TraceFile::~TraceFile() {
+  if (!created_ || kept_) return;
+  std::error_code ec;
+  std::filesystem::remove(path_, ec);
+}
+
+void write_trace_file(const std::string& path, const std::string& text) {
+  errno = 0;
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (f) f << text;
+  if (f) f.close();
+  if (!f) {
+    throw InvalidArgument(fmt::format("cannot write trace file {}: {}", path,
+                                      errno != 0 ? std::strerror(errno) : "write error"));
+  }
+}
+
+CLI::Validator given(const std::string& what) {
+  return CLI::Validator(
+      [what](const std::string& text) {
+        return text.empty() ? fmt::format("expected {}, got ''", what) : std::string();
       },
       "");
 }

@@ -58,6 +58,9 @@ void add_seed_option(CLI::App& command, uint64_t& seed, const std::string& descr
 CLI::Validator decimal_integer(int64_t min, uint64_t max);
 // For floating-point options: a decimal number, all of the text ("1e-3", not "abc" or "1x").
 CLI::Validator decimal_number();
+// For string options whose empty value would read as the option left out: "" given is an
+// error, "expected WHAT, got ''".
+CLI::Validator given(const std::string& what);
 // Adds an integer option read through decimal_integer() over T's range, its default shown in
 // --help.
 template <typename T>
@@ -122,7 +125,8 @@ inline constexpr int kMaxLaunchedRanks = 512;
 
 // Starts `ranks` processes of this executable as one job and waits for them. mpi: under
 // `mpirun -np N --oversubscribe` (plus --allow-run-as-root when root); the ranks' output goes
-// through mpirun. gloo: N processes with RANK, WORLD_SIZE and a file store in the temporary
+// through mpirun, whose stdout this process copies to its own (so a write that fails there sets
+// ferror(stdout) as on the other backends: mpirun itself ignores such failures). gloo: N processes with RANK, WORLD_SIZE and a file store in the temporary
 // directory (FUNCOL_STORE=file://DIR/store); their stdout is this process's, their stderr is
 // kept until the end. The first rank to fail stops the others; its stderr is printed to `err`
 // (with "funcol: error: rank R was killed by signal ..." when it died or said nothing); on
@@ -130,6 +134,27 @@ inline constexpr int kMaxLaunchedRanks = 512;
 // rank. Returns the exit status: 0 when every rank succeeded, 1 when one failed, 128 + N when
 // signal N stopped the job. Throws Error when a process cannot be started (mpirun missing).
 int launch_job(const JobOptions& options, std::FILE* err);
+
+// The file a --trace flag names ("" : none). Constructing it checks that it can be written,
+// before anything runs, and throws InvalidArgument "cannot write trace file P: why". When the
+// check created the file and the run then fails (keep() never called), the destructor removes
+// it again, so a failed run leaves no empty trace behind.
+class TraceFile {
+ public:
+  explicit TraceFile(std::string path);
+  ~TraceFile();
+  TraceFile(const TraceFile&) = delete;
+  TraceFile& operator=(const TraceFile&) = delete;
+  // The run succeeded: the file stays.
+  void keep() { kept_ = true; }
+
+ private:
+  std::string path_;
+  bool created_ = false;
+  bool kept_ = false;
+};
+// Writes `text` to `path`, replacing it; throws InvalidArgument "cannot write trace file P: why".
+void write_trace_file(const std::string& path, const std::string& text);
 
 // Runs `body` as this process's rank of a `backend` job that must have `ranks` processes:
 // follows the launcher, joins the job (init_process_group with `join`: --rank, --world-size,

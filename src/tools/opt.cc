@@ -20,6 +20,7 @@
 #include "funcol/graph/verifier.h"
 #include "funcol/passes/pipeline.h"
 #include "tools/commands.h"
+#include "tools/launch.h"
 
 namespace funcol::tools {
 namespace {
@@ -217,7 +218,8 @@ void add_opt_command(CLI::App& app) {
   sub->add_option("file", options->file, "IR file ('-': standard input)")->required();
   sub->add_option("-p,--pipeline", options->pipeline,
                   "passes to run, e.g. 'bucket-all-gather{cap-mb=25},dce'");
-  sub->add_option("-o,--output", options->output, "write the result here instead of stdout");
+  sub->add_option("-o,--output", options->output, "write the result here instead of stdout")
+      ->check(given("a file name ('-': standard output)"));
   sub->add_flag("--stats", options->stats,
                 "write {\"nodes\", \"ops\", \"passes\"} as one JSON line to stderr (with "
                 "--split-input-file: totals over the cases)");

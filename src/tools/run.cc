@@ -186,24 +186,6 @@ RankReport run_rank(const Prepared& p, const RunOptions& o, ProcessGroup& world)
   }
 }
 
-void write_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (f) f << text;
-  if (!f) {
-    throw InvalidArgument(
-        fmt::format("cannot write trace file {}: {}", path, std::strerror(errno)));
-  }
-}
-
-// Fails before any rank starts when the trace file cannot be written.
-void check_writable(const std::string& path) {
-  std::ofstream f(path, std::ios::binary | std::ios::app);
-  if (!f) {
-    throw InvalidArgument(
-        fmt::format("cannot write trace file {}: {}", path, std::strerror(errno)));
-  }
-}
-
 // Prints every rank's report in rank order, then writes the trace (the printing process only).
 void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankReport>& reports,
                    std::FILE* out) {
@@ -227,7 +209,7 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
   if (!o.trace.empty()) {
     std::vector<std::string> events;
     for (const RankReport& r : reports) events.push_back(r.events);
-    write_file(o.trace, chrome_trace_json(events));
+    write_trace_file(o.trace, chrome_trace_json(events));
     if (o.outputs != "json") std::fprintf(out, "trace: %s\n", o.trace.c_str());
   }
   std::fflush(out);
@@ -236,17 +218,19 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
 // ---- running the ranks ----------------------------------------------------------------------
 
 int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
-  if (!o.trace.empty()) check_writable(o.trace);
+  TraceFile trace(o.trace);
   std::vector<RankReport> reports(static_cast<size_t>(o.ranks));
   run_local(o.ranks, [&](ProcessGroup& world) { reports[world.rank()] = run_rank(p, o, world); });
   print_reports(p, o, reports, out);
+  trace.keep();
   return 0;
 }
 
 // This process is one rank of an mpi or gloo job: run, then gather the reports to rank 0.
 int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE* err) {
   return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
-    if (world.rank() == 0 && !o.trace.empty()) check_writable(o.trace);
+    std::optional<TraceFile> trace;
+    if (world.rank() == 0) trace.emplace(o.trace);
     RankReport mine = run_rank(p, o, world);
     const nlohmann::json j = {{"rank", mine.rank},
                               {"text", mine.text},
@@ -261,12 +245,13 @@ int run_in_job(const Prepared& p, const RunOptions& o, std::FILE* out, std::FILE
                                    r["events"].get<std::string>(), r["seconds"].get<double>()});
     }
     print_reports(p, o, reports, out);
+    trace->keep();
   });
 }
 
 // The flags a launched rank gets: the same run, as a rank of the job.
 std::vector<std::string> rank_args(const RunOptions& o, const std::string& file) {
-  std::vector<std::string> a = {"run",       file,
+  std::vector<std::string> a = {"run",
                                 "--ranks",   std::to_string(o.ranks),
                                 "--backend", o.backend,
                                 "--seed",    std::to_string(o.seed),
@@ -275,13 +260,15 @@ std::vector<std::string> rank_args(const RunOptions& o, const std::string& file)
   if (!o.outputs.empty()) a.insert(a.end(), {"--outputs", o.outputs});
   if (!o.trace.empty()) a.insert(a.end(), {"--trace", o.trace});
   if (!o.graph.empty()) a.insert(a.end(), {"--graph", o.graph});
+  // Last, after "--": a file named like a flag (-model.ir) is still the file.
+  a.insert(a.end(), {"--", file});
   return a;
 }
 
 // Not inside a job: start one (launch_job). Standard input is saved to the job's temporary
 // directory, as the ranks read the graph from a file.
 int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
-  if (!o.trace.empty()) check_writable(o.trace);
+  TraceFile trace(o.trace);
   JobOptions job;
   job.backend = o.backend;
   job.ranks = o.ranks;
@@ -294,7 +281,9 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
     }
     return rank_args(o, file);
   };
-  return launch_job(job, err);
+  const int status = launch_job(job, err);
+  if (status == 0) trace.keep();
+  return status;
 }
 
 int run_command_impl(const RunOptions& o, std::FILE* out, std::FILE* err) {
@@ -420,14 +409,6 @@ void add_run_command(CLI::App& app) {
                   "a job as one of them)")
       ->capture_default_str();
   add_job_flags(*sub, *job);
-  // An empty value given is an error, not the option left out (an empty string means that).
-  auto given = [](const char* what) {
-    return CLI::Validator(
-        [what](const std::string& text) {
-          return text.empty() ? fmt::format("expected {}, got ''", what) : std::string();
-        },
-        "");
-  };
   sub->add_option("--mesh", o->mesh,
                   "device mesh over the ranks, e.g. dp=2,tp=2; its dim names are group names")
       ->check(given("NAME=SIZE[,NAME=SIZE...], e.g. dp=2,tp=2"));
@@ -436,9 +417,12 @@ void add_run_command(CLI::App& app) {
                   "'json': one line per rank with every output's dtype, shape, digest and data")
       ->check(given("'json'"));
   add_integer_option(*sub, "--iters", o->iters, "runs of the graph (outputs are the last run's)");
+  // An empty value given is an error, not the option left out (an empty string means that).
   sub->add_option("--trace", o->trace,
-                  "write a Chrome/Perfetto trace of every rank's compute and communication");
-  sub->add_option("--graph", o->graph, "the graph to run when FILE holds several");
+                  "write a Chrome/Perfetto trace of every rank's compute and communication")
+      ->check(given("a file name"));
+  sub->add_option("--graph", o->graph, "the graph to run when FILE holds several")
+      ->check(given("a graph name"));
   sub->callback([o, job, ranks]() {
     o->join = parse_job_flags(*job);
     o->ranks = resolve_ranks(o->backend, o->join,

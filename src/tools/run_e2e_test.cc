@@ -52,18 +52,19 @@ class RunE2E : public ::testing::Test {
     return path;
   }
 
-  // Runs `funcol run ARGS` with a bounded collective timeout, so a hang fails the test.
-  Result run(const std::vector<std::string>& args) {
+  // Runs `funcol run ARGS` with a bounded collective timeout, so a hang fails the test. Its
+  // stdout goes to `stdout_path` (a file of the test's directory when empty).
+  Result run(const std::vector<std::string>& args, const std::string& stdout_path = "") {
     SpawnOptions s;
     s.argv = {FUNCOL_BIN, "run"};
     s.argv.insert(s.argv.end(), args.begin(), args.end());
     s.env = {{"FUNCOL_TIMEOUT", "60"}};
-    s.stdout_path = dir_.path() + "/stdout";
+    s.stdout_path = stdout_path.empty() ? dir_.path() + "/stdout" : stdout_path;
     s.stderr_path = dir_.path() + "/stderr";
     Result r;
     const ExitStatus st = wait_all({spawn_process(s)}).front();
     r.status = st.signaled ? -1 : st.code;
-    r.out = slurp(s.stdout_path);
+    if (stdout_path.empty()) r.out = slurp(s.stdout_path);
     r.err = slurp(s.stderr_path);
     return r;
   }
@@ -152,15 +153,89 @@ TEST_F(RunE2E, StaticErrorsArePrintedOnceBeforeAnyRankStarts) {
   return %ag
 }
 )");
+  // Split sizes that differ between entries cannot match when every rank runs the graph: Gloo
+  // aborted the rank that received 3 rows where it expected 1.
+  const std::string splits = write("splits.ir", R"(graph @g(%x: f32[4]) {
+  %a = all_to_all_single(%x) {output_split_sizes = [1, 3], input_split_sizes = [1, 3], group = "world"} : f32[4]
+  %w = wait_tensor(%a) : f32[4]
+  return %w
+}
+)");
   for (const std::string& backend : backends()) {
     SCOPED_TRACE(backend);
-    const Result r = run({file, "--ranks", "2", "--backend", backend});
+    Result r = run({file, "--ranks", "2", "--backend", backend});
     EXPECT_EQ(r.status, 1);
     EXPECT_EQ(r.err, file +
                          ":2:3: error: graph @g, node %ag: group_size 3 does not match group "
                          "'world' of size 2\n");
     EXPECT_EQ(r.out, "");
+    r = run({splits, "--ranks", "2", "--backend", backend});
+    EXPECT_EQ(r.status, 1);
+    EXPECT_EQ(r.err, splits +
+                         ":2:3: error: graph @g, node %a: mismatched split sizes (every rank runs "
+                         "this graph): rank 0 sends 3 rows to rank 1 (input_split_sizes[1]) but "
+                         "rank 1 expects 1 row from rank 0 (output_split_sizes[0]); split sizes "
+                         "the same on every rank must all be equal\n");
+    EXPECT_EQ(r.out, "");
   }
+}
+
+// Output that never arrives (a full disk) fails the run on every backend: under mpi the ranks'
+// output goes through mpirun, which ignores a failed write.
+TEST_F(RunE2E, OutputThatCannotBeWrittenFailsTheRun) {
+  const std::string file = write("g.ir", kGraph);
+  for (const std::string& backend : backends()) {
+    SCOPED_TRACE(backend);
+    const Result r = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", backend,
+                          "--outputs", "json"},
+                         "/dev/full");
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("funcol: error: cannot write the output: "), std::string::npos) << r.err;
+  }
+}
+
+// A file named like a flag, given after "--", is the file on every backend (the launched ranks
+// get it after "--" too).
+TEST_F(RunE2E, AFileNamedLikeAFlagIsTheFile) {
+  write("-g.ir", kGraph);
+  const std::filesystem::path before = std::filesystem::current_path();
+  std::filesystem::current_path(dir_.path());
+  std::string reference;
+  for (const std::string& backend : backends()) {
+    SCOPED_TRACE(backend);
+    const Result r = run({"--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", backend,
+                          "--outputs", "json", "--", "-g.ir"});
+    EXPECT_EQ(r.status, 0) << r.err;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 4) << r.out;
+    if (reference.empty()) reference = r.out;
+    EXPECT_EQ(r.out, reference);
+  }
+  std::filesystem::current_path(before);
+}
+
+// A run that fails leaves no trace file behind when it created it (the check that it can be
+// written creates it before any rank starts); one that was there stays.
+TEST_F(RunE2E, AFailedRunLeavesNoEmptyTraceFile) {
+  const std::string file = write("div.ir", R"(graph @g(%x: i32[2]) {
+  %z = zeros() {shape = [2], dtype = i32}
+  %v = div(%x, %z)
+  return %v
+}
+)");
+  const std::string kept = write("kept.json", "{}");
+  for (const std::string& backend : backends()) {
+    SCOPED_TRACE(backend);
+    const std::string trace = dir_.path() + "/" + backend + ".json";
+    Result r = run({file, "--ranks", "2", "--backend", backend, "--trace", trace});
+    EXPECT_EQ(r.status, 1);
+    EXPECT_FALSE(std::filesystem::exists(trace));
+    r = run({file, "--ranks", "2", "--backend", backend, "--trace", kept});
+    EXPECT_EQ(r.status, 1);
+    EXPECT_EQ(slurp(kept), "{}");
+  }
+  const Result r = run({file, "--ranks", "2", "--trace", ""});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("--trace: expected a file name, got ''"), std::string::npos) << r.err;
 }
 
 #ifdef FUNCOL_WITH_MPI

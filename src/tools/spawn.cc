@@ -80,7 +80,9 @@ pid_t spawn_process(const SpawnOptions& options) {
 
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  if (!options.stdout_path.empty()) {
+  if (options.stdout_fd >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, options.stdout_fd, STDOUT_FILENO);
+  } else if (!options.stdout_path.empty()) {
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, options.stdout_path.c_str(),
                                      O_WRONLY | O_CREAT | O_TRUNC, 0644);
   }

@@ -19,6 +19,9 @@ struct SpawnOptions {
   // Files that replace the child's stdout / stderr (created or truncated); empty: inherited.
   std::string stdout_path;
   std::string stderr_path;
+  // A descriptor of ours that becomes the child's stdout (a pipe's write end, say); -1: none.
+  // Takes the place of stdout_path.
+  int stdout_fd = -1;
 };
 
 // Starts a child with posix_spawn. Throws funcol::Error naming the program when it cannot be

@@ -343,15 +343,6 @@ void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on
   }
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (f) f << text;
-  if (!f) {
-    throw InvalidArgument(
-        fmt::format("cannot write trace file {}: {}", path, std::strerror(errno)));
-  }
-}
-
 std::string format_ms(double ms) { return fmt::format("{:.3f} ms", ms); }
 
 }  // namespace
@@ -511,7 +502,7 @@ TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   };
   fill(report.unbucketed, 0, sh.ms_unbucketed);
   if (!o.no_bucketing) fill(report.bucketed, 1, sh.ms_bucketed);
-  if (!o.trace.empty()) write_text_file(o.trace, chrome_trace_json(sh.trace_events));
+  if (!o.trace.empty()) write_trace_file(o.trace, chrome_trace_json(sh.trace_events));
   return report;
 }
 
@@ -748,15 +739,9 @@ int train_in_job(const TrainOptions& o, Progress& progress, std::FILE* out, std:
 int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
   try {
     validate(o);
-    // A trace that cannot be written fails now, not after training; and once, before a job
-    // starts, rather than from every rank.
-    if (!o.trace.empty()) {
-      std::ofstream f(o.trace, std::ios::binary | std::ios::app);
-      if (!f) {
-        throw InvalidArgument(
-            fmt::format("cannot write trace file {}: {}", o.trace, std::strerror(errno)));
-      }
-    }
+    // A trace that cannot be written fails now, not after training (in the launcher, before a
+    // job starts); a failed run removes the file it created.
+    TraceFile trace(o.trace);
     if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
       JobOptions job;
       job.backend = o.backend;
@@ -779,12 +764,18 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
         throw;
       }
       if (progress_fd >= 0) close(progress_fd);
+      if (status == 0) trace.keep();
       return status;
     }
     Progress progress(o, err, progress_bar);
-    if (o.backend != "threads") return train_in_job(o, progress, out, err);
+    if (o.backend != "threads") {
+      const int status = train_in_job(o, progress, out, err);
+      if (status == 0) trace.keep();
+      return status;
+    }
     print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }), out,
                  err);
+    trace.keep();
     return 0;
   } catch (...) {
     return print_command_error(err);
@@ -820,7 +811,8 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   add_job_flags(*sub, *job);
   sub->add_option("--trace", o->trace,
-                  "write a Chrome/Perfetto trace of every rank's steps (the trained variant)");
+                  "write a Chrome/Perfetto trace of every rank's steps (the trained variant)")
+      ->check(given("a file name"));
   sub->add_flag("--json", o->json, "print one JSON line of results");
   // Set by the launcher of an mpi or gloo job for its ranks.
   sub->add_option("--progress-fd", o->progress_fd)->group("");

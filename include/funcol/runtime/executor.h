@@ -87,9 +87,12 @@ class Executor {
 
 // Checks every collective of `graph` against the groups it names: `group_size(name)` returns
 // the group's size or nullopt when no such group exists (`known` lists the names for the
-// message). Checks group_size attributes, broadcast src and all_to_all split list lengths.
-// Throws InvalidArgument "graph @g, node %ag (line 3): ...". Used by the Executor with the
-// real groups and by `funcol run` before it starts any rank.
+// message). Checks group_size attributes, broadcast src and all_to_all split list lengths,
+// and, as every rank runs this graph, that each all_to_all's split sizes are all equal (rank r
+// sends input_split_sizes[j] rows to rank j, which expects output_split_sizes[r]). Throws
+// InvalidArgument "graph @g, node %ag (line 3): ...". Used by `funcol run` before it starts
+// any rank; the Executor checks the same with its real groups (split sizes only when
+// options.check_same_graph: ranks that run graphs of their own may split unevenly).
 void validate_groups(const Graph& graph,
                      const std::function<std::optional<int>(const std::string&)>& group_size,
                      const std::vector<std::string>& known);
