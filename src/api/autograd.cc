@@ -3,6 +3,9 @@
 #include "funcol/api/autograd.h"
 
 #include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -29,6 +32,11 @@ struct GradTape::State {
   std::unordered_map<const Value*, uint64_t> versions;
   std::vector<Value*> leaves;
   std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
+  // The groups the recorded collectives ran on, by name (looked up only): backward runs on
+  // them, not on what the name resolves to on the calling thread, which needs a current rank
+  // (a thread a rank started has none: it passes the ProcessGroup). Weak: the tape keeps no
+  // group alive.
+  std::map<std::string, std::weak_ptr<ProcessGroup>, std::less<>> groups;
 };
 
 namespace {
@@ -158,10 +166,17 @@ Tensor record_one(const std::shared_ptr<State>& state, std::string_view op,
   return record(state, op, operands, attrs, {result})[0];
 }
 
-// A collective's recorded result followed by its recorded wait_tensor (as the tracer does).
+// A collective on `group` (its name is the recorded "group" attribute, after `attrs`): its
+// recorded result followed by its recorded wait_tensor (as the tracer does).
 std::vector<Tensor> record_waited(const std::shared_ptr<State>& state, std::string_view op,
-                                  std::span<const Tensor> operands, const NamedAttrs& attrs,
-                                  const std::vector<Tensor>& results) {
+                                  std::span<const Tensor> operands, NamedAttrs attrs,
+                                  ProcessGroup& group, const std::vector<Tensor>& results) {
+  attrs.emplace_back("group", group.name());
+  if (!state->groups.contains(group.name())) {
+    std::shared_ptr<ProcessGroup> held = group.registry().find(group.name());
+    if (held.get() != &group) held = nullptr;  // not the registry's: resolve by name later
+    state->groups.emplace(group.name(), held);
+  }
   std::vector<Tensor> rec = record(state, op, operands, attrs, results);
   std::vector<Tensor> out;
   out.reserve(rec.size());
@@ -196,15 +211,21 @@ Tensor call_one_on(const std::shared_ptr<State>& state, std::string_view op,
 }
 
 // Runs one backward node eagerly: collectives through the functional API (inputs made
-// contiguous, as PyTorch's backward rules do), everything else through its CPU kernel.
-std::vector<Tensor> run_node(const Node& n, const std::vector<Tensor>& in) {
+// contiguous, as PyTorch's backward rules do) on the groups the forward used, everything else
+// through its CPU kernel.
+std::vector<Tensor> run_node(const State& s, const Node& n, const std::vector<Tensor>& in) {
   const OpDef& op = n.op();
   if (op.collective == CollectiveKind::None) return run_kernel(op, in, n.attr_values());
   if (op.collective == CollectiveKind::Wait) return {wait_tensor(in[0])};
   std::vector<Tensor> c;
   c.reserve(in.size());
   for (const Tensor& t : in) c.push_back(t.contiguous());
-  const GroupSpec group(n.attr("group").as_string());
+  const std::string& name = n.attr("group").as_string();
+  const auto known = s.groups.find(name);
+  // Held for the call; a group gone since the forward resolves by name (and fails as that does).
+  const std::shared_ptr<ProcessGroup> pg =
+      known != s.groups.end() ? known->second.lock() : nullptr;
+  const GroupSpec group = pg ? GroupSpec(*pg) : GroupSpec(name);
   switch (op.collective) {
     case CollectiveKind::AllReduce: {
       const std::string& rop = n.attr("reduce_op").as_string();
@@ -314,7 +335,7 @@ void GradTape::backward(const Tensor& loss) {
       std::vector<Tensor> in;
       in.reserve(n->num_operands());
       for (const Value* v : n->operands()) in.push_back(get(v));
-      std::vector<Tensor> out = run_node(*n, in);
+      std::vector<Tensor> out = run_node(s, *n, in);
       FUNCOL_CHECK(out.size() == n->num_results(), "autograd: result count");
       for (size_t r = 0; r < out.size(); ++r) env.emplace(n->result(r), std::move(out[r]));
     }
@@ -389,8 +410,7 @@ Tensor all_reduce_autograd(const Tensor& t, const std::string& reduce_op, const 
   if (!state) return all_reduce(t, reduce_op, group);
   ProcessGroup& pg = group.resolve();
   const Tensor r = all_reduce(untracked(t), reduce_op, pg);
-  return record_waited(state, "all_reduce", in, {{"reduce_op", reduce_op}, {"group", pg.name()}},
-                       {r})[0];
+  return record_waited(state, "all_reduce", in, {{"reduce_op", reduce_op}}, pg, {r})[0];
 }
 
 Tensor all_gather_tensor_autograd(const Tensor& t, int64_t gather_dim, const GroupSpec& group) {
@@ -401,8 +421,7 @@ Tensor all_gather_tensor_autograd(const Tensor& t, int64_t gather_dim, const Gro
   const int64_t dim = normalize_dim(gather_dim, t.dim(), "all_gather_tensor", "gather_dim");
   const Tensor r = all_gather_tensor(untracked(t), 0, pg);
   const int64_t w = pg.size();
-  Tensor out = record_waited(state, "all_gather_into_tensor", in,
-                             {{"group_size", w}, {"group", pg.name()}}, {r})[0];
+  Tensor out = record_waited(state, "all_gather_into_tensor", in, {{"group_size", w}}, pg, {r})[0];
   if (dim == 0) return out;
   // The rank-major blocks of dim 0 moved to gather_dim: split, then cat (recorded).
   const Tensor parts[] = {out};
@@ -425,9 +444,7 @@ Tensor reduce_scatter_tensor_autograd(const Tensor& t, const std::string& reduce
   const int64_t w = pg.size();
   const Tensor f[] = {
       scatter_dim_to_front(state, t, normalize_dim(scatter_dim, t.dim(), kOp, "scatter_dim"), w)};
-  return record_waited(state, kOp, f,
-                       {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}},
-                       {r})[0];
+  return record_waited(state, kOp, f, {{"reduce_op", reduce_op}, {"group_size", w}}, pg, {r})[0];
 }
 
 Tensor all_to_all_single_autograd(const Tensor& t,
@@ -445,10 +462,7 @@ Tensor all_to_all_single_autograd(const Tensor& t,
       std::vector<int64_t>(w, t.size(0) / static_cast<int64_t>(w)));
   std::vector<int64_t> ins = input_split_sizes.value_or(outs);
   return record_waited(state, "all_to_all_single", in,
-                       {{"output_split_sizes", outs},
-                        {"input_split_sizes", ins},
-                        {"group", pg.name()}},
-                       {r})[0];
+                       {{"output_split_sizes", outs}, {"input_split_sizes", ins}}, pg, {r})[0];
 }
 
 std::vector<Tensor> all_reduce_coalesced_autograd(const std::vector<Tensor>& inputs,
@@ -458,8 +472,7 @@ std::vector<Tensor> all_reduce_coalesced_autograd(const std::vector<Tensor>& inp
   if (!state || inputs.empty()) return all_reduce_coalesced(inputs, reduce_op, group);
   ProcessGroup& pg = group.resolve();
   const std::vector<Tensor> r = all_reduce_coalesced(untracked(inputs), reduce_op, pg);
-  return record_waited(state, "all_reduce_coalesced", inputs,
-                       {{"reduce_op", reduce_op}, {"group", pg.name()}}, r);
+  return record_waited(state, "all_reduce_coalesced", inputs, {{"reduce_op", reduce_op}}, pg, r);
 }
 
 std::vector<Tensor> all_gather_into_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
@@ -469,7 +482,7 @@ std::vector<Tensor> all_gather_into_tensor_coalesced_autograd(const std::vector<
   ProcessGroup& pg = group.resolve();
   const std::vector<Tensor> r = all_gather_into_tensor_coalesced(untracked(inputs), pg);
   return record_waited(state, "all_gather_into_tensor_coalesced", inputs,
-                       {{"group_size", pg.size()}, {"group", pg.name()}}, r);
+                       {{"group_size", pg.size()}}, pg, r);
 }
 
 std::vector<Tensor> reduce_scatter_tensor_coalesced_autograd(const std::vector<Tensor>& inputs,
@@ -491,7 +504,7 @@ Tensor tape_broadcast(const Tensor& t, int src, const GroupSpec& group) {
   ProcessGroup& pg = group.resolve();
   const Tensor r = broadcast(untracked(t), src, pg);
   if (!state) return r;
-  return record_waited(state, "broadcast", in, {{"src", src}, {"group", pg.name()}}, {r})[0];
+  return record_waited(state, "broadcast", in, {{"src", src}}, pg, {r})[0];
 }
 
 Tensor tape_permute(const Tensor& t, const std::vector<int64_t>& output_split_sizes,
@@ -524,8 +537,7 @@ std::vector<Tensor> tape_reduce_scatter_coalesced(const std::vector<Tensor>& inp
     const int64_t dim = normalize_dim(scatter_dims[i], inputs[i].dim(), kOp, "scatter_dim");
     fronts.push_back(scatter_dim_to_front(state, inputs[i], dim, w));
   }
-  return record_waited(state, kOp, fronts,
-                       {{"reduce_op", reduce_op}, {"group_size", w}, {"group", pg.name()}}, r);
+  return record_waited(state, kOp, fronts, {{"reduce_op", reduce_op}, {"group_size", w}}, pg, r);
 }
 
 }  // namespace api_detail

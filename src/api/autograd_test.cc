@@ -6,6 +6,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -258,6 +259,40 @@ TEST(EagerAutograd, AllReduceBackwardIsAllReduceOfTheGradient) {
     tape.zero_grad();
     EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{0, 0, 0}));
   });
+}
+
+// On a thread a rank started (no current rank there), collectives take the ProcessGroup itself;
+// backward then runs on the groups the forward used, as the recorded names alone would not
+// resolve there.
+TEST(EagerAutograd, BackwardOnAThreadWithoutACurrentRankUsesTheForwardsGroups) {
+  std::vector<std::vector<float>> grads(4), sub_grads(4);
+  run_local(4, [&](ProcessGroup& world) {
+    std::shared_ptr<ProcessGroup> pair = new_group(world, {0, 1}, "pair");
+    std::shared_ptr<ProcessGroup> other = new_group(world, {2, 3}, "other");
+    ProcessGroup& mine = world.rank() < 2 ? *pair : *other;
+    std::thread helper([&] {
+      GradTape tape;
+      const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F32, 1.0));
+      const Tensor y = all_reduce_autograd(x, "sum", world);
+      const Tensor g = all_gather_tensor_autograd(y, 0, mine);  // then 2 ranks: [4]
+      tape.backward(tape.call_one("sum", std::vector<Tensor>{g}));
+      grads[world.rank()] = tape.grad(x).to_vector<float>();
+      // Plain collectives on a tracked tensor are recorded the same way.
+      GradTape tape2;
+      const Tensor z = tape2.requires_grad(Tensor::full({2}, DType::F32, 1.0));
+      const Tensor h = reduce_scatter_tensor(all_gather_tensor(z, 0, mine), "sum", 0, mine);
+      tape2.backward(tape2.call_one("sum", std::vector<Tensor>{h}));
+      sub_grads[world.rank()] = tape2.grad(z).to_vector<float>();
+    });
+    helper.join();
+  });
+  for (int r = 0; r < 4; ++r) {
+    // d/dx_r of sum over the pair's gathers of the world sum: each of the 4 ranks' loss holds
+    // both ranks of its pair's y, each y = sum of all x: 2 * 4 = 8.
+    EXPECT_EQ(grads[r], (std::vector<float>{8, 8})) << r;
+    // reduce_scatter(all_gather(z)) over 2 ranks: each element 2 * z, so the gradient is 2.
+    EXPECT_EQ(sub_grads[r], (std::vector<float>{2, 2})) << r;
+  }
 }
 
 TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {

@@ -14,7 +14,12 @@ namespace {
 double parse_number(std::string_view pass, std::string_view key, std::string_view text) {
   double value = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || ptr != text.data() + text.size() || text.empty()) {
+  const bool whole = !text.empty() && ptr == text.data() + text.size();
+  if (whole && ec == std::errc::result_out_of_range) {
+    throw InvalidArgument(
+        fmt::format("option {} of pass {} is out of range, got '{}'", key, pass, text));
+  }
+  if (!whole || ec != std::errc()) {
     throw InvalidArgument(
         fmt::format("option {} of pass {} must be a number, got '{}'", key, pass, text));
   }

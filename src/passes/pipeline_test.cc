@@ -84,6 +84,14 @@ TEST(PassOptionsTest, NumbersAreChecked) {
   }
   EXPECT_THROW(o.get_double_list("p", "list", {}), InvalidArgument);
   EXPECT_THROW(o.get_int("p", "cap-mb", 0), InvalidArgument);
+  // A number too large for a double is out of range, not "not a number".
+  PassOptions huge({{"memory-budget-mb", "1e400"}, {"n", "1"}});
+  try {
+    huge.get_double("overlap", "memory-budget-mb", 0);
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(), "option memory-budget-mb of pass overlap is out of range, got '1e400'");
+  }
 }
 
 // A pass that counts its runs and can be told to break the graph.
