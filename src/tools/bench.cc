@@ -617,6 +617,7 @@ void validate(const BenchOptions& o) {
     throw InvalidArgument(fmt::format("--ranks must be at least 1, got {}", o.ranks));
   }
   check_job_options(o.backend, o.join, o.ranks);
+  if (o.backend != "threads" && !inside_job(o.backend, o.join)) check_launched_ranks(o.ranks);
   if (o.min_bytes < 0 || o.max_bytes < 0) throw InvalidArgument("sizes must not be negative");
   if (o.min_bytes > o.max_bytes) {
     throw InvalidArgument(fmt::format("-b/--minbytes ({}) is larger than -e/--maxbytes ({})",

@@ -206,6 +206,20 @@ TEST_F(BenchProcessE2E, EveryOpChecksCleanOnTwoProcesses) {
   }
 }
 
+// Too many processes to launch is the error, not the memory a job that size would need (the
+// default -e of 32 MiB on 513 ranks).
+TEST_F(BenchProcessE2E, TooManyLaunchedRanksIsTheErrorNamed) {
+  for (const std::string& backend : process_backends()) {
+    SCOPED_TRACE(backend);
+    Result r = bench("--backend " + backend + " --ranks 513");
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.out.find("funcol: error: --ranks 513: the launcher starts every rank as a "
+                         "process on this host, at most 512"),
+              std::string::npos)
+        << r.out;
+  }
+}
+
 TEST_F(BenchProcessE2E, JsonNamesTheBackend) {
   for (const std::string& backend : process_backends()) {
     SCOPED_TRACE(backend);

@@ -544,15 +544,19 @@ void follow_launcher() {
   }
 }
 
-int launch_job(const JobOptions& o, std::FILE* err) {
-  FUNCOL_CHECK(o.backend == "mpi" || o.backend == "gloo", "launch_job: not a process backend");
-  FUNCOL_CHECK(o.ranks >= 1 && o.rank_args, "launch_job: needs ranks and rank_args");
-  if (o.ranks > kMaxLaunchedRanks) {
+void check_launched_ranks(int ranks) {
+  if (ranks > kMaxLaunchedRanks) {
     throw InvalidArgument(fmt::format(
         "--ranks {}: the launcher starts every rank as a process on this host, at most {} (to "
         "run more, start the ranks yourself on several hosts)",
-        o.ranks, kMaxLaunchedRanks));
+        ranks, kMaxLaunchedRanks));
   }
+}
+
+int launch_job(const JobOptions& o, std::FILE* err) {
+  FUNCOL_CHECK(o.backend == "mpi" || o.backend == "gloo", "launch_job: not a process backend");
+  FUNCOL_CHECK(o.ranks >= 1 && o.rank_args, "launch_job: needs ranks and rank_args");
+  check_launched_ranks(o.ranks);
   // Declared before the directory: a signal stops the ranks, then the directory is removed.
   InterruptScope interrupts;
   TempDir dir(o.temp_prefix);

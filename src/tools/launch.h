@@ -122,6 +122,9 @@ struct JobOptions {
 // The most processes launch_job starts on one host: each gloo rank connects to every other, so
 // a mistyped --ranks (5000) would otherwise fork thousands of processes before anything fails.
 inline constexpr int kMaxLaunchedRanks = 512;
+// Throws InvalidArgument naming that limit when `ranks` is over it (launch_job checks it too;
+// commands call it first when they launch, before errors a job of that size would also have).
+void check_launched_ranks(int ranks);
 
 // Starts `ranks` processes of this executable as one job and waits for them. mpi: under
 // `mpirun -np N --oversubscribe` (plus --allow-run-as-root when root); the ranks' output goes
