@@ -243,6 +243,17 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
                                           const process::PeerMonitor* watch) {
   auto store = shared.open_store();
   const int n = static_cast<int>(members.size());
+  // A failed rendezvous takes away every key at this rank's index: those it wrote, and any a
+  // previous job left there (only a previous job can have: two jobs never share a store), so
+  // the ranks that got the error can run the next job on the same directory or Redis server
+  // (RedisStore refuses keys that exist). Whichever rank fails first, and however, each rank
+  // of the failed job clears its own index.
+  auto forget_keys = [&] {
+    store->erase_own_keys();
+    store->erase_stale(fmt::format("{}/arrive/{}", prefix, my_index));
+    store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));  // Gloo: the host name
+    store->erase_stale(fmt::format("{}/{}", prefix, my_index));        // Gloo: the address
+  };
   try {
     gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
     // "<size> <monitor address or ->": the size catches ranks started with different world
@@ -280,19 +291,12 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     store->erase_own_keys();
     return context;
   } catch (const Error&) {
-    // A failed rendezvous takes its keys away too: the ranks that got this error can run the
-    // next job on the same directory or Redis server (RedisStore refuses keys that exist).
-    store->erase_own_keys();
+    forget_keys();
     throw;
   } catch (const std::exception& e) {
-    store->erase_own_keys();
+    forget_keys();
     std::string msg = gloo_message(e);
     if (msg.find("already") != std::string::npos) {
-      // This job fails, but the next one on this store should not: the keys this rank writes
-      // (its arrival, and the address Gloo writes under its index) go. Only a previous job can
-      // have left them: two jobs never share a store.
-      store->erase_stale(fmt::format("{}/arrive/{}", prefix, my_index));
-      store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));
       msg += fmt::format(
           " (a previous job left its keys in '{}'; this rank removed its own, so the next job "
           "can start there)",

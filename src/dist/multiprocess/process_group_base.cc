@@ -449,8 +449,12 @@ CommError ProcessGroupBase::failed_earlier(const CollectiveOp& op,
 void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
                                const std::string& message) {
   remove_inflight(op.get());
-  if (op->claim()) op->work->fail(std::make_exception_ptr(CommError(message)));
+  // The group is marked broken before the op's Work fails: a caller woken by that failure may
+  // issue its next collective at once, which must then find the group unusable (not be taken
+  // for one in flight and fail as "failed earlier").
+  const bool mine = op->claim();
   mark_broken(message);
+  if (mine) op->work->fail(std::make_exception_ptr(CommError(message)));
 }
 
 void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,

@@ -319,6 +319,9 @@ void scenario_timeout(funcol::ProcessGroup& world) {
     failed(fmt::format("timed out after {:.2f} s with FUNCOL_TIMEOUT {:.1f} s", took,
                        timeout_seconds()));
   }
+  // Issued right after the timeout woke this rank: the group is unusable by then.
+  std::string next = expect_comm_error([&] { world.barrier(); }, "a barrier after the timeout");
+  expect_contains(next, "unusable after an earlier failure");
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
   // Stays until the late rank has issued (an mpi rank that failed ends the job when it exits).
   std::this_thread::sleep_for(std::chrono::duration<double>(4));
