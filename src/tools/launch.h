@@ -129,8 +129,9 @@ void check_launched_ranks(int ranks);
 // Starts `ranks` processes of this executable as one job and waits for them. mpi: under
 // `mpirun -np N --oversubscribe` (plus --allow-run-as-root when root); the ranks' output goes
 // through mpirun, whose stdout this process copies to its own (so a write that fails there sets
-// ferror(stdout) as on the other backends: mpirun itself ignores such failures). gloo: N processes with RANK, WORLD_SIZE and a file store in the temporary
-// directory (FUNCOL_STORE=file://DIR/store); their stdout is this process's, their stderr is
+// ferror(stdout) as on the other backends: mpirun itself ignores such failures). gloo: N
+// processes with RANK, WORLD_SIZE and a file store in the temporary directory
+// (FUNCOL_STORE=file://DIR/store); their stdout is this process's, their stderr is
 // kept until the end. The first rank to fail stops the others; its stderr is printed to `err`
 // (with "funcol: error: rank R was killed by signal ..." when it died or said nothing); on
 // success the ranks' stderr is passed on in rank order. A SIGINT, SIGTERM or SIGHUP stops every
