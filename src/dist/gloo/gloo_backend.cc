@@ -279,9 +279,15 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     }
 
     auto context = std::make_shared<gloo::rendezvous::Context>(my_index, n);
-    context->setTimeout(shared.timeout);
+    // A Gloo pair waits five times its timeout for its first connection, and takes the
+    // context's timeout when connectFullMesh makes it: a fifth of the job's timeout there bounds
+    // the wait for a peer that died after writing its address (or a previous job's address) by
+    // the job's timeout, not five times it. Pairs use their timeout for nothing else here: the
+    // sockets are non-blocking and every collective passes its own.
+    context->setTimeout(std::max(std::chrono::milliseconds(1), shared.timeout / 5));
     auto device = shared.device;
     context->connectFullMesh(prefixed, device);
+    context->setTimeout(shared.timeout);
 
     if (monitor) monitor->connect(addresses, shared.timeout);
     // Every member has read every key once all pass this barrier; then the keys can go.
@@ -296,6 +302,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   } catch (const std::exception& e) {
     forget_keys();
     std::string msg = gloo_message(e);
+    constexpr const char* kNextJob =
+        "which the rank whose key was taken removes, so the next job can start there";
     if (msg.find("already") != std::string::npos) {
       msg += fmt::format(
           " (a previous job left its keys in '{}'; this rank removed its own, so the next job "
@@ -305,9 +313,15 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       // Every member's arrival key was there, but a member never wrote its address.
       msg += fmt::format(
           " (every rank's arrival key was in '{}', but these never connected: they failed during "
-          "the rendezvous, or a previous job left their keys there, which the rank whose key "
-          "was taken removes, so the next job can start there)",
-          shared.url.text);
+          "the rendezvous, or a previous job left their keys there, {})",
+          shared.url.text, kNextJob);
+    } else if (msg.find("Connect timeout") != std::string::npos ||
+               msg.find("Connection refused") != std::string::npos) {
+      // A member's address was in the store, but nothing answered there.
+      msg += fmt::format(
+          " (a rank's address in '{}' did not answer: that rank failed during the rendezvous, "
+          "or a previous job left its keys there, {})",
+          shared.url.text, kNextJob);
     }
     throw CommError(
         fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, msg));

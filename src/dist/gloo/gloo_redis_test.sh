@@ -8,28 +8,8 @@ set -uo pipefail
 launch=$1
 shift
 
-if ! command -v redis-server >/dev/null; then
-  echo "gloo_redis_test.sh: SKIP: redis-server is not installed"
-  exit 77
-fi
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])')
-work=$(mktemp -d)
-redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$work" \
-  >"$work/redis.log" 2>&1 &
-redis_pid=$!
-trap 'kill "$redis_pid" 2>/dev/null; wait "$redis_pid" 2>/dev/null; rm -rf "$work"' EXIT
-
-# Ready when it answers PING (bounded: 10 s).
-for _ in $(seq 100); do
-  if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then break; fi
-  sleep 0.1
-done
-if ! redis-cli -p "$port" ping | grep -q PONG; then
-  echo "redis-server did not start:"
-  cat "$work/redis.log"
-  exit 1
-fi
+source "$(dirname "$0")/redis_server.sh"
+start_redis gloo_redis_test.sh
 
 for run in 1 2; do
   echo "gloo_redis_test.sh: run $run with FUNCOL_STORE=redis://127.0.0.1:$port"
