@@ -78,7 +78,7 @@ ReduceOp parse_reduce_op(std::string_view name) {
     if (reduce_op_name(op) == lower) return op;
   }
   // The seed's message, kept verbatim (capitalised) so users of the reference recognise it.
-  throw InvalidArgument("Unrecognized reduce_op: " + std::string(name));
+  throw InvalidArgument("Unrecognized reduce_op: " + printable(name));
 }
 
 void check_reduce_op_dtype(ReduceOp op, DType dtype, std::string_view what) {

@@ -1,6 +1,8 @@
 // The failure path of FUNCOL_CHECK.
 #include "funcol/core/error.h"
 
+#include <fmt/format.h>
+
 #include <new>
 
 namespace funcol {
@@ -21,6 +23,20 @@ template <class T>
 }
 
 }  // namespace
+
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    const auto b = static_cast<unsigned char>(c);
+    if (b >= 0x20 && b < 0x7f) {
+      out += c;
+    } else {
+      out += fmt::format("\\x{:02x}", b);
+    }
+  }
+  return out;
+}
 
 void rethrow_prefixed(const std::string& prefix, const SourceLocated* at) {
   try {

@@ -548,7 +548,8 @@ Types infer_reduction(In in, const AttrList& a, bool is_mean) {
     }
   }
   // As torch.sum: integers and bool sum into i64.
-  return {Type(is_floating(t.dtype) ? t.dtype : DType::I64, std::move(s))};
+  // Checked as every result is: i64 is wider than the input, and dims of 0 can be reduced away.
+  return {result(is_floating(t.dtype) ? t.dtype : DType::I64, std::move(s))};
 }
 Types infer_sum(In in, const AttrList& a) { return infer_reduction(in, a, false); }
 Types infer_mean(In in, const AttrList& a) { return infer_reduction(in, a, true); }

@@ -56,17 +56,7 @@ bool is_digit(char c) { return c >= '0' && c <= '9'; }
 
 // Up to `max` bytes of `text` for a message, with non-printable bytes escaped.
 std::string excerpt(std::string_view text, size_t max = 32) {
-  std::string out;
-  for (size_t i = 0; i < text.size() && i < max; ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c >= 0x20 && c < 0x7f) {
-      out += static_cast<char>(c);
-    } else {
-      out += fmt::format("\\x{:02x}", c);
-    }
-  }
-  if (text.size() > max) out += "...";
-  return out;
+  return printable(text.substr(0, max)) + (text.size() > max ? "..." : "");
 }
 
 // Splits text into tokens, tracking line and column. Copyable, so the parser can look ahead.

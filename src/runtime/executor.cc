@@ -103,7 +103,7 @@ std::string join_names(const std::vector<std::string>& names) {
   std::string out;
   for (const std::string& n : names) {
     if (!out.empty()) out += ", ";
-    out += n;
+    out += printable(n);
   }
   return out;
 }
@@ -125,8 +125,8 @@ void validate_groups(const Graph& graph,
     const std::string& name = node.attr("group").as_string();
     std::optional<int> size = group_size(name);
     if (!size) {
-      fail_at(graph, node,
-              fmt::format("unknown group '{}' (known groups: {})", name, join_names(known)));
+      fail_at(graph, node, fmt::format("unknown group '{}' (known groups: {})", printable(name),
+                                       join_names(known)));
     }
     check_collective(graph, node, name, *size, /*same_graph=*/true);
   }
@@ -345,7 +345,7 @@ void Executor::Impl::plan() {
       const std::string& name = node.attr("group").as_string();
       std::shared_ptr<ProcessGroup> group = registry.find(name);
       if (!group) {
-        fail_at(graph, node, fmt::format("unknown group '{}' (known groups: {})", name,
+        fail_at(graph, node, fmt::format("unknown group '{}' (known groups: {})", printable(name),
                                          join_names(registry.names())));
       }
       check_collective(graph, node, name, group->size(), options.check_same_graph);

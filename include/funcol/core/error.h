@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace funcol {
@@ -87,6 +88,10 @@ class LocatedError : public Base, public SourceLocated {
 // ParseError becomes an InvalidArgument (its what() already starts with the location); a
 // bad_alloc, an Error saying "out of memory"; any other exception, an Error.
 [[noreturn]] void rethrow_prefixed(const std::string& prefix, const SourceLocated* at = nullptr);
+
+// `text` for a message: bytes outside printable ASCII as \xHH, so a name from user input (a
+// group, a reduce op) can neither end a message early (NUL) nor split or colour it.
+std::string printable(std::string_view text);
 
 namespace detail {
 [[noreturn]] void check_failed(const char* cond, const char* file, int line, const std::string& msg);
