@@ -30,6 +30,10 @@ struct GradTape::State {
   // The storage version (Storage::version) of each value's tensor when a recorded op last used
   // or produced it; backward refuses values written since. Looked up only.
   std::unordered_map<const Value*, uint64_t> versions;
+  // The versions of each recorded node's operands when it was recorded: what its gradient rule
+  // reads of them must still hold that (a value written in place and used again since has a
+  // newer entry in `versions`). Looked up only.
+  std::unordered_map<const Node*, std::vector<uint64_t>> operand_versions;
   std::vector<Value*> leaves;
   std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
   // The groups the recorded collectives ran on, by name (looked up only): backward runs on
@@ -147,9 +151,13 @@ std::vector<Tensor> record(const std::shared_ptr<State>& state, std::string_view
     state->versions.emplace(c, version_of(t));
     values.push_back(c);
   }
+  std::vector<uint64_t> used;
+  used.reserve(operands.size());
+  for (const Tensor& t : operands) used.push_back(version_of(t));
   Builder b(g);
   b.set_name_hint(name_hint(get_op(op)));
   Node* node = b.create(op, std::move(values), attrs);
+  state->operand_versions.insert_or_assign(node, std::move(used));
   FUNCOL_CHECK(node->num_results() == results.size(),
                fmt::format("autograd: {} recorded with {} results for {}", op, results.size(),
                            node->num_results()));
@@ -307,16 +315,26 @@ void GradTape::backward(const Tensor& loss) {
   Graph& g = *s.graph;
   Node* mark = g.last_node();
   try {
-    const std::vector<Value*> grads = append_backward(g, tr.value, s.leaves);
     // The recorded values the gradient rules read must hold what they held when recorded
     // (PyTorch: "one of the variables needed for gradient computation has been modified by an
-    // inplace operation").
-    for (Node* n = mark ? mark->next() : g.first_node(); n; n = n->next()) {
-      for (const Value* v : n->operands()) {
+    // inplace operation"): an operand of the node whose rule reads it, what it held when that
+    // node was recorded; any other value, when a recorded op last used or produced it.
+    std::vector<std::pair<const Node*, const Node*>> reads;  // (forward node, rule's node)
+    const std::vector<Value*> grads =
+        append_backward(g, tr.value, s.leaves,
+                        [&](const Node& forward, const Node& made) {
+                          reads.emplace_back(&forward, &made);
+                        });
+    for (const auto& [forward, made] : reads) {
+      const auto used = s.operand_versions.find(forward);
+      for (const Value* v : made->operands()) {
         auto it = s.values.find(v);
         if (it == s.values.end()) continue;
         const uint64_t now = version_of(it->second);
-        const uint64_t then = s.versions.at(v);
+        uint64_t then = s.versions.at(v);
+        for (size_t i = 0; used != s.operand_versions.end() && i < forward->num_operands(); ++i) {
+          if (forward->operand(i) == v) then = used->second[i];
+        }
         if (now != then) {
           throw InvalidArgument(fmt::format(
               "backward: {} ({}), a value the gradient needs, was written in place after it "

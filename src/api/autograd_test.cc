@@ -196,6 +196,20 @@ TEST_P(EagerGradCheck, CoalescedResultsUsedOnSomeRanksOnly) {
   EXPECT_EQ(n, expected(6 + 8));
 }
 
+// One coalesced call over a leaf and an untracked constant, where odd ranks' losses use only the
+// constant's result: those ranks still run the backward collective (PyTorch's coalesced op is
+// one autograd node) and get the gradient their leaf has through the other ranks' losses. They
+// used to skip it (zero gradient; the even ranks' backward collective then had no partner).
+TEST_P(EagerGradCheck, CoalescedLossThroughAConstantsResultOnSomeRanks) {
+  const int w = GetParam();
+  const int64_t n = eager_gradcheck(w, {{3}}, [](GradTape& tape, const auto& x, int rank) {
+    const Tensor c = Tensor::full({2}, DType::F64, 0.5);
+    const std::vector<Tensor> ar = all_reduce_coalesced_autograd({x[0], c}, "sum", "world");
+    return sum_of_cubes(tape, ar[rank % 2 == 1 ? 1 : 0]);
+  });
+  EXPECT_EQ(n, expected(3));
+}
+
 // A 0-d input gathers to [group_size]; its gradient (a reduce_scatter, [1]) must come back 0-d.
 TEST_P(EagerGradCheck, ZeroDimAllGather) {
   const int w = GetParam();
@@ -365,6 +379,35 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     const Tensor l = tape.call_one("sum", std::vector<Tensor>{r});
     r.fill_(0.0);  // relu's gradient reads its output
     EXPECT_NE(error_of([&] { tape.backward(l); }).find("was written in place"), std::string::npos);
+  }
+  {
+    // Written in place after mul used it, then used again by a recorded op: mul's gradient
+    // still reads the old values (the check kept only the newest use's version, and gave a
+    // gradient of the new ones).
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, 1.0));
+    const Tensor w = tape.requires_grad(Tensor::full({2}, DType::F64, 2.0));
+    const Tensor z = tape.call_one("mul", std::vector<Tensor>{x, w});
+    w.fill_(5.0);
+    const Tensor q = tape.call_one("add", std::vector<Tensor>{w, x});
+    const Tensor l = tape.call_one(
+        "add", std::vector<Tensor>{tape.call_one("sum", std::vector<Tensor>{z}),
+                                   tape.call_one("sum", std::vector<Tensor>{q})});
+    EXPECT_EQ(error_of([&] { tape.backward(l); }),
+              "backward: %x.1 (f64[2]), a value the gradient needs, was written in place after "
+              "it was recorded (version 2, recorded at 1): record the computation again, or "
+              "write to a copy");
+  }
+  {
+    GradTape tape;  // the same write, but the loss reads only uses made after it: fine
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, 1.0));
+    const Tensor w = tape.requires_grad(Tensor::full({2}, DType::F64, 2.0));
+    const Tensor z = tape.call_one("mul", std::vector<Tensor>{x, w});
+    w.fill_(5.0);
+    const Tensor q = tape.call_one("mul", std::vector<Tensor>{w, x});
+    tape.backward(tape.call_one("sum", std::vector<Tensor>{q}));
+    EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{5, 5}));
+    EXPECT_EQ(tape.grad(w).to_vector<double>(), (std::vector<double>{1, 1}));
   }
   {
     GradTape tape;  // add's gradient reads neither operand

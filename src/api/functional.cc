@@ -38,6 +38,16 @@ void check_input(const Tensor& t, std::string_view op, std::string_view suffix =
   }
 }
 
+// check_reduce_op_dtype for entry i of a coalesced call, the entry named as the seed's other
+// per-entry errors name it.
+void check_entry_reduce_op(ReduceOp op, const Tensor& t, std::string_view what, size_t i) {
+  try {
+    check_reduce_op_dtype(op, t.dtype(), what);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(e.what() + index_suffix(i));
+  }
+}
+
 int64_t prod(const Shape& s, size_t begin, size_t end) {
   int64_t p = 1;
   for (size_t i = begin; i < end; ++i) p *= s[i];
@@ -427,7 +437,7 @@ std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
   const ReduceOp op = parse_reduce_op(reduce_op);
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(inputs[i], kOp, index_suffix(i));
-    check_reduce_op_dtype(op, inputs[i].dtype(), kOp);
+    check_entry_reduce_op(op, inputs[i], kOp, i);
   }
   ProcessGroup& pg = group.resolve();
   if (inputs.empty()) return {};
@@ -482,7 +492,7 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(inputs[i], kOp, index_suffix(i));
-    check_reduce_op_dtype(op, inputs[i].dtype(), kOp);
+    check_entry_reduce_op(op, inputs[i], kOp, i);
   }
   ProcessGroup& pg = group.resolve();
   if (inputs.empty()) return {};

@@ -905,6 +905,14 @@ TEST(Errors, ShapesSplitsAndArguments) {
                   all_reduce_coalesced({x, Tensor()}, "sum", world);
                 }),
                 HasSubstr("undefined input tensor for tensor at index 1"));
+    // The entry whose dtype the reduce op does not support is named as well.
+    const Tensor ints = Tensor::full({4}, DType::I32, 1.0);
+    const Tensor bools = Tensor::full({4}, DType::Bool, 1.0);
+    EXPECT_THAT(error_of([&] { all_reduce_coalesced({ints, ints, x}, "bxor", world); }),
+                HasSubstr("all_reduce_coalesced: reduce_op bxor is not supported for floating "
+                          "dtype f32 (only integer and bool) for tensor at index 2"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, bools}, "avg", {0, 0}, world); }),
+                HasSubstr("for tensor at index 1"));
     EXPECT_THROW(all_gather_tensor(x, 2, world), ShapeError);
     // Empty inputs whose gathered dim would leave int64 (every rank fails before issuing).
     const Tensor wide = Tensor::empty({0, int64_t{1} << 61}, DType::U8);

@@ -83,8 +83,8 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
 }
 
 // append_backward without the clean-up on failure.
-std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
-                                          std::span<Value* const> wrt) {
+std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<Value* const> wrt,
+                                          const MadeBy& made_by) {
   FUNCOL_CHECK(loss != nullptr, "append_backward: null loss");
   if (!is_loss_type(loss->type())) {
     throw InvalidArgument(fmt::format("autodiff: the loss {} must be a scalar of a floating "
@@ -98,20 +98,22 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
   }
   const std::vector<Node*> order = graph.node_list();
   for (Node* n : order) {
-    // Coalesced ops map operand i to result i alone (so no backward collective is spent on a
-    // result that does not lead back to `wrt`); any other op mixes all its operands.
-    const bool per_operand = n->op().results == ResultArity::PerOperand;
+    // Every floating result of a node with an operand that needs one, coalesced collectives
+    // included (as PyTorch's one autograd node for them): their backward is one collective
+    // over every result, which each rank must issue whichever result its own loss uses (an
+    // eager tape's loss is the rank's own), and a result whose operand needs no gradient
+    // still carries the peers' gradients into the other operands.
     bool any = false;
     for (const Value* v : n->operands()) any |= needs.count(v) != 0;
     if (!any) continue;
     for (size_t r = 0; r < n->num_results(); ++r) {
-      if (per_operand && !needs.count(n->operand(r))) continue;
       if (is_floating(n->result(r)->dtype())) needs.insert(n->result(r));
     }
   }
 
   Builder b(graph);
   std::unordered_map<const Value*, Value*> grads;
+  std::unordered_map<const Node*, const Node*> made_by_node;  // looked up only
   auto accumulate = [&](Value* v, Value* g) {
     FUNCOL_CHECK(g->type() == v->type(),
                  fmt::format("autodiff: gradient of {} has type {}, expected {}", v->ref(),
@@ -154,7 +156,13 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
       });
     }
     b.set_name_hint("d_" + n->name());
+    Node* before = graph.last_node();
     const std::vector<Value*> operand_grads = op.grad(b, *n, result_grads);
+    if (made_by) {
+      for (Node* m = before ? before->next() : graph.first_node(); m; m = m->next()) {
+        made_by_node.emplace(m, n);
+      }
+    }
     FUNCOL_CHECK(operand_grads.size() == n->num_operands(),
                  fmt::format("autodiff: gradient rule of {} returned {} gradients for {} operands",
                              op.name, operand_grads.size(), n->num_operands()));
@@ -183,15 +191,23 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss,
     if (!n->op().has_side_effect && !n->has_uses() && !kept.count(n)) graph.erase(n);
     n = prev;
   }
+  if (made_by) {
+    for (const Node* m = forward_last ? forward_last->next() : graph.first_node(); m;
+         m = m->next()) {
+      auto it = made_by_node.find(m);
+      if (it != made_by_node.end()) made_by(*it->second, *m);
+    }
+  }
   return out;
 }
 
 }  // namespace
 
-std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt) {
+std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt,
+                                    const MadeBy& made_by) {
   Node* last = graph.last_node();
   try {
-    return append_backward_nodes(graph, loss, wrt);
+    return append_backward_nodes(graph, loss, wrt, made_by);
   } catch (...) {
     erase_nodes_after(graph, last);
     throw;

@@ -2,6 +2,7 @@
 // the one routine the autodiff pass and the eager autograd tape share.
 #pragma once
 
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -19,7 +20,12 @@ namespace funcol {
 // or its rule refuses (a non-sum all_reduce / reduce_scatter, broadcast), and then leaves the
 // graph as it was (the nodes appended before the error are erased).
 // Deterministic: program order only; maps keyed by pointer are looked up, never iterated.
-std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt);
+// `made_by`, when given, is called once for every appended node that a gradient rule made and
+// that was kept, in program order, with the forward node whose rule made it (the eager tape
+// checks the values each rule reads against their versions when that node was recorded).
+using MadeBy = std::function<void(const Node& forward, const Node& made)>;
+std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt,
+                                    const MadeBy& made_by = {});
 
 // A loss append_backward accepts: one element (f32[] or, as PyTorch's backward accepts any
 // single-element output, f32[1], f32[1, 1], ...) of a floating dtype.
