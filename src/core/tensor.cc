@@ -928,7 +928,16 @@ T Tensor::item() const {
   using Dst = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
   return dispatch(dtype_, [&](auto tag) {
     using S = typename decltype(tag)::type;
-    return static_cast<T>(cvt<Dst>(load_elem<S>(p)));
+    const S v = load_elem<S>(p);
+    // As PyTorch's item<T>() (Scalar::to, checked_convert): a value T cannot hold is an error,
+    // not wrapped or saturated as element conversions are (3e9 as int32, 300 as uint8, 1e300
+    // as float, NaN or infinity as an integer). Bool and floating infinities and NaN convert.
+    if constexpr (std::is_integral_v<S>) {
+      check_value_fits(dtype_of<Dst>, static_cast<int64_t>(v), "item");
+    } else {
+      check_value_fits(dtype_of<Dst>, cvt<double>(v), "item");
+    }
+    return static_cast<T>(cvt<Dst>(v));
   });
 }
 

@@ -924,7 +924,6 @@ TEST(Copies, FloatToIntegerConversions) {
             (std::vector<int>{0, 255, 0, 0, 0, 255, 44, 255, 2}));
   EXPECT_EQ(x.to(DType::I16).to_vector<int>(),
             (std::vector<int>{0, 32767, -32768, 0x5e00, -0x5e00, 32767, 300, -1, 2}));
-  EXPECT_EQ(Tensor::full({}, DType::F32, inf).item<int>(), INT32_MAX);
   // A value past the type's range is refused by the factories, as PyTorch's overflow check
   // does, though it would truncate into range.
   EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({1}, DType::U8, 255.5); }),
@@ -933,6 +932,32 @@ TEST(Copies, FloatToIntegerConversions) {
   EXPECT_EQ(Tensor::full({1}, DType::U8, 255.0).item<int>(), 255);
   EXPECT_EQ(Tensor::full({1}, DType::I8, -128.0).item<int>(), -128);
   EXPECT_EQ(Tensor::full({1}, DType::I8, 127.9 - 0.9).item<int>(), 127);
+}
+
+// item<T>() refuses a value T cannot hold, as PyTorch's (Scalar::to's checked_convert), where
+// element conversions wrap or saturate: it used to give -1294967296, 44, inf and INT32_MAX here.
+TEST(Copies, ItemRefusesAValueItsTypeCannotHold) {
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(error_of<InvalidArgument>(
+                [] { (void)Tensor::full({}, DType::I64, int64_t{3000000000}).item<int32_t>(); }),
+            "item: value 3000000000 cannot be converted to i32 without overflow");
+  EXPECT_THROW((void)Tensor::full({}, DType::I32, 300).item<uint8_t>(), InvalidArgument);
+  EXPECT_THROW((void)Tensor::full({}, DType::I32, -1).item<uint8_t>(), InvalidArgument);
+  EXPECT_THROW((void)Tensor::full({}, DType::F64, 1e300).item<float>(), InvalidArgument);
+  EXPECT_THROW((void)Tensor::full({}, DType::F64, 1e10).item<int32_t>(), InvalidArgument);
+  EXPECT_THROW((void)Tensor::full({}, DType::F32, inf).item<int>(), InvalidArgument);
+  EXPECT_THROW((void)Tensor::full({}, DType::F32, std::nan("")).item<int64_t>(), InvalidArgument);
+  EXPECT_THROW((void)Tensor::full({}, DType::F32, 70000.0).item<Eigen::half>(), InvalidArgument);
+  // What fits converts as before: truncation toward zero, bool from anything, infinities and
+  // NaN between floating types, the largest values exactly.
+  EXPECT_EQ(Tensor::full({}, DType::F64, -2.9).item<int8_t>(), -2);
+  EXPECT_EQ(Tensor::full({}, DType::I32, 7).item<bool>(), true);
+  EXPECT_EQ(Tensor::full({}, DType::F64, inf).item<float>(),
+            std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(Tensor::full({}, DType::F64, std::nan("")).item<float>()));
+  EXPECT_EQ(Tensor::full({}, DType::I64, int64_t{INT32_MAX}).item<int32_t>(), INT32_MAX);
+  EXPECT_EQ(Tensor::full({}, DType::U8, 255).item<uint8_t>(), 255);
+  EXPECT_EQ(Tensor::full({}, DType::I64, INT64_MIN).item<int64_t>(), INT64_MIN);
 }
 
 TEST(Copies, CopyConvertsAndChecksShape) {

@@ -194,7 +194,9 @@ class Tensor {
   // Elements in logical (row-major) order converted to T; waits.
   template <ElementType T>
   std::vector<T> to_vector() const;
-  // The only element converted to T; throws ShapeError unless numel() == 1.
+  // The only element converted to T; throws ShapeError unless numel() == 1, and
+  // InvalidArgument when T cannot hold it (as PyTorch's item<T>(): 3e9 as int32_t, NaN as int).
+  // to_vector converts as Tensor::to does instead (wrapping or saturating).
   template <ElementType T>
   T item() const;
   // "tensor(f32[2,2], [[1, 2], [3, 4]])"; waits. Long tensors are abbreviated.
