@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -265,8 +266,10 @@ std::vector<std::string> rank_args(const RunOptions& o, const std::string& file)
   return a;
 }
 
-// Not inside a job: start one (launch_job). Standard input is saved to the job's temporary
-// directory, as the ranks read the graph from a file.
+// Not inside a job: start one (launch_job). The ranks read the graph from a file: standard
+// input, and any FILE that is not a regular file (a pipe, `<(...)`, /dev/stdin: this process
+// drained it, and mpirun's ranks do not inherit /dev/fd), is saved to the job's temporary
+// directory with the text this process read and checked.
 int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   TraceFile trace(o.trace);
   JobOptions job;
@@ -275,8 +278,9 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   job.temp_prefix = "funcol-run-";
   job.rank_args = [&](const std::string& dir) {
     std::string file = o.file;
-    if (o.file == "-") {
-      file = dir + "/stdin.ir";
+    std::error_code ec;
+    if (o.file == "-" || !std::filesystem::is_regular_file(o.file, ec)) {
+      file = dir + (o.file == "-" ? "/stdin.ir" : "/input.ir");
       std::ofstream(file, std::ios::binary) << text;
     }
     return rank_args(o, file);

@@ -529,5 +529,25 @@ TEST_F(RunE2E, ReadsStandardInput) {
   EXPECT_EQ(slurp(dir_.path() + "/stdin.out"), r.out);
 }
 
+// A FILE that is not a regular file (a pipe: `<(...)`, /dev/stdin) runs on every backend. The
+// process backends' ranks read FILE again; the launcher had drained the pipe (gloo: "the input
+// holds none") and mpirun's ranks have no /dev/fd of it ("cannot read /dev/fd/63").
+TEST_F(RunE2E, ReadsAFileThatIsAPipeOnEveryBackend) {
+  const std::string file = write("g.ir", kGraph);
+  const Result want = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--outputs", "json"});
+  ASSERT_EQ(want.status, 0) << want.err;
+  for (const std::string& backend : backends()) {
+    SCOPED_TRACE(backend);
+    const std::string out = dir_.path() + "/pipe." + backend + ".out";
+    SpawnOptions s;
+    s.argv = {"sh", "-c",
+              "cat " + file + " | FUNCOL_TIMEOUT=60 " + std::string(FUNCOL_BIN) +
+                  " run /dev/stdin --ranks 4 --mesh dp=2,tp=2 --outputs json --backend " +
+                  backend + " > " + out + " 2>&1"};
+    EXPECT_TRUE(wait_all({spawn_process(s)}).front().ok()) << slurp(out);
+    EXPECT_EQ(slurp(out), want.out);
+  }
+}
+
 }  // namespace
 }  // namespace funcol::tools
