@@ -337,51 +337,87 @@ int64_t exact_limit(DType dtype) {
 // ---- check data ----
 //
 // Values by op (M = exact_limit(dtype), n = ranks, every value >= 0 so partial results of any
-// reduction order are bounded by the final one):
-//   all_gather, all_to_all, broadcast: (13 r + i) mod P, P = min(M, 250) + 1; broadcast's
-//             non-root ranks (13 root + i + 1) mod P, so every element differs from the root's
-//   sum:      (7 r + i) mod (A + 1), A = min(M / n, 100): the sum of n ranks is <= M
-//   avg:      n * (i mod (A + 1)) on rank (n - i mod n) mod n, 0 elsewhere: the sum divides by n
-//   product:  i mod Q on that rank, 1 elsewhere, Q = min(M, 3) + 1: the product is i mod Q
-//   min, max: (7 r + 3 i) mod P, P = min(M, 100) + 1
-//   band, bor, bxor: (37 r + 11 i) mod P, P = min(M + 1, 256), a power of two for 1-byte types
+// reduction order are bounded by the final one), with k = i mod 251 (kCycle, a prime): every
+// pattern repeats every 251 elements, and every modulus below is odd. A period or modulus that
+// divides the per-rank count (the default sizes are powers of two) makes every rank's block
+// alike, and a block sent to the wrong rank or offset then goes unseen (i8's modulus 128, an
+// avg or product pattern of period lcm(n, 3) on 4 ranks, bool's 2 did).
+//   all_gather, all_to_all, broadcast: (13 r + k) mod P, P = the largest odd number <=
+//             min(M, 250) + 1; bool: a hash bit of (r, k). Broadcast's non-root ranks hold the
+//             root's value plus one mod P (bool: its complement): every element differs
+//   sum:      (7 r + k) mod P, P the largest odd number <= A + 1 that is no multiple of 7,
+//             A = min(M / n, 100): the sum of n ranks is <= M; for bool (an or) and where A is
+//             1, a hash bit of k on the holder, rank (n - k mod n) mod n, 0 elsewhere; where A
+//             is 0 (more ranks than M), 0
+//   avg:      n * (k mod P) on the holder, 0 elsewhere (P as sum's, 2 where A is 1): the sum
+//             divides by n
+//   product:  on the holder 0, 2 or 3 by a hash of k (bool: a hash bit), 1 elsewhere: the
+//             product is the holder's
+//   min, max: (7 r + 3 k) mod 101; bool: a hash bit of k on the holder, 1 (min) or 0 (max)
+//             elsewhere
+//   band, bor, bxor: the result R = a hash of k mod P, P = the largest odd number <=
+//             min(M + 1, 256), is the holder's value; the others hold R | m (band), R & m
+//             (bor) or m (bxor, the holder then R ^ the others' m), m = (37 r + 11 k) mod P:
+//             every rank's input varies, and the result is R; bool: as min (band) or max
+namespace {
+
+constexpr int64_t kCycle = 251;
+
+int64_t largest_odd_at_most(int64_t x) { return x % 2 == 1 ? x : x - 1; }
+
+// A well-mixed number of (r, k) (splitmix64's finaliser): values no short period or rank shift
+// repeats.
+uint64_t mix(int64_t r, int64_t k) {
+  uint64_t z = static_cast<uint64_t>(r) * 0x9e3779b97f4a7c15ULL + static_cast<uint64_t>(k) + 1;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+int64_t hash_bit(int64_t r, int64_t k) { return static_cast<int64_t>(mix(r, k) & 1); }
+// The seed a reduction's result pattern is drawn with (any rank number would do).
+constexpr int64_t kResultSeed = -1;
+
+}  // namespace
+
 CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, int root)
     : op_(op), redop_(redop), dtype_(dtype), nranks_(nranks), root_(root) {
   FUNCOL_CHECK(nranks >= 1, "nranks must be positive");
   const int64_t m = exact_limit(dtype);
   const int64_t n = nranks;
+  const bool is_bool = dtype == DType::Bool;
+  period_ = kCycle;
   if (!has_reduce_op(op)) {
-    modulus_ = std::min<int64_t>(m, 250) + 1;
-    period_ = modulus_;
+    modulus_ = is_bool ? 2 : largest_odd_at_most(std::min<int64_t>(m, 250) + 1);
     for (int r = 0; r < nranks; ++r) inputs_.push_back(input_table(r));
     return;
   }
+  const int64_t a = std::min<int64_t>(m / n, 100);
+  auto sum_modulus = [&] {
+    int64_t p = largest_odd_at_most(a + 1);
+    while (p > 1 && p % 7 == 0) p -= 2;
+    return p;
+  };
   switch (redop) {
     case ReduceOp::Sum:
-      // bool sums are ors: a pattern of zeros and ones (see input()), not all zeros.
-      modulus_ = dtype == DType::Bool ? 3 : std::min<int64_t>(m / n, 100) + 1;
-      period_ = modulus_;
+      // bool sums are ors: a pattern of zeros and ones (see input()), as where A is 1.
+      modulus_ = is_bool || a == 1 ? 3 : a == 0 ? 1 : sum_modulus();
       break;
     case ReduceOp::Avg:
-      modulus_ = std::min<int64_t>(m / n, 100) + 1;
-      period_ = std::lcm(n, modulus_);
+      modulus_ = a <= 1 ? a + 1 : sum_modulus();
       break;
     case ReduceOp::Product:
       // Non-bool: the holder's values 0, 2, 3 (never 1, so a product of all ones, which every
       // rank's own input would equal, never occurs); bool (an and): 0 and 1.
-      modulus_ = dtype == DType::Bool ? 2 : 3;
-      period_ = std::lcm(n, modulus_);
+      modulus_ = is_bool ? 2 : 3;
       break;
     case ReduceOp::Min:
     case ReduceOp::Max:
-      modulus_ = std::min<int64_t>(m, 100) + 1;
-      period_ = modulus_;
+      modulus_ = is_bool ? 2 : 101;
       break;
     case ReduceOp::BAnd:
     case ReduceOp::BOr:
     case ReduceOp::BXor:
-      modulus_ = std::min<int64_t>(m + 1, 256);
-      period_ = modulus_;
+      modulus_ = is_bool ? 2 : largest_odd_at_most(std::min<int64_t>(m + 1, 256));
       break;
   }
   // The reduction over ranks, computed here from the inputs: the reference the backend is
@@ -427,27 +463,52 @@ CheckPattern::CheckPattern(BenchOp op, ReduceOp redop, DType dtype, int nranks, 
 
 int64_t CheckPattern::input(int rank, int64_t i) const {
   const int64_t r = rank;
-  // A broadcast's other ranks hold the root's values shifted by one element: every element
-  // differs from the root's, so one left unwritten is seen (bool on 3 ranks: 13 * 2 is even).
-  if (op_ == BenchOp::Broadcast && rank != root_) return (13 * root_ + i + 1) % modulus_;
-  if (!has_reduce_op(op_)) return (13 * r + i) % modulus_;
+  const int64_t k = i % kCycle;
+  const bool is_bool = dtype_ == DType::Bool;
+  if (!has_reduce_op(op_)) {
+    auto value = [&](int64_t q) { return is_bool ? hash_bit(q, k) : (13 * q + k) % modulus_; };
+    // A broadcast's other ranks hold something else at every element, so one left unwritten
+    // is seen.
+    if (op_ == BenchOp::Broadcast && rank != root_) {
+      return is_bool ? 1 - value(root_) : (value(root_) + 1) % modulus_;
+    }
+    return value(r);
+  }
+  const bool holder = (r + k) % nranks_ == 0;
+  const int64_t bit = hash_bit(kResultSeed, k);
+  auto mask = [&](int64_t q) { return (37 * q + 11 * k) % modulus_; };
   switch (redop_) {
     case ReduceOp::Sum:
-      if (dtype_ == DType::Bool) return (7 * r + i) % modulus_ == 0 ? 1 : 0;
-      return (7 * r + i) % modulus_;
+      if (modulus_ == 3 && (is_bool || exact_limit(dtype_) / nranks_ == 1)) {
+        return holder ? bit : 0;
+      }
+      return (7 * r + k) % modulus_;
     case ReduceOp::Avg:
-      return (r + i) % nranks_ == 0 ? nranks_ * (i % modulus_) : 0;
-    case ReduceOp::Product:
-      if ((r + i) % nranks_ != 0) return 1;
-      if (dtype_ == DType::Bool) return i % modulus_;
-      return i % modulus_ == 0 ? 0 : i % modulus_ + 1;
+      return holder ? nranks_ * (k % modulus_) : 0;
+    case ReduceOp::Product: {
+      if (!holder) return 1;
+      if (is_bool) return bit;
+      const int64_t v = static_cast<int64_t>(mix(kResultSeed, k) % 3);
+      return v == 0 ? 0 : v + 1;
+    }
     case ReduceOp::Min:
     case ReduceOp::Max:
-      return (7 * r + 3 * i) % modulus_;
+      if (is_bool) return holder ? bit : (redop_ == ReduceOp::Min ? 1 : 0);
+      return (7 * r + 3 * k) % modulus_;
     case ReduceOp::BAnd:
     case ReduceOp::BOr:
-    case ReduceOp::BXor:
-      return (37 * r + 11 * i) % modulus_;
+    case ReduceOp::BXor: {
+      if (is_bool) return holder ? bit : (redop_ == ReduceOp::BAnd ? 1 : 0);
+      const int64_t result = static_cast<int64_t>(mix(kResultSeed, k) % modulus_);
+      if (redop_ == ReduceOp::BAnd) return holder ? result : result | mask(r);
+      if (redop_ == ReduceOp::BOr) return holder ? result : result & mask(r);
+      if (!holder) return mask(r);
+      int64_t v = result;
+      for (int64_t q = 0; q < nranks_; ++q) {
+        if ((q + k) % nranks_ != 0) v ^= mask(q);
+      }
+      return v;
+    }
   }
   FUNCOL_CHECK(false, "unknown reduce op");
 }

@@ -385,19 +385,27 @@ TEST(BenchCheck, HandComputedValues) {
   EXPECT_EQ(avg.input(3, 1), 4);
   EXPECT_EQ(avg.input(0, 1), 0);
   EXPECT_EQ(avg.expected(0, 1, 8), 1);
-  // product on 3 ranks: element 2 is held by rank 1 as 3 (2 % 3 + 1); the others hold 1.
+  // product on 3 ranks: element 2 is held by rank 1 ((1 + 2) % 3 == 0) as 0, 2 or 3 (by a hash
+  // of the element), the others hold 1; the product is the holder's value. Element 253 is
+  // element 2 again (the patterns repeat every 251 elements).
   CheckPattern prod(BenchOp::ReduceScatter, ReduceOp::Product, DType::F16, 3, 0);
-  EXPECT_EQ(prod.input(1, 2), 3);
   EXPECT_EQ(prod.input(0, 2), 1);
-  EXPECT_EQ(prod.expected(0, 2, 4), 3);
-  EXPECT_EQ(prod.input(2, 1), 2);  // element 1: rank 2 holds 1 % 3 + 1
-  EXPECT_EQ(prod.input(0, 3), 0);  // element 3: rank 0 holds 0
-  // a bool sum is an or of ones at (7 r + i) % 3 == 0.
+  EXPECT_EQ(prod.input(2, 2), 1);
+  EXPECT_TRUE(prod.input(1, 2) == 0 || prod.input(1, 2) == 2 || prod.input(1, 2) == 3);
+  EXPECT_EQ(prod.expected(0, 2, 4), prod.input(1, 2));
+  EXPECT_EQ(prod.input(1, 2 + 251), prod.input(1, 2));
+  std::set<int64_t> products;
+  for (int64_t i = 0; i < prod.period(); ++i) products.insert(prod.expected(0, i, 4));
+  EXPECT_EQ(products, (std::set<int64_t>{0, 2, 3}));
+  // a bool sum (an or): element k's holder, rank (2 - k % 2) % 2, holds a hash bit, the other 0.
   CheckPattern bor(BenchOp::AllReduce, ReduceOp::Sum, DType::Bool, 2, 0);
-  EXPECT_EQ(bor.input(0, 0), 1);
-  EXPECT_EQ(bor.input(1, 2), 1);
-  EXPECT_EQ(bor.expected(0, 1, 3), 0);
-  EXPECT_EQ(bor.expected(0, 2, 3), 1);
+  EXPECT_EQ(bor.input(1, 0), 0);
+  EXPECT_EQ(bor.input(0, 1), 0);
+  EXPECT_EQ(bor.expected(0, 0, 3), bor.input(0, 0));
+  EXPECT_EQ(bor.expected(0, 1, 3), bor.input(1, 1));
+  std::set<int64_t> bits;
+  for (int64_t i = 0; i < bor.period(); ++i) bits.insert(bor.expected(0, i, 4));
+  EXPECT_EQ(bits, (std::set<int64_t>{0, 1}));
   // reduce_scatter: rank 1 of 2 gets elements [count, 2 count) reduced.
   CheckPattern rs(BenchOp::ReduceScatter, ReduceOp::Sum, DType::F32, 2, 0);
   EXPECT_EQ(rs.expected(1, 0, 4), rs.input(0, 4) + rs.input(1, 4));
@@ -452,6 +460,51 @@ TEST(BenchCheck, NanAndSwappedBlocksAreWrong) {
   EXPECT_EQ(a2a.count_wrong(out, 0, count), 2 * count);  // rank 0 expects block 0 of each peer
   out.narrow(0, 3, 1).fill_(std::nan(""));
   EXPECT_EQ(a2a.count_wrong(out, 1, count), 1);
+}
+
+// A block that went to the wrong rank or offset is seen at the default (power-of-two) sizes, on
+// every dtype: rank n-1 handed rank 0's reduce_scatter or all_to_all result, and an all_gather
+// result with blocks 0 and 1 swapped. The patterns used to repeat with a period that divided
+// such counts (i8's 128, bitwise ops' 256, bool's 2, product's lcm(n, 3)), and #wrong was 0.
+TEST(BenchCheck, BlocksInTheWrongPlaceAreSeenAtPowerOfTwoCounts) {
+  const ReduceOp redops[] = {ReduceOp::Sum, ReduceOp::Avg,  ReduceOp::Product, ReduceOp::Min,
+                             ReduceOp::Max, ReduceOp::BAnd, ReduceOp::BOr,     ReduceOp::BXor};
+  auto tensor_of = [](const std::vector<double>& v, DType dtype) {
+    return Tensor::from_vector<double>(v, {static_cast<int64_t>(v.size())}).to(dtype);
+  };
+  for (DType dtype : kAllDTypes) {
+    for (int n : {2, 3, 4, 8}) {
+      for (int64_t count : {int64_t{8}, int64_t{16}, int64_t{64}, int64_t{128}, int64_t{256}, int64_t{512},
+                            int64_t{4096}}) {
+        for (BenchOp op : {BenchOp::ReduceScatter, BenchOp::AllToAll, BenchOp::AllGather}) {
+          for (ReduceOp redop : redops) {
+            if (!has_reduce_op(op) && redop != ReduceOp::Sum) continue;
+            if (bitwise(redop) && is_floating(dtype)) continue;
+            if (redop == ReduceOp::Avg && dtype == DType::Bool) continue;  // refused
+            SCOPED_TRACE(std::string(bench_op_name(op)) + " " + std::string(dtype_name(dtype)) +
+                         " " + std::string(reduce_op_name(redop)) + " n=" + std::to_string(n) +
+                         " count=" + std::to_string(count));
+            const CheckPattern p(op, redop, dtype, n, 0);
+            const int64_t out_numel = op == BenchOp::ReduceScatter ? count : n * count;
+            std::vector<double> v;
+            if (op == BenchOp::AllGather) {
+              for (int64_t j = 0; j < out_numel; ++j) {
+                const int64_t from = j < count ? j + count : j < 2 * count ? j - count : j;
+                v.push_back(static_cast<double>(p.expected(0, from, count)));
+              }
+              EXPECT_GT(p.count_wrong(tensor_of(v, dtype), 0, count), 0);
+              continue;
+            }
+            for (int64_t j = 0; j < out_numel; ++j) {
+              v.push_back(static_cast<double>(p.expected(0, j, count)));
+            }
+            EXPECT_EQ(p.count_wrong(tensor_of(v, dtype), 0, count), 0);
+            EXPECT_GT(p.count_wrong(tensor_of(v, dtype), n - 1, count), 0);
+          }
+        }
+      }
+    }
+  }
 }
 
 // ---- validation and runs ----
