@@ -474,8 +474,8 @@ TEST(BenchCheck, BlocksInTheWrongPlaceAreSeenAtPowerOfTwoCounts) {
   };
   for (DType dtype : kAllDTypes) {
     for (int n : {2, 3, 4, 8}) {
-      for (int64_t count : {int64_t{8}, int64_t{16}, int64_t{64}, int64_t{128}, int64_t{256}, int64_t{512},
-                            int64_t{4096}}) {
+      for (int64_t count : {int64_t{8}, int64_t{16}, int64_t{64}, int64_t{128}, int64_t{256},
+                            int64_t{512}, int64_t{4096}}) {
         for (BenchOp op : {BenchOp::ReduceScatter, BenchOp::AllToAll, BenchOp::AllGather}) {
           for (ReduceOp redop : redops) {
             if (!has_reduce_op(op) && redop != ReduceOp::Sum) continue;
