@@ -217,7 +217,7 @@ int64_t parse_int(std::string_view text, std::string_view flag, int64_t min_valu
 DType parse_bench_dtype(std::string_view text) {
   if (std::optional<DType> d = parse_dtype(text)) return *d;
   // nccl-tests' type names, so its -d values carry over. (Its -o is the reduce op and -r the
-  // root; here -o is the collective and -r the reduce op: DESIGN section 7.)
+  // root; here -o is the collective and -r the reduce op: see `funcol bench --help`.)
   static const std::pair<std::string_view, DType> kAliases[] = {
       {"float", DType::F32},   {"float32", DType::F32},   {"half", DType::F16},
       {"float16", DType::F16}, {"bfloat16", DType::BF16}, {"double", DType::F64},
