@@ -544,9 +544,15 @@ void Storage::add_pending(std::shared_ptr<Waitable> work) {
 
 bool Storage::is_ready() const {
   if (!has_pending_.load(std::memory_order_acquire)) return true;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& w : pending_) {
-    if (!w->is_completed()) return false;
+  std::vector<std::shared_ptr<Waitable>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending = pending_;
+  }
+  // Polled without the lock: a poll may fail the operation, whose completion may query this
+  // storage.
+  for (const auto& w : pending) {
+    if (!w->poll()) return false;
   }
   return true;
 }

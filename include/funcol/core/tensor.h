@@ -26,6 +26,10 @@ class Waitable {
   virtual void wait() = 0;
   // True once the operation finished, successfully or not. Never blocks.
   virtual bool is_completed() const = 0;
+  // is_completed() for a caller that polls instead of waiting (Tensor::is_ready): a backend
+  // whose waiters enforce its timeouts and departure checks does so here too, so that polling
+  // a collective that can never finish sees it fail within the timeout. Never blocks.
+  virtual bool poll() { return is_completed(); }
 };
 
 // A reference-counted byte buffer, possibly *pending*: while Waitables are attached, the bytes

@@ -525,6 +525,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   }
 
   void wait() override;
+  bool poll() override;
   // "all_reduce on group 'world' (seq 4)", formatted on first use.
   const std::string& description() const override;
   // Wakes sleeping waiters so that they come and help with chunks.
@@ -921,6 +922,7 @@ class LaneWork final : public Work {
       : world_(world), group_(group), seq_(seq), member_(member), deadline_(deadline) {}
 
   void wait() override;
+  bool poll() override;
   const std::string& description() const override;
 
   World* const world_;
@@ -957,10 +959,21 @@ class LaneWork final : public Work {
 // The last collective of each slot may hold a result nobody waited for, attached to its
 // storage that its Work keeps alive: break the cycle.
 SharedGroup::~SharedGroup() {
+  // A collective still unfinished when the world ends (a member never issued it, and nobody
+  // waited to see that) never will: it fails, so that a result polled after run_local returned
+  // says so, and no Work of this world reaches into it again.
+  auto message = [](const Work& w) {
+    return w.description() + ": unfinished when run_local ended (a member never issued it)";
+  };
   for (int i = 0; lane && i < kLaneSlots; ++i) {
     for (auto& record : lane[i].records) {
-      if (record.work) record.work->release_keep();
+      if (!record.work) continue;
+      if (!record.work->is_completed()) record.work->fail_with(message(*record.work));
+      record.work->release_keep();
     }
+  }
+  for (const std::shared_ptr<Op>& op : pending) {
+    if (op && !op->is_completed()) op->fail(std::make_exception_ptr(CommError(message(*op))));
   }
 }
 
@@ -1985,10 +1998,14 @@ uint64_t World::joined_mask(const Op& op) {
 }
 
 int World::first_departed(const std::vector<int>& ranks) const {
+  // A rank that threw first (its reason is the likely cause), else the lowest departed one.
+  int first = -1;
   for (int r : ranks) {
-    if (ranks_[r]->departed.load(std::memory_order_acquire)) return r;
+    if (!ranks_[r]->departed.load(std::memory_order_acquire)) continue;
+    if (ranks_[r]->departed_reason.starts_with("threw")) return r;
+    if (first < 0) first = r;
   }
-  return -1;
+  return first;
 }
 
 std::vector<int> World::unjoined_ranks(const Op& op) {
@@ -2142,6 +2159,24 @@ void LaneWork::wait() {
   }
   release_keep();
   rethrow_if_failed();
+}
+
+// A poller drives the timeout and the departure checks as a waiter does (without helping or
+// sleeping), or a collective that can never finish would never fail for it.
+bool LaneWork::poll() {
+  if (is_completed()) return true;
+  world_->lane_check(*this, Clock::now() >= deadline_);
+  return is_completed();
+}
+
+bool Op::poll() {
+  if (is_completed()) return true;
+  if (state_.load(std::memory_order_acquire) == kPending && Clock::now() >= deadline_) {
+    std::vector<int> missing;
+    std::string message = world_->timeout_message(*this, &missing);
+    world_->fail_op(shared_from_this(), message, std::move(missing));
+  }
+  return is_completed();
 }
 
 std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {

@@ -1397,6 +1397,58 @@ TEST(FailureTest, TimeoutWhenAPeerNeverArrives) {
   EXPECT_LT(waited[1], 0.1);
 }
 
+// A caller that polls a result (Tensor::is_ready) instead of waiting sees a collective that can
+// never finish fail within the timeout, on the lane and on the Op path: polling alone used to
+// leave it pending for good (only a waiter enforced the deadline).
+TEST(FailureTest, PollingAResultSeesItsTimeout) {
+  for (int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+    SCOPED_TRACE(numel);
+    std::atomic<bool> gave_up{false};
+    double polled = -1;
+    std::string message;
+    run_local(
+        2,
+        [&](ProcessGroup& world) {
+          Tensor t = Tensor::full({numel}, DType::F32, 1);
+          if (world.rank() == 1) await(gave_up);  // busy elsewhere until rank 0 gave up
+          auto w = world.all_reduce(t, ReduceOp::Sum);
+          if (world.rank() == 1) {
+            comm_error([&] { w->wait(); });
+            return;
+          }
+          const auto start = Clock::now();
+          while (!t.is_ready() && seconds_since(start) < 5) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+          polled = seconds_since(start);
+          message = comm_error([&] { w->wait(); });
+          gave_up = true;
+        },
+        kShortTimeout);
+    EXPECT_GE(polled, 0.19);
+    EXPECT_LT(polled, 2.0);
+    EXPECT_EQ(message,
+              "all_reduce on group 'world' (seq 0): timed out after 0.2 s; missing ranks [1]");
+  }
+}
+
+// Of several departed ranks, a peer's error names one that threw (its reason is the likely
+// cause), not the lowest one that returned.
+TEST(FailureTest, ADepartureErrorNamesTheRankThatThrew) {
+  std::string message;
+  EXPECT_THROW(run_local(3,
+                         [&](ProcessGroup& world) {
+                           if (world.rank() == 2) throw std::runtime_error("the real cause");
+                           if (world.rank() == 0) return;
+                           std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                           message = comm_error([&] { world.barrier(); });
+                         }),
+               std::runtime_error);
+  EXPECT_EQ(message,
+            "barrier on group 'world' (seq 0): rank 2 departed (threw: the real cause) before "
+            "joining; missing ranks [0, 2]");
+}
+
 // The same on the Op path (a collective too big for the lane) and for a rank named among
 // several missing ones; ranks that are not named keep the error as it is.
 TEST(FailureTest, ARankLateForATimedOutCollectiveIsToldSo) {
