@@ -46,6 +46,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -498,12 +499,18 @@ struct SharedGroup;
 enum State : int { kPending = 0, kPlanning = 1, kRunning = 2, kFinished = 3 };
 
 // One collective shared by the members of a group; also every member's Work.
+const std::string* stable_name_of(const SharedGroup* group);  // after SharedGroup
+
 class Op final : public Work, public std::enable_shared_from_this<Op> {
  public:
   // Created ahead of need by a rank (outside the group's lock); the identity is set by
   // init() under the lock before any other rank can see it.
   Op(World* world, SharedGroup* group, int size)
-      : world_(world), group_(group), size_(size), members_(size) {
+      : world_(world),
+        group_(group),
+        group_name_(stable_name_of(group)),
+        size_(size),
+        members_(size) {
     init_members();
   }
   // Releases the keep-alive references complete() left for `global_rank`'s thread (-1: for
@@ -541,6 +548,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   mutable std::string description_;
   World* const world_;
   SharedGroup* const group_;
+  const std::string* const group_name_;  // group_->stable_name: outlives the group
   const int size_;
 
   // ---- guarded by group_->mu ----
@@ -625,6 +633,9 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
 struct SharedGroup {
   int id = 0;
   std::string name;
+  // The same name, kept for the process (intern_group_name): a Work's description is built
+  // when first asked for, which may be after run_local freed this group.
+  const std::string* stable_name = nullptr;
   std::vector<int> global_ranks;
   SpinMutex mu;
   // Ops not yet joined by every member, at seq - pending_base (null: not created yet, or
@@ -684,9 +695,24 @@ struct SharedGroup {
 };
 
 // "all_reduce on group 'world' (seq 4)".
-std::string collective_name(OpKind kind, bool coalesced, const SharedGroup& group, uint64_t seq) {
-  return fmt::format("{} on group '{}' (seq {})", op_name(kind, coalesced), group.name, seq);
+std::string collective_name(OpKind kind, bool coalesced, const std::string& group_name,
+                            uint64_t seq) {
+  return fmt::format("{} on group '{}' (seq {})", op_name(kind, coalesced), group_name, seq);
 }
+std::string collective_name(OpKind kind, bool coalesced, const SharedGroup& group, uint64_t seq) {
+  return collective_name(kind, coalesced, group.name, seq);
+}
+
+// Every group name this process used, never freed (a program reuses a few names across runs):
+// what a Work's description reads once its world is gone.
+const std::string* intern_group_name(const std::string& name) {
+  static std::mutex mu;
+  static auto* names = new std::set<std::string>;
+  std::lock_guard<std::mutex> lock(mu);
+  return &*names->insert(name).first;
+}
+
+const std::string* stable_name_of(const SharedGroup* group) { return group->stable_name; }
 
 struct QueueEntry {
   std::shared_ptr<Op> op;
@@ -758,6 +784,7 @@ class World {
     auto g = std::make_unique<SharedGroup>();
     g->id = static_cast<int>(groups_.size());
     g->name = std::move(name);
+    g->stable_name = intern_group_name(g->name);
     g->global_ranks = std::move(ranks);
     g->init_lane();
     groups_.push_back(std::move(g));
@@ -919,7 +946,12 @@ class World {
 class LaneWork final : public Work {
  public:
   LaneWork(World* world, SharedGroup* group, uint64_t seq, int member, Clock::time_point deadline)
-      : world_(world), group_(group), seq_(seq), member_(member), deadline_(deadline) {}
+      : world_(world),
+        group_(group),
+        group_name_(group->stable_name),
+        seq_(seq),
+        member_(member),
+        deadline_(deadline) {}
 
   void wait() override;
   bool poll() override;
@@ -927,6 +959,7 @@ class LaneWork final : public Work {
 
   World* const world_;
   SharedGroup* const group_;
+  const std::string* const group_name_;  // group_->stable_name: outlives the group
   const uint64_t seq_;
   const int member_;
   const Clock::time_point deadline_;
@@ -2286,13 +2319,13 @@ void World::warn_stalled(const std::string& description, std::chrono::nanosecond
 
 const std::string& Op::description() const {
   std::call_once(description_once_,
-                 [this] { description_ = collective_name(kind_, coalesced_, *group_, seq_); });
+                 [this] { description_ = collective_name(kind_, coalesced_, *group_name_, seq_); });
   return description_;
 }
 
 const std::string& LaneWork::description() const {
   std::call_once(description_once_, [this] {
-    description_ = collective_name(OpKind::AllReduce, false, *group_, seq_);
+    description_ = collective_name(OpKind::AllReduce, false, *group_name_, seq_);
   });
   return description_;
 }
@@ -2370,6 +2403,7 @@ SharedGroup* World::split(const SharedGroup& parent, uint64_t index,
       auto g = std::make_unique<SharedGroup>();
       g->id = static_cast<int>(groups_.size());
       g->name = name;
+      g->stable_name = intern_group_name(g->name);
       g->global_ranks = list;
       g->init_lane();
       groups_.push_back(std::move(g));

@@ -1432,6 +1432,26 @@ TEST(FailureTest, PollingAResultSeesItsTimeout) {
   }
 }
 
+// A Work's description, asked for after run_local returned (its world and groups are gone),
+// on the lane and the Op path and on a group of the user's: it read the freed group.
+TEST(FailureTest, ADescriptionOutlivesTheWorld) {
+  std::vector<std::shared_ptr<Work>> works(4);
+  run_local(2, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    auto pair = new_group(world, {0, 1});
+    for (int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+      Tensor t = Tensor::full({numel}, DType::F32, 1);
+      auto w = (numel == 4 ? world : *pair).all_reduce(t, ReduceOp::Sum);
+      w->wait();
+      if (r == 0) works[numel == 4 ? 0 : 1] = w;
+    }
+  });
+  // (new_group's agreement ran collectives on the world first.)
+  EXPECT_NE(works[0]->description().find("all_reduce on group 'world' (seq "), std::string::npos);
+  EXPECT_NE(works[1]->description().find("all_reduce on group '"), std::string::npos);
+  EXPECT_NE(works[1]->description().find("(seq 0)"), std::string::npos);
+}
+
 // Of several departed ranks, a peer's error names one that threw (its reason is the likely
 // cause), not the lowest one that returned.
 TEST(FailureTest, ADepartureErrorNamesTheRankThatThrew) {
