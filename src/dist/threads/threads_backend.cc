@@ -533,6 +533,8 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
 
   void wait() override;
   bool poll() override;
+  // Fails this pending op past its deadline, naming the missing ranks (wait and poll).
+  void time_out();
   // "all_reduce on group 'world' (seq 4)", formatted on first use.
   const std::string& description() const override;
   // Wakes sleeping waiters so that they come and help with chunks.
@@ -2205,11 +2207,15 @@ bool LaneWork::poll() {
 bool Op::poll() {
   if (is_completed()) return true;
   if (state_.load(std::memory_order_acquire) == kPending && Clock::now() >= deadline_) {
-    std::vector<int> missing;
-    std::string message = world_->timeout_message(*this, &missing);
-    world_->fail_op(shared_from_this(), message, std::move(missing));
+    time_out();
   }
   return is_completed();
+}
+
+void Op::time_out() {
+  std::vector<int> missing;
+  std::string message = world_->timeout_message(*this, &missing);
+  world_->fail_op(shared_from_this(), message, std::move(missing));
 }
 
 std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {
@@ -2357,10 +2363,7 @@ void Op::wait() {
       auto now = Clock::now();
       bool pending = state_.load(std::memory_order_acquire) == kPending;
       if (pending && now >= deadline_) {
-        auto self = shared_from_this();
-        std::vector<int> missing;
-        std::string message = world_->timeout_message(*this, &missing);
-        world_->fail_op(self, message, std::move(missing));
+        time_out();
         continue;
       }
       if (pending && stall.due(now, deadline_)) {
