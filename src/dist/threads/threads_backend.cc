@@ -70,11 +70,21 @@ using dist_detail::split_mismatch;
 // error names it among the missing ranks; said to it as it is, that reads as if it never came:
 // it is told it came too late. (Other failures, a departure or a mismatch of others, stand as
 // they are.)
+// `error` said to `ranks`, which issued the collective after the failure (none: as it is).
+std::string came_late(const std::string& error, const std::vector<int>& ranks) {
+  if (ranks.empty()) return error;
+  if (ranks.size() == 1) {
+    return fmt::format("{}; rank {} issued it only after the others had given up on it", error,
+                       ranks[0]);
+  }
+  return fmt::format("{}; ranks {} issued it only after the others had given up on it", error,
+                     format_ranks(ranks));
+}
+
 std::string issued_after_failure(const std::string& error, const std::vector<int>& given_up_on,
                                  int rank) {
   if (std::find(given_up_on.begin(), given_up_on.end(), rank) == given_up_on.end()) return error;
-  return fmt::format("{}; rank {} issued it only after the others had given up on it", error,
-                     rank);
+  return came_late(error, {rank});
 }
 
 // The global rank this thread last issued a collective as (-1: none): where it starts taking
@@ -897,7 +907,7 @@ class World {
   // Fails the lane collective `seq` with `message` unless it failed already or every member
   // arrived; `absent` (bits) are members that will never arrive (they issued `seq` on the Op
   // path, or gave up waiting for the slot). Fails the members that arrived. Needs group.mu.
-  // `given_up_on`: as fail_op's.
+  // `given_up_on`: as fail_op's; an arrived member among them is told it came late.
   bool lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,
                         uint64_t absent, uint64_t* failed_arrived = nullptr,
                         const std::vector<int>& given_up_on = {});
@@ -905,9 +915,11 @@ class World {
   bool lane_absence_locked(const SharedGroup& group, uint64_t seq, bool earlier) const;
   // Applies the absences registered for `seq` to the slot this rank just claimed for it: fails
   // it, counting the absent members (and those that issued `seq` on the Op path) as arrived.
-  // Returns that Op, to fail with *op_message once mu is released.
+  // Returns that Op, to fail with *op_message and *op_given_up_on once mu is released. The
+  // members that did not give up are told they came after those that did.
   std::shared_ptr<Op> lane_apply_absences_locked(SharedGroup& group, uint64_t seq,
-                                                 std::string* op_message);
+                                                 std::string* op_message,
+                                                 std::vector<int>* op_given_up_on);
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
   // Frees a failed slot: releases and drops the records' Works and frees it.
@@ -1749,9 +1761,10 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         post();
         const uint64_t later = lane_absence_locked(group, seq, /*earlier=*/false) ? kLaneAbsent : 0;
         ls.state.store(lane_seq_bits(seq) | kLaneBusy | bit | later, std::memory_order_seq_cst);
-        crossed = lane_apply_absences_locked(group, seq, &crossed_message);
+        std::vector<int> crossed_given_up_on;
+        crossed = lane_apply_absences_locked(group, seq, &crossed_message, &crossed_given_up_on);
         lock.unlock();
-        if (crossed) fail_op(crossed, crossed_message);
+        if (crossed) fail_op(crossed, crossed_message, std::move(crossed_given_up_on));
         if (work->is_completed()) return work;  // failed: the absent members' error
         prev = lane_seq_bits(seq) | kLaneBusy;
         break;
@@ -1795,11 +1808,31 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       std::string failure;
       bool departure = false;
       if (Clock::now() >= work->deadline_) {
+        // Names the earlier collective and the ranks it still misses (the late ones).
+        uint64_t blocker = seq - kLaneSlots;
+        uint64_t came = group.full_mask();  // none missing unless known
+        if ((prev & kLaneBusy) != 0) {
+          blocker = lane_seq(prev);
+          came = prev & kLaneArrived;
+        } else {
+          // Waiting for the members of an earlier collective with absences: the ones that
+          // gave up on it came (and went); the rest are late.
+          std::lock_guard<SpinMutex> lock(group.mu);
+          blocker = seq;
+          for (const SharedGroup::LaneAbsence& a : group.lane_absences) {
+            if (a.seq % kLaneSlots == seq % kLaneSlots && a.seq < blocker) {
+              blocker = a.seq;
+              came = a.members;
+            }
+          }
+        }
+        if (blocker == seq) blocker = seq - kLaneSlots;  // freed meanwhile
+        const std::vector<int> missing = missing_ranks(group, came);
         failure = fmt::format(
-            "{}: timed out after {:g} s waiting for {} to finish", work->description(),
+            "{}: timed out after {:g} s waiting for {} to finish{}", work->description(),
             std::chrono::duration<double>(timeout_).count(),
-            collective_name(OpKind::AllReduce, false, group,
-                            (prev & kLaneBusy) != 0 ? lane_seq(prev) : seq - kLaneSlots));
+            collective_name(OpKind::AllReduce, false, group, blocker),
+            missing.empty() ? std::string() : missing_report(missing));
       } else if (departures_.load(std::memory_order_acquire) > 0) {
         const std::vector<int> missing = missing_ranks(group, bit);
         const int departed = first_departed(missing);
@@ -1881,7 +1914,8 @@ bool World::lane_absence_locked(const SharedGroup& group, uint64_t seq, bool ear
 }
 
 std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, uint64_t seq,
-                                                      std::string* op_message) {
+                                                      std::string* op_message,
+                                                      std::vector<int>* op_given_up_on) {
   auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
                          [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
   if (it == group.lane_absences.end()) return nullptr;
@@ -1890,13 +1924,24 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, uint64
   // Members that issued `seq` on the Op path never come here either.
   std::shared_ptr<Op> op = group.find_pending(seq);
   const uint64_t absent = absence.members | (op ? joined_mask(*op) : 0);
+  // Everyone but the members that gave up issued `seq` only after they had: each is told so.
+  std::vector<int> late = missing_ranks(group, absence.members);
   uint64_t failed = 0;
-  lane_fail_locked(group, seq, absence.message, absent, &failed);
+  lane_fail_locked(group, seq, absence.message, absent, &failed, late);
   if (!op || op->ref_ < 0) return nullptr;
   // ... and the lane members never join that op, which fails with the same error.
   op->doomed_ = true;
   join_absent_locked(group, seq, failed | absence.members);
-  *op_message = absence.message;
+  // The op's members share one message: it names them all.
+  std::vector<int> op_members;
+  for (int m = 0; m < op->size_; ++m) {
+    if (op->members_[m].joined && (absence.members & (uint64_t{1} << m)) == 0 &&
+        (failed & (uint64_t{1} << m)) == 0) {
+      op_members.push_back(group.global_ranks[m]);
+    }
+  }
+  *op_message = came_late(absence.message, op_members);
+  *op_given_up_on = std::move(late);
   return op;
 }
 
@@ -1986,7 +2031,7 @@ bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string
     const uint64_t bit = uint64_t{1} << m;
     if ((prev & bit) != 0) {
       std::shared_ptr<LaneWork> work = std::move(ls.records[m].work);
-      work->fail_with(message);
+      work->fail_with(issued_after_failure(message, given_up_on, group.global_ranks[m]));
       ++exits;
     } else if ((absent & bit) != 0) {
       ++exits;

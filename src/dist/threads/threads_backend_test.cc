@@ -1066,8 +1066,9 @@ TEST(LaneTest, GivingUpOnABusySlot) {
       LocalOptions{std::chrono::milliseconds(300)});
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 8): timed out after 0.3 s waiting for all_reduce on "
-            "group 'world' (seq 0) to finish");
-  EXPECT_EQ(messages[1], messages[0]);
+            "group 'world' (seq 0) to finish; missing ranks [1]");
+  EXPECT_EQ(messages[1],
+            messages[0] + "; rank 1 issued it only after the others had given up on it");
 }
 
 // After giving up on a busy slot a rank runs on: its next collective of that slot must not be
@@ -1099,8 +1100,64 @@ TEST(LaneTest, GivingUpThenRunningOn) {
       LocalOptions{std::chrono::milliseconds(600)});
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 8): timed out after 0.6 s waiting for all_reduce on "
-            "group 'world' (seq 0) to finish");
-  EXPECT_EQ(messages[1], messages[0]);
+            "group 'world' (seq 0) to finish; missing ranks [1]");
+  EXPECT_EQ(messages[1],
+            messages[0] + "; rank 1 issued it only after the others had given up on it");
+}
+
+// After giving up on seq 8, a rank's seq 16 (the same slot) waits for the late peer to come to
+// seq 8 and times out: its error names that collective and the peer. The late peer is told for
+// both that it came after the other had given up, and the group works afterwards.
+TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
+  std::atomic<bool> first_issued{false};  // rank 1 issued seq 0-7
+  std::atomic<bool> gave_up{false};       // rank 0 gave up on seq 16
+  std::atomic<bool> second_issued{false};  // rank 1 issued seq 8-16
+  std::vector<std::string> at8(2);
+  std::vector<std::string> at16(2);
+  run_local(
+      2,
+      [&](ProcessGroup& pg) {
+        std::vector<Tensor> t;
+        for (int i = 0; i < 17; ++i) t.push_back(Tensor::full({2}, DType::I64, i));
+        std::vector<std::shared_ptr<Work>> w(17);
+        if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+        for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        if (pg.rank() == 0) {
+          at8[0] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
+          await(first_issued);
+          for (int i = 9; i < 16; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+          at16[0] = comm_error([&] { pg.all_reduce(t[16], ReduceOp::Sum)->wait(); });
+          gave_up = true;
+          await(second_issued);
+        } else {
+          first_issued = true;
+          await(gave_up);
+          at8[1] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
+          for (int i = 9; i < 16; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+          at16[1] = comm_error([&] { pg.all_reduce(t[16], ReduceOp::Sum)->wait(); });
+          second_issued = true;
+        }
+        for (int i = 0; i < 16; ++i) {
+          if (i == 8) continue;
+          w[i]->wait();
+          EXPECT_EQ(t[i].to_vector<int64_t>(), std::vector<int64_t>(2, 2 * i)) << i;
+        }
+        for (int i = 0; i < 10; ++i) {
+          Tensor x = Tensor::full({2}, DType::I64, i + pg.rank());
+          pg.all_reduce(x, ReduceOp::Sum)->wait();
+          EXPECT_EQ(x.to_vector<int64_t>(), std::vector<int64_t>(2, 2 * i + 1));
+        }
+      },
+      LocalOptions{std::chrono::milliseconds(200)});
+  EXPECT_EQ(at8[0],
+            "all_reduce on group 'world' (seq 8): timed out after 0.2 s waiting for all_reduce on "
+            "group 'world' (seq 0) to finish; missing ranks [1]");
+  EXPECT_EQ(at16[0],
+            "all_reduce on group 'world' (seq 16): timed out after 0.2 s waiting for all_reduce "
+            "on group 'world' (seq 8) to finish; missing ranks [1]");
+  const std::string late = "; rank 1 issued it only after the others had given up on it";
+  EXPECT_EQ(at8[1], at8[0] + late);
+  EXPECT_EQ(at16[1], at16[0] + late);
 }
 
 // A rank gave up on seq 8 of a busy slot; another issued seq 8 on the Op path; the third takes
@@ -1132,9 +1189,11 @@ TEST(LaneTest, GivingUpMeetsTheOpPath) {
       LocalOptions{std::chrono::milliseconds(600)});
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 8): timed out after 0.6 s waiting for all_reduce on "
-            "group 'world' (seq 0) to finish");
-  EXPECT_EQ(messages[1], messages[0]);
-  EXPECT_EQ(messages[2], messages[0]);
+            "group 'world' (seq 0) to finish; missing ranks [1, 2]");
+  EXPECT_EQ(messages[1],
+            messages[0] + "; rank 1 issued it only after the others had given up on it");
+  EXPECT_EQ(messages[2],
+            messages[0] + "; rank 2 issued it only after the others had given up on it");
 }
 
 // Lane collectives are not queued behind the Op path: rank 0 issues an all_gather and eight
