@@ -2,6 +2,9 @@
 // nodes; the target is under 1 s and 1 GB). Usage: ir_bench [NODES] [--repeat K] [--check]
 // With --check the program exits 1 when the best run misses either target (time: the smaller of
 // wall and CPU time, since other jobs on a shared machine inflate wall time).
+// ir_bench --nested-views N: the tracer's time to carve N parameters out of one flat buffer with
+// successive narrows (each narrow's base is the previous remainder: N views deep), use each,
+// write the whole buffer in place and use each again (every view is derived again).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -14,6 +17,7 @@
 
 #include "funcol/graph/parser.h"
 #include "funcol/graph/printer.h"
+#include "funcol/graph/tracer.h"
 #include "funcol/graph/verifier.h"
 
 namespace {
@@ -59,9 +63,44 @@ struct Clock {
   double cpu_s() const { return static_cast<double>(std::clock() - cpu) / CLOCKS_PER_SEC; }
 };
 
+// See the file comment. Returns 0.
+int nested_views(int64_t n) {
+  using namespace funcol;
+  constexpr int64_t kPiece = 4;
+  const Clock total;
+  Tracer tracer("nested_views");
+  TraceScope scope(tracer);
+  const Tensor flat = tracer.input(Type(DType::F32, {n * kPiece}), "flat");
+  std::vector<Tensor> pieces;
+  pieces.reserve(static_cast<size_t>(n));
+  Tensor rest = flat;
+  Tensor acc;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t left = (n - i) * kPiece;
+    pieces.push_back(i + 1 == n ? rest : ops::narrow(rest, 0, 0, kPiece));
+    if (i + 1 < n) rest = ops::narrow(rest, 0, kPiece, left - kPiece);
+    acc = acc.defined() ? ops::add(acc, pieces.back()) : pieces.back();
+  }
+  const double carve_s = total.wall_s();
+  const Clock again;
+  tracer.assign(flat, ops::relu(flat));
+  for (const Tensor& p : pieces) acc = ops::add(acc, p);
+  const double again_s = again.wall_s();
+  tracer.set_outputs(std::span<const Tensor>(&acc, 1));
+  const std::unique_ptr<Graph> graph = tracer.finish();
+  std::printf("nested views %lld: carve+use %.3f s  write+use again %.3f s  total %.3f s  "
+              "(cpu %.3f s)  nodes %zu\n",
+              static_cast<long long>(n), carve_s, again_s, total.wall_s(), total.cpu_s(),
+              graph->num_nodes());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::strcmp(argv[1], "--nested-views") == 0) {
+    return nested_views(std::max<int64_t>(1, std::atoll(argv[2])));
+  }
   size_t nodes = 400000;
   int repeat = 3;
   bool check = false;

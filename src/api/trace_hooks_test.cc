@@ -410,7 +410,7 @@ Fn random_views_program(uint32_t seed) {
     auto pick = [&rng](size_t n) { return static_cast<size_t>(rng() % n); };
     Tensor z = ops::clone(in[0]);  // [4, 6]
     std::vector<Tensor> live = {z, ops::view(z, {24})};
-    for (int step = 0; step < 8; ++step) {
+    for (int step = 0; step < 40; ++step) {
       const Tensor v = live[pick(live.size())];
       const int64_t rank = static_cast<int64_t>(v.sizes().size());
       switch (pick(4)) {

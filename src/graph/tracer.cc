@@ -57,6 +57,9 @@ struct Ref {
   // again from the base's value when next used, as the eager view sees the base's writes.
   uint64_t generation = 0;
   uint64_t base_generation = 0;
+  // The tracer's write count when this chain was last found current (Tracer::refresh): no
+  // write since means nothing to derive again.
+  uint64_t checked = 0;
 };
 
 }  // namespace tracer_detail
@@ -174,16 +177,26 @@ void Tracer::assign(const Tensor& t, const Tensor& value) {
     ++base.generation;
     ref->base_generation = base.generation;
   }
+  ++writes_;  // every other view may be behind now
 }
 
 void Tracer::refresh(Ref& ref) const {
-  if (!ref.base) return;
-  Ref& base = *ref.base;
-  refresh(base);
-  if (ref.base_generation == base.generation) return;
-  ref.value = view_again(*ref.view, ref.result, base.value);
-  ref.base_generation = base.generation;
-  ++ref.generation;
+  // Only a write can put a view behind its base, so a chain found current since the last write
+  // still is: the walk stops at the first such base, which keeps tracing linear in the number
+  // of views however deep they nest (each view is derived again at most once per write). A
+  // loop, not recursion: chains may be many thousands deep.
+  std::vector<Ref*> chain;
+  for (Ref* r = &ref; r->base && r->checked != writes_; r = r->base.get()) chain.push_back(r);
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    Ref& view = **it;
+    const Ref& base = *view.base;
+    if (view.base_generation != base.generation) {
+      view.value = view_again(*view.view, view.result, base.value);
+      view.base_generation = base.generation;
+      ++view.generation;
+    }
+    view.checked = writes_;
+  }
 }
 
 // The view `view` made (its result `result`), made again from its base's current value.
@@ -313,6 +326,7 @@ std::vector<Tensor> Tracer::record(std::string_view op_name, std::span<const Ten
       ref->view = node;
       ref->result = r;
       ref->base_generation = base->generation;
+      ref->checked = writes_;  // value() just brought the base up to date
     }
   }
   return results;

@@ -97,6 +97,8 @@ class Tracer {
   uint64_t id_;
   std::unique_ptr<Graph> graph_;
   std::vector<std::pair<std::string, int>> groups_;
+  // In-place writes so far (assign), from 1: see refresh.
+  uint64_t writes_ = 1;
 };
 
 // The tracer current on the calling thread, or null.
