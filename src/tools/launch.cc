@@ -397,9 +397,13 @@ CLI::Validator decimal_integer(int64_t min, uint64_t max) {
         if (begin == end || ptr != end) return "expected a decimal integer, got " + text;
         // -min as unsigned: 2^63 for INT64_MIN, 0 for a non-negative min.
         const uint64_t most_negative = min < 0 ? uint64_t{0} - static_cast<uint64_t>(min) : 0;
-        if (ec != std::errc() || (negative ? magnitude > most_negative : magnitude > max)) {
-          return fmt::format("{} is out of range: expected an integer from {} to {}", text, min,
-                             max);
+        // Names the bound crossed only: "from -2147483648" would read as if --ranks took
+        // negative counts.
+        if (negative && (ec != std::errc() || magnitude > most_negative)) {
+          return fmt::format("{} is out of range: the least is {}", text, min);
+        }
+        if (ec != std::errc() || (!negative && magnitude > max)) {
+          return fmt::format("{} is out of range: the most is {}", text, max);
         }
         text = (negative && magnitude != 0 ? "-" : "") + std::to_string(magnitude);
         return {};
