@@ -2,6 +2,7 @@
 #include "arg_checks.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 
@@ -39,6 +40,31 @@ int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t
                     t.size(dim), group_size, suffix));
   }
   return dim;
+}
+
+PermuteSplits permute_splits(const std::vector<int>& src_dst, int world, int rank,
+                             int64_t numel) {
+  if (static_cast<int>(src_dst.size()) != world) {
+    throw InvalidArgument(fmt::format("permute_tensor: src_dst {} has {} entries, expected "
+                                      "group_size {}",
+                                      src_dst, src_dst.size(), world));
+  }
+  std::vector<bool> hit(static_cast<size_t>(world), false);
+  for (int dst : src_dst) {
+    if (dst < 0 || dst >= world || hit[static_cast<size_t>(dst)]) {
+      throw InvalidArgument(fmt::format("permute_tensor: src_dst {} is not a permutation of 0..{}",
+                                        src_dst, world - 1));
+    }
+    hit[static_cast<size_t>(dst)] = true;
+  }
+  PermuteSplits splits{std::vector<int64_t>(static_cast<size_t>(world), 0),
+                       std::vector<int64_t>(static_cast<size_t>(world), 0)};
+  for (int m = 0; m < world; ++m) {
+    const int dst = src_dst[static_cast<size_t>(m)];
+    if (m == rank) splits.in[static_cast<size_t>(dst)] = numel;
+    if (dst == rank) splits.out[static_cast<size_t>(m)] = numel;
+  }
+  return splits;
 }
 
 }  // namespace funcol::api_detail

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "funcol/core/tensor.h"
 
@@ -27,5 +28,14 @@ std::string index_suffix(size_t i);
 // its chunk + cat copy first). Returns the normalized scatter dim.
 int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t group_size,
                                    std::string_view op, std::string_view suffix);
+
+// permute_tensor's all_to_all_single split sizes for `rank` of a group of `world` ranks, as the
+// seed builds them: everything (`numel`) goes to src_dst[rank] and comes from the m with
+// src_dst[m] == rank. InvalidArgument when src_dst is not a permutation of 0..world-1.
+struct PermuteSplits {
+  std::vector<int64_t> out, in;
+};
+PermuteSplits permute_splits(const std::vector<int>& src_dst, int world, int rank,
+                             int64_t numel);
 
 }  // namespace funcol::api_detail

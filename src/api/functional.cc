@@ -387,42 +387,18 @@ Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
 }
 
 Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const GroupSpec& group) {
-  if (current_tracer()) {
-    api_detail::trace_unsupported("permute_tensor",
-                                  "its split sizes depend on the rank, and a "
-                                  "graph must be the same on every rank");
-  }
+  if (Tracer* tr = current_tracer()) return api_detail::trace_permute_tensor(*tr, t, src_dst, group);
   constexpr std::string_view kOp = "permute_tensor";
   check_input(t, kOp);
   ProcessGroup& pg = group.resolve();
-  const int world = pg.size();
-  if (static_cast<int>(src_dst.size()) != world) {
-    throw InvalidArgument(
-        fmt::format("permute_tensor: src_dst {} has {} entries, expected "
-                    "group_size {}",
-                    src_dst, src_dst.size(), world));
-  }
-  std::vector<bool> hit(static_cast<size_t>(world), false);
-  for (int dst : src_dst) {
-    if (dst < 0 || dst >= world || hit[static_cast<size_t>(dst)]) {
-      throw InvalidArgument(fmt::format("permute_tensor: src_dst {} is not a permutation of 0..{}",
-                                        src_dst, world - 1));
-    }
-    hit[static_cast<size_t>(dst)] = true;
-  }
   // As the seed: one all_to_all_single where this rank sends everything to src_dst[rank] and
   // receives everything from the m with src_dst[m] == rank.
   const int64_t numel = t.numel();
-  std::vector<int64_t> in_splits(static_cast<size_t>(world), 0);
-  std::vector<int64_t> out_splits(static_cast<size_t>(world), 0);
-  for (int m = 0; m < world; ++m) {
-    const int dst = src_dst[static_cast<size_t>(m)];
-    if (m == pg.rank()) in_splits[static_cast<size_t>(dst)] = numel;
-    if (dst == pg.rank()) out_splits[static_cast<size_t>(m)] = numel;
-  }
-  if (is_tracked(t)) return api_detail::tape_permute(t, out_splits, in_splits, pg);
+  const api_detail::PermuteSplits splits =
+      api_detail::permute_splits(src_dst, pg.size(), pg.rank(), numel);
+  if (is_tracked(t)) return api_detail::tape_permute(t, splits.out, splits.in, pg);
   Tensor flat = t.contiguous().view({numel});
-  return all_to_all_impl(pg, flat, out_splits, in_splits, numel).view(t.sizes());
+  return all_to_all_impl(pg, flat, splits.out, splits.in, numel).view(t.sizes());
 }
 
 std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,

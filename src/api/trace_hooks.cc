@@ -196,8 +196,31 @@ int traced_group_size(Tracer& tr, const GroupSpec& group, std::string_view op) {
   return traced_group(tr, group, op).size;
 }
 
-void trace_unsupported(std::string_view op, std::string_view instead) {
-  throw InvalidArgument(fmt::format("{} cannot be traced: {}", op, instead));
+Tensor trace_permute_tensor(Tracer& tr, const Tensor& t, const std::vector<int>& src_dst,
+                            const GroupSpec& group) {
+  constexpr std::string_view kOp = "permute_tensor";
+  const TracedGroup g = traced_group(tr, group, kOp);
+  // The split sizes depend on the calling rank's number, so the graph is this rank's, as
+  // PyTorch's is under tracing: it needs a rank of the group.
+  std::shared_ptr<ProcessGroup> found;
+  ProcessGroup* pg = nullptr;
+  if (const std::string* name = group.name_if_string()) {
+    if (ProcessGroup* world = current_world()) found = world->registry().find(*name);
+    pg = found.get();
+  } else {
+    pg = &group.resolve();
+  }
+  if (!pg || pg->size() != g.size) {
+    throw InvalidArgument(fmt::format(
+        "{}: tracing it needs the calling rank's number in group '{}' (its split sizes depend "
+        "on it): trace inside a rank that has the group, or use all_to_all_single with that "
+        "rank's split sizes",
+        kOp, g.name));
+  }
+  const PermuteSplits splits = permute_splits(src_dst, g.size, pg->rank(), t.numel());
+  const Tensor flat = ops::reshape(t, {t.numel()});
+  return ops::view(trace_all_to_all_single(tr, flat, splits.out, splits.in, group),
+                   std::vector<int64_t>(t.sizes().begin(), t.sizes().end()));
 }
 
 }  // namespace funcol::api_detail

@@ -41,8 +41,10 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
 // The size of the group `group` names while tracing (declared, or the calling rank's).
 int traced_group_size(Tracer& tr, const GroupSpec& group, std::string_view op);
 
-// Throws InvalidArgument: `op` has no recording form (permute_tensor's split sizes depend on
-// the rank, and graphs must be the same on every rank).
-[[noreturn]] void trace_unsupported(std::string_view op, std::string_view instead);
+// permute_tensor's split sizes depend on the calling rank: it records this rank's
+// all_to_all_single (a graph of this rank, as PyTorch traces it). InvalidArgument when traced
+// outside a rank of the group (a group only declared to the tracer).
+Tensor trace_permute_tensor(Tracer& tr, const Tensor& t, const std::vector<int>& src_dst,
+                            const GroupSpec& group);
 
 }  // namespace funcol::api_detail

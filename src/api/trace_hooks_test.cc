@@ -119,11 +119,12 @@ TEST(TraceCollectives, ErrorsMatchTheEagerOnes) {
   expect_error(
       [](auto in) { all_to_all_single(in[0], std::vector<int64_t>{6}, std::nullopt, "world"); },
       "must either be specified together or both set to None");
+  // Its split sizes depend on the rank: a group only declared to the tracer has none.
   expect_error(
       [](auto in) {
         permute_tensor(in[0], {1, 2, 3, 0}, "world");
       },
-      "permute_tensor cannot be traced");
+      "permute_tensor: tracing it needs the calling rank's number in group 'world'");
   expect_error(
       [](auto in) {
         reduce_scatter_tensor_coalesced({in[0]}, "sum", {0, 1}, "world");
@@ -398,6 +399,51 @@ TEST(TraceCollectives, ViewsSeeLaterWritesIntoTheirBase) {
               std::string::npos)
         << e.what();
   }
+}
+
+// permute_tensor traced inside a rank records that rank's all_to_all_single (a graph per rank,
+// as PyTorch traces it; run with check_same_graph = false): each rank's graph gives its eager
+// result, for a non-contiguous input too, and a bad src_dst fails with the eager message.
+TEST(TraceCollectives, PermuteTensorTracesInsideARank) {
+  const Fn fn = [](std::span<const Tensor> in) {
+    return std::vector<Tensor>{permute_tensor(in[0], {1, 2, 3, 0}, "world"),
+                               permute_tensor(ops::transpose(in[0], 0, 1), {2, 0, 3, 1}, "world")};
+  };
+  std::vector<std::string> printed(4);
+  run_local(4, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    const std::vector<Tensor> inputs = small_4x2_input(r);
+    std::vector<Tensor> eager = fn(inputs);
+    for (Tensor& t : eager) t.wait();
+    auto graph = trace("permute", {Type(DType::F32, {4, 2})}, fn);
+    printed[r] = print(*graph);
+    ExecutorOptions own_graphs;  // the graphs differ in their split sizes
+    own_graphs.check_same_graph = false;
+    Executor ex(*graph, world, own_graphs);
+    const std::vector<Tensor> traced = ex.run(inputs);
+    ASSERT_EQ(traced.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(traced[i].sizes(), eager[i].sizes());
+      EXPECT_TRUE(traced[i].equal(eager[i])) << "rank " << r << " output " << i << "\n"
+                                             << printed[r];
+    }
+    // Rank r got rank (r - 1 mod 4)'s tensor from the first.
+    EXPECT_TRUE(eager[0].equal(small_4x2_input((r + 3) % 4)[0])) << r;
+    try {
+      trace("bad", {Type(DType::F32, {4, 2})}, [](std::span<const Tensor> in) {
+        return std::vector<Tensor>{permute_tensor(in[0], {1, 1, 3, 0}, "world")};
+      });
+      ADD_FAILURE() << "a src_dst that is not a permutation was traced";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(), "permute_tensor: src_dst [1, 1, 3, 0] is not a permutation of 0..3");
+    }
+  });
+  // Rank 0 sends its 8 elements to rank 1 and receives rank 3's.
+  EXPECT_NE(printed[0].find("output_split_sizes = [0, 0, 0, 8]"), std::string::npos)
+      << printed[0];
+  EXPECT_NE(printed[0].find("input_split_sizes = [0, 8, 0, 0]"), std::string::npos)
+      << printed[0];
+  EXPECT_NE(printed[1], printed[0]);
 }
 
 // A random program of views and in-place all_reduces into them (seeded: the eager run and the

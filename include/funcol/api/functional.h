@@ -135,7 +135,8 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
 // Every rank gets rank `src`'s tensor (src is a rank of the group). A new tensor.
 Tensor broadcast(const Tensor& t, int src, const GroupSpec& group);
 // src_dst[m] == n: group rank m sends to n (src_dst must be a permutation of the group ranks).
-// Returns what this rank received, in t's shape.
+// Returns what this rank received, in t's shape. Traced, it records this rank's
+// all_to_all_single (a graph of this rank's own; see docs/runtime.md).
 Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const GroupSpec& group);
 
 // Coalesced forms: one collective (one Work) for the whole list. An empty list returns an empty
