@@ -643,6 +643,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
   }
   auto shared = std::make_shared<GlooShared>();
   shared->timeout = process::resolve_timeout(options.timeout);
+  const bool detail = process::debug_detail();  // a bad value fails before the rendezvous
   std::string store = options.store.empty() ? process::env_string("FUNCOL_STORE") : options.store;
   std::shared_ptr<gloo::Context> context;
   std::unique_ptr<process::PeerMonitor> monitor;
@@ -683,7 +684,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
                          /*watch=*/nullptr);
   }
   auto job = std::make_shared<process::ProcessJob>("gloo", rank, world_size, shared->timeout,
-                                                   process::debug_detail(), std::move(monitor));
+                                                   detail, std::move(monitor));
   std::vector<int> ranks(world_size);
   std::iota(ranks.begin(), ranks.end(), 0);
   auto world = GlooProcessGroup::create(rank, std::move(ranks), "world", &registry, job, shared,

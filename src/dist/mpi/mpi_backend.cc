@@ -971,6 +971,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& registry) {
   Runtime& rt = Runtime::get();
   const auto timeout = process::resolve_timeout(options.timeout);
+  const bool detail = process::debug_detail();  // a bad value fails before any exchange
   auto [rank, size] = rt.call([] {
     int r = 0, n = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -1035,7 +1036,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
                          deadline - Clock::now(), Clock::duration(std::chrono::seconds(1)))));
   }
   auto job = std::make_shared<process::ProcessJob>("mpi", rank, size, timeout,
-                                                   process::debug_detail(), std::move(monitor));
+                                                   detail, std::move(monitor));
   std::vector<int> ranks(size);
   std::iota(ranks.begin(), ranks.end(), 0);
   auto world = MpiProcessGroup::create(rank, std::move(ranks), "world", &registry, job, *comm,

@@ -16,9 +16,14 @@
 namespace funcol::process {
 
 bool debug_detail() {
-  std::string v = env_string("FUNCOL_DEBUG");
+  const std::string given = env_string("FUNCOL_DEBUG");
+  std::string v = given;
   std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
-  return v == "detail";
+  if (v.empty() || v == "off" || v == "info") return false;
+  if (v == "detail") return true;
+  // A misspelling must not quietly turn off the checks it was meant to turn on.
+  throw InvalidArgument(fmt::format(
+      "environment variable FUNCOL_DEBUG='{}' is not one of OFF, INFO, DETAIL", given));
 }
 
 std::string env_string(const char* name) {

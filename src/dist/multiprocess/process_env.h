@@ -8,7 +8,8 @@
 namespace funcol::process {
 
 // True when FUNCOL_DEBUG is "detail" (case-insensitive): cross-rank signature checks before
-// every collective, as TORCH_DISTRIBUTED_DEBUG=DETAIL.
+// every collective, as TORCH_DISTRIBUTED_DEBUG=DETAIL. False when unset, empty, OFF or INFO;
+// any other value is an InvalidArgument naming it (as PyTorch refuses one).
 bool debug_detail();
 
 // An integer environment variable; nullopt when unset or empty. Throws InvalidArgument naming

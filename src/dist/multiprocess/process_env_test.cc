@@ -95,8 +95,23 @@ TEST(DebugDetail, CaseInsensitive) {
   EXPECT_TRUE(debug_detail());
   ::setenv("FUNCOL_DEBUG", "info", 1);
   EXPECT_FALSE(debug_detail());
+  ::setenv("FUNCOL_DEBUG", "Off", 1);
+  EXPECT_FALSE(debug_detail());
   ::unsetenv("FUNCOL_DEBUG");
   EXPECT_FALSE(debug_detail());
+}
+
+// A misspelled value would quietly leave the checks it asks for off.
+TEST(DebugDetail, RefusesOtherValues) {
+  ::setenv("FUNCOL_DEBUG", "details", 1);
+  try {
+    debug_detail();
+    ADD_FAILURE() << "FUNCOL_DEBUG=details was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(),
+                 "environment variable FUNCOL_DEBUG='details' is not one of OFF, INFO, DETAIL");
+  }
+  ::unsetenv("FUNCOL_DEBUG");
 }
 
 }  // namespace
