@@ -662,8 +662,14 @@ struct SharedGroup {
     uint64_t seq;
     uint64_t members;
     std::string message;
+    // The members that were already waiting for the slot for `seq` when the first gave up:
+    // unlike later comers, they are not told that they came after the others had given up.
+    uint64_t early;
   };
   std::vector<LaneAbsence> lane_absences;
+  // (seq, members) waiting for the slot for seq past their spin (guarded by mu): see
+  // LaneAbsence::early.
+  std::vector<std::pair<uint64_t, uint64_t>> lane_waiting;
   // Whether `pending` holds anything (written under mu): a lane arrival checks the Op path for
   // a mismatch only then.
   std::atomic<bool> ops_pending{false};
@@ -1729,6 +1735,32 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
   Backoff backoff(wait_spin_);
+  // Listed in group.lane_waiting once its spin ran out, until it returns.
+  struct Waiting {
+    SharedGroup& group;
+    const uint64_t seq, bit;
+    bool listed = false;
+    void list() {
+      std::lock_guard<SpinMutex> lock(group.mu);
+      auto it = std::find_if(group.lane_waiting.begin(), group.lane_waiting.end(),
+                             [&](const auto& w) { return w.first == seq; });
+      if (it == group.lane_waiting.end()) {
+        group.lane_waiting.emplace_back(seq, bit);
+      } else {
+        it->second |= bit;
+      }
+      listed = true;
+    }
+    ~Waiting() {
+      if (!listed) return;
+      std::lock_guard<SpinMutex> lock(group.mu);
+      auto it = std::find_if(group.lane_waiting.begin(), group.lane_waiting.end(),
+                             [&](const auto& w) { return w.first == seq; });
+      if (it != group.lane_waiting.end() && (it->second &= ~bit) == 0) {
+        group.lane_waiting.erase(it);
+      }
+    }
+  } waiting{group, seq, bit};
   std::shared_ptr<Op> crossed;  // an Op-path collective at `seq`, failed by an absence below
   std::string crossed_message;
   uint64_t looked_ahead = 0;  // the last state seen serving a later collective
@@ -1805,6 +1837,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
     // Blocked: the slot serves an earlier collective (a peer is kLaneSlots behind), or waits for
     // the members of an earlier one with absences.
     if (!backoff.step()) {
+      if (!waiting.listed) waiting.list();
       std::string failure;
       bool departure = false;
       if (Clock::now() >= work->deadline_) {
@@ -1864,7 +1897,11 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
                 group.lane_absences.begin(), group.lane_absences.end(),
                 [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
             if (it == group.lane_absences.end()) {
-              group.lane_absences.push_back({seq, bit, failure});
+              uint64_t early = 0;
+              for (const auto& [waiting_seq, members] : group.lane_waiting) {
+                if (waiting_seq == seq) early = members & ~bit;
+              }
+              group.lane_absences.push_back({seq, bit, failure, early});
               it = group.lane_absences.end() - 1;
             } else {
               it->members |= bit;
@@ -1924,8 +1961,9 @@ std::shared_ptr<Op> World::lane_apply_absences_locked(SharedGroup& group, uint64
   // Members that issued `seq` on the Op path never come here either.
   std::shared_ptr<Op> op = group.find_pending(seq);
   const uint64_t absent = absence.members | (op ? joined_mask(*op) : 0);
-  // Everyone but the members that gave up issued `seq` only after they had: each is told so.
-  std::vector<int> late = missing_ranks(group, absence.members);
+  // Everyone but the members that gave up, or were already waiting then, issued `seq` only
+  // after they had: each is told so.
+  std::vector<int> late = missing_ranks(group, absence.members | absence.early);
   uint64_t failed = 0;
   lane_fail_locked(group, seq, absence.message, absent, &failed, late);
   if (!op || op->ref_ < 0) return nullptr;

@@ -1160,6 +1160,45 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
   EXPECT_EQ(at16[1], at16[0] + late);
 }
 
+// Ranks 0 and 1 wait for the slot of seq 8 behind late rank 2; rank 0 gives up first, and rank 2
+// comes before rank 1's timeout, so rank 1 gets seq 8 after all, failed by rank 0's absence. It
+// was waiting before rank 0 gave up, so only rank 2 is told it came after the others had.
+TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
+  std::atomic<bool> gave_up{false};
+  std::atomic<bool> third_issued{false};
+  std::vector<std::string> at8(3);
+  run_local(
+      3,
+      [&](ProcessGroup& pg) {
+        const int r = pg.rank();
+        std::vector<Tensor> t;
+        for (int i = 0; i < 9; ++i) t.push_back(Tensor::full({2}, DType::I32, i));
+        std::vector<std::shared_ptr<Work>> w(8);
+        if (r == 2) await(gave_up);
+        for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        if (r == 2) third_issued = true;
+        at8[r] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
+        if (r == 0) gave_up = true;
+        await(third_issued);
+        for (int i = 0; i < 8; ++i) {
+          w[i]->wait();
+          EXPECT_EQ(t[i].to_vector<int>(), std::vector<int>(2, 3 * i)) << i;
+        }
+        for (int i = 0; i < 10; ++i) {
+          Tensor x = Tensor::full({2}, DType::I32, i + r);
+          pg.all_reduce(x, ReduceOp::Sum)->wait();
+          EXPECT_EQ(x.to_vector<int>(), std::vector<int>(2, 3 * i + 3));
+        }
+      },
+      LocalOptions{std::chrono::milliseconds(600)});
+  EXPECT_EQ(at8[0],
+            "all_reduce on group 'world' (seq 8): timed out after 0.6 s waiting for all_reduce on "
+            "group 'world' (seq 0) to finish; missing ranks [2]");
+  EXPECT_EQ(at8[1], at8[0]);
+  EXPECT_EQ(at8[2], at8[0] + "; rank 2 issued it only after the others had given up on it");
+}
+
 // A rank gave up on seq 8 of a busy slot; another issued seq 8 on the Op path; the third takes
 // the lane. All three get the first error (the Op path's member too), and the slot is freed.
 TEST(LaneTest, GivingUpMeetsTheOpPath) {
