@@ -28,7 +28,8 @@ struct GradTape::State {
   // Looked up by value, never iterated (so pointer keys do not make anything nondeterministic).
   std::unordered_map<const Value*, Tensor> values;
   // The storage version (Storage::version) of each value's tensor when a recorded op last used
-  // or produced it; backward refuses values written since. Looked up only.
+  // or produced it; backward refuses values written since, and so does a recorded use of an
+  // op's result (a leaf's or constant's may move on). Looked up only.
   std::unordered_map<const Value*, uint64_t> versions;
   // The versions of each recorded node's operands when it was recorded: what its gradient rule
   // reads of them must still hold that (a value written in place and used again since has a
@@ -138,11 +139,25 @@ std::vector<Tensor> record(const std::shared_ptr<State>& state, std::string_view
   Graph& g = *state->graph;
   std::vector<Value*> values;
   values.reserve(operands.size());
-  for (const Tensor& t : operands) {
+  for (size_t i = 0; i < operands.size(); ++i) {
+    const Tensor& t = operands[i];
     Tracked tr = tracked(t);
     if (tr.state == state) {
+      // A recorded op's result written in place since (the tape records no in-place writes)
+      // no longer holds what the graph says it does: a use of it would send its gradient to
+      // the op that made it (PyTorch records the write instead). Leaves and constants are the
+      // graph's inputs: written between uses, they stand for what they hold.
+      const uint64_t now = version_of(t);
+      uint64_t& known = state->versions.at(tr.value);
+      if (tr.value->node() != nullptr && now != known) {
+        throw InvalidArgument(fmt::format(
+            "{}: operand {} ({}, made by a recorded {}) was written in place after that op was "
+            "recorded, and the tape does not record in-place writes: use the functional form "
+            "of the write (its result), or write to a copy",
+            op, i, tr.value->ref(), tr.value->node()->op_name()));
+      }
+      known = now;
       values.push_back(tr.value);
-      state->versions.insert_or_assign(tr.value, version_of(t));
       continue;
     }
     // An untracked operand: a constant input of the recorded graph.

@@ -433,6 +433,29 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     w.copy_(Tensor::from_vector<double>({3, 4}, {2}));
     EXPECT_EQ(step(), (std::vector<double>{6, 8}));
   }
+  {
+    // A recorded op's result written in place, then used: the graph would send the use's
+    // gradient to the op that made it (grad a = 10, grad b = 0 where PyTorch gives 0 and 10).
+    GradTape tape;
+    const Tensor a = tape.requires_grad(Tensor::full({2}, DType::F64, 3.0));
+    const Tensor b = tape.requires_grad(Tensor::full({2}, DType::F64, 5.0));
+    Tensor y = tape.call_one("mul", std::vector<Tensor>{a, Tensor::full({2}, DType::F64, 1.0)});
+    y.copy_(b);
+    EXPECT_EQ(error_of([&] { tape.call_one("mul", std::vector<Tensor>{y, y}); }),
+              "mul: operand 0 (%mul, made by a recorded mul) was written in place after that op "
+              "was recorded, and the tape does not record in-place writes: use the functional "
+              "form of the write (its result), or write to a copy");
+  }
+  {
+    GradTape tape;  // div's gradient reads its result: a wrong -5 for b, no error, before
+    const Tensor a = tape.requires_grad(Tensor::full({2}, DType::F64, 3.0));
+    const Tensor b = tape.requires_grad(Tensor::full({2}, DType::F64, 2.0));
+    Tensor y = tape.call_one("div", std::vector<Tensor>{a, b});
+    y.fill_(10.0);
+    EXPECT_NE(error_of([&] { tape.call_one("sum", std::vector<Tensor>{y}); })
+                  .find("operand 0 (%div, made by a recorded div) was written in place"),
+              std::string::npos);
+  }
 }
 
 // div's gradient for the divisor is PyTorch's -grad * ((a / b) / b): the old -(grad * out) / b

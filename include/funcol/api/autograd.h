@@ -45,7 +45,9 @@ class GradTape {
   // Runs op `op` of the op table (not a collective: use the `*_autograd` functions) on
   // `operands`; records it when an operand is tracked by this tape (results are then tracked).
   // Untracked operands enter the graph as constants. Throws like ops::call, and InvalidArgument
-  // for an operand tracked by another tape.
+  // for an operand tracked by another tape, or for a recorded op's result written in place
+  // since (in-place writes are not recorded, so the graph would not say what it holds; leaves
+  // may be written between uses).
   std::vector<Tensor> call(std::string_view op, std::span<const Tensor> operands,
                            const NamedAttrs& attrs = {});
   Tensor call_one(std::string_view op, std::span<const Tensor> operands,
