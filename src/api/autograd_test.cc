@@ -458,6 +458,23 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
   }
 }
 
+// A leaf that reaches the loss only through an integer cast gets no gradient (zeros), while the
+// others get theirs, as PyTorch's backward (it threw, and no leaf got a gradient).
+TEST(EagerAutograd, ALeafBehindAnIntegerCastGetsZerosAndTheOthersTheirs) {
+  GradTape tape;
+  const Tensor a = tape.requires_grad(Tensor::from_vector<double>({1, 2, 3}, {3}));
+  const Tensor b = tape.requires_grad(Tensor::from_vector<double>({1.5, -2.5, 4.25}, {3}));
+  const Tensor i = tape.call_one("convert_element_type", std::vector<Tensor>{b},
+                                 {{"dtype", DType::I32}});
+  const Tensor f = tape.call_one("convert_element_type", std::vector<Tensor>{i},
+                                 {{"dtype", DType::F64}});
+  const Tensor l =
+      tape.call_one("sum", std::vector<Tensor>{tape.call_one("mul", std::vector<Tensor>{a, f})});
+  tape.backward(l);
+  EXPECT_EQ(tape.grad(a).to_vector<double>(), (std::vector<double>{1, -2, 4}));
+  EXPECT_EQ(tape.grad(b).to_vector<double>(), (std::vector<double>{0, 0, 0}));
+}
+
 // div's gradient for the divisor is PyTorch's -grad * ((a / b) / b): the old -(grad * out) / b
 // overflowed f16 where PyTorch's order does not (300 * 300 > 65504).
 TEST(EagerAutograd, DivisorGradientInPyTorchsOrder) {

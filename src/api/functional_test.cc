@@ -1162,6 +1162,26 @@ TEST(GroupSpecTest, ListsOfRankLists) {
   });
 }
 
+// A partition listed in a different order on each rank (its own list first) is one partition:
+// creating its groups took the lists as given, so the ranks disagreed ("rank 0 passed [[0, 1],
+// [2, 3]] ... but rank 2 passed [[2, 3], [0, 1]]"). Once resolved, using it again asks no other
+// rank: pairs that go on alone (ranks 0 and 1 three more times, 2 and 3 once) used to fail the
+// world agreement every use needed.
+TEST(GroupSpecTest, ListsOfRankListsInEachRanksOrderAndUsedAgainAlone) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    const std::vector<int> mine = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    const std::vector<int> other = r < 2 ? std::vector<int>{2, 3} : std::vector<int>{0, 1};
+    Tensor x = Tensor::full({2}, DType::F32, r);
+    EXPECT_EQ(all_reduce(x, "sum", {mine, other}).to_vector<float>(),
+              repeat(r < 2 ? 1 : 5, 2));
+    for (int i = 0; i < (r < 2 ? 3 : 1); ++i) {
+      EXPECT_EQ(all_reduce(x, "sum", {other, mine}).to_vector<float>(),
+                repeat(r < 2 ? 1 : 5, 2));
+    }
+  });
+}
+
 TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
   run_local(4, [](ProcessGroup& world) {
     const int r = world.rank();

@@ -91,10 +91,13 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   std::set<int> seen;
   for (const auto& list : lists) check_ranks(list, world.size(), seen, fmt::format("{}", lists));
   const int me = world.rank();
+  // Neither order matters (each rank takes the list that holds it): the ranks may list their
+  // own first. Sorted, the lists are the same on every rank.
   std::vector<std::vector<int>> sorted = lists;
+  for (auto& list : sorted) std::sort(list.begin(), list.end());
+  std::sort(sorted.begin(), sorted.end());
   const std::vector<int>* mine = nullptr;
-  for (auto& list : sorted) {
-    std::sort(list.begin(), list.end());
+  for (const auto& list : sorted) {
     if (std::find(list.begin(), list.end(), me) != list.end()) mine = &list;
   }
   if (mine == nullptr) {
@@ -118,13 +121,17 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   // A partition: every rank calls. The ranks reuse their groups only when every rank has one
   // (registries differ: a group is registered on its members only), else every rank splits
   // with the same lists and the same fresh name.
+  // Once every rank resolved a partition, each remembers it: later uses are a local lookup, as
+  // the seed's find by ranks, not a collective over the world every call.
+  GroupRegistry& registry = world.registry();
+  if (existing && registry.resolved_partition(sorted)) return *existing;
   constexpr const char* kWhat = "a group spec of rank lists";
-  if (dist_detail::on_every_rank(world, existing != nullptr, kWhat)) return *existing;
-  const std::string name = dist_detail::first_free_name(
-      world, [&](int) { return world.registry().next_group_name(); }, kWhat);
-  std::shared_ptr<ProcessGroup> group = world.split_group(sorted, name);
-  FUNCOL_CHECK(group != nullptr, "split_group returned null on a member rank");
-  return *group;
+  if (!dist_detail::on_every_rank(world, existing != nullptr, kWhat)) {
+    existing = world.split_group(sorted, dist_detail::agreed_group_name(world, kWhat));
+    FUNCOL_CHECK(existing != nullptr, "split_group returned null on a member rank");
+  }
+  registry.add_resolved_partition(std::move(sorted));
+  return *existing;
 }
 
 ProcessGroup& resolve_mesh_dim(const DeviceMesh* mesh, int dim) {

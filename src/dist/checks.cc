@@ -483,6 +483,22 @@ std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
   return mine;
 }
 
+std::string split_description(const std::vector<std::vector<int>>& rank_lists,
+                              const std::string& new_name) {
+  std::vector<std::string> lists;
+  for (const auto& list : rank_lists) lists.push_back(format_ranks(list));
+  return fmt::format("[{}] as '{}'", fmt::join(lists, ", "), new_name);
+}
+
+Tensor split_probe(const std::string& description, bool taken) {
+  uint64_t hash = 14695981039346656037ull;  // FNV-1a
+  for (const unsigned char c : description) hash = (hash ^ c) * 1099511628211ull;
+  const auto hi = static_cast<int64_t>(hash >> 32), lo = static_cast<int64_t>(hash & 0xffffffff);
+  const auto len = static_cast<int64_t>(description.size());
+  const int64_t flag = taken ? 1 : 0;
+  return Tensor::from_vector<int64_t>({hi, lo, len, flag, -hi, -lo, -len, -flag}, {8});
+}
+
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) {
   const int n = parent.size();
@@ -497,19 +513,30 @@ void agree_on_split(ProcessGroup& parent, int split,
     if (!taken.empty()) throw InvalidArgument(taken);
     return;
   }
-  std::vector<std::string> lists;
-  for (const auto& list : rank_lists) lists.push_back(format_ranks(list));
-  const std::string mine = fmt::format("[{}] as '{}'", fmt::join(lists, ", "), new_name);
-  // The user called new_group (or made a mesh): a failure of the gathers below is theirs.
-  auto gather = [&](Tensor& out, const Tensor& in) {
+  const std::string mine = split_description(rank_lists, new_name);
+  // The user called new_group (or made a mesh): a failure of the collectives below is theirs.
+  auto run = [&](const std::function<std::shared_ptr<Work>()>& issue) {
     try {
       const InternalStep step("split_group");
-      parent.all_gather(out, in)->wait();
+      issue()->wait();
     } catch (const CommError& e) {
       throw CommError(fmt::format("split_group on group '{}' (split {}): {}", parent.name(), split,
                                   e.what()));
     }
   };
+  auto gather = [&](Tensor& out, const Tensor& in) {
+    run([&] { return parent.all_gather(out, in); });
+  };
+  // Ranks normally pass the same and the name is free: an all_reduce of a hash of what each
+  // passed says so in a few bytes a rank. Only otherwise are the texts gathered, for the
+  // message (gathering them always cost O(n^2) bytes a rank: 649 MB for a new_group of 512
+  // threads ranks, 5.2 GB at 1024).
+  {
+    Tensor probe = split_probe(mine, !taken.empty());
+    run([&] { return parent.all_reduce(probe, ReduceOp::Max); });
+    const std::vector<int64_t> v = probe.to_vector<int64_t>();
+    if (v[0] == -v[4] && v[1] == -v[5] && v[2] == -v[6] && v[3] == 0) return;
+  }
   // "<what was passed>\n<where the name is taken, or nothing>", gathered in blocks of the
   // longest, whose lengths go first.
   const std::string record = mine + "\n" + taken;
@@ -576,17 +603,46 @@ std::string describe_step(const char* label) {
   return label == nullptr ? std::string() : fmt::format(" [funcol's agreement step for {}]", label);
 }
 
-bool same_on_every_rank(ProcessGroup& group, int64_t value, const char* what) {
-  Tensor t = Tensor::from_vector<int64_t>({value, -value}, {2});
+namespace {
+
+// The all_reduce of `values` (i64) over `group` with `op`, for an agreement step of `what`.
+std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, ReduceOp op,
+                           const char* what) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  Tensor t = Tensor::from_vector<int64_t>(values, {n});
   try {
     const InternalStep step(what);
-    group.all_reduce(t, ReduceOp::Max)->wait();
+    group.all_reduce(t, op)->wait();
   } catch (const CommError& e) {
     throw CommError(fmt::format("{}: agreeing with the other ranks of group '{}' failed: {}",
                                 what, group.name(), e.what()));
   }
-  const std::vector<int64_t> v = t.to_vector<int64_t>();
+  return t.to_vector<int64_t>();
+}
+
+}  // namespace
+
+bool same_on_every_rank(ProcessGroup& group, int64_t value, const char* what) {
+  const std::vector<int64_t> v = agree(group, {value, -value}, ReduceOp::Max, what);
   return v[0] == -v[1];
+}
+
+int64_t max_over_ranks(ProcessGroup& group, int64_t value, const char* what) {
+  return agree(group, {value}, ReduceOp::Max, what)[0];
+}
+
+int64_t and_over_ranks(ProcessGroup& group, int64_t bits, const char* what) {
+  return agree(group, {bits}, ReduceOp::BAnd, what)[0];
+}
+
+std::string agreed_group_name(ProcessGroup& group, const char* what) {
+  GroupRegistry& registry = group.registry();
+  for (;;) {
+    const int64_t id = max_over_ranks(group, registry.next_group_id(), what);
+    registry.skip_group_ids_through(id);
+    std::string name = "group" + std::to_string(id);
+    if (on_every_rank(group, registry.find(name) == nullptr, what)) return name;
+  }
 }
 
 bool on_every_rank(ProcessGroup& group, bool flag, const char* what) {

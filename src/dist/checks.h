@@ -172,6 +172,13 @@ std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
 // same CommError at once, naming two of them and what each passed, instead of building groups
 // that never meet or that meet the wrong ranks. A name registered on some rank fails every
 // rank the same way. A missing rank fails the all_gathers as any collective does.
+// What a rank passed to split_group, as agree_on_split's messages show it: "[[0, 1]] as 'g'".
+std::string split_description(const std::vector<std::vector<int>>& rank_lists,
+                              const std::string& new_name);
+// agree_on_split's first step: the i64[8] every rank all-reduces with max (a hash and the
+// length of its description, whether the name is taken on it, and their negations). The ranks
+// agree when the maxima are minus the minima and no rank has the name taken.
+Tensor split_probe(const std::string& description, bool taken);
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name);
 
@@ -184,6 +191,14 @@ bool same_on_every_rank(ProcessGroup& group, int64_t value, const char* what);
 // Whether `flag` is true on every rank of `group` (same_on_every_rank; every rank calls it,
 // whatever its flag).
 bool on_every_rank(ProcessGroup& group, bool flag, const char* what);
+// The largest `value` / the bitwise and of `bits` over the ranks of `group` (as
+// same_on_every_rank: one small all_reduce every rank calls).
+int64_t max_over_ranks(ProcessGroup& group, int64_t value, const char* what);
+int64_t and_over_ranks(ProcessGroup& group, int64_t bits, const char* what);
+// A fresh "group<N>" for an unnamed group over `group`: N is the largest of the ranks'
+// registry counters (they differ once unnamed groups were made over subgroups), moved on until
+// no rank has the name; every rank's counter then passes it. Every rank of `group` calls it.
+std::string agreed_group_name(ProcessGroup& group, const char* what);
 // The first of candidate(1), candidate(2), ... that no rank of `group` has registered (one
 // same_on_every_rank per candidate tried; every rank of `group` calls it).
 std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate,

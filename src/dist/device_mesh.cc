@@ -75,18 +75,18 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
     // to groups of other ranks names the new ones "tp.2", "tp.3", ... The ranks decide
     // together: registries differ between ranks once some built meshes over subgroups, and a
     // rank reusing a group while another splits would leave the split waiting.
+    // Each rank marks the k (1-62) whose group it has with exactly `mine`; the ranks reuse the
+    // smallest k marked on every rank. (A name may be missing on some ranks only, "tp" made by
+    // new_group over ranks 0 and 1 say, so no scan may stop at the first missing name.)
     const std::string& name = dims[d].first;
-    int reuse = 0;  // k of this rank's registered group for this dim with exactly `mine`
-    for (int k = 1;; ++k) {
+    constexpr int kReuseScan = 62;
+    int64_t have = 0;
+    for (int k = 1; k <= kReuseScan; ++k) {
       auto g = parent.registry().find(dim_group_name(name, k));
-      if (!g) break;
-      if (g->global_ranks() == mine) {
-        reuse = k;
-        break;
-      }
+      if (g && g->global_ranks() == mine) have |= int64_t{1} << k;
     }
-    if (dist_detail::same_on_every_rank(parent, reuse, "DeviceMesh") && reuse != 0) {
-      groups_.push_back(parent.registry().find(dim_group_name(name, reuse)));
+    if (const int64_t common = dist_detail::and_over_ranks(parent, have, "DeviceMesh")) {
+      groups_.push_back(parent.registry().find(dim_group_name(name, __builtin_ctzll(common))));
       continue;
     }
     const std::string fresh = dist_detail::first_free_name(

@@ -302,6 +302,24 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_coalesced(const std::vector<T
   return attach(std::move(work), outputs);
 }
 
+ProcessGroup::ProcessGroup(int rank, std::vector<int> global_ranks, std::string name,
+                           GroupRegistry* registry)
+    : rank_(rank),
+      global_ranks_(std::move(global_ranks)),
+      name_(std::move(name)),
+      registry_(registry),
+      registry_alive_(registry != nullptr ? registry->alive_ : nullptr) {}
+
+GroupRegistry& ProcessGroup::registry() const {
+  if (registry_alive_.expired()) {
+    throw InvalidArgument(fmt::format(
+        "group '{}' is used after its world ended (run_local returned, or "
+        "destroy_process_group): it has no registry to make or find groups in any more",
+        name_));
+  }
+  return *registry_;
+}
+
 // ---- GroupRegistry ----
 
 std::shared_ptr<ProcessGroup> GroupRegistry::get(const std::string& name) const {
@@ -352,6 +370,26 @@ std::string GroupRegistry::next_group_name() {
   return "group" + std::to_string(next_id_++);
 }
 
+int64_t GroupRegistry::next_group_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_id_;
+}
+
+void GroupRegistry::skip_group_ids_through(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  next_id_ = std::max(next_id_, id + 1);
+}
+
+bool GroupRegistry::resolved_partition(const std::vector<std::vector<int>>& lists) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return resolved_partitions_.count(lists) > 0;
+}
+
+void GroupRegistry::add_resolved_partition(std::vector<std::vector<int>> lists) {
+  std::lock_guard<std::mutex> lock(mu_);
+  resolved_partitions_.insert(std::move(lists));
+}
+
 std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<int>& ranks,
                                         const std::string& name) {
   if (ranks.empty()) throw InvalidArgument("new_group: ranks is empty");
@@ -370,12 +408,9 @@ std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<
     }
   }
   // An unnamed group takes the next "group<N>" that no rank has registered (a user may have
-  // named a group so, on its members only).
+  // named a group so, on its members only), N agreed by the ranks.
   const std::string group_name =
-      !name.empty() ? name
-                    : dist_detail::first_free_name(
-                          parent, [&](int) { return parent.registry().next_group_name(); },
-                          "new_group");
+      !name.empty() ? name : dist_detail::agreed_group_name(parent, "new_group");
   return parent.split_group({sorted}, group_name);
 }
 

@@ -199,6 +199,37 @@ TEST(NewGroupTest, NamesTakenOnSomeRanksOnly) {
 
 // A rank that never comes to new_group: the others' error names new_group's agreement, not
 // only an all_reduce the user never called.
+// Unnamed groups made over a subgroup count on its ranks only; the next unnamed group over
+// the world must still get one name on every rank (each rank took its own counter's, and every
+// later unnamed group failed: "passed ... as 'group4' but rank 2 passed ... as 'group3'").
+TEST(NewGroupTest, UnnamedGroupsAfterOnesMadeOverASubgroup) {
+  run_ranks(4, [](ProcessGroup& world) {
+    auto a = new_group(world, {0, 1});
+    if (world.rank() < 2) new_group(*a, {0, 1});
+    for (int i = 0; i < 3; ++i) {
+      auto all = new_group(world, {0, 1, 2, 3});
+      ASSERT_NE(all, nullptr);
+      EXPECT_EQ(all->name(), "group" + std::to_string(3 + i));
+      Tensor t = Tensor::full({1}, DType::I32, 1);
+      all->all_reduce(t, ReduceOp::Sum)->wait();
+      EXPECT_EQ(t.item<int>(), 4);
+    }
+  });
+}
+
+// A group kept after its world ended cannot reach the freed registry: an error, not a read of
+// freed memory (a hang on its mutex, or a crash).
+TEST(NewGroupTest, AGroupKeptAfterItsWorldEndedHasNoRegistry) {
+  std::vector<std::shared_ptr<ProcessGroup>> kept(2);
+  run_ranks(2, [&](ProcessGroup& world) { kept[world.rank()] = new_group(world, {0, 1}, "kept"); });
+  for (const auto& g : kept) {
+    ASSERT_NE(g, nullptr);
+    expect_error<InvalidArgument>([&] { g->registry(); },
+                                  {"group 'kept' is used after its world ended"});
+    expect_error<InvalidArgument>([&] { new_group(*g, {0}); }, {"after its world ended"});
+  }
+}
+
 TEST(NewGroupTest, ARankThatNeverComesFailsTheAgreementByName) {
   run_ranks(3, [](ProcessGroup& world) {
     if (world.rank() == 2) return;  // leaves without calling new_group
@@ -214,14 +245,14 @@ TEST(NewGroupTest, ARankThatNeverComesFailsTheAgreementByName) {
 TEST(NewGroupTest, TheAgreementNeverPairsWithAUsersCollective) {
   run_ranks(2, [](ProcessGroup& world) {
     const std::string mismatch =
-        "mismatched collectives: rank 0 issued all_reduce(i64[2], op max) [funcol's agreement "
-        "step for new_group] but rank 1 issued all_reduce(i64[2], op max)";
+        "mismatched collectives: rank 0 issued all_reduce(i64[1], op max) [funcol's agreement "
+        "step for new_group] but rank 1 issued all_reduce(i64[1], op max)";
     if (world.rank() == 0) {
       expect_error<CommError>(
           [&] { new_group(world, {0, 1}); },
           {"new_group: agreeing with the other ranks of group 'world' failed", mismatch});
     } else {
-      Tensor t = Tensor::zeros({2}, DType::I64);
+      Tensor t = Tensor::zeros({1}, DType::I64);  // the first step's very shape
       expect_error<CommError>([&] { world.all_reduce(t, ReduceOp::Max)->wait(); }, {mismatch});
     }
   });
@@ -285,6 +316,26 @@ TEST(DeviceMeshTest, DimNamesCanBeReusedByAnotherShape) {
     Tensor t = Tensor::full({1}, DType::I32, r);
     mesh.group("tp")->all_reduce(t, ReduceOp::Sum)->wait();
     EXPECT_EQ(t.item<int>(), 2 * (r - r % 2) + 1);
+  });
+}
+
+// A mesh built again reuses its groups also when a dim's plain name is taken on some ranks
+// only (the reuse scan stopped at the first name a rank lacked, so the ranks never agreed and
+// every rebuild split the world again: tp.2, tp.3, tp.4).
+TEST(DeviceMeshTest, RebuildsReuseGroupsPastNamesTakenOnSomeRanks) {
+  run_ranks(4, [](ProcessGroup& world) {
+    if (auto pair = new_group(world, {0, 1}, "pair")) DeviceMesh sub(*pair, {{"tp", 2}});
+    new_group(world, {2, 3}, "dp");
+    DeviceMesh first(world, {{"dp", 2}, {"tp", 2}});
+    const size_t groups = world.registry().names().size();
+    for (int i = 0; i < 3; ++i) {
+      DeviceMesh again(world, {{"dp", 2}, {"tp", 2}});
+      EXPECT_EQ(again.group("tp"), first.group("tp"));
+      EXPECT_EQ(again.group("dp"), first.group("dp"));
+    }
+    EXPECT_EQ(world.registry().names().size(), groups);
+    EXPECT_EQ(first.group("tp")->name(), "tp.2");
+    EXPECT_EQ(first.group("dp")->name(), "dp.2");
   });
 }
 

@@ -25,9 +25,13 @@ namespace {
 void check_reached_differentiably(const std::vector<Node*>& order, size_t end, const Value* loss,
                                   std::span<Value* const> wrt, const std::vector<Value*>& out,
                                   const std::unordered_map<const Value*, Value*>& grads) {
+  // As PyTorch's backward: an error only when the loss has no gradient path to any of `wrt`
+  // ("does not require grad"); otherwise the values whose paths all stop get none (zeros),
+  // as PyTorch leaves their .grad None.
   bool any_without = false;  // a floating input without a gradient: the only case to look at
   for (size_t i = 0; i < wrt.size(); ++i) {
-    any_without |= !out[i] && is_floating(wrt[i]->dtype()) && wrt[i] != loss;
+    if (out[i]) return;
+    any_without |= is_floating(wrt[i]->dtype()) && wrt[i] != loss;
   }
   if (!any_without) return;
   // What the loss depends on, any dtype (a coalesced op's result i depends on operand i alone).

@@ -221,6 +221,21 @@ TEST(Autodiff, ViewDtypeStopsTheGradient) {
   const Graph joint = build_joint_graph(*around, {0});
   EXPECT_EQ(joint.outputs()[1]->type().str(), "f32[4]");
   EXPECT_NE(joint.outputs()[1]->node()->op_name(), "zeros");
+
+  // Another input with a gradient path: as PyTorch's backward, the stopped one gets none (zeros
+  // here) rather than failing the whole backward.
+  std::unique_ptr<Graph> mixed = parse_graph(R"(graph @g(%x: f64[3], %y: f64[3]) {
+    %c = convert_element_type(%y) {dtype = i32}
+    %cf = convert_element_type(%c) {dtype = f64}
+    %m = mul(%x, %cf)
+    %l = sum(%m)
+    return %l
+  })");
+  const Graph both = build_joint_graph(*mixed, {0, 1});
+  ASSERT_EQ(both.outputs().size(), 3u);
+  EXPECT_NE(both.outputs()[1]->node()->op_name(), "zeros");  // x: cf
+  EXPECT_EQ(both.outputs()[2]->node()->op_name(), "zeros");
+  EXPECT_THROW((void)build_joint_graph(*mixed, {1}), InvalidArgument);  // y alone: no path
 }
 
 TEST(Autodiff, Errors) {

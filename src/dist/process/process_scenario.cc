@@ -165,7 +165,7 @@ void scenario_kill(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
-// Rank 0 creates a group (an agreement step: all_reduce of i64[2], op max) while the others
+// Rank 0 creates a group (an agreement step: all_reduce of i64[1], op max) while the others
 // issue an all_reduce of that shape and op; returns the CommError every rank must get.
 std::string group_against_all_reduce(funcol::ProcessGroup& world) {
   return expect_comm_error(
@@ -173,7 +173,7 @@ std::string group_against_all_reduce(funcol::ProcessGroup& world) {
         if (world.rank() == 0) {
           funcol::new_group(world, {0, 1});
         } else {
-          Tensor t = Tensor::zeros({2}, DType::I64);
+          Tensor t = Tensor::zeros({1}, DType::I64);
           world.all_reduce(t, ReduceOp::Max)->wait();
         }
       },
@@ -263,8 +263,8 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   // all_reduce of the same shape and op: a mismatch that names the agreement, on every rank.
   std::string step_msg = group_against_all_reduce(world);
   expect_contains(step_msg,
-                  "rank 0 issued all_reduce(i64[2], op max) [funcol's agreement step for "
-                  "new_group] but rank 1 issued all_reduce(i64[2], op max)");
+                  "rank 0 issued all_reduce(i64[1], op max) [funcol's agreement step for "
+                  "new_group] but rank 1 issued all_reduce(i64[1], op max)");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();
   check_sum(world);
@@ -335,8 +335,8 @@ void scenario_step_pairing(funcol::ProcessGroup& world) {
   expect_contains(msg, "timed out after");
   // Every rank had issued a collective as seq 1: the timeout says they differ.
   expect_contains(msg, "the ranks issued different collectives as seq 1: rank 0 issued "
-                       "all_reduce(i64[2], op max) [funcol's agreement step for new_group] but "
-                       "rank 1 issued all_reduce(i64[2], op max)");
+                       "all_reduce(i64[1], op max) [funcol's agreement step for new_group] but "
+                       "rank 1 issued all_reduce(i64[1], op max)");
   if (world.rank() == 0) expect_contains(msg, "new_group: agreeing with the other ranks");
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
@@ -391,18 +391,13 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   std::vector<int> members;
   for (int r = 1; r < world.size(); ++r) members.push_back(r);
   if (world.rank() == victim) {
-    // Take split_group's part in the agreement (two all_gathers of what each rank passed and,
-    // after a newline, where the name is taken: nowhere), then die before the new group's own
-    // setup. Labelled as split_group's own steps: their data travels apart from a user's.
+    // Take split_group's part in the agreement (an all_reduce of a hash of what each rank
+    // passed, and whether the name is taken: nowhere), then die before the new group's own
+    // setup. Labelled as split_group's own step: its data travels apart from a user's.
     const funcol::dist_detail::InternalStep step("split_group");
-    const std::string text = fmt::format("[[{}]] as 'sub'\n", fmt::join(members, ", "));
-    const auto bytes = static_cast<int64_t>(text.size());
-    Tensor lengths = Tensor::empty({world.size()}, DType::I64);
-    world.all_gather(lengths, Tensor::full({1}, DType::I64, static_cast<double>(bytes)))->wait();
-    Tensor mine = Tensor::zeros({bytes}, DType::U8);
-    std::memcpy(mine.raw_data_ptr(), text.data(), text.size());
-    Tensor texts = Tensor::empty({world.size() * bytes}, DType::U8);
-    world.all_gather(texts, mine)->wait();
+    Tensor probe = funcol::dist_detail::split_probe(
+        funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
+    world.all_reduce(probe, ReduceOp::Max)->wait();
     std::fflush(stdout);
     std::raise(SIGKILL);
   }

@@ -2683,7 +2683,7 @@ class ThreadsGroup final : public ProcessGroup {
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& name) override {
     dist_detail::check_split(*this, rank_lists, name);
-    uint64_t index = next_split_++;
+    const uint64_t index = next_split_.fetch_add(1, std::memory_order_relaxed);
     dist_detail::agree_on_split(*this, static_cast<int>(index), rank_lists, name);
     SharedGroup* mine = world_->split(*shared_, index, rank_lists, name, global_rank_);
     if (mine == nullptr) return nullptr;
@@ -2909,7 +2909,7 @@ class ThreadsGroup final : public ProcessGroup {
 
   std::atomic<bool> issuing_{false};
   uint64_t next_seq_ = 0;
-  uint64_t next_split_ = 0;
+  std::atomic<uint64_t> next_split_{0};  // two threads may split at once (a misuse: told)
   // The Op this rank publishes if it is first to join the next one (groups of at most
   // kMaxSpareMembers; a larger group's first joiner makes it under the group's lock).
   static constexpr int kMaxSpareMembers = 16;
