@@ -1182,6 +1182,24 @@ TEST(GroupSpecTest, ListsOfRankListsInEachRanksOrderAndUsedAgainAlone) {
   });
 }
 
+// Each pair passing its own rank list (SPMD style) cannot create two groups: the error says
+// what to pass instead, on every rank.
+TEST(GroupSpecTest, ARankListPerPairSaysToPassTheListOfLists) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    const std::vector<int> mine = r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    Tensor x = Tensor::full({2}, DType::F32, r);
+    try {
+      all_reduce(x, "sum", GroupSpec(mine));
+      ADD_FAILURE() << "no error";
+    } catch (const CommError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("passed [[0, 1]] as 'group1' but rank 2 passed [[2, 3]]"));
+      EXPECT_THAT(e.what(), HasSubstr("for a group per set of ranks pass the list of rank "
+                                      "lists, e.g. {{0, 1}, {2, 3}}"));
+    }
+  });
+}
+
 TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
   run_local(4, [](ProcessGroup& world) {
     const int r = world.rank();

@@ -191,9 +191,10 @@ Grads grad_relu(Builder& b, const Node& n, GIn g) {
   return {b.value("relu_backward", {g[0], const_cast<Value*>(n.result(0))})};
 }
 
-// relu_backward is linear in its gradient operand; the mask has no gradient (zero a.e.).
+// relu_backward is linear in its gradient operand; the mask's gradient is zero (a.e.), as
+// PyTorch's threshold_backward gives (zeros, not none: a path through it is differentiable).
 Grads grad_relu_backward(Builder& b, const Node& n, GIn g) {
-  return {b.value("relu_backward", {g[0], n.operand(1)}), nullptr};
+  return {b.value("relu_backward", {g[0], n.operand(1)}), zeros(b, n.operand(1)->type())};
 }
 
 Grads grad_neg(Builder& b, const Node&, GIn g) { return {b.value("neg", {g[0]})}; }

@@ -238,6 +238,20 @@ TEST(Autodiff, ViewDtypeStopsTheGradient) {
   EXPECT_THROW((void)build_joint_graph(*mixed, {1}), InvalidArgument);  // y alone: no path
 }
 
+// relu_backward's mask operand has a zero gradient, as PyTorch's threshold_backward: a
+// double-backward graph differentiated through it alone gets zeros, not the "stops" error.
+TEST(Autodiff, ReluBackwardsMaskHasAZeroGradient) {
+  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%g: f64[3], %x: f64[3]) {
+    %r = relu_backward(%g, %x)
+    %l = sum(%r)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*fwd, {1});
+  ASSERT_EQ(joint.outputs().size(), 2u);
+  EXPECT_EQ(joint.outputs()[1]->type().str(), "f64[3]");
+  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "zeros");
+}
+
 TEST(Autodiff, Errors) {
   // The InvalidArgument's message, or with `located` its FILE:LINE:COL form.
   auto joint_error = [](std::string_view ir, std::vector<int> wrt,
