@@ -870,6 +870,16 @@ class World {
                     const std::string& report);
   // warn_stalled for a lane collective whose missing ranks all wait elsewhere (true: warned).
   bool lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept);
+  // Whether `global_rank`, whose last collective is `seq` on `group`, waits in the issuing call
+  // for the slot (`state`) to finish an earlier collective (kLaneSlots behind). Under group.mu.
+  bool lane_blocked_at_issue(const SharedGroup& group, int global_rank, uint64_t seq,
+                             uint64_t state) const;
+  // "all_reduce ... (seq 9), which waits in the issuing call for ... (seq 1) to finish (...)".
+  static std::string lane_blocked_description(const SharedGroup& group, uint64_t seq,
+                                              uint64_t blocker);
+  // warn_stalled for a lane collective blocked at issue behind the slot's earlier collective
+  // (`state`) whose missing ranks all wait elsewhere (true: warned).
+  bool lane_warn_blocked(LaneWork& work, uint64_t state, std::chrono::nanoseconds slept);
   void depart(int rank, const std::string& reason);
   void drain(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
@@ -1579,7 +1589,13 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
   std::string failure;
   {
     std::lock_guard<SpinMutex> lock(group.mu);
-    std::shared_ptr<Op>& slot = group.pending_slot(seq);
+    // Below pending_base: every member joined `seq`'s op already (impossible: this member
+    // joins each collective once), or the window moved past it while it had no op, which
+    // happens only once a member went past `seq` having issued it on the lane. A mismatch
+    // then: this op lives outside the window, and fails below.
+    const bool crossed_gone = seq < group.pending_base;
+    std::shared_ptr<Op> outside;
+    std::shared_ptr<Op>& slot = crossed_gone ? outside : group.pending_slot(seq);
     if (!slot) {
       if (!spare) {
         spare = std::make_shared<Op>(this, &group, static_cast<int>(group.global_ranks.size()));
@@ -1591,6 +1607,16 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     *late = op->state_.load(std::memory_order_acquire) != kPending;
     const int me = group.global_ranks[member];
     if (group.lane) failure = lane_crossed_locked(group, member, seq, post, *op);
+    if (crossed_gone && failure.empty()) {
+      // The lane side already finished or gave up on `seq` (its records may be reused): say
+      // what is known. The other members never join this op.
+      failure = fmt::format(
+          "{}: mismatched collectives: rank {} issued {} but the other members issued a "
+          "different collective at this sequence number (a small all_reduce, which they "
+          "completed or gave up on without rank {})",
+          op->description(), me, post.summary(), me);
+      mark_joined(*op, group.full_mask() & ~(uint64_t{1} << member));
+    }
     if (failure.empty() && !*late && !op->doomed_) {
       // The rows a member keeps for itself must agree with themselves too (the pairwise check
       // below sees only members that joined before it).
@@ -1631,7 +1657,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     op->members_[member].joined = 1;
     ++op->joined_count_;
     if (op->joined_count_ == op->size_) {
-      group.release_pending(seq);
+      if (!crossed_gone) group.release_pending(seq);
     } else if (failure.empty() && departures_.load(std::memory_order_acquire) > 0) {
       // A member that departed will never join: fail now rather than at the timeout. (depart()
       // counts itself before it takes this lock to fail the ops it left, so a join that reads
@@ -1735,6 +1761,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
   Backoff backoff(wait_spin_);
+  StallClock stall(stall_warning_);
   // Listed in group.lane_waiting once its spin ran out, until it returns.
   struct Waiting {
     SharedGroup& group;
@@ -1840,7 +1867,8 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       if (!waiting.listed) waiting.list();
       std::string failure;
       bool departure = false;
-      if (Clock::now() >= work->deadline_) {
+      const Clock::time_point now = Clock::now();
+      if (now >= work->deadline_) {
         // Names the earlier collective and the ranks it still misses (the late ones).
         uint64_t blocker = seq - kLaneSlots;
         uint64_t came = group.full_mask();  // none missing unless known
@@ -1915,6 +1943,9 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         }
         prev = cur;  // unblocked meanwhile: arrive after all
         continue;
+      }
+      if (stall.due(now, work->deadline_) && lane_warn_blocked(*work, prev, stall.slept())) {
+        stall.warned();
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
@@ -2158,7 +2189,7 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
   uint64_t arrived = state & kLaneArrived;
   std::string message;
   if ((state & kLaneFailed) != 0) {
-    message = ls.error;
+    message = issued_after_failure(ls.error, ls.given_up_on, group.global_ranks[member]);
     arrived = ls.state.fetch_or(bit, std::memory_order_acq_rel) & kLaneArrived;
     lane_exit(group, ls, 1);
   } else {
@@ -2368,6 +2399,9 @@ std::string World::whereabouts(const std::vector<int>& missing, bool* all_waitin
         if (lane_serves(state, seq) && (state & kLaneFailed) == 0) {
           waits_for = missing_ranks(*group, state & kLaneArrived);
           what = collective_name(OpKind::AllReduce, false, *group, seq);
+        } else if (lane_blocked_at_issue(*group, r, seq, state)) {
+          waits_for = missing_ranks(*group, state & kLaneArrived);
+          what = lane_blocked_description(*group, seq, lane_seq(state));
         }
       }
     }
@@ -2382,6 +2416,46 @@ std::string World::whereabouts(const std::vector<int>& missing, bool* all_waitin
   }
   if (all_waiting) *all_waiting = all;
   return notes.empty() ? std::string() : fmt::format(" ({})", fmt::join(notes, "; "));
+}
+
+bool World::lane_blocked_at_issue(const SharedGroup& group, int global_rank, uint64_t seq,
+                                  uint64_t state) const {
+  if ((state & kLaneBusy) == 0 || (state & kLaneFailed) != 0 ||
+      lane_seq(state) >= lane_seq(lane_seq_bits(seq))) {
+    return false;
+  }
+  const auto member = std::find(group.global_ranks.begin(), group.global_ranks.end(), global_rank);
+  const uint64_t bit = uint64_t{1} << (member - group.global_ranks.begin());
+  // A member that gave up on `seq` left it (an absence) and no longer waits.
+  return std::none_of(group.lane_absences.begin(), group.lane_absences.end(),
+                      [&](const SharedGroup::LaneAbsence& a) {
+                        return a.seq == seq && (a.members & bit) != 0;
+                      });
+}
+
+std::string World::lane_blocked_description(const SharedGroup& group, uint64_t seq,
+                                            uint64_t blocker) {
+  return fmt::format(
+      "{}, which waits in the issuing call for {} to finish (a rank runs at most {} small "
+      "all_reduces ahead of its peers on a group)",
+      collective_name(OpKind::AllReduce, false, group, seq),
+      collective_name(OpKind::AllReduce, false, group, blocker), kLaneSlots);
+}
+
+bool World::lane_warn_blocked(LaneWork& work, uint64_t state, std::chrono::nanoseconds slept) {
+  SharedGroup& group = *work.group_;
+  {
+    std::lock_guard<SpinMutex> lock(group.mu);
+    if (!lane_blocked_at_issue(group, group.global_ranks[work.member_], work.seq_, state)) {
+      return false;
+    }
+  }
+  bool all_waiting = false;
+  const std::string report =
+      missing_report(missing_ranks(group, state & kLaneArrived), &all_waiting);
+  if (!all_waiting) return false;
+  warn_stalled(lane_blocked_description(group, work.seq_, lane_seq(state)) + ",", slept, report);
+  return true;
 }
 
 bool World::lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept) {

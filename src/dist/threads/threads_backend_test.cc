@@ -1031,6 +1031,63 @@ TEST(LaneTest, MismatchWhenTheOpPathSideRunsAhead) {
   }
 }
 
+// A lane collective between two Op-path ones: the Op path's window of unfinished collectives
+// moves past the lane's sequence number once every member joined the Op before it. A late rank
+// that issues that number on the Op path (a mismatch) gets the mismatch, not an internal error,
+// and so do the lane ranks; the group keeps working. With the late rank after the others gave
+// up on it, every rank gets the timeout, the late one told it came late.
+TEST(LaneTest, MismatchAfterTheOpWindowMovedPastTheLane) {
+  for (int n : {2, 3}) {
+    for (int late_ms : {50, 700}) {
+      SCOPED_TRACE(::testing::Message() << n << " ranks, late by " << late_ms << " ms");
+      std::vector<std::string> messages(n);
+      std::vector<std::string> errors(n);
+      run_local(
+          n,
+          [&](ProcessGroup& pg) {
+            const int r = pg.rank();
+            auto error_of = [](auto&& fn) -> std::string {
+              try {
+                fn();
+              } catch (const CommError& e) {
+                return e.what();
+              }
+              return "";
+            };
+            if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+            Tensor a = Tensor::full({1 << 14}, DType::F32, 1);
+            pg.all_reduce(a, ReduceOp::Sum);
+            Tensor b = Tensor::full({r == 0 ? 1 << 14 : 4}, DType::F32, 1);
+            std::shared_ptr<Work> w1;
+            messages[r] = error_of([&] { w1 = pg.all_reduce(b, ReduceOp::Sum); });
+            Tensor c = Tensor::full({1 << 14}, DType::F32, 1);
+            auto w2 = pg.all_reduce(c, ReduceOp::Sum);
+            if (messages[r].empty()) messages[r] = error_of([&] { w1->wait(); });
+            errors[r] = error_of([&] { w2->wait(); });
+            pg.barrier();
+            for (int i = 0; i < 12; ++i) {
+              Tensor t = Tensor::full({3}, DType::I32, i + r);
+              pg.all_reduce(t, ReduceOp::Sum)->wait();
+              EXPECT_EQ(t.to_vector<int>(), std::vector<int>(3, n * i + n * (n - 1) / 2));
+            }
+          },
+          LocalOptions{std::chrono::milliseconds(400)});
+      if (late_ms == 50) {
+        EXPECT_EQ(messages[0],
+                  "all_reduce on group 'world' (seq 1): mismatched collectives: rank 0 issued "
+                  "all_reduce(f32[16384], op sum) but rank 1 issued all_reduce(f32[4], op sum)");
+        for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << r;
+      } else {
+        EXPECT_EQ(messages[1],
+                  "all_reduce on group 'world' (seq 1): timed out after 0.4 s; missing ranks [0]");
+        EXPECT_EQ(messages[0],
+                  messages[1] + "; rank 0 issued it only after the others had given up on it");
+      }
+      for (int r = 1; r < n; ++r) EXPECT_EQ(messages[r], messages[1]) << r;
+    }
+  }
+}
+
 // A rank that runs kLaneSlots (8) small all_reduces ahead waits for a slot; when its peer is
 // late past the timeout it gives up with an error, and its peer gets the same error for that
 // collective instead of waiting for a rank that will never post it. Then the group works again.
@@ -1629,6 +1686,64 @@ TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
                                                         << warnings;
     }
   }
+}
+
+// A rank that runs 9 small all_reduces ahead waits in the 9th issuing call for its peer, which
+// first waits on another group for this rank: a stall. The blocked call warns (naming the
+// earlier collective it waits for and what its missing rank waits for) and so does the peer's
+// wait (naming where this rank is blocked); both fail at the timeout, and the rest completes.
+TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
+  ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.2");
+  std::vector<std::string> messages(2);
+  ::testing::internal::CaptureStderr();
+  run_local(
+      2,
+      [&](ProcessGroup& world) {
+        auto pair = new_group(world, {0, 1}, "pair");  // agreed over world's seq 0
+        std::vector<Tensor> ts;
+        std::vector<std::shared_ptr<Work>> works;
+        auto run_ahead = [&] {
+          for (int i = 0; i < 9; ++i) {
+            ts.push_back(Tensor::full({4}, DType::F32, i));
+            works.push_back(world.all_reduce(ts.back(), ReduceOp::Sum));
+          }
+        };
+        Tensor p = Tensor::full({4}, DType::F32, 1);
+        if (world.rank() == 0) {
+          run_ahead();
+          pair->all_reduce(p, ReduceOp::Sum)->wait();
+        } else {
+          pair->all_reduce(p, ReduceOp::Sum)->wait();
+          run_ahead();
+        }
+        EXPECT_EQ(p.to_vector<float>(), std::vector<float>(4, 2.0f));
+        for (int i = 0; i < 8; ++i) {
+          works[i]->wait();
+          EXPECT_EQ(ts[i].to_vector<float>(), std::vector<float>(4, 2.0f * i)) << i;
+        }
+        messages[world.rank()] = comm_error([&] { works[8]->wait(); });
+      },
+      LocalOptions{std::chrono::milliseconds(1000)});
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
+  const std::string blocked =
+      "all_reduce on group 'world' (seq 9), which waits in the issuing call for all_reduce on "
+      "group 'world' (seq 1) to finish (a rank runs at most 8 small all_reduces ahead of its "
+      "peers on a group)";
+  for (const std::string& line : std::vector<std::string>{
+           "funcol: warning: " + blocked + ", has waited ",
+           "; missing ranks [1] (rank 1's last collective, all_reduce on group 'pair' (seq 0), "
+           "is itself missing ranks [0])",
+           "funcol: warning: all_reduce on group 'pair' (seq 0) has waited ",
+           "; missing ranks [0] (rank 0's last collective, " + blocked +
+               ", is itself missing ranks [1])"}) {
+    EXPECT_NE(warnings.find(line), std::string::npos) << line << "\n" << warnings;
+  }
+  EXPECT_EQ(messages[0],
+            "all_reduce on group 'world' (seq 9): timed out after 1 s waiting for all_reduce on "
+            "group 'world' (seq 1) to finish; missing ranks [1] (rank 1's last collective, "
+            "all_reduce on group 'pair' (seq 0), is itself missing ranks [0])");
+  EXPECT_EQ(messages[1],
+            messages[0] + "; rank 1 issued it only after the others had given up on it");
 }
 
 // A rank busy elsewhere (its last collective done) is no deadlock: no warning.
