@@ -468,6 +468,11 @@ struct alignas(64) LaneRecord {
   ReduceOp reduce_op = ReduceOp::Sum;
   uint8_t step = 0;  // as Post::step (in the padding before the slot: the first line)
   Slot slot;
+  // The work's deadline (steady clock ticks), for its peers: the collective times out at its
+  // members' earliest, as an Op times out at its first joiner's (see World::lane_deadline).
+  // Read without the lock by waiters that may race with the slot's next collective, which can
+  // only move the deadline later (and a failer's compare-exchange checks the seq anyway).
+  std::atomic<Clock::rep> deadline{0};
 
   Post post() const { return post(slot, reduce_op, step); }
   static Post post(const Slot& slot, ReduceOp reduce_op, uint8_t step) {
@@ -870,6 +875,9 @@ class World {
                     const std::string& report);
   // warn_stalled for a lane collective whose missing ranks all wait elsewhere (true: warned).
   bool lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept);
+  // When `work`'s collective times out: the earliest deadline of the members that arrived (the
+  // first issue plus the timeout, as for an Op), or its own while its slot serves another.
+  static Clock::time_point lane_deadline(const LaneWork& work);
   // Whether `global_rank`, whose last collective is `seq` on `group`, waits in the issuing call
   // for the slot (`state`) to finish an earlier collective (kLaneSlots behind). Under group.mu.
   bool lane_blocked_at_issue(const SharedGroup& group, int global_rank, uint64_t seq,
@@ -1757,6 +1765,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
     record.slot = slot;
     record.reduce_op = op;
     record.step = dist_detail::internal_step();
+    record.deadline.store(work->deadline_.time_since_epoch().count(), std::memory_order_relaxed);
     if (record.work != work) previous = std::exchange(record.work, work);
   };
   uint64_t prev = ls.state.load(std::memory_order_acquire);
@@ -2205,6 +2214,19 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
   return message;
 }
 
+Clock::time_point World::lane_deadline(const LaneWork& work) {
+  const LaneSlot& ls = work.group_->lane_slot(work.seq_);
+  const uint64_t state = ls.state.load(std::memory_order_acquire);
+  Clock::time_point deadline = work.deadline_;
+  if (!lane_serves(state, work.seq_)) return deadline;
+  for (uint64_t arrived = state & kLaneArrived; arrived != 0; arrived &= arrived - 1) {
+    const Clock::rep ticks =
+        ls.records[__builtin_ctzll(arrived)].deadline.load(std::memory_order_relaxed);
+    deadline = std::min(deadline, Clock::time_point(Clock::duration(ticks)));
+  }
+  return deadline;
+}
+
 void World::lane_check(LaneWork& work, bool timed_out) {
   SharedGroup& group = *work.group_;
   const uint64_t seq = work.seq_;
@@ -2297,7 +2319,7 @@ void LaneWork::wait() {
       if (backoff.step()) continue;
       // Departures and Op-path mismatches are checked now and then; the timeout at the deadline.
       auto now = Clock::now();
-      world_->lane_check(*this, now >= deadline_);
+      world_->lane_check(*this, now >= World::lane_deadline(*this));
       if (!is_completed() && stall.due(now, deadline_) &&
           world_->lane_warn_stalled(*this, stall.slept())) {
         stall.warned();
@@ -2314,7 +2336,7 @@ void LaneWork::wait() {
 // sleeping), or a collective that can never finish would never fail for it.
 bool LaneWork::poll() {
   if (is_completed()) return true;
-  world_->lane_check(*this, Clock::now() >= deadline_);
+  world_->lane_check(*this, Clock::now() >= World::lane_deadline(*this));
   return is_completed();
 }
 

@@ -1746,6 +1746,38 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
             messages[0] + "; rank 1 issued it only after the others had given up on it");
 }
 
+// A collective times out its timeout after the first rank issued it, on the lane as on the Op
+// path: rank 1 issues and does not wait, rank 0 issues 0.6 s later and waits, rank 2 comes
+// after 1.2 s. With a 1 s timeout rank 0's wait fails at about 1 s, not at 1.6 s (its own
+// issue plus the timeout), before rank 2 came; rank 2 is told it came late.
+TEST(FailureTest, TheTimeoutRunsFromTheFirstIssue) {
+  for (const int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+    SCOPED_TRACE(numel);
+    std::vector<std::string> messages(3);
+    std::vector<double> failed_at(3);
+    const auto start = Clock::now();
+    run_local(
+        3,
+        [&](ProcessGroup& world) {
+          const int r = world.rank();
+          if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+          if (r == 2) std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+          Tensor t = Tensor::full({numel}, DType::F32, 1);
+          auto work = world.all_reduce(t, ReduceOp::Sum);
+          if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+          messages[r] = comm_error([&] { work->wait(); });
+          failed_at[r] = seconds_since(start);
+        },
+        LocalOptions{std::chrono::milliseconds(1000)});
+    const std::string base =
+        "all_reduce on group 'world' (seq 0): timed out after 1 s; missing ranks [2]";
+    EXPECT_EQ(messages[0], base);
+    EXPECT_EQ(messages[1], base);
+    EXPECT_EQ(messages[2], base + "; rank 2 issued it only after the others had given up on it");
+    EXPECT_LT(failed_at[0], 1.2);
+  }
+}
+
 // A rank busy elsewhere (its last collective done) is no deadlock: no warning.
 TEST(FailureTest, NoStallWarningForARankBusyElsewhere) {
   ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.1");
