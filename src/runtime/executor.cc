@@ -830,12 +830,16 @@ struct Chain {
   std::vector<const Value*> members;
   std::vector<const Node*> skip;
   std::vector<const Node*> take;  // each takes its node's results, members in order
+  // Member i's result: result `second` of node `first` (a Take node's, or, in an all_gather
+  // chain, a skipped split's piece that needs no reshape).
+  std::vector<std::pair<const Node*, uint32_t>> results;
   std::vector<const Type*> out_types;
 };
 
 // all_gather bucket: cat(x_1..x_k){dim 0} -> all_gather_into_tensor, or
 // all_gather_into_tensor_packed(x_1..x_k) with no dtype change; then wait_tensor, view [G, n],
-// split_with_sizes{dim 1} into numel(x_i), and one reshape of each piece (the member's result).
+// split_with_sizes{dim 1} into numel(x_i), and one reshape of each piece (the member's result),
+// or none where the piece is already the result's shape (a member [1, n] gathers to [G, n]).
 bool match_gather_chain(const Node& bucket, int64_t group_size, Chain& c) {
   if (bucket.op_name() == "all_gather_into_tensor") {
     const Node* cat = bucket.operand(0)->node();
@@ -870,12 +874,20 @@ bool match_gather_chain(const Node& bucket, int64_t group_size, Chain& c) {
   c.skip.push_back(split);
   for (size_t i = 0; i < c.members.size(); ++i) {
     const Value* piece = split->result(i);
+    if (piece->shape()[1] != c.members[i]->type().numel()) return false;
+    // The piece is [G, numel(x_i)], the member's gathered rows back to back: the result
+    // itself, or what its reshape views.
     const Node* out = sole_user(piece, "reshape");
-    if (out == nullptr || piece->shape()[1] != c.members[i]->type().numel() ||
-        out->result(0)->type().numel() != group_size * c.members[i]->type().numel()) {
+    if (out == nullptr) {
+      c.results.emplace_back(split, static_cast<uint32_t>(i));
+      c.out_types.push_back(&piece->type());
+      continue;
+    }
+    if (out->result(0)->type().numel() != group_size * c.members[i]->type().numel()) {
       return false;
     }
     c.take.push_back(out);
+    c.results.emplace_back(out, 0);
     c.out_types.push_back(&out->result(0)->type());
   }
   return true;
@@ -896,6 +908,7 @@ bool match_split_tail(const Node& bucket, int64_t divisor, Chain& c) {
       return false;
     }
     c.out_types.push_back(&t);
+    c.results.emplace_back(split, static_cast<uint32_t>(i));
   }
   c.take.push_back(split);
   return true;
@@ -1048,17 +1061,17 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       skipped.kind = StepKind::Skip;
       skipped.num_operands = 0;
     }
-    uint32_t next = 0;
     for (const Node* n : c.take) {
       Step& take = steps[step_of.at(n)];
       take.kind = StepKind::Take;
       take.num_operands = 0;
       take.bucket = index;
-      take.take_begin = next;
-      next += take.num_results;
-      for (uint32_t r = 0; r < take.num_results; ++r) {
-        buckets[index].out_slots.push_back(take.results_begin + r);
-      }
+      // The member whose result is its first (the members of a Take node's results follow).
+      const auto first = std::find(c.results.begin(), c.results.end(), std::make_pair(n, 0u));
+      take.take_begin = static_cast<uint32_t>(first - c.results.begin());
+    }
+    for (const auto& [n, r] : c.results) {
+      buckets[index].out_slots.push_back(steps[step_of.at(n)].results_begin + r);
     }
   }
 }

@@ -106,6 +106,31 @@ TEST(LowerBuckets, GatherBucketOfEveryWorldSize) {
   for (int n : {1, 2, 4}) EXPECT_EQ(expect_same_either_way(n, gather_default(n)), 1u) << n;
 }
 
+// A member [1, n] gathers to [G, n], which is its split piece: bucket-all-gather leaves that
+// piece without a reshape, and the chain is lowered all the same (it ran node by node), in
+// every gather form, with a piece of a [1, n] member among the outputs and consumed.
+TEST(LowerBuckets, GatherBucketWithAMemberThatNeedsNoReshape) {
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed);
+    const std::string bucket =
+        packed ? "  %bucket = all_gather_into_tensor_packed(%a, %b, %c) {group_size = 2, "
+                 "group = \"world\", dtype = f32, out_dtypes = [f32, f32, f32]}\n"
+               : "  %af = flatten(%a)\n"
+                 "  %cf = flatten(%c)\n"
+                 "  %pack = cat(%af, %b, %cf) {dim = 0}\n"
+                 "  %bucket = all_gather_into_tensor(%pack) {group_size = 2, group = \"world\"}\n";
+    const std::string text = "graph @g(%a: f32[1,3], %b: f32[5], %c: f32[1,2]) {\n" + bucket +
+                             "  %w = wait_tensor(%bucket)\n"
+                             "  %rows = view(%w) {shape = [2, 10]}\n"
+                             "  %s:3 = split_with_sizes(%rows) {split_sizes = [3, 5, 2], dim = 1}\n"
+                             "  %o1 = reshape(%s#1) {shape = [10]}\n"
+                             "  %n = neg(%s#2)\n"
+                             "  return %s#0, %o1, %n\n"
+                             "}\n";
+    EXPECT_EQ(expect_same_either_way(2, text), 1u);
+  }
+}
+
 TEST(LowerBuckets, PackedGatherBucket) {
   const std::string text =
       "graph @g(%a: i32[3], %b: i32[5]) {\n"
@@ -438,8 +463,9 @@ TEST(LowerBuckets, ChainsWhoseIntermediatesAreUsedElsewhereAreNotLowered) {
   EXPECT_EQ(expect_same_either_way(2, gather_chain("", "%o0, %o1")), 1u);
   // The packed buffer is also an output: the chain must run as written.
   EXPECT_EQ(expect_same_either_way(2, gather_chain("", "%o0, %o1, %pack")), 0u);
-  // A piece with two users; the waited bucket read directly.
-  EXPECT_EQ(expect_same_either_way(2, gather_chain("  %n = neg(%s#1)\n", "%o0, %o1, %n")), 0u);
+  // A piece with two users is the member's result itself, the reshape a view of it: lowered.
+  EXPECT_EQ(expect_same_either_way(2, gather_chain("  %n = neg(%s#1)\n", "%o0, %o1, %n")), 1u);
+  // The waited bucket read directly.
   EXPECT_EQ(expect_same_either_way(2, gather_chain("  %n = neg(%w)\n", "%o0, %o1, %n")), 0u);
   const std::string wait_is_output =
       "graph @g(%a: f32[8], %b: f32[4]) {\n"
