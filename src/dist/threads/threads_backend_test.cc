@@ -1713,6 +1713,9 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
           run_ahead();
           pair->all_reduce(p, ReduceOp::Sum)->wait();
         } else {
+          // Later than rank 0's 9th issue, so that this wait's timeout comes after rank 0 gave
+          // up (the timeout runs from the first issue) even on a slow (sanitized) build.
+          std::this_thread::sleep_for(std::chrono::milliseconds(400));
           pair->all_reduce(p, ReduceOp::Sum)->wait();
           run_ahead();
         }
