@@ -888,6 +888,10 @@ class World {
   // warn_stalled for a lane collective blocked at issue behind the slot's earlier collective
   // (`state`) whose missing ranks all wait elsewhere (true: warned).
   bool lane_warn_blocked(LaneWork& work, uint64_t state, std::chrono::nanoseconds slept);
+  // warn_stalled for `description`, a lane collective of `group` that the members not in
+  // `arrived` miss, if each of them waits elsewhere (true: warned).
+  bool warn_if_stalled(const SharedGroup& group, uint64_t arrived, const std::string& description,
+                       std::chrono::nanoseconds slept);
   void depart(int rank, const std::string& reason);
   void drain(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
@@ -2472,11 +2476,16 @@ bool World::lane_warn_blocked(LaneWork& work, uint64_t state, std::chrono::nanos
       return false;
     }
   }
+  return warn_if_stalled(group, state & kLaneArrived,
+                         lane_blocked_description(group, work.seq_, lane_seq(state)) + ",", slept);
+}
+
+bool World::warn_if_stalled(const SharedGroup& group, uint64_t arrived,
+                            const std::string& description, std::chrono::nanoseconds slept) {
   bool all_waiting = false;
-  const std::string report =
-      missing_report(missing_ranks(group, state & kLaneArrived), &all_waiting);
+  const std::string report = missing_report(missing_ranks(group, arrived), &all_waiting);
   if (!all_waiting) return false;
-  warn_stalled(lane_blocked_description(group, work.seq_, lane_seq(state)) + ",", slept, report);
+  warn_stalled(description, slept, report);
   return true;
 }
 
@@ -2484,12 +2493,7 @@ bool World::lane_warn_stalled(LaneWork& work, std::chrono::nanoseconds slept) {
   SharedGroup& group = *work.group_;
   const uint64_t state = group.lane_slot(work.seq_).state.load(std::memory_order_acquire);
   if (!lane_serves(state, work.seq_) || (state & kLaneFailed) != 0) return false;
-  bool all_waiting = false;
-  const std::string report =
-      missing_report(missing_ranks(group, state & kLaneArrived), &all_waiting);
-  if (!all_waiting) return false;
-  warn_stalled(work.description(), slept, report);
-  return true;
+  return warn_if_stalled(group, state & kLaneArrived, work.description(), slept);
 }
 
 void World::warn_stalled(const std::string& description, std::chrono::nanoseconds slept,
