@@ -1708,17 +1708,23 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
           }
         };
         Tensor p = Tensor::full({4}, DType::F32, 1);
+        Tensor q = Tensor::full({4}, DType::F32, 1);
         if (world.rank() == 0) {
           run_ahead();
           pair->all_reduce(p, ReduceOp::Sum)->wait();
+          // Rank 0's 9th issue gave up at seq 1's deadline, so waiting for seq 1 before rank 1
+          // issued it would time out at once: wait until rank 1 has run ahead too.
+          pair->all_reduce(q, ReduceOp::Sum)->wait();
         } else {
           // Later than rank 0's 9th issue, so that this wait's timeout comes after rank 0 gave
           // up (the timeout runs from the first issue) even on a slow (sanitized) build.
           std::this_thread::sleep_for(std::chrono::milliseconds(400));
           pair->all_reduce(p, ReduceOp::Sum)->wait();
           run_ahead();
+          pair->all_reduce(q, ReduceOp::Sum)->wait();
         }
         EXPECT_EQ(p.to_vector<float>(), std::vector<float>(4, 2.0f));
+        EXPECT_EQ(q.to_vector<float>(), std::vector<float>(4, 2.0f));
         for (int i = 0; i < 8; ++i) {
           works[i]->wait();
           EXPECT_EQ(ts[i].to_vector<float>(), std::vector<float>(4, 2.0f * i)) << i;
