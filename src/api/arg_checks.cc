@@ -10,11 +10,12 @@
 
 namespace funcol::api_detail {
 
-int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg) {
+int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg,
+                      std::string_view suffix) {
   const int64_t n = std::max<int64_t>(ndim, 1);
   if (dim < -n || dim >= n) {
-    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{})", op,
-                                 arg, dim, ndim, -n, n - 1));
+    throw ShapeError(fmt::format("{}: {} {} is out of range for a {}-d input (expected {}..{}){}",
+                                 op, arg, dim, ndim, -n, n - 1, suffix));
   }
   return dim < 0 ? dim + n : dim;
 }
@@ -33,7 +34,7 @@ int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t
   if (t.dim() == 0) {
     throw ShapeError(fmt::format("{}: input must have at least one dimension{}", op, suffix));
   }
-  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim");
+  const int64_t dim = normalize_dim(scatter_dim, t.dim(), op, "scatter_dim", suffix);
   if (t.size(dim) % group_size != 0) {
     throw ShapeError(
         fmt::format("{}: input dimension {} ({}) must be a multiple of group_size {}{}", op, dim,

@@ -13,7 +13,8 @@ namespace funcol::api_detail {
 
 // dim in [-n, n) with n = max(ndim, 1) (a 0-d tensor accepts 0 and -1, as torch does);
 // ShapeError "<op>: <arg> 5 is out of range for a 2-d input (expected -2..1)" otherwise.
-int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg);
+int64_t normalize_dim(int64_t dim, int64_t ndim, std::string_view op, std::string_view arg,
+                      std::string_view suffix = {});
 
 // The seed's "Tensor must be contiguous for <op><suffix>" (InvalidArgument); the native ops
 // require contiguous buffers. Traced tensors of views carry their eager layout, so this holds

@@ -913,6 +913,9 @@ TEST(Errors, ShapesSplitsAndArguments) {
                           "dtype f32 (only integer and bool) for tensor at index 2"));
     EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, bools}, "avg", {0, 0}, world); }),
                 HasSubstr("for tensor at index 1"));
+    EXPECT_THAT(error_of([&] { reduce_scatter_tensor_coalesced({x, x}, "sum", {0, 2}, world); }),
+                HasSubstr("reduce_scatter_tensor_coalesced: scatter_dim 2 is out of range for a "
+                          "2-d input (expected -2..1) for tensor at index 1"));
     EXPECT_THROW(all_gather_tensor(x, 2, world), ShapeError);
     // Empty inputs whose gathered dim would leave int64 (every rank fails before issuing).
     const Tensor wide = Tensor::empty({0, int64_t{1} << 61}, DType::U8);
