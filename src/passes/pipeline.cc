@@ -16,8 +16,10 @@ bool is_name_char(char c) {
          c == '_';
 }
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+// Printable ASCII only: a value is a number, a name or a list of them, and the bytes a value
+// stops at are shown in the error (escaped there when not printable).
 bool is_value_char(char c) {
-  return !is_space(c) && c != ',' && c != '{' && c != '}' && c != '=' && c != '\0';
+  return c > ' ' && c < 0x7f && c != ',' && c != '{' && c != '}' && c != '=';
 }
 
 class PipelineParser {
@@ -51,10 +53,11 @@ class PipelineParser {
   // `what` at the current column, and what was found there unless `found` is false (an error
   // about a whole option, not a character).
   [[noreturn]] void fail(std::string_view what, bool found = true) const {
-    std::string message =
-        fmt::format("invalid pass pipeline '{}': {} at column {}", text_, what, pos_ + 1);
+    std::string message = fmt::format("invalid pass pipeline '{}': {} at column {}",
+                                      printable(text_), what, pos_ + 1);
     if (found) {
-      message += at_end() ? ", found end of pipeline" : fmt::format(", found '{}'", peek());
+      message += at_end() ? ", found end of pipeline"
+                          : fmt::format(", found '{}'", printable(text_.substr(pos_, 1)));
     }
     throw InvalidArgument(message);
   }

@@ -69,6 +69,16 @@ TEST(PipelineSyntax, Errors) {
             "found '='");
   EXPECT_EQ(pipeline_error("a}"), "invalid pass pipeline 'a}': expected ',' between passes at column 2, found '}'");
   EXPECT_EQ(pipeline_error("a{{"), "invalid pass pipeline 'a{{': expected an option name at column 3, found '{'");
+  // Bytes outside printable ASCII are shown escaped, and no option value holds them.
+  EXPECT_EQ(pipeline_error("dce\xff"),
+            "invalid pass pipeline 'dce\\xff': expected ',' between passes at column 4, found "
+            "'\\xff'");
+  EXPECT_EQ(pipeline_error("a{cap-mb=1\xff}"),
+            "invalid pass pipeline 'a{cap-mb=1\\xff}': expected a space or '}' after an option "
+            "at column 11, found '\\xff'");
+  EXPECT_EQ(pipeline_error(std::string("a{x=\0}", 6)),
+            "invalid pass pipeline 'a{x=\\x00}': expected a value for option 'x' at column 5, "
+            "found '\\x00'");
 }
 
 TEST(PassOptionsTest, NumbersAreChecked) {

@@ -11,6 +11,22 @@
 #include "tools/commands.h"
 #include "funcol/core/error.h"
 
+namespace {
+
+// Output that never arrived (a full disk, a closed pipe) is a failure, not a success.
+int finish(int status) {
+  std::cout.flush();
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+    std::fprintf(stderr, "funcol: error: cannot write the output: %s\n",
+                 errno != 0 ? std::strerror(errno) : "write error");
+    return 1;
+  }
+  return status;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"funcol: functional collectives, their compiler and their backends"};
   app.require_subcommand(1);
@@ -24,9 +40,8 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // Help, and a command's own failure (it printed its error and chose the status).
-    if (e.get_exit_code() == 0 || dynamic_cast<const CLI::RuntimeError*>(&e) != nullptr) {
-      return app.exit(e);
-    }
+    if (e.get_exit_code() == 0) return finish(app.exit(e));
+    if (dynamic_cast<const CLI::RuntimeError*>(&e) != nullptr) return app.exit(e);
     // A command line that does not parse is an error like every other ("funcol: error: ...",
     // exit status 1), not CLI11's own message and codes (104-115).
     std::string what = e.what();
@@ -44,10 +59,25 @@ int main(int argc, char** argv) {
       what[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(what[0])));
     }
     std::string command = "funcol";
-    if (!app.get_subcommands().empty()) {
-      command += " " + app.get_subcommands().front()->get_name();
-    } else if (argc > 1 && argv[1][0] != '-') {
-      what = std::string("unknown command '") + argv[1] + "' (commands: bench, opt, run, train)";
+    const std::string unexpected = "the following argument was not expected: ";
+    if (argc > 1 && argv[1][0] == '-') {
+      // Before the command only --help and --version are options; CLI11 takes an unknown one
+      // for an argument of the command that follows, or says the command is missing.
+      what = unexpected + funcol::printable(argv[1]);
+    } else if (!app.get_subcommands().empty()) {
+      const CLI::App* sub = app.get_subcommands().front();
+      command += " " + sub->get_name();
+      // CLI11 checks required arguments before unexpected ones: "funcol opt --frob" would say
+      // the file is missing, not that --frob is unknown.
+      for (const std::string& arg : sub->remaining()) {
+        if (arg.size() > 1 && arg[0] == '-') {
+          what = unexpected + funcol::printable(arg);
+          break;
+        }
+      }
+    } else if (argc > 1) {
+      what = "unknown command '" + funcol::printable(argv[1]) +
+             "' (commands: bench, opt, run, train)";
     }
     std::fprintf(stderr, "funcol: error: %s\nRun '%s --help' for more information.\n",
                  what.c_str(), command.c_str());
@@ -56,13 +86,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "funcol: error: %s\n", e.what());
     return 1;
   }
-  // Output that never arrived (a full disk, a closed pipe) is a failure, not a success.
-  std::cout.flush();
-  errno = 0;
-  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
-    std::fprintf(stderr, "funcol: error: cannot write the output: %s\n",
-                 errno != 0 ? std::strerror(errno) : "write error");
-    return 1;
-  }
-  return 0;
+  return finish(0);
 }
