@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <thread>
@@ -49,9 +50,11 @@ constexpr std::chrono::milliseconds kLossWait{500};
 // Gloo's messages start with "[/path/to/file.cc:123] "; users need only the rest.
 std::string gloo_message(const std::exception& e) {
   std::string msg = e.what();
-  if (!msg.empty() && msg[0] == '[') {
+  // Some carry two ("[gloo/.../file_store.cc:157] [./gloo/rendezvous/file_store.cc:147] ...").
+  while (!msg.empty() && msg[0] == '[') {
     auto end = msg.find("] ");
-    if (end != std::string::npos) msg = msg.substr(end + 2);
+    if (end == std::string::npos) break;
+    msg = msg.substr(end + 2);
   }
   return msg;
 }
@@ -95,18 +98,34 @@ class KeyStore {
   // Deletes a key a previous job left where this process must write (Gloo's stores refuse to
   // overwrite one).
   virtual void erase_stale(const std::string& key) noexcept = 0;
+  // Called every poll of a wait for keys; it throws to end the wait (a member died).
+  virtual void set_poll(std::function<void()> poll) = 0;
 };
 
 // A Gloo store whose waits (Gloo's connectFullMesh waits for its peers' addresses) last the
-// job's timeout, not the 30 s Gloo passes.
+// job's timeout, not the 30 s Gloo passes, and call `poll` every 10 ms while the keys are
+// missing.
 template <typename GlooStore>
 struct TimedWaits : GlooStore {
   using GlooStore::GlooStore;
-  void wait(const std::vector<std::string>& keys) override { GlooStore::wait(keys, timeout); }
+  void wait(const std::vector<std::string>& keys) override { wait_polling(keys); }
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds&) override {
-    GlooStore::wait(keys, timeout);
+    wait_polling(keys);
+  }
+  void wait_polling(const std::vector<std::string>& keys) {
+    const auto deadline = Clock::now() + timeout;
+    while (!GlooStore::check(keys)) {
+      if (poll) poll();
+      if (Clock::now() >= deadline) {
+        // Gloo's own wait says which keys are missing, as before.
+        GlooStore::wait(keys, std::chrono::milliseconds(1));
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
   }
   std::chrono::milliseconds timeout = gloo::rendezvous::Store::kDefaultTimeout;
+  std::function<void()> poll;
 };
 
 class FileKeyStore final : public KeyStore {
@@ -125,6 +144,7 @@ class FileKeyStore final : public KeyStore {
     } catch (...) {  // a path Gloo cannot resolve: nothing to delete
     }
   }
+  void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
 
  private:
   // Exposes FileStore's protected existence check and key paths.
@@ -146,6 +166,7 @@ class RedisKeyStore final : public KeyStore {
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
   void erase_own_keys() noexcept override { store_.erase_written(); }
   void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
+  void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
 
  private:
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
@@ -254,6 +275,27 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));  // Gloo: the host name
     store->erase_stale(fmt::format("{}/{}", prefix, my_index));        // Gloo: the address
   };
+  // The members' losses known now (this rank's own excluded), deaths first.
+  auto member_losses = [&] {
+    std::vector<int> others;
+    for (int i = 0; i < n; ++i) {
+      if (i != my_index) others.push_back(members[i]);
+    }
+    return watch->losses(others, kLossWait);
+  };
+  auto failed_because = [&](const process::PeerLoss& loss) {
+    return CommError(fmt::format("gloo: rendezvous of {} at '{}' failed: {} during the "
+                                 "rendezvous; missing ranks [{}]",
+                                 what, shared.url.text, loss.describe(), loss.rank));
+  };
+  // A member that dies after its arrival key never writes its address: Gloo's wait for it
+  // (connectFullMesh) ends at once, not at the timeout.
+  if (watch != nullptr) {
+    store->set_poll([&] {
+      const auto losses = member_losses();
+      if (!losses.empty()) throw failed_because(losses.front());
+    });
+  }
   try {
     gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
     // "<size> <monitor address or ->": the size catches ranks started with different world
@@ -301,6 +343,11 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     throw;
   } catch (const std::exception& e) {
     forget_keys();
+    // A member lost meanwhile (a connection it never answered, a barrier it left) is the cause.
+    if (watch != nullptr) {
+      const auto losses = member_losses();
+      if (!losses.empty()) throw failed_because(losses.front());
+    }
     std::string msg = gloo_message(e);
     constexpr const char* kNextJob =
         "which the rank whose key was taken removes, so the next job can start there";

@@ -152,10 +152,13 @@ MPI_Op mpi_op(ReduceOp op, DType dtype) {
 // destructors that may still drop groups.
 class Runtime {
  public:
-  static Runtime& get() {
-    static Runtime* runtime = [] {
+  // The first call starts MPI (MPI_Init_thread, which Open MPI returns from only once every
+  // rank of the job called it) and gives up after `init_timeout` (default: FUNCOL_TIMEOUT):
+  // a rank that never starts must not hang the others.
+  static Runtime& get(std::chrono::milliseconds init_timeout = {}) {
+    static Runtime* runtime = [&] {
       auto* r = new Runtime();
-      r->start();
+      r->start(process::resolve_timeout(init_timeout));
       return r;
     }();
     if (!runtime->init_error_.empty()) throw CommError(runtime->init_error_);
@@ -250,43 +253,62 @@ class Runtime {
     std::function<void(int)> done;
   };
 
-  void start() {
-    std::promise<void> ready;
-    auto ready_future = ready.get_future();
-    thread_ = std::thread([this, &ready] {
-      initialise();
-      ready.set_value();
+  void start(std::chrono::milliseconds timeout) {
+    // Shared with the thread, which may return from MPI_Init_thread after start() gave up.
+    auto ready = std::make_shared<std::promise<std::string>>();
+    auto ready_future = ready->get_future();
+    thread_ = std::thread([this, ready] {
+      std::string error = initialise();
+      ready->set_value(std::move(error));
       loop();
     });
-    ready_future.wait();
+    if (ready_future.wait_for(timeout) != std::future_status::ready) {
+      init_error_ = fmt::format(
+          "mpi: init_process_group timed out after {} ms in MPI_Init_thread, which returns once "
+          "every rank of the job called it: some rank never started or never called "
+          "init_process_group",
+          timeout.count());
+      {
+        std::lock_guard lock(mu_);
+        stuck_ = init_error_;
+      }
+      thread_.detach();
+      // A normal exit could block in Open MPI's teardown behind the thread still inside
+      // MPI_Init_thread.
+      std::atexit([] {
+        exit_without_finalize("MPI_Init_thread never returned", "init_process_group timed out");
+      });
+      return;
+    }
+    init_error_ = ready_future.get();
     if (init_error_.empty()) std::atexit([] { get_unchecked().finalise_at_exit(); });
   }
 
   static Runtime& get_unchecked() { return get(); }
 
-  void initialise() {
+  // Starts MPI on the communication thread; an error message, empty when it worked.
+  std::string initialise() {
     int initialized = 0;
     MPI_Initialized(&initialized);
     int provided = MPI_THREAD_SINGLE;
     if (!initialized) {
       if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
-        init_error_ = "mpi: MPI_Init_thread failed";
-        return;
+        return "mpi: MPI_Init_thread failed";
       }
       owns_mpi_ = true;
       // This thread made MPI_Init_thread and makes every later call, so any level works.
     } else {
       MPI_Query_thread(&provided);
       if (provided < MPI_THREAD_SERIALIZED) {
-        init_error_ = fmt::format(
+        return fmt::format(
             "mpi: MPI was initialised with thread level {} by someone else; funcol calls MPI from "
             "its own communication thread and needs MPI_THREAD_SERIALIZED ({}) or higher",
             provided, static_cast<int>(MPI_THREAD_SERIALIZED));
-        return;
       }
     }
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     create_types_and_ops();
+    return {};
   }
 
   // Tests every tracked request at once with MPI_Testsome: one pass of Open MPI's progress
@@ -969,8 +991,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 }  // namespace
 
 process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& registry) {
-  Runtime& rt = Runtime::get();
   const auto timeout = process::resolve_timeout(options.timeout);
+  Runtime& rt = Runtime::get(timeout);
   const bool detail = process::debug_detail();  // a bad value fails before any exchange
   auto [rank, size] = rt.call([] {
     int r = 0, n = 0;

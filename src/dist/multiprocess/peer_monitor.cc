@@ -22,7 +22,16 @@
 namespace funcol::process {
 namespace {
 
-enum MessageType : uint8_t { kHello = 1, kBye = 2, kQuery = 3, kReply = 4, kGaveUp = 5 };
+// kByeAtExit: a goodbye (the same payload) sent as the process exits without having called
+// destroy_process_group.
+enum MessageType : uint8_t {
+  kHello = 1,
+  kBye = 2,
+  kQuery = 3,
+  kReply = 4,
+  kGaveUp = 5,
+  kByeAtExit = 6
+};
 constexpr size_t kFrameHeader = 5;  // u32 payload length, u8 type
 
 std::string errno_text(int err) { return std::strerror(err); }
@@ -91,6 +100,10 @@ struct PeerMonitor::Peer {
 std::string PeerLoss::describe() const {
   if (clean && !error.empty()) {
     return fmt::format("rank {} departed after an error ({})", rank, error);
+  }
+  if (clean && at_exit) {
+    return fmt::format("rank {} departed (its process exited without destroy_process_group)",
+                       rank);
   }
   if (clean) return fmt::format("rank {} departed (destroy_process_group)", rank);
   return fmt::format("rank {} died (its process exited or was killed)", rank);
@@ -362,7 +375,7 @@ void PeerMonitor::set_departure_error(std::string error) {
   departure_error_ = std::move(error);
 }
 
-void PeerMonitor::shutdown() {
+void PeerMonitor::shutdown(bool at_exit) {
   {
     std::lock_guard lock(mu_);
     if (stopping_ || !thread_.joinable()) return;
@@ -385,7 +398,7 @@ void PeerMonitor::shutdown() {
   }
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
-    if (send_to(r, kBye, bye)) {
+    if (send_to(r, at_exit ? kByeAtExit : kBye, bye)) {
       std::lock_guard lock(mu_);
       ::shutdown(peers_[r]->fd, SHUT_WR);
     }
@@ -422,8 +435,8 @@ void PeerMonitor::stop_thread() {
   cv_.notify_all();
 }
 
-void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued,
-                            std::string error) {
+void PeerMonitor::mark_lost(int rank, bool clean, bool at_exit,
+                            std::map<std::string, int64_t> issued, std::string error) {
   PeerLoss loss;
   std::function<void(const PeerLoss&)> callback;
   {
@@ -431,6 +444,7 @@ void PeerMonitor::mark_lost(int rank, bool clean, std::map<std::string, int64_t>
     if (lost_.count(rank) != 0 || stopping_ || leaving_) return;
     loss.rank = rank;
     loss.clean = clean;
+    loss.at_exit = at_exit;
     loss.issued = std::move(issued);
     loss.error = std::move(error);
     lost_[rank] = loss;
@@ -457,7 +471,8 @@ PeerMonitor::Answer PeerMonitor::local_answer(const std::string& name, int64_t s
 void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payload) {
   size_t pos = 0;
   switch (type) {
-    case kBye: {
+    case kBye:
+    case kByeAtExit: {
       std::map<std::string, int64_t> issued;
       std::string error;
       uint32_t len;
@@ -472,7 +487,8 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
         if (!read_i64(payload, pos, v)) break;
         issued[name] = v;
       }
-      mark_lost(from, /*clean=*/true, std::move(issued), std::move(error));
+      mark_lost(from, /*clean=*/true, /*at_exit=*/type == kByeAtExit, std::move(issued),
+                std::move(error));
       break;
     }
     case kQuery: {
@@ -571,7 +587,7 @@ void PeerMonitor::run() {
       if (got <= 0) {
         // EOF or reset: the peer's process is gone (a goodbye, if any, was handled first).
         if (peer->rank >= 0) {
-          mark_lost(peer->rank, /*clean=*/false, {});
+          mark_lost(peer->rank, /*clean=*/false, /*at_exit=*/false, {});
         } else {
           std::erase_if(unidentified, [&](const auto& p) {
             if (p.get() != peer) return false;

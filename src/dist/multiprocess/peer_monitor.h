@@ -21,6 +21,9 @@ namespace funcol::process {
 struct PeerLoss {
   int rank = -1;
   bool clean = false;  // true: destroy_process_group (a goodbye); false: its process vanished
+  // Clean leaves only: the goodbye came from the process's exit, not a destroy_process_group
+  // call of its own (a main that returned, or exit(), with the world still up).
+  bool at_exit = false;
   // Clean leaves only: collectives the peer had issued per group name when it left.
   std::map<std::string, int64_t> issued;
   // Clean leaves only: the error the peer left because of (set_departure_error), or empty.
@@ -102,7 +105,8 @@ class PeerMonitor {
   void set_departure_error(std::string error);
   // Says goodbye to every peer (with this process's progress and its departure error, if any)
   // and stops the monitor thread. Idempotent; the destructor calls it.
-  void shutdown();
+  // `at_exit`: the process is exiting without having called destroy_process_group.
+  void shutdown(bool at_exit = false);
   // Stops and closes every connection without a goodbye, as if this process died (tests).
   void close_abruptly();
 
@@ -119,7 +123,7 @@ class PeerMonitor {
   };
   // This process's answer about group `name`.
   Answer local_answer(const std::string& name, int64_t seq) const;
-  void mark_lost(int rank, bool clean, std::map<std::string, int64_t> issued,
+  void mark_lost(int rank, bool clean, bool at_exit, std::map<std::string, int64_t> issued,
                  std::string error = {});
   bool send_to(int rank, uint8_t type, const std::string& payload);
   void wake();

@@ -122,6 +122,17 @@ TEST(PeerMonitor, AGoodbyeCarriesProgress) {
   EXPECT_TRUE(losses[0].clean);
 }
 
+// A goodbye sent from the process's exit (no destroy_process_group of its own) says so.
+TEST(PeerMonitor, AGoodbyeAtExitSaysSo) {
+  auto m = mesh(2);
+  m[1]->shutdown(/*at_exit=*/true);
+  while (!m[0]->lost(1)) std::this_thread::sleep_for(milliseconds(1));
+  const PeerLoss loss = *m[0]->lost(1);
+  EXPECT_TRUE(loss.clean);
+  EXPECT_TRUE(loss.at_exit);
+  EXPECT_EQ(loss.describe(), "rank 1 departed (its process exited without destroy_process_group)");
+}
+
 TEST(PeerMonitor, AGoodbyeCarriesTheDepartureError) {
   auto m = mesh(3);
   m[1]->set_departure_error("ShapeError: first line\nsecond line");

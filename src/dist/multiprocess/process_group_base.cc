@@ -109,9 +109,9 @@ ProcessJob::ProcessJob(std::string backend, int rank, int world_size,
 
 ProcessJob::~ProcessJob() { shutdown(); }
 
-void ProcessJob::shutdown() {
+void ProcessJob::shutdown(bool at_exit) {
   shut_down_.store(true, std::memory_order_release);
-  if (monitor_) monitor_->shutdown();
+  if (monitor_) monitor_->shutdown(at_exit);
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;
@@ -534,11 +534,18 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
       missing.push_back(peers[i]);
     }
   }
-  if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
+  // A rank that does not answer (its process stopped, or stuck outside funcol) is counted
+  // missing: whether or not it issued this collective, it is not taking part.
+  std::vector<int> absent = missing;
+  absent.insert(absent.end(), silent.begin(), silent.end());
+  std::sort(absent.begin(), absent.end());
+  if (!absent.empty()) msg += "; missing ranks " + dist_detail::format_ranks(absent);
   for (const auto& l : losses) msg += "; " + l;
   if (!silent.empty()) {
-    msg += fmt::format("; ranks {} did not answer ({} unreachable)",
-                       dist_detail::format_ranks(silent), job_->backend());
+    msg += fmt::format(
+        "; ranks {} did not answer a progress query within {} ms (their process is stopped or "
+        "busy outside funcol)",
+        dist_detail::format_ranks(silent), kProgressQueryWait.count());
   }
   if (missing.empty() && silent.empty()) {
     const std::string mine = op.signature.summary();

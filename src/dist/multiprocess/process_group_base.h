@@ -82,8 +82,9 @@ class ProcessJob {
   // Waits until every collective issued on every live group has ended, within the timeout
   // (destroy_process_group, before shutdown: see ProcessGroupBase::drain).
   void drain();
-  // Says goodbye to the peers and stops the watchdog (destroy_process_group).
-  void shutdown();
+  // Says goodbye to the peers and stops the watchdog (destroy_process_group; `at_exit`: called
+  // by the process's exit instead).
+  void shutdown(bool at_exit = false);
   // shutdown() was called: the job's groups can no longer be used.
   bool shut_down() const { return shut_down_.load(std::memory_order_acquire); }
 

@@ -57,6 +57,10 @@ ProcessState& state() {
   return *s;
 }
 
+// destroy_process_group, or the process's exit with the world still up (`at_exit`: the peers
+// are told it exited without destroy_process_group).
+void destroy_world(bool at_exit);
+
 }  // namespace
 
 std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
@@ -106,13 +110,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   if (!s.exit_handler) {
     // A process that exits without destroy_process_group still says goodbye, so its peers
     // tell "finished" from "died".
-    std::atexit([] { destroy_process_group(); });
+    std::atexit([] { destroy_world(/*at_exit=*/true); });
     s.exit_handler = true;
   }
   return world.world;
 }
 
-void destroy_process_group() {
+void destroy_process_group() { destroy_world(/*at_exit=*/false); }
+
+namespace {
+
+void destroy_world(bool at_exit) {
   ProcessState& s = state();
   std::unique_ptr<GroupRegistry> registry;
   process::ProcessWorld world;
@@ -134,8 +142,10 @@ void destroy_process_group() {
   job->drain();
   registry.reset();
   world = {};
-  job->shutdown();
+  job->shutdown(at_exit);
 }
+
+}  // namespace
 
 void set_departure_error(const std::string& what) {
   ProcessState& s = state();

@@ -22,11 +22,18 @@
 //            the timeout says what each issued
 //  depart    the last rank leaves (destroy_process_group) with collectives still in flight,
 //            which complete for everyone; the others' next ones fail at once naming it
-//  lonely    (gloo) the last rank never calls init_process_group; the others' rendezvous
-//            fails after FUNCOL_TIMEOUT naming it, and takes its keys out of the store
+//  lonely    the last rank never calls init_process_group; the others fail after
+//            FUNCOL_TIMEOUT: on gloo their rendezvous names it and takes its keys out of the
+//            store, on mpi MPI_Init_thread (which waits for every rank) is given up on
 //  split_kill  the last rank agrees to split_group([1..n-1]) and dies before the new group's
 //            rendezvous (gloo) or MPI_Comm_split (mpi, under --enable-recovery); the members
 //            fail at once naming it, not after FUNCOL_TIMEOUT
+//  split_kill_arrived  (gloo, file store) the same for a group of the last two ranks, the
+//            victim dying after its arrival key is in the store, before its address
+//  exit      the last rank exits (status 0) without destroy_process_group; the others'
+//            next collective fails at once saying so
+//  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
+//            missing and silent, and rank 0 kills it
 #include <fmt/format.h>
 
 #include <fmt/ranges.h>
@@ -38,6 +45,11 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+
+#ifdef FUNCOL_WITH_GLOO
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/rendezvous/prefix_store.h>
+#endif
 #include <string>
 #include <thread>
 #include <utility>
@@ -342,6 +354,21 @@ void scenario_step_pairing(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// After a rank left: the next collectives (issued until one fails) fail within 10 s with a
+// CommError saying `how` it left.
+void expect_departure(funcol::ProcessGroup& world, const std::string& how) {
+  auto start = Clock::now();
+  std::string msg = expect_comm_error(
+      [&] {
+        for (int i = 0; i < 1000; ++i) check_sum(world);
+      },
+      "collectives after a rank left");
+  const double took = seconds_since(start);
+  expect_contains(msg, how);
+  if (took > 10) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
 void scenario_depart(funcol::ProcessGroup& world) {
   const int leaver = world.size() - 1;
   const int n = world.size();
@@ -370,18 +397,9 @@ void scenario_depart(funcol::ProcessGroup& world) {
   if (kept.to_vector<int64_t>() != std::vector<int64_t>(3, n * (n + 1) / 2)) {
     failed("a collective the leaver issued gave a wrong sum");
   }
-  auto start = Clock::now();
-  std::string msg = expect_comm_error(
-      [&] {
-        for (int i = 0; i < 1000; ++i) check_sum(world);
-      },
-      "collectives after a rank left");
-  const double took = seconds_since(start);
-  expect_contains(msg, fmt::format("rank {} departed after an error (ShapeError: the leaver's own "
-                                   "error)",
-                                   leaver));
-  if (took > 10) failed(fmt::format("the error took {:.1f} s", took));
-  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+  expect_departure(world, fmt::format("rank {} departed after an error (ShapeError: the "
+                                      "leaver's own error)",
+                                      leaver));
 }
 
 void scenario_split_kill(funcol::ProcessGroup& world) {
@@ -422,6 +440,86 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// The last rank exits (status 0) without destroy_process_group: the others' next collective
+// fails at once saying so, not that it called destroy_process_group.
+void scenario_exit(funcol::ProcessGroup& world) {
+  const int leaver = world.size() - 1;
+  check_sum(world);
+  if (world.rank() == leaver) {
+    ok("exits");
+    std::fflush(stdout);
+    std::exit(0);
+  }
+  expect_departure(
+      world,
+      fmt::format("rank {} departed (its process exited without destroy_process_group)", leaver));
+}
+
+// The last rank stops (SIGSTOP) before a collective: its peer monitor cannot answer either.
+// The others time out naming it missing and saying it did not answer; rank 0 then ends it.
+void scenario_stopped(funcol::ProcessGroup& world) {
+  const int victim = world.size() - 1;
+  Tensor pid = Tensor::full({1}, DType::I64, static_cast<double>(::getpid()));
+  Tensor pids = Tensor::empty({world.size()}, DType::I64);
+  world.all_gather(pids, pid)->wait();
+  if (world.rank() == victim) {
+    std::fflush(stdout);
+    std::raise(SIGSTOP);
+    failed("resumed after SIGSTOP");
+  }
+  auto start = Clock::now();
+  std::string msg = expect_comm_error([&] { check_sum(world); }, "a collective a rank skipped");
+  const double took = seconds_since(start);
+  expect_contains(msg, fmt::format("missing ranks [{}]", victim));
+  expect_contains(msg, fmt::format("ranks [{}] did not answer a progress query", victim));
+  if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
+  if (world.rank() == 0) ::kill(static_cast<pid_t>(pids.to_vector<int64_t>()[victim]), SIGKILL);
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+#ifdef FUNCOL_WITH_GLOO
+// gloo: the victim agrees to the new group and writes its arrival key, as its rendezvous
+// would, then dies before its address is there. The other member sees every arrival and waits
+// for that address inside Gloo's connectFullMesh: it must fail at once naming the dead rank,
+// not at the timeout.
+void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
+  const int victim = world.size() - 1;
+  check_sum(world);
+  const std::vector<int> members = {victim - 1, victim};
+  if (world.rank() == victim) {
+    const funcol::dist_detail::InternalStep step("split_group");
+    Tensor probe = funcol::dist_detail::split_probe(
+        funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
+    world.all_reduce(probe, ReduceOp::Max)->wait();
+    const char* store = std::getenv("FUNCOL_STORE");
+    if (store == nullptr || std::strncmp(store, "file://", 7) != 0) failed("needs a file store");
+    gloo::rendezvous::FileStore files(store + 7);
+    gloo::rendezvous::PrefixStore prefixed(
+        fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), files);
+    const std::string arrival = "2 -";  // the group's size, no monitor address
+    prefixed.set("arrive/1", std::vector<char>(arrival.begin(), arrival.end()));
+    std::fflush(stdout);
+    std::raise(SIGKILL);
+  }
+  auto start = Clock::now();
+  std::string msg;
+  try {
+    auto group = world.split_group({members}, "sub");
+    if (group != nullptr) failed("split_group returned a group with the dead rank");
+    ok("not a member");
+    return;
+  } catch (const funcol::CommError& e) {
+    msg = e.what();
+  }
+  const double took = seconds_since(start);
+  expect_contains(msg, fmt::format("rank {} died (its process exited or was killed) during the "
+                                   "rendezvous; missing ranks [{}]",
+                                   victim, victim));
+  if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -433,16 +531,22 @@ int main(int argc, char** argv) {
   if (backend.empty() || scenario.empty()) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
-                 "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill\n");
+                 "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
+                 "split_kill_arrived|exit|stopped\n");
     return 2;
   }
   if (scenario == "lonely") {
-    const char* rank = std::getenv("RANK");
-    const char* size = std::getenv("WORLD_SIZE");
-    if (rank == nullptr || size == nullptr) failed("run under gloo_launch.sh");
+    // The last rank never calls init_process_group: the others fail at their timeout.
+    const bool mpi = backend == "mpi";
+    const char* rank = std::getenv(mpi ? "OMPI_COMM_WORLD_RANK" : "RANK");
+    const char* size = std::getenv(mpi ? "OMPI_COMM_WORLD_SIZE" : "WORLD_SIZE");
+    if (rank == nullptr || size == nullptr) failed("run under gloo_launch.sh or mpirun");
     g_rank = std::atoi(rank);
     const int late = std::atoi(size) - 1;
     if (g_rank == late) {
+      // Under mpirun a rank that returns without MPI_Init ends the job: stay until the others
+      // gave up (mpirun then ends this one with them).
+      if (mpi) std::this_thread::sleep_for(std::chrono::duration<double>(timeout_seconds() + 20));
       ok("never joined");
       return 0;
     }
@@ -450,7 +554,10 @@ int main(int argc, char** argv) {
     std::string msg = expect_comm_error([&] { funcol::init_process_group(backend); },
                                         "init_process_group without the last rank");
     const double took = seconds_since(start);
-    expect_contains(msg, fmt::format("did not arrive: [{}]", late));
+    expect_contains(msg, mpi ? fmt::format("init_process_group timed out after {} ms in "
+                                           "MPI_Init_thread",
+                                           funcol::default_timeout().count())
+                             : fmt::format("did not arrive: [{}]", late));
     if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
     // With two ranks nobody else wrote to the store: the failed rendezvous left it empty, ready
     // for the next job.
@@ -483,6 +590,14 @@ int main(int argc, char** argv) {
       scenario_depart(*world);
     } else if (scenario == "split_kill") {
       scenario_split_kill(*world);
+    } else if (scenario == "exit") {
+      scenario_exit(*world);
+    } else if (scenario == "stopped") {
+      scenario_stopped(*world);
+#ifdef FUNCOL_WITH_GLOO
+    } else if (scenario == "split_kill_arrived") {
+      scenario_split_kill_arrived(*world);
+#endif
     } else {
       failed("unknown scenario " + scenario);
     }
