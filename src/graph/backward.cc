@@ -16,22 +16,29 @@ bool is_loss_type(const Type& type) { return type.numel() == 1 && is_floating(ty
 
 namespace {
 
-// Throws when a floating `wrt` value the loss depends on got no gradient: every path from it to
-// the loss passes an op with no gradient (a bit reinterpretation, a cast to an integer dtype),
-// and a zero gradient would be silently wrong. PyTorch raises there too (the loss "does not
-// require grad"). Names the first op on such a path where the gradient stops: a result with a
-// gradient over an operand without one, or a floating operand cast to a non-floating result.
-// `order[0, end)` are the nodes up to the loss's; `grads` holds every gradient built.
+// Throws when a floating `wrt` value the loss depends on got no gradient, every path from it to
+// the loss passing an op with no gradient (a bit reinterpretation, a cast to an integer dtype),
+// and either no `wrt` value got one (PyTorch raises there too: the loss "does not require
+// grad") or a path stops at a view_dtype of a floating value. Names the first op on such a
+// path where the gradient stops: a result with a gradient over an operand without one, or a
+// floating operand cast to a non-floating result. `order[0, end)` are the nodes up to the
+// loss's; `grads` holds every gradient built.
 void check_reached_differentiably(const std::vector<Node*>& order, size_t end, const Value* loss,
                                   std::span<Value* const> wrt, const std::vector<Value*>& out,
                                   const std::unordered_map<const Value*, Value*>& grads) {
-  // As PyTorch's backward: an error only when the loss has no gradient path to any of `wrt`
-  // ("does not require grad"); otherwise the values whose paths all stop get none (zeros),
-  // as PyTorch leaves their .grad None.
+  // As PyTorch's backward: an error when the loss has no gradient path to any of `wrt` ("does
+  // not require grad"); otherwise the values whose paths all stop get none (zeros), as PyTorch
+  // leaves their .grad None. Except where a path stops at a view_dtype of a floating value: a
+  // bit reinterpretation is how a pass packs buffers (bucket-all-gather's multidtype mode), not
+  // a user's way to stop a gradient, so a zero there would be silently wrong.
+  bool any_with = false;
   bool any_without = false;  // a floating input without a gradient: the only case to look at
   for (size_t i = 0; i < wrt.size(); ++i) {
-    if (out[i]) return;
-    any_without |= is_floating(wrt[i]->dtype()) && wrt[i] != loss;
+    if (out[i]) {
+      any_with = true;
+    } else {
+      any_without |= is_floating(wrt[i]->dtype()) && wrt[i] != loss;
+    }
   }
   if (!any_without) return;
   // What the loss depends on, any dtype (a coalesced op's result i depends on operand i alone).
@@ -72,6 +79,8 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
         const bool stops = grads.count(r) != 0 || (is_floating(from->dtype()) &&
                                                    !is_floating(r->dtype()) && ancestors.count(r));
         if (!stops) continue;
+        const bool reinterpreted = n->op_name() == "view_dtype" && is_floating(from->dtype());
+        if (any_with && !reinterpreted) continue;  // zeros, as PyTorch
         detail::throw_grad_error(*n, [&](const std::string& where) {
           return fmt::format("{}: it stops at {} of {} to {} ({}){}", what, n->op_name(),
                              dtype_name(from->dtype()), dtype_name(r->dtype()), where,
@@ -82,7 +91,7 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
         });
       }
     }
-    throw InvalidArgument(what);
+    if (!any_with) throw InvalidArgument(what);
   }
 }
 

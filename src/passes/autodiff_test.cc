@@ -236,6 +236,28 @@ TEST(Autodiff, ViewDtypeStopsTheGradient) {
   EXPECT_NE(both.outputs()[1]->node()->op_name(), "zeros");  // x: cf
   EXPECT_EQ(both.outputs()[2]->node()->op_name(), "zeros");
   EXPECT_THROW((void)build_joint_graph(*mixed, {1}), InvalidArgument);  // y alone: no path
+
+  // But a bit reinterpretation of a floating value fails even then: that is how a pass packs
+  // buffers (multidtype bucketing run before autodiff), and %x's zeros would be silently wrong.
+  std::unique_ptr<Graph> packed = parse_graph(R"(graph @g(%x: f32[2], %y: bf16[4]) {
+    %p = view_dtype(%x) {dtype = bf16}
+    %c = cat(%p, %y) {dim = 0}
+    %s = sum(%c)
+    %l = convert_element_type(%s) {dtype = f32}
+    return %l
+  })");
+  try {
+    (void)build_joint_graph(*packed, {0, 1});
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("autodiff: %x reaches the loss only through ops with "
+                                          "no gradient, so its gradient would be zero: it stops "
+                                          "at view_dtype of f32 to bf16 (node %p at <input>:2:5)",
+                                          0),
+              0u)
+        << e.what();
+  }
+  EXPECT_NO_THROW((void)build_joint_graph(*packed, {1}));  // %y alone: its own path
 }
 
 // relu_backward's mask operand has a zero gradient, as PyTorch's threshold_backward: a
