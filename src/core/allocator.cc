@@ -7,6 +7,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -63,6 +64,8 @@ size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 // request of 4 KiB more or less still finds the same block class), smaller ones to the
 // alignment.
 size_t block_bytes(size_t nbytes) {
+  // Rounding up would wrap to a tiny block.
+  if (nbytes > SIZE_MAX - kPage) throw std::bad_alloc();
   const size_t n = std::max<size_t>(nbytes, 1);
   return n >= kPage ? round_up(n, kPage) : round_up(n, kStorageAlignment);
 }

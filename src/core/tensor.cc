@@ -514,16 +514,25 @@ uint64_t machine_memory_bytes() {
 // machine's memory and swap is refused before asking (AddressSanitizer aborts on such a request
 // rather than throwing).
 template <typename V>
-std::vector<V> vector_or_throw(size_t n) {
+void reserve_or_throw(std::vector<V>& v, size_t n) {
   const uint64_t memory = machine_memory_bytes();
   if (memory == 0 || n <= memory / sizeof(V)) {
     try {
-      return std::vector<V>(n);
+      v.reserve(n);
+      return;
     } catch (const std::bad_alloc&) {
     } catch (const std::length_error&) {
     }
   }
   throw Error(fmt::format("out of memory: cannot allocate {} elements of {} bytes", n, sizeof(V)));
+}
+
+template <typename V>
+std::vector<V> vector_or_throw(size_t n) {
+  std::vector<V> v;
+  reserve_or_throw(v, n);
+  v.resize(n);
+  return v;
 }
 
 }  // namespace
@@ -1062,6 +1071,8 @@ std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
     out.push_back(narrow(d, 0, 0));
     return out;
   }
+  // Every piece is a Tensor: a dim of 2^40 (an expanded one) split by 1 would not fit.
+  reserve_or_throw(out, static_cast<size_t>(size / split_size + (size % split_size != 0)));
   // Stepped by the piece's length, not split_size: start + split_size may pass INT64_MAX after
   // the last piece of a bool/u8/i8 dim near it (chunk(2) of one of INT64_MAX).
   for (int64_t start = 0, length = 0; start < size; start += length) {

@@ -789,6 +789,14 @@ TEST(Views, EmptyTensorsWithHugeDims) {
             "out of memory: cannot allocate 1152921504606846976 elements of 4 bytes");
   EXPECT_EQ(error_of<Error>([] { Tensor::zeros({0}, DType::F32).chunk(int64_t{1} << 62); }),
             "out of memory: cannot allocate 4611686018427387904 elements of 8 bytes");
+  // A piece per element of a dim of 2^50 (an expanded one): a list of views that cannot fit.
+  const std::string pieces = error_of<Error>(
+      [] { Tensor::zeros({1}, DType::Bool).expand({int64_t{1} << 50}).split(1); });
+  EXPECT_EQ(pieces.rfind("out of memory: cannot allocate 1125899906842624 elements of ", 0), 0u)
+      << pieces;
+  // A storage size that rounding up to whole pages would wrap to a tiny block.
+  EXPECT_EQ(error_of<Error>([] { Storage s(SIZE_MAX - 100); }),
+            "out of memory: cannot allocate " + std::to_string(SIZE_MAX - 100) + " bytes");
 }
 
 // from_vector, data, to_vector and item take the element types of the ten dtypes (and long
