@@ -200,9 +200,9 @@ std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words
 
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {
   return fmt::format(
-      "mismatched split sizes: rank {} sends {} rows to rank {} but rank {} expects {} rows from "
-      "rank {}",
-      from, sent, to, to, expected, from);
+      "mismatched split sizes: rank {} sends {} row{} to rank {} but rank {} expects {} row{} "
+      "from rank {}",
+      from, sent, sent == 1 ? "" : "s", to, to, expected, expected == 1 ? "" : "s", from);
 }
 
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {

@@ -78,7 +78,7 @@ bool same_packed_shape(int ndim_a, const ShapeWords& a, int ndim_b, const ShapeW
 // "f32[2,3]"; longer shapes "f32[2,3,4,5,6,...: 9 dims, #1a2b3c4d]".
 std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words);
 
-// "mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 1 rows from rank 0",
+// "mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 1 row from rank 0",
 // for an all_to_all whose ranks disagree on the rows between `from` and `to` (global ranks; the
 // same rank when one disagrees with itself), on every backend.
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);

@@ -291,7 +291,8 @@ struct Executor::Impl {
   void plan();
   void lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
                      const std::unordered_map<const Node*, uint32_t>& step_of);
-  void fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of);
+  void fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of,
+                  const std::unordered_map<const Value*, const Value*>& view_base);
   std::vector<Tensor> run(std::vector<Tensor> inputs);
   template <bool kObserve>
   void run_steps(size_t& cur);
@@ -310,6 +311,13 @@ void Executor::Impl::plan() {
   std::unordered_map<const Value*, uint32_t> slot_of;
   std::unordered_map<const Node*, uint32_t> collective_index;
   std::unordered_map<const Node*, uint32_t> step_of;  // lookups only, never iterated
+  // The base of each view's result: the value at the start of its chain of views, found as the
+  // views come (a walk back per wait or cast would be quadratic in a chain's length).
+  std::unordered_map<const Value*, const Value*> view_base;  // lookups only, never iterated
+  auto base_of = [&](const Value* v) {
+    auto it = view_base.find(v);
+    return it == view_base.end() ? v : it->second;
+  };
   uint32_t next_slot = 0;
   for (const Value* in : graph.inputs()) slot_of.emplace(in, next_slot++);
 
@@ -369,11 +377,8 @@ void Executor::Impl::plan() {
       inflight.back().step = static_cast<uint32_t>(steps.size());
     } else if (op.collective == CollectiveKind::Wait) {
       st.kind = StepKind::Wait;
-      // The collective this wait completes: follow views back to their base.
-      const Value* v = node.num_operands() == 1 ? node.operand(0) : nullptr;
-      while (v && v->node() && v->node()->op().is_view && v->node()->num_operands() > 0) {
-        v = v->node()->operand(0);
-      }
+      // The collective this wait completes: the base of its operand's views.
+      const Value* v = node.num_operands() == 1 ? base_of(node.operand(0)) : nullptr;
       if (v && v->node()) {
         auto it = collective_index.find(v->node());
         if (it != collective_index.end()) st.inflight = it->second;
@@ -393,6 +398,10 @@ void Executor::Impl::plan() {
         result_types.insert(result_types.end(), t.shape.begin(), t.shape.end());
       }
     }
+    if (op.is_view && node.num_operands() > 0) {
+      const Value* base = base_of(node.operand(0));
+      for (size_t r = 0; r < node.num_results(); ++r) view_base.emplace(node.result(r), base);
+    }
     st.results_begin = next_slot;
     st.num_results = static_cast<uint32_t>(node.num_results());
     for (size_t r = 0; r < node.num_results(); ++r) slot_of.emplace(node.result(r), next_slot++);
@@ -404,7 +413,7 @@ void Executor::Impl::plan() {
     lower_buckets(slot_of, step_of);
     for (const Step& st : steps) max_operands = std::max<size_t>(max_operands, st.num_operands);
   }
-  fold_casts(step_of);
+  fold_casts(step_of, view_base);
 
   // Last uses. Graph outputs are never released; a value nobody uses dies with its step.
   std::vector<uint32_t> last_use(num_slots, kNone);
@@ -1084,7 +1093,9 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
 // lowered. The value is the same: both convert with the same routine. Only the run of such
 // casts right before the cat is folded, so no operand outlives its last use past other steps,
 // and not a cast of a collective's result, whose failure is reported at the cast.
-void Executor::Impl::fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of) {
+void Executor::Impl::fold_casts(
+    const std::unordered_map<const Node*, uint32_t>& step_of,
+    const std::unordered_map<const Value*, const Value*>& view_base) {
   std::vector<uint32_t> seen(num_slots, 0);
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
@@ -1097,11 +1108,8 @@ void Executor::Impl::fold_casts(const std::unordered_map<const Node*, uint32_t>&
         return false;
       }
       const Value* v = cs.node->result(0);
-      const Value* from = cs.node->operand(0);
-      while (from->node() != nullptr && from->node()->op().is_view &&
-             from->node()->num_operands() > 0) {
-        from = from->node()->operand(0);
-      }
+      auto base = view_base.find(cs.node->operand(0));
+      const Value* from = base == view_base.end() ? cs.node->operand(0) : base->second;
       return sole_user(v, "cat") == st.node && v->type().rank() == rank &&
              (from->node() == nullptr || !from->node()->op().is_collective());
     };

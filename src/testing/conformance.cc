@@ -670,7 +670,7 @@ void family_all_to_all(Ctx& c, const LargePolicy& large) {
     Tensor out = Tensor::zeros({n, 2}, DType::I32);
     const std::string g = std::to_string(c.pg.global_ranks()[0]);
     const std::string want = "mismatched split sizes: rank " + g + " sends 3 rows to rank " + g +
-                             " but rank " + g + " expects 1 rows from rank " + g;
+                             " but rank " + g + " expects 1 row from rank " + g;
     std::string error;
     try {
       c.pg.all_to_all(out, in, out_splits, in_splits)->wait();

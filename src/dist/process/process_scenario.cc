@@ -246,7 +246,7 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   std::string split_msg = expect_comm_error(
       [&] { world.all_to_all(b, a, out_splits, in_splits)->wait(); }, "all_to_all split sizes");
   expect_contains(split_msg,
-                  "mismatched split sizes: rank 0 sends 1 rows to rank 1 but rank 1 "
+                  "mismatched split sizes: rank 0 sends 1 row to rank 1 but rank 1 "
                   "expects 2 rows from rank 0");
   // Rank 0 sends itself 3 rows but expects 1 from itself, while every pair agrees: the
   // signatures show it to every rank, as the threads backend does.
@@ -258,7 +258,7 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
       [&] { world.all_to_all(d, c, own_out, own_in)->wait(); }, "all_to_all rows for itself");
   expect_contains(own_msg,
                   "mismatched split sizes: rank 0 sends 3 rows to rank 0 but rank 0 expects 1 "
-                  "rows from rank 0");
+                  "row from rank 0");
   // all_reduce_flat whose inputs add up to the same total but split differently (rank 0: 2 + 3
   // elements, the others 3 + 2): one packed all_reduce would reduce mismatched elements.
   auto flat_in = std::make_shared<std::vector<Tensor>>();

@@ -853,7 +853,11 @@ TEST(FailureTest, MismatchedAllToAllSplits) {
     messages[pg.rank()] = comm_error([&] { w->wait(); });
   });
   for (const auto& m : messages) {
-    EXPECT_NE(m.find("mismatched split sizes"), std::string::npos) << m;
+    // The first pair that disagrees, in rank order: rank 1's rows for itself.
+    EXPECT_NE(m.find("mismatched split sizes: rank 1 sends 1 row to rank 1 but rank 1 expects 2 "
+                     "rows from rank 1"),
+              std::string::npos)
+        << m;
   }
 }
 
@@ -881,7 +885,7 @@ TEST(FailureTest, MismatchedAllToAllSplitsWithItself) {
     });
     const std::string r = std::to_string(odd);
     const std::string want = "mismatched split sizes: rank " + r + " sends 3 rows to rank " + r +
-                             " but rank " + r + " expects 1 rows from rank " + r;
+                             " but rank " + r + " expects 1 row from rank " + r;
     for (const auto& m : messages) EXPECT_NE(m.find(want), std::string::npos) << odd << ": " << m;
   }
 }
