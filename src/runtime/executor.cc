@@ -1169,7 +1169,10 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
   } catch (...) {
     abort();
     ++runs;
-    rethrow_at(graph, *steps[cur].node);
+    // A wait fails for its collective (a peer's mismatch, death or timeout): point at that.
+    const Step& failed = steps[cur];
+    const bool waited = failed.kind == StepKind::Wait && failed.inflight != kNone;
+    rethrow_at(graph, waited ? *steps[inflight[failed.inflight].step].node : *failed.node);
   }
   std::vector<Tensor> outputs;
   outputs.reserve(output_slots.size());

@@ -547,6 +547,41 @@ TEST(Executor, PerRankGraphsSplitUnevenly) {
   EXPECT_EQ(got[1], (std::vector<float>{2, 3, 40}));
 }
 
+// A collective that fails (here ranks running graphs of their own issue different shapes) is
+// named in the error, not the wait that found out.
+TEST(ExecutorErrors, ACollectivesFailureNamesTheCollective) {
+  const std::unique_ptr<Graph> graphs[2] = {
+      parse(R"(graph @g(%x: f32[4]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %w = wait_tensor(%a)
+  return %w
+})"),
+      parse(R"(graph @g(%x: f32[2]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %w = wait_tensor(%a)
+  return %w
+})")};
+  std::string errors[2];
+  run_local(2, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    ExecutorOptions options;
+    options.check_same_graph = false;
+    Executor ex(*graphs[r], world, options);
+    try {
+      ex.run({Tensor::zeros({r == 0 ? 4 : 2}, DType::F32)});
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_EQ(e.rfind("graph @g, node %a (line 2): all_reduce on group 'world' (seq 0): "
+                      "mismatched collectives",
+                      0),
+              0u)
+        << e;
+  }
+}
+
 TEST(ExecutorErrors, KernelErrorsNameTheNode) {
   // Integer division by zero passes shape inference but not the kernel.
   const std::string e = error_of<Error>(1, R"(graph @g(%x: i32[2]) {
