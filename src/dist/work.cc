@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <typeinfo>
 
 #include "checks.h"
 #include "funcol/core/error.h"
@@ -139,7 +140,17 @@ void Work::wake_waiters() {
 }
 
 void Work::rethrow_if_failed() const {
-  if (done_.load(std::memory_order_acquire) && error_) std::rethrow_exception(error_);
+  if (!done_.load(std::memory_order_acquire) || !error_) return;
+  // The caller gets a CommError of its own, copied while it holds this Work: the stored one is
+  // released with the Work, maybe on another thread (a peer rank's, which held it last), and
+  // the reference count inside exception_ptr is invisible to ThreadSanitizer, which would
+  // take a caller still reading its caught error for a race with that release.
+  try {
+    std::rethrow_exception(error_);
+  } catch (const CommError& e) {
+    if (typeid(e) == typeid(CommError)) throw CommError(e.what());
+    throw;
+  }
 }
 
 }  // namespace funcol
