@@ -216,6 +216,15 @@ struct LoweredBucket {
   std::shared_ptr<std::vector<Tensor>> held;
 };
 
+// Each view's result to the value at the start of its chain of views (lookups only).
+using ViewBases = std::unordered_map<const Value*, const Value*>;
+
+// The base of `v`'s chain of views: `v` itself when it is no view's result.
+const Value* view_base_of(const ViewBases& bases, const Value* v) {
+  auto it = bases.find(v);
+  return it == bases.end() ? v : it->second;
+}
+
 // One collective of the current run between its issue and its completion.
 struct Inflight {
   std::shared_ptr<Work> work;
@@ -292,7 +301,7 @@ struct Executor::Impl {
   void lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
                      const std::unordered_map<const Node*, uint32_t>& step_of);
   void fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of,
-                  const std::unordered_map<const Value*, const Value*>& view_base);
+                  const ViewBases& view_base);
   std::vector<Tensor> run(std::vector<Tensor> inputs);
   template <bool kObserve>
   void run_steps(size_t& cur);
@@ -313,11 +322,8 @@ void Executor::Impl::plan() {
   std::unordered_map<const Node*, uint32_t> step_of;  // lookups only, never iterated
   // The base of each view's result: the value at the start of its chain of views, found as the
   // views come (a walk back per wait or cast would be quadratic in a chain's length).
-  std::unordered_map<const Value*, const Value*> view_base;  // lookups only, never iterated
-  auto base_of = [&](const Value* v) {
-    auto it = view_base.find(v);
-    return it == view_base.end() ? v : it->second;
-  };
+  ViewBases view_base;
+  auto base_of = [&](const Value* v) { return view_base_of(view_base, v); };
   uint32_t next_slot = 0;
   for (const Value* in : graph.inputs()) slot_of.emplace(in, next_slot++);
 
@@ -1093,9 +1099,8 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
 // lowered. The value is the same: both convert with the same routine. Only the run of such
 // casts right before the cat is folded, so no operand outlives its last use past other steps,
 // and not a cast of a collective's result, whose failure is reported at the cast.
-void Executor::Impl::fold_casts(
-    const std::unordered_map<const Node*, uint32_t>& step_of,
-    const std::unordered_map<const Value*, const Value*>& view_base) {
+void Executor::Impl::fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of,
+                                const ViewBases& view_base) {
   std::vector<uint32_t> seen(num_slots, 0);
   for (uint32_t s = 0; s < steps.size(); ++s) {
     Step& st = steps[s];
@@ -1108,8 +1113,7 @@ void Executor::Impl::fold_casts(
         return false;
       }
       const Value* v = cs.node->result(0);
-      auto base = view_base.find(cs.node->operand(0));
-      const Value* from = base == view_base.end() ? cs.node->operand(0) : base->second;
+      const Value* from = view_base_of(view_base, cs.node->operand(0));
       return sole_user(v, "cat") == st.node && v->type().rank() == rank &&
              (from->node() == nullptr || !from->node()->op().is_collective());
     };

@@ -275,27 +275,22 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));  // Gloo: the host name
     store->erase_stale(fmt::format("{}/{}", prefix, my_index));        // Gloo: the address
   };
-  // The members' losses known now (this rank's own excluded), deaths first.
-  auto member_losses = [&] {
-    std::vector<int> others;
-    for (int i = 0; i < n; ++i) {
-      if (i != my_index) others.push_back(members[i]);
-    }
-    return watch->losses(others, kLossWait);
-  };
-  auto failed_because = [&](const process::PeerLoss& loss) {
-    return CommError(fmt::format("gloo: rendezvous of {} at '{}' failed: {} during the "
-                                 "rendezvous; missing ranks [{}]",
-                                 what, shared.url.text, loss.describe(), loss.rank));
+  // Fails the rendezvous when `watch` knows of a member lost (deaths named first).
+  std::vector<int> others;
+  for (int i = 0; i < n; ++i) {
+    if (i != my_index) others.push_back(members[i]);
+  }
+  auto throw_if_member_lost = [&] {
+    if (watch == nullptr) return;
+    const auto losses = watch->losses(others, kLossWait);
+    if (losses.empty()) return;
+    throw CommError(fmt::format(
+        "gloo: rendezvous of {} at '{}' failed: {} during the rendezvous; missing ranks [{}]",
+        what, shared.url.text, losses.front().describe(), losses.front().rank));
   };
   // A member that dies after its arrival key never writes its address: Gloo's wait for it
   // (connectFullMesh) ends at once, not at the timeout.
-  if (watch != nullptr) {
-    store->set_poll([&] {
-      const auto losses = member_losses();
-      if (!losses.empty()) throw failed_because(losses.front());
-    });
-  }
+  if (watch != nullptr) store->set_poll(throw_if_member_lost);
   try {
     gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
     // "<size> <monitor address or ->": the size catches ranks started with different world
@@ -344,10 +339,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   } catch (const std::exception& e) {
     forget_keys();
     // A member lost meanwhile (a connection it never answered, a barrier it left) is the cause.
-    if (watch != nullptr) {
-      const auto losses = member_losses();
-      if (!losses.empty()) throw failed_because(losses.front());
-    }
+    throw_if_member_lost();
     std::string msg = gloo_message(e);
     constexpr const char* kNextJob =
         "which the rank whose key was taken removes, so the next job can start there";

@@ -536,10 +536,9 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   }
   // A rank that does not answer (its process stopped, or stuck outside funcol) is counted
   // missing: whether or not it issued this collective, it is not taking part.
-  std::vector<int> absent = missing;
-  absent.insert(absent.end(), silent.begin(), silent.end());
-  std::sort(absent.begin(), absent.end());
-  if (!absent.empty()) msg += "; missing ranks " + dist_detail::format_ranks(absent);
+  missing.insert(missing.end(), silent.begin(), silent.end());
+  std::sort(missing.begin(), missing.end());
+  if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
   for (const auto& l : losses) msg += "; " + l;
   if (!silent.empty()) {
     msg += fmt::format(
@@ -547,7 +546,7 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
         "busy outside funcol)",
         dist_detail::format_ranks(silent), kProgressQueryWait.count());
   }
-  if (missing.empty() && silent.empty()) {
+  if (missing.empty()) {
     const std::string mine = op.signature.summary();
     size_t other = 0;
     while (other < peers.size() && (theirs[other].empty() || theirs[other] == mine)) ++other;
