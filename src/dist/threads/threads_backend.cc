@@ -878,6 +878,10 @@ class World {
   // When `work`'s collective times out: the earliest deadline of the members that arrived (the
   // first issue plus the timeout, as for an Op), or its own while its slot serves another.
   static Clock::time_point lane_deadline(const LaneWork& work);
+  // The earliest of `own` and the deadlines of the members that arrived in `state` (a state of
+  // `ls` that serves a collective).
+  static Clock::time_point lane_deadline(const LaneSlot& ls, uint64_t state,
+                                         Clock::time_point own);
   // Whether `global_rank`, whose last collective is `seq` on `group`, waits in the issuing call
   // for the slot (`state`) to finish an earlier collective (kLaneSlots behind). Under group.mu.
   bool lane_blocked_at_issue(const SharedGroup& group, int global_rank, uint64_t seq,
@@ -907,6 +911,9 @@ class World {
   // A waiter's checks once spinning did not finish `work`: a departed member, a member that
   // issued `seq` on the Op path, and (when `timed_out`) the timeout fail the slot.
   void lane_check(LaneWork& work, bool timed_out);
+  // The same for `member`'s collective `seq`, which `member` arrived at (its Work need not be at
+  // hand: a member blocked at issue behind it checks it too).
+  void lane_check(SharedGroup& group, uint64_t seq, int member, bool timed_out);
   // Waits for the collectives `global_rank` issued earlier that still read `storage` (before a
   // lane collective, which is not queued behind them, overwrites it).
   void wait_readers(int global_rank, const Storage* storage);
@@ -1881,7 +1888,18 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       std::string failure;
       bool departure = false;
       const Clock::time_point now = Clock::now();
-      if (now >= work->deadline_) {
+      // Behind an earlier collective this member waits for it: it gives up when that one times
+      // out (its first issue plus the timeout), not a whole timeout after this issue, or a rank
+      // k collectives ahead of a late peer would block k timeouts before its first wait.
+      const Clock::time_point deadline = (prev & kLaneBusy) != 0
+                                             ? lane_deadline(ls, prev, work->deadline_)
+                                             : work->deadline_;
+      if (now >= deadline && (prev & kLaneBusy) != 0 && (prev & bit) != 0) {
+        // This member waits for the earlier collective as a waiter of its would: that one
+        // times out now, so that it is not reported unfinished here and completed later.
+        lane_check(group, lane_seq(prev), member, /*timed_out=*/true);
+      }
+      if (now >= deadline) {
         // Names the earlier collective and the ranks it still misses (the late ones).
         uint64_t blocker = seq - kLaneSlots;
         uint64_t came = group.full_mask();  // none missing unless known
@@ -1957,7 +1975,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
         prev = cur;  // unblocked meanwhile: arrive after all
         continue;
       }
-      if (stall.due(now, work->deadline_) && lane_warn_blocked(*work, prev, stall.slept())) {
+      if (stall.due(now, deadline) && lane_warn_blocked(*work, prev, stall.slept())) {
         stall.warned();
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -2221,8 +2239,13 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
 Clock::time_point World::lane_deadline(const LaneWork& work) {
   const LaneSlot& ls = work.group_->lane_slot(work.seq_);
   const uint64_t state = ls.state.load(std::memory_order_acquire);
-  Clock::time_point deadline = work.deadline_;
-  if (!lane_serves(state, work.seq_)) return deadline;
+  if (!lane_serves(state, work.seq_)) return work.deadline_;
+  return lane_deadline(ls, state, work.deadline_);
+}
+
+Clock::time_point World::lane_deadline(const LaneSlot& ls, uint64_t state,
+                                       Clock::time_point own) {
+  Clock::time_point deadline = own;
   for (uint64_t arrived = state & kLaneArrived; arrived != 0; arrived &= arrived - 1) {
     const Clock::rep ticks =
         ls.records[__builtin_ctzll(arrived)].deadline.load(std::memory_order_relaxed);
@@ -2232,8 +2255,10 @@ Clock::time_point World::lane_deadline(const LaneWork& work) {
 }
 
 void World::lane_check(LaneWork& work, bool timed_out) {
-  SharedGroup& group = *work.group_;
-  const uint64_t seq = work.seq_;
+  if (!work.is_completed()) lane_check(*work.group_, work.seq_, work.member_, timed_out);
+}
+
+void World::lane_check(SharedGroup& group, uint64_t seq, int member, bool timed_out) {
   LaneSlot& ls = group.lane_slot(seq);
   std::shared_ptr<Op> crossed;
   std::string failure;
@@ -2249,19 +2274,18 @@ void World::lane_check(LaneWork& work, bool timed_out) {
     std::lock_guard<SpinMutex> lock(group.mu);
     const uint64_t state = ls.state.load(std::memory_order_acquire);
     const uint64_t arrived = state & kLaneArrived;
-    if (work.is_completed() || !lane_serves(state, seq) || (state & kLaneFailed) != 0 ||
-        arrived == group.full_mask()) {
+    if (!lane_serves(state, seq) || (state & kLaneFailed) != 0 || arrived == group.full_mask()) {
       return;  // finished, failed, or being executed
     }
-    const std::string& what = work.description();
+    const std::string what = collective_name(OpKind::AllReduce, false, group, seq);
     const std::vector<int> missing = missing_ranks(group, arrived);
     const int departed = first_departed(missing);
     std::shared_ptr<Op> op = group.find_pending(seq);
     if (op && op->ref_ >= 0) {
       // A member issued `seq` on the Op path: a different collective. Both fail.
       const uint64_t absent = joined_mask(*op);
-      failure = mismatch_message(what, group.global_ranks[work.member_],
-                                 ls.records[work.member_].post(), group.global_ranks[op->ref_],
+      failure = mismatch_message(what, group.global_ranks[member], ls.records[member].post(),
+                                 group.global_ranks[op->ref_],
                                  op->members_[op->ref_].post);
       uint64_t failed = 0;
       if (lane_fail_locked(group, seq, failure, absent, &failed)) {

@@ -1,5 +1,6 @@
 // Tests of the threads backend: the shared conformance suite, run_local, and failure paths
 // (departed ranks, mismatched collectives, timeouts) that must fail fast instead of hanging.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <pthread.h>
 #include <sched.h>
@@ -1098,10 +1099,13 @@ TEST(LaneTest, MismatchAfterTheOpWindowMovedPastTheLane) {
 
 // A rank that runs kLaneSlots (8) small all_reduces ahead waits for a slot; when its peer is
 // late past the timeout it gives up with an error, and its peer gets the same error for that
-// collective instead of waiting for a rank that will never post it. Then the group works again.
+// collective instead of waiting for a rank that will never post it. The collective it waited
+// for (seq 0) times out then too, as it would for a waiter: it is not reported unfinished at
+// seq 8 and then completed. Then the group works again.
 TEST(LaneTest, GivingUpOnABusySlot) {
   std::atomic<bool> late_issued{false};
   std::vector<std::string> messages(2);
+  std::vector<std::string> at0(2);
   run_local(
       2,
       [&](ProcessGroup& pg) {
@@ -1117,7 +1121,8 @@ TEST(LaneTest, GivingUpOnABusySlot) {
         } else {
           await(late_issued);
         }
-        for (int i = 0; i < 8; ++i) {
+        at0[pg.rank()] = comm_error([&] { works[0]->wait(); });
+        for (int i = 1; i < 8; ++i) {
           works[i]->wait();
           EXPECT_EQ(ts[i].to_vector<int>(), std::vector<int>(3, 2 * i));
         }
@@ -1129,17 +1134,84 @@ TEST(LaneTest, GivingUpOnABusySlot) {
         }
       },
       LocalOptions{std::chrono::milliseconds(300)});
+  const std::string late = "; rank 1 issued it only after the others had given up on it";
+  EXPECT_EQ(at0[0], "all_reduce on group 'world' (seq 0): timed out after 0.3 s; missing ranks [1]");
+  EXPECT_EQ(at0[1], at0[0] + late);
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 8): timed out after 0.3 s waiting for all_reduce on "
             "group 'world' (seq 0) to finish; missing ranks [1]");
-  EXPECT_EQ(messages[1],
-            messages[0] + "; rank 1 issued it only after the others had given up on it");
+  EXPECT_EQ(messages[1], messages[0] + late);
+}
+
+// A rank that runs 8 + 5 small all_reduces ahead of a late peer gives up on the last five at
+// the deadlines of the collectives they wait for (all about one timeout after its first issue),
+// not one whole timeout each: five timeouts before the rank could wait on anything. Each error
+// names the collective it waited for, which timed out with it; the late peer gets the same
+// errors, and the three collectives nobody waited for complete when it comes.
+TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
+  constexpr int kAhead = 13;
+  std::atomic<bool> issued{false};       // rank 0 issued all of them
+  std::atomic<bool> late_issued{false};  // rank 1 did
+  double issue_seconds = 0;
+  std::vector<std::vector<std::string>> messages(2, std::vector<std::string>(kAhead));
+  run_local(
+      2,
+      [&](ProcessGroup& pg) {
+        const int r = pg.rank();
+        if (r == 1) await(issued);
+        std::vector<Tensor> ts;
+        std::vector<std::shared_ptr<Work>> works;
+        const auto start = Clock::now();
+        for (int i = 0; i < kAhead; ++i) {
+          ts.push_back(Tensor::full({2}, DType::I32, i));
+          works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+        }
+        if (r == 0) {
+          issue_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+          issued = true;
+          await(late_issued);
+        } else {
+          late_issued = true;
+        }
+        for (int i = kAhead - 8; i < 8; ++i) {
+          works[i]->wait();
+          EXPECT_EQ(ts[i].to_vector<int>(), std::vector<int>(2, 2 * i)) << i;
+        }
+        for (int i = 0; i < kAhead; ++i) {
+          if (i < kAhead - 8 || i >= 8) messages[r][i] = comm_error([&] { works[i]->wait(); });
+        }
+        for (int i = 0; i < 10; ++i) {
+          Tensor t = Tensor::full({2}, DType::I32, i + r);
+          pg.all_reduce(t, ReduceOp::Sum)->wait();
+          EXPECT_EQ(t.to_vector<int>(), std::vector<int>(2, 2 * i + 1));
+        }
+      },
+      LocalOptions{std::chrono::milliseconds(250)});
+  // One timeout and some slack for a sanitized build; five timeouts before.
+  EXPECT_LT(issue_seconds, 0.75);
+  EXPECT_GE(issue_seconds, 0.2);
+  for (int i = 8; i < kAhead; ++i) {
+    EXPECT_EQ(messages[0][i - 8], fmt::format("all_reduce on group 'world' (seq {}): timed out "
+                                              "after 0.25 s; missing ranks [1]",
+                                              i - 8));
+    EXPECT_EQ(messages[0][i],
+              fmt::format("all_reduce on group 'world' (seq {}): timed out after 0.25 s waiting "
+                          "for all_reduce on group 'world' (seq {}) to finish; missing ranks [1]",
+                          i, i - 8));
+    for (int j : {i - 8, i}) {
+      EXPECT_EQ(messages[1][j],
+                messages[0][j] + "; rank 1 issued it only after the others had given up on it");
+    }
+  }
 }
 
 // After giving up on a busy slot a rank runs on: its next collective of that slot must not be
-// served before the one it gave up on (which its late peer still has to reach).
+// served before the one it gave up on (which its late peer still has to reach). Rank 0 runs on
+// once its peer issued seq 0-7 (seq 0 failed with the give-up, the others complete): issued
+// earlier, seq 9-15 would each give up on its own slot's late collective too.
 TEST(LaneTest, GivingUpThenRunningOn) {
   std::vector<std::string> messages(2);
+  std::atomic<bool> late_issued{false};
   run_local(
       2,
       [&](ProcessGroup& pg) {
@@ -1149,10 +1221,13 @@ TEST(LaneTest, GivingUpThenRunningOn) {
         if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(800));
         for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
         if (pg.rank() == 1) {
-          for (int i = 0; i < 8; ++i) w[i]->wait();
+          late_issued = true;
+          EXPECT_NE(comm_error([&] { w[0]->wait(); }), "");
+          for (int i = 1; i < 8; ++i) w[i]->wait();
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
         w[8] = pg.all_reduce(t[8], ReduceOp::Sum);
+        if (pg.rank() == 0) await(late_issued);
         messages[pg.rank()] = comm_error([&] { w[8]->wait(); });
         for (int i = 9; i < 17; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
         for (int i = 9; i < 17; ++i) {
@@ -1202,7 +1277,9 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
           at16[1] = comm_error([&] { pg.all_reduce(t[16], ReduceOp::Sum)->wait(); });
           second_issued = true;
         }
-        for (int i = 0; i < 16; ++i) {
+        // Seq 0 timed out when rank 0 gave up on seq 8 (GivingUpOnABusySlot).
+        EXPECT_NE(comm_error([&] { w[0]->wait(); }), "");
+        for (int i = 1; i < 16; ++i) {
           if (i == 8) continue;
           w[i]->wait();
           EXPECT_EQ(t[i].to_vector<int64_t>(), std::vector<int64_t>(2, 2 * i)) << i;
@@ -1225,13 +1302,14 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
   EXPECT_EQ(at16[1], at16[0] + late);
 }
 
-// Ranks 0 and 1 wait for the slot of seq 8 behind late rank 2; rank 0 gives up first, and rank 2
-// comes before rank 1's timeout, so rank 1 gets seq 8 after all, failed by rank 0's absence. It
-// was waiting before rank 0 gave up, so only rank 2 is told it came after the others had.
+// Ranks 0 and 1 wait for the slot of seq 8 behind late rank 2, rank 1 from later on; both give
+// up when seq 0 times out (at rank 0's issue plus the timeout). Rank 1 was waiting before rank 0
+// gave up, so only rank 2 is told it came after the others had, for seq 0 and seq 8.
 TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
   std::atomic<bool> gave_up{false};
   std::atomic<bool> third_issued{false};
   std::vector<std::string> at8(3);
+  std::vector<std::string> at0(3);
   run_local(
       3,
       [&](ProcessGroup& pg) {
@@ -1246,7 +1324,8 @@ TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
         at8[r] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
         if (r == 0) gave_up = true;
         await(third_issued);
-        for (int i = 0; i < 8; ++i) {
+        at0[r] = comm_error([&] { w[0]->wait(); });
+        for (int i = 1; i < 8; ++i) {
           w[i]->wait();
           EXPECT_EQ(t[i].to_vector<int>(), std::vector<int>(2, 3 * i)) << i;
         }
@@ -1262,12 +1341,16 @@ TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
             "group 'world' (seq 0) to finish; missing ranks [2]");
   EXPECT_EQ(at8[1], at8[0]);
   EXPECT_EQ(at8[2], at8[0] + "; rank 2 issued it only after the others had given up on it");
+  EXPECT_EQ(at0[0], "all_reduce on group 'world' (seq 0): timed out after 0.6 s; missing ranks [2]");
+  EXPECT_EQ(at0[1], at0[0]);
+  EXPECT_EQ(at0[2], at0[0] + "; rank 2 issued it only after the others had given up on it");
 }
 
 // A rank gave up on seq 8 of a busy slot; another issued seq 8 on the Op path; the third takes
 // the lane. All three get the first error (the Op path's member too), and the slot is freed.
 TEST(LaneTest, GivingUpMeetsTheOpPath) {
   std::vector<std::string> messages(3);
+  std::atomic<int> late_issued{0};  // ranks 1 and 2 issued seq 0-7 (see GivingUpThenRunningOn)
   run_local(
       3,
       [&](ProcessGroup& pg) {
@@ -1277,12 +1360,14 @@ TEST(LaneTest, GivingUpMeetsTheOpPath) {
         std::vector<std::shared_ptr<Work>> w(17);
         if (pg.rank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(800));
         for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        if (pg.rank() != 0) late_issued.fetch_add(1);
         if (pg.rank() == 2) {
           w[8] = pg.all_reduce(big, ReduceOp::Sum);
         } else {
           if (pg.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
           w[8] = pg.all_reduce(t[8], ReduceOp::Sum);
         }
+        while (late_issued.load() < 2) std::this_thread::yield();
         for (int i = 9; i < 17; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
         for (int i = 9; i < 17; ++i) {
           w[i]->wait();
@@ -1703,6 +1788,7 @@ TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
 TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
   ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.2");
   std::vector<std::string> messages(2);
+  std::vector<std::string> first(2);  // seq 1, which timed out when the 9th issue gave up
   ::testing::internal::CaptureStderr();
   run_local(
       2,
@@ -1721,8 +1807,8 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
         if (world.rank() == 0) {
           run_ahead();
           pair->all_reduce(p, ReduceOp::Sum)->wait();
-          // Rank 0's 9th issue gave up at seq 1's deadline, so waiting for seq 1 before rank 1
-          // issued it would time out at once: wait until rank 1 has run ahead too.
+          // Rank 0's 9th issue gave up at seq 1's deadline (failing seq 1), so waiting for seq 2
+          // before rank 1 issued it would time out at once: wait until rank 1 has run ahead too.
           pair->all_reduce(q, ReduceOp::Sum)->wait();
         } else {
           // Later than rank 0's 9th issue, so that this wait's timeout comes after rank 0 gave
@@ -1734,7 +1820,8 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
         }
         EXPECT_EQ(p.to_vector<float>(), std::vector<float>(4, 2.0f));
         EXPECT_EQ(q.to_vector<float>(), std::vector<float>(4, 2.0f));
-        for (int i = 0; i < 8; ++i) {
+        first[world.rank()] = comm_error([&] { works[0]->wait(); });
+        for (int i = 1; i < 8; ++i) {
           works[i]->wait();
           EXPECT_EQ(ts[i].to_vector<float>(), std::vector<float>(4, 2.0f * i)) << i;
         }
@@ -1755,12 +1842,16 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
                ", is itself missing ranks [1])"}) {
     EXPECT_NE(warnings.find(line), std::string::npos) << line << "\n" << warnings;
   }
+  const std::string whereabouts =
+      "missing ranks [1] (rank 1's last collective, all_reduce on group 'pair' (seq 0), is "
+      "itself missing ranks [0])";
+  const std::string late = "; rank 1 issued it only after the others had given up on it";
+  EXPECT_EQ(first[0], "all_reduce on group 'world' (seq 1): timed out after 1 s; " + whereabouts);
+  EXPECT_EQ(first[1], first[0] + late);
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 9): timed out after 1 s waiting for all_reduce on "
-            "group 'world' (seq 1) to finish; missing ranks [1] (rank 1's last collective, "
-            "all_reduce on group 'pair' (seq 0), is itself missing ranks [0])");
-  EXPECT_EQ(messages[1],
-            messages[0] + "; rank 1 issued it only after the others had given up on it");
+            "group 'world' (seq 1) to finish; " + whereabouts);
+  EXPECT_EQ(messages[1], messages[0] + late);
 }
 
 // A collective times out its timeout after the first rank issued it, on the lane as on the Op
