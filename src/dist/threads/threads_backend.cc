@@ -689,6 +689,11 @@ struct SharedGroup {
     if (n >= 2 && n <= kLaneMaxRanks) lane = std::make_unique<LaneSlot[]>(kLaneSlots);
   }
   LaneSlot& lane_slot(uint64_t seq) { return lane[seq % kLaneSlots]; }
+  // The member index of global rank `rank`; -1 if it is not a member.
+  int member_of(int rank) const {
+    const auto it = std::find(global_ranks.begin(), global_ranks.end(), rank);
+    return it == global_ranks.end() ? -1 : static_cast<int>(it - global_ranks.begin());
+  }
   uint64_t full_mask() const { return (uint64_t{1} << global_ranks.size()) - 1; }
   // The op of `seq` if it exists and not every member joined it (null; no creation, unlike
   // pending_slot).
@@ -898,6 +903,8 @@ class World {
                        std::chrono::nanoseconds slept);
   void depart(int rank, const std::string& reason);
   void drain(int rank);
+  // The groups `rank` (global) is a member of, in creation order.
+  std::vector<SharedGroup*> groups_of(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
   // for: called by that thread when it issues.
   void release_returned(int global_rank);
@@ -1691,26 +1698,25 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
   return op;
 }
 
+std::vector<SharedGroup*> World::groups_of(int rank) {
+  std::vector<SharedGroup*> groups;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& g : groups_) {
+    if (g->member_of(rank) >= 0) groups.push_back(g.get());
+  }
+  return groups;
+}
+
 void World::depart(int rank, const std::string& reason) {
   RankState& rs = *ranks_[rank];
   rs.departed_reason = reason;
   rs.departed.store(true, std::memory_order_release);
   departures_.fetch_add(1, std::memory_order_seq_cst);
-  std::vector<SharedGroup*> groups;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& g : groups_) {
-      if (std::find(g->global_ranks.begin(), g->global_ranks.end(), rank) != g->global_ranks.end()) {
-        groups.push_back(g.get());
-      }
-    }
-  }
-  for (SharedGroup* g : groups) {
+  for (SharedGroup* g : groups_of(rank)) {
     std::vector<std::pair<std::shared_ptr<Op>, std::string>> victims;
     {
       std::lock_guard<SpinMutex> lock(g->mu);
-      int member = static_cast<int>(
-          std::find(g->global_ranks.begin(), g->global_ranks.end(), rank) - g->global_ranks.begin());
+      const int member = g->member_of(rank);
       for (auto& op : g->pending) {
         if (!op || op->members_[member].joined) continue;
         victims.emplace_back(op, departed_message(op->description(), rank, unjoined_ranks(*op)));
@@ -1735,15 +1741,29 @@ void World::depart(int rank, const std::string& reason) {
 }
 
 void World::drain(int rank) {
-  std::vector<std::shared_ptr<Op>> ops;
+  std::vector<std::shared_ptr<Work>> works;
   {
     RankState& rs = *ranks_[rank];
     std::lock_guard<SpinMutex> lock(rs.mu);
-    for (auto& e : rs.queue) ops.push_back(e.op);
+    for (auto& e : rs.queue) works.push_back(e.op);
   }
-  for (auto& op : ops) {
+  // The lane collectives this rank arrived at and that still wait for others: the same timeout
+  // applies to them, or one would complete whenever its late peer came, long after it.
+  for (SharedGroup* g : groups_of(rank)) {
+    if (!g->lane) continue;
+    const int member = g->member_of(rank);
+    std::lock_guard<SpinMutex> lock(g->mu);  // a failure moves the records' Works under it
+    for (int i = 0; i < kLaneSlots; ++i) {
+      const uint64_t state = g->lane[i].state.load(std::memory_order_acquire);
+      if ((state & kLaneBusy) != 0 && (state & kLaneFailed) == 0 &&
+          (state & (uint64_t{1} << member)) != 0 && g->lane[i].records[member].work) {
+        works.push_back(g->lane[i].records[member].work);
+      }
+    }
+  }
+  for (auto& work : works) {
     try {
-      op->wait();
+      work->wait();
     } catch (const Error&) {
       // An unwaited result's failure has nobody to report to; the rank already finished.
     }
@@ -2474,8 +2494,7 @@ bool World::lane_blocked_at_issue(const SharedGroup& group, int global_rank, uin
       lane_seq(state) >= lane_seq(lane_seq_bits(seq))) {
     return false;
   }
-  const auto member = std::find(group.global_ranks.begin(), group.global_ranks.end(), global_rank);
-  const uint64_t bit = uint64_t{1} << (member - group.global_ranks.begin());
+  const uint64_t bit = uint64_t{1} << group.member_of(global_rank);
   // A member that gave up on `seq` left it (an absence) and no longer waits.
   return std::none_of(group.lane_absences.begin(), group.lane_absences.end(),
                       [&](const SharedGroup::LaneAbsence& a) {
@@ -2811,10 +2830,8 @@ class ThreadsGroup final : public ProcessGroup {
     dist_detail::agree_on_split(*this, static_cast<int>(index), rank_lists, name);
     SharedGroup* mine = world_->split(*shared_, index, rank_lists, name, global_rank_);
     if (mine == nullptr) return nullptr;
-    int member = static_cast<int>(
-        std::find(mine->global_ranks.begin(), mine->global_ranks.end(), global_rank_) -
-        mine->global_ranks.begin());
-    auto group = std::make_shared<ThreadsGroup>(world_, mine, member, name, &registry());
+    auto group = std::make_shared<ThreadsGroup>(world_, mine, mine->member_of(global_rank_), name,
+                                                &registry());
     registry().add(group);
     return group;
   }

@@ -200,6 +200,41 @@ TEST(RunLocalTest, ResultsOutliveTheRun) {
   for (const Tensor& t : results) EXPECT_EQ(t.to_vector<int64_t>(), std::vector<int64_t>(1000, 6));
 }
 
+// A rank that returns leaving collectives unwaited waits for them (run_local drains it) until
+// their timeout, the lane's small all_reduces as the Op path's others: a peer that comes within
+// the timeout gets the result; one that comes later is told the others had given up, for both
+// kinds alike (the small one used to complete whenever the peer came).
+TEST(RunLocalTest, AReturnedRanksUnwaitedCollectivesKeepTheirTimeout) {
+  for (const int late_ms : {50, 700}) {
+    for (const int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+      SCOPED_TRACE(::testing::Message() << numel << " elements, peer " << late_ms << " ms late");
+      std::string message;
+      std::vector<float> result;
+      run_local(
+          2,
+          [&](ProcessGroup& world) {
+            Tensor t = Tensor::full({numel}, DType::F32, world.rank() + 1);
+            if (world.rank() == 0) {
+              world.all_reduce(t, ReduceOp::Sum);  // not waited
+              return;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+            message = error_of([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); });
+            if (message.empty()) result = t.to_vector<float>();
+          },
+          LocalOptions{std::chrono::milliseconds(300)});
+      if (late_ms < 300) {
+        EXPECT_EQ(message, "");
+        EXPECT_EQ(result, std::vector<float>(numel, 3.0f));
+      } else {
+        EXPECT_EQ(message,
+                  "all_reduce on group 'world' (seq 0): timed out after 0.3 s; missing ranks [1]; "
+                  "rank 1 issued it only after the others had given up on it");
+      }
+    }
+  }
+}
+
 // The CPUs the calling thread may run on.
 std::vector<int> my_cpus() {
   cpu_set_t set;
