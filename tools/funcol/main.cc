@@ -14,12 +14,17 @@
 namespace {
 
 // Output that never arrived (a full disk, a closed pipe) is a failure, not a success.
-int finish(int status) {
-  std::cout.flush();
+// `error`: the errno of a write that failed before (0: none seen).
+int finish(int status, int error = 0) {
+  // The failing write sets errno (ENOSPC, EPIPE): keep the first one.
   errno = 0;
-  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+  std::cout.flush();
+  if (error == 0) error = errno;
+  const bool flushed = std::fflush(stdout) == 0;
+  if (error == 0) error = errno;
+  if (!flushed || std::ferror(stdout) || !std::cout) {
     std::fprintf(stderr, "funcol: error: cannot write the output: %s\n",
-                 errno != 0 ? std::strerror(errno) : "write error");
+                 error != 0 ? std::strerror(error) : "write error");
     return 1;
   }
   return status;
@@ -40,7 +45,11 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // Help, and a command's own failure (it printed its error and chose the status).
-    if (e.get_exit_code() == 0) return finish(app.exit(e));
+    if (e.get_exit_code() == 0) {
+      errno = 0;  // --version flushes its line itself
+      const int status = app.exit(e);
+      return finish(status, errno);
+    }
     if (dynamic_cast<const CLI::RuntimeError*>(&e) != nullptr) return app.exit(e);
     // A command line that does not parse is an error like every other ("funcol: error: ...",
     // exit status 1), not CLI11's own message and codes (104-115).
