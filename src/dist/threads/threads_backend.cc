@@ -462,17 +462,18 @@ class StallClock {
 class LaneWork;
 
 // One member's part of a lane collective; written by the member before it sets its bit.
-// What the executor reads (the Work, the op, the slot up to its shape) fits the first line.
+// What the executor reads (the Work, the deadline, the op, the slot up to its shape) fits the
+// first line.
 struct alignas(64) LaneRecord {
   std::shared_ptr<LaneWork> work;  // finished (and released) by the executor or a failer
-  ReduceOp reduce_op = ReduceOp::Sum;
-  uint8_t step = 0;  // as Post::step (in the padding before the slot: the first line)
-  Slot slot;
   // The work's deadline (steady clock ticks), for its peers: the collective times out at its
   // members' earliest, as an Op times out at its first joiner's (see World::lane_deadline).
   // Read without the lock by waiters that may race with the slot's next collective, which can
   // only move the deadline later (and a failer's compare-exchange checks the seq anyway).
   std::atomic<Clock::rep> deadline{0};
+  ReduceOp reduce_op = ReduceOp::Sum;
+  uint8_t step = 0;  // as Post::step
+  Slot slot;
 
   Post post() const { return post(slot, reduce_op, step); }
   static Post post(const Slot& slot, ReduceOp reduce_op, uint8_t step) {
@@ -955,6 +956,11 @@ class World {
                         const std::vector<int>& given_up_on = {});
   // Whether members gave up on an earlier (or a later) collective of `seq`'s slot.
   bool lane_absence_locked(const SharedGroup& group, uint64_t seq, bool earlier) const;
+  // The members (global ranks) of a lane collective whose every member arrived (`records`)
+  // that issued it more than the timeout after its first issue; empty when none did. It timed
+  // out before they came, whether or not anybody waited to see it.
+  std::vector<int> lane_late(const SharedGroup& group,
+                             const std::array<LaneRecord, kLaneMaxRanks>& records) const;
   // Applies the absences registered for `seq` to the slot this rank just claimed for it: fails
   // it, counting the absent members (and those that issued `seq` on the Op path) as arrived.
   // Returns that Op, to fail with *op_message and *op_given_up_on once mu is released. The
@@ -1613,6 +1619,9 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
                                 std::shared_ptr<Op>& spare, bool* late) {
   std::shared_ptr<Op> op;
   std::string failure;
+  std::vector<int> given_up_on;
+  // On the deadlines' clock (see deadline_after).
+  const Clock::time_point issued_at = dist_detail::deadline_after(timeout_) - timeout_;
   {
     std::lock_guard<SpinMutex> lock(group.mu);
     // Below pending_base: every member joined `seq`'s op already (impossible: this member
@@ -1675,6 +1684,15 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
           }
         }
       }
+      if (failure.empty() && issued_at > op->deadline_) {
+        // It timed out before this member came, whether or not anybody waited to see it: the
+        // members not here by then are told they came late.
+        given_up_on = unjoined_ranks(*op);
+        failure = fmt::format("{}: timed out after {:g} s; missing ranks {}", op->description(),
+                              std::chrono::duration<double>(timeout_).count(),
+                              format_ranks(given_up_on));
+        *late = true;
+      }
       if (failure.empty()) {
         op->members_[member].post = std::move(post);
         if (op->ref_ < 0) op->ref_ = member;
@@ -1694,7 +1712,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     }
     if (!failure.empty()) op->doomed_ = true;
   }
-  if (!failure.empty()) fail_op(op, failure);
+  if (!failure.empty()) fail_op(op, failure, std::move(given_up_on));
   return op;
 }
 
@@ -2100,6 +2118,17 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
                                   records[0].post(), group.global_ranks[m], records[m].post());
     }
   }
+  // Timed out before the last member came (nobody waited to see it): the members that issued
+  // it only after the deadline are told they came late.
+  std::vector<int> late;
+  if (mismatch.empty()) {
+    late = lane_late(group, records);
+    if (!late.empty()) {
+      mismatch = fmt::format("{}: timed out after {:g} s; missing ranks {}",
+                             records[0].work->description(),
+                             std::chrono::duration<double>(timeout_).count(), format_ranks(late));
+    }
+  }
   // A failure of the kernel (cannot happen for a call that passed its checks) fails it too.
   if (mismatch.empty() && records[0].slot.count > 0) {
     try {
@@ -2120,12 +2149,32 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
   for (int m = 0; m < n; ++m) {
     LaneWork* work = records[m].work.get();
     if (!mismatch.empty()) {
-      work->fail_with(mismatch);
+      work->fail_with(issued_after_failure(mismatch, late, group.global_ranks[m]));
     } else {
       work->finish();
     }
   }
   lane_free(ls);
+}
+
+std::vector<int> World::lane_late(const SharedGroup& group,
+                                  const std::array<LaneRecord, kLaneMaxRanks>& records) const {
+  // Each member's deadline is its issue plus the timeout.
+  const int n = static_cast<int>(group.global_ranks.size());
+  auto deadline = [&](int m) { return records[m].deadline.load(std::memory_order_relaxed); };
+  Clock::rep first = deadline(0);
+  Clock::rep last = first;
+  for (int m = 1; m < n; ++m) {
+    first = std::min(first, deadline(m));
+    last = std::max(last, deadline(m));
+  }
+  std::vector<int> late;
+  const Clock::rep timeout = std::chrono::duration_cast<Clock::duration>(timeout_).count();
+  if (last - first <= timeout) return late;
+  for (int m = 0; m < n; ++m) {
+    if (deadline(m) - first > timeout) late.push_back(group.global_ranks[m]);
+  }
+  return late;
 }
 
 bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string& message,

@@ -1136,11 +1136,11 @@ TEST(LaneTest, MismatchAfterTheOpWindowMovedPastTheLane) {
 // late past the timeout it gives up with an error, and its peer gets the same error for that
 // collective instead of waiting for a rank that will never post it. The collective it waited
 // for (seq 0) times out then too, as it would for a waiter: it is not reported unfinished at
-// seq 8 and then completed. Then the group works again.
+// seq 8 and then completed. So do seq 1-7, which the peer issued past their deadlines although
+// nobody waited for them then. Then the group works again.
 TEST(LaneTest, GivingUpOnABusySlot) {
   std::atomic<bool> late_issued{false};
-  std::vector<std::string> messages(2);
-  std::vector<std::string> at0(2);
+  std::vector<std::vector<std::string>> messages(2, std::vector<std::string>(9));
   run_local(
       2,
       [&](ProcessGroup& pg) {
@@ -1156,12 +1156,7 @@ TEST(LaneTest, GivingUpOnABusySlot) {
         } else {
           await(late_issued);
         }
-        at0[pg.rank()] = comm_error([&] { works[0]->wait(); });
-        for (int i = 1; i < 8; ++i) {
-          works[i]->wait();
-          EXPECT_EQ(ts[i].to_vector<int>(), std::vector<int>(3, 2 * i));
-        }
-        messages[pg.rank()] = comm_error([&] { works[8]->wait(); });
+        for (int i = 0; i < 9; ++i) messages[pg.rank()][i] = comm_error([&] { works[i]->wait(); });
         for (int i = 0; i < 20; ++i) {
           Tensor t = Tensor::full({3}, DType::I32, i + pg.rank());
           pg.all_reduce(t, ReduceOp::Sum)->wait();
@@ -1170,19 +1165,24 @@ TEST(LaneTest, GivingUpOnABusySlot) {
       },
       LocalOptions{std::chrono::milliseconds(300)});
   const std::string late = "; rank 1 issued it only after the others had given up on it";
-  EXPECT_EQ(at0[0], "all_reduce on group 'world' (seq 0): timed out after 0.3 s; missing ranks [1]");
-  EXPECT_EQ(at0[1], at0[0] + late);
-  EXPECT_EQ(messages[0],
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(messages[0][i], fmt::format("all_reduce on group 'world' (seq {}): timed out after "
+                                          "0.3 s; missing ranks [1]",
+                                          i));
+    EXPECT_EQ(messages[1][i], messages[0][i] + late);
+  }
+  EXPECT_EQ(messages[0][8],
             "all_reduce on group 'world' (seq 8): timed out after 0.3 s waiting for all_reduce on "
             "group 'world' (seq 0) to finish; missing ranks [1]");
-  EXPECT_EQ(messages[1], messages[0] + late);
+  EXPECT_EQ(messages[1][8], messages[0][8] + late);
 }
 
 // A rank that runs 8 + 5 small all_reduces ahead of a late peer gives up on the last five at
 // the deadlines of the collectives they wait for (all about one timeout after its first issue),
 // not one whole timeout each: five timeouts before the rank could wait on anything. Each error
 // names the collective it waited for, which timed out with it; the late peer gets the same
-// errors, and the three collectives nobody waited for complete when it comes.
+// errors, and those of the three collectives nobody waited for, which it issued past their
+// deadlines.
 TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
   constexpr int kAhead = 13;
   std::atomic<bool> issued{false};       // rank 0 issued all of them
@@ -1208,13 +1208,7 @@ TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
         } else {
           late_issued = true;
         }
-        for (int i = kAhead - 8; i < 8; ++i) {
-          works[i]->wait();
-          EXPECT_EQ(ts[i].to_vector<int>(), std::vector<int>(2, 2 * i)) << i;
-        }
-        for (int i = 0; i < kAhead; ++i) {
-          if (i < kAhead - 8 || i >= 8) messages[r][i] = comm_error([&] { works[i]->wait(); });
-        }
+        for (int i = 0; i < kAhead; ++i) messages[r][i] = comm_error([&] { works[i]->wait(); });
         for (int i = 0; i < 10; ++i) {
           Tensor t = Tensor::full({2}, DType::I32, i + r);
           pg.all_reduce(t, ReduceOp::Sum)->wait();
@@ -1225,24 +1219,23 @@ TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
   // One timeout and some slack for a sanitized build; five timeouts before.
   EXPECT_LT(issue_seconds, 0.75);
   EXPECT_GE(issue_seconds, 0.2);
-  for (int i = 8; i < kAhead; ++i) {
-    EXPECT_EQ(messages[0][i - 8], fmt::format("all_reduce on group 'world' (seq {}): timed out "
-                                              "after 0.25 s; missing ranks [1]",
-                                              i - 8));
+  for (int i = 0; i < kAhead; ++i) {
     EXPECT_EQ(messages[0][i],
-              fmt::format("all_reduce on group 'world' (seq {}): timed out after 0.25 s waiting "
-                          "for all_reduce on group 'world' (seq {}) to finish; missing ranks [1]",
-                          i, i - 8));
-    for (int j : {i - 8, i}) {
-      EXPECT_EQ(messages[1][j],
-                messages[0][j] + "; rank 1 issued it only after the others had given up on it");
-    }
+              i < 8 ? fmt::format("all_reduce on group 'world' (seq {}): timed out after 0.25 s; "
+                                  "missing ranks [1]",
+                                  i)
+                    : fmt::format("all_reduce on group 'world' (seq {}): timed out after 0.25 s "
+                                  "waiting for all_reduce on group 'world' (seq {}) to finish; "
+                                  "missing ranks [1]",
+                                  i, i - 8));
+    EXPECT_EQ(messages[1][i],
+              messages[0][i] + "; rank 1 issued it only after the others had given up on it");
   }
 }
 
 // After giving up on a busy slot a rank runs on: its next collective of that slot must not be
 // served before the one it gave up on (which its late peer still has to reach). Rank 0 runs on
-// once its peer issued seq 0-7 (seq 0 failed with the give-up, the others complete): issued
+// once its peer issued seq 0-7 (all timed out: the peer came past their deadlines): issued
 // earlier, seq 9-15 would each give up on its own slot's late collective too.
 TEST(LaneTest, GivingUpThenRunningOn) {
   std::vector<std::string> messages(2);
@@ -1257,8 +1250,7 @@ TEST(LaneTest, GivingUpThenRunningOn) {
         for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
         if (pg.rank() == 1) {
           late_issued = true;
-          EXPECT_NE(comm_error([&] { w[0]->wait(); }), "");
-          for (int i = 1; i < 8; ++i) w[i]->wait();
+          for (int i = 0; i < 8; ++i) EXPECT_NE(comm_error([&] { w[i]->wait(); }), "");
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
         w[8] = pg.all_reduce(t[8], ReduceOp::Sum);
@@ -1307,17 +1299,19 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
         } else {
           first_issued = true;
           await(gave_up);
+          // Past the deadlines of rank 0's seq 9-15 (issued before its seq 16 waited its
+          // timeout) by a margin: they time out, as seq 1-7 did.
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
           at8[1] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
           for (int i = 9; i < 16; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
           at16[1] = comm_error([&] { pg.all_reduce(t[16], ReduceOp::Sum)->wait(); });
           second_issued = true;
         }
-        // Seq 0 timed out when rank 0 gave up on seq 8 (GivingUpOnABusySlot).
-        EXPECT_NE(comm_error([&] { w[0]->wait(); }), "");
-        for (int i = 1; i < 16; ++i) {
-          if (i == 8) continue;
-          w[i]->wait();
-          EXPECT_EQ(t[i].to_vector<int64_t>(), std::vector<int64_t>(2, 2 * i)) << i;
+        // Rank 1 issued them past their deadlines (GivingUpOnABusySlot).
+        for (int i = 0; i < 16; ++i) {
+          if (i != 8) {
+            EXPECT_NE(comm_error([&] { w[i]->wait(); }), "") << i;
+          }
         }
         for (int i = 0; i < 10; ++i) {
           Tensor x = Tensor::full({2}, DType::I64, i + pg.rank());
@@ -1339,12 +1333,13 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
 
 // Ranks 0 and 1 wait for the slot of seq 8 behind late rank 2, rank 1 from later on; both give
 // up when seq 0 times out (at rank 0's issue plus the timeout). Rank 1 was waiting before rank 0
-// gave up, so only rank 2 is told it came after the others had, for seq 0 and seq 8.
+// gave up, so only rank 2 is told it came after the others had, for seq 8 and for seq 0-7
+// (which it issued past their deadlines).
 TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
   std::atomic<bool> gave_up{false};
   std::atomic<bool> third_issued{false};
   std::vector<std::string> at8(3);
-  std::vector<std::string> at0(3);
+  std::vector<std::vector<std::string>> at(3, std::vector<std::string>(8));
   run_local(
       3,
       [&](ProcessGroup& pg) {
@@ -1359,11 +1354,7 @@ TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
         at8[r] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
         if (r == 0) gave_up = true;
         await(third_issued);
-        at0[r] = comm_error([&] { w[0]->wait(); });
-        for (int i = 1; i < 8; ++i) {
-          w[i]->wait();
-          EXPECT_EQ(t[i].to_vector<int>(), std::vector<int>(2, 3 * i)) << i;
-        }
+        for (int i = 0; i < 8; ++i) at[r][i] = comm_error([&] { w[i]->wait(); });
         for (int i = 0; i < 10; ++i) {
           Tensor x = Tensor::full({2}, DType::I32, i + r);
           pg.all_reduce(x, ReduceOp::Sum)->wait();
@@ -1376,9 +1367,13 @@ TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
             "group 'world' (seq 0) to finish; missing ranks [2]");
   EXPECT_EQ(at8[1], at8[0]);
   EXPECT_EQ(at8[2], at8[0] + "; rank 2 issued it only after the others had given up on it");
-  EXPECT_EQ(at0[0], "all_reduce on group 'world' (seq 0): timed out after 0.6 s; missing ranks [2]");
-  EXPECT_EQ(at0[1], at0[0]);
-  EXPECT_EQ(at0[2], at0[0] + "; rank 2 issued it only after the others had given up on it");
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(at[0][i], fmt::format("all_reduce on group 'world' (seq {}): timed out after 0.6 s; "
+                                    "missing ranks [2]",
+                                    i));
+    EXPECT_EQ(at[1][i], at[0][i]);
+    EXPECT_EQ(at[2][i], at[0][i] + "; rank 2 issued it only after the others had given up on it");
+  }
 }
 
 // A rank gave up on seq 8 of a busy slot; another issued seq 8 on the Op path; the third takes
@@ -1823,7 +1818,9 @@ TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
 TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
   ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.2");
   std::vector<std::string> messages(2);
-  std::vector<std::string> first(2);  // seq 1, which timed out when the 9th issue gave up
+  // Seq 1-8: seq 1 timed out when the 9th issue gave up; rank 1 issued the others only after
+  // the stall, past their deadlines.
+  std::vector<std::vector<std::string>> first(2, std::vector<std::string>(8));
   ::testing::internal::CaptureStderr();
   run_local(
       2,
@@ -1855,11 +1852,7 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
         }
         EXPECT_EQ(p.to_vector<float>(), std::vector<float>(4, 2.0f));
         EXPECT_EQ(q.to_vector<float>(), std::vector<float>(4, 2.0f));
-        first[world.rank()] = comm_error([&] { works[0]->wait(); });
-        for (int i = 1; i < 8; ++i) {
-          works[i]->wait();
-          EXPECT_EQ(ts[i].to_vector<float>(), std::vector<float>(4, 2.0f * i)) << i;
-        }
+        for (int i = 0; i < 8; ++i) first[world.rank()][i] = comm_error([&] { works[i]->wait(); });
         messages[world.rank()] = comm_error([&] { works[8]->wait(); });
       },
       LocalOptions{std::chrono::milliseconds(1000)});
@@ -1881,12 +1874,60 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
       "missing ranks [1] (rank 1's last collective, all_reduce on group 'pair' (seq 0), is "
       "itself missing ranks [0])";
   const std::string late = "; rank 1 issued it only after the others had given up on it";
-  EXPECT_EQ(first[0], "all_reduce on group 'world' (seq 1): timed out after 1 s; " + whereabouts);
-  EXPECT_EQ(first[1], first[0] + late);
+  EXPECT_EQ(first[0][0], "all_reduce on group 'world' (seq 1): timed out after 1 s; " + whereabouts);
+  for (int i = 1; i < 8; ++i) {
+    EXPECT_EQ(first[0][i], fmt::format("all_reduce on group 'world' (seq {}): timed out after 1 s; "
+                                       "missing ranks [1]",
+                                       i + 1));
+  }
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(first[1][i], first[0][i] + late);
   EXPECT_EQ(messages[0],
             "all_reduce on group 'world' (seq 9): timed out after 1 s waiting for all_reduce on "
             "group 'world' (seq 1) to finish; " + whereabouts);
   EXPECT_EQ(messages[1], messages[0] + late);
+}
+
+// A collective that nobody waits for still times out: ranks 1 and 2 issue it more than the
+// timeout after rank 0, which waits only once they have. Every rank gets the timeout, and the
+// late ones are told they came late, on the lane and on the Op path; the group works on. Issued
+// within the timeout, it completes.
+TEST(FailureTest, AnUnwaitedCollectiveTimesOutForItsLateMembers) {
+  for (const int late_ms : {0, 450}) {
+    for (const int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+      SCOPED_TRACE(::testing::Message() << numel << " elements, " << late_ms << " ms late");
+      std::vector<std::string> messages(3);
+      std::atomic<int> issued{0};
+      run_local(
+          3,
+          [&](ProcessGroup& world) {
+            const int r = world.rank();
+            Tensor t = Tensor::full({numel}, DType::I32, r + 1);
+            if (r > 0) std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+            auto work = world.all_reduce(t, ReduceOp::Sum);
+            issued.fetch_add(1);
+            while (issued.load() < 3) std::this_thread::yield();
+            messages[r] = error_of([&] { work->wait(); });
+            if (messages[r].empty()) {
+              EXPECT_EQ(t.to_vector<int>(), std::vector<int>(numel, 6));
+            }
+            Tensor u = Tensor::full({numel}, DType::I32, r);
+            world.all_reduce(u, ReduceOp::Sum)->wait();
+            EXPECT_EQ(u.to_vector<int>(), std::vector<int>(numel, 3));
+          },
+          LocalOptions{std::chrono::milliseconds(300)});
+      if (late_ms == 0) {
+        EXPECT_EQ(messages, std::vector<std::string>(3));
+        continue;
+      }
+      EXPECT_EQ(messages[0],
+                "all_reduce on group 'world' (seq 0): timed out after 0.3 s; missing ranks [1, 2]");
+      for (int r : {1, 2}) {
+        EXPECT_EQ(messages[r], fmt::format("{}; rank {} issued it only after the others had "
+                                           "given up on it",
+                                           messages[0], r));
+      }
+    }
+  }
 }
 
 // A collective times out its timeout after the first rank issued it, on the lane as on the Op
