@@ -18,28 +18,45 @@ inline void cpu_relax() {
 #endif
 }
 
-// now + timeout on steady_clock, for a deadline taken at every collective's issue. Long
-// timeouts (1 s and more: the default is 300 s) read Linux's coarse monotonic clock, which
-// costs a third of steady_clock::now() (10 vs 32 ns on the 2-core CI machine, where small
-// collectives take 0.5-1 us) and shares its epoch but lags it: by up to 1.4 ticks measured
-// here (5.6 ms at 4 ms ticks), more when ticks are missed. Two ticks are added, so such a
-// deadline is a few ms late rather than early, which is nothing next to the timeout. Short
-// timeouts (tests of failure paths) read steady_clock: exact.
-inline std::chrono::steady_clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
 #if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
+// The resolution of Linux's coarse monotonic clock (4 ms at 250 Hz).
+inline std::chrono::nanoseconds coarse_tick() {
   static const std::chrono::nanoseconds tick = [] {
     timespec res{};
     clock_getres(CLOCK_MONOTONIC_COARSE, &res);
     return std::chrono::seconds(res.tv_sec) + std::chrono::nanoseconds(res.tv_nsec);
   }();
+  return tick;
+}
+#endif
+
+// now + timeout on steady_clock, for a deadline taken at every collective's issue. Long
+// timeouts (1 s and more: the default is 300 s) read Linux's coarse monotonic clock, which
+// costs a third of steady_clock::now() (10 vs 32 ns on the 2-core CI machine, where small
+// collectives take 0.5-1 us) and shares its epoch but lags it: by up to 1.4 ticks measured
+// here (5.6 ms at 4 ms ticks), more when ticks are missed. Two ticks are added
+// (deadline_slack), so such a deadline is a few ms late rather than early, which is nothing
+// next to the timeout. Short timeouts (tests of failure paths) read steady_clock: exact.
+inline std::chrono::steady_clock::time_point deadline_after(std::chrono::nanoseconds timeout) {
+#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
   timespec now{};
   if (timeout >= std::chrono::seconds(1) && clock_gettime(CLOCK_MONOTONIC_COARSE, &now) == 0) {
     return std::chrono::steady_clock::time_point(std::chrono::seconds(now.tv_sec) +
                                                  std::chrono::nanoseconds(now.tv_nsec) +
-                                                 2 * tick + timeout);
+                                                 2 * coarse_tick() + timeout);
   }
 #endif
   return std::chrono::steady_clock::now() + timeout;
+}
+
+// What deadline_after(timeout) adds to the coarse clock's reading beyond `timeout` (0 where it
+// reads steady_clock). Two such deadlines taken at times a <= b differ by more than
+// timeout + slack only if b is past a's deadline: the coarse clock never runs ahead.
+inline std::chrono::nanoseconds deadline_slack(std::chrono::nanoseconds timeout) {
+#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
+  if (timeout >= std::chrono::seconds(1)) return 2 * coarse_tick();
+#endif
+  return std::chrono::nanoseconds(0);
 }
 
 // Polls until `done()` holds: a pause between polls and a yield every `yield_every`, so that

@@ -1620,8 +1620,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
   std::shared_ptr<Op> op;
   std::string failure;
   std::vector<int> given_up_on;
-  // On the deadlines' clock (see deadline_after).
-  const Clock::time_point issued_at = dist_detail::deadline_after(timeout_) - timeout_;
+  const Clock::time_point now = Clock::now();  // as a waiter compares it with the deadline
   {
     std::lock_guard<SpinMutex> lock(group.mu);
     // Below pending_base: every member joined `seq`'s op already (impossible: this member
@@ -1684,7 +1683,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
           }
         }
       }
-      if (failure.empty() && issued_at > op->deadline_) {
+      if (failure.empty() && now > op->deadline_) {
         // It timed out before this member came, whether or not anybody waited to see it: the
         // members not here by then are told they came late.
         given_up_on = unjoined_ranks(*op);
@@ -1929,7 +1928,9 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       // Behind an earlier collective this member waits for it: it gives up when that one times
       // out (its first issue plus the timeout), not a whole timeout after this issue, or a rank
       // k collectives ahead of a late peer would block k timeouts before its first wait.
-      const Clock::time_point deadline = (prev & kLaneBusy) != 0
+      // (A failed slot's arrived bits include absent members, whose records are stale: it waits
+      // for its late members to count out, this member on its own deadline.)
+      const Clock::time_point deadline = (prev & (kLaneBusy | kLaneFailed)) == kLaneBusy
                                              ? lane_deadline(ls, prev, work->deadline_)
                                              : work->deadline_;
       if (now >= deadline && (prev & kLaneBusy) != 0 && (prev & bit) != 0) {
@@ -2159,7 +2160,8 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
 
 std::vector<int> World::lane_late(const SharedGroup& group,
                                   const std::array<LaneRecord, kLaneMaxRanks>& records) const {
-  // Each member's deadline is its issue plus the timeout.
+  // Each member's deadline is its issue plus the timeout (plus the coarse clock's slack: a
+  // member counts as late only if it certainly issued past the first member's deadline).
   const int n = static_cast<int>(group.global_ranks.size());
   auto deadline = [&](int m) { return records[m].deadline.load(std::memory_order_relaxed); };
   Clock::rep first = deadline(0);
@@ -2169,7 +2171,9 @@ std::vector<int> World::lane_late(const SharedGroup& group,
     last = std::max(last, deadline(m));
   }
   std::vector<int> late;
-  const Clock::rep timeout = std::chrono::duration_cast<Clock::duration>(timeout_).count();
+  const Clock::rep timeout = std::chrono::duration_cast<Clock::duration>(
+                                timeout_ + dist_detail::deadline_slack(timeout_))
+                                .count();
   if (last - first <= timeout) return late;
   for (int m = 0; m < n; ++m) {
     if (deadline(m) - first > timeout) late.push_back(group.global_ranks[m]);

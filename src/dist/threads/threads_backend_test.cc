@@ -1233,6 +1233,48 @@ TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
   }
 }
 
+// Ranks 0 and 1 wait at issue for seq 8's slot, whose seq 0 failed (a mismatch: rank 1 issued a
+// large all_reduce) and waits for rank 2 to come and count out. They keep their own deadlines:
+// the failed slot's arrived bits include absent members, whose records are stale, and reading
+// those made them give up at once with a timeout. Rank 2 comes 200 ms late, within the 2 s
+// timeout, and seq 8 completes for all three.
+TEST(LaneTest, WaitingBehindAFailedSlotKeepsItsOwnDeadline) {
+  std::vector<std::string> at0(3);
+  std::vector<std::string> at8(3);
+  std::atomic<bool> crossed{false};
+  run_local(
+      3,
+      [&](ProcessGroup& pg) {
+        const int r = pg.rank();
+        if (r == 2) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        Tensor a = Tensor::full({r == 1 ? int64_t{1} << 14 : 4}, DType::I32, 1);
+        auto w0 = pg.all_reduce(a, ReduceOp::Sum);
+        if (r == 1) crossed = true;
+        if (r == 0) await(crossed);
+        std::vector<Tensor> ts;
+        std::vector<std::shared_ptr<Work>> ws;
+        for (int i = 1; i < 8; ++i) {
+          ts.push_back(Tensor::full({4}, DType::I32, i));
+          ws.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+        }
+        Tensor b = Tensor::full({4}, DType::I32, r);
+        at8[r] = error_of([&] { pg.all_reduce(b, ReduceOp::Sum)->wait(); });
+        if (at8[r].empty()) {
+          EXPECT_EQ(b.to_vector<int>(), std::vector<int>(4, 3));
+        }
+        at0[r] = comm_error([&] { w0->wait(); });
+        for (int i = 1; i < 8; ++i) {
+          ws[i - 1]->wait();
+          EXPECT_EQ(ts[i - 1].to_vector<int>(), std::vector<int>(4, 3 * i)) << i;
+        }
+      },
+      LocalOptions{std::chrono::milliseconds(2000)});
+  EXPECT_EQ(at8, std::vector<std::string>(3));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(at0[r].find("mismatched collectives"), std::string::npos) << at0[r];
+  }
+}
+
 // After giving up on a busy slot a rank runs on: its next collective of that slot must not be
 // served before the one it gave up on (which its late peer still has to reach). Rank 0 runs on
 // once its peer issued seq 0-7 (all timed out: the peer came past their deadlines): issued
@@ -1847,6 +1889,9 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
           // up (the timeout runs from the first issue) even on a slow (sanitized) build.
           std::this_thread::sleep_for(std::chrono::milliseconds(400));
           pair->all_reduce(p, ReduceOp::Sum)->wait();
+          // Rank 0 came to the pair when seq 1 timed out: a margin makes seq 2-8, which rank 0
+          // issued with seq 1, clearly late too (by a tick they would count as in time).
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
           run_ahead();
           pair->all_reduce(q, ReduceOp::Sum)->wait();
         }
@@ -1927,6 +1972,53 @@ TEST(FailureTest, AnUnwaitedCollectiveTimesOutForItsLateMembers) {
                                            messages[0], r));
       }
     }
+  }
+}
+
+// A peer that issues just inside the timeout is not late. Timeouts of 1 s and more take their
+// deadlines from Linux's coarse clock, which lags: comparing two such readings called a peer
+// late up to a tick inside the timeout. Rank 1 issues 2 ms before rank 0's issue plus the
+// timeout (a run where rank 1's call ended past that point checks nothing: it may be late), on
+// the lane (a small all_reduce) and on the Op path (a small all_gather: its call is short too).
+TEST(FailureTest, APeerJustInsideTheTimeoutIsNotLate) {
+  for (const bool lane : {true, false}) {
+    SCOPED_TRACE(lane ? "lane" : "Op path");
+    int checked = 0;
+    for (int iter = 0; iter < 4; ++iter) {
+      std::atomic<Clock::rep> start{0};  // rank 0's issue, on steady_clock
+      std::vector<std::string> messages(2);
+      bool in_time = false;
+      run_local(
+          2,
+          [&](ProcessGroup& world) {
+            const int r = world.rank();
+            Tensor t = Tensor::full({4}, DType::I32, r + 1);
+            Tensor gathered = Tensor::empty({8}, DType::I32);
+            auto issue = [&] {
+              return lane ? world.all_reduce(t, ReduceOp::Sum) : world.all_gather(gathered, t);
+            };
+            std::shared_ptr<Work> work;
+            if (r == 0) {
+              const Clock::time_point now = Clock::now();
+              work = issue();
+              start.store(now.time_since_epoch().count());
+            } else {
+              while (start.load() == 0) std::this_thread::yield();
+              const Clock::time_point due = Clock::time_point(Clock::duration(start.load())) +
+                                            std::chrono::milliseconds(998);
+              while (Clock::now() < due) {
+              }
+              work = issue();
+              in_time = Clock::now() < due + std::chrono::milliseconds(2);
+            }
+            messages[r] = error_of([&] { work->wait(); });
+          },
+          LocalOptions{std::chrono::milliseconds(1000)});
+      if (!in_time) continue;
+      ++checked;
+      EXPECT_EQ(messages, std::vector<std::string>(2)) << iter;
+    }
+    EXPECT_GT(checked, 0);
   }
 }
 
