@@ -218,6 +218,15 @@ struct GlooShared {
   }
 };
 
+// The error of a rendezvous that lost a member after it arrived (its process died or left).
+CommError lost_during_rendezvous(const std::string& what, const std::string& url,
+                                 const process::PeerLoss& loss) {
+  return CommError(
+      fmt::format("gloo: rendezvous of {} at '{}' failed: {} during the rendezvous; missing "
+                  "ranks [{}]",
+                  what, url, loss.describe(), loss.rank));
+}
+
 // Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
 // names the missing ones on timeout. A member that `watch` (the job's peer monitor, when there
 // is one) reports dead or departed fails the wait at once: it will never arrive.
@@ -239,6 +248,12 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
     if (watch != nullptr) {
       const auto losses = watch->losses(ranks, kLossWait);
       if (!losses.empty()) {
+        // It may have arrived after the look at its key, and died since.
+        const int lost = losses.front().rank;
+        const auto at = std::find(members.begin(), members.end(), lost) - members.begin();
+        if (store.check({fmt::format("{}/arrive/{}", prefix, at)})) {
+          throw lost_during_rendezvous(what, url, losses.front());
+        }
         throw CommError(fmt::format(
             "gloo: rendezvous of {} at '{}' failed: {}; ranks that did not arrive: [{}]", what,
             url, losses.front().describe(), fmt::join(ranks, ", ")));
@@ -284,9 +299,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     if (watch == nullptr) return;
     const auto losses = watch->losses(others, kLossWait);
     if (losses.empty()) return;
-    throw CommError(fmt::format(
-        "gloo: rendezvous of {} at '{}' failed: {} during the rendezvous; missing ranks [{}]",
-        what, shared.url.text, losses.front().describe(), losses.front().rank));
+    throw lost_during_rendezvous(what, shared.url.text, losses.front());
   };
   // A member that dies after its arrival key never writes its address: Gloo's wait for it
   // (connectFullMesh) ends at once, not at the timeout.
