@@ -855,6 +855,9 @@ class World {
   // The timeout failure of op (missing ranks, or the collectives it is stuck behind); the
   // missing ranks also go to *missing.
   std::string timeout_message(Op& op, std::vector<int>* missing);
+  // "<what>: timed out after N s; missing ranks [...]", for a collective the timeout found
+  // lacking `missing` (global ranks).
+  std::string timed_out_message(const std::string& what, const std::vector<int>& missing) const;
   // Why op is not done yet: "; missing ranks [1] (...)" or " waiting for earlier
   // collectives: ..." (timeout_message's text after "timed out after N s").
   // `all_waiting` (optional): whether every missing rank's last collective is itself missing
@@ -1687,9 +1690,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
         // It timed out before this member came, whether or not anybody waited to see it: the
         // members not here by then are told they came late.
         given_up_on = unjoined_ranks(*op);
-        failure = fmt::format("{}: timed out after {:g} s; missing ranks {}", op->description(),
-                              std::chrono::duration<double>(timeout_).count(),
-                              format_ranks(given_up_on));
+        failure = timed_out_message(op->description(), given_up_on);
         *late = true;
       }
       if (failure.empty()) {
@@ -1933,12 +1934,12 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       const Clock::time_point deadline = (prev & (kLaneBusy | kLaneFailed)) == kLaneBusy
                                              ? lane_deadline(ls, prev, work->deadline_)
                                              : work->deadline_;
-      if (now >= deadline && (prev & kLaneBusy) != 0 && (prev & bit) != 0) {
+      if (now >= deadline) {
         // This member waits for the earlier collective as a waiter of its would: that one
         // times out now, so that it is not reported unfinished here and completed later.
-        lane_check(group, lane_seq(prev), member, /*timed_out=*/true);
-      }
-      if (now >= deadline) {
+        if ((prev & kLaneBusy) != 0 && (prev & bit) != 0) {
+          lane_check(group, lane_seq(prev), member, /*timed_out=*/true);
+        }
         // Names the earlier collective and the ranks it still misses (the late ones).
         uint64_t blocker = seq - kLaneSlots;
         uint64_t came = group.full_mask();  // none missing unless known
@@ -2112,26 +2113,22 @@ void prefetch_members(const std::array<LaneRecord, kLaneMaxRanks>& records, int 
 void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
   const int n = static_cast<int>(group.global_ranks.size());
   auto& records = ls.records;
-  std::string mismatch;  // or another failure: every member gets it
-  for (int m = 1; m < n && mismatch.empty(); ++m) {
+  std::string failure;  // a mismatch, a timeout or a kernel's error: every member gets it
+  for (int m = 1; m < n && failure.empty(); ++m) {
     if (!records[m].same_call(records[0])) {
-      mismatch = mismatch_message(records[0].work->description(), group.global_ranks[0],
-                                  records[0].post(), group.global_ranks[m], records[m].post());
+      failure = mismatch_message(records[0].work->description(), group.global_ranks[0],
+                                 records[0].post(), group.global_ranks[m], records[m].post());
     }
   }
   // Timed out before the last member came (nobody waited to see it): the members that issued
   // it only after the deadline are told they came late.
   std::vector<int> late;
-  if (mismatch.empty()) {
+  if (failure.empty()) {
     late = lane_late(group, records);
-    if (!late.empty()) {
-      mismatch = fmt::format("{}: timed out after {:g} s; missing ranks {}",
-                             records[0].work->description(),
-                             std::chrono::duration<double>(timeout_).count(), format_ranks(late));
-    }
+    if (!late.empty()) failure = timed_out_message(records[0].work->description(), late);
   }
   // A failure of the kernel (cannot happen for a call that passed its checks) fails it too.
-  if (mismatch.empty() && records[0].slot.count > 0) {
+  if (failure.empty() && records[0].slot.count > 0) {
     try {
       // As an Op's chunk: reduce in rank order into rank 0's buffer, copy it to the others.
       const Slot& s0 = records[0].slot;
@@ -2142,15 +2139,15 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
       reduce_buffers(records[0].reduce_op, s0.dtype, s0.out, srcs.data(), n, s0.count);
       for (int m = 1; m < n; ++m) copy_bytes(records[m].slot.out, s0.out, bytes, false);
     } catch (const std::exception& e) {
-      mismatch = fmt::format("{}: {}", records[0].work->description(), e.what());
+      failure = fmt::format("{}: {}", records[0].work->description(), e.what());
     }
   }
   // The records keep their Works (each member drops its own when it next posts here): moving
   // them out would write every member's reference count, one more cache line each.
   for (int m = 0; m < n; ++m) {
     LaneWork* work = records[m].work.get();
-    if (!mismatch.empty()) {
-      work->fail_with(issued_after_failure(mismatch, late, group.global_ranks[m]));
+    if (!failure.empty()) {
+      work->fail_with(issued_after_failure(failure, late, group.global_ranks[m]));
     } else {
       work->finish();
     }
@@ -2370,9 +2367,7 @@ void World::lane_check(SharedGroup& group, uint64_t seq, int member, bool timed_
       lane_fail_locked(group, seq, departed_message(what, departed, missing), 0);
     } else if (timed_out) {
       lane_fail_locked(group, seq,
-                       fmt::format("{}: timed out after {:g} s; missing ranks {}{}", what,
-                                   std::chrono::duration<double>(timeout_).count(),
-                                   format_ranks(missing), arrived == noted_arrived ? notes : ""),
+                       timed_out_message(what, missing) + (arrived == noted_arrived ? notes : ""),
                        0, nullptr, missing);
     }
   }
@@ -2453,6 +2448,12 @@ void Op::time_out() {
   std::vector<int> missing;
   std::string message = world_->timeout_message(*this, &missing);
   world_->fail_op(shared_from_this(), message, std::move(missing));
+}
+
+std::string World::timed_out_message(const std::string& what,
+                                     const std::vector<int>& missing) const {
+  return fmt::format("{}: timed out after {:g} s; missing ranks {}", what,
+                     std::chrono::duration<double>(timeout_).count(), format_ranks(missing));
 }
 
 std::string World::timeout_message(Op& op, std::vector<int>* missing_out) {
