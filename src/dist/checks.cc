@@ -354,8 +354,10 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
 namespace {
 
 // The flat forms' checks: `output` holds `times` the inputs' elements.
+// The output holds `times` times the inputs' elements, or 1/`parts` of them (every input's
+// count a multiple of `parts`).
 void check_flat(std::string_view op, const Tensor& output, const std::vector<Tensor>* inputs,
-                int64_t times) {
+                int64_t times, int64_t parts = 1) {
   if (inputs == nullptr) throw InvalidArgument(fmt::format("{}: null input list", op));
   if (!usable(output)) check_buffer(op, output, "output");
   if (output.dim() != 1) {
@@ -372,6 +374,10 @@ void check_flat(std::string_view op, const Tensor& output, const std::vector<Ten
       check_same_dtype(op, output, "output", in, fmt::format("input {}", i));
     }
     total += in.numel();
+    if (in.numel() % parts != 0) {
+      throw ShapeError(fmt::format("{}: input {} has {} elements, not a multiple of the group "
+                                   "size {}", op, i, in.numel(), parts));
+    }
     if (in.numel() > 0 && in.storage().get() == out.storage) {
       const Range r = range_of(in, i, false);
       if (r.begin < out.end && out.begin < r.end) {
@@ -379,11 +385,12 @@ void check_flat(std::string_view op, const Tensor& output, const std::vector<Ten
       }
     }
   }
-  if (total * times != output.numel()) {
+  if (total * times != output.numel() * parts) {
+    const std::string expected = times > 1   ? fmt::format(" ({}x: {})", times, total * times)
+                                 : parts > 1 ? fmt::format(" (1/{}: {})", parts, total / parts)
+                                             : "";
     throw ShapeError(fmt::format("{}: the inputs hold {} elements{} but the output has {}", op,
-                                 total, times == 1 ? "" : fmt::format(" ({}x: {})", times,
-                                                                       total * times),
-                                 output.numel()));
+                                 total, expected, output.numel()));
   }
 }
 
@@ -398,6 +405,12 @@ void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inpu
 void check_all_gather_flat(const ProcessGroup& group, const Tensor& output,
                            const std::vector<Tensor>* inputs) {
   check_flat("all_gather_flat", output, inputs, group.size());
+}
+
+void check_reduce_scatter_flat(const ProcessGroup& group, const Tensor& output,
+                               const std::vector<Tensor>* inputs, ReduceOp reduce_op) {
+  check_flat("reduce_scatter_flat", output, inputs, 1, group.size());
+  check_reduce("reduce_scatter_flat", reduce_op, output.dtype());
 }
 
 void check_outputs_apart(std::string_view op, const std::vector<Tensor>& outputs,

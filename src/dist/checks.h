@@ -90,6 +90,10 @@ void check_all_reduce_flat(const Tensor& output, const std::vector<Tensor>* inpu
 // all_gather_flat: the same, with group.size() times the inputs' elements in the output.
 void check_all_gather_flat(const ProcessGroup& group, const Tensor& output,
                            const std::vector<Tensor>* inputs);
+// reduce_scatter_flat: the same, with 1/group.size() of the inputs' elements in the output, and
+// every input's element count a multiple of group.size().
+void check_reduce_scatter_flat(const ProcessGroup& group, const Tensor& output,
+                               const std::vector<Tensor>* inputs, ReduceOp reduce_op);
 // Copies checked all_reduce_flat inputs back to back into the output (after whatever still
 // reads or writes it), for a backend that then reduces the output in place.
 void pack_flat(const Tensor& output, const std::vector<Tensor>& inputs);

@@ -195,19 +195,39 @@ void dist_detail::pack_flat(const Tensor& output, const std::vector<Tensor>& inp
   }
 }
 
+namespace {
+
+// The stretches of a flat collective's output that hold each input's result, back to back:
+// `times` times the input's elements, or 1/`parts` of them. Pending inputs are waited first, as
+// all_reduce_flat's.
+std::vector<Tensor> flat_output_views(const Tensor& output, const std::vector<Tensor>& inputs,
+                                      int64_t times, int64_t parts) {
+  std::vector<Tensor> outputs;
+  outputs.reserve(inputs.size());
+  int64_t off = 0;
+  for (const Tensor& t : inputs) {
+    t.wait();
+    const int64_t n = t.numel() * times / parts;
+    outputs.push_back(output.narrow(0, off, n));
+    off += n;
+  }
+  return outputs;
+}
+
+}  // namespace
+
 std::shared_ptr<Work> ProcessGroup::all_gather_flat(
     const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs) {
   dist_detail::check_all_gather_flat(*this, output, inputs.get());
   if (inputs->empty()) return dist_detail::empty_coalesced("all_gather_flat", *this);
-  std::vector<Tensor> outputs;
-  outputs.reserve(inputs->size());
-  int64_t off = 0;
-  for (const Tensor& t : *inputs) {
-    t.wait();  // pending inputs are waited first, as all_reduce_flat's
-    outputs.push_back(output.narrow(0, off, size() * t.numel()));
-    off += size() * t.numel();
-  }
-  return all_gather_coalesced(outputs, *inputs);
+  return all_gather_coalesced(flat_output_views(output, *inputs, size(), 1), *inputs);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_flat(
+    const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs, ReduceOp op) {
+  dist_detail::check_reduce_scatter_flat(*this, output, inputs.get(), op);
+  if (inputs->empty()) return dist_detail::empty_coalesced("reduce_scatter_flat", *this);
+  return reduce_scatter_coalesced(flat_output_views(output, *inputs, 1, size()), *inputs, op);
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather_coalesced(const std::vector<Tensor>& outputs,

@@ -151,8 +151,8 @@ std::vector<Tensor> make_inputs(const Graph& graph, uint64_t seed, int rank) {
 namespace {
 
 // Skip and Take only appear in lowered bucket chains (see lower_buckets) and folded casts (see
-// fold_casts): Skip does nothing, Take moves the bucket's member results into its result
-// slots. CatCasts is a cat that converts the operands of casts folded into it.
+// fold_casts): Skip does nothing, and so does Take, whose results the bucket's collective
+// placed in its result slots at issue. CatCasts is a cat that converts the operands of casts folded into it.
 enum class StepKind : uint8_t { Kernel, Collective, Wait, Skip, Take, CatCasts };
 
 // One node, with everything run() needs precomputed.
@@ -179,28 +179,23 @@ struct Step {
   ReduceOp reduce_op = ReduceOp::Sum;
   int src = 0;
   uint32_t inflight = kNone;
-  // Lowered bucket chains: the LoweredBucket a collective or Take step belongs to, and for Take
-  // the member index of its first result.
+  // Lowered bucket chains: the LoweredBucket a collective or Take step belongs to.
   uint32_t bucket = kNone;
-  uint32_t take_begin = 0;
 };
 
-// A bucketing chain run as one coalesced primitive on its members (ExecutorOptions::
+// A bucketing chain run as one flat primitive on its members (ExecutorOptions::
 // lower_buckets). The collective step allocates the members' results and issues the primitive
-// on them; they reach the chain's last nodes' slots at once (all_reduce, all_gather) or through
-// `outs` and the Take steps (reduce_scatter, whose primitive takes a list of outputs).
+// on them; they reach the chain's last nodes' slots at once.
 struct LoweredBucket {
   // Member i's result type as a meta tensor: its layout is shared by every run's result i (a
   // bucket's thousand results are placed without building or looking up a layout each).
   std::vector<Tensor> types;
-  // Member i's result slot. With `direct` (all_reduce and all_gather chains, issued through
-  // the flat primitives) the results are placed there at issue (nothing reads a slot before
-  // its value's Take step, and each value has a slot of its own), so `outs` stays empty and
-  // Take has nothing to do: a bucket of a thousand members saves a pass over a thousand
-  // Tensors, on lines its data swept out of the cache.
+  // Member i's result slot. The results are placed there at issue (nothing reads a slot
+  // before its value's Take step, and each value has a slot of its own), so Take has nothing
+  // to do: a bucket of a thousand members saves a pass over a thousand Tensors, on lines its
+  // data swept out of the cache. (A bucket of 1000 x 4 KiB reduce_scatters took 0.41-0.43 ms
+  // through a coalesced list and Take steps, 0.34-0.35 ms so: fusion_bench, 2 ranks.)
   std::vector<uint32_t> out_slots;
-  bool direct = false;
-  std::vector<Tensor> outs;  // reduce_scatter: this run's member results, from issue to Take
   // One buffer holds every member's result, back to back: one allocation per run and one
   // storage for the backend to track, as the chain's split pieces share the bucket's buffer
   // (all_reduce, reduce_scatter). An all_gather chain's reshapes copy each member out, but its
@@ -210,9 +205,9 @@ struct LoweredBucket {
   // collective (its storage is shared), so such a use copies it.
   std::vector<int64_t> offsets;  // member i's first element in the buffer
   int64_t numel = 0;
-  // An all_reduce or all_gather chain's members, handed to ProcessGroup::all_reduce_flat or
-  // all_gather_flat as one list: held from issue until the collective is closed, so that the
-  // members are released here, on this thread, rather than by whichever thread finished it.
+  // The chain's members, handed to ProcessGroup::all_reduce_flat, all_gather_flat or
+  // reduce_scatter_flat as one list: held from issue until the collective is closed, so that
+  // the members are released here, on this thread, rather than by whichever thread finished it.
   std::shared_ptr<std::vector<Tensor>> held;
 };
 
@@ -489,7 +484,7 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
   // (a graph that skips its wait_tensor) is waited first. Free when it is ready, but a pass over
   // a bucket's thousand storages all the same: the flat primitives wait for their inputs
   // themselves.
-  if (st.bucket == kNone || !buckets[st.bucket].direct) {
+  if (st.bucket == kNone) {
     for (const Tensor& t : in) t.wait();
   }
   // Out of place as the functional ops: the result is a copy reduced (or overwritten) in place,
@@ -508,60 +503,32 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     // views of one buffer.
     LoweredBucket& b = buckets[st.bucket];
     const Tensor flat = Tensor::empty({b.numel}, b.types.front().dtype());
-    b.outs.clear();
     for (size_t i = 0; i < b.types.size(); ++i) {
-      Tensor result = Tensor::placed(b.types[i], flat.storage(), b.offsets[i]);
-      if (b.direct) {
-        slots[b.out_slots[i]] = std::move(result);
-      } else {
-        b.outs.push_back(std::move(result));
-      }
+      slots[b.out_slots[i]] = Tensor::placed(b.types[i], flat.storage(), b.offsets[i]);
     }
     // What the wait_tensor of the chain waits on.
-    out[0] = b.direct ? slots[b.out_slots.front()] : b.outs.front();
-    if (b.direct) {
-      // The members are read where they are into the buffer (all_reduce_flat,
-      // all_gather_flat). The list owns them (one reference for the backend to hold): a
-      // member's last use moves it in.
-      auto list = std::make_shared<std::vector<Tensor>>();
-      list->reserve(in.size());
-      for (size_t i = 0; i < in.size(); ++i) {
-        Tensor& t = in[i];
-        if (!t.is_contiguous()) {
-          list->push_back(t.contiguous());
-        } else if (release[i] || st.copy_operands) {
-          list->push_back(std::move(t));
-        } else {
-          list->push_back(t);
-        }
+    out[0] = slots[b.out_slots.front()];
+    // The members are read where they are into the buffer. The list owns them (one reference
+    // for the backend to hold): a member's last use moves it in.
+    auto list = std::make_shared<std::vector<Tensor>>();
+    list->reserve(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      Tensor& t = in[i];
+      if (!t.is_contiguous()) {
+        list->push_back(t.contiguous());
+      } else if (release[i] || st.copy_operands) {
+        list->push_back(std::move(t));
+      } else {
+        list->push_back(t);
       }
-      b.held = list;
-      work = st.op->collective == CollectiveKind::AllReduce
-                 ? g.all_reduce_flat(flat, std::move(list), st.reduce_op)
-                 : g.all_gather_flat(flat, std::move(list));
-    } else {
-      // The members are lent to the primitive's list and handed back afterwards (even when it
-      // throws): a Tensor copy costs two reference counts, and a bucket has thousands.
-      std::vector<Tensor> ins;
-      ins.reserve(in.size());
-      std::vector<uint8_t> lent;  // 1: ins[i] is in[i] itself, moved
-      lent.reserve(in.size());
-      struct GiveBack {
-        std::span<Tensor> in;
-        std::vector<Tensor>& ins;
-        std::vector<uint8_t>& lent;
-        ~GiveBack() {
-          for (size_t i = 0; i < lent.size(); ++i) {
-            if (lent[i]) in[i] = std::move(ins[i]);
-          }
-        }
-      } give_back{in, ins, lent};
-      for (Tensor& t : in) {
-        const bool lend = t.is_contiguous();
-        ins.push_back(lend ? std::move(t) : t.contiguous());
-        lent.push_back(lend);
-      }
-      work = g.reduce_scatter_coalesced(b.outs, ins, st.reduce_op);
+    }
+    b.held = list;
+    switch (st.op->collective) {
+      case CollectiveKind::AllReduce:
+        work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
+        break;
+      case CollectiveKind::AllGather: work = g.all_gather_flat(flat, std::move(list)); break;
+      default: work = g.reduce_scatter_flat(flat, std::move(list), st.reduce_op); break;
     }
   } else switch (st.op->collective) {
     case CollectiveKind::AllReduce:
@@ -769,14 +736,8 @@ void Executor::Impl::run_steps(size_t& cur) {
         break;
       case StepKind::Skip:
         break;
-      case StepKind::Take: {
-        LoweredBucket& b = buckets[st.bucket];
-        if (b.direct) break;  // placed at issue
-        for (uint32_t r = 0; r < st.num_results; ++r) {
-          slots[st.results_begin + r] = std::move(b.outs[st.take_begin + r]);
-        }
-        break;
-      }
+      case StepKind::Take:
+        break;  // placed at issue
     }
     if (st.copy_operands) {
       for (uint32_t i = 0; i < st.num_operands; ++i) {
@@ -818,7 +779,6 @@ void Executor::Impl::abort() noexcept {
   for (Tensor& t : slots) t = Tensor();
   for (Tensor& t : scratch) t = Tensor();
   for (LoweredBucket& b : buckets) {
-    b.outs.clear();
     b.held.reset();  // the backend holds its own reference while it still reads the members
   }
   for (Inflight& f : inflight) {
@@ -1059,7 +1019,6 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       lb.numel += t->numel();
       lb.types.push_back(Tensor::meta(t->shape, t->dtype));
     }
-    lb.direct = st.op->collective != CollectiveKind::ReduceScatter;
     buckets.push_back(std::move(lb));
     st.bucket = index;
     st.operands_begin = static_cast<uint32_t>(operand_slots.size());
@@ -1081,9 +1040,6 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       take.kind = StepKind::Take;
       take.num_operands = 0;
       take.bucket = index;
-      // The member whose result is its first (the members of a Take node's results follow).
-      const auto first = std::find(c.results.begin(), c.results.end(), std::make_pair(n, 0u));
-      take.take_begin = static_cast<uint32_t>(first - c.results.begin());
     }
     for (const auto& [n, r] : c.results) {
       buckets[index].out_slots.push_back(steps[step_of.at(n)].results_begin + r);
@@ -1230,9 +1186,6 @@ int64_t Executor::live_bytes() const {
   };
   for (const Tensor& t : impl_->slots) count(t);
   for (const Tensor& t : impl_->scratch) count(t);
-  for (const LoweredBucket& b : impl_->buckets) {  // results between issue and their Take
-    for (const Tensor& t : b.outs) count(t);
-  }
   return bytes;
 }
 

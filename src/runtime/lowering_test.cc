@@ -295,7 +295,7 @@ TEST(LowerBuckets, ReduceBucketOfEveryWorldSizeAndOp) {
 }
 
 // A bucket's members that are still pending (results of collectives whose wait_tensor the
-// graph skips) are read only once ready: all_reduce_flat and all_gather_flat wait for them.
+// graph skips) are read only once ready: the flat primitives wait for them.
 TEST(LowerBuckets, PendingMembersAreWaitedBeforeTheyAreRead) {
   for (int n : {1, 2, 4}) {
     const std::string text =
@@ -311,6 +311,21 @@ TEST(LowerBuckets, PendingMembersAreWaitedBeforeTheyAreRead) {
         "}\n";
     EXPECT_EQ(expect_same_either_way(n, text), 1u) << n;
     EXPECT_EQ(expect_same_either_way(n, gather_default(n, true)), 1u) << "all_gather " << n;
+    const std::string scatter =
+        "graph @g(%x: f32[2], %y: f32[3]) {\n"
+        "  %a = all_gather_into_tensor(%x) {group_size = " + g(n) + ", group = \"world\"}\n"
+        "  %b = all_gather_into_tensor(%y) {group_size = " + g(n) + ", group = \"world\"}\n"
+        "  %ra = reshape(%a) {shape = [" + g(n) + ", 2]}\n"
+        "  %rb = reshape(%b) {shape = [" + g(n) + ", 3]}\n"
+        "  %c = cat(%ra, %rb) {dim = 1}\n"
+        "  %pack = flatten(%c)\n"
+        "  %bucket = reduce_scatter_tensor(%pack) {reduce_op = \"sum\", group_size = " + g(n) +
+        ", group = \"world\"}\n"
+        "  %w = wait_tensor(%bucket)\n"
+        "  %s:2 = split_with_sizes(%w) {split_sizes = [2, 3], dim = 0}\n"
+        "  return %s#0, %s#1\n"
+        "}\n";
+    EXPECT_EQ(expect_same_either_way(n, scatter), 1u) << "reduce_scatter " << n;
   }
 }
 

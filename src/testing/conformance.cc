@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <Eigen/Core>
+#include <fmt/format.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -751,32 +752,40 @@ void run_all_reduce_coalesced(Ctx& c, const std::vector<DType>& dtypes,
 }
 
 // all_reduce_flat: the inputs (of `counts` elements, one dtype) reduced into one buffer laid
-// end to end; the inputs are checked intact afterwards.
-void run_all_reduce_flat(Ctx& c, DType dtype, const std::vector<int64_t>& counts, ReduceOp op) {
+// end to end. With `scatter`, reduce_scatter_flat: input t has counts[t] * n elements, split
+// into n blocks, and this rank's output holds, for each input in turn, the reduction of block r
+// of every rank's input t. The inputs are checked intact afterwards.
+void run_reduce_flat(Ctx& c, DType dtype, const std::vector<int64_t>& counts, ReduceOp op,
+                     bool scatter) {
+  const char* name = scatter ? "reduce_scatter_flat" : "all_reduce_flat";
+  const int64_t blocks = scatter ? c.n : 1;
   auto inputs = std::make_shared<std::vector<Tensor>>();
   std::vector<std::vector<double>> ins;
   int64_t total = 0;
   for (size_t t = 0; t < counts.size(); ++t) {
-    std::vector<double> in(counts[t]);
-    for (int64_t i = 0; i < counts[t]; ++i) in[i] = reduce_input(dtype, op, c.n, c.r, i + 13 * t);
-    inputs->push_back(make(in, {counts[t]}, dtype));
+    std::vector<double> in(counts[t] * blocks);
+    for (int64_t i = 0; i < counts[t] * blocks; ++i) {
+      in[i] = reduce_input(dtype, op, c.n, c.r, i + 13 * t);
+    }
+    inputs->push_back(make(in, {counts[t] * blocks}, dtype));
     ins.push_back(std::move(in));
     total += counts[t];
   }
   const Tensor output = Tensor::empty({total}, dtype);
-  auto work = c.pg.all_reduce_flat(output, inputs, op);
+  auto work = scatter ? c.pg.reduce_scatter_flat(output, inputs, op)
+                      : c.pg.all_reduce_flat(output, inputs, op);
   int64_t off = 0;
   for (size_t t = 0; t < counts.size(); ++t) {
+    const int64_t first = scatter ? c.r * counts[t] : 0;  // this rank's block
     std::vector<double> expected(counts[t]);
     for (int64_t i = 0; i < counts[t]; ++i) {
-      expected[i] = reduce_expected(dtype, op, c.n, i + 13 * t);
+      expected[i] = reduce_expected(dtype, op, c.n, first + i + 13 * t);
     }
     const std::string what = "tensor " + std::to_string(t) + ", " + std::string(reduce_op_name(op));
     expect_values(output.narrow(0, off, counts[t]), expected,
-                  c.where(case_name("all_reduce_flat", dtype, what.c_str(), counts[t])));
+                  c.where(case_name(name, dtype, what.c_str(), counts[t])));
     expect_values((*inputs)[t], ins[t],
-                  c.where(case_name("all_reduce_flat", dtype, (what + ", input intact").c_str(),
-                                    counts[t])));
+                  c.where(case_name(name, dtype, (what + ", input intact").c_str(), counts[t])));
     off += counts[t];
   }
   work->wait();
@@ -856,6 +865,34 @@ void all_reduce_flat_errors(Ctx& c) {
                          list({Tensor::zeros({3}, DType::F32), gathered.narrow(0, 0, 1)}));
   }, "input 1 shares bytes with the output", "an input inside the output");
   expect_error([&] { c.pg.all_gather_flat(gathered, nullptr); }, "null input list", "a null list");
+  // reduce_scatter_flat: 1/size() of the inputs' elements, each input's a multiple of size().
+  const Tensor scattered = Tensor::zeros({4}, DType::F32);
+  expect_error([&] {
+    c.pg.reduce_scatter_flat(scattered, list({Tensor::zeros({2 * c.n}, DType::F32)}),
+                             ReduceOp::Sum);
+  }, c.n > 1 ? fmt::format("the inputs hold {} elements (1/{}: 2) but the output has 4", 2 * c.n, c.n)
+             : std::string("the inputs hold 2 elements but the output has 4"),
+     "an output that is not 1/size() of the inputs");
+  if (c.n > 1) {
+    expect_error([&] {
+      c.pg.reduce_scatter_flat(Tensor::zeros({1}, DType::F32),
+                               list({Tensor::zeros({c.n + 1}, DType::F32)}), ReduceOp::Sum);
+    }, fmt::format("input 0 has {} elements, not a multiple of the group size {}", c.n + 1, c.n),
+       "an input that does not split into size() blocks");
+  }
+  expect_error([&] {
+    c.pg.reduce_scatter_flat(scattered, list({Tensor::zeros({4 * c.n}, DType::I32)}),
+                             ReduceOp::Sum);
+  }, "dtype", "an input of another dtype");
+  const Tensor own = Tensor::zeros({c.n}, DType::F32);
+  expect_error([&] { c.pg.reduce_scatter_flat(own, list({own}), ReduceOp::Sum); },
+               "input 0 shares bytes with the output", "the output as its own input");
+  expect_error([&] {
+    c.pg.reduce_scatter_flat(Tensor::zeros({1}, DType::Bool),
+                             list({Tensor::zeros({c.n}, DType::Bool)}), ReduceOp::Avg);
+  }, "avg", "avg of bool");
+  expect_error([&] { c.pg.reduce_scatter_flat(scattered, nullptr, ReduceOp::Sum); },
+               "null input list", "a null list");
 }
 
 void run_all_gather_coalesced(Ctx& c, const std::vector<DType>& dtypes,
@@ -910,7 +947,8 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
       run_all_reduce_coalesced(c, same, counts, op);
       run_all_reduce_coalesced(c, same, counts, op, /*into=*/true);
       run_reduce_scatter_coalesced(c, same, counts, op);
-      run_all_reduce_flat(c, dtype, {0, 1000, 0, 7, 1}, op);
+      run_reduce_flat(c, dtype, {0, 1000, 0, 7, 1}, op, /*scatter=*/false);
+      run_reduce_flat(c, dtype, {0, 1000, 0, 7, 1}, op, /*scatter=*/true);
     }
     run_all_gather_flat(c, dtype, {0, 1000, 0, 7, 1});
     run_all_gather_coalesced(c, same, counts);
@@ -934,7 +972,9 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
         c.pg.all_reduce_flat(Tensor::empty({0}, DType::F32),
                              std::make_shared<const std::vector<Tensor>>(), ReduceOp::Sum),
         c.pg.all_gather_flat(Tensor::empty({0}, DType::F32),
-                             std::make_shared<const std::vector<Tensor>>())};
+                             std::make_shared<const std::vector<Tensor>>()),
+        c.pg.reduce_scatter_flat(Tensor::empty({0}, DType::F32),
+                                 std::make_shared<const std::vector<Tensor>>(), ReduceOp::Sum)};
     for (const auto& w : works) {
       expect_true(w->is_completed(), c.where("empty " + w->description() + " not finished"));
     }

@@ -95,6 +95,14 @@ class ProcessGroup {
   // all_gather_coalesced on views of `output`.
   virtual std::shared_ptr<Work> all_gather_flat(const Tensor& output,
                                                 std::shared_ptr<const std::vector<Tensor>> inputs);
+  // Reduce-scatter of `inputs`, each split into size() blocks along its elements: `output`
+  // (contiguous and one-dimensional, of the inputs' dtype, 1/size() of all their elements)
+  // receives, for each input i in turn, the reduction of block rank() of every rank's inputs[i]
+  // (a bucket of reduce_scatters' results, back to back). Every input's element count must
+  // divide by size(). The list is held, and pending inputs waited, as all_reduce_flat's. The
+  // default runs reduce_scatter_coalesced into views of `output`.
+  virtual std::shared_ptr<Work> reduce_scatter_flat(
+      const Tensor& output, std::shared_ptr<const std::vector<Tensor>> inputs, ReduceOp op);
   virtual std::shared_ptr<Work> all_gather_coalesced(const std::vector<Tensor>& outputs,
                                                      const std::vector<Tensor>& inputs);
   virtual std::shared_ptr<Work> reduce_scatter_coalesced(const std::vector<Tensor>& outputs,

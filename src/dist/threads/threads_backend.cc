@@ -305,9 +305,9 @@ struct Post {
   std::vector<int64_t> output_splits;  // all_to_all rows from each rank
   // Keeps the buffers alive until the op finished (a dropped result must stay valid).
   InlineVec<std::shared_ptr<Storage>, 2> keep;
-  // all_reduce_flat / all_gather_flat: slots[0] is the output (its count its numel, no input);
-  // the inputs are read in order into it. Counts are compared across ranks as a coalesced
-  // list's slots are.
+  // all_reduce_flat / all_gather_flat / reduce_scatter_flat: slots[0] is the output (its count
+  // its numel, no input); the inputs are read in order into it. Counts are compared across
+  // ranks as a coalesced list's slots are.
   bool flat = false;
   std::vector<const char*> flat_in;
   std::vector<int64_t> flat_counts;
@@ -1092,13 +1092,15 @@ void Op::plan() {
   int64_t row_bytes = 0;
   if (p0.flat) {
     // Each input's first element (the same on every rank: the counts agree); the output holds
-    // the total (all_reduce) or size_ times it (all_gather), and is what moves.
+    // the total (all_reduce), size_ times it (all_gather) or 1/size_ of it (reduce_scatter,
+    // whose inputs are what moves, as the others' output is).
     flat_off_.resize(p0.flat_counts.size() + 1);
     flat_off_[0] = 0;
     for (size_t i = 0; i < p0.flat_counts.size(); ++i) {
       flat_off_[i + 1] = flat_off_[i] + p0.flat_counts[i];
     }
-    total = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype));
+    total = p0.slots[0].count * static_cast<int64_t>(itemsize(p0.slots[0].dtype)) *
+            (p0.kind == OpKind::ReduceScatter ? n : 1);
   } else switch (p0.kind) {
     case OpKind::AllReduce:
     case OpKind::Broadcast:
@@ -1146,6 +1148,16 @@ void Op::plan() {
       }
       [[fallthrough]];
     case OpKind::ReduceScatter:
+      if (p0.flat) {
+        // t = the input, a = the destination rank: block a of every rank's input t.
+        for (size_t t = 0; t < p0.flat_counts.size(); ++t) {
+          for (int j = 0; j < n; ++j) {
+            add_ranges(static_cast<int>(t), j, 0, p0.flat_counts[t] / n,
+                       itemsize(p0.slots[0].dtype));
+          }
+        }
+        break;
+      }
       for (size_t t = 0; t < p0.slots.size(); ++t) {
         for (int j = 0; j < n; ++j) {
           add_ranges(static_cast<int>(t), j, 0, p0.slots[t].count, itemsize(p0.slots[t].dtype));
@@ -1294,6 +1306,15 @@ void Op::run_piece(const Piece& p) {
       break;
     }
     case OpKind::ReduceScatter: {
+      if (p0.flat) {
+        // t = the input, a = the destination rank: block a of every rank's input t reduced
+        // into input t's stretch of rank a's output (1/size_ of the input's offset).
+        const int64_t src_off = p.a * (p0.flat_counts[p.t] / n) * isz + off;
+        for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.flat_in[p.t] + src_off;
+        char* out = members_[p.a].post.slots[0].out + flat_off_[p.t] / n * isz + off;
+        reduce_buffers(p0.reduce_op, dtype, out, srcs, n, p.len);
+        break;
+      }
       // a = the destination rank: reduce block a of every input into its output.
       const int64_t src_off = (p.a * count) * isz + off;
       for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + src_off;
@@ -2825,6 +2846,18 @@ class ThreadsGroup final : public ProcessGroup {
     dist_detail::check_all_gather_flat(*this, output, inputs.get());
     if (inputs->empty()) return dist_detail::empty_coalesced("all_gather_flat", *this);
     Post p = flat_post(OpKind::AllGather, output, std::move(inputs));
+    return issue(std::move(p), output);
+  }
+
+  // As all_gather_flat: each piece reduces one block of every rank's input (or 64 KiB of it)
+  // into its rank's output.
+  std::shared_ptr<Work> reduce_scatter_flat(const Tensor& output,
+                                            std::shared_ptr<const std::vector<Tensor>> inputs,
+                                            ReduceOp op) override {
+    dist_detail::check_reduce_scatter_flat(*this, output, inputs.get(), op);
+    if (inputs->empty()) return dist_detail::empty_coalesced("reduce_scatter_flat", *this);
+    Post p = flat_post(OpKind::ReduceScatter, output, std::move(inputs));
+    p.reduce_op = op;
     return issue(std::move(p), output);
   }
 
