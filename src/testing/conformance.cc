@@ -951,6 +951,12 @@ void family_coalesced(Ctx& c, const LargePolicy&) {
       run_reduce_flat(c, dtype, {0, 1000, 0, 7, 1}, op, /*scatter=*/true);
     }
     run_all_gather_flat(c, dtype, {0, 1000, 0, 7, 1});
+    if (dtype == DType::F32) {
+      // Lists of empty tensors only: nothing to move, but a collective all the same.
+      run_reduce_flat(c, dtype, {0, 0}, ReduceOp::Sum, /*scatter=*/false);
+      run_reduce_flat(c, dtype, {0, 0}, ReduceOp::Sum, /*scatter=*/true);
+      run_all_gather_flat(c, dtype, {0, 0});
+    }
     run_all_gather_coalesced(c, same, counts);
   }
   const std::vector<DType> mixed = {DType::F32, DType::I32, DType::BF16, DType::U8, DType::F32};
