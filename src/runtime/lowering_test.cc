@@ -2,6 +2,7 @@
 // collective's operand at its last use is reduced in place instead of copied.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -535,8 +536,8 @@ TEST(LowerBuckets, SameMemberTwiceInOneBucket) {
   EXPECT_EQ(expect_same_either_way(2, text), 1u);
 }
 
-// A group whose all_reduce_flat (a lowered all_reduce bucket's primitive) throws on its first
-// call, before any rank posts.
+// A group whose all_reduce_flat and reduce_scatter_flat (lowered buckets' primitives) throw on
+// their first call, before any rank posts.
 class ThrowsOnceGroup final : public testing::ForwardingGroup {
  public:
   using ForwardingGroup::ForwardingGroup;
@@ -547,6 +548,12 @@ class ThrowsOnceGroup final : public testing::ForwardingGroup {
     if (calls_++ == 0) throw CommError("refused");
     return ProcessGroup::all_reduce_flat(output, std::move(inputs), op);
   }
+  std::shared_ptr<Work> reduce_scatter_flat(const Tensor& output,
+                                            std::shared_ptr<const std::vector<Tensor>> inputs,
+                                            ReduceOp op) override {
+    if (calls_++ == 0) throw CommError("refused");
+    return ProcessGroup::reduce_scatter_flat(output, std::move(inputs), op);
+  }
 
  private:
   int calls_ = 0;
@@ -555,43 +562,60 @@ class ThrowsOnceGroup final : public testing::ForwardingGroup {
 // A bucket's primitive that throws fails that run, naming the bucket, and nothing more: the
 // later runs (new inputs each time; 80 KB members, so buffers come from the allocator's cache)
 // get every sum right and the members handed to the primitive intact (%n reads %a after the
-// bucket; %b is an output).
-TEST(LowerBuckets, AThrowingPrimitiveFailsOnlyItsRun) {
+// bucket; %b is an output). `pack` packs %a and %b into %pack; the bucket's results have
+// `numel` elements each.
+void expect_throwing_primitive_fails_only_its_run(const std::string& pack,
+                                                  const std::string& collective, int64_t numel) {
   const std::string text =
-      "graph @g(%a: f32[20000], %b: f32[20000]) {\n"
-      "  %pack = cat(%a, %b) {dim = 0}\n"
-      "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"once\"}\n"
+      "graph @g(%a: f32[20000], %b: f32[20000]) {\n" + pack + "  %bucket = " + collective +
+      "\n"
       "  %w = wait_tensor(%bucket)\n"
-      "  %s:2 = split_with_sizes(%w) {split_sizes = [20000, 20000], dim = 0}\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [" + std::to_string(numel) + ", " +
+      std::to_string(numel) + "], dim = 0}\n"
       "  %n = neg(%a)\n"
       "  return %s#0, %s#1, %n, %b\n"
       "}\n";
   auto graph = parse_graph(text);
+  // %bucket's line: after the graph's and the packing's.
+  const std::string line = std::to_string(2 + std::count(pack.begin(), pack.end(), '\n'));
   run_local(2, [&](ProcessGroup& world) {
     world.registry().add(std::make_shared<ThrowsOnceGroup>(world, "once"));
     Executor ex(*graph, world);
     EXPECT_EQ(ex.lowered_buckets(), 1u);
-    auto full = [](double v) { return Tensor::full({20000}, DType::F32, v); };
+    auto full = [](int64_t n, double v) { return Tensor::full({n}, DType::F32, v); };
     auto inputs = [&](int it) {
       const double a = 1 + world.rank() + 4 * it;
-      return std::vector<Tensor>{full(a), full(2 * a)};
+      return std::vector<Tensor>{full(20000, a), full(20000, 2 * a)};
     };
     try {
       ex.run(inputs(0));
       ADD_FAILURE() << "the bucket's primitive did not throw";
     } catch (const CommError& e) {
-      EXPECT_EQ(std::string(e.what()), "graph @g, node %bucket (line 3): refused");
+      EXPECT_EQ(std::string(e.what()), "graph @g, node %bucket (line " + line + "): refused");
     }
     for (int it = 1; it < 4; ++it) {
       const auto out = ex.run(inputs(it));
       const double a = 1 + world.rank() + 4 * it;
       const double sum = 3 + 8 * it;  // %a summed over both ranks
-      EXPECT_TRUE(out[0].equal(full(sum))) << it;
-      EXPECT_TRUE(out[1].equal(full(2 * sum))) << it;
-      EXPECT_TRUE(out[2].equal(full(-a))) << it;
-      EXPECT_TRUE(out[3].equal(full(2 * a))) << it;
+      EXPECT_TRUE(out[0].equal(full(numel, sum))) << it;
+      EXPECT_TRUE(out[1].equal(full(numel, 2 * sum))) << it;
+      EXPECT_TRUE(out[2].equal(full(20000, -a))) << it;
+      EXPECT_TRUE(out[3].equal(full(20000, 2 * a))) << it;
     }
   });
+}
+
+TEST(LowerBuckets, AThrowingPrimitiveFailsOnlyItsRun) {
+  expect_throwing_primitive_fails_only_its_run(
+      "  %pack = cat(%a, %b) {dim = 0}\n",
+      "all_reduce(%pack) {reduce_op = \"sum\", group = \"once\"}", 20000);
+  expect_throwing_primitive_fails_only_its_run(
+      "  %ra = reshape(%a) {shape = [2, 10000]}\n"
+      "  %rb = reshape(%b) {shape = [2, 10000]}\n"
+      "  %c = cat(%ra, %rb) {dim = 1}\n"
+      "  %pack = flatten(%c)\n",
+      "reduce_scatter_tensor(%pack) {reduce_op = \"sum\", group_size = 2, group = \"once\"}",
+      10000);
 }
 
 // ---- donation ----
