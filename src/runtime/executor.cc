@@ -528,7 +528,10 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
         work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
         break;
       case CollectiveKind::AllGather: work = g.all_gather_flat(flat, std::move(list)); break;
-      default: work = g.reduce_scatter_flat(flat, std::move(list), st.reduce_op); break;
+      case CollectiveKind::ReduceScatter:
+        work = g.reduce_scatter_flat(flat, std::move(list), st.reduce_op);
+        break;
+      default: FUNCOL_CHECK(false, "lowered bucket of an unexpected collective");
     }
   } else switch (st.op->collective) {
     case CollectiveKind::AllReduce:
