@@ -353,9 +353,8 @@ void check_all_reduce_into(const std::vector<Tensor>& outputs, const std::vector
 
 namespace {
 
-// The flat forms' checks: `output` holds `times` the inputs' elements.
-// The output holds `times` times the inputs' elements, or 1/`parts` of them (every input's
-// count a multiple of `parts`).
+// The flat forms' checks: `output` holds `times` times the inputs' elements, or 1/`parts` of
+// them (every input's count a multiple of `parts`).
 void check_flat(std::string_view op, const Tensor& output, const std::vector<Tensor>* inputs,
                 int64_t times, int64_t parts = 1) {
   if (inputs == nullptr) throw InvalidArgument(fmt::format("{}: null input list", op));

@@ -152,7 +152,8 @@ namespace {
 
 // Skip and Take only appear in lowered bucket chains (see lower_buckets) and folded casts (see
 // fold_casts): Skip does nothing, and so does Take, whose results the bucket's collective
-// placed in its result slots at issue. CatCasts is a cat that converts the operands of casts folded into it.
+// placed in its result slots at issue. CatCasts is a cat that converts the operands of casts
+// folded into it.
 enum class StepKind : uint8_t { Kernel, Collective, Wait, Skip, Take, CatCasts };
 
 // One node, with everything run() needs precomputed.
@@ -179,7 +180,7 @@ struct Step {
   ReduceOp reduce_op = ReduceOp::Sum;
   int src = 0;
   uint32_t inflight = kNone;
-  // Lowered bucket chains: the LoweredBucket a collective or Take step belongs to.
+  // Lowered bucket chains: the LoweredBucket a collective step runs.
   uint32_t bucket = kNone;
 };
 
@@ -1042,7 +1043,6 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       Step& take = steps[step_of.at(n)];
       take.kind = StepKind::Take;
       take.num_operands = 0;
-      take.bucket = index;
     }
     for (const auto& [n, r] : c.results) {
       buckets[index].out_slots.push_back(steps[step_of.at(n)].results_begin + r);
