@@ -306,14 +306,16 @@ void reduce_typed(void* out_ptr, const void* const* src_ptrs, int nsrc, int64_t 
   using R = RawOf<T>;
   auto* out = static_cast<R*>(out_ptr);
   const R* const* srcs = reinterpret_cast<const R* const*>(src_ptrs);
+  if (nsrc == 1 && !avg) {
+    // Every op of one source is that source: a copy of its bytes as they are, for every dtype
+    // (a one-rank collective leaves a bool byte of 2 or a NaN's payload alone, as the in-place
+    // form does). The block loop made a single-rank bucket of 1000 x 4 KiB reduce_scatters
+    // 0.52-0.55 ms in fusion_bench, memmove 0.49-0.52.
+    if (out != srcs[0]) std::memmove(out, srcs[0], static_cast<size_t>(count) * sizeof(R));
+    return;
+  }
   // Native types only: f16/bf16 need the f32 accumulator, bool the 0/1 normalisation.
   if constexpr (std::is_same_v<AccOf<T>, T>) {
-    if (nsrc == 1 && !avg) {
-      // Every op of one source is that source: a copy. (The block loop made a single-rank
-      // bucket of 1000 x 4 KiB reduce_scatters 0.52-0.55 ms in fusion_bench, memmove 0.49-0.52.)
-      if (out != srcs[0]) std::memmove(out, srcs[0], static_cast<size_t>(count) * sizeof(R));
-      return;
-    }
     if (nsrc == 2) {
       const R* a = srcs[0];
       const R* b = srcs[1];
@@ -663,13 +665,29 @@ void reduce_buffers(ReduceOp op, DType dtype, void* out, const void* const* srcs
   check_reduce_op_dtype(op, dtype, "reduce_buffers");
   if (count == 0) return;
   FUNCOL_CHECK(out != nullptr && srcs != nullptr, "reduce_buffers: null buffer");
+  reduce_kernel(op, dtype)(out, srcs, nsrc, count);
+}
+
+namespace {
+
+template <typename T, typename Op, bool kAvg>
+void reduce_entry(void* out, const void* const* srcs, int nsrc, int64_t count) {
+  reduce_typed<T, Op>(out, srcs, nsrc, count, kAvg);
+}
+
+}  // namespace
+
+ReduceKernel reduce_kernel(ReduceOp op, DType dtype) {
+  check_reduce_op_dtype(op, dtype, "reduce_buffers");
+  ReduceKernel kernel = nullptr;
   dispatch(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch_op<T>(op, [&](auto op_tag) {
       using Op = decltype(op_tag);
-      reduce_typed<T, Op>(out, srcs, nsrc, count, op == ReduceOp::Avg);
+      kernel = op == ReduceOp::Avg ? &reduce_entry<T, Op, true> : &reduce_entry<T, Op, false>;
     });
   });
+  return kernel;
 }
 
 void reduce_inplace(ReduceOp op, DType dtype, void* acc, const void* src, int64_t count) {

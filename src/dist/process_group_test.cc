@@ -89,17 +89,40 @@ TEST(BaseCoalescedTest, RejectsOverlappingOutputsAsThreadsDoes) {
   });
 }
 
-// On one rank the out-of-place form copies the bytes as the in-place form leaves them: a bool
-// byte of 2 stays 2 (a reduction of one source would normalise it).
+// On one rank every out-of-place reduction copies the bytes as the in-place all_reduce leaves
+// them: a bool byte of 2 stays 2 (normalising it would make the forms disagree), whichever op.
 TEST(AllReduceIntoTest, OneRankKeepsTheBytesAsTheyAre) {
   run_ranks(1, [](ProcessGroup& world) {
     ForwardingGroup staged(world);
+    const std::vector<uint8_t> raw = {0, 2, 255, 1};
+    auto bools = [&] { return Tensor::from_vector<uint8_t>(raw).view_dtype(DType::Bool); };
+    auto bytes = [](const Tensor& t) { return t.view_dtype(DType::U8).to_vector<uint8_t>(); };
     for (ProcessGroup* pg : {&world, static_cast<ProcessGroup*>(&staged)}) {
-      const std::vector<uint8_t> raw = {0, 2, 255, 1};
-      Tensor in = Tensor::from_vector<uint8_t>(raw).view_dtype(DType::Bool);
-      Tensor out = Tensor::empty({4}, DType::Bool);
-      pg->all_reduce_coalesced_into({out}, {in}, ReduceOp::Sum)->wait();
-      EXPECT_EQ(out.view_dtype(DType::U8).to_vector<uint8_t>(), raw) << pg->backend();
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Min, ReduceOp::BXor}) {
+        const std::string where = pg->backend() + " " + std::string(reduce_op_name(op));
+        Tensor in = bools();
+        pg->all_reduce(in, op)->wait();
+        EXPECT_EQ(bytes(in), raw) << where << ": all_reduce";
+        Tensor out = Tensor::empty({4}, DType::Bool);
+        pg->all_reduce_coalesced_into({out}, {bools()}, op)->wait();
+        EXPECT_EQ(bytes(out), raw) << where << ": all_reduce_coalesced_into";
+        out = Tensor::empty({4}, DType::Bool);
+        pg->reduce_scatter(out, bools(), op)->wait();
+        EXPECT_EQ(bytes(out), raw) << where << ": reduce_scatter";
+        out = Tensor::empty({4}, DType::Bool);
+        pg->reduce_scatter_coalesced({out}, {bools()}, op)->wait();
+        EXPECT_EQ(bytes(out), raw) << where << ": reduce_scatter_coalesced";
+        for (const bool scatter : {false, true}) {
+          auto list = std::make_shared<std::vector<Tensor>>(std::vector<Tensor>{bools(), bools()});
+          Tensor flat = Tensor::empty({8}, DType::Bool);
+          (scatter ? pg->reduce_scatter_flat(flat, list, op) : pg->all_reduce_flat(flat, list, op))
+              ->wait();
+          std::vector<uint8_t> twice = raw;
+          twice.insert(twice.end(), raw.begin(), raw.end());
+          EXPECT_EQ(bytes(flat), twice) << where << (scatter ? ": reduce_scatter_flat"
+                                                             : ": all_reduce_flat");
+        }
+      }
     }
   });
 }

@@ -14,9 +14,16 @@ namespace funcol {
 // order so every rank computes bit-identical results. f16/bf16 accumulate in f32 and round
 // once; Avg sums then divides by nsrc (integers: truncating division). Float min and max
 // propagate NaN and order -0 below +0. Bitwise ops on floating dtypes throw InvalidArgument.
-// `out` may alias srcs[k].
+// `out` may alias srcs[k]. One source with an op other than Avg is copied byte for byte (bool
+// bytes other than 0/1 stay as they are).
 void reduce_buffers(ReduceOp op, DType dtype, void* out, const void* const* srcs, int nsrc,
                     int64_t count);
+// reduce_buffers for one (op, dtype), resolved once: no checks and no dispatch per call, for
+// a caller that reduces thousands of small pieces with the same op (a bucket's members).
+// count must be positive and the buffers valid.
+using ReduceKernel = void (*)(void* out, const void* const* srcs, int nsrc, int64_t count);
+// Throws InvalidArgument as reduce_buffers does for an op the dtype does not support.
+ReduceKernel reduce_kernel(ReduceOp op, DType dtype);
 // acc[i] = op(acc[i], src[i]); Avg behaves as Sum here (call finish_avg once at the end).
 void reduce_inplace(ReduceOp op, DType dtype, void* acc, const void* src, int64_t count);
 // buf[i] /= divisor for Avg after a chain of reduce_inplace calls.

@@ -597,6 +597,10 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   bool stream_ = false;  // copy with streaming stores (big collectives)
   std::vector<int64_t> a2a_in_off_, a2a_out_off_;  // bytes, [src * n + dst] / [dst * n + src]
   std::vector<int64_t> flat_off_;  // all_reduce_flat: input i's first output element; the total
+  // The reduction kernel of slot 0's dtype, resolved once (a bucket reduces thousands of
+  // pieces with it); other dtypes of a coalesced list go through reduce_buffers.
+  ReduceKernel reduce_kernel_ = nullptr;
+  DType reduce_dtype_ = DType::F32;
   // Chunks are handed out from one cursor per member over a contiguous range of them (the
   // member's own blocks for all_gather/reduce_scatter/all_to_all, its share of all_reduce):
   // each rank starts with its range, so the same rank handles the same bytes in every call
@@ -621,6 +625,15 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   // An all_reduce_flat range: the inputs it spans reduced into rank 0's output, then the range
   // copied to the other outputs. `srcs`: room for size_ pointers.
   void run_flat_piece(const Piece& p, const void** srcs);
+  // reduce_buffers of this op's reduce op, through reduce_kernel_ when the dtype is its.
+  void reduce(DType dtype, void* out, const void* const* srcs, int64_t count) const {
+    if (count == 0) return;
+    if (reduce_kernel_ != nullptr && dtype == reduce_dtype_) {
+      reduce_kernel_(out, srcs, size_, count);
+    } else {
+      reduce_buffers(members_[0].post.reduce_op, dtype, out, srcs, size_, count);
+    }
+  }
   // Only once the plan is visible (state_ kRunning seen, or under running_mu_).
   bool has_chunks_left() const {
     if (num_cursors_ == 0) return next_chunk_.load(std::memory_order_relaxed) < num_chunks_;
@@ -1122,6 +1135,10 @@ void Op::plan() {
   }
   const int64_t chunk_bytes = std::clamp(total / n, kMinChunkBytes, kMaxChunkBytes);
   stream_ = total >= world_->stream_bytes_;
+  if ((p0.kind == OpKind::AllReduce || p0.kind == OpKind::ReduceScatter) && !p0.slots.empty()) {
+    reduce_dtype_ = p0.slots[0].dtype;
+    reduce_kernel_ = reduce_kernel(p0.reduce_op, reduce_dtype_);
+  }
   auto add_ranges = [&](int t, int a, int b, int64_t count, int64_t unit) {
     int64_t step = std::max<int64_t>(1, chunk_bytes / unit);
     for (int64_t begin = 0; begin < count; begin += step) {
@@ -1268,7 +1285,7 @@ void Op::run_piece(const Piece& p) {
       // Reduce the chunk of every input, in rank order, into rank 0's output (usually its
       // input: in place), then copy the result (hot in cache) to every other rank's output.
       for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + off;
-      reduce_buffers(p0.reduce_op, dtype, out0, srcs, n, p.len);
+      reduce(dtype, out0, srcs, p.len);
       for (int k = 1; k < n; ++k) {
         const Slot& slot = members_[k].post.slots[p.t];
         // An in-place destination was just read as a source, so it is in cache; a separate
@@ -1312,13 +1329,13 @@ void Op::run_piece(const Piece& p) {
         const int64_t src_off = p.a * (p0.flat_counts[p.t] / n) * isz + off;
         for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.flat_in[p.t] + src_off;
         char* out = members_[p.a].post.slots[0].out + flat_off_[p.t] / n * isz + off;
-        reduce_buffers(p0.reduce_op, dtype, out, srcs, n, p.len);
+        reduce(dtype, out, srcs, p.len);
         break;
       }
       // a = the destination rank: reduce block a of every input into its output.
       const int64_t src_off = (p.a * count) * isz + off;
       for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.slots[p.t].in + src_off;
-      reduce_buffers(p0.reduce_op, dtype, members_[p.a].post.slots[p.t].out + off, srcs, n, p.len);
+      reduce(dtype, members_[p.a].post.slots[p.t].out + off, srcs, p.len);
       break;
     }
     case OpKind::AllToAll:
@@ -1368,7 +1385,7 @@ void Op::run_flat_piece(const Piece& p, const void** srcs) {
         }
       }
       for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.flat_in[i] + skip;
-      reduce_buffers(p0.reduce_op, dtype, out0 + pos * isz, srcs, n, stop - pos);
+      reduce(dtype, out0 + pos * isz, srcs, stop - pos);
     }
     pos = stop;
   }
