@@ -662,10 +662,10 @@ void reduce_buffers(ReduceOp op, DType dtype, void* out, const void* const* srcs
   if (nsrc < 1)
     throw InvalidArgument(fmt::format("reduce_buffers: nsrc must be >= 1, got {}", nsrc));
   check_count(count, "reduce_buffers");
-  check_reduce_op_dtype(op, dtype, "reduce_buffers");
+  const ReduceKernel kernel = reduce_kernel(op, dtype);  // checks op against dtype
   if (count == 0) return;
   FUNCOL_CHECK(out != nullptr && srcs != nullptr, "reduce_buffers: null buffer");
-  reduce_kernel(op, dtype)(out, srcs, nsrc, count);
+  kernel(out, srcs, nsrc, count);
 }
 
 namespace {

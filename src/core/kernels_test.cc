@@ -104,6 +104,12 @@ void expect_reductions(int min_src, int max_src, std::initializer_list<int64_t> 
           Tensor out = Tensor::full({count}, d, 1);
           reduce_buffers(op, d, out.data_ptr(), srcs.data(), nsrc, count);
           ASSERT_EQ(out.to_vector<double>(), want);
+          // The kernel resolved once, as the threads backend calls it for each piece.
+          if (count > 0) {
+            Tensor direct = Tensor::full({count}, d, 1);
+            reduce_kernel(op, d)(direct.data_ptr(), srcs.data(), nsrc, count);
+            ASSERT_EQ(direct.to_vector<double>(), want) << "reduce_kernel";
+          }
           // Output aliasing the first and the last source.
           for (int alias : {0, nsrc - 1}) {
             std::vector<Tensor> copies;
@@ -234,6 +240,13 @@ TEST(ReduceBuffers, BoolOpsAndNonCanonicalBytes) {
   EXPECT_EQ(run(ReduceOp::Min), (std::vector<int>{0, 0, 0, 1}));
   EXPECT_EQ(run(ReduceOp::BAnd), (std::vector<int>{0, 0, 0, 1}));
   EXPECT_EQ(run(ReduceOp::BXor), (std::vector<int>{0, 1, 1, 0}));
+  // One source is copied as it is, whichever op: the bytes a one-rank collective leaves.
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Min, ReduceOp::BXor}) {
+    Tensor out = Tensor::zeros({4}, DType::Bool);
+    reduce_buffers(op, DType::Bool, out.data_ptr(), srcs, 1, 4);
+    EXPECT_EQ(out.view_dtype(DType::U8).to_vector<int>(), (std::vector<int>{0, 2, 0, 7}))
+        << reduce_op_name(op);
+  }
 }
 
 TEST(ReduceBuffers, FloatMinMaxPropagateNaN) {
@@ -258,8 +271,10 @@ TEST(ReduceBuffers, Errors) {
     for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
       EXPECT_THROW(reduce_buffers(op, d, f.data_ptr(), srcs, 2, 1), InvalidArgument);
       EXPECT_THROW(reduce_inplace(op, d, f.data_ptr(), srcs[0], 1), InvalidArgument);
+      EXPECT_THROW(reduce_kernel(op, d), InvalidArgument);
     }
   }
+  EXPECT_THROW(reduce_kernel(ReduceOp::Avg, DType::Bool), InvalidArgument);
   EXPECT_THROW(reduce_buffers(ReduceOp::Avg, DType::Bool, f.data_ptr(), srcs, 2, 1),
                InvalidArgument);
   EXPECT_THROW(reduce_inplace(ReduceOp::Avg, DType::Bool, f.data_ptr(), srcs[0], 1),
