@@ -368,11 +368,13 @@ std::string rank_file(const std::string& dir, int rank, const char* ext) {
 }
 
 // Starts the 2 processes of a gloo job, rank r with `funcol run rank_args(r)` and the
-// environment `env` (in `cwd` when given), and waits for both: what each printed.
+// environment `env` (in `cwd` when given), and waits for both: what each printed. When one
+// fails the other is stopped (a launcher's behaviour), unless `let_finish`: then each ends on
+// its own, and a test can check how every rank fails.
 std::vector<Result> run_job_by_hand(const std::string& dir,
                                     const std::function<std::vector<std::string>(int)>& rank_args,
                                     const std::vector<std::pair<std::string, std::string>>& env,
-                                    const std::string& cwd = "") {
+                                    const std::string& cwd = "", bool let_finish = false) {
   std::vector<pid_t> pids;
   for (int r = 0; r < 2; ++r) {
     SpawnOptions s;
@@ -390,14 +392,30 @@ std::vector<Result> run_job_by_hand(const std::string& dir,
     s.stderr_path = rank_file(dir, r, "err");
     pids.push_back(spawn_process(s));
   }
-  const std::vector<ExitStatus> st = wait_all(pids, std::chrono::seconds(120));
+  std::vector<ExitStatus> st;
+  if (let_finish) {
+    for (pid_t pid : pids) st.push_back(wait_all({pid}).front());
+  } else {
+    st = wait_all(pids, std::chrono::seconds(120));  // in the order the ranks ended
+  }
   std::vector<Result> out(2);
   for (int r = 0; r < 2; ++r) {
-    out[r].status = st[r].signaled ? -1 : st[r].code;
+    const ExitStatus& s = *std::find_if(st.begin(), st.end(),
+                                        [&](const ExitStatus& e) { return e.pid == pids[r]; });
+    out[r].status = s.signaled ? -1 : s.code;
     out[r].out = slurp(rank_file(dir, r, "out"));
     out[r].err = slurp(rank_file(dir, r, "err"));
   }
   return out;
+}
+
+// The flags of rank r of a 2-rank gloo job started by hand on `file`, meeting at `store`.
+std::vector<std::string> hand_rank_args(const std::string& file, int r, const std::string& store,
+                                        const std::vector<std::string>& run_flags) {
+  std::vector<std::string> a = {file, "--backend",  "gloo", "--rank",  std::to_string(r),
+                                "--world-size", "2", "--store", store};
+  a.insert(a.end(), run_flags.begin(), run_flags.end());
+  return a;
 }
 
 class RunJoinE2E : public RunE2E {
@@ -415,15 +433,7 @@ class RunJoinE2E : public RunE2E {
     ASSERT_EQ(reference.status, 0) << reference.err;
     ASSERT_EQ(std::count(reference.out.begin(), reference.out.end(), '\n'), 2) << reference.out;
     const std::vector<Result> ranks = run_job_by_hand(
-        dir_.path(),
-        [&](int r) {
-          std::vector<std::string> a = {file,     "--backend",       "gloo",
-                                        "--rank", std::to_string(r), "--world-size",
-                                        "2",      "--store",         store};
-          a.insert(a.end(), run_flags.begin(), run_flags.end());
-          return a;
-        },
-        env, cwd);
+        dir_.path(), [&](int r) { return hand_rank_args(file, r, store, run_flags); }, env, cwd);
     for (int r = 0; r < 2; ++r) {
       SCOPED_TRACE("rank " + std::to_string(r));
       EXPECT_EQ(ranks[r].status, 0) << ranks[r].err;
@@ -454,6 +464,44 @@ TEST_F(RunJoinE2E, FlagsOverrideTheEnvironment) {
   expect_same_as_launcher(
       dir_.path() + "/store",
       {{"RANK", "2"}, {"WORLD_SIZE", "3"}, {"FUNCOL_STORE", "ftp://x"}, {"FUNCOL_TIMEOUT", "60"}});
+}
+
+// Ranks started by hand with different run flags: every rank fails with one line naming both
+// sides, before the graph runs (a rank with fewer --iters used to meet its peers' collectives
+// with the gathering of the reports, and gloo aborted; --outputs or --trace on one rank only
+// printed or wrote part of the run, with exit 0).
+TEST_F(RunJoinE2E, RanksWithDifferentRunFlagsFailCleanly) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string trace = dir_.path() + "/t.json";
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{"--iters", "1"}, {"--iters", "3"}},
+      {{"--outputs", "json"}, {}},
+      {{}, {"--trace", trace}},
+      {{"--seed", "1"}, {"--seed", "2"}},
+  };
+  int n = 0;
+  for (const auto& [flags0, flags1] : cases) {
+    const std::string store = dir_.path() + "/store" + std::to_string(n++);
+    const std::vector<Result> ranks = run_job_by_hand(
+        dir_.path(),
+        [&](int r) { return hand_rank_args(file, r, store, r == 0 ? flags0 : flags1); },
+        kHandEnv, "", /*let_finish=*/true);
+    for (int r = 0; r < 2; ++r) {
+      SCOPED_TRACE("case " + std::to_string(n) + ", rank " + std::to_string(r));
+      EXPECT_EQ(ranks[r].status, 1) << ranks[r].err;
+      EXPECT_EQ(ranks[r].out, "");
+      EXPECT_NE(ranks[r].err.find("funcol: error: rank " + std::to_string(r) +
+                                  ": the ranks were started with different flags: rank 0 has '"),
+                std::string::npos)
+          << ranks[r].err;
+      EXPECT_NE(ranks[r].err.find("every rank of a job must pass the same --iters"),
+                std::string::npos)
+          << ranks[r].err;
+      EXPECT_EQ(std::count(ranks[r].err.begin(), ranks[r].err.end(), '\n'), 1) << ranks[r].err;
+    }
+    EXPECT_NE(ranks[0].err.find("' but rank 1 has '"), std::string::npos) << ranks[0].err;
+    EXPECT_FALSE(std::filesystem::exists(trace));
+  }
 }
 
 // Flags that make no sense for the backend, or together: one line, exit 1, before any rank
