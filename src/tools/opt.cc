@@ -131,6 +131,9 @@ class OptRun {
     }
     // Stats describe output graphs: none when the only case failed.
     if (options_.stats && (ok || options_.split_input_file)) err_ << stats_.json() << "\n";
+    // --stats and --explain are outputs too (on stderr): one that could not be written fails
+    // the command, as an unwritable -o does, though there is nowhere left to say so.
+    if ((options_.stats || options_.explain) && !err_.flush()) return 1;
     if (!ok && !options_.split_input_file) return 1;
     if (const int rc = write(out, result); rc != 0) return rc;
     return ok ? 0 : 1;
