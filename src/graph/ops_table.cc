@@ -18,7 +18,14 @@ using In = std::span<const Type>;
 using Tensors = std::vector<Tensor>;
 using TIn = std::span<const Tensor>;
 
-std::string list_str(const std::vector<int64_t>& v) { return fmt::format("[{}]", fmt::join(v, ",")); }
+// A list attribute in a message: a long one (a million dims, from a generated or a hostile
+// file) shows its first entries and its length, so the error stays one readable line.
+std::string list_str(const std::vector<int64_t>& v) {
+  constexpr size_t kShown = 16;
+  if (v.size() <= 2 * kShown) return fmt::format("[{}]", fmt::join(v, ","));
+  return fmt::format("[{},... ({} values)]", fmt::join(v.begin(), v.begin() + kShown, ","),
+                     v.size());
+}
 
 // ---- shape helpers ------------------------------------------------------------------------
 

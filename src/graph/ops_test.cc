@@ -306,6 +306,9 @@ TEST(ShapeInference, Math) {
   EXPECT_EQ(infer1("sum", {Type(DType::Bool, {2, 3})}, {{"dims", {1}}}), Type(DType::I64, {2}));
   EXPECT_EQ(infer1("mean", {f32({})}, {{"dims", {0}}}), f32({}));
   EXPECT_EQ(infer_error<ShapeError>("sum", {f32({2, 3})}, {{"dims", {1, -1}}}), "sum: dim 1 appears twice in dims [1,-1]");
+  // A long list is shown by its first entries and its length.
+  EXPECT_EQ(infer_error<ShapeError>("sum", {f32({2, 3})}, {{"dims", std::vector<int64_t>(100000, 0)}}),
+            "sum: dim 0 appears twice in dims [0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,... (100000 values)]");
   EXPECT_EQ(infer_error<InvalidArgument>("mean", {Type(DType::I64, {2})}),
             "mean: input must have a floating dtype (f16 bf16 f32 f64), got i64");
   EXPECT_EQ(infer1("mse_loss", {f32({2, 2}), f32({2, 2})}), f32({}));
