@@ -249,7 +249,8 @@ class SpinMutex {
 
 enum class OpKind : uint8_t { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Barrier };
 
-std::string op_name(OpKind kind, bool coalesced) {
+// "all_reduce", "all_reduce_coalesced", "all_reduce_flat" (a flat post is coalesced too).
+std::string op_name(OpKind kind, bool coalesced, bool flat = false) {
   std::string name;
   switch (kind) {
     case OpKind::AllReduce: name = "all_reduce"; break;
@@ -259,7 +260,11 @@ std::string op_name(OpKind kind, bool coalesced) {
     case OpKind::Broadcast: name = "broadcast"; break;
     case OpKind::Barrier: name = "barrier"; break;
   }
-  if (coalesced) name += "_coalesced";
+  if (flat) {
+    name += "_flat";
+  } else if (coalesced) {
+    name += "_coalesced";
+  }
   return name;
 }
 
@@ -321,7 +326,8 @@ struct Post {
   }
   std::string call_summary() const {
     if (flat) {
-      std::string s = fmt::format("{}_flat({}, {} tensors: numel ", op_name(kind, false),
+      std::string s = fmt::format("{}({}, {} tensors: numel ",
+                                  op_name(kind, /*coalesced=*/true, /*flat=*/true),
                                   dtype_name(slots[0].dtype), flat_counts.size());
       for (size_t i = 0; i < flat_counts.size(); ++i) {
         if (i == 8 && flat_counts.size() > 9) {
@@ -540,10 +546,11 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
       }
     }
   }
-  void init(uint64_t seq, OpKind kind, bool coalesced, Clock::time_point deadline) {
+  void init(uint64_t seq, OpKind kind, bool coalesced, bool flat, Clock::time_point deadline) {
     seq_ = seq;
     kind_ = kind;
     coalesced_ = coalesced;
+    flat_ = flat;
     deadline_ = deadline;
   }
 
@@ -559,6 +566,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   // Set by init() before the op is published, constant afterwards.
   OpKind kind_ = OpKind::Barrier;  // of the first rank to issue it
   bool coalesced_ = false;
+  bool flat_ = false;  // all_reduce_flat and friends: named so in errors, not "_coalesced"
   uint64_t seq_ = 0;
   Clock::time_point deadline_;
 
@@ -738,8 +746,9 @@ struct SharedGroup {
 
 // "all_reduce on group 'world' (seq 4)".
 std::string collective_name(OpKind kind, bool coalesced, const std::string& group_name,
-                            uint64_t seq) {
-  return fmt::format("{} on group '{}' (seq {})", op_name(kind, coalesced), group_name, seq);
+                            uint64_t seq, bool flat = false) {
+  return fmt::format("{} on group '{}' (seq {})", op_name(kind, coalesced, flat), group_name,
+                     seq);
 }
 std::string collective_name(OpKind kind, bool coalesced, const SharedGroup& group, uint64_t seq) {
   return collective_name(kind, coalesced, group.name, seq);
@@ -1675,7 +1684,8 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       if (!spare) {
         spare = std::make_shared<Op>(this, &group, static_cast<int>(group.global_ranks.size()));
       }
-      spare->init(seq, post.kind, post.coalesced, dist_detail::deadline_after(timeout_));
+      spare->init(seq, post.kind, post.coalesced, post.flat,
+                  dist_detail::deadline_after(timeout_));
       slot = std::move(spare);
     }
     op = slot;
@@ -2643,7 +2653,9 @@ void World::warn_stalled(const std::string& description, std::chrono::nanosecond
 
 const std::string& Op::description() const {
   std::call_once(description_once_,
-                 [this] { description_ = collective_name(kind_, coalesced_, *group_name_, seq_); });
+                 [this] {
+                   description_ = collective_name(kind_, coalesced_, *group_name_, seq_, flat_);
+                 });
   return description_;
 }
 

@@ -413,6 +413,34 @@ TEST(FailureTest, PeerThrowsBeforeJoining) {
   EXPECT_LT(seconds_since(start), 2.0);
 }
 
+// A flat collective's failures name it as called (all_reduce_flat), not as the coalesced list
+// it is posted like (they said all_reduce_coalesced, which neither the caller nor a lowered
+// bucket called), as the mismatch message and the other backends do.
+TEST(FailureTest, FlatCollectivesAreNamedAsCalled) {
+  const char* names[] = {"all_reduce_flat", "all_gather_flat", "reduce_scatter_flat"};
+  for (int kind = 0; kind < 3; ++kind) {
+    std::string message;
+    try {
+      run_local(2, [&](ProcessGroup& world) {
+        if (world.rank() == 1) throw std::runtime_error("boom");
+        auto inputs = std::make_shared<std::vector<Tensor>>(2, Tensor::full({4}, DType::F32, 1));
+        const Tensor out = Tensor::empty({kind == 1 ? 16 : kind == 2 ? 4 : 8}, DType::F32);
+        message = comm_error([&] {
+          (kind == 0   ? world.all_reduce_flat(out, inputs, ReduceOp::Sum)
+           : kind == 1 ? world.all_gather_flat(out, inputs)
+                       : world.reduce_scatter_flat(out, inputs, ReduceOp::Sum))
+              ->wait();
+        });
+      });
+      ADD_FAILURE() << "run_local did not rethrow";
+    } catch (const std::runtime_error&) {
+    }
+    EXPECT_EQ(message, std::string(names[kind]) +
+                           " on group 'world' (seq 0): rank 1 departed (threw: boom) before "
+                           "joining; missing ranks [1]");
+  }
+}
+
 // Only the departed rank is missing: a live member that joins after the failure was found
 // gets the same error, which must not name it (it named [1, 2] when rank 2 came late).
 TEST(FailureTest, DepartureNamesOnlyTheDepartedAsMissing) {
