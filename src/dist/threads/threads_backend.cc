@@ -1639,7 +1639,7 @@ std::string World::mismatch_message(const std::string& what, int rank_a, const P
   // Every member reads this one message: when the sides issued different ops, the head names
   // neither ("collective on group ..."), so that no rank reads that it issued the other's.
   std::string head = what;
-  if (a.kind != b.kind || a.coalesced != b.coalesced) {
+  if (a.kind != b.kind || a.coalesced != b.coalesced || a.flat != b.flat) {
     const size_t on = what.find(" on group ");
     if (on != std::string::npos) head = "collective" + what.substr(on);
   }
@@ -1660,6 +1660,18 @@ std::string World::mismatch_message(const std::string& what, int rank_a, const P
         }
         break;
       }
+    }
+  }
+  // A flat list's summary lists its first 8 counts likewise (a bucket has thousands).
+  if (a.flat && b.flat && a.flat_counts.size() == b.flat_counts.size() &&
+      a.flat_counts.size() > 9) {
+    const auto diff = std::mismatch(a.flat_counts.begin(), a.flat_counts.end(),
+                                    b.flat_counts.begin());
+    const auto i = static_cast<size_t>(diff.first - a.flat_counts.begin());
+    if (diff.first != a.flat_counts.end() && i >= 8) {
+      message += fmt::format(" (first difference: tensor {}: numel {} on rank {}, numel {} on "
+                             "rank {})",
+                             i, *diff.first, rank_a, *diff.second, rank_b);
     }
   }
   return message;

@@ -712,6 +712,33 @@ TEST(FailureTest, MismatchedFlatCounts) {
        "all_reduce_flat(f32, 1 tensors: numel 2, op sum)"});
 }
 
+// Long flat lists that differ past the eighth tensor (a bucket of a thousand members) name the
+// first difference, as coalesced lists do: both summaries list the same first eight counts.
+// A flat list against a coalesced list of the same kind names neither in the head.
+TEST(FailureTest, MismatchedLongFlatListsNameTheFirstDifference) {
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        auto inputs = std::make_shared<std::vector<Tensor>>(9, Tensor::full({1}, DType::F32, 1));
+        inputs->push_back(Tensor::full({pg.rank() == 0 ? 2 : 3}, DType::F32, 1));
+        inputs->push_back(Tensor::full({pg.rank() == 0 ? 3 : 2}, DType::F32, 1));
+        return pg.all_reduce_flat(Tensor::empty({14}, DType::F32), inputs, ReduceOp::Sum);
+      },
+      {"(first difference: tensor 9: numel 2 on rank 0, numel 3 on rank 1)"});
+  expect_mismatch(
+      [](ProcessGroup& pg) {
+        const Tensor in = Tensor::full({2}, DType::F32, 1);
+        const Tensor out = Tensor::empty({2}, DType::F32);
+        if (pg.rank() == 0) {
+          return pg.all_reduce_coalesced_into({out}, {in}, ReduceOp::Sum);
+        }
+        return pg.all_reduce_flat(out, std::make_shared<std::vector<Tensor>>(1, in),
+                                  ReduceOp::Sum);
+      },
+      {"collective on group 'world' (seq 0): mismatched collectives: rank 0 issued "
+       "all_reduce_coalesced(1 tensors: f32[2], op sum) but rank 1 issued all_reduce_flat(f32, "
+       "1 tensors: numel 2, op sum)"});
+}
+
 TEST(FailureTest, MismatchedShape) {
   expect_mismatch(
       [](ProcessGroup& pg) {
