@@ -411,7 +411,11 @@ void Executor::Impl::plan() {
     steps.push_back(st);
   }
   num_slots = next_slot;
-  if (options.lower_buckets) {
+  // Lowering turns a chain's collective into a flat primitive, a different collective for the
+  // backend, and decides it from what the chain's values feed on this rank only: ranks that run
+  // graphs of their own could decide differently for the same collective (a mismatch on
+  // threads; on mpi a list of gathers against one). Only equal graphs lower alike.
+  if (options.lower_buckets && options.check_same_graph) {
     lower_buckets(slot_of, step_of);
     for (const Step& st : steps) max_operands = std::max<size_t>(max_operands, st.num_operands);
   }

@@ -536,6 +536,40 @@ TEST(LowerBuckets, SameMemberTwiceInOneBucket) {
   EXPECT_EQ(expect_same_either_way(2, text), 1u);
 }
 
+// Ranks that run graphs of their own (check_same_graph off) may differ in what a chain's
+// values feed besides the chain: here rank 1 also returns the packed buffer, so its chain does
+// not match and runs as written. Each rank lowering on its own said "rank 0 issued
+// all_reduce_flat(...) but rank 1 issued all_reduce(f32[7])" for collectives both graphs write
+// alike (on mpi, one gather against a list of them would not even meet): such ranks run every
+// chain as written.
+TEST(LowerBuckets, RanksWithGraphsOfTheirOwnRunChainsAsWritten) {
+  const std::string chain =
+      "graph @g(%a: f32[3], %b: f32[4]) {\n"
+      "  %pack = cat(%a, %b) {dim = 0}\n"
+      "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:2 = split_with_sizes(%w) {split_sizes = [3, 4], dim = 0}\n";
+  const std::unique_ptr<Graph> graphs[2] = {
+      parse_graph(chain + "  return %s#0, %s#1\n}\n"),
+      parse_graph(chain + "  return %s#0, %s#1, %pack\n}\n")};
+  std::vector<std::vector<float>> sums(2);
+  std::vector<size_t> lowered(2);
+  run_local(2, [&](ProcessGroup& world) {
+    const auto r = static_cast<size_t>(world.rank());
+    ExecutorOptions options;
+    options.check_same_graph = false;
+    Executor ex(*graphs[r], world, options);
+    lowered[r] = ex.lowered_buckets();
+    const float v = 1.0f + static_cast<float>(r);
+    const auto out = ex.run({Tensor::full({3}, DType::F32, v), Tensor::full({4}, DType::F32, v)});
+    sums[r] = out[1].to_vector<float>();
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(lowered[r], 0u) << r;
+    EXPECT_EQ(sums[r], std::vector<float>(4, 3.0f)) << r;
+  }
+}
+
 // A group whose all_reduce_flat and reduce_scatter_flat (lowered buckets' primitives) throw on
 // their first call, before any rank posts.
 class ThrowsOnceGroup final : public testing::ForwardingGroup {

@@ -34,7 +34,8 @@ struct ExecutorOptions {
   // (ProcessGroup::fuses_coalesced: threads). Where the group loops over a list (mpi, gloo) only
   // all_gather buckets whose members average ProcessGroup::all_gather_coalesced_min_bytes or
   // more are lowered (mpi: 64 KiB; gloo: never).
-  // Results are bit-identical either way; false runs the chain node by node.
+  // Results are bit-identical either way; false runs the chain node by node, as does
+  // check_same_graph false (ranks with graphs of their own could lower a collective unalike).
   bool lower_buckets = true;
 };
 
