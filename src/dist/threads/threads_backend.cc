@@ -1387,7 +1387,7 @@ void Op::run_flat_piece(const Piece& p, const void** srcs) {
       // the offsets, so each of their lines is a miss from another core (all_reduce_flat of
       // 1000 x 4 KiB on 2 ranks, six alternating pairs at 110-120 ns round trips: 127-136 ->
       // 108-119 us).
-      if (i + kListAhead < flat_off_.size()) {
+      if (i + kListAhead + 1 < flat_off_.size()) {  // an input i + kListAhead exists
         __builtin_prefetch(&flat_off_[i + kListAhead], 0, 3);
         for (int k = 0; k < n; ++k) {
           __builtin_prefetch(&members_[k].post.flat_in[i + kListAhead], 0, 3);
