@@ -480,11 +480,13 @@ TEST_F(RunJoinE2E, RanksWithDifferentRunFlagsFailCleanly) {
       {{"--seed", "1"}, {"--seed", "2"}},
   };
   int n = 0;
-  for (const auto& [flags0, flags1] : cases) {
+  for (const auto& flags : cases) {
     const std::string store = dir_.path() + "/store" + std::to_string(n++);
     const std::vector<Result> ranks = run_job_by_hand(
         dir_.path(),
-        [&](int r) { return hand_rank_args(file, r, store, r == 0 ? flags0 : flags1); },
+        [&](int r) {
+          return hand_rank_args(file, r, store, r == 0 ? flags.first : flags.second);
+        },
         kHandEnv, "", /*let_finish=*/true);
     for (int r = 0; r < 2; ++r) {
       SCOPED_TRACE("case " + std::to_string(n) + ", rank " + std::to_string(r));
