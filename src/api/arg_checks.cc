@@ -28,6 +28,50 @@ void check_contiguous(const Tensor& t, std::string_view op, std::string_view suf
 
 std::string index_suffix(size_t i) { return fmt::format(" for tensor at index {}", i); }
 
+void check_reduce_op_for(ReduceOp op, const Tensor& t, std::string_view op_name,
+                         std::string_view suffix) {
+  try {
+    check_reduce_op_dtype(op, t.dtype(), op_name);
+  } catch (const InvalidArgument& e) {
+    if (suffix.empty()) throw;
+    throw InvalidArgument(e.what() + std::string(suffix));
+  }
+}
+
+int64_t check_splits(const std::vector<int64_t>& splits, int64_t group_size,
+                     std::string_view name) {
+  if (static_cast<int64_t>(splits.size()) != group_size) {
+    throw InvalidArgument(
+        fmt::format("all_to_all_single: {} has {} entries, expected group_size {}", name,
+                    splits.size(), group_size));
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    if (splits[i] < 0) {
+      throw InvalidArgument(
+          fmt::format("all_to_all_single: {}[{}] is negative ({})", name, i, splits[i]));
+    }
+    if (__builtin_add_overflow(total, splits[i], &total)) {
+      throw InvalidArgument(fmt::format("all_to_all_single: {} {} sum to more than int64 holds",
+                                        name, splits));
+    }
+  }
+  return total;
+}
+
+int64_t check_all_to_all_splits(const std::vector<int64_t>& output_splits,
+                                const std::vector<int64_t>& input_splits, int64_t group_size,
+                                int64_t input_rows) {
+  const int64_t out_rows = check_splits(output_splits, group_size, "output_split_sizes");
+  const int64_t total = check_splits(input_splits, group_size, "input_split_sizes");
+  if (total != input_rows) {
+    throw ShapeError(fmt::format(
+        "all_to_all_single: input_split_sizes {} sum to {} but input dimension 0 is {}",
+        input_splits, total, input_rows));
+  }
+  return out_rows;
+}
+
 int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t group_size,
                                    std::string_view op, std::string_view suffix) {
   if (scatter_dim == 0) check_contiguous(t, op, suffix);

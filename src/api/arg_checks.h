@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "funcol/core/dtype.h"
 #include "funcol/core/tensor.h"
 
 namespace funcol::api_detail {
@@ -23,6 +24,20 @@ void check_contiguous(const Tensor& t, std::string_view op, std::string_view suf
 
 // " for tensor at index 3", the suffix of a coalesced list's messages.
 std::string index_suffix(size_t i);
+
+// check_reduce_op_dtype for `t`; `suffix` names the entry of a coalesced list (index_suffix).
+void check_reduce_op_for(ReduceOp op, const Tensor& t, std::string_view op_name,
+                         std::string_view suffix = {});
+
+// all_to_all_single's split sizes (`name` is "output_split_sizes" or "input_split_sizes"):
+// group_size entries, none negative (InvalidArgument). Returns their sum.
+int64_t check_splits(const std::vector<int64_t>& splits, int64_t group_size,
+                     std::string_view name);
+// all_to_all_single's input split sizes against the input's rows (ShapeError); both lists must
+// have passed check_splits. Returns the output's rows, the output splits' sum.
+int64_t check_all_to_all_splits(const std::vector<int64_t>& output_splits,
+                                const std::vector<int64_t>& input_splits, int64_t group_size,
+                                int64_t input_rows);
 
 // A reduce_scatter input: at least 1-d, size(dim) divisible by the group size, contiguous when
 // scattered along dim 0 (the seed sends only that one as is; any other scatter_dim goes through

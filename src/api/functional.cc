@@ -27,6 +27,7 @@ namespace funcol {
 namespace {
 
 using api_detail::check_contiguous;
+using api_detail::check_reduce_op_for;
 using api_detail::check_reduce_scatter_input;
 using api_detail::index_suffix;
 using api_detail::normalize_dim;
@@ -35,16 +36,6 @@ void check_input(const Tensor& t, std::string_view op, std::string_view suffix =
   if (!t.defined()) throw InvalidArgument(fmt::format("{}: undefined input tensor{}", op, suffix));
   if (t.is_meta()) {
     throw InvalidArgument(fmt::format("{}: input is a meta tensor with no data{}", op, suffix));
-  }
-}
-
-// check_reduce_op_dtype for entry i of a coalesced call, the entry named as the seed's other
-// per-entry errors name it.
-void check_entry_reduce_op(ReduceOp op, const Tensor& t, std::string_view what, size_t i) {
-  try {
-    check_reduce_op_dtype(op, t.dtype(), what);
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(e.what() + index_suffix(i));
   }
 }
 
@@ -197,27 +188,6 @@ Shape scattered_shape(const Shape& s, int64_t dim, int64_t world) {
   return out;
 }
 
-// Returns the splits' sum.
-int64_t check_splits(const std::vector<int64_t>& splits, int64_t world, std::string_view name) {
-  if (static_cast<int64_t>(splits.size()) != world) {
-    throw InvalidArgument(
-        fmt::format("all_to_all_single: {} has {} entries, expected group_size {}", name,
-                    splits.size(), world));
-  }
-  int64_t total = 0;
-  for (size_t i = 0; i < splits.size(); ++i) {
-    if (splits[i] < 0) {
-      throw InvalidArgument(
-          fmt::format("all_to_all_single: {}[{}] is negative ({})", name, i, splits[i]));
-    }
-    if (__builtin_add_overflow(total, splits[i], &total)) {
-      throw InvalidArgument(fmt::format("all_to_all_single: {} {} sum to more than int64 holds",
-                                        name, splits));
-    }
-  }
-  return total;
-}
-
 // all_to_all over dim-0 rows with validated splits; the output has out_rows =
 // sum(output_splits) rows.
 Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int64_t>& out_splits,
@@ -349,13 +319,7 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
   if (input_split_sizes) {
     out_splits = std::move(*output_split_sizes);
     in_splits = std::move(*input_split_sizes);
-    out_rows = check_splits(out_splits, world, "output_split_sizes");
-    const int64_t total = check_splits(in_splits, world, "input_split_sizes");
-    if (total != t.size(0)) {
-      throw ShapeError(fmt::format(
-          "all_to_all_single: input_split_sizes {} sum to {} but input dimension 0 is {}",
-          in_splits, total, t.size(0)));
-    }
+    out_rows = api_detail::check_all_to_all_splits(out_splits, in_splits, world, t.size(0));
   } else {
     if (t.size(0) % world != 0) {
       throw ShapeError(fmt::format(
@@ -413,7 +377,7 @@ std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
   const ReduceOp op = parse_reduce_op(reduce_op);
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(inputs[i], kOp, index_suffix(i));
-    check_entry_reduce_op(op, inputs[i], kOp, i);
+    check_reduce_op_for(op, inputs[i], kOp, index_suffix(i));
   }
   ProcessGroup& pg = group.resolve();
   if (inputs.empty()) return {};
@@ -468,7 +432,7 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(inputs[i], kOp, index_suffix(i));
-    check_entry_reduce_op(op, inputs[i], kOp, i);
+    check_reduce_op_for(op, inputs[i], kOp, index_suffix(i));
   }
   ProcessGroup& pg = group.resolve();
   if (inputs.empty()) return {};

@@ -63,6 +63,7 @@ Tensor scatter_dim_to_front(Tracer& tr, const Tensor& t, int64_t scatter_dim, in
 
 Tensor trace_all_reduce(Tracer& tr, const Tensor& t, const std::string& reduce_op,
                         const GroupSpec& group) {
+  check_reduce_op_for(parse_reduce_op(reduce_op), t, "all_reduce");
   const TracedGroup g = traced_group(tr, group, "all_reduce");
   const Tensor in[] = {t};
   return waited(tr, tr.record_one("all_reduce", in, {{"reduce_op", reduce_op}, {"group", g.name}}));
@@ -89,6 +90,7 @@ Tensor trace_all_gather_tensor(Tracer& tr, const Tensor& t, int64_t gather_dim,
 Tensor trace_reduce_scatter_tensor(Tracer& tr, const Tensor& t, const std::string& reduce_op,
                                    int64_t scatter_dim, const GroupSpec& group) {
   constexpr std::string_view kOp = "reduce_scatter_tensor";
+  check_reduce_op_for(parse_reduce_op(reduce_op), t, kOp);
   const TracedGroup g = traced_group(tr, group, kOp);
   const Tensor in[] = {scatter_dim_to_front(tr, t, scatter_dim, g.size, kOp, {})};
   return waited(
@@ -112,6 +114,7 @@ Tensor trace_all_to_all_single(Tracer& tr, const Tensor& t,
   if (input_split_sizes) {
     out_splits = *output_split_sizes;
     in_splits = *input_split_sizes;
+    check_all_to_all_splits(out_splits, in_splits, g.size, t.size(0));
   } else {
     if (t.size(0) % g.size != 0) {
       throw ShapeError(fmt::format(
@@ -121,14 +124,6 @@ Tensor trace_all_to_all_single(Tracer& tr, const Tensor& t,
     }
     out_splits.assign(static_cast<size_t>(g.size), t.size(0) / g.size);
     in_splits = out_splits;
-  }
-  for (const auto* splits : {&out_splits, &in_splits}) {
-    if (splits->size() != static_cast<size_t>(g.size)) {
-      throw InvalidArgument(
-          fmt::format("all_to_all_single: {} has {} entries, expected group_size {}",
-                      splits == &out_splits ? "output_split_sizes" : "input_split_sizes",
-                      splits->size(), g.size));
-    }
   }
   const Tensor in[] = {t};
   return waited(tr, tr.record_one("all_to_all_single", in,
@@ -150,8 +145,13 @@ Tensor trace_broadcast(Tracer& tr, const Tensor& t, int src, const GroupSpec& gr
 std::vector<Tensor> trace_all_reduce_coalesced(Tracer& tr, const std::vector<Tensor>& inputs,
                                                const std::string& reduce_op,
                                                const GroupSpec& group) {
-  parse_reduce_op(reduce_op);  // an empty list is checked as the eager call checks it
-  const TracedGroup g = traced_group(tr, group, "all_reduce_coalesced");
+  constexpr std::string_view kOp = "all_reduce_coalesced";
+  // An empty list is checked as the eager call checks it.
+  const ReduceOp op = parse_reduce_op(reduce_op);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_reduce_op_for(op, inputs[i], kOp, index_suffix(i));
+  }
+  const TracedGroup g = traced_group(tr, group, kOp);
   if (inputs.empty()) return {};
   return waited(
       tr, tr.record("all_reduce_coalesced", inputs, {{"reduce_op", reduce_op}, {"group", g.name}}));
@@ -174,11 +174,14 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
                                                           const std::vector<int64_t>& scatter_dims,
                                                           const GroupSpec& group) {
   constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
+  const ReduceOp op = parse_reduce_op(reduce_op);
   if (scatter_dims.size() != inputs.size()) {
     throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
                                       scatter_dims.size(), inputs.size()));
   }
-  parse_reduce_op(reduce_op);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_reduce_op_for(op, inputs[i], kOp, index_suffix(i));
+  }
   const TracedGroup g = traced_group(tr, group, kOp);
   if (inputs.empty()) return {};
   std::vector<Tensor> fronted;
