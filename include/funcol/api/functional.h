@@ -118,6 +118,8 @@ class GroupSpec {
 
 // all_reduce: a new tensor holding the reduction of `t` over the group. reduce_op is
 // case-insensitive (sum avg product min max band bor bxor); bitwise ops need integer or bool.
+// Integer sums and products wrap in the dtype, as in PyTorch and NCCL; avg sums so, then
+// divides once, truncating (u8 avg of 200 and 100 is (300 mod 256) / 2 = 22).
 Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec& group);
 // Gathers along gather_dim (input must be contiguous). A 0-d input gathers to [group_size].
 // gather_dim != 0 is lazy too: the rank-major blocks are moved into place on first use.
