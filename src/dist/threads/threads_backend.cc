@@ -608,7 +608,6 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   // The reduction kernel of slot 0's dtype, resolved once (a bucket reduces thousands of
   // pieces with it); other dtypes of a coalesced list go through reduce_buffers.
   ReduceKernel reduce_kernel_ = nullptr;
-  DType reduce_dtype_ = DType::F32;
   // Chunks are handed out from one cursor per member over a contiguous range of them (the
   // member's own blocks for all_gather/reduce_scatter/all_to_all, its share of all_reduce):
   // each rank starts with its range, so the same rank handles the same bytes in every call
@@ -636,7 +635,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   // reduce_buffers of this op's reduce op, through reduce_kernel_ when the dtype is its.
   void reduce(DType dtype, void* out, const void* const* srcs, int64_t count) const {
     if (count == 0) return;
-    if (reduce_kernel_ != nullptr && dtype == reduce_dtype_) {
+    if (reduce_kernel_ != nullptr && dtype == members_[0].post.slots[0].dtype) {
       reduce_kernel_(out, srcs, size_, count);
     } else {
       reduce_buffers(members_[0].post.reduce_op, dtype, out, srcs, size_, count);
@@ -1145,8 +1144,7 @@ void Op::plan() {
   const int64_t chunk_bytes = std::clamp(total / n, kMinChunkBytes, kMaxChunkBytes);
   stream_ = total >= world_->stream_bytes_;
   if ((p0.kind == OpKind::AllReduce || p0.kind == OpKind::ReduceScatter) && !p0.slots.empty()) {
-    reduce_dtype_ = p0.slots[0].dtype;
-    reduce_kernel_ = reduce_kernel(p0.reduce_op, reduce_dtype_);
+    reduce_kernel_ = reduce_kernel(p0.reduce_op, p0.slots[0].dtype);
   }
   auto add_ranges = [&](int t, int a, int b, int64_t count, int64_t unit) {
     int64_t step = std::max<int64_t>(1, chunk_bytes / unit);
@@ -1646,33 +1644,35 @@ std::string World::mismatch_message(const std::string& what, int rank_a, const P
   std::string message =
       fmt::format("{}: mismatched collectives: rank {} issued {} but rank {} issued {}", head,
                   rank_a, a.summary(), rank_b, b.summary());
-  // A summary lists a long list's first 8 tensors only: when the lists differ only further on,
-  // both would read the same, so name the first tensor that differs.
-  if (a.kind == b.kind && a.slots.size() == b.slots.size() && a.slots.size() > 9) {
-    for (size_t i = 0; i < a.slots.size(); ++i) {
-      const Slot& x = a.slots[i];
-      const Slot& y = b.slots[i];
-      if (x.dtype != y.dtype || x.count != y.count || !x.same_shape(y)) {
-        const bool rows = a.kind == OpKind::AllToAll;
-        if (i >= 8) {  // not shown above
-          message += fmt::format(" (first difference: tensor {}: {} on rank {}, {} on rank {})",
-                                 i, x.describe(rows), rank_a, y.describe(rows), rank_b);
-        }
-        break;
+  // A summary lists a long list's first 8 tensors only (a coalesced list's slots, a flat
+  // list's counts): when the lists differ only further on, both would read the same, so name
+  // the first tensor that differs. `describe(post, i)` is tensor i of either side.
+  auto name_first_difference = [&](size_t size, const auto& differs, const auto& describe) {
+    for (size_t i = 0; i < size; ++i) {
+      if (!differs(i)) continue;
+      if (i >= 8) {  // not shown above
+        message += fmt::format(" (first difference: tensor {}: {} on rank {}, {} on rank {})", i,
+                               describe(a, i), rank_a, describe(b, i), rank_b);
       }
+      return;
     }
+  };
+  if (a.kind == b.kind && a.slots.size() == b.slots.size() && a.slots.size() > 9) {
+    const bool rows = a.kind == OpKind::AllToAll;
+    name_first_difference(
+        a.slots.size(),
+        [&](size_t i) {
+          const Slot& x = a.slots[i];
+          const Slot& y = b.slots[i];
+          return x.dtype != y.dtype || x.count != y.count || !x.same_shape(y);
+        },
+        [&](const Post& p, size_t i) { return p.slots[i].describe(rows); });
   }
-  // A flat list's summary lists its first 8 counts likewise (a bucket has thousands).
   if (a.flat && b.flat && a.flat_counts.size() == b.flat_counts.size() &&
       a.flat_counts.size() > 9) {
-    const auto diff = std::mismatch(a.flat_counts.begin(), a.flat_counts.end(),
-                                    b.flat_counts.begin());
-    const auto i = static_cast<size_t>(diff.first - a.flat_counts.begin());
-    if (diff.first != a.flat_counts.end() && i >= 8) {
-      message += fmt::format(" (first difference: tensor {}: numel {} on rank {}, numel {} on "
-                             "rank {})",
-                             i, *diff.first, rank_a, *diff.second, rank_b);
-    }
+    name_first_difference(
+        a.flat_counts.size(), [&](size_t i) { return a.flat_counts[i] != b.flat_counts[i]; },
+        [](const Post& p, size_t i) { return fmt::format("numel {}", p.flat_counts[i]); });
   }
   return message;
 }
