@@ -3054,7 +3054,7 @@ class ThreadsGroup final : public ProcessGroup {
   // `outputs`: a range of Tensors or of pointers to them.
   template <typename Outputs>
   std::shared_ptr<Work> issue(Post&& post, const Outputs& outputs) {
-    check_caller(post.kind);
+    check_caller(post.kind, post.coalesced, post.flat);
     // One thread at a time: the ranks must agree on the order of a group's collectives, which
     // two threads issuing on one rank's group cannot promise (and spare_ is this thread's).
     IssueGuard guard(issuing_, *this);
@@ -3089,7 +3089,7 @@ class ThreadsGroup final : public ProcessGroup {
   // A small all_reduce through the lane (see LaneSlot): no Post, no Op.
   std::shared_ptr<Work> issue_lane(const Tensor& tensor, ReduceOp op) {
     const Slot slot = make_slot(OpKind::AllReduce, tensor.dtype(), tensor.numel(), tensor, tensor);
-    check_caller(OpKind::AllReduce);
+    check_caller(OpKind::AllReduce, false, false);
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
     tl_rank = global_rank_;
@@ -3135,7 +3135,7 @@ class ThreadsGroup final : public ProcessGroup {
   // A rank's thread that issues on another rank's group object of the same world would post as
   // that rank (rank 2 calling rank 0's group gave rank 1 a wrong sum, silently): refused. Any
   // other thread (one a rank started, or a rank of another world) may issue for this rank.
-  void check_caller(OpKind kind) const {
+  void check_caller(OpKind kind, bool coalesced, bool flat) const {
     // The calling thread's rank in this group's world, cached per thread by its world.
     thread_local const ProcessGroup* seen_world = nullptr;
     thread_local const World* caller_world = nullptr;
@@ -3152,7 +3152,7 @@ class ThreadsGroup final : public ProcessGroup {
         "{} on group '{}': this group object belongs to global rank {}, but global rank {} "
         "called it; each rank must issue on its own group objects (new_group, DeviceMesh and "
         "the registry give every rank its own)",
-        op_name(kind, false), name(), global_rank_, caller_rank));
+        op_name(kind, coalesced, flat), name(), global_rank_, caller_rank));
   }
 
   // Marks an issue in progress; a second thread issuing on the same group meanwhile gets an

@@ -302,6 +302,19 @@ TEST(RunLocalTest, ARankCannotIssueOnAnotherRanksGroupObject) {
                   std::string::npos)
             << e.what();
       }
+      // A flat call is named as such (not as the plain op it buckets).
+      auto inputs = std::make_shared<const std::vector<Tensor>>(
+          std::vector<Tensor>{Tensor::full({2}, DType::F32, 1), Tensor::full({2}, DType::F32, 2)});
+      try {
+        rank0_group.load()->all_reduce_flat(Tensor::empty({4}, DType::F32), inputs,
+                                            ReduceOp::Sum);
+        ADD_FAILURE() << "rank 2 issued a flat call on rank 0's group object";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("all_reduce_flat on group 'group1': this group "
+                                             "object belongs to global rank 0"),
+                  std::string::npos)
+            << e.what();
+      }
       refused = true;
     }
     if (world.rank() < 2) {
