@@ -9,7 +9,10 @@
 // executor (rank 1 always reduces) keeps the data in one core's cache, as a loop that never
 // reads its results allows; it is the floor, not a design. A one-shot protocol (each rank
 // stages its buffer and reduces everyone's into its own, as small all-reduces on GPUs often
-// do) shows whether trading the writes to the peer's buffer for a staging copy pays here.
+// do) shows whether trading the writes to the peer's buffer for a staging copy pays here. A
+// symmetric protocol (each rank reduces the peer's buffer, read in place, into a scratch, and
+// writes its own buffer once both have read) shows whether moving the data both ways at once,
+// with no staging copy, pays for its second handoff and for invalidating the lines the peer read.
 //
 // Both sides run one thread per CPU (as `funcol bench`: see LocalOptions::bind_threads).
 //
@@ -139,6 +142,42 @@ Stats one_shot_all_reduce(int64_t numel, int iters) {
   });
 }
 
+// Symmetric: each rank publishes its buffer, reads the peer's in place and reduces both (in
+// rank order) into a private scratch, says it has finished reading, waits for the peer to say
+// the same, then copies the scratch into its own buffer. Two one-way handoffs, no staging copy,
+// each rank's data crosses once, both directions at the same time.
+Stats symmetric_all_reduce(int64_t numel, int iters) {
+  struct alignas(64) Box {
+    std::atomic<int64_t> ready{0};
+    float* buf = nullptr;
+  };
+  struct alignas(64) Done {
+    std::atomic<int64_t> v{0};
+  };
+  Box box[2];
+  Done done[2];
+  const auto n = static_cast<size_t>(numel);
+  std::vector<float> scratch[2];
+  scratch[0].assign(n + 16, 0.0f);
+  scratch[1].assign(n + 16, 0.0f);
+  auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
+    funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
+  };
+  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+    box[r].buf = buf;
+    box[r].ready.store(i, std::memory_order_release);
+    spin_until(box[1 - r].ready, i);
+    const char* theirs = reinterpret_cast<const char*>(box[1 - r].buf);
+    for (size_t b = 0; b < n * sizeof(float); b += 64) __builtin_prefetch(theirs + b, 0, 3);
+    const void* srcs[2] = {box[0].buf, box[1].buf};
+    float* out = scratch[r].data();
+    funcol::reduce_buffers(funcol::ReduceOp::Sum, funcol::DType::F32, out, srcs, 2, numel);
+    done[r].v.store(i, std::memory_order_release);
+    spin_until(done[1 - r].v, i);
+    std::memcpy(buf, out, n * sizeof(float));
+  });
+}
+
 // The minimal protocol; `fixed`: rank 1 always executes.
 Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   struct alignas(64) Box {
@@ -205,6 +244,7 @@ int main(int argc, char** argv) {
     const Stats m = minimal_all_reduce(numel, iters, false);
     const Stats x = minimal_all_reduce(numel, iters, true);
     const Stats o = one_shot_all_reduce(numel, iters);
+    const Stats y = symmetric_all_reduce(numel, iters);
     const int64_t bytes = numel * 4;
     auto row = [&](const char* name, const Stats& s) {
       std::printf("%-10lld %-38s %8.2f %8.2f %10.1f\n", static_cast<long long>(bytes), name, s.p50,
@@ -214,6 +254,7 @@ int main(int argc, char** argv) {
     row("minimal (last arrival executes)", m);
     row("minimal (fixed executor: floor)", x);
     row("one-shot (staged, every rank reduces)", o);
+    row("symmetric (read in place, scratch)", y);
   }
   return 0;
 }
