@@ -77,9 +77,10 @@ void coerce_attr(const OpDef& op, const AttrSpec& spec, Attr& value) {
   const AttrKind have = value.kind();
   bool ok = have == spec.kind;
   if (!ok && spec.kind == AttrKind::Float && have == AttrKind::Int) {
-    if (!spec.keeps_int) value = Attr(static_cast<double>(value.as_int()));
+    if (!spec.keeps_exact) value = Attr(static_cast<double>(value.as_int()));
     ok = true;
   }
+  if (!ok && spec.kind == AttrKind::Float && have == AttrKind::Bool) ok = spec.keeps_exact;
   if (!ok && spec.kind == AttrKind::IntList && have == AttrKind::List) {
     const auto& items = value.as_list();
     if (std::all_of(items.begin(), items.end(),
@@ -101,7 +102,7 @@ void coerce_attr(const OpDef& op, const AttrSpec& spec, Attr& value) {
     std::string shown = value.str();
     if (shown.size() > 40) shown = shown.substr(0, 37) + "...";
     throw InvalidArgument(fmt::format("attribute '{}' of {} must be {}, got {}", spec.name,
-                                      op.name, attr_kind_description(spec.kind), shown));
+                                      op.name, spec.description(), shown));
   }
   if (spec.canonicalize) spec.canonicalize(value);
 }

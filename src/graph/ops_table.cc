@@ -444,11 +444,13 @@ Tensors kernel_zeros(TIn, const AttrList& a) {
 }
 
 Types infer_full(In in, const AttrList& a) { return infer_factory(in, a); }
-// `value` is an integer exactly as written (int64 values above 2^53 included), or a float.
+// `value` is an integer exactly as written (int64 values above 2^53 included), a float, or
+// true/false (1/0 in a numeric dtype, as torch.full(..., True, dtype=...)).
 Tensors kernel_full(TIn, const AttrList& a) {
   const Attr& value = a.get("value");
-  if (value.kind() == AttrKind::Int) {
-    return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), value.as_int())};
+  if (value.kind() == AttrKind::Int || value.kind() == AttrKind::Bool) {
+    const int64_t v = value.kind() == AttrKind::Bool ? int64_t{value.as_bool()} : value.as_int();
+    return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), v)};
   }
   return {Tensor::full(a.get_ints("shape"), a.get_dtype("dtype"), value.as_float())};
 }
@@ -674,7 +676,7 @@ std::vector<OpDef> build_op_table() {
   // Made by autodiff: constants (the loss seed, 1/N scales) and broadcasts of reduced gradients.
   t.push_back(compute(
       "full", 0,
-      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float, .keeps_int = true}},
+      {shape_attr, dtype_attr(), {.name = "value", .kind = AttrKind::Float, .keeps_exact = true}},
       infer_full, kernel_full));
   t.push_back(compute("expand", 1, {shape_attr}, infer_expand, kernel_expand, true));
   // Math.

@@ -108,10 +108,11 @@ class Verifier {
     for (size_t i = 0; i < attrs.size(); ++i) {
       const AttrSpec& spec = op.attrs[i];
       if (!attrs[i].has_value()) fail_at(n, fmt::format("attribute '{}' is missing", spec.name));
-      const bool kept_int = spec.keeps_int && attrs[i].kind() == AttrKind::Int;
-      if (attrs[i].kind() != spec.kind && !kept_int) {
-        fail_at(n, fmt::format("attribute '{}' must be {}, got {}", spec.name,
-                               attr_kind_description(spec.kind), attrs[i].str()));
+      const bool kept = spec.keeps_exact && (attrs[i].kind() == AttrKind::Int ||
+                                             attrs[i].kind() == AttrKind::Bool);
+      if (attrs[i].kind() != spec.kind && !kept) {
+        fail_at(n, fmt::format("attribute '{}' must be {}, got {}", spec.name, spec.description(),
+                               attrs[i].str()));
       }
       if (spec.canonicalize) {
         Attr copy = attrs[i];

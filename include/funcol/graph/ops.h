@@ -44,8 +44,14 @@ struct AttrSpec {
   // and rejects unknown names. Throws InvalidArgument. Null: any value of the kind is fine.
   void (*canonicalize)(Attr& value) = nullptr;
   // A Float attribute that keeps an integer value as it is (AttrKind::Int) instead of
-  // converting it to a double, which would round integers above 2^53 (full's `value`).
-  bool keeps_int = false;
+  // converting it to a double, which would round integers above 2^53, and takes true/false
+  // too, kept as written (AttrKind::Bool; full's `value`, as torch.full's fill value).
+  bool keeps_exact = false;
+
+  // What a value must be, for errors: "an integer", "a number or true/false", ...
+  std::string_view description() const {
+    return keeps_exact ? "a number or true/false" : attr_kind_description(kind);
+  }
 };
 
 // How many results a node of an op has.
