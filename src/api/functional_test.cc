@@ -1216,6 +1216,30 @@ TEST(GroupSpecTest, ListsOfRankListsInEachRanksOrderAndUsedAgainAlone) {
   });
 }
 
+// The lists of a partition whose groups a split over the world made (a DeviceMesh dim) find them
+// without asking the other ranks, on first use too: pairs that go on alone, pipeline style,
+// used to wait in the world agreement for ranks busy elsewhere, until the timeout.
+TEST(GroupSpecTest, ListsOfRankListsFindAMeshsGroupsWithoutTheOtherRanks) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+    const GroupSpec tp({{0, 1}, {2, 3}});
+    Tensor x = Tensor::full({1}, DType::F32, 1 << r);
+    if (r < 2) {
+      Tensor y = all_reduce(x, "sum", tp);
+      EXPECT_EQ(broadcast(y, 0, "dp").to_vector<float>(), repeat(3, 1));
+    } else {
+      Tensor s = wait_tensor(broadcast(x, 0, "dp"));  // ranks 0 and 1 broadcast after tp
+      EXPECT_EQ(all_reduce(s, "sum", tp).to_vector<float>(), repeat(6, 1));
+    }
+    EXPECT_EQ(&tp.resolve(), mesh.group("tp").get());
+    // The other dim's partition, in another order, is found the same way.
+    Tensor z = Tensor::full({1}, DType::F32, 1);
+    EXPECT_EQ(all_reduce(z, "sum", {{3, 1}, {0, 2}}).to_vector<float>(), repeat(2, 1));
+    EXPECT_EQ(&GroupSpec({{1, 3}, {0, 2}}).resolve(), mesh.group("dp").get());
+  });
+}
+
 // Each pair passing its own rank list (SPMD style) cannot create two groups: the error says
 // what to pass instead, on every rank.
 TEST(GroupSpecTest, ARankListPerPairSaysToPassTheListOfLists) {

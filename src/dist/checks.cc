@@ -511,6 +511,18 @@ Tensor split_probe(const std::string& description, bool taken) {
   return Tensor::from_vector<int64_t>({hi, lo, len, flag, -hi, -lo, -len, -flag}, {8});
 }
 
+void note_split(const ProcessGroup& parent, const std::vector<std::vector<int>>& rank_lists) {
+  GroupRegistry& registry = parent.registry();
+  const std::shared_ptr<ProcessGroup> world = registry.find("world");
+  size_t covered = 0;  // the lists are disjoint members of the parent (check_split)
+  for (const auto& list : rank_lists) covered += list.size();
+  if (!world || covered != static_cast<size_t>(world->size())) return;
+  std::vector<std::vector<int>> sorted = rank_lists;
+  for (auto& list : sorted) std::sort(list.begin(), list.end());
+  std::sort(sorted.begin(), sorted.end());
+  registry.add_resolved_partition(std::move(sorted));
+}
+
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) {
   const int n = parent.size();

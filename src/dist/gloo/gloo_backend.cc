@@ -423,6 +423,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     }
     auto group = create(my_index, *mine, name, &registry(), job(), shared_, std::move(context));
     registry().add(group);
+    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 

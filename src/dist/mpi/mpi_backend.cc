@@ -594,6 +594,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     if (!mine) return nullptr;
     auto group = create(key, *mine, name, &registry(), job(), comm, step_comm);
     registry().add(group);
+    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 

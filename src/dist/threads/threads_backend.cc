@@ -2961,6 +2961,7 @@ class ThreadsGroup final : public ProcessGroup {
     auto group = std::make_shared<ThreadsGroup>(world_, mine, mine->member_of(global_rank_), name,
                                                 &registry());
     registry().add(group);
+    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 
