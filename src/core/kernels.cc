@@ -13,6 +13,7 @@
 
 #include "elem.h"
 #include "gemm.h"
+#include "memory.h"
 #include "simd.h"
 #include "strided.h"
 
@@ -622,7 +623,7 @@ Tensor reduce_over(const Tensor& a_in, const std::vector<int64_t>& dims, bool ke
   dispatch(a.dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
     using Acc = SumAccOf<S>;
-    std::vector<Acc> acc(static_cast<size_t>(out.numel()), Acc{});
+    std::vector<Acc> acc = detail::vector_or_throw<Acc>(static_cast<size_t>(out.numel()));
     const S* pa = static_cast<const S*>(a.const_data_ptr());
     detail::for_each_row<2>(
         sizes, {&in_strides, &out_strides},
@@ -891,7 +892,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in) {
       mo = fo.template cast<S>();
     } else if constexpr (std::is_integral_v<S>) {
       // Integers wrap: multiply-accumulate modulo 2^64, then truncate to the dtype's width.
-      std::vector<uint64_t> acc(static_cast<size_t>(m * n), 0);
+      std::vector<uint64_t> acc = detail::vector_or_throw<uint64_t>(static_cast<size_t>(m * n));
       for (int64_t i = 0; i < m; ++i) {
         uint64_t* row = acc.data() + i * n;
         for (int64_t p = 0; p < k; ++p) {

@@ -2,10 +2,13 @@
 #include "funcol/core/kernels.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -762,3 +765,47 @@ TEST(Broadcast, ExpandTo) {
 
 }  // namespace
 }  // namespace funcol
+
+// The scratch of an integer sum (an accumulator per output element) and of an integer matmul (a
+// 64-bit accumulator per output element, 8 times an i8 output) is allocated as funcol::Error
+// promises too: under an address-space limit just above what the output needs, both threw a
+// bare std::bad_alloc. In a child process (the limit would starve the other tests).
+TEST(KernelsDeathTest, ScratchOutOfMemoryIsAnError) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizers reserve far more address space than the limit this test sets";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto under_limit = [](auto fn) {
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    const rlim_t cap = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) +
+                       (rlim_t{400} << 20);
+    const rlimit limit{cap, cap};
+    if (pages == 0 || setrlimit(RLIMIT_AS, &limit) != 0) _exit(3);
+    try {
+      fn();
+    } catch (const funcol::Error& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      _exit(0);
+    } catch (...) {
+      _exit(1);
+    }
+    _exit(2);
+  };
+  using funcol::DType;
+  using funcol::Tensor;
+  // 32 MiB of i8 in, a 256 MiB i64 sum out, 256 MiB of accumulators.
+  EXPECT_EXIT(under_limit([] {
+                funcol::sum(Tensor::zeros({int64_t{32} << 20, 1}, DType::I8), {1}, false);
+              }),
+              ::testing::ExitedWithCode(0), "out of memory: cannot allocate");
+  // A 64 MiB i8 product, 512 MiB of accumulators.
+  EXPECT_EXIT(under_limit([] {
+                funcol::matmul(Tensor::zeros({16, 1}, DType::I8),
+                               Tensor::zeros({1, int64_t{4} << 20}, DType::I8));
+              }),
+              ::testing::ExitedWithCode(0), "out of memory: cannot allocate");
+}

@@ -23,6 +23,7 @@
 
 #include "elem.h"
 #include "funcol/core/allocator.h"
+#include "memory.h"
 #include "strided.h"
 
 namespace funcol {
@@ -491,17 +492,21 @@ using StorageOf = std::conditional_t<std::is_same_v<T, bool>, BoolByte, T>;
 
 namespace {
 
-// funcol::Error is the base of every error the library throws: a failed allocation too.
+// A failed allocation throws funcol::Error (memory.h), a request beyond the machine's memory
+// before asking.
 void* allocate_or_throw(size_t nbytes) {
-  try {
-    return allocate_storage(nbytes);
-  } catch (const std::bad_alloc&) {
-    throw Error(fmt::format("out of memory: cannot allocate {} bytes", nbytes));
+  if (!detail::beyond_memory(nbytes)) {
+    try {
+      return allocate_storage(nbytes);
+    } catch (const std::bad_alloc&) {
+    }
   }
+  throw Error(fmt::format("out of memory: cannot allocate {} bytes", nbytes));
 }
 
-// The machine's memory and swap in bytes (0 when unknown), asked once.
-uint64_t machine_memory_bytes() {
+}  // namespace
+
+uint64_t detail::machine_memory_bytes() {
   static const uint64_t bytes = [] {
     struct sysinfo info {};
     if (sysinfo(&info) != 0) return uint64_t{0};
@@ -509,33 +514,6 @@ uint64_t machine_memory_bytes() {
   }();
   return bytes;
 }
-
-// std::vector<V>(n), whose failure to allocate throws funcol::Error too. A list larger than the
-// machine's memory and swap is refused before asking (AddressSanitizer aborts on such a request
-// rather than throwing).
-template <typename V>
-void reserve_or_throw(std::vector<V>& v, size_t n) {
-  const uint64_t memory = machine_memory_bytes();
-  if (memory == 0 || n <= memory / sizeof(V)) {
-    try {
-      v.reserve(n);
-      return;
-    } catch (const std::bad_alloc&) {
-    } catch (const std::length_error&) {
-    }
-  }
-  throw Error(fmt::format("out of memory: cannot allocate {} elements of {} bytes", n, sizeof(V)));
-}
-
-template <typename V>
-std::vector<V> vector_or_throw(size_t n) {
-  std::vector<V> v;
-  reserve_or_throw(v, n);
-  v.resize(n);
-  return v;
-}
-
-}  // namespace
 
 Storage::Storage(size_t nbytes) : data_(allocate_or_throw(nbytes)), nbytes_(nbytes) {}
 
@@ -910,7 +888,7 @@ template <ElementType T>
 std::vector<T> Tensor::to_vector() const {
   check_not_meta(*this, "to_vector");
   storage_->wait();
-  std::vector<T> out = vector_or_throw<T>(static_cast<size_t>(numel()));
+  std::vector<T> out = detail::vector_or_throw<T>(static_cast<size_t>(numel()));
   const char* base = static_cast<const char*>(raw_data_ptr());
   size_t k = 0;
   using Dst = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
@@ -947,8 +925,14 @@ T Tensor::item() const {
     // As PyTorch's item<T>() (Scalar::to, checked_convert): a value T cannot hold is an error,
     // not wrapped or saturated as element conversions are (3e9 as int32, 300 as uint8, 1e300
     // as float, NaN or infinity as an integer). Bool and floating infinities and NaN convert.
+    // A negative integer down to minus the largest value of an unsigned T wraps, as there (-1
+    // as uint8_t is 255, -256 an error).
     if constexpr (std::is_integral_v<S>) {
-      check_value_fits(dtype_of<Dst>, static_cast<int64_t>(v), "item");
+      auto i = static_cast<int64_t>(v);
+      if constexpr (std::is_unsigned_v<Dst> && !std::is_same_v<Dst, bool>) {
+        if (i < 0 && i >= -static_cast<int64_t>(std::numeric_limits<Dst>::max())) i = 0;
+      }
+      check_value_fits(dtype_of<Dst>, i, "item");
     } else {
       check_value_fits(dtype_of<Dst>, cvt<double>(v), "item");
     }
@@ -1072,7 +1056,7 @@ std::vector<Tensor> Tensor::split(int64_t split_size, int64_t dim) const {
     return out;
   }
   // Every piece is a Tensor: a dim of 2^40 (an expanded one) split by 1 would not fit.
-  reserve_or_throw(out, static_cast<size_t>(size / split_size + (size % split_size != 0)));
+  detail::reserve_or_throw(out, static_cast<size_t>(size / split_size + (size % split_size != 0)));
   // Stepped by the piece's length, not split_size: start + split_size may pass INT64_MAX after
   // the last piece of a bool/u8/i8 dim near it (chunk(2) of one of INT64_MAX).
   for (int64_t start = 0, length = 0; start < size; start += length) {
@@ -1101,6 +1085,7 @@ std::vector<Tensor> Tensor::split_with_sizes(const std::vector<int64_t>& sizes, 
                                  list_str(sizes), total, d, this->sizes()[d]));
   }
   std::vector<Tensor> out;
+  detail::reserve_or_throw(out, sizes.size());
   int64_t start = 0;
   for (int64_t s : sizes) {
     out.push_back(narrow(d, start, s));
@@ -1118,7 +1103,7 @@ std::vector<Tensor> Tensor::chunk(int64_t chunks, int64_t dim) const {
   const int64_t size = sizes()[d];
   if (size == 0) {
     // torch.chunk: an empty dim still gives `chunks` (empty) pieces.
-    return split_with_sizes(vector_or_throw<int64_t>(static_cast<size_t>(chunks)), d);
+    return split_with_sizes(detail::vector_or_throw<int64_t>(static_cast<size_t>(chunks)), d);
   }
   return split(size / chunks + (size % chunks != 0 ? 1 : 0), d);  // ceil, without overflow
 }

@@ -1,0 +1,51 @@
+// Private allocation helpers shared by tensor.cc and kernels.cc: funcol::Error is the base of
+// every error the library throws, a failed allocation too (DESIGN section 4), never a bare
+// std::bad_alloc.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <new>
+#include <stdexcept>
+#include <vector>
+
+#include "funcol/core/error.h"
+
+namespace funcol::detail {
+
+// The machine's memory and swap in bytes (0 when unknown), asked once.
+uint64_t machine_memory_bytes();
+
+// Whether `bytes` is more than the machine's memory and swap hold: such a request is refused
+// before asking, since AddressSanitizer's allocator aborts on it rather than throwing.
+inline bool beyond_memory(uint64_t bytes) {
+  const uint64_t memory = machine_memory_bytes();
+  return memory != 0 && bytes > memory;
+}
+
+// v.reserve(n), whose failure to allocate throws funcol::Error.
+template <typename V>
+void reserve_or_throw(std::vector<V>& v, size_t n) {
+  if (n <= SIZE_MAX / sizeof(V) && !beyond_memory(uint64_t{n} * sizeof(V))) {
+    try {
+      v.reserve(n);
+      return;
+    } catch (const std::bad_alloc&) {
+    } catch (const std::length_error&) {
+    }
+  }
+  throw Error(fmt::format("out of memory: cannot allocate {} elements of {} bytes", n, sizeof(V)));
+}
+
+// std::vector<V>(n, value), whose failure to allocate throws funcol::Error.
+template <typename V>
+std::vector<V> vector_or_throw(size_t n, const V& value = V{}) {
+  std::vector<V> v;
+  reserve_or_throw(v, n);
+  v.resize(n, value);
+  return v;
+}
+
+}  // namespace funcol::detail
