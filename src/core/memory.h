@@ -15,8 +15,11 @@
 
 namespace funcol::detail {
 
-// The machine's memory and swap in bytes (0 when unknown), asked once.
+// The machine's memory and swap in bytes, capped by the limits of the process's cgroup (a
+// container's, a CI job's); 0 when unknown. Asked once (memory.cc).
 uint64_t machine_memory_bytes();
+// The same without swap: what can be written before the kernel (or the cgroup) swaps or kills.
+uint64_t physical_memory_bytes();
 
 // Whether `bytes` is more than the machine's memory and swap hold: such a request is refused
 // before asking, since AddressSanitizer's allocator aborts on it rather than throwing.

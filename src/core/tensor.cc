@@ -2,7 +2,6 @@
 #include "funcol/core/tensor.h"
 
 #include <fmt/format.h>
-#include <sys/sysinfo.h>
 
 #include <algorithm>
 #include <array>
@@ -505,15 +504,6 @@ void* allocate_or_throw(size_t nbytes) {
 }
 
 }  // namespace
-
-uint64_t detail::machine_memory_bytes() {
-  static const uint64_t bytes = [] {
-    struct sysinfo info {};
-    if (sysinfo(&info) != 0) return uint64_t{0};
-    return (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
-  }();
-  return bytes;
-}
 
 Storage::Storage(size_t nbytes) : data_(allocate_or_throw(nbytes)), nbytes_(nbytes) {}
 

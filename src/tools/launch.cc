@@ -25,6 +25,7 @@
 #include <new>
 #include <thread>
 
+#include "core/memory.h"
 #include "dist/multiprocess/process_env.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -199,6 +200,16 @@ std::optional<Known> known(int option, const char* flag, const char* env) {
   return std::nullopt;
 }
 
+// A gloo job's world size, from --world-size or WORLD_SIZE; throws InvalidArgument naming where
+// it came from unless it is at least 1.
+std::optional<Known> known_world_size(const InitOptions& join) {
+  std::optional<Known> size = known(join.world_size, "--world-size", "WORLD_SIZE");
+  if (size && size->value < 1) {
+    throw InvalidArgument(fmt::format("{}: the world size must be at least 1", size->said));
+  }
+  return size;
+}
+
 // "--rank", "--rank and --store", "--rank, --world-size and --store".
 std::string flag_list(const std::vector<std::string>& flags) {
   std::string s;
@@ -232,7 +243,7 @@ void check_job_flags_fit(const std::string& backend, const InitOptions& join) {
   }
   if (backend != "gloo") return;  // an unknown backend: the command's own check names it
   const std::optional<Known> rank = known(join.rank, "--rank", "RANK");
-  const std::optional<Known> size = known(join.world_size, "--world-size", "WORLD_SIZE");
+  const std::optional<Known> size = known_world_size(join);
   if (join.rank >= 0 && !size) {
     throw InvalidArgument(fmt::format(
         "--rank {} needs --world-size N (or WORLD_SIZE): the number of processes in the job",
@@ -286,7 +297,7 @@ InitOptions parse_job_flags(const JobFlags& flags) {
 bool inside_job(const std::string& backend, const InitOptions& join) {
   if (backend == "gloo") {
     return known(join.rank, "--rank", "RANK") &&
-           known(join.world_size, "--world-size", "WORLD_SIZE");
+           known_world_size(join);
   }
   return backend == "mpi" && inside_job(backend);
 }
@@ -294,7 +305,7 @@ bool inside_job(const std::string& backend, const InitOptions& join) {
 std::optional<int> job_world_size(const std::string& backend, const InitOptions& join) {
   if (!inside_job(backend, join)) return std::nullopt;
   if (backend == "mpi") return process::env_int("OMPI_COMM_WORLD_SIZE");
-  return known(join.world_size, "--world-size", "WORLD_SIZE")->value;
+  return known_world_size(join)->value;
 }
 
 int resolve_ranks(const std::string& backend, const InitOptions& join, std::optional<int> typed,
@@ -329,11 +340,8 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
   }
   if (backend != "gloo") return;
   const std::optional<Known> rank = known(join.rank, "--rank", "RANK");
-  const std::optional<Known> size = known(join.world_size, "--world-size", "WORLD_SIZE");
+  const std::optional<Known> size = known_world_size(join);
   if (!rank || !size) return;  // not inside a job: the command starts one
-  if (size->value < 1) {
-    throw InvalidArgument(fmt::format("{}: the world size must be at least 1", size->said));
-  }
   if (rank->value < 0 || rank->value >= size->value) {
     throw InvalidArgument(fmt::format("{} is out of range for {} (ranks 0 to {})", rank->said,
                                       size->said, size->value - 1));
@@ -443,13 +451,13 @@ TraceFile::~TraceFile() {
   std::filesystem::remove(path_, ec);
 }
 
-void write_trace_file(const std::string& path, const std::string& text) {
+void write_file(const std::string& path, const std::string& text, std::string_view what) {
   errno = 0;
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (f) f << text;
   if (f) f.close();
   if (!f) {
-    throw InvalidArgument(fmt::format("cannot write trace file {}: {}", path,
+    throw InvalidArgument(fmt::format("cannot write {} {}: {}", what, path,
                                       errno != 0 ? std::strerror(errno) : "write error"));
   }
 }
@@ -491,11 +499,8 @@ int ranks_on_this_machine(const std::string& backend, int ranks, const InitOptio
 }
 
 bool fits_in_memory(int ranks_here, double bytes_per_rank) {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page_size = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page_size <= 0) return true;
-  const double held = bytes_per_rank * ranks_here;
-  return held <= static_cast<double>(pages) * static_cast<double>(page_size);
+  const uint64_t memory = detail::physical_memory_bytes();
+  return memory == 0 || bytes_per_rank * ranks_here <= static_cast<double>(memory);
 }
 
 bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank) {

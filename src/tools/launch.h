@@ -6,6 +6,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -30,7 +31,8 @@ bool inside_job(const std::string& backend);
 
 // True unless `bytes_per_rank` on every rank this machine holds (all `ranks` on the threads
 // backend and in a gloo job funcol started; an mpi or other gloo job's local ranks as its
-// launcher says, else one) is more than this machine's physical memory. Allocations under the
+// launcher says, else one) is more than this machine's physical memory (or the memory limit of
+// the process's cgroup, a container's, when that is smaller). Allocations under the
 // RAM size succeed and fail only when written, as an out-of-memory kill, so the tools check
 // what they are about to write first. True when the memory size is unknown.
 bool fits_in_memory(const std::string& backend, int ranks, double bytes_per_rank);
@@ -157,8 +159,9 @@ class TraceFile {
   bool created_ = false;
   bool kept_ = false;
 };
-// Writes `text` to `path`, replacing it; throws InvalidArgument "cannot write trace file P: why".
-void write_trace_file(const std::string& path, const std::string& text);
+// Writes `text` to `path`, replacing it; throws InvalidArgument "cannot write WHAT P: why"
+// (`what`: "trace file", ...).
+void write_file(const std::string& path, const std::string& text, std::string_view what);
 
 // Runs `body` as this process's rank of a `backend` job that must have `ranks` processes:
 // follows the launcher, joins the job (init_process_group with `join`: --rank, --world-size,

@@ -1,6 +1,7 @@
 // End-to-end tests of `funcol run` as a user runs it: the built command on every backend that is
 // compiled in, exit statuses, output lines and errors printed once.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -566,7 +567,104 @@ TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {
   }
   EXPECT_FALSE(std::filesystem::exists(store));  // nothing joined, nothing written
 }
+
+// A job's size from WORLD_SIZE is named as such when it is wrong, not as a --ranks never typed.
+TEST_F(RunJoinE2E, ABadWorldSizeVariableIsNamed) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string store = dir_.path() + "/store";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"-3", "funcol: error: WORLD_SIZE=-3: the world size must be at least 1\n"},
+      {"0", "funcol: error: WORLD_SIZE=0: the world size must be at least 1\n"},
+      {"99999999999", "funcol: error: environment variable WORLD_SIZE='99999999999' is out of "
+                      "range (at most 2147483647)\n"},
+  };
+  for (const auto& [size, message] : cases) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run", file, "--backend", "gloo"};
+    SCOPED_TRACE(size);
+    s.env = {{"RANK", "0"}, {"WORLD_SIZE", size}, {"FUNCOL_STORE", store}};
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
+    EXPECT_EQ(st.code, 1);
+    EXPECT_EQ(slurp(s.stderr_path), message);
+  }
+  EXPECT_FALSE(std::filesystem::exists(store));
+}
 #endif
+
+// A memory cgroup (v1 or v2) of `limit` bytes for the commands a test runs in it (prefix()),
+// removed at the end. ok() is false where this machine lets the test make none (not root, no
+// cgroup file system with the memory controller): the test then says so and skips.
+class MemoryCgroup {
+ public:
+  explicit MemoryCgroup(const std::string& limit) {
+    const std::string name = "/funcol-test-" + std::to_string(getpid());
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    if (fs::is_directory("/sys/fs/cgroup/memory", ec)) {
+      make("/sys/fs/cgroup/memory" + name, "memory.limit_in_bytes", limit);
+    } else if (slurp("/sys/fs/cgroup/cgroup.subtree_control").find("memory") !=
+               std::string::npos) {
+      make("/sys/fs/cgroup" + name, "memory.max", limit);
+    }
+  }
+  ~MemoryCgroup() {
+    if (!dir_.empty()) rmdir(dir_.c_str());
+  }
+  bool ok() const { return !dir_.empty(); }
+  std::string prefix() const { return "echo $$ > " + dir_ + "/cgroup.procs && exec "; }
+
+ private:
+  void make(const std::string& dir, const char* file, const std::string& limit) {
+    if (mkdir(dir.c_str(), 0755) != 0) return;
+    std::ofstream(dir + "/" + file) << limit;
+    if (slurp(dir + "/" + file).empty()) {
+      rmdir(dir.c_str());
+      return;
+    }
+    dir_ = dir;
+  }
+  std::string dir_;
+};
+
+// In a container whose memory limit is below the machine's, the memory guards use the limit:
+// a graph's inputs, a tensor made while it runs, `bench` buffers and a `train` model larger than
+// it are errors, not an out-of-memory kill (exit 137) while they are written.
+TEST_F(RunE2E, MemoryGuardsHonourTheContainersLimit) {
+  const MemoryCgroup cgroup("300M");
+  if (!cgroup.ok()) GTEST_SKIP() << "cannot make a memory cgroup here (needs root and cgroupfs)";
+  const std::string made = write("made.ir", R"(graph @g() {
+  %z = zeros() {shape = [1073741824], dtype = u8}
+  %s = sum(%z) {dims = [0], keepdim = false}
+  return %s
+}
+)");
+  const std::string inputs = write("inputs.ir", "graph @g(%x: u8[1073741824]) {\n  return %x\n}\n");
+  const std::string bin = std::string(FUNCOL_BIN);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {bin + " run " + made + " --ranks 1",
+       "node %z: out of memory: cannot allocate 1073741824 bytes"},
+      {bin + " run " + inputs + " --ranks 1",
+       "graph @g's inputs take 1073741824 bytes per rank: more than this machine's memory"},
+      {bin + " bench -b 1G -e 1G -n 1 -w 0 -c 0 -o all_reduce --ranks 1",
+       "out of memory allocating 1073741824 bytes per rank"},
+      {bin + " train --ranks 2 --layers 1 --hidden 8192 --batch 4096 --steps 1",
+       "needs about 4 GB, more than this machine's 0.31 GB; use a smaller model"},
+  };
+  for (const auto& [command, message] : cases) {
+    SCOPED_TRACE(command);
+    SpawnOptions s;
+    s.argv = {"sh", "-c", cgroup.prefix() + command};
+    s.env = {{"FUNCOL_TIMEOUT", "60"}};
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const ExitStatus st = wait_all({spawn_process(s)}).front();
+    EXPECT_FALSE(st.signaled) << slurp(s.stderr_path);
+    EXPECT_EQ(st.code, 1) << slurp(s.stderr_path);
+    EXPECT_NE(slurp(s.stderr_path).find(message), std::string::npos) << slurp(s.stderr_path);
+  }
+}
 
 TEST_F(RunE2E, ReadsStandardInput) {
   const std::string file = write("g.ir", kGraph);
@@ -581,7 +679,9 @@ TEST_F(RunE2E, ReadsStandardInput) {
 
 // A FILE that is not a regular file (a pipe: `<(...)`, /dev/stdin) runs on every backend. The
 // process backends' ranks read FILE again; the launcher had drained the pipe (gloo: "the input
-// holds none") and mpirun's ranks have no /dev/fd of it ("cannot read /dev/fd/63").
+// holds none") and mpirun's ranks have no /dev/fd of it ("cannot read /dev/fd/63"). The same
+// through /dev/stdin or /dev/fd/3 on a regular file: those name a regular file, which the ranks
+// were sent to read again ("the input holds none" from /dev/stdin at its end, no /dev/fd/3).
 TEST_F(RunE2E, ReadsAFileThatIsAPipeOnEveryBackend) {
   const std::string file = write("g.ir", kGraph);
   const Result want = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--outputs", "json"});
@@ -596,6 +696,15 @@ TEST_F(RunE2E, ReadsAFileThatIsAPipeOnEveryBackend) {
                   backend + " > " + out + " 2>&1"};
     EXPECT_TRUE(wait_all({spawn_process(s)}).front().ok()) << slurp(out);
     EXPECT_EQ(slurp(out), want.out);
+    for (const char* redirect : {"/dev/stdin < ", "/dev/fd/3 3< "}) {
+      s.argv = {"sh", "-c",
+                "FUNCOL_TIMEOUT=60 " + std::string(FUNCOL_BIN) + " run " + redirect + file +
+                    " --ranks 4 --mesh dp=2,tp=2 --outputs json --backend " + backend + " > " +
+                    out + " 2>&1"};
+      SCOPED_TRACE(redirect);
+      EXPECT_TRUE(wait_all({spawn_process(s)}).front().ok()) << slurp(out);
+      EXPECT_EQ(slurp(out), want.out);
+    }
   }
 }
 

@@ -28,6 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/memory.h"
 #include "funcol/api/functional.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
@@ -405,11 +406,15 @@ void validate(const TrainOptions& o) {
   const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 5;
   const double graphs = 25e3 * o.layers * o.ranks;
   const double bytes = weights + activations + graphs;
-  if (bytes > 8e9) {
+  // Also within this machine's memory (a container's limit included): over it, the run would
+  // be killed while it writes.
+  const auto memory = static_cast<double>(detail::physical_memory_bytes());
+  if (bytes > 8e9 || (memory > 0 && bytes > memory)) {
     throw InvalidArgument(fmt::format(
-        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.0f} GB; use a "
+        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.{}f} GB{}; use a "
         "smaller model",
-        o.layers, o.hidden, o.batch, o.ranks, bytes / 1e9));
+        o.layers, o.hidden, o.batch, o.ranks, bytes / 1e9, bytes < 1e9 ? 2 : 0,
+        bytes > 8e9 ? "" : fmt::format(", more than this machine's {:.2f} GB", memory / 1e9)));
   }
 }
 
@@ -502,7 +507,7 @@ TrainReport make_report(const TrainOptions& o, const Shared& sh) {
   };
   fill(report.unbucketed, 0, sh.ms_unbucketed);
   if (!o.no_bucketing) fill(report.bucketed, 1, sh.ms_bucketed);
-  if (!o.trace.empty()) write_trace_file(o.trace, chrome_trace_json(sh.trace_events));
+  if (!o.trace.empty()) write_file(o.trace, chrome_trace_json(sh.trace_events), "trace file");
   return report;
 }
 
