@@ -210,7 +210,7 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
   if (!o.trace.empty()) {
     std::vector<std::string> events;
     for (const RankReport& r : reports) events.push_back(r.events);
-    write_trace_file(o.trace, chrome_trace_json(events));
+    write_file(o.trace, chrome_trace_json(events), "trace file");
     if (o.outputs != "json") std::fprintf(out, "trace: %s\n", o.trace.c_str());
   }
   std::fflush(out);
@@ -287,9 +287,10 @@ std::vector<std::string> rank_args(const RunOptions& o, const std::string& file)
 }
 
 // Not inside a job: start one (launch_job). The ranks read the graph from a file: standard
-// input, and any FILE that is not a regular file (a pipe, `<(...)`, /dev/stdin: this process
-// drained it, and mpirun's ranks do not inherit /dev/fd), is saved to the job's temporary
-// directory with the text this process read and checked.
+// input, any FILE that is not a regular file (a pipe, `<(...)`: this process drained it), and
+// any under /dev or /proc (/dev/stdin or /dev/fd/3 on a regular file: mpirun's ranks inherit
+// neither the descriptor nor its position) are saved to the job's temporary directory with the
+// text this process read and checked.
 int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   TraceFile trace(o.trace);
   JobOptions job;
@@ -299,9 +300,10 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   job.rank_args = [&](const std::string& dir) {
     std::string file = o.file;
     std::error_code ec;
-    if (o.file == "-" || !std::filesystem::is_regular_file(o.file, ec)) {
+    if (o.file == "-" || !std::filesystem::is_regular_file(o.file, ec) ||
+        o.file.starts_with("/dev/") || o.file.starts_with("/proc/")) {
       file = dir + (o.file == "-" ? "/stdin.ir" : "/input.ir");
-      std::ofstream(file, std::ios::binary) << text;
+      write_file(file, text, "the graph's copy");
     }
     return rank_args(o, file);
   };
