@@ -1238,6 +1238,22 @@ TEST(GroupSpecTest, ListsOfRankListsFindAMeshsGroupsWithoutTheOtherRanks) {
     EXPECT_EQ(all_reduce(z, "sum", {{3, 1}, {0, 2}}).to_vector<float>(), repeat(2, 1));
     EXPECT_EQ(&GroupSpec({{1, 3}, {0, 2}}).resolve(), mesh.group("dp").get());
   });
+  // Groups made one by one by new_group over the world, each rank a member of one of them.
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    auto low = new_group(world, {0, 3});
+    auto high = new_group(world, {1, 2});
+    const GroupSpec pairs({{0, 3}, {1, 2}});
+    Tensor x = Tensor::full({1}, DType::F32, 1 << r);
+    if (r == 0 || r == 3) {
+      EXPECT_EQ(all_reduce(x, "sum", pairs).to_vector<float>(), repeat(9, 1));
+      (void)wait_tensor(all_reduce(x, "sum", "world"));
+    } else {
+      (void)wait_tensor(all_reduce(x, "sum", "world"));
+      EXPECT_EQ(all_reduce(x, "sum", pairs).to_vector<float>(), repeat(6, 1));
+    }
+    EXPECT_EQ(&pairs.resolve(), (r == 0 || r == 3 ? low : high).get());
+  });
 }
 
 // Each pair passing its own rank list (SPMD style) cannot create two groups: the error says

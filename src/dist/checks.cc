@@ -514,13 +514,7 @@ Tensor split_probe(const std::string& description, bool taken) {
 void note_split(const ProcessGroup& parent, const std::vector<std::vector<int>>& rank_lists) {
   GroupRegistry& registry = parent.registry();
   const std::shared_ptr<ProcessGroup> world = registry.find("world");
-  size_t covered = 0;  // the lists are disjoint members of the parent (check_split)
-  for (const auto& list : rank_lists) covered += list.size();
-  if (!world || covered != static_cast<size_t>(world->size())) return;
-  std::vector<std::vector<int>> sorted = rank_lists;
-  for (auto& list : sorted) std::sort(list.begin(), list.end());
-  std::sort(sorted.begin(), sorted.end());
-  registry.add_resolved_partition(std::move(sorted));
+  if (world && parent.size() == world->size()) registry.add_world_split(rank_lists);
 }
 
 void agree_on_split(ProcessGroup& parent, int split,

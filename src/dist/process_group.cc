@@ -402,7 +402,17 @@ void GroupRegistry::skip_group_ids_through(int64_t id) {
 
 bool GroupRegistry::resolved_partition(const std::vector<std::vector<int>>& lists) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return resolved_partitions_.count(lists) > 0;
+  return resolved_partitions_.count(lists) > 0 ||
+         std::all_of(lists.begin(), lists.end(),
+                     [&](const std::vector<int>& list) { return world_split_lists_.count(list); });
+}
+
+void GroupRegistry::add_world_split(const std::vector<std::vector<int>>& lists) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (std::vector<int> list : lists) {
+    std::sort(list.begin(), list.end());
+    world_split_lists_.insert(std::move(list));
+  }
 }
 
 void GroupRegistry::add_resolved_partition(std::vector<std::vector<int>> lists) {

@@ -173,9 +173,13 @@ class GroupRegistry {
   int64_t next_group_id() const;
   void skip_group_ids_through(int64_t id);
   // Partitions of the world (sorted rank lists) that a group spec of rank lists resolved on
-  // every rank: later uses find their groups here without asking the other ranks again.
+  // every rank, or whose every list got its group from a split over the whole world
+  // (add_world_split): their uses find the groups here without asking the other ranks.
   bool resolved_partition(const std::vector<std::vector<int>>& lists) const;
   void add_resolved_partition(std::vector<std::vector<int>> lists);
+  // The rank lists of a split whose parent spans the whole world (a DeviceMesh dim, new_group
+  // over the world): every rank of the world took part, so every rank records the same lists.
+  void add_world_split(const std::vector<std::vector<int>>& lists);
 
  private:
   std::shared_ptr<ProcessGroup> find_locked(const std::string& name) const;  // needs mu_
@@ -188,6 +192,7 @@ class GroupRegistry {
   std::map<std::vector<int>, size_t> by_ranks_;      // the first registered with these ranks
   int64_t next_id_ = 1;
   std::set<std::vector<std::vector<int>>> resolved_partitions_;
+  std::set<std::vector<int>> world_split_lists_;  // sorted
 
   friend class ProcessGroup;
   // Expires with the registry: the groups' registry() checks it (a group may outlive it).

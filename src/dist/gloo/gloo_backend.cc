@@ -409,6 +409,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                                             const std::string& name) override {
     auto mine = dist_detail::check_split(*this, rank_lists, name);
     const int split = agree_on_split(rank_lists, name);
+    dist_detail::note_split(*this, rank_lists);  // on every rank, members or not
     if (!mine) return nullptr;
     const int my_index =
         static_cast<int>(std::find(mine->begin(), mine->end(), global_rank()) - mine->begin());
@@ -423,7 +424,6 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     }
     auto group = create(my_index, *mine, name, &registry(), job(), shared_, std::move(context));
     registry().add(group);
-    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 
