@@ -1254,6 +1254,17 @@ TEST(GroupSpecTest, ListsOfRankListsFindAMeshsGroupsWithoutTheOtherRanks) {
     }
     EXPECT_EQ(&pairs.resolve(), (r == 0 || r == 3 ? low : high).get());
   });
+  // A split that listed a group's ranks out of order made a group the spec's sorted lists do
+  // not find on its members: every rank must then take the agreement, not only those members
+  // (ranks 2 and 3 alone took the shortcut, and ranks 0 and 1's agreement met the next
+  // collective: a mismatch on threads, a hang until the timeout on gloo).
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    world.split_group({{1, 0}, {2, 3}}, "pairs");
+    Tensor x = Tensor::full({1}, DType::F32, 1 << r);
+    EXPECT_EQ(all_reduce(x, "sum", {{0, 1}, {2, 3}}).to_vector<float>(), repeat(r < 2 ? 3 : 12, 1));
+    EXPECT_EQ(all_reduce(x, "sum", "world").to_vector<float>(), repeat(15, 1));
+  });
 }
 
 // Each pair passing its own rank list (SPMD style) cannot create two groups: the error says

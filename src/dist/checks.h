@@ -185,8 +185,8 @@ std::string split_description(const std::vector<std::vector<int>>& rank_lists,
 Tensor split_probe(const std::string& description, bool taken);
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name);
-// split_group, on every backend, once every rank of the parent took part (members of the new
-// groups or not; before a member makes its group): a split over a
+// split_group, on every backend, on every rank of the parent once its part succeeded (a member
+// once it registered its group; a rank in no list too): a split over a
 // parent that spans the whole world made the groups of its lists with every rank taking part,
 // so a group spec of rank lists made so (GroupSpec({{0, 1}, {2, 3}}) after a DeviceMesh or two
 // new_groups made them) finds them without asking the other ranks, as after its own first

@@ -409,9 +409,11 @@ bool GroupRegistry::resolved_partition(const std::vector<std::vector<int>>& list
 
 void GroupRegistry::add_world_split(const std::vector<std::vector<int>>& lists) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (std::vector<int> list : lists) {
-    std::sort(list.begin(), list.end());
-    world_split_lists_.insert(std::move(list));
+  for (const std::vector<int>& list : lists) {
+    // Only a list in order: its group's ranks are in the order given, and a group spec finds
+    // groups by sorted ranks, so the members of a group of [1, 0] would not find it while the
+    // other ranks, finding theirs, took the shortcut alone.
+    if (std::is_sorted(list.begin(), list.end())) world_split_lists_.insert(list);
   }
 }
 

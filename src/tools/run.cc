@@ -286,11 +286,29 @@ std::vector<std::string> rank_args(const RunOptions& o, const std::string& file)
   return a;
 }
 
+// Whether `path`, or a symbolic link on the way from it to its file, is under /dev or /proc:
+// one of this process's descriptors (/dev/stdin, /dev/fd/3, a link to them), which launched
+// ranks do not share.
+bool via_dev_or_proc(std::filesystem::path path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (int hop = 0; hop < 40; ++hop) {
+    path = fs::absolute(path, ec).lexically_normal();
+    const std::string s = path.string();
+    if (s.starts_with("/dev/") || s.starts_with("/proc/")) return true;
+    if (!fs::is_symlink(path, ec)) return false;
+    const fs::path target = fs::read_symlink(path, ec);
+    if (ec) return false;
+    path = target.is_absolute() ? target : path.parent_path() / target;
+  }
+  return true;  // a loop of links: the copy serves
+}
+
 // Not inside a job: start one (launch_job). The ranks read the graph from a file: standard
 // input, any FILE that is not a regular file (a pipe, `<(...)`: this process drained it), and
-// any under /dev or /proc (/dev/stdin or /dev/fd/3 on a regular file: mpirun's ranks inherit
-// neither the descriptor nor its position) are saved to the job's temporary directory with the
-// text this process read and checked.
+// any reached through /dev or /proc (/dev/stdin or /dev/fd/3 on a regular file: mpirun's ranks
+// inherit neither the descriptor nor its position) are saved to the job's temporary directory
+// with the text this process read and checked.
 int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
   TraceFile trace(o.trace);
   JobOptions job;
@@ -301,7 +319,7 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
     std::string file = o.file;
     std::error_code ec;
     if (o.file == "-" || !std::filesystem::is_regular_file(o.file, ec) ||
-        o.file.starts_with("/dev/") || o.file.starts_with("/proc/")) {
+        via_dev_or_proc(o.file)) {
       file = dir + (o.file == "-" ? "/stdin.ir" : "/input.ir");
       write_file(file, text, "the graph's copy");
     }

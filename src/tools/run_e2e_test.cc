@@ -576,7 +576,7 @@ TEST_F(RunJoinE2E, ABadWorldSizeVariableIsNamed) {
       {"-3", "funcol: error: WORLD_SIZE=-3: the world size must be at least 1\n"},
       {"0", "funcol: error: WORLD_SIZE=0: the world size must be at least 1\n"},
       {"99999999999", "funcol: error: environment variable WORLD_SIZE='99999999999' is out of "
-                      "range (at most 2147483647)\n"},
+                      "range (-2147483648 to 2147483647)\n"},
   };
   for (const auto& [size, message] : cases) {
     SpawnOptions s;
@@ -650,7 +650,8 @@ TEST_F(RunE2E, MemoryGuardsHonourTheContainersLimit) {
       {bin + " bench -b 1G -e 1G -n 1 -w 0 -c 0 -o all_reduce --ranks 1",
        "out of memory allocating 1073741824 bytes per rank"},
       {bin + " train --ranks 2 --layers 1 --hidden 8192 --batch 4096 --steps 1",
-       "needs about 4 GB, more than this machine's 0.31 GB; use a smaller model"},
+       "needs about 4.03 GB for the 2 ranks on this machine, more than its 0.31 GB; use a "
+       "smaller model"},
   };
   for (const auto& [command, message] : cases) {
     SCOPED_TRACE(command);
@@ -686,6 +687,8 @@ TEST_F(RunE2E, ReadsAFileThatIsAPipeOnEveryBackend) {
   const std::string file = write("g.ir", kGraph);
   const Result want = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--outputs", "json"});
   ASSERT_EQ(want.status, 0) << want.err;
+  const std::string link = dir_.path() + "/stdin-link";  // a link to /dev/stdin is one too
+  std::filesystem::create_symlink("/dev/stdin", link);
   for (const std::string& backend : backends()) {
     SCOPED_TRACE(backend);
     const std::string out = dir_.path() + "/pipe." + backend + ".out";
@@ -696,7 +699,8 @@ TEST_F(RunE2E, ReadsAFileThatIsAPipeOnEveryBackend) {
                   backend + " > " + out + " 2>&1"};
     EXPECT_TRUE(wait_all({spawn_process(s)}).front().ok()) << slurp(out);
     EXPECT_EQ(slurp(out), want.out);
-    for (const char* redirect : {"/dev/stdin < ", "/dev/fd/3 3< "}) {
+    for (const std::string& redirect :
+         std::vector<std::string>{"/dev/stdin < ", "/dev/fd/3 3< ", link + " < "}) {
       s.argv = {"sh", "-c",
                 "FUNCOL_TIMEOUT=60 " + std::string(FUNCOL_BIN) + " run " + redirect + file +
                     " --ranks 4 --mesh dp=2,tp=2 --outputs json --backend " + backend + " > " +

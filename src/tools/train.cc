@@ -406,15 +406,23 @@ void validate(const TrainOptions& o) {
   const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 5;
   const double graphs = 25e3 * o.layers * o.ranks;
   const double bytes = weights + activations + graphs;
-  // Also within this machine's memory (a container's limit included): over it, the run would
-  // be killed while it writes.
-  const auto memory = static_cast<double>(detail::physical_memory_bytes());
-  if (bytes > 8e9 || (memory > 0 && bytes > memory)) {
+  if (bytes > 8e9) {
     throw InvalidArgument(fmt::format(
-        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.{}f} GB{}; use a "
+        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.0f} GB; use a "
         "smaller model",
-        o.layers, o.hidden, o.batch, o.ranks, bytes / 1e9, bytes < 1e9 ? 2 : 0,
-        bytes > 8e9 ? "" : fmt::format(", more than this machine's {:.2f} GB", memory / 1e9)));
+        o.layers, o.hidden, o.batch, o.ranks, bytes / 1e9));
+  }
+  // Also within the memory of this machine (a container's limit included) for the ranks it
+  // holds: over it, the run would be killed while it writes.
+  const int here = ranks_on_this_machine(o.backend, o.ranks, o.join);
+  const double mine = bytes * here / o.ranks;
+  const auto memory = static_cast<double>(detail::physical_memory_bytes());
+  if (memory > 0 && mine > memory) {
+    throw InvalidArgument(fmt::format(
+        "--layers {} x --hidden {} x --batch {} on --ranks {} needs about {:.2f} GB for the {} "
+        "rank{} on this machine, more than its {:.2f} GB; use a smaller model",
+        o.layers, o.hidden, o.batch, o.ranks, mine / 1e9, here, here == 1 ? "" : "s",
+        memory / 1e9));
   }
 }
 

@@ -178,7 +178,8 @@ class GroupRegistry {
   bool resolved_partition(const std::vector<std::vector<int>>& lists) const;
   void add_resolved_partition(std::vector<std::vector<int>> lists);
   // The rank lists of a split whose parent spans the whole world (a DeviceMesh dim, new_group
-  // over the world): every rank of the world took part, so every rank records the same lists.
+  // over the world): every rank of the world took part, so every rank records the same lists
+  // (those in increasing order only: find_by_ranks finds a group by its ranks in order).
   void add_world_split(const std::vector<std::vector<int>>& lists);
 
  private:

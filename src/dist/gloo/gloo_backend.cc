@@ -409,8 +409,10 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                                             const std::string& name) override {
     auto mine = dist_detail::check_split(*this, rank_lists, name);
     const int split = agree_on_split(rank_lists, name);
-    dist_detail::note_split(*this, rank_lists);  // on every rank, members or not
-    if (!mine) return nullptr;
+    if (!mine) {
+      dist_detail::note_split(*this, rank_lists);
+      return nullptr;
+    }
     const int my_index =
         static_cast<int>(std::find(mine->begin(), mine->end(), global_rank()) - mine->begin());
     std::shared_ptr<gloo::Context> context;
@@ -424,6 +426,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     }
     auto group = create(my_index, *mine, name, &registry(), job(), shared_, std::move(context));
     registry().add(group);
+    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 

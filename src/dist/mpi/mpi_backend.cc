@@ -591,10 +591,13 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           return std::pair<MPI_Comm, MPI_Comm>(out, step);
         },
         job()->timeout(), lost);
-    dist_detail::note_split(*this, rank_lists);  // on every rank, members or not
-    if (!mine) return nullptr;
+    if (!mine) {
+      dist_detail::note_split(*this, rank_lists);
+      return nullptr;
+    }
     auto group = create(key, *mine, name, &registry(), job(), comm, step_comm);
     registry().add(group);
+    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 

@@ -38,8 +38,9 @@ std::optional<int> env_int(const char* name) {
   int out = 0;
   auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
   if (ec == std::errc::result_out_of_range && ptr == v.data() + v.size()) {
-    throw InvalidArgument(fmt::format("environment variable {}='{}' is out of range (at most {})",
-                                      name, v, std::numeric_limits<int>::max()));
+    throw InvalidArgument(fmt::format("environment variable {}='{}' is out of range ({} to {})",
+                                      name, v, std::numeric_limits<int>::min(),
+                                      std::numeric_limits<int>::max()));
   }
   if (ec != std::errc() || ptr != v.data() + v.size()) {
     throw InvalidArgument(fmt::format("environment variable {}='{}' is not an integer", name, v));

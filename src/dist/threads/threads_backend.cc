@@ -2957,11 +2957,14 @@ class ThreadsGroup final : public ProcessGroup {
     const uint64_t index = next_split_.fetch_add(1, std::memory_order_relaxed);
     dist_detail::agree_on_split(*this, static_cast<int>(index), rank_lists, name);
     SharedGroup* mine = world_->split(*shared_, index, rank_lists, name, global_rank_);
-    dist_detail::note_split(*this, rank_lists);  // on every rank, members or not
-    if (mine == nullptr) return nullptr;
+    if (mine == nullptr) {
+      dist_detail::note_split(*this, rank_lists);
+      return nullptr;
+    }
     auto group = std::make_shared<ThreadsGroup>(world_, mine, mine->member_of(global_rank_), name,
                                                 &registry());
     registry().add(group);
+    dist_detail::note_split(*this, rank_lists);
     return group;
   }
 
