@@ -126,6 +126,9 @@ class Tensor {
   Tensor() = default;
 
   // ---- factories ----
+  // Storage beyond the machine's memory and swap (capped by the process's cgroup limit, a
+  // container's) is refused before allocating, Error "out of memory: cannot allocate N bytes",
+  // even where overcommit would have let a tensor used only in part through.
   static Tensor empty(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype);
   // `value` is converted to dtype (bool: value != 0); an integer dtype refuses a value it
