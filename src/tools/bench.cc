@@ -1156,6 +1156,8 @@ BenchReport run_process_rank(const BenchOptions& o, std::FILE* out) {
       throw InvalidArgument(fmt::format("--ranks {} does not match the job's {} processes",
                                         o.ranks, world->size()));
     }
+    // Ranks started by hand with different sizes, ops or counts would pair other collectives.
+    check_same_flags(*world, bench_job_args(o), "flags (sizes, ops, dtype, counts, --root)");
     std::vector<CheckPattern> patterns;
     for (BenchOp op : o.ops) patterns.emplace_back(op, o.redop, o.dtype, o.ranks, o.root);
     if (rank == 0) {

@@ -331,6 +331,26 @@ TEST_F(BenchProcessE2E, GlooRanksJoinedWithFlagsRunTheBenchmark) {
   }
   EXPECT_EQ(sizes, (std::vector<int64_t>{32, 128, 512}));
 
+  // Ranks started with different flags (here -e) fail at once, both saying so, instead of
+  // pairing collectives of other sizes (a hang until the timeout, or a garbled size).
+  const std::string store2 = dir.path() + "/store2";
+  const std::string flags = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=60 " +
+                            std::string(FUNCOL_BIN) +
+                            " bench --backend gloo -o all_reduce -b 32 -n 2 -w 1 --world-size 2 "
+                            "--store " +
+                            store2 + " --rank ";
+  const funcol::tools::e2e::ShellResult mixed = funcol::tools::e2e::run_shell(
+      flags + "1 -e 128 >" + dir.path() + "/mixed1.out 2>&1 & " + flags +
+      "0 -e 512 2>&1; s=$?; wait $! || s=1; exit $s");
+  const std::string mixed1 = slurp(dir.path() + "/mixed1.out");
+  EXPECT_NE(mixed.status, 0) << mixed.out << mixed.err;
+  for (const std::string& text : {mixed.out + mixed.err, mixed1}) {
+    EXPECT_NE(text.find("the ranks were started with different flags: rank 0 has 'bench -b 32 -e "
+                        "512"),
+              std::string::npos)
+        << text;
+  }
+
   Result r = bench("--backend gloo --rank 0");
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out,

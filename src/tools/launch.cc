@@ -598,6 +598,19 @@ int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, 
   return status;
 }
 
+void check_same_flags(ProcessGroup& world, const std::vector<std::string>& flags,
+                      std::string_view which) {
+  const std::vector<std::string> all =
+      gather_strings(world, fmt::format("{}", fmt::join(flags, " ")));
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    throw InvalidArgument(fmt::format(
+        "the ranks were started with different flags: rank 0 has '{}' but rank {} has '{}' "
+        "(every rank of a job must pass the same {})",
+        all[0], r, all[r], which));
+  }
+}
+
 std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine) {
   // Lengths first, then every string padded to the longest.
   const int n = world.size();

@@ -174,6 +174,14 @@ int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, 
 // All-gathers one string per rank over `world`: every rank gets every rank's, in rank order.
 std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine);
 
+// The first collective of a rank of a job that funcol did not start (ranks started by hand,
+// or by a user's mpirun): `flags` (what this rank was given that every rank must share, as
+// typed) is compared with every rank's, and a difference is one InvalidArgument on every rank,
+// "the ranks were started with different flags: rank 0 has '...' but rank R has '...' (every
+// rank of a job must pass the same WHICH)", instead of collectives that do not pair.
+void check_same_flags(ProcessGroup& world, const std::vector<std::string>& flags,
+                      std::string_view which);
+
 // Rethrows the exception in flight with "rank R: " in front, keeping funcol's error kinds and
 // locations (rethrow_prefixed).
 [[noreturn]] void rethrow_for_rank(int rank);

@@ -227,23 +227,19 @@ int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
   return 0;
 }
 
-// The flags every rank of a job must agree on beyond the graph and the mesh (which the
-// executor and DeviceMesh check): the launcher passes its own to every rank, but ranks started
-// by hand could differ, and then a rank with fewer --iters would meet its peers' graph
-// collectives with the gathering of the reports (a truncated message: gloo aborts), and a
-// --outputs or --trace on some ranks only would print or write part of the run.
+// The flags every rank of a job must agree on beyond the graph (which the executor checks):
+// the launcher passes its own to every rank, but ranks started by hand could differ, and then a
+// rank with fewer --iters would meet its peers' graph collectives with the gathering of the
+// reports (a truncated message: gloo aborts), a --mesh on some ranks only would meet their
+// graph collectives with the mesh's agreement, and a --outputs or --trace on some ranks only
+// would print or write part of the run.
 void check_same_run_flags(const RunOptions& o, ProcessGroup& world) {
-  std::string mine = fmt::format("--iters {} --seed {}", o.iters, o.seed);
-  if (!o.outputs.empty()) mine += " --outputs " + o.outputs;
-  if (!o.trace.empty()) mine += " --trace " + o.trace;
-  const std::vector<std::string> all = gather_strings(world, mine);
-  for (size_t r = 1; r < all.size(); ++r) {
-    if (all[r] == all[0]) continue;
-    throw InvalidArgument(fmt::format(
-        "the ranks were started with different flags: rank 0 has '{}' but rank {} has '{}' "
-        "(every rank of a job must pass the same --iters, --seed, --outputs and --trace)",
-        all[0], r, all[r]));
-  }
+  std::vector<std::string> mine = {"--iters", std::to_string(o.iters), "--seed",
+                                   std::to_string(o.seed)};
+  if (!o.mesh.empty()) mine.insert(mine.end(), {"--mesh", o.mesh});
+  if (!o.outputs.empty()) mine.insert(mine.end(), {"--outputs", o.outputs});
+  if (!o.trace.empty()) mine.insert(mine.end(), {"--trace", o.trace});
+  check_same_flags(world, mine, "--iters, --seed, --mesh, --outputs and --trace");
 }
 
 // This process is one rank of an mpi or gloo job: run, then gather the reports to rank 0.

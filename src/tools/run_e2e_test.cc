@@ -263,6 +263,20 @@ TEST_F(RunE2E, RanksThatDisagreeWithMpirunAreTheError) {
                                                " run " + file + " --backend mpi --outputs json");
   EXPECT_EQ(good.status, 0) << good.err;
   EXPECT_EQ(std::count(good.out.begin(), good.out.end(), '\n'), 2) << good.out;
+  // FUNCOL_DEBUG=detail on one rank only: its signature exchange before each collective met the
+  // other rank's data (rank 1 took rank 0's signature bytes as its result, rank 0 aborted).
+  // Every rank now refuses the job at init, saying why.
+  const std::string rank = std::string(FUNCOL_BIN) + " run " + file + " --backend mpi";
+  const e2e::ShellResult mixed = e2e::run_shell(
+      "FUNCOL_TIMEOUT=20 " + mpirun + " --oversubscribe -np 1 -x FUNCOL_DEBUG=detail " + rank +
+      " : -np 1 -x FUNCOL_DEBUG= " + rank);
+  EXPECT_NE(mixed.status, 0) << mixed.err;
+  EXPECT_NE(mixed.err.find("funcol: error: mpi backend: rank 1 runs without FUNCOL_DEBUG=DETAIL "
+                           "and this rank (rank 0) with it; every rank of a job must set the "
+                           "same FUNCOL_DEBUG"),
+            std::string::npos)
+      << mixed.err;
+  EXPECT_EQ(mixed.out, "");
 }
 #endif
 
@@ -479,6 +493,7 @@ TEST_F(RunJoinE2E, RanksWithDifferentRunFlagsFailCleanly) {
       {{"--outputs", "json"}, {}},
       {{}, {"--trace", trace}},
       {{"--seed", "1"}, {"--seed", "2"}},
+      {{"--mesh", "dp=2"}, {}},
   };
   int n = 0;
   for (const auto& flags : cases) {

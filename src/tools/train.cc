@@ -274,6 +274,9 @@ void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on
   for (Variant& v : variants) profilers.push_back(&v.profiler);
   align_epochs(world, profilers);
   for (int step = 1; step <= o.steps; ++step) {
+    if (step == o.leave_before_step) {
+      throw Error(fmt::format("leaving before step {} (--leave-before-step)", step));
+    }
     // The first step warms caches and allocators up; it is not timed (unless it is the only one).
     const bool timed = step > 1 || o.steps == 1;
     std::vector<Tensor> inputs = {x, target};
@@ -729,6 +732,14 @@ void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, s
 
 int train_in_job(const TrainOptions& o, Progress& progress, std::FILE* out, std::FILE* err) {
   return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
+    // Ranks started by hand with different flags would pair other collectives (a rank with
+    // fewer --steps met the next step's with its report's): the launcher's rank flags, less
+    // those that may differ (where progress goes, the failure test's).
+    TrainOptions same = o;
+    same.progress_fd = -1;
+    same.progress_bar = false;
+    same.leave_before_step = 0;
+    check_same_flags(world, train_rank_args(same), "training flags");
     Shared sh;
     sh.trace_events.resize(static_cast<size_t>(o.ranks));
     StepCallback on_step;
@@ -830,6 +841,8 @@ void add_train_command(CLI::App& app) {
   // Set by the launcher of an mpi or gloo job for its ranks.
   sub->add_option("--progress-fd", o->progress_fd)->group("");
   sub->add_flag("--progress-bar", o->progress_bar)->group("");
+  // Tests of the failure path: this rank leaves the job before step N.
+  sub->add_option("--leave-before-step", o->leave_before_step)->group("");
   add_seed_option(*sub, o->seed, "seed of the weights, inputs and targets");
   sub->callback([o, job, ranks]() {
     o->join = parse_job_flags(*job);

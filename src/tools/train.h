@@ -39,6 +39,8 @@ struct TrainOptions {
   // --progress-bar (hidden): the launcher's stderr is a terminal (mpirun passes rank 0's stderr
   // on through a pipe, so rank 0 cannot see that itself): show a bar.
   bool progress_bar = false;
+  // --leave-before-step (hidden, tests): this rank throws before step N (0: never).
+  int leave_before_step = 0;
 };
 
 // Throws InvalidArgument naming the flag and value when the options do not make a run.

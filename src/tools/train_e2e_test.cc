@@ -163,7 +163,7 @@ TEST(TrainE2e, GlooRanksJoinedWithFlagsTrainWhatTheLauncherTrains) {
   EXPECT_EQ(j["final_loss"], want["final_loss"]);
 
   // A rank that fails mid-training prints its error on a line of its own, not glued to the
-  // progress bar: here rank 1 trains 2 steps and leaves, so rank 0 times out in step 3.
+  // progress bar: here rank 1 trains 2 steps and leaves, so rank 0 fails in step 3.
   char dir2[] = "/tmp/funcol_train_e2e_XXXXXX";
   ASSERT_NE(mkdtemp(dir2), nullptr);
   const std::string d2 = dir2;
@@ -173,14 +173,39 @@ TEST(TrainE2e, GlooRanksJoinedWithFlagsTrainWhatTheLauncherTrains) {
                            "--world-size 2 --store " +
                            d2 + "/store --progress-bar --rank ";
   const funcol::tools::e2e::ShellResult failed = funcol::tools::e2e::run_shell(
-      "(" + fail + "1 --steps 2 >/dev/null 2>&1 & " + fail + "0 --steps 50 2>&1; s=$?; wait; " +
-      "exit $s)");
+      "(" + fail + "1 --steps 50 --leave-before-step 3 >/dev/null 2>&1 & " + fail +
+      "0 --steps 50 2>&1; s=$?; wait; exit $s)");
   std::filesystem::remove_all(d2);
   EXPECT_EQ(failed.status, 1) << failed.out;
   EXPECT_NE(failed.out.find("] step 2/50  loss "), std::string::npos) << failed.out;
   const size_t error = failed.out.find("funcol: error: rank 0: ");
   ASSERT_NE(error, std::string::npos) << failed.out;
   EXPECT_EQ(failed.out[error - 1], '\n') << failed.out;
+
+  // Ranks started with different flags (here --steps) fail at once, saying so, instead of
+  // meeting the next step's collectives with the report's (a hang until the timeout).
+  char dir3[] = "/tmp/funcol_train_e2e_XXXXXX";
+  ASSERT_NE(mkdtemp(dir3), nullptr);
+  const std::string d3 = dir3;
+  const std::string mixed_bin = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=60 " +
+                                std::string(FUNCOL_BIN) +
+                                " train --layers 2 --hidden 8 --batch 4 --backend gloo "
+                                "--world-size 2 --store " +
+                                d3 + "/store --rank ";
+  const funcol::tools::e2e::ShellResult mixed = funcol::tools::e2e::run_shell(
+      "(" + mixed_bin + "1 --steps 2 >" + d3 + "/rank1.out 2>&1 & " + mixed_bin +
+      "0 --steps 1 2>&1; s=$?; wait $! || s=1; exit $s)");
+  const std::string mixed1 = funcol::tools::e2e::slurp(d3 + "/rank1.out");
+  std::filesystem::remove_all(d3);
+  EXPECT_EQ(mixed.status, 1) << mixed.out;
+  for (const std::string& text : {mixed.out, mixed1}) {
+    EXPECT_NE(text.find("the ranks were started with different flags: rank 0 has 'train "),
+              std::string::npos)
+        << text;
+    EXPECT_NE(text.find("(every rank of a job must pass the same training flags)"),
+              std::string::npos)
+        << text;
+  }
 
   Result r = train("--backend threads --store " + d);
   EXPECT_EQ(r.status, 1);

@@ -195,6 +195,7 @@ struct GlooShared {
   process::StoreUrl url;
   std::shared_ptr<gloo::transport::Device> device;
   std::chrono::milliseconds timeout{0};
+  bool detail = false;  // FUNCOL_DEBUG=DETAIL: every rank must agree (rendezvous checks)
 
   // A fresh connection per rendezvous: concurrent splits in different threads never share one.
   std::unique_ptr<KeyStore> open_store() const {
@@ -306,10 +307,13 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   if (watch != nullptr) store->set_poll(throw_if_member_lost);
   try {
     gloo::rendezvous::PrefixStore prefixed(prefix, store->store());
-    // "<size> <monitor address or ->": the size catches ranks started with different world
-    // sizes, which Gloo would only report as a garbled address exchange.
+    // "<size> <mode> <monitor address or ->": the size catches ranks started with different
+    // world sizes, which Gloo would only report as a garbled address exchange; the mode ranks
+    // with and without FUNCOL_DEBUG=DETAIL, whose collectives would pair a signature exchange
+    // with the data (wrong bytes delivered without an error).
+    const char* mode = shared.detail ? "detail" : "plain";
     const std::string mine =
-        fmt::format("{} {}", n, monitor ? monitor->address() : std::string("-"));
+        fmt::format("{} {} {}", n, mode, monitor ? monitor->address() : std::string("-"));
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
     wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text);
     std::vector<std::string> addresses(n);
@@ -317,15 +321,23 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       const auto bytes = prefixed.get(fmt::format("arrive/{}", i));
       const std::string value(bytes.begin(), bytes.end());
       const size_t space = value.find(' ');
+      const size_t space2 = space == std::string::npos ? space : value.find(' ', space + 1);
       const std::string size = value.substr(0, space);
-      if (space == std::string::npos || size != std::to_string(n)) {
+      if (space2 == std::string::npos || size != std::to_string(n)) {
         throw CommError(fmt::format(
             "gloo: rendezvous of {} at '{}' failed: rank {} was started for {} ranks, this rank "
             "(rank {}) for {} (or a previous job left its keys there)",
             what, shared.url.text, members[i], space == std::string::npos ? "?" : size,
             members[my_index], n));
       }
-      addresses[i] = value.substr(space + 1);
+      if (value.substr(space + 1, space2 - space - 1) != mode) {
+        throw CommError(fmt::format(
+            "gloo: rendezvous of {} at '{}' failed: rank {} runs {} FUNCOL_DEBUG=DETAIL and this "
+            "rank (rank {}) {}; every rank of a job must set the same FUNCOL_DEBUG",
+            what, shared.url.text, members[i], shared.detail ? "without" : "with",
+            members[my_index], shared.detail ? "with it" : "without it"));
+      }
+      addresses[i] = value.substr(space2 + 1);
     }
 
     auto context = std::make_shared<gloo::rendezvous::Context>(my_index, n);
@@ -700,6 +712,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
   auto shared = std::make_shared<GlooShared>();
   shared->timeout = process::resolve_timeout(options.timeout);
   const bool detail = process::debug_detail();  // a bad value fails before the rendezvous
+  shared->detail = detail;
   std::string store = options.store.empty() ? process::env_string("FUNCOL_STORE") : options.store;
   std::shared_ptr<gloo::Context> context;
   std::unique_ptr<process::PeerMonitor> monitor;

@@ -24,7 +24,7 @@ rank() {  # rank R TIMEOUT OUT: one rank of a 2-rank job on the store
 
 timeout_s=2
 for attempt in 1 2 3 4 5 6; do
-  kv set funcol/world/arrive/0 "2 -" >/dev/null
+  kv set funcol/world/arrive/0 "2 plain -" >/dev/null
   kv set funcol/world/rank_0 "$(hostname)" >/dev/null
   rank 1 60 "$work/r1" &
   pid1=$!

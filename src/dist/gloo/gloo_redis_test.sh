@@ -17,7 +17,7 @@ for run in 1 2; do
 done
 # A key a killed job left where rank 0 arrives: that job fails within FUNCOL_TIMEOUT, saying
 # so, and takes the stale key away; the job after it runs.
-redis-cli -p "$port" set funcol/world/arrive/0 "2 -" >/dev/null
+redis-cli -p "$port" set funcol/world/arrive/0 "2 plain -" >/dev/null
 echo "gloo_redis_test.sh: a run on a store with a stale key (expected to fail)"
 if FUNCOL_TIMEOUT=3 "$launch" --np 2 --timeout 60 --store "redis://127.0.0.1:$port" -- "$@" \
     >"$work/stale.log" 2>&1; then

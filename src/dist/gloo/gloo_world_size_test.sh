@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Two ranks started by hand with different world sizes (2 and 3) on one store: the rank that
-# reads the other's arrival says the world sizes differ (Gloo alone reported a garbled address
-# exchange, "sizeof(impl_) == bytes.size()"), and both fail within FUNCOL_TIMEOUT.
+# Two ranks started by hand that disagree on the job on one store: the rank that reads the
+# other's arrival says how, and both fail within FUNCOL_TIMEOUT.
+# - Different world sizes (2 and 3): Gloo alone reported a garbled address exchange
+#   ("sizeof(impl_) == bytes.size()").
+# - FUNCOL_DEBUG=detail on one rank only: its signature exchange before each collective met the
+#   other rank's data, which that rank took as its result without an error.
 #
 #   gloo_world_size_test.sh FUNCOL GRAPH.ir
 set -uo pipefail
@@ -11,15 +14,32 @@ graph=$2
 work=$(mktemp -d)
 trap 'pkill -9 -f -- "--store $work/store" 2>/dev/null; rm -rf "$work"' EXIT
 export FUNCOL_TIMEOUT=3
-start=$(date +%s)
-"$funcol" run "$graph" --backend gloo --rank 1 --world-size 3 --store "$work/store" \
-  >"$work/r1" 2>&1 &
-pid1=$!
-sleep 0.3
-"$funcol" run "$graph" --backend gloo --rank 0 --world-size 2 --store "$work/store" \
-  >"$work/r0" 2>&1 &
-pid0=$!
-expect_failures gloo_world_size_test.sh "$start" "$work/r0" "$work/r1" -- "$pid0" "$pid1"
-grep -q "rank 1 was started for 3 ranks, this rank (rank 0) for 2" "$work/r0" ||
-  { echo "rank 0 does not say that the world sizes differ"; status=1; }
-exit $status
+failed=0
+
+# disagree NAME "RANK1 ENV" "RANK1 SIZE" "RANK0 ENV" "RANK0 SIZE" MESSAGE: the two ranks fail,
+# and one of them prints MESSAGE.
+disagree() {
+  local name=$1 env1=$2 size1=$3 env0=$4 size0=$5 message=$6
+  rm -rf "$work/store"
+  local start
+  start=$(date +%s)
+  env $env1 "$funcol" run "$graph" --backend gloo --rank 1 --world-size "$size1" \
+    --store "$work/store" >"$work/r1" 2>&1 &
+  local pid1=$!
+  sleep 0.3
+  env $env0 "$funcol" run "$graph" --backend gloo --rank 0 --world-size "$size0" \
+    --store "$work/store" >"$work/r0" 2>&1 &
+  local pid0=$!
+  expect_failures "gloo_world_size_test.sh ($name)" "$start" "$work/r0" "$work/r1" -- \
+    "$pid0" "$pid1"
+  [ "$status" -eq 0 ] || failed=1
+  grep -qF "$message" "$work/r0" "$work/r1" ||
+    { echo "$name: no rank says: $message"; failed=1; }
+}
+
+disagree "world sizes" "FUNCOL_DEBUG=" 3 "FUNCOL_DEBUG=" 2 \
+  "rank 1 was started for 3 ranks, this rank (rank 0) for 2"
+# Either rank may read the other's arrival first.
+disagree "FUNCOL_DEBUG" "FUNCOL_DEBUG=" 2 "FUNCOL_DEBUG=detail" 2 \
+  "FUNCOL_DEBUG=DETAIL and this rank (rank "
+exit $failed

@@ -1035,8 +1035,11 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     char host[MPI_MAX_PROCESSOR_NAME] = {};
     int host_len = 0;
     rt.call([&] { return MPI_Get_processor_name(host, &host_len); });
-    std::string info = fmt::format("{}|{}|{}", std::string(host, static_cast<size_t>(host_len)),
-                                   process::default_host_address(), monitor->port());
+    // "D|host|address|port", D: FUNCOL_DEBUG=DETAIL (1) or not (0). Ranks that differ would
+    // pair one's signature exchange with the other's data, delivering wrong bytes.
+    std::string info =
+        fmt::format("{}|{}|{}|{}", detail ? 1 : 0, std::string(host, static_cast<size_t>(host_len)),
+                    process::default_host_address(), monitor->port());
     std::memcpy(mine->data(), info.data(), std::min<size_t>(info.size(), kInfoBytes - 1));
     run_with_deadline(
         rt,
@@ -1048,6 +1051,13 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     std::vector<std::string> addresses(size);
     for (int r = 0; r < size; ++r) {
       std::string entry(all->data() + static_cast<size_t>(r) * kInfoBytes);
+      if (entry.empty() || entry[0] != (detail ? '1' : '0')) {
+        throw CommError(fmt::format(
+            "mpi backend: rank {} runs {} FUNCOL_DEBUG=DETAIL and this rank (rank {}) {}; every "
+            "rank of a job must set the same FUNCOL_DEBUG (mpirun -x passes a variable to all)",
+            r, detail ? "without" : "with", rank, detail ? "with it" : "without it"));
+      }
+      entry = entry.substr(std::min<size_t>(entry.size(), 2));
       auto a = entry.find('|');
       auto b = entry.rfind('|');
       std::string peer_host = entry.substr(0, a);

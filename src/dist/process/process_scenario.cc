@@ -496,7 +496,8 @@ void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
     gloo::rendezvous::FileStore files(store + 7);
     gloo::rendezvous::PrefixStore prefixed(
         fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), files);
-    const std::string arrival = "2 -";  // the group's size, no monitor address
+    // The group's size, FUNCOL_DEBUG off, no monitor address.
+    const std::string arrival = "2 plain -";
     prefixed.set("arrive/1", std::vector<char>(arrival.begin(), arrival.end()));
     std::fflush(stdout);
     std::raise(SIGKILL);
