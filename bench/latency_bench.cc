@@ -106,6 +106,20 @@ Stats time_pair(int64_t numel, int iters, Call call) {
   return summarize(std::move(times));
 }
 
+// The protocols' shared state, a cache line each: a counter, and a rank's published buffer
+// with the call it is published for.
+struct alignas(64) Counter {
+  std::atomic<int64_t> v{0};
+};
+struct alignas(64) Published {
+  std::atomic<int64_t> seq{0};
+  float* buf = nullptr;
+};
+
+void spin_until(const std::atomic<int64_t>& a, int64_t v) {
+  funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
+}
+
 // One-shot: each thread copies its buffer (streaming stores) into its own staging area and
 // publishes it, then reduces every staging area in rank order into its own buffer. Two staging
 // areas alternate by call, so a peer still reading the previous call's copy is never
@@ -113,15 +127,12 @@ Stats time_pair(int64_t numel, int iters, Call call) {
 // finished call i. One one-way handoff per call and no writes to another thread's memory;
 // every rank computes the same sum in the same order.
 Stats one_shot_all_reduce(int64_t numel, int iters) {
-  struct alignas(64) Box {
-    std::atomic<int64_t> seq{0};
-  };
   const auto n = static_cast<size_t>(numel);
   std::vector<float> staging[2][2];
   for (auto& r : staging) {
     for (auto& b : r) b.assign(n + 16, 0.0f);
   }
-  Box box[2];
+  Counter staged[2];
   return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
     float* mine = staging[r][i % 2].data();
     if (n % 16 == 0) {
@@ -132,9 +143,8 @@ Stats one_shot_all_reduce(int64_t numel, int iters) {
     } else {
       std::memcpy(mine, buf, n * sizeof(float));
     }
-    box[r].seq.store(i, std::memory_order_release);
-    funcol::dist_detail::poll_until(
-        [&] { return box[1 - r].seq.load(std::memory_order_acquire) >= i; }, 4096);
+    staged[r].v.store(i, std::memory_order_release);
+    spin_until(staged[1 - r].v, i);
     const void* srcs[2] = {staging[0][i % 2].data(), staging[1][i % 2].data()};
     const char* theirs = static_cast<const char*>(srcs[1 - r]);
     for (size_t b = 0; b < n * sizeof(float); b += 64) __builtin_prefetch(theirs + b, 0, 3);
@@ -147,26 +157,16 @@ Stats one_shot_all_reduce(int64_t numel, int iters) {
 // the same, then copies the scratch into its own buffer. Two one-way handoffs, no staging copy,
 // each rank's data crosses once, both directions at the same time.
 Stats symmetric_all_reduce(int64_t numel, int iters) {
-  struct alignas(64) Box {
-    std::atomic<int64_t> ready{0};
-    float* buf = nullptr;
-  };
-  struct alignas(64) Done {
-    std::atomic<int64_t> v{0};
-  };
-  Box box[2];
-  Done done[2];
+  Published box[2];
+  Counter done[2];
   const auto n = static_cast<size_t>(numel);
   std::vector<float> scratch[2];
   scratch[0].assign(n + 16, 0.0f);
   scratch[1].assign(n + 16, 0.0f);
-  auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
-    funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
-  };
   return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
     box[r].buf = buf;
-    box[r].ready.store(i, std::memory_order_release);
-    spin_until(box[1 - r].ready, i);
+    box[r].seq.store(i, std::memory_order_release);
+    spin_until(box[1 - r].seq, i);
     const char* theirs = reinterpret_cast<const char*>(box[1 - r].buf);
     for (size_t b = 0; b < n * sizeof(float); b += 64) __builtin_prefetch(theirs + b, 0, 3);
     const void* srcs[2] = {box[0].buf, box[1].buf};
@@ -180,19 +180,9 @@ Stats symmetric_all_reduce(int64_t numel, int iters) {
 
 // The minimal protocol; `fixed`: rank 1 always executes.
 Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
-  struct alignas(64) Box {
-    std::atomic<int64_t> seq{0};
-    float* buf = nullptr;
-  };
-  struct alignas(64) Counter {
-    std::atomic<int64_t> v{0};
-  };
-  Box box[2];
+  Published box[2];
   Counter arrivals, done;
   const auto n = static_cast<size_t>(numel);
-  auto spin_until = [](const std::atomic<int64_t>& a, int64_t v) {
-    funcol::dist_detail::poll_until([&] { return a.load(std::memory_order_acquire) >= v; }, 4096);
-  };
   return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
     box[r].buf = buf;
     box[r].seq.store(i, std::memory_order_release);
