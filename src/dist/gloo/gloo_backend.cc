@@ -332,10 +332,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       }
       if (value.substr(space + 1, space2 - space - 1) != mode) {
         throw CommError(fmt::format(
-            "gloo: rendezvous of {} at '{}' failed: rank {} runs {} FUNCOL_DEBUG=DETAIL and this "
-            "rank (rank {}) {}; every rank of a job must set the same FUNCOL_DEBUG",
-            what, shared.url.text, members[i], shared.detail ? "without" : "with",
-            members[my_index], shared.detail ? "with it" : "without it"));
+            "gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text,
+            process::debug_detail_mismatch(members[i], members[my_index], shared.detail)));
       }
       addresses[i] = value.substr(space2 + 1);
     }

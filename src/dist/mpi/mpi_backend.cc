@@ -1052,10 +1052,8 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     for (int r = 0; r < size; ++r) {
       std::string entry(all->data() + static_cast<size_t>(r) * kInfoBytes);
       if (entry.empty() || entry[0] != (detail ? '1' : '0')) {
-        throw CommError(fmt::format(
-            "mpi backend: rank {} runs {} FUNCOL_DEBUG=DETAIL and this rank (rank {}) {}; every "
-            "rank of a job must set the same FUNCOL_DEBUG (mpirun -x passes a variable to all)",
-            r, detail ? "without" : "with", rank, detail ? "with it" : "without it"));
+        throw CommError(fmt::format("mpi backend: {} (mpirun -x passes a variable to all)",
+                                    process::debug_detail_mismatch(r, rank, detail)));
       }
       entry = entry.substr(std::min<size_t>(entry.size(), 2));
       auto a = entry.find('|');

@@ -27,6 +27,13 @@ bool debug_detail() {
       "environment variable FUNCOL_DEBUG='{}' is not one of OFF, INFO, DETAIL", given));
 }
 
+std::string debug_detail_mismatch(int peer, int rank, bool mine) {
+  return fmt::format(
+      "rank {} runs {} FUNCOL_DEBUG=DETAIL and this rank (rank {}) {}; every rank of a job must "
+      "set the same FUNCOL_DEBUG",
+      peer, mine ? "without" : "with", rank, mine ? "with it" : "without it");
+}
+
 std::string env_string(const char* name) {
   const char* v = std::getenv(name);
   return v == nullptr ? std::string() : std::string(v);

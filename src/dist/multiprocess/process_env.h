@@ -11,6 +11,11 @@ namespace funcol::process {
 // every collective, as TORCH_DISTRIBUTED_DEBUG=DETAIL. False when unset, empty, OFF or INFO;
 // any other value is an InvalidArgument naming it (as PyTorch refuses one).
 bool debug_detail();
+// The ranks of a job found that they differ in debug_detail(): "rank P runs with[out]
+// FUNCOL_DEBUG=DETAIL and this rank (rank R) without it|with it; every rank of a job must set
+// the same FUNCOL_DEBUG", for the backends' errors (a rank with it exchanges each collective's
+// signature first, which a rank without would take as data).
+std::string debug_detail_mismatch(int peer, int rank, bool mine);
 
 // An integer environment variable; nullopt when unset or empty. Throws InvalidArgument naming
 // the variable when it is not an integer.
