@@ -1268,8 +1268,20 @@ struct BenchFlags {
   bool inject_wrong = false;
 };
 
-BenchOptions options_from_flags(const BenchFlags& f) {
+// How the run is placed: the backend, the job it joins, its ranks.
+BenchOptions job_from_flags(const BenchFlags& f) {
   BenchOptions o;
+  o.backend = f.backend;
+  o.join = parse_job_flags(f.job);
+  const int ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
+  o.ranks =
+      resolve_ranks(o.backend, o.join, f.ranks_typed ? std::optional<int>(ranks) : std::nullopt,
+                    /*fallback=*/ranks);
+  return o;
+}
+
+// The rest of the flags into `o`, checked (validate).
+void run_from_flags(const BenchFlags& f, BenchOptions& o) {
   o.min_bytes = parse_size(f.min_bytes, "-b/--minbytes");
   o.max_bytes = parse_size(f.max_bytes, "-e/--maxbytes");
   o.step_factor = parse_int(f.step_factor, "-f/--stepfactor", 1);
@@ -1281,17 +1293,10 @@ BenchOptions options_from_flags(const BenchFlags& f) {
   o.dtype = parse_bench_dtype(f.dtype);
   o.redop = parse_bench_redop(f.redop);
   o.root = static_cast<int>(parse_int(f.root, "--root", 0));
-  o.backend = f.backend;
-  o.join = parse_job_flags(f.job);
-  const int ranks = static_cast<int>(parse_int(f.ranks, "--ranks", 1));
-  o.ranks =
-      resolve_ranks(o.backend, o.join, f.ranks_typed ? std::optional<int>(ranks) : std::nullopt,
-                    /*fallback=*/ranks);
   o.json = f.json;
   o.in_place = f.in_place;
   o.inject_wrong = f.inject_wrong;
   validate(o);
-  return o;
 }
 
 }  // namespace
@@ -1366,8 +1371,15 @@ void add_bench_command(CLI::App& app) {
     BenchReport report;
     try {
       f->ranks_typed = ranks->count() > 0;
-      const BenchOptions o = options_from_flags(*f);
-      if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
+      BenchOptions o = job_from_flags(*f);
+      const bool rank_of_job = o.backend != "threads" && inside_job(o.backend, o.join);
+      if (!rank_of_job) {
+        run_from_flags(*f, o);
+      } else if (!rank_checks_pass(o.backend, o.ranks, o.join, stderr,
+                                   [&] { run_from_flags(*f, o); })) {
+        throw CLI::RuntimeError(1);
+      }
+      if (o.backend != "threads" && !rank_of_job) {
         // Start the job; its rank 0 prints the table and reports wrong values itself.
         JobOptions job;
         job.backend = o.backend;

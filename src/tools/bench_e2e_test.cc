@@ -351,6 +351,28 @@ TEST_F(BenchProcessE2E, GlooRanksJoinedWithFlagsRunTheBenchmark) {
         << text;
   }
 
+  // A rank that cannot run (here a flag value only it was given) still joins and leaves with
+  // its error: rank 0 fails at once naming it, not at the 60 s rendezvous timeout.
+  const std::string store3 = dir.path() + "/store3";
+  const std::string bad_bin = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=60 " +
+                              std::string(FUNCOL_BIN) +
+                              " bench --backend gloo -o all_reduce -b 32 -e 32 -w 1 "
+                              "--world-size 2 --store " +
+                              store3 + " --rank ";
+  const auto start = std::chrono::steady_clock::now();
+  const funcol::tools::e2e::ShellResult bad = funcol::tools::e2e::run_shell(
+      bad_bin + "1 -n 0 >" + dir.path() + "/bad1.out 2>&1 & " + bad_bin +
+      "0 -n 2 2>&1; s=$?; wait $! || s=1; exit $s");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_NE(bad.status, 0) << bad.out << bad.err;
+  EXPECT_EQ(slurp(dir.path() + "/bad1.out"),
+            "funcol: error: rank 1: invalid value '0' for -n/--iters: expected an integer from 1 "
+            "to 2147483647\n");
+  EXPECT_NE((bad.out + bad.err).find("rank 1 departed after an error (invalid value '0' for "
+                                     "-n/--iters: expected an integer from 1 to 2147483647)"),
+            std::string::npos)
+      << bad.out << bad.err;
+
   Result r = bench("--backend gloo --rank 0");
   EXPECT_EQ(r.status, 1);
   EXPECT_EQ(r.out,

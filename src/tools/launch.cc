@@ -380,15 +380,15 @@ std::string error_line(const Error& e, const std::string& prefix) {
   return SourceLocated(at->file(), at->line(), at->col(), message).located();
 }
 
-int print_command_error(std::FILE* err) {
+int print_command_error(std::FILE* err, const std::string& prefix) {
   try {
     throw;
   } catch (const Error& e) {
-    std::fprintf(err, "%s\n", error_line(e).c_str());
+    std::fprintf(err, "%s\n", error_line(e, prefix).c_str());
   } catch (const std::bad_alloc&) {
-    std::fprintf(err, "funcol: error: out of memory\n");
+    std::fprintf(err, "funcol: error: %sout of memory\n", prefix.c_str());
   } catch (const std::exception& e) {
-    std::fprintf(err, "funcol: error: %s\n", e.what());
+    std::fprintf(err, "funcol: error: %s%s\n", prefix.c_str(), e.what());
   }
   std::fflush(err);
   return 1;
@@ -596,6 +596,37 @@ int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, 
   world.reset();
   destroy_process_group();
   return status;
+}
+
+bool rank_checks_pass(const std::string& backend, int ranks, const InitOptions& join,
+                      std::FILE* err, const std::function<void()>& checks) {
+  check_job_options(backend, join, ranks);
+  try {
+    checks();
+    return true;
+  } catch (...) {
+    // The rank as the job will number it: --rank or RANK (gloo), mpirun's variable (mpi).
+    std::optional<int> rank;
+    if (join.rank >= 0 && backend == "gloo") rank = join.rank;
+    if (!rank) rank = process::env_int(backend == "mpi" ? "OMPI_COMM_WORLD_RANK" : "RANK");
+    print_command_error(err, rank ? fmt::format("rank {}: ", *rank) : "");
+    const std::exception_ptr failure = std::current_exception();
+    try {
+      follow_launcher();
+      std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
+      try {
+        std::rethrow_exception(failure);
+      } catch (...) {
+        note_departure_error();
+      }
+      world.reset();
+      destroy_process_group();
+    } catch (...) {
+      // Not joined (the peers never came, or the backend is not built in): the error printed
+      // above is this rank's answer, and its peers report it missing.
+    }
+    return false;
+  }
 }
 
 void check_same_flags(ProcessGroup& world, const std::vector<std::string>& flags,

@@ -171,6 +171,17 @@ void write_file(const std::string& path, const std::string& text, std::string_vi
 int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, std::FILE* err,
                 const std::function<void(ProcessGroup& world)>& body);
 
+// For a process that is one rank of a job, before it joins: checks how it joins
+// (check_job_options: an error there is thrown, as the job cannot be joined), then runs
+// `checks`, this rank's own checks of its flags, files and memory. A rank that failed those
+// alone (a file missing on its host, less memory there, a flag only it was given) used to
+// leave its peers waiting at the rendezvous until the timeout; so it prints its error at once
+// ("funcol: error: rank R: ..."), then joins the job and leaves it with that error, which its
+// peers' errors name within about a second. Returns whether the checks passed (false: exit
+// status 1).
+bool rank_checks_pass(const std::string& backend, int ranks, const InitOptions& join,
+                      std::FILE* err, const std::function<void()>& checks);
+
 // All-gathers one string per rank over `world`: every rank gets every rank's, in rank order.
 std::vector<std::string> gather_strings(ProcessGroup& world, const std::string& mine);
 
@@ -194,7 +205,8 @@ void note_departure_error();
 std::string error_line(const Error& e, const std::string& prefix = "");
 
 // Prints the exception in flight as a command's one error line ("funcol: error: ..."; a
-// ParseError as its FILE:LINE:COL line) to `err` and returns the exit status 1.
-int print_command_error(std::FILE* err);
+// ParseError as its FILE:LINE:COL line), its message starting with `prefix`, to `err` and
+// returns the exit status 1.
+int print_command_error(std::FILE* err, const std::string& prefix = "");
 
 }  // namespace funcol::tools

@@ -327,11 +327,18 @@ int launch(const RunOptions& o, const std::string& text, std::FILE* err) {
 }
 
 int run_command_impl(const RunOptions& o, std::FILE* out, std::FILE* err) {
+  if (o.backend != "threads" && inside_job(o.backend, o.join)) {
+    std::optional<Prepared> p;
+    const bool ok = rank_checks_pass(o.backend, o.ranks, o.join, err, [&] {
+      validate_options(o);
+      p.emplace(prepare(o, read_text_file(o.file)));
+    });
+    return ok ? run_in_job(*p, o, out, err) : 1;
+  }
   validate_options(o);
   const std::string text = read_text_file(o.file);
   const Prepared p = prepare(o, text);
   if (o.backend == "threads") return run_threads(p, o, out);
-  if (inside_job(o.backend, o.join)) return run_in_job(p, o, out, err);
   return launch(o, text, err);
 }
 

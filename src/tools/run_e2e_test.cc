@@ -522,6 +522,55 @@ TEST_F(RunJoinE2E, RanksWithDifferentRunFlagsFailCleanly) {
   }
 }
 
+// A rank that cannot run (its file missing, inputs beyond its machine's memory, a flag value
+// only it was given) prints its error, then still joins the job and leaves it with that error:
+// its peer fails at once naming it, instead of waiting at the rendezvous until the timeout
+// (60 s here) and reporting the rank missing.
+TEST_F(RunJoinE2E, ARankThatCannotRunFailsItsPeersAtOnceNamingWhy) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string huge = write("huge.ir", R"(graph @g(%x: i32[1099511627776]) {
+  return %x
+}
+)");
+  const std::string missing = dir_.path() + "/missing.ir";
+  struct Case {
+    std::vector<std::string> rank1;  // rank 1's file and flags (rank 0 runs `file`)
+    std::string error;               // rank 1's error, which rank 0's names
+  };
+  const std::vector<Case> cases = {
+      {{missing}, "cannot read " + missing + ": No such file or directory"},
+      {{huge}, "graph @g's inputs take 4398046511104 bytes per rank: more than this "
+               "machine's memory holds for 1 rank on this machine"},
+      {{file, "--iters", "0"}, "--iters must be at least 1, got 0"},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.error);
+    const std::string store = dir_.path() + "/store-cannot-run" + std::to_string(n++);
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<Result> ranks = run_job_by_hand(
+        dir_.path(),
+        [&](int r) {
+          std::vector<std::string> a =
+              hand_rank_args(r == 0 ? file : c.rank1.front(), r, store, {});
+          if (r == 1) a.insert(a.end(), c.rank1.begin() + 1, c.rank1.end());
+          return a;
+        },
+        kHandEnv, "", /*let_finish=*/true);
+    // Far under the 60 s timeout: the peer learned why at once.
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+    EXPECT_EQ(ranks[1].status, 1);
+    EXPECT_EQ(ranks[1].err, "funcol: error: rank 1: " + c.error + "\n");
+    EXPECT_EQ(ranks[0].status, 1);
+    EXPECT_EQ(ranks[0].out, "");
+    EXPECT_NE(ranks[0].err.find("funcol: error: rank 0: "), std::string::npos) << ranks[0].err;
+    EXPECT_NE(ranks[0].err.find("rank 1 departed after an error (" + c.error + ")"),
+              std::string::npos)
+        << ranks[0].err;
+    EXPECT_EQ(std::count(ranks[0].err.begin(), ranks[0].err.end(), '\n'), 1) << ranks[0].err;
+  }
+}
+
 // Flags that make no sense for the backend, or together: one line, exit 1, before any rank
 // joins anything.
 TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {

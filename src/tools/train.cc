@@ -762,11 +762,24 @@ int train_in_job(const TrainOptions& o, Progress& progress, std::FILE* out, std:
 
 int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool progress_bar) {
   try {
+    if (o.backend != "threads" && inside_job(o.backend, o.join)) {
+      std::optional<TraceFile> trace;
+      if (!rank_checks_pass(o.backend, o.ranks, o.join, err, [&] {
+            validate(o);
+            trace.emplace(o.trace);
+          })) {
+        return 1;
+      }
+      Progress progress(o, err, progress_bar);
+      const int status = train_in_job(o, progress, out, err);
+      if (status == 0) trace->keep();
+      return status;
+    }
     validate(o);
     // A trace that cannot be written fails now, not after training (in the launcher, before a
     // job starts); a failed run removes the file it created.
     TraceFile trace(o.trace);
-    if (o.backend != "threads" && !inside_job(o.backend, o.join)) {
+    if (o.backend != "threads") {
       JobOptions job;
       job.backend = o.backend;
       job.ranks = o.ranks;
@@ -792,11 +805,6 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       return status;
     }
     Progress progress(o, err, progress_bar);
-    if (o.backend != "threads") {
-      const int status = train_in_job(o, progress, out, err);
-      if (status == 0) trace.keep();
-      return status;
-    }
     print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }), out,
                  err);
     trace.keep();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -206,6 +207,31 @@ TEST(TrainE2e, GlooRanksJoinedWithFlagsTrainWhatTheLauncherTrains) {
               std::string::npos)
         << text;
   }
+
+  // A rank that cannot train (here a flag value only it was given) still joins and leaves with
+  // its error: rank 0 fails at once naming it, not at the 60 s rendezvous timeout.
+  char dir4[] = "/tmp/funcol_train_e2e_XXXXXX";
+  ASSERT_NE(mkdtemp(dir4), nullptr);
+  const std::string d4 = dir4;
+  const std::string bad_bin = "RANK= WORLD_SIZE= FUNCOL_STORE= FUNCOL_TIMEOUT=60 " +
+                              std::string(FUNCOL_BIN) +
+                              " train --layers 2 --hidden 8 --batch 4 --backend gloo "
+                              "--world-size 2 --store " +
+                              d4 + "/store --rank ";
+  const auto start = std::chrono::steady_clock::now();
+  const funcol::tools::e2e::ShellResult bad = funcol::tools::e2e::run_shell(
+      "(" + bad_bin + "1 --lr -1 >" + d4 + "/rank1.out 2>&1 & " + bad_bin +
+      "0 2>&1; s=$?; wait $! || s=1; exit $s)");
+  const std::string bad1 = funcol::tools::e2e::slurp(d4 + "/rank1.out");
+  std::filesystem::remove_all(d4);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  EXPECT_EQ(bad.status, 1) << bad.out;
+  EXPECT_EQ(bad1, "funcol: error: rank 1: --lr must be a positive number, got -1\n");
+  EXPECT_NE(bad.out.find("funcol: error: rank 0: "), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("rank 1 departed after an error (--lr must be a positive number, got "
+                         "-1)"),
+            std::string::npos)
+      << bad.out;
 
   Result r = train("--backend threads --store " + d);
   EXPECT_EQ(r.status, 1);
