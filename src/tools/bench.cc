@@ -1354,7 +1354,8 @@ void add_bench_command(CLI::App& app) {
           ->capture_default_str();
   sub->add_option("--backend", f->backend,
                   "communication backend (built: " + join(available_backends(), ", ") +
-                      "); gloo starts processes, or with --rank joins a job as one of them")
+                      "); mpi starts mpirun, gloo starts processes, or with --rank joins a job "
+                      "as one of them")
       ->type_name("NAME")
       ->capture_default_str();
   add_job_flags(*sub, f->job);

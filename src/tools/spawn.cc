@@ -132,8 +132,13 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
         (g_interrupt != 0 ||
          std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); }))) {
       killing = true;
-      // Whole groups, the ended children's too: what they started may still run.
-      for (pid_t p : pids) kill(-p, SIGTERM);
+      // Whole groups, the ended children's too: what they started may still run. A stopped
+      // child (SIGSTOP, Ctrl-Z) keeps a SIGTERM pending until it is continued: it would end
+      // only at the SIGKILL after `grace`, and the launcher print the failure that late.
+      for (pid_t p : pids) {
+        kill(-p, SIGTERM);
+        kill(-p, SIGCONT);
+      }
       kill_deadline = std::chrono::steady_clock::now() + grace;
     }
     if (killing && !sent_kill && std::chrono::steady_clock::now() >= kill_deadline) {

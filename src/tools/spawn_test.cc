@@ -65,6 +65,25 @@ TEST(Spawn, FirstFailureStopsTheOthers) {
   }
 }
 
+// A stopped child (SIGSTOP, Ctrl-Z) is continued with its SIGTERM: it ends at once rather than
+// at the SIGKILL after the grace period (a launcher printed its failed job's error that late).
+TEST(Spawn, AStoppedChildIsStoppedAtOnceToo) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<pid_t> pids;
+  pids.push_back(spawn_process(command({"sleep", "60"})));
+  ASSERT_EQ(kill(pids[0], SIGSTOP), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(pids[0], &status, WUNTRACED), pids[0]);  // stopped, not reaped
+  ASSERT_TRUE(WIFSTOPPED(status));
+  pids.push_back(spawn_process(command({"sh", "-c", "exit 7"})));
+  const auto st = wait_all(pids, std::chrono::seconds(60));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(st[0].code, 7);
+  EXPECT_TRUE(st[1].signaled);
+  EXPECT_EQ(st[1].code, SIGTERM);
+}
+
 // any_failed sees a failed child without reaping it (wait_all still gets its status), and looks
 // past children that ended well.
 TEST(Spawn, AnyFailedSeesAFailureWithoutReapingIt) {

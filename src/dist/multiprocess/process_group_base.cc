@@ -509,8 +509,11 @@ std::optional<std::string> ProcessGroupBase::check_gathered(const CollectiveOp& 
 }
 
 std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
-  const double seconds = std::chrono::duration<double>(Clock::now() - op.issued_at).count();
-  std::string msg = fmt::format("{}: timed out after {:.3g} s", op.work->description(), seconds);
+  // The timeout in force, as the threads backend says it (the time measured since the issue
+  // drifts past it on a loaded machine: "3.36 s" for FUNCOL_TIMEOUT=3).
+  std::string msg =
+      fmt::format("{}: timed out after {:g} s", op.work->description(),
+                  std::chrono::duration<double>(job_->timeout()).count());
   PeerMonitor* monitor = job_->monitor();
   if (monitor == nullptr) return msg;
   std::vector<int> peers;
