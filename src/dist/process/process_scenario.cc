@@ -478,6 +478,20 @@ void scenario_stopped(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// A rank stops (SIGSTOP, a debugger) after its last collective. mpi: the others' MPI_Finalize,
+// which waits for every rank and has no time limit of its own, gives up after the exit drain
+// and the timeout, saying why (the job used to hang until the rank was continued).
+void scenario_stopped_at_exit(funcol::ProcessGroup& world) {
+  check_sum(world);
+  if (world.rank() == world.size() - 1) {
+    std::fflush(stdout);
+    std::raise(SIGSTOP);
+    // Continued by mpirun as it ends the job (it sends SIGCONT before its SIGTERM).
+    std::_Exit(1);
+  }
+  ok("finished; exiting while the last rank is stopped");
+}
+
 #ifdef FUNCOL_WITH_GLOO
 // gloo: the victim agrees to the new group and writes its arrival key, as its rendezvous
 // would, then dies before its address is there. The other member sees every arrival and waits
@@ -596,6 +610,8 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "stopped") {
       scenario_stopped(*world);
+    } else if (scenario == "stopped_at_exit") {
+      scenario_stopped_at_exit(*world);
 #ifdef FUNCOL_WITH_GLOO
     } else if (scenario == "split_kill_arrived") {
       scenario_split_kill_arrived(*world);
