@@ -676,7 +676,23 @@ std::string first_free_name(ProcessGroup& group, const std::function<std::string
 }
 
 std::string format_ranks(const std::vector<int>& ranks) {
-  return fmt::format("[{}]", fmt::join(ranks, ", "));
+  constexpr size_t kItems = 16;
+  if (ranks.size() <= kItems) return fmt::format("[{}]", fmt::join(ranks, ", "));
+  // A job of thousands of ranks: runs of three or more as "first-last", at most kItems items.
+  std::vector<std::string> items;
+  for (size_t i = 0; i < ranks.size() && items.size() <= kItems;) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (j - i >= 2) {
+      items.push_back(fmt::format("{}-{}", ranks[i], ranks[j]));
+      i = j + 1;
+    } else {
+      items.push_back(std::to_string(ranks[i++]));
+    }
+  }
+  if (items.size() <= kItems) return fmt::format("[{}]", fmt::join(items, ", "));
+  items.resize(kItems);
+  return fmt::format("[{}, ... ({} ranks in all)]", fmt::join(items, ", "), ranks.size());
 }
 
 std::optional<double> env_number(const char* name, std::string_view expected,

@@ -215,7 +215,9 @@ std::string agreed_group_name(ProcessGroup& group, const char* what);
 std::string first_free_name(ProcessGroup& group, const std::function<std::string(int)>& candidate,
                             const char* what);
 
-// "[0, 2, 3]".
+// "[0, 2, 3]". A list longer than 16 shows runs of three or more consecutive ranks as
+// "first-last" and at most 16 items: "[0-4095, 4097-9999]", "[0, 2, 4, ..., ... (5000 ranks in
+// all)]", so that an error about a large job stays one readable line.
 std::string format_ranks(const std::vector<int>& ranks);
 
 // The number in environment variable `name` (blanks may follow it), or nullopt when the

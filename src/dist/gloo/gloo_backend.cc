@@ -256,15 +256,15 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
           throw lost_during_rendezvous(what, url, losses.front());
         }
         throw CommError(fmt::format(
-            "gloo: rendezvous of {} at '{}' failed: {}; ranks that did not arrive: [{}]", what,
-            url, losses.front().describe(), fmt::join(ranks, ", ")));
+            "gloo: rendezvous of {} at '{}' failed: {}; ranks that did not arrive: {}", what,
+            url, losses.front().describe(), dist_detail::format_ranks(ranks)));
       }
     }
     if (Clock::now() > deadline) {
       throw CommError(
           fmt::format("gloo: rendezvous of {} at '{}' timed out after {} ms; ranks "
-                      "that did not arrive: [{}]",
-                      what, url, timeout.count(), fmt::join(ranks, ", ")));
+                      "that did not arrive: {}",
+                      what, url, timeout.count(), dist_detail::format_ranks(ranks)));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -366,24 +366,27 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     std::string msg = gloo_message(e);
     constexpr const char* kNextJob =
         "which the rank whose key was taken removes, so the next job can start there";
+    // Gloo's waits for addresses and connections take a fifth of the timeout (see above).
+    const auto waited = std::max(std::chrono::milliseconds(1), shared.timeout / 5).count();
     if (msg.find("already") != std::string::npos) {
       msg += fmt::format(
-          " (a previous job left its keys in '{}'; this rank removed its own, so the next job "
-          "can start there)",
-          shared.url.text);
+          " (a previous job left its keys in '{}', or another process joined as rank {}: the "
+          "same --rank given twice, or two jobs at one store; this rank removed its own keys, "
+          "so the next job can start there)",
+          shared.url.text, members[my_index]);
     } else if (msg.find("Wait timeout") != std::string::npos) {
       // Every member's arrival key was there, but a member never wrote its address.
       msg += fmt::format(
-          " (every rank's arrival key was in '{}', but these never connected: they failed during "
-          "the rendezvous, or a previous job left their keys there, {})",
-          shared.url.text, kNextJob);
+          " (every rank's arrival key was in '{}', but these never connected within {} ms: "
+          "they failed during the rendezvous, or a previous job left their keys there, {})",
+          shared.url.text, waited, kNextJob);
     } else if (msg.find("Connect timeout") != std::string::npos ||
                msg.find("Connection refused") != std::string::npos) {
       // A member's address was in the store, but nothing answered there.
       msg += fmt::format(
-          " (a rank's address in '{}' did not answer: that rank failed during the rendezvous, "
-          "or a previous job left its keys there, {})",
-          shared.url.text, kNextJob);
+          " (a rank's address in '{}' did not answer within {} ms: that rank failed during the "
+          "rendezvous, or a previous job left its keys there, {})",
+          shared.url.text, waited, kNextJob);
     }
     throw CommError(
         fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, msg));

@@ -580,8 +580,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
       std::vector<int> missing;
       for (const auto& loss : losses) missing.push_back(loss.rank);
       std::sort(missing.begin(), missing.end());
-      return fmt::format("{}: {} before MPI_Comm_split; missing ranks [{}]", what,
-                         losses.front().describe(), fmt::join(missing, ", "));
+      return fmt::format("{}: {} before MPI_Comm_split; missing ranks {}", what,
+                         losses.front().describe(), dist_detail::format_ranks(missing));
     };
     MPI_Comm parent = comm_;
     auto [comm, step_comm] = Runtime::get().call_until(

@@ -3,6 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <numeric>
+#include <vector>
+
+#include "dist/checks.h"
+
 namespace funcol::process {
 namespace {
 
@@ -169,3 +174,26 @@ TEST(OpSignature, LongCoalescedListsCompareBeyondTheFirstEight) {
 
 }  // namespace
 }  // namespace funcol::process
+
+// Rank lists in errors: short ones in full (as every message quotes them), long ones as runs
+// and at most 16 items, so that a rendezvous of 100,000 ranks gives one readable line.
+TEST(FormatRanks, ShortListsInFullLongOnesAsRunsAndATruncatedList) {
+  using funcol::dist_detail::format_ranks;
+  EXPECT_EQ(format_ranks({}), "[]");
+  EXPECT_EQ(format_ranks({2}), "[2]");
+  EXPECT_EQ(format_ranks({0, 1, 2, 3}), "[0, 1, 2, 3]");
+  std::vector<int> all(99999);
+  std::iota(all.begin(), all.end(), 1);
+  EXPECT_EQ(format_ranks(all), "[1-99999]");
+  all.erase(all.begin() + 4095);  // 4096 is there no more
+  all.push_back(100001);
+  EXPECT_EQ(format_ranks(all), "[1-4095, 4097-99999, 100001]");
+  std::vector<int> even;
+  for (int r = 0; r < 5000; r += 2) even.push_back(r);
+  EXPECT_EQ(format_ranks(even),
+            "[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, ... (2500 ranks in all)]");
+  std::vector<int> pairs;  // runs of two stay two items
+  for (int r = 0; r < 40; r += 3) pairs.insert(pairs.end(), {r, r + 1});
+  EXPECT_EQ(format_ranks(pairs), "[0, 1, 3, 4, 6, 7, 9, 10, 12, 13, 15, 16, 18, 19, 21, 22, ... "
+                                 "(28 ranks in all)]");
+}

@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "dist/checks.h"
 #include "funcol/core/error.h"
 
 namespace funcol::process {
@@ -226,8 +227,8 @@ void PeerMonitor::connect(const std::vector<std::string>& addresses,
     for (int r = rank_ + 1; r < world_size_; ++r) {
       if (!peers_[r]) missing.push_back(r);
     }
-    throw CommError(fmt::format("peer monitor: ranks [{}] did not connect within {} ms",
-                                fmt::join(missing, ", "), timeout.count()));
+    throw CommError(fmt::format("peer monitor: ranks {} did not connect within {} ms",
+                                dist_detail::format_ranks(missing), timeout.count()));
   }
   connected_ = true;
 }
