@@ -7,12 +7,16 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #define HIREDIS_NESTED_INCLUDE 1
@@ -94,6 +98,8 @@ class KeyStore {
   virtual gloo::rendezvous::Store& store() = 0;
   // True when every key exists (no waiting).
   virtual bool check(const std::vector<std::string>& keys) = 0;
+  // The key's value, or nullopt when it does not exist (no waiting).
+  virtual std::optional<std::vector<char>> try_get(const std::string& key) = 0;
   virtual void erase_own_keys() noexcept = 0;
   // Deletes a key a previous job left where this process must write (Gloo's stores refuse to
   // overwrite one).
@@ -135,6 +141,12 @@ class FileKeyStore final : public KeyStore {
   }
   gloo::rendezvous::Store& store() override { return store_; }
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
+  std::optional<std::vector<char>> try_get(const std::string& key) override {
+    // Gloo writes a key's file whole under another name and renames it into place.
+    std::ifstream in(store_.objectPath(key), std::ios::binary);
+    if (!in.is_open()) return std::nullopt;
+    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
   void erase_own_keys() noexcept override {
     for (const auto& path : store_.getAllKeyFilePaths()) ::unlink(path.c_str());
   }
@@ -164,6 +176,9 @@ class RedisKeyStore final : public KeyStore {
   }
   gloo::rendezvous::Store& store() override { return store_; }
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
+  std::optional<std::vector<char>> try_get(const std::string& key) override {
+    return store_.try_get(key);
+  }
   void erase_own_keys() noexcept override { store_.erase_written(); }
   void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
   void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
@@ -180,6 +195,15 @@ class RedisKeyStore final : public KeyStore {
     void erase(const std::string& key) noexcept {
       void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
       if (reply != nullptr) freeReplyObject(reply);
+    }
+    std::optional<std::vector<char>> try_get(const std::string& key) {
+      auto* reply =
+          static_cast<redisReply*>(redisCommand(redis_, "GET %b", key.data(), key.size()));
+      if (reply == nullptr) return std::nullopt;
+      std::optional<std::vector<char>> value;
+      if (reply->type == REDIS_REPLY_STRING) value.emplace(reply->str, reply->str + reply->len);
+      freeReplyObject(reply);
+      return value;
     }
     void erase_written() noexcept {
       for (const auto& key : written) erase(key);
@@ -230,20 +254,30 @@ CommError lost_during_rendezvous(const std::string& what, const std::string& url
 
 // Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
 // names the missing ones on timeout. A member that `watch` (the job's peer monitor, when there
-// is one) reports dead or departed fails the wait at once: it will never arrive.
+// is one) reports dead or departed fails the wait at once: it will never arrive. Each arrival
+// record is passed to `arrived(i, record)` as first seen; `poll` is called between looks (it
+// throws to end the wait: a member that arrived and died).
 void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::vector<int>& members,
                        const process::PeerMonitor* watch, std::chrono::milliseconds timeout,
-                       const std::string& what, const std::string& url) {
+                       const std::string& what, const std::string& url,
+                       const std::function<void(int, const std::string&)>& arrived,
+                       const std::function<void()>& poll) {
   const auto deadline = Clock::now() + timeout;
   std::vector<int> missing(members.size());
   std::iota(missing.begin(), missing.end(), 0);
   while (true) {
     std::vector<int> still;
     for (int i : missing) {
-      if (!store.check({fmt::format("{}/arrive/{}", prefix, i)})) still.push_back(i);
+      const auto record = store.try_get(fmt::format("{}/arrive/{}", prefix, i));
+      if (!record) {
+        still.push_back(i);
+      } else {
+        arrived(i, std::string(record->begin(), record->end()));
+      }
     }
     missing.swap(still);
     if (missing.empty()) return;
+    poll();
     std::vector<int> ranks;
     for (int i : missing) ranks.push_back(members[i]);
     if (watch != nullptr) {
@@ -302,6 +336,21 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     if (losses.empty()) return;
     throw lost_during_rendezvous(what, shared.url.text, losses.front());
   };
+  // Each member's process_identity, from its arrival record ("" until read, or unknown).
+  std::vector<std::string> identities(static_cast<size_t>(n));
+  auto throw_if_member_ended = [&] {
+    for (int i = 0; i < n; ++i) {
+      if (i == my_index || !process::process_ended(identities[static_cast<size_t>(i)])) continue;
+      // Its record names a process of this machine that has ended: this job's rank died, or a
+      // killed job left the record (both look the same from here).
+      throw CommError(fmt::format(
+          "gloo: rendezvous of {} at '{}' failed: the process that wrote rank {}'s arrival "
+          "record has ended: rank {} died (its process exited or was killed) during the "
+          "rendezvous, or a previous job left its keys there, which the rank whose key was taken "
+          "removes, so the next job can start there; missing ranks [{}]",
+          what, shared.url.text, members[i], members[i], members[i]));
+    }
+  };
   // A member that dies after its arrival key never writes its address: Gloo's wait for it
   // (connectFullMesh) ends at once, not at the timeout.
   if (watch != nullptr) store->set_poll(throw_if_member_lost);
@@ -311,15 +360,53 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     // world sizes, which Gloo would only report as a garbled address exchange; the mode ranks
     // with and without FUNCOL_DEBUG=DETAIL, whose collectives would pair a signature exchange
     // with the data (wrong bytes delivered without an error).
+    // Then, last, this process's identity (process_identity), with which members on this
+    // machine tell at once that one died during the rendezvous.
     const char* mode = shared.detail ? "detail" : "plain";
     const std::string mine =
-        fmt::format("{} {} {}", n, mode, monitor ? monitor->address() : std::string("-"));
+        fmt::format("{} {} {} {}", n, mode, monitor ? monitor->address() : std::string("-"),
+                    process::process_identity());
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
-    wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text);
+    auto note_identity = [&](int i, const std::string& record) {
+      // The identity is the fourth field (records of three have none).
+      if (std::count(record.begin(), record.end(), ' ') == 3) {
+        identities[static_cast<size_t>(i)] = record.substr(record.rfind(' ') + 1);
+      }
+    };
+    auto last_look = Clock::now();
+    // A member on this machine whose process ended fails the rendezvous at once, named (a
+    // tenth of a second between looks), instead of a wait until the timeout.
+    auto look_for_ended = [&] {
+      if (Clock::now() - last_look < std::chrono::milliseconds(100)) return;
+      last_look = Clock::now();
+      throw_if_member_ended();
+    };
+    wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text,
+                      note_identity, look_for_ended);
+    // Every arrival record, read where it is: a key gone since wait_for_arrivals saw it was
+    // taken back by its member, whose rendezvous failed (forget_keys).
+    std::vector<std::string> records(static_cast<size_t>(n));
+    std::vector<int> gone;
+    for (int i = 0; i < n; ++i) {
+      if (!store->check({fmt::format("{}/arrive/{}", prefix, i)})) {
+        gone.push_back(members[i]);
+        continue;
+      }
+      const auto bytes = prefixed.get(fmt::format("arrive/{}", i));
+      records[i].assign(bytes.begin(), bytes.end());
+      note_identity(i, records[i]);
+    }
+    // A member that died explains more than one that gave up because of it.
+    throw_if_member_ended();
+    if (!gone.empty()) {
+      throw CommError(fmt::format(
+          "gloo: rendezvous of {} at '{}' failed: rank {} gave up on it after arriving (its own "
+          "error says why); missing ranks {}",
+          what, shared.url.text, gone.front(), dist_detail::format_ranks(gone)));
+    }
     std::vector<std::string> addresses(n);
     for (int i = 0; i < n; ++i) {
-      const auto bytes = prefixed.get(fmt::format("arrive/{}", i));
-      const std::string value(bytes.begin(), bytes.end());
+      const std::string& value = records[i];
       const size_t space = value.find(' ');
       const size_t space2 = space == std::string::npos ? space : value.find(' ', space + 1);
       const std::string size = value.substr(0, space);
@@ -335,8 +422,14 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
             "gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text,
             process::debug_detail_mismatch(members[i], members[my_index], shared.detail)));
       }
-      addresses[i] = value.substr(space2 + 1);
+      const size_t space3 = value.find(' ', space2 + 1);
+      addresses[i] = value.substr(space2 + 1, space3 - space2 - 1);
     }
+    // So too while Gloo waits for addresses, connects and meets at a barrier.
+    store->set_poll([&] {
+      throw_if_member_lost();
+      look_for_ended();
+    });
 
     auto context = std::make_shared<gloo::rendezvous::Context>(my_index, n);
     // A Gloo pair waits five times its timeout for its first connection, and takes the
@@ -349,7 +442,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     context->connectFullMesh(prefixed, device);
     context->setTimeout(shared.timeout);
 
-    if (monitor) monitor->connect(addresses, shared.timeout);
+    if (monitor) monitor->connect(addresses, shared.timeout, throw_if_member_ended);
     // Every member has read every key once all pass this barrier; then the keys can go.
     gloo::BarrierOptions barrier(context);
     barrier.setTimeout(shared.timeout);
@@ -363,11 +456,13 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     forget_keys();
     // A member lost meanwhile (a connection it never answered, a barrier it left) is the cause.
     throw_if_member_lost();
+    throw_if_member_ended();
     std::string msg = gloo_message(e);
     constexpr const char* kNextJob =
         "which the rank whose key was taken removes, so the next job can start there";
-    // Gloo's waits for addresses and connections take a fifth of the timeout (see above).
-    const auto waited = std::max(std::chrono::milliseconds(1), shared.timeout / 5).count();
+    // The store's waits for addresses last the timeout (TimedWaits), and so do a pair's for its
+    // first connection (five times a fifth of it, see above).
+    const auto waited = shared.timeout.count();
     if (msg.find("already") != std::string::npos) {
       msg += fmt::format(
           " (a previous job left its keys in '{}', or another process joined as rank {}: the "
@@ -384,8 +479,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
                msg.find("Connection refused") != std::string::npos) {
       // A member's address was in the store, but nothing answered there.
       msg += fmt::format(
-          " (a rank's address in '{}' did not answer within {} ms: that rank failed during the "
-          "rendezvous, or a previous job left its keys there, {})",
+          " (a rank's address in '{}' did not answer, waited for up to {} ms: that rank failed "
+          "during the rendezvous, or a previous job left its keys there, {})",
           shared.url.text, waited, kNextJob);
     }
     throw CommError(

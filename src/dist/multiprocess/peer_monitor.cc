@@ -162,9 +162,16 @@ void PeerMonitor::wake() {
 }
 
 void PeerMonitor::connect(const std::vector<std::string>& addresses,
-                          std::chrono::milliseconds timeout) {
+                          std::chrono::milliseconds timeout, const std::function<void()>& poll) {
   FUNCOL_CHECK(static_cast<int>(addresses.size()) == world_size_, "one address per rank");
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  constexpr auto kPollEvery = std::chrono::milliseconds(100);
+  auto next_poll = std::chrono::steady_clock::now() + kPollEvery;
+  auto maybe_poll = [&] {
+    if (!poll || std::chrono::steady_clock::now() < next_poll) return;
+    next_poll = std::chrono::steady_clock::now() + kPollEvery;
+    poll();
+  };
   // Dial every lower rank; its listener exists before its address was published.
   for (int r = 0; r < rank_; ++r) {
     auto [host, port] = split_host_port(addresses[r]);
@@ -193,6 +200,7 @@ void PeerMonitor::connect(const std::vector<std::string>& addresses,
       }
       freeaddrinfo(res);
       if (fd < 0) {
+        maybe_poll();
         if (std::chrono::steady_clock::now() > deadline) {
           throw CommError(fmt::format("peer monitor: cannot connect to rank {} at {}: {}", r,
                                       addresses[r], last_error));
@@ -222,6 +230,14 @@ void PeerMonitor::connect(const std::vector<std::string>& addresses,
     }
     return true;
   };
+  while (poll && !all_here() && std::chrono::steady_clock::now() < deadline) {
+    cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() + kPollEvery),
+                   all_here);
+    if (all_here()) break;
+    lock.unlock();
+    maybe_poll();
+    lock.lock();
+  }
   if (!cv_.wait_until(lock, deadline, all_here)) {
     std::vector<int> missing;
     for (int r = rank_ + 1; r < world_size_; ++r) {

@@ -54,7 +54,10 @@ class PeerMonitor {
 
   // Connects the mesh given every rank's address (index = rank): dials lower ranks, accepts
   // higher ones. Throws CommError naming the missing ranks when not done within `timeout`.
-  void connect(const std::vector<std::string>& addresses, std::chrono::milliseconds timeout);
+  // `poll`, when given, is called about every 100 ms while it waits; it throws to end the wait
+  // (a rank known to have died).
+  void connect(const std::vector<std::string>& addresses, std::chrono::milliseconds timeout,
+               const std::function<void()>& poll = {});
 
   // What this process issued as collective `seq` of a group ("all_reduce(f32[4], op sum)"), or
   // "" when it no longer knows.

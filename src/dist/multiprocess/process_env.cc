@@ -2,13 +2,16 @@
 #include "dist/multiprocess/process_env.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <sstream>
 #include <system_error>
 
 #include "funcol/core/error.h"
@@ -111,6 +114,73 @@ StoreUrl parse_store_url(const std::string& url) {
   out.path = dir.lexically_normal().string();
   if (out.path.size() > 1 && out.path.back() == '/') out.path.pop_back();
   return out;
+}
+
+namespace {
+
+std::string first_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// /proc/<pid>/stat's state (field 3) and start time (field 22, clock ticks since boot); nullopt
+// when there is no such process.
+std::optional<std::pair<char, std::string>> stat_of(const std::string& pid) {
+  const std::string stat = first_line("/proc/" + pid + "/stat");
+  const size_t comm_end = stat.rfind(')');  // the command name may hold spaces and parentheses
+  if (comm_end == std::string::npos) return std::nullopt;
+  std::istringstream fields(stat.substr(comm_end + 1));
+  std::string state, field;
+  fields >> state;
+  int at = 3;  // the field last read
+  while (at < 22 && fields >> field) ++at;
+  if (state.empty() || at != 22) return std::nullopt;
+  return std::make_pair(state[0], field);
+}
+
+// "<boot id>/<pid namespace>": who can compare pids with this process.
+const std::string& machine_and_namespace() {
+  static const std::string mine = [] {
+    const std::string boot = first_line("/proc/sys/kernel/random/boot_id");
+    std::error_code ec;
+    const std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
+    if (boot.empty() || ec || ns.empty() || boot.find_first_of("/ ") != std::string::npos ||
+        ns.find_first_of("/ ") != std::string::npos) {
+      return std::string();
+    }
+    return boot + "/" + ns;
+  }();
+  return mine;
+}
+
+}  // namespace
+
+std::string process_identity() {
+  const std::string& where = machine_and_namespace();
+  const auto self = stat_of("self");
+  if (where.empty() || !self) return "";
+  return fmt::format("{}/{}/{}", where, static_cast<long>(::getpid()), self->second);
+}
+
+bool process_ended(const std::string& identity) {
+  const std::string& where = machine_and_namespace();
+  if (where.empty() || identity.size() <= where.size() + 1 ||
+      identity.compare(0, where.size(), where) != 0 || identity[where.size()] != '/') {
+    return false;
+  }
+  const std::string rest = identity.substr(where.size() + 1);  // "<pid>/<start time>"
+  const size_t slash = rest.find('/');
+  if (slash == std::string::npos) return false;
+  const std::string pid = rest.substr(0, slash);
+  if (pid.empty() ||
+      !std::all_of(pid.begin(), pid.end(), [](unsigned char c) { return std::isdigit(c); })) {
+    return false;
+  }
+  const auto now = stat_of(pid);
+  if (!now) return true;
+  return now->second != rest.substr(slash + 1) || now->first == 'Z' || now->first == 'X';
 }
 
 }  // namespace funcol::process

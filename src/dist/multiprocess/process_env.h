@@ -40,4 +40,13 @@ struct StoreUrl {
 // other than file:// and redis:// ("unknown scheme"), a relative file:// directory.
 StoreUrl parse_store_url(const std::string& url);
 
+// This process, as another process of its job on the same machine can tell whether it still
+// runs: "<boot id>/<pid namespace>/<pid>/<start time>" (no spaces). Empty when /proc cannot say.
+std::string process_identity();
+// Whether the process that `identity` (another process's process_identity()) names has ended:
+// true only when it ran since this machine's boot, in this process's PID namespace, and its
+// pid is gone, a zombie, or taken by a process started later. False when that cannot be known
+// (another machine or namespace, an empty identity).
+bool process_ended(const std::string& identity);
+
 }  // namespace funcol::process

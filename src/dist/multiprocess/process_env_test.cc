@@ -2,10 +2,15 @@
 #include "dist/multiprocess/process_env.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <thread>
 
 #include "funcol/core/error.h"
 
@@ -112,6 +117,60 @@ TEST(DebugDetail, RefusesOtherValues) {
                  "environment variable FUNCOL_DEBUG='details' is not one of OFF, INFO, DETAIL");
   }
   ::unsetenv("FUNCOL_DEBUG");
+}
+
+// A process of this machine tells whether another one still runs from its identity: alive,
+// then a zombie, then reaped. Identities from another boot or namespace, or malformed, are
+// never called ended (that cannot be known).
+TEST(ProcessIdentity, AProcessIsAliveUntilItEnds) {
+  const std::string mine = process_identity();
+  if (!std::filesystem::exists("/proc/self/stat")) GTEST_SKIP() << "no /proc on this machine";
+  ASSERT_FALSE(mine.empty());
+  EXPECT_EQ(std::count(mine.begin(), mine.end(), '/'), 3) << mine;
+  EXPECT_EQ(mine.find(' '), std::string::npos) << mine;
+  EXPECT_FALSE(process_ended(mine));
+
+  int to_parent[2], to_child[2];
+  ASSERT_EQ(pipe(to_parent), 0);
+  ASSERT_EQ(pipe(to_child), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(to_parent[0]);
+    close(to_child[1]);
+    const std::string id = process_identity();
+    (void)!write(to_parent[1], id.data(), id.size());
+    close(to_parent[1]);
+    char go = 0;
+    (void)!read(to_child[0], &go, 1);
+    _exit(0);
+  }
+  close(to_parent[1]);
+  close(to_child[0]);
+  std::string theirs;
+  char buf[256];
+  for (ssize_t n; (n = read(to_parent[0], buf, sizeof buf)) > 0;) theirs.append(buf, n);
+  close(to_parent[0]);
+  ASSERT_FALSE(theirs.empty());
+  EXPECT_NE(theirs, mine);
+  EXPECT_FALSE(process_ended(theirs));  // waiting for the go
+  close(to_child[1]);                   // go: it exits, a zombie until reaped
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!process_ended(theirs) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(process_ended(theirs));  // a zombie
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(process_ended(theirs));  // gone
+
+  // Another boot, another start time of the same pid (a pid taken again), nonsense.
+  EXPECT_FALSE(process_ended("x" + mine.substr(1)));
+  const std::string reused = mine.substr(0, mine.rfind('/') + 1) + "1";
+  EXPECT_TRUE(process_ended(reused));
+  EXPECT_FALSE(process_ended(""));
+  EXPECT_FALSE(process_ended("garbage"));
+  EXPECT_FALSE(process_ended(mine.substr(0, mine.rfind('/'))));  // no start time
 }
 
 }  // namespace

@@ -34,6 +34,12 @@
 //            next collective fails at once saying so
 //  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
 //            missing and silent, and rank 0 kills it
+//  stopped_at_exit  (mpi) the last rank stops after its last collective; the others' exit
+//            (MPI_Finalize) gives up after the exit drain and the timeout, saying why
+//  world_dead_arrival  (gloo, file store) the last rank writes its world arrival record, as
+//            init_process_group would, and dies before its address is there; the others'
+//            init_process_group fails at once naming it (its identity says it ended), not
+//            after FUNCOL_TIMEOUT
 #include <fmt/format.h>
 
 #include <fmt/ranges.h>
@@ -56,6 +62,9 @@
 #include <vector>
 
 #include "dist/checks.h"
+#ifdef FUNCOL_WITH_GLOO
+#include "dist/multiprocess/process_env.h"
+#endif
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 
@@ -548,9 +557,43 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
-                 "split_kill_arrived|exit|stopped\n");
+                 "split_kill_arrived|exit|stopped|stopped_at_exit|world_dead_arrival\n");
     return 2;
   }
+#ifdef FUNCOL_WITH_GLOO
+  if (scenario == "world_dead_arrival") {
+    const char* rank = std::getenv("RANK");
+    const char* size = std::getenv("WORLD_SIZE");
+    const char* store = std::getenv("FUNCOL_STORE");
+    if (rank == nullptr || size == nullptr) failed("run under gloo_launch.sh");
+    if (store == nullptr || std::strncmp(store, "file://", 7) != 0) failed("needs a file store");
+    g_rank = std::atoi(rank);
+    const int victim = std::atoi(size) - 1;
+    if (g_rank == victim) {
+      // The world's size, FUNCOL_DEBUG off, no monitor address, this process.
+      gloo::rendezvous::FileStore files(store + 7);
+      gloo::rendezvous::PrefixStore prefixed("funcol/world", files);
+      const std::string arrival =
+          fmt::format("{} plain - {}", size, funcol::process::process_identity());
+      prefixed.set(fmt::format("arrive/{}", victim),
+                   std::vector<char>(arrival.begin(), arrival.end()));
+      std::fflush(stdout);
+      std::raise(SIGKILL);
+    }
+    auto start = Clock::now();
+    std::string msg = expect_comm_error([&] { funcol::init_process_group(backend); },
+                                        "init_process_group with a rank dead after arriving");
+    const double took = seconds_since(start);
+    expect_contains(msg, fmt::format("the process that wrote rank {}'s arrival record has ended: "
+                                     "rank {} died (its process exited or was killed) during the "
+                                     "rendezvous",
+                                     victim, victim));
+    expect_contains(msg, fmt::format("missing ranks [{}]", victim));
+    if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
+    ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+    return 0;
+  }
+#endif
   if (scenario == "lonely") {
     // The last rank never calls init_process_group: the others fail at their timeout.
     const bool mpi = backend == "mpi";
