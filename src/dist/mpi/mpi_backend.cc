@@ -254,7 +254,6 @@ class Runtime {
   };
 
   void start(std::chrono::milliseconds timeout) {
-    timeout_ = timeout;
     // Shared with the thread, which may return from MPI_Init_thread after start() gave up.
     auto ready = std::make_shared<std::promise<std::string>>();
     auto ready_future = ready->get_future();
@@ -428,15 +427,7 @@ class Runtime {
       finished.set_value();
     });
     if (!posted) return;
-    // MPI_Finalize waits for every rank and for mpirun (a fence), without a time limit: a rank
-    // stopped by a debugger or SIGSTOP, or a stopped mpirun, would hold this process forever.
-    if (finished.get_future().wait_for(kExitDrain + timeout_) != std::future_status::ready) {
-      exit_without_finalize(
-          "MPI_Finalize did not return",
-          fmt::format("it waits for every rank of the job and for mpirun, and after {:g} s some "
-                      "rank or mpirun was still stopped, stuck or busy",
-                      std::chrono::duration<double>(kExitDrain + timeout_).count()));
-    }
+    finished.get_future().wait();
     {
       std::lock_guard lock(mu_);
       stopping_ = true;
@@ -459,7 +450,6 @@ class Runtime {
   std::vector<MPI_Status> statuses_;
   std::vector<int> errors_;
   std::string init_error_;
-  std::chrono::milliseconds timeout_{0};  // the job's (FUNCOL_TIMEOUT, InitOptions::timeout)
   bool owns_mpi_ = false;
   std::atomic<bool> unclean_{false};
   std::string unclean_reason_;  // guarded by mu_

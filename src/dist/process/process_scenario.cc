@@ -34,8 +34,6 @@
 //            next collective fails at once saying so
 //  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
 //            missing and silent, and rank 0 kills it
-//  stopped_at_exit  (mpi) the last rank stops after its last collective; the others' exit
-//            (MPI_Finalize) gives up after the exit drain and the timeout, saying why
 //  world_dead_arrival  (gloo, file store) the last rank writes its world arrival record, as
 //            init_process_group would, and dies before its address is there; the others'
 //            init_process_group fails at once naming it (its identity says it ended), not
@@ -487,20 +485,6 @@ void scenario_stopped(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
-// A rank stops (SIGSTOP, a debugger) after its last collective. mpi: the others' MPI_Finalize,
-// which waits for every rank and has no time limit of its own, gives up after the exit drain
-// and the timeout, saying why (the job used to hang until the rank was continued).
-void scenario_stopped_at_exit(funcol::ProcessGroup& world) {
-  check_sum(world);
-  if (world.rank() == world.size() - 1) {
-    std::fflush(stdout);
-    std::raise(SIGSTOP);
-    // Continued by mpirun as it ends the job (it sends SIGCONT before its SIGTERM).
-    std::_Exit(1);
-  }
-  ok("finished; exiting while the last rank is stopped");
-}
-
 #ifdef FUNCOL_WITH_GLOO
 // gloo: the victim agrees to the new group and writes its arrival key, as its rendezvous
 // would, then dies before its address is there. The other member sees every arrival and waits
@@ -557,7 +541,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
-                 "split_kill_arrived|exit|stopped|stopped_at_exit|world_dead_arrival\n");
+                 "split_kill_arrived|exit|stopped|world_dead_arrival\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
@@ -653,8 +637,6 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "stopped") {
       scenario_stopped(*world);
-    } else if (scenario == "stopped_at_exit") {
-      scenario_stopped_at_exit(*world);
 #ifdef FUNCOL_WITH_GLOO
     } else if (scenario == "split_kill_arrived") {
       scenario_split_kill_arrived(*world);
