@@ -2,18 +2,19 @@
 // per group in issue order; rendezvous through Gloo's FileStore or RedisStore.
 #include "dist/gloo/gloo_backend.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -143,9 +144,24 @@ class FileKeyStore final : public KeyStore {
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
   std::optional<std::vector<char>> try_get(const std::string& key) override {
     // Gloo writes a key's file whole under another name and renames it into place.
-    std::ifstream in(store_.objectPath(key), std::ios::binary);
-    if (!in.is_open()) return std::nullopt;
-    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    const std::string path = store_.objectPath(key);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT) return std::nullopt;
+    std::vector<char> value;
+    bool ok = fd >= 0;
+    char buf[4096];
+    for (ssize_t got; ok && (got = ::read(fd, buf, sizeof buf)) != 0;) {
+      if (got < 0 && errno == EINTR) continue;
+      ok = got > 0;
+      if (ok) value.insert(value.end(), buf, buf + got);
+    }
+    const int error = errno;
+    if (fd >= 0) ::close(fd);
+    if (!ok) {
+      throw CommError(fmt::format("gloo: cannot read the store's key file {}: {}", path,
+                                  std::strerror(error)));
+    }
+    return value;
   }
   void erase_own_keys() noexcept override {
     for (const auto& path : store_.getAllKeyFilePaths()) ::unlink(path.c_str());
@@ -199,10 +215,18 @@ class RedisKeyStore final : public KeyStore {
     std::optional<std::vector<char>> try_get(const std::string& key) {
       auto* reply =
           static_cast<redisReply*>(redisCommand(redis_, "GET %b", key.data(), key.size()));
-      if (reply == nullptr) return std::nullopt;
+      if (reply == nullptr) {
+        throw CommError(fmt::format("gloo: the Redis store failed: {}", redis_->errstr));
+      }
       std::optional<std::vector<char>> value;
-      if (reply->type == REDIS_REPLY_STRING) value.emplace(reply->str, reply->str + reply->len);
+      std::string error;
+      if (reply->type == REDIS_REPLY_STRING) {
+        value.emplace(reply->str, reply->str + reply->len);
+      } else if (reply->type == REDIS_REPLY_ERROR) {
+        error.assign(reply->str, reply->len);
+      }
       freeReplyObject(reply);
+      if (!error.empty()) throw CommError("gloo: the Redis store failed: " + error);
       return value;
     }
     void erase_written() noexcept {
@@ -336,19 +360,32 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     if (losses.empty()) return;
     throw lost_during_rendezvous(what, shared.url.text, losses.front());
   };
-  // Each member's process_identity, from its arrival record ("" until read, or unknown).
+  // Each member's process_identity, from its arrival record ("" until read, or unknown), and
+  // whether this process saw that process running: only one seen running, then ended, counts
+  // as a member that ended (a record a killed job left, or one from a machine or namespace
+  // whose pids /proc here does not number, is never taken for a death).
   std::vector<std::string> identities(static_cast<size_t>(n));
+  std::vector<char> seen_running(static_cast<size_t>(n), 0);
   auto throw_if_member_ended = [&] {
     for (int i = 0; i < n; ++i) {
-      if (i == my_index || !process::process_ended(identities[static_cast<size_t>(i)])) continue;
-      // Its record names a process of this machine that has ended: this job's rank died, or a
-      // killed job left the record (both look the same from here).
-      throw CommError(fmt::format(
-          "gloo: rendezvous of {} at '{}' failed: the process that wrote rank {}'s arrival "
-          "record has ended: rank {} died (its process exited or was killed) during the "
-          "rendezvous, or a previous job left its keys there, which the rank whose key was taken "
-          "removes, so the next job can start there; missing ranks [{}]",
-          what, shared.url.text, members[i], members[i], members[i]));
+      if (i == my_index) continue;
+      const std::optional<bool> running = process::process_running(identities[i]);
+      if (!running) continue;
+      if (*running) {
+        seen_running[i] = 1;
+        continue;
+      }
+      if (!seen_running[i]) continue;
+      if (!store->check({fmt::format("{}/arrive/{}", prefix, i)})) {
+        // It took its record back, as a rank whose rendezvous failed does, and exited.
+        throw CommError(fmt::format(
+            "gloo: rendezvous of {} at '{}' failed: rank {} gave up on it and exited (its own "
+            "error says why); missing ranks [{}]",
+            what, shared.url.text, members[i], members[i]));
+      }
+      process::PeerLoss died;  // not clean: its process ended
+      died.rank = members[i];
+      throw lost_during_rendezvous(what, shared.url.text, died);
     }
   };
   // A member that dies after its arrival key never writes its address: Gloo's wait for it
@@ -361,7 +398,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     // with and without FUNCOL_DEBUG=DETAIL, whose collectives would pair a signature exchange
     // with the data (wrong bytes delivered without an error).
     // Then, last, this process's identity (process_identity), with which members on this
-    // machine tell at once that one died during the rendezvous.
+    // machine tell at once that one they saw running died during the rendezvous.
     const char* mode = shared.detail ? "detail" : "plain";
     const std::string mine =
         fmt::format("{} {} {} {}", n, mode, monitor ? monitor->address() : std::string("-"),
@@ -388,12 +425,12 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     std::vector<std::string> records(static_cast<size_t>(n));
     std::vector<int> gone;
     for (int i = 0; i < n; ++i) {
-      if (!store->check({fmt::format("{}/arrive/{}", prefix, i)})) {
+      const auto bytes = store->try_get(fmt::format("{}/arrive/{}", prefix, i));
+      if (!bytes) {
         gone.push_back(members[i]);
         continue;
       }
-      const auto bytes = prefixed.get(fmt::format("arrive/{}", i));
-      records[i].assign(bytes.begin(), bytes.end());
+      records[i].assign(bytes->begin(), bytes->end());
       note_identity(i, records[i]);
     }
     // A member that died explains more than one that gave up because of it.

@@ -2,10 +2,13 @@
 #include "dist/multiprocess/process_env.h"
 
 #include <fmt/format.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <filesystem>
@@ -125,32 +128,57 @@ std::string first_line(const std::string& path) {
   return line;
 }
 
-// /proc/<pid>/stat's state (field 3) and start time (field 22, clock ticks since boot); nullopt
-// when there is no such process.
-std::optional<std::pair<char, std::string>> stat_of(const std::string& pid) {
-  const std::string stat = first_line("/proc/" + pid + "/stat");
-  const size_t comm_end = stat.rfind(')');  // the command name may hold spaces and parentheses
-  if (comm_end == std::string::npos) return std::nullopt;
-  std::istringstream fields(stat.substr(comm_end + 1));
+// A process's state (field 3 of /proc/<pid>/stat) and start time (field 22, clock ticks since
+// boot), or the errno that kept it from being read (0: read but not understood).
+struct Stat {
+  char state = 0;
+  std::string start;
+  int error = 0;
+};
+Stat stat_of(const std::string& pid) {
+  Stat out;
+  const int fd = ::open(("/proc/" + pid + "/stat").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    out.error = errno;
+    return out;
+  }
+  std::string text(4096, '\0');
+  const ssize_t n = ::read(fd, text.data(), text.size());
+  ::close(fd);
+  if (n <= 0) {
+    out.error = n < 0 ? errno : 0;
+    return out;
+  }
+  text.resize(static_cast<size_t>(n));
+  const size_t comm_end = text.rfind(')');  // the command name may hold spaces and parentheses
+  if (comm_end == std::string::npos) return out;
+  std::istringstream fields(text.substr(comm_end + 1));
   std::string state, field;
   fields >> state;
   int at = 3;  // the field last read
   while (at < 22 && fields >> field) ++at;
-  if (state.empty() || at != 22) return std::nullopt;
-  return std::make_pair(state[0], field);
+  if (state.size() != 1 || at != 22) return out;
+  out.state = state[0];
+  out.start = field;
+  return out;
 }
 
-// "<boot id>/<pid namespace>": who can compare pids with this process.
+// "<host name>/<boot id>/<pid namespace>/<device of /proc>": who may look up this process's
+// pids in its /proc and compare start times. Empty when one of them cannot be read.
 const std::string& machine_and_namespace() {
   static const std::string mine = [] {
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) return std::string();
     const std::string boot = first_line("/proc/sys/kernel/random/boot_id");
     std::error_code ec;
     const std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
-    if (boot.empty() || ec || ns.empty() || boot.find_first_of("/ ") != std::string::npos ||
-        ns.find_first_of("/ ") != std::string::npos) {
+    struct stat proc {};
+    if (boot.empty() || ec || ns.empty() || ::stat("/proc", &proc) != 0) return std::string();
+    std::string key = fmt::format("{}/{}/{}/{}", host, boot, ns, static_cast<uint64_t>(proc.st_dev));
+    if (std::count(key.begin(), key.end(), '/') != 3 || key.find(' ') != std::string::npos) {
       return std::string();
     }
-    return boot + "/" + ns;
+    return key;
   }();
   return mine;
 }
@@ -159,28 +187,38 @@ const std::string& machine_and_namespace() {
 
 std::string process_identity() {
   const std::string& where = machine_and_namespace();
-  const auto self = stat_of("self");
-  if (where.empty() || !self) return "";
-  return fmt::format("{}/{}/{}", where, static_cast<long>(::getpid()), self->second);
+  if (where.empty()) return "";
+  // The pid as /proc numbers it (its namespace may not be this process's own).
+  std::error_code ec;
+  const std::string pid = std::filesystem::read_symlink("/proc/self", ec).string();
+  if (ec || pid.empty() ||
+      !std::all_of(pid.begin(), pid.end(), [](unsigned char c) { return std::isdigit(c); })) {
+    return "";
+  }
+  const Stat self = stat_of(pid);
+  if (self.start.empty()) return "";
+  return fmt::format("{}/{}/{}", where, pid, self.start);
 }
 
-bool process_ended(const std::string& identity) {
+std::optional<bool> process_running(const std::string& identity) {
   const std::string& where = machine_and_namespace();
   if (where.empty() || identity.size() <= where.size() + 1 ||
       identity.compare(0, where.size(), where) != 0 || identity[where.size()] != '/') {
-    return false;
+    return std::nullopt;
   }
   const std::string rest = identity.substr(where.size() + 1);  // "<pid>/<start time>"
   const size_t slash = rest.find('/');
-  if (slash == std::string::npos) return false;
+  if (slash == std::string::npos || slash + 1 == rest.size()) return std::nullopt;
   const std::string pid = rest.substr(0, slash);
   if (pid.empty() ||
       !std::all_of(pid.begin(), pid.end(), [](unsigned char c) { return std::isdigit(c); })) {
-    return false;
+    return std::nullopt;
   }
-  const auto now = stat_of(pid);
-  if (!now) return true;
-  return now->second != rest.substr(slash + 1) || now->first == 'Z' || now->first == 'X';
+  const Stat now = stat_of(pid);
+  if (now.error == ENOENT || now.error == ESRCH) return false;  // no such process
+  if (now.start.empty()) return std::nullopt;                    // unreadable: cannot tell
+  if (now.start != rest.substr(slash + 1)) return false;         // the pid went to a later one
+  return now.state != 'Z' && now.state != 'X';
 }
 
 }  // namespace funcol::process

@@ -41,12 +41,15 @@ struct StoreUrl {
 StoreUrl parse_store_url(const std::string& url);
 
 // This process, as another process of its job on the same machine can tell whether it still
-// runs: "<boot id>/<pid namespace>/<pid>/<start time>" (no spaces). Empty when /proc cannot say.
+// runs: "<host>/<boot id>/<pid namespace>/<device of /proc>/<pid>/<start time>" (no spaces).
+// Empty when /proc cannot say.
 std::string process_identity();
-// Whether the process that `identity` (another process's process_identity()) names has ended:
-// true only when it ran since this machine's boot, in this process's PID namespace, and its
-// pid is gone, a zombie, or taken by a process started later. False when that cannot be known
-// (another machine or namespace, an empty identity).
-bool process_ended(const std::string& identity);
+// What /proc says of the process that `identity` (another process's process_identity()) names:
+// true while it runs; false once its pid is gone, a zombie, or taken by a process started
+// later; nullopt when that cannot be known (another machine, namespace or /proc, an empty or
+// malformed identity, /proc unreadable). A "false" for an identity never seen "true" proves
+// little (a record copied from elsewhere, clock or namespace differences): callers act on a
+// process they saw running that ended.
+std::optional<bool> process_running(const std::string& identity);
 
 }  // namespace funcol::process

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -119,16 +120,16 @@ TEST(DebugDetail, RefusesOtherValues) {
   ::unsetenv("FUNCOL_DEBUG");
 }
 
-// A process of this machine tells whether another one still runs from its identity: alive,
-// then a zombie, then reaped. Identities from another boot or namespace, or malformed, are
-// never called ended (that cannot be known).
+// A process of this machine tells whether another one still runs from its identity: running,
+// then a zombie, then reaped. Identities from another machine or namespace, or malformed, are
+// unknown (nullopt), never ended.
 TEST(ProcessIdentity, AProcessIsAliveUntilItEnds) {
   const std::string mine = process_identity();
   if (!std::filesystem::exists("/proc/self/stat")) GTEST_SKIP() << "no /proc on this machine";
   ASSERT_FALSE(mine.empty());
-  EXPECT_EQ(std::count(mine.begin(), mine.end(), '/'), 3) << mine;
+  EXPECT_EQ(std::count(mine.begin(), mine.end(), '/'), 5) << mine;
   EXPECT_EQ(mine.find(' '), std::string::npos) << mine;
-  EXPECT_FALSE(process_ended(mine));
+  EXPECT_EQ(process_running(mine), std::optional<bool>(true));
 
   int to_parent[2], to_child[2];
   ASSERT_EQ(pipe(to_parent), 0);
@@ -153,24 +154,25 @@ TEST(ProcessIdentity, AProcessIsAliveUntilItEnds) {
   close(to_parent[0]);
   ASSERT_FALSE(theirs.empty());
   EXPECT_NE(theirs, mine);
-  EXPECT_FALSE(process_ended(theirs));  // waiting for the go
+  EXPECT_EQ(process_running(theirs), std::optional<bool>(true));  // waiting for the go
   close(to_child[1]);                   // go: it exits, a zombie until reaped
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (!process_ended(theirs) && std::chrono::steady_clock::now() < deadline) {
+  while (process_running(theirs) != std::optional<bool>(false) &&
+         std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  EXPECT_TRUE(process_ended(theirs));  // a zombie
+  EXPECT_EQ(process_running(theirs), std::optional<bool>(false));  // a zombie
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
-  EXPECT_TRUE(process_ended(theirs));  // gone
+  EXPECT_EQ(process_running(theirs), std::optional<bool>(false));  // gone
 
-  // Another boot, another start time of the same pid (a pid taken again), nonsense.
-  EXPECT_FALSE(process_ended("x" + mine.substr(1)));
+  // Another machine, another start time of the same pid (a pid taken again), nonsense.
+  EXPECT_EQ(process_running("x" + mine), std::nullopt);
   const std::string reused = mine.substr(0, mine.rfind('/') + 1) + "1";
-  EXPECT_TRUE(process_ended(reused));
-  EXPECT_FALSE(process_ended(""));
-  EXPECT_FALSE(process_ended("garbage"));
-  EXPECT_FALSE(process_ended(mine.substr(0, mine.rfind('/'))));  // no start time
+  EXPECT_EQ(process_running(reused), std::optional<bool>(false));
+  EXPECT_EQ(process_running(""), std::nullopt);
+  EXPECT_EQ(process_running("garbage"), std::nullopt);
+  EXPECT_EQ(process_running(mine.substr(0, mine.rfind('/') + 1)), std::nullopt);  // no start
 }
 
 }  // namespace
