@@ -607,8 +607,11 @@ bool rank_checks_pass(const std::string& backend, int ranks, const InitOptions& 
   } catch (...) {
     // The rank as the job will number it: --rank or RANK (gloo), mpirun's variable (mpi).
     std::optional<int> rank;
-    if (join.rank >= 0 && backend == "gloo") rank = join.rank;
-    if (!rank) rank = process::env_int(backend == "mpi" ? "OMPI_COMM_WORLD_RANK" : "RANK");
+    if (backend == "mpi") {
+      rank = process::env_int("OMPI_COMM_WORLD_RANK");
+    } else if (const std::optional<Known> k = known(join.rank, "--rank", "RANK")) {
+      rank = k->value;
+    }
     print_command_error(err, rank ? fmt::format("rank {}: ", *rank) : "");
     const std::exception_ptr failure = std::current_exception();
     try {

@@ -276,6 +276,11 @@ CommError lost_during_rendezvous(const std::string& what, const std::string& url
                   what, url, loss.describe(), loss.rank));
 }
 
+// Where the member at `index` of a rendezvous under `prefix` writes its arrival record.
+std::string arrival_key(const std::string& prefix, int index) {
+  return fmt::format("{}/arrive/{}", prefix, index);
+}
+
 // Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
 // names the missing ones on timeout. A member that `watch` (the job's peer monitor, when there
 // is one) reports dead or departed fails the wait at once: it will never arrive. Each arrival
@@ -292,7 +297,7 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
   while (true) {
     std::vector<int> still;
     for (int i : missing) {
-      const auto record = store.try_get(fmt::format("{}/arrive/{}", prefix, i));
+      const auto record = store.try_get(arrival_key(prefix, i));
       if (!record) {
         still.push_back(i);
       } else {
@@ -310,7 +315,7 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
         // It may have arrived after the look at its key, and died since.
         const int lost = losses.front().rank;
         const auto at = std::find(members.begin(), members.end(), lost) - members.begin();
-        if (store.check({fmt::format("{}/arrive/{}", prefix, at)})) {
+        if (store.check({arrival_key(prefix, static_cast<int>(at))})) {
           throw lost_during_rendezvous(what, url, losses.front());
         }
         throw CommError(fmt::format(
@@ -345,7 +350,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   // of the failed job clears its own index.
   auto forget_keys = [&] {
     store->erase_own_keys();
-    store->erase_stale(fmt::format("{}/arrive/{}", prefix, my_index));
+    store->erase_stale(arrival_key(prefix, my_index));
     store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));  // Gloo: the host name
     store->erase_stale(fmt::format("{}/{}", prefix, my_index));        // Gloo: the address
   };
@@ -376,7 +381,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
         continue;
       }
       if (!seen_running[i]) continue;
-      if (!store->check({fmt::format("{}/arrive/{}", prefix, i)})) {
+      if (!store->check({arrival_key(prefix, i)})) {
         // It took its record back, as a rank whose rendezvous failed does, and exited.
         throw CommError(fmt::format(
             "gloo: rendezvous of {} at '{}' failed: rank {} gave up on it and exited (its own "
@@ -404,7 +409,9 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
         fmt::format("{} {} {} {}", n, mode, monitor ? monitor->address() : std::string("-"),
                     process::process_identity());
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
-    auto note_identity = [&](int i, const std::string& record) {
+    std::vector<std::string> records(static_cast<size_t>(n));
+    auto keep_record = [&](int i, const std::string& record) {
+      records[i] = record;
       // The identity is the fourth field (records of three have none).
       if (std::count(record.begin(), record.end(), ' ') == 3) {
         identities[static_cast<size_t>(i)] = record.substr(record.rfind(' ') + 1);
@@ -419,19 +426,12 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       throw_if_member_ended();
     };
     wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text,
-                      note_identity, look_for_ended);
-    // Every arrival record, read where it is: a key gone since wait_for_arrivals saw it was
-    // taken back by its member, whose rendezvous failed (forget_keys).
-    std::vector<std::string> records(static_cast<size_t>(n));
+                      keep_record, look_for_ended);
+    // A key gone since wait_for_arrivals read it was taken back by its member, whose
+    // rendezvous failed (forget_keys).
     std::vector<int> gone;
     for (int i = 0; i < n; ++i) {
-      const auto bytes = store->try_get(fmt::format("{}/arrive/{}", prefix, i));
-      if (!bytes) {
-        gone.push_back(members[i]);
-        continue;
-      }
-      records[i].assign(bytes->begin(), bytes->end());
-      note_identity(i, records[i]);
+      if (!store->check({arrival_key(prefix, i)})) gone.push_back(members[i]);
     }
     // A member that died explains more than one that gave up because of it.
     throw_if_member_ended();

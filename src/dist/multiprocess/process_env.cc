@@ -121,6 +121,11 @@ StoreUrl parse_store_url(const std::string& url) {
 
 namespace {
 
+bool all_digits(const std::string& s) {
+  return !s.empty() &&
+         std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+
 std::string first_line(const std::string& path) {
   std::ifstream in(path);
   std::string line;
@@ -191,10 +196,7 @@ std::string process_identity() {
   // The pid as /proc numbers it (its namespace may not be this process's own).
   std::error_code ec;
   const std::string pid = std::filesystem::read_symlink("/proc/self", ec).string();
-  if (ec || pid.empty() ||
-      !std::all_of(pid.begin(), pid.end(), [](unsigned char c) { return std::isdigit(c); })) {
-    return "";
-  }
+  if (ec || !all_digits(pid)) return "";
   const Stat self = stat_of(pid);
   if (self.start.empty()) return "";
   return fmt::format("{}/{}/{}", where, pid, self.start);
@@ -210,10 +212,7 @@ std::optional<bool> process_running(const std::string& identity) {
   const size_t slash = rest.find('/');
   if (slash == std::string::npos || slash + 1 == rest.size()) return std::nullopt;
   const std::string pid = rest.substr(0, slash);
-  if (pid.empty() ||
-      !std::all_of(pid.begin(), pid.end(), [](unsigned char c) { return std::isdigit(c); })) {
-    return std::nullopt;
-  }
+  if (!all_digits(pid)) return std::nullopt;
   const Stat now = stat_of(pid);
   if (now.error == ENOENT || now.error == ESRCH) return false;  // no such process
   if (now.start.empty()) return std::nullopt;                    // unreadable: cannot tell

@@ -486,6 +486,32 @@ void scenario_stopped(funcol::ProcessGroup& world) {
 }
 
 #ifdef FUNCOL_WITH_GLOO
+// The victim of a gloo rendezvous scenario: writes `record` as the arrival record of the member
+// at `index` of the rendezvous under `prefix` (in FUNCOL_STORE, a file store), as the backend
+// would, stays `linger` seconds, then dies before its address is there.
+[[noreturn]] void arrive_and_die(const std::string& prefix, int index, const std::string& record,
+                                 double linger) {
+  const char* store = std::getenv("FUNCOL_STORE");
+  if (store == nullptr || std::strncmp(store, "file://", 7) != 0) failed("needs a file store");
+  gloo::rendezvous::FileStore files(store + 7);
+  gloo::rendezvous::PrefixStore prefixed(prefix, files);
+  prefixed.set(fmt::format("arrive/{}", index), std::vector<char>(record.begin(), record.end()));
+  std::this_thread::sleep_for(std::chrono::duration<double>(linger));
+  std::fflush(stdout);
+  std::raise(SIGKILL);
+  std::abort();  // not reached
+}
+
+// A survivor's rendezvous error `msg`, `took` seconds after it began: it names the victim's
+// death, at once.
+void expect_died_during_rendezvous(const std::string& msg, double took, int victim) {
+  expect_contains(msg, fmt::format("rank {} died (its process exited or was killed) during the "
+                                   "rendezvous; missing ranks [{}]",
+                                   victim, victim));
+  if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
 // gloo: the victim agrees to the new group and writes its arrival key, as its rendezvous
 // would, then dies before its address is there. The other member sees every arrival and waits
 // for that address inside Gloo's connectFullMesh: it must fail at once naming the dead rank,
@@ -499,16 +525,9 @@ void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
     Tensor probe = funcol::dist_detail::split_probe(
         funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
     world.all_reduce(probe, ReduceOp::Max)->wait();
-    const char* store = std::getenv("FUNCOL_STORE");
-    if (store == nullptr || std::strncmp(store, "file://", 7) != 0) failed("needs a file store");
-    gloo::rendezvous::FileStore files(store + 7);
-    gloo::rendezvous::PrefixStore prefixed(
-        fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), files);
     // The group's size, FUNCOL_DEBUG off, no monitor address.
-    const std::string arrival = "2 plain -";
-    prefixed.set("arrive/1", std::vector<char>(arrival.begin(), arrival.end()));
-    std::fflush(stdout);
-    std::raise(SIGKILL);
+    arrive_and_die(fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), 1,
+                   "2 plain -", 0);
   }
   auto start = Clock::now();
   std::string msg;
@@ -520,12 +539,28 @@ void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
   } catch (const funcol::CommError& e) {
     msg = e.what();
   }
-  const double took = seconds_since(start);
-  expect_contains(msg, fmt::format("rank {} died (its process exited or was killed) during the "
-                                   "rendezvous; missing ranks [{}]",
-                                   victim, victim));
-  if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
-  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+  expect_died_during_rendezvous(msg, seconds_since(start), victim);
+}
+
+// gloo: the last rank writes its world arrival record, as init_process_group would, and dies a
+// second later; the others' init_process_group fails at once naming it.
+void scenario_world_dead_arrival(const std::string& backend) {
+  const char* rank = std::getenv("RANK");
+  const char* size = std::getenv("WORLD_SIZE");
+  if (rank == nullptr || size == nullptr) failed("run under gloo_launch.sh");
+  g_rank = std::atoi(rank);
+  const int victim = std::atoi(size) - 1;
+  if (g_rank == victim) {
+    // The world's size, FUNCOL_DEBUG off, no monitor address, this process; running long
+    // enough for the others to see it running (only a process seen running, then gone, counts
+    // as dead).
+    arrive_and_die("funcol/world", victim,
+                   fmt::format("{} plain - {}", size, funcol::process::process_identity()), 1);
+  }
+  auto start = Clock::now();
+  std::string msg = expect_comm_error([&] { funcol::init_process_group(backend); },
+                                      "init_process_group with a rank dead after arriving");
+  expect_died_during_rendezvous(msg, seconds_since(start), victim);
 }
 #endif
 
@@ -546,36 +581,7 @@ int main(int argc, char** argv) {
   }
 #ifdef FUNCOL_WITH_GLOO
   if (scenario == "world_dead_arrival") {
-    const char* rank = std::getenv("RANK");
-    const char* size = std::getenv("WORLD_SIZE");
-    const char* store = std::getenv("FUNCOL_STORE");
-    if (rank == nullptr || size == nullptr) failed("run under gloo_launch.sh");
-    if (store == nullptr || std::strncmp(store, "file://", 7) != 0) failed("needs a file store");
-    g_rank = std::atoi(rank);
-    const int victim = std::atoi(size) - 1;
-    if (g_rank == victim) {
-      // The world's size, FUNCOL_DEBUG off, no monitor address, this process.
-      gloo::rendezvous::FileStore files(store + 7);
-      gloo::rendezvous::PrefixStore prefixed("funcol/world", files);
-      const std::string arrival =
-          fmt::format("{} plain - {}", size, funcol::process::process_identity());
-      prefixed.set(fmt::format("arrive/{}", victim),
-                   std::vector<char>(arrival.begin(), arrival.end()));
-      // Running long enough for the others to see it running (only a process seen running,
-      // then gone, counts as dead), then gone.
-      std::this_thread::sleep_for(std::chrono::seconds(1));
-      std::fflush(stdout);
-      std::raise(SIGKILL);
-    }
-    auto start = Clock::now();
-    std::string msg = expect_comm_error([&] { funcol::init_process_group(backend); },
-                                        "init_process_group with a rank dead after arriving");
-    const double took = seconds_since(start);
-    expect_contains(msg, fmt::format("rank {} died (its process exited or was killed) during the "
-                                     "rendezvous; missing ranks [{}]",
-                                     victim, victim));
-    if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
-    ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+    scenario_world_dead_arrival(backend);
     return 0;
   }
 #endif
