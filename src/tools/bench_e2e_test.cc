@@ -390,9 +390,7 @@ TEST_F(BenchProcessE2E, GlooRanksJoinedWithFlagsRunTheBenchmark) {
 // Every process below `pid` (children first by /proc's order), for finding the ranks.
 std::vector<pid_t> descendants(pid_t pid) {
   std::vector<pid_t> out;
-  std::ifstream f("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
-  pid_t c;
-  while (f >> c) {
+  for (pid_t c : funcol::tools::e2e::children_of(pid)) {
     out.push_back(c);
     for (pid_t d : descendants(c)) out.push_back(d);
   }

@@ -17,4 +17,9 @@ void add_train_command(CLI::App& app);
 // `funcol opt`: parses, verifies and transforms IR with a pass pipeline (opt.cc).
 void add_opt_command(CLI::App& app);
 
+// The last step of the funcol command, with its exit status: a rank of an mpirun job that
+// funcol started and that failed (status != 0) tells its launcher so (launch.cc), which then
+// knows that an error of a rank explains the job's end.
+void note_rank_exit(int status);
+
 }  // namespace funcol::tools

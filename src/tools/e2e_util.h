@@ -34,6 +34,15 @@ inline bool alive(pid_t pid) {
   return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
 }
 
+// The child pids of `pid` (/proc/PID/task/PID/children), in /proc's order.
+inline std::vector<pid_t> children_of(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+  std::vector<pid_t> out;
+  pid_t c;
+  while (f >> c) out.push_back(c);
+  return out;
+}
+
 // Polls `cond` every 10 ms for up to `seconds`; a bounded wait, never a fixed sleep.
 inline bool eventually(const std::function<bool()>& cond, int seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -27,6 +28,7 @@
 
 #include "core/memory.h"
 #include "dist/multiprocess/process_env.h"
+#include "tools/commands.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "tools/spawn.h"
@@ -40,10 +42,70 @@ namespace {
 constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
 // The launcher of an mpirun job: its ranks are mpirun's children, not the launcher's.
 constexpr const char* kMpiLauncherPidVar = "FUNCOL_MPI_LAUNCHER_PID";
+// For the ranks of an mpirun job that funcol started: the job's temporary directory, where a
+// rank that fails leaves a file named kRankFailedPrefix + its pid (note_rank_exit), so the
+// launcher can tell an mpirun that ended the job before any rank said why.
+constexpr const char* kMpiJobDirVar = "FUNCOL_MPI_JOB_DIR";
+constexpr const char* kRankFailedPrefix = "failed-rank-";
+// In a launcher's temporary directory: the launcher's process_identity. A launcher killed with
+// SIGKILL cannot remove its directory; the next launcher on the machine sees from this file
+// that its owner is gone and removes it (remove_abandoned_job_dirs).
+constexpr const char* kLauncherFile = ".launcher";
 
 std::string read_all(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Names the running launcher in its temporary directory `dir` (kLauncherFile). The name is
+// written whole or not at all (renamed into place), so another launcher never reads half of
+// one. When it cannot be written the job still runs; only a later clean-up is lost.
+void claim_job_dir(const std::string& dir) {
+  const std::string me = process::process_identity();
+  if (me.empty()) return;
+  const std::string path = dir + "/" + kLauncherFile;
+  {
+    std::ofstream f(path + ".new");
+    f << me << '\n';
+    if (!f.flush()) return;
+  }
+  std::error_code ec;
+  std::filesystem::rename(path + ".new", path, ec);
+}
+
+// Removes the temporary directories that launchers killed with SIGKILL left in temp_root():
+// those named funcol-*, owned by this user, whose kLauncherFile names a process on this machine
+// that has ended. A directory without that file, of another user, or of a launcher that runs
+// or that this process cannot see (another machine or PID namespace sharing the directory) is
+// left alone. Errors are ignored: this only tidies up.
+void remove_abandoned_job_dirs() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  for (fs::directory_iterator it(temp_root(), ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& dir = it->path();
+    if (dir.filename().string().rfind("funcol-", 0) != 0) continue;
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
+      continue;
+    }
+    std::ifstream f(dir / kLauncherFile);
+    std::string owner;
+    if (!std::getline(f, owner) || owner.empty()) continue;
+    if (process::process_running(owner) == false) {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  }
+}
+
+// Whether a rank of the mpirun job whose temporary directory is `dir` failed and said so.
+bool a_rank_reported_failure(const std::string& dir) {
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    if (it->path().filename().string().rfind(kRankFailedPrefix, 0) == 0) return true;
+  }
+  return false;
 }
 
 // The launcher's exit status after a signal stopped the job: 128 + the signal, as a shell's.
@@ -79,11 +141,11 @@ void copy_to_stdout(int fd, const std::atomic<bool>& done) {
   close(fd);
 }
 
-int launch_mpi(const JobOptions& o, const std::string& self, const std::vector<std::string>& args,
-               std::FILE* err) {
+int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& self,
+               const std::vector<std::string>& args, std::FILE* err) {
   SpawnOptions s;
   s.argv = {"mpirun", "-np", std::to_string(o.ranks), "--oversubscribe"};
-  s.env = {{kMpiLauncherPidVar, std::to_string(getpid())}};
+  s.env = {{kMpiLauncherPidVar, std::to_string(getpid())}, {kMpiJobDirVar, dir}};
   if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
   s.argv.push_back(self);
   s.argv.insert(s.argv.end(), args.begin(), args.end());
@@ -109,8 +171,17 @@ int launch_mpi(const JobOptions& o, const std::string& self, const std::vector<s
   copier.join();
   if (InterruptScope::signal() != 0) return interrupted(err);
   if (st.ok()) return 0;
-  // The ranks printed their errors; add mpirun's own status only when it died oddly.
-  if (st.signaled) std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
+  // The ranks printed their errors; add mpirun's own status only when it died oddly, or ended
+  // the job with no rank's word (mpirun sent SIGTERM kills the ranks and exits with 1 quietly).
+  if (st.signaled) {
+    std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
+  } else if (!a_rank_reported_failure(dir)) {
+    std::fprintf(err,
+                 "funcol: error: mpirun ended the job with exit status %d before any rank "
+                 "reported an error (was mpirun sent a signal, or could it not start the ranks? "
+                 "Its own messages, if any, are above)\n",
+                 st.code);
+  }
   return 1;
 }
 
@@ -553,6 +624,14 @@ void follow_launcher() {
   }
 }
 
+void note_rank_exit(int status) {
+  const char* dir = std::getenv(kMpiJobDirVar);
+  if (status == 0 || dir == nullptr || *dir == '\0') return;
+  const std::string path = fmt::format("{}/{}{}", dir, kRankFailedPrefix, getpid());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  if (fd >= 0) ::close(fd);
+}
+
 void check_launched_ranks(int ranks) {
   if (ranks > kMaxLaunchedRanks) {
     throw InvalidArgument(fmt::format(
@@ -568,10 +647,12 @@ int launch_job(const JobOptions& o, std::FILE* err) {
   check_launched_ranks(o.ranks);
   // Declared before the directory: a signal stops the ranks, then the directory is removed.
   InterruptScope interrupts;
+  remove_abandoned_job_dirs();
   TempDir dir(o.temp_prefix);
+  claim_job_dir(dir.path());
   const std::vector<std::string> args = o.rank_args(dir.path());
   const std::string self = self_executable();
-  if (o.backend == "mpi") return launch_mpi(o, self, args, err);
+  if (o.backend == "mpi") return launch_mpi(o, dir.path(), self, args, err);
   return launch_gloo(o, dir.path(), self, args, err);
 }
 

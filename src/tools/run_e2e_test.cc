@@ -33,6 +33,7 @@ namespace funcol::tools {
 namespace {
 
 using funcol::tools::e2e::alive;
+using funcol::tools::e2e::children_of;
 using funcol::tools::e2e::eventually;
 using funcol::tools::e2e::slurp;
 
@@ -55,11 +56,14 @@ class RunE2E : public ::testing::Test {
 
   // Runs `funcol run ARGS` with a bounded collective timeout, so a hang fails the test. Its
   // stdout goes to `stdout_path` (a file of the test's directory when empty).
-  Result run(const std::vector<std::string>& args, const std::string& stdout_path = "") {
+  // `env`: more variables for the command.
+  Result run(const std::vector<std::string>& args, const std::string& stdout_path = "",
+             const std::vector<std::pair<std::string, std::string>>& env = {}) {
     SpawnOptions s;
     s.argv = {FUNCOL_BIN, "run"};
     s.argv.insert(s.argv.end(), args.begin(), args.end());
     s.env = {{"FUNCOL_TIMEOUT", "60"}};
+    s.env.insert(s.env.end(), env.begin(), env.end());
     s.stdout_path = stdout_path.empty() ? dir_.path() + "/stdout" : stdout_path;
     s.stderr_path = dir_.path() + "/stderr";
     Result r;
@@ -299,8 +303,45 @@ TEST_F(RunE2E, RuntimeErrorIsPrintedOnceWithItsRank) {
       // mpirun adds its own report; threads and gloo print exactly one line.
       EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
     }
+    // A rank said why: the launcher does not add that none did.
+    EXPECT_EQ(r.err.find("before any rank reported"), std::string::npos) << r.err;
   }
 }
+
+#ifdef FUNCOL_WITH_MPI
+// mpirun sent SIGTERM (by a user, or a batch system that signals it alone) stops the ranks and
+// exits with status 1 quietly; the launcher then says that the job ended before any rank
+// reported an error, so the failure is never silent.
+TEST_F(RunE2E, AnMpirunStoppedBySignalIsNotASilentFailure) {
+  const std::string file = write("g.ir", kGraph);
+  SpawnOptions s;
+  s.argv = {FUNCOL_BIN,  "run",       file,  "--ranks", "4",        "--mesh",
+            "dp=2,tp=2", "--backend", "mpi", "--iters", "100000000"};
+  s.env = {{"FUNCOL_TIMEOUT", "60"}};
+  s.stdout_path = dir_.path() + "/stdout";
+  s.stderr_path = dir_.path() + "/stderr";
+  const pid_t launcher = spawn_process(s);
+  // The launcher's one child is mpirun, whose children are the 4 ranks.
+  pid_t mpirun = 0;
+  ASSERT_TRUE(eventually(
+      [&] {
+        const std::vector<pid_t> c = children_of(launcher);
+        mpirun = c.empty() ? 0 : c.front();
+        return mpirun != 0 && children_of(mpirun).size() == 4;
+      },
+      60))
+      << slurp(s.stderr_path);
+  kill(mpirun, SIGTERM);
+  const ExitStatus st = wait_all({launcher}, std::chrono::seconds(60)).front();
+  EXPECT_FALSE(st.signaled);
+  EXPECT_EQ(st.code, 1);
+  const std::string err = slurp(s.stderr_path);
+  EXPECT_NE(err.find("funcol: error: mpirun ended the job with exit status 1 before any rank "
+                     "reported an error"),
+            std::string::npos)
+      << err;
+}
+#endif
 
 TEST_F(RunE2E, BackendsNotCompiledInAreAClearError) {
   const std::string file = write("g.ir", kGraph);
@@ -318,14 +359,6 @@ TEST_F(RunE2E, BackendsNotCompiledInAreAClearError) {
 }
 
 #ifdef FUNCOL_WITH_GLOO
-// The child pids of `pid` (/proc/PID/task/PID/children).
-std::vector<pid_t> children_of(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
-  std::vector<pid_t> out;
-  pid_t c;
-  while (f >> c) out.push_back(c);
-  return out;
-}
 
 
 
@@ -356,6 +389,74 @@ TEST_F(RunE2E, GlooLauncherStoppedBySignalLeavesNothingBehind) {
   for (pid_t r : ranks) EXPECT_TRUE(eventually([&] { return !alive(r); }, 30)) << r;
   EXPECT_TRUE(std::filesystem::is_empty(tmp));
   EXPECT_NE(slurp(s.stderr_path).find("interrupted by signal 15"), std::string::npos);
+}
+
+// A launcher killed with SIGKILL cannot remove its temporary directory; the next launcher on
+// the machine does, and only that one: not the directory of a launcher that still runs, one
+// without the launcher's name, one naming a process on another machine, or one that funcol
+// did not name funcol-*.
+TEST_F(RunE2E, TheNextLauncherRemovesTheDirectoryOfAKilledOne) {
+  const std::string file = write("g.ir", kGraph);
+  const std::string tmp = dir_.path() + "/tmp";
+  std::filesystem::create_directory(tmp);
+  // Starts a gloo job that runs until stopped; returns its launcher once its 4 ranks run.
+  auto start_job = [&](const std::string& name) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN,  "run",       file,   "--ranks", "4",        "--mesh",
+              "dp=2,tp=2", "--backend", "gloo", "--iters", "100000000"};
+    s.env = {{"TMPDIR", tmp}, {"FUNCOL_TIMEOUT", "60"}};
+    s.stdout_path = dir_.path() + "/" + name + ".out";
+    s.stderr_path = dir_.path() + "/" + name + ".err";
+    const pid_t launcher = spawn_process(s);
+    EXPECT_TRUE(eventually([&] { return children_of(launcher).size() == 4; }, 30));
+    return launcher;
+  };
+  auto job_dirs = [&] {
+    std::set<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(tmp)) {
+      names.insert(e.path().filename().string());
+    }
+    return names;
+  };
+  const pid_t running = start_job("running");
+  const std::set<std::string> running_dir = job_dirs();
+  ASSERT_EQ(running_dir.size(), 1u);
+  const pid_t killed = start_job("killed");
+  const std::vector<pid_t> killed_ranks = children_of(killed);
+  kill(killed, SIGKILL);
+  wait_all({killed});
+  for (pid_t r : killed_ranks) ASSERT_TRUE(eventually([&] { return !alive(r); }, 30)) << r;
+  std::set<std::string> left = job_dirs();
+  ASSERT_EQ(left.size(), 2u);
+  std::string abandoned;
+  for (const std::string& d : left) {
+    if (running_dir.count(d) == 0) abandoned = d;
+  }
+  const std::string owner = slurp(tmp + "/" + abandoned + "/.launcher");
+  ASSERT_FALSE(owner.empty()) << "the launcher did not name itself in " << abandoned;
+  // Directories the next launcher must keep.
+  auto make = [&](const std::string& name, const std::string& launcher_file) {
+    std::filesystem::create_directory(tmp + "/" + name);
+    if (!launcher_file.empty()) std::ofstream(tmp + "/" + name + "/.launcher") << launcher_file;
+  };
+  make("funcol-run-unnamed", "");
+  make("funcol-run-elsewhere", "another-host/boot/pid:[1]/1/1234/5678\n");
+  make("not-funcol", owner);
+
+  const Result next = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", "gloo"},
+                          "", {{"TMPDIR", tmp}});
+  ASSERT_EQ(next.status, 0) << next.err;
+  left = job_dirs();
+  EXPECT_EQ(left.count(abandoned), 0u) << abandoned << " of the killed launcher is still there";
+  for (const std::string& keep :
+       {*running_dir.begin(), std::string("funcol-run-unnamed"),
+        std::string("funcol-run-elsewhere"), std::string("not-funcol")}) {
+    EXPECT_EQ(left.count(keep), 1u) << keep << " was removed";
+  }
+  EXPECT_EQ(left.size(), 4u);
+  kill(running, SIGTERM);
+  EXPECT_EQ(wait_all({running}, std::chrono::seconds(30)).front().code, 128 + SIGTERM);
+  EXPECT_EQ(job_dirs().count(*running_dir.begin()), 0u);
 }
 
 // ---- joining a gloo job as one rank: --rank, --world-size, --store ----

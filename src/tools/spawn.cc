@@ -201,9 +201,13 @@ std::string self_executable() {
   return p.string();
 }
 
-TempDir::TempDir(const std::string& prefix) {
+std::string temp_root() {
   const char* base = std::getenv("TMPDIR");
-  std::string templ = std::string(base && *base ? base : "/tmp") + "/" + prefix + "XXXXXX";
+  return base && *base ? base : "/tmp";
+}
+
+TempDir::TempDir(const std::string& prefix) {
+  std::string templ = temp_root() + "/" + prefix + "XXXXXX";
   std::vector<char> buf(templ.begin(), templ.end());
   buf.push_back('\0');
   if (!mkdtemp(buf.data())) {

@@ -67,8 +67,11 @@ class InterruptScope {
 // The absolute path of the running executable (/proc/self/exe).
 std::string self_executable();
 
-// A fresh private directory (mkdtemp under $TMPDIR or /tmp), removed with its contents when
-// the object dies.
+// Where temporary directories go: $TMPDIR, or /tmp when it is unset or empty.
+std::string temp_root();
+
+// A fresh private directory (mkdtemp under temp_root()), removed with its contents when the
+// object dies.
 class TempDir {
  public:
   explicit TempDir(const std::string& prefix);

@@ -30,9 +30,8 @@ int finish(int status, int error = 0) {
   return status;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The command itself: its exit status.
+int run_funcol(int argc, char** argv) {
   CLI::App app{"funcol: functional collectives, their compiler and their backends"};
   app.require_subcommand(1);
   // FUNCOL_VERSION is project(funcol VERSION ...) in the top-level CMakeLists.txt.
@@ -96,4 +95,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   return finish(0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int status = run_funcol(argc, argv);
+  funcol::tools::note_rank_exit(status);
+  return status;
 }

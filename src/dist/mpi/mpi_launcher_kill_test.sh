@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `funcol run --backend mpi` killed with SIGKILL (it cannot stop mpirun then): its ranks watch
-# the launcher and exit, so mpirun ends the job and nothing is left running.
+# the launcher and exit, so mpirun ends the job and nothing is left running. The killed
+# launcher's temporary directory stays; the next launcher removes it.
 #
 #   mpi_launcher_kill_test.sh FUNCOL
 set -uo pipefail
@@ -15,7 +16,9 @@ graph @forever(%x: f32[1024]) {
   return %w
 }
 IR
-"$funcol" run "$graph" --ranks 2 --backend mpi --iters 1000000000 >"$work/out" 2>&1 &
+mkdir "$work/tmp"
+TMPDIR=$work/tmp "$funcol" run "$graph" --ranks 2 --backend mpi --iters 1000000000 \
+  >"$work/out" 2>&1 &
 launcher=$!
 # Launcher, mpirun and two ranks.
 for _ in $(seq 200); do
@@ -44,3 +47,12 @@ if [ -n "$left" ]; then
 fi
 grep -q "the launcher of this mpirun job died" "$work/out" ||
   { echo "mpi_launcher_kill_test.sh: no rank said why it stopped"; exit 1; }
+ls "$work"/tmp/funcol-run-*/.launcher >/dev/null 2>&1 ||
+  { echo "mpi_launcher_kill_test.sh: the killed launcher's directory is not where it was"; exit 1; }
+TMPDIR=$work/tmp "$funcol" run "$graph" --ranks 2 --backend mpi --iters 1 >"$work/next" 2>&1 ||
+  { echo "mpi_launcher_kill_test.sh: the next job failed:"; cat "$work/next"; exit 1; }
+left=$(ls -A "$work/tmp")
+if [ -n "$left" ]; then
+  echo "mpi_launcher_kill_test.sh: the next launcher left the killed one's directory: $left"
+  exit 1
+fi
