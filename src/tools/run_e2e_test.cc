@@ -672,6 +672,52 @@ TEST_F(RunJoinE2E, ARankThatCannotRunFailsItsPeersAtOnceNamingWhy) {
   }
 }
 
+// A rank that timed out exits as soon as it has printed its error. (Its Gloo call, which runs
+// past the collective's deadline, held the exit 2.5 s longer: Gloo's own timeout ran 2 s past
+// the deadline, and the worker then waited half a second to name a lost peer in a message it
+// threw away.) Rank 1 is stopped (SIGSTOP) mid-run; rank 0 times out and exits.
+TEST_F(RunJoinE2E, ARankThatTimedOutExitsRightAfterItsError) {
+  const std::string file = write("forever.ir", R"(graph @forever(%x: f32[1024]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %w = wait_tensor(%ar)
+  return %w
+}
+)");
+  const std::string store = dir_.path() + "/store-timeout";
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run"};
+    for (const std::string& a : hand_rank_args(file, r, store, {"--iters", "1000000000"})) {
+      s.argv.push_back(a);
+    }
+    s.env = kHandEnv;
+    for (auto& [name, value] : s.env) {
+      if (name == "FUNCOL_TIMEOUT") value = "2";
+    }
+    s.stdout_path = rank_file(dir_.path(), r, "out");
+    s.stderr_path = rank_file(dir_.path(), r, "err");
+    pids.push_back(spawn_process(s));
+  }
+  // Both ranks joined (the store holds both arrivals) and ran for a while.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ASSERT_TRUE(alive(pids[0]) && alive(pids[1])) << slurp(rank_file(dir_.path(), 0, "err"));
+  ASSERT_EQ(kill(pids[1], SIGSTOP), 0);
+  const std::string err0 = rank_file(dir_.path(), 0, "err");
+  ASSERT_TRUE(eventually([&] { return !slurp(err0).empty(); }, 60));
+  const auto printed = std::chrono::steady_clock::now();
+  const ExitStatus st = wait_all({pids[0]}, std::chrono::seconds(60)).front();
+  const auto exited = std::chrono::steady_clock::now();
+  kill(pids[1], SIGKILL);
+  wait_all({pids[1]});
+  EXPECT_EQ(st.code, 1);
+  const std::string err = slurp(err0);
+  EXPECT_NE(err.find("timed out after 2 s; missing ranks [1]"), std::string::npos) << err;
+  EXPECT_LT(exited - printed, std::chrono::milliseconds(1000))
+      << "rank 0 exited "
+      << std::chrono::duration<double>(exited - printed).count() << " s after its error";
+}
+
 // Flags that make no sense for the backend, or together: one line, exit 1, before any rank
 // joins anything.
 TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {

@@ -45,9 +45,14 @@ using process::CollectiveOp;
 using process::OpKind;
 using Clock = std::chrono::steady_clock;
 
-// Gloo's own per-operation timeout runs this much past the collective's deadline, so the
-// job's watchdog (which can name the ranks that did not arrive) reports a timeout first.
-constexpr std::chrono::milliseconds kGlooGrace{2000};
+// Gloo's own per-operation timeout runs this much past the collective's deadline. The job's
+// watchdog reports the timeout (naming the ranks that did not arrive, after asking them, which
+// takes up to a second); a worker whose Gloo call ended near the deadline waits up to
+// kWatchdogWait past it for that report before giving Gloo's bare "Timed out". The worker is
+// joined when its group is destroyed, so a long Gloo timeout here delayed a failed rank's exit
+// (it was 2 s: a rank exited 2 s after its timeout error).
+constexpr std::chrono::milliseconds kGlooGrace{50};
+constexpr std::chrono::milliseconds kWatchdogWait{2000};
 // How long a rendezvous that saw only departures waits to see the death that probably caused
 // them, so that the error names it.
 constexpr std::chrono::milliseconds kLossWait{500};
@@ -610,7 +615,16 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       try {
         run(op);
       } catch (const std::exception& e) {
-        fail_op(op, failure_message(*op, gloo_message(e)));
+        // At the deadline the watchdog's report is the better one: wait for it, briefly.
+        if (Clock::now() + std::chrono::milliseconds(5) >= op->deadline) {
+          const auto until = op->deadline + kWatchdogWait;
+          while (!op->done() && Clock::now() < until) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+        }
+        // Failed already (the watchdog, a lost peer): the message, which waits up to half a
+        // second to name a lost peer, would be thrown away.
+        if (!op->done()) fail_op(op, failure_message(*op, gloo_message(e)));
       }
     }
   }
