@@ -363,7 +363,7 @@ int launch(const Options& o) {
   funcol::tools::JobOptions job;
   job.backend = o.backend;
   job.ranks = o.ranks;
-  job.temp_prefix = "fusion-bench-";
+  job.temp_prefix = "funcol-fusion-bench-";
   job.rank_args = [&](const std::string&) {
     std::vector<std::string> a = {"--backend", o.backend,
                                   "--ranks",   std::to_string(o.ranks),

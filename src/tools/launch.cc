@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -28,9 +29,9 @@
 
 #include "core/memory.h"
 #include "dist/multiprocess/process_env.h"
-#include "tools/commands.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
+#include "tools/commands.h"
 #include "tools/spawn.h"
 
 namespace funcol::tools {
@@ -57,29 +58,56 @@ std::string read_all(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
-// Names the running launcher in its temporary directory `dir` (kLauncherFile). The name is
-// written whole or not at all (renamed into place), so another launcher never reads half of
-// one. When it cannot be written the job still runs; only a later clean-up is lost.
-void claim_job_dir(const std::string& dir) {
-  const std::string me = process::process_identity();
-  if (me.empty()) return;
-  const std::string path = dir + "/" + kLauncherFile;
-  {
-    std::ofstream f(path + ".new");
-    f << me << '\n';
-    if (!f.flush()) return;
+// The running launcher's name in its temporary directory (kLauncherFile), under an exclusive
+// flock held as long as this object lives: the kernel drops it when the launcher dies, however
+// it dies, in whatever namespaces, so a live launcher's directory is never taken for
+// abandoned. The name is written whole before it appears (renamed into place). When it cannot
+// be written or locked the job still runs; only a later clean-up is lost.
+class JobDirClaim {
+ public:
+  explicit JobDirClaim(const std::string& dir) {
+    const std::string me = process::process_identity();
+    if (me.empty()) return;
+    const std::string path = dir + "/" + kLauncherFile;
+    const std::string fresh = path + ".new";
+    const int fd =
+        ::open(fresh.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) return;
+    const std::string line = me + "\n";
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0 ||
+        ::write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()) ||
+        ::rename(fresh.c_str(), path.c_str()) != 0) {
+      ::close(fd);
+      ::unlink(fresh.c_str());
+      return;
+    }
+    fd_ = fd;  // the name is there, locked
   }
-  std::error_code ec;
-  std::filesystem::rename(path + ".new", path, ec);
-}
+  ~JobDirClaim() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  JobDirClaim(const JobDirClaim&) = delete;
+  JobDirClaim& operator=(const JobDirClaim&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // Removes the temporary directories that launchers killed with SIGKILL left in temp_root():
-// those named funcol-*, owned by this user, whose kLauncherFile names a process on this machine
-// that has ended. A directory without that file, of another user, or of a launcher that runs
-// or that this process cannot see (another machine or PID namespace sharing the directory) is
-// left alone. Errors are ignored: this only tidies up.
+// those named funcol-*, owned by this user, whose kLauncherFile is not locked (its launcher
+// has ended, whatever /proc says) and names a process on this machine that has ended. A
+// directory without that file, of another user, or whose launcher runs or cannot be seen from
+// here (another machine, PID or time namespace sharing the directory) is left alone, and so
+// is everything under a temp_root() where others may rename entries (not sticky), since a
+// directory checked there could be swapped for a link before its removal. Errors are ignored:
+// this only tidies up.
 void remove_abandoned_job_dirs() {
   namespace fs = std::filesystem;
+  struct stat root {};
+  if (::stat(temp_root().c_str(), &root) != 0 ||
+      ((root.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (root.st_mode & S_ISVTX) == 0)) {
+    return;
+  }
   std::error_code ec;
   for (fs::directory_iterator it(temp_root(), ec), end; !ec && it != end; it.increment(ec)) {
     const fs::path& dir = it->path();
@@ -88,13 +116,18 @@ void remove_abandoned_job_dirs() {
     if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) {
       continue;
     }
-    std::ifstream f(dir / kLauncherFile);
-    std::string owner;
-    if (!std::getline(f, owner) || owner.empty()) continue;
-    if (process::process_running(owner) == false) {
+    const int fd = ::open((dir / kLauncherFile).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    char text[512];
+    ssize_t n = -1;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) n = ::read(fd, text, sizeof text - 1);
+    std::string owner = n > 0 ? std::string(text, static_cast<size_t>(n)) : "";
+    if (!owner.empty() && owner.back() == '\n') owner.pop_back();
+    if (!owner.empty() && process::process_running(owner) == false) {
       std::error_code ignored;
       fs::remove_all(dir, ignored);
     }
+    ::close(fd);
   }
 }
 
@@ -172,14 +205,16 @@ int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& s
   if (InterruptScope::signal() != 0) return interrupted(err);
   if (st.ok()) return 0;
   // The ranks printed their errors; add mpirun's own status only when it died oddly, or ended
-  // the job with no rank's word (mpirun sent SIGTERM kills the ranks and exits with 1 quietly).
+  // the job with no rank's word (mpirun, sent SIGTERM, stops the ranks and exits with 1 quietly;
+  // a rank killed by a signal says nothing either, though mpirun then does).
   if (st.signaled) {
     std::fprintf(err, "funcol: error: mpirun %s\n", st.describe().c_str());
   } else if (!a_rank_reported_failure(dir)) {
     std::fprintf(err,
                  "funcol: error: mpirun ended the job with exit status %d before any rank "
-                 "reported an error (was mpirun sent a signal, or could it not start the ranks? "
-                 "Its own messages, if any, are above)\n",
+                 "reported an error (a rank may have crashed or been killed, mpirun may have "
+                 "been sent a signal, or the ranks never started; mpirun's own messages, if "
+                 "any, are above)\n",
                  st.code);
   }
   return 1;
@@ -626,9 +661,12 @@ void follow_launcher() {
 
 void note_rank_exit(int status) {
   const char* dir = std::getenv(kMpiJobDirVar);
-  if (status == 0 || dir == nullptr || *dir == '\0') return;
+  // Only a rank of that job: mpirun set its rank, the launcher its directory.
+  if (status == 0 || dir == nullptr || *dir == '\0' || !std::getenv("OMPI_COMM_WORLD_RANK")) {
+    return;
+  }
   const std::string path = fmt::format("{}/{}{}", dir, kRankFailedPrefix, getpid());
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd >= 0) ::close(fd);
 }
 
@@ -649,7 +687,7 @@ int launch_job(const JobOptions& o, std::FILE* err) {
   InterruptScope interrupts;
   remove_abandoned_job_dirs();
   TempDir dir(o.temp_prefix);
-  claim_job_dir(dir.path());
+  const JobDirClaim claim(dir.path());
   const std::vector<std::string> args = o.rank_args(dir.path());
   const std::string self = self_executable();
   if (o.backend == "mpi") return launch_mpi(o, dir.path(), self, args, err);

@@ -1,6 +1,8 @@
 // End-to-end tests of `funcol run` as a user runs it: the built command on every backend that is
 // compiled in, exit statuses, output lines and errors printed once.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -442,18 +444,26 @@ TEST_F(RunE2E, TheNextLauncherRemovesTheDirectoryOfAKilledOne) {
   make("funcol-run-unnamed", "");
   make("funcol-run-elsewhere", "another-host/boot/pid:[1]/1/1234/5678\n");
   make("not-funcol", owner);
+  // A launcher's lock is what proves it runs, whatever its name says (another time namespace
+  // shifts the start times /proc gives): this one names the killed launcher but is locked.
+  make("funcol-run-locked", owner);
+  const int lock = ::open((tmp + "/funcol-run-locked/.launcher").c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX), 0);
 
   const Result next = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", "gloo"},
                           "", {{"TMPDIR", tmp}});
   ASSERT_EQ(next.status, 0) << next.err;
   left = job_dirs();
+  ::close(lock);
   EXPECT_EQ(left.count(abandoned), 0u) << abandoned << " of the killed launcher is still there";
   for (const std::string& keep :
        {*running_dir.begin(), std::string("funcol-run-unnamed"),
-        std::string("funcol-run-elsewhere"), std::string("not-funcol")}) {
+        std::string("funcol-run-elsewhere"), std::string("not-funcol"),
+        std::string("funcol-run-locked")}) {
     EXPECT_EQ(left.count(keep), 1u) << keep << " was removed";
   }
-  EXPECT_EQ(left.size(), 4u);
+  EXPECT_EQ(left.size(), 5u);
   kill(running, SIGTERM);
   EXPECT_EQ(wait_all({running}, std::chrono::seconds(30)).front().code, 128 + SIGTERM);
   EXPECT_EQ(job_dirs().count(*running_dir.begin()), 0u);

@@ -45,12 +45,13 @@ using process::CollectiveOp;
 using process::OpKind;
 using Clock = std::chrono::steady_clock;
 
-// Gloo's own per-operation timeout runs this much past the collective's deadline. The job's
-// watchdog reports the timeout (naming the ranks that did not arrive, after asking them, which
-// takes up to a second); a worker whose Gloo call ended near the deadline waits up to
-// kWatchdogWait past it for that report before giving Gloo's bare "Timed out". The worker is
-// joined when its group is destroyed, so a long Gloo timeout here delayed a failed rank's exit
-// (it was 2 s: a rank exited 2 s after its timeout error).
+// Each Gloo call of a collective times out this much past the collective's deadline. The
+// job's watchdog reports the timeout (naming the ranks that did not arrive, after asking them,
+// which takes up to a second a group); a worker whose Gloo call ended near the deadline waits
+// up to kWatchdogWait past it for that report before giving Gloo's bare "Timed out" (which
+// wins only when the watchdog is later still: several groups timing out together with a
+// stopped peer). The worker is joined when its group is destroyed, so a long Gloo timeout
+// delayed a failed rank's exit (it was 2 s: a rank exited 2 s after its timeout error).
 constexpr std::chrono::milliseconds kGlooGrace{50};
 constexpr std::chrono::milliseconds kWatchdogWait{2000};
 // How long a rendezvous that saw only departures waits to see the death that probably caused
@@ -616,8 +617,9 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
         run(op);
       } catch (const std::exception& e) {
         // At the deadline the watchdog's report is the better one: wait for it, briefly.
-        if (Clock::now() + std::chrono::milliseconds(5) >= op->deadline) {
-          const auto until = op->deadline + kWatchdogWait;
+        const auto deadline = deadline_of(*op);
+        if (Clock::now() + std::chrono::milliseconds(5) >= deadline) {
+          const auto until = deadline + kWatchdogWait;
           while (!op->done() && Clock::now() < until) {
             std::this_thread::sleep_for(std::chrono::milliseconds(5));
           }
@@ -629,13 +631,17 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     }
   }
 
-  std::chrono::milliseconds op_timeout(const CollectiveOp& op) const {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(op.deadline - Clock::now());
+  // The timeout of the collective's next Gloo call: what is left of its time (a lost peer
+  // shortens it), plus kGlooGrace. Each call takes its own, so that a collective made of
+  // several (the detail-mode signature exchange, coalesced tensors, a large all-reduce's two
+  // steps) ends within the grace of its deadline, not up to a whole timeout after it.
+  std::chrono::milliseconds gloo_timeout(const CollectiveOp& op) const {
+    auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline_of(op) - Clock::now());
     return std::max(left, std::chrono::milliseconds(1)) + kGlooGrace;
   }
 
   void run(const std::shared_ptr<CollectiveOp>& op) {
-    const auto timeout = op_timeout(*op);
+    const CollectiveOp& collective = *op;  // each Gloo call's timeout: gloo_timeout(collective)
     tag_ = kUserTag;  // the signature exchange pairs every op with its peers' (detail mode)
     if (job()->detail()) {
       std::vector<char> mine = process::encode_signature(op->signature, size());
@@ -643,7 +649,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       gloo::AllgatherOptions o(context_);
       o.setInput<char>(mine.data(), mine.size());
       o.setOutput<char>(all.data(), all.size());
-      o.setTimeout(timeout);
+      o.setTimeout(gloo_timeout(collective));
       o.setTag(tag_);
       gloo::allgather(o);
       if (auto mismatch = check_gathered(*op, all)) {
@@ -656,18 +662,18 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       case OpKind::AllReduce:
       case OpKind::AllReduceCoalesced:
       case OpKind::AllReduceFlat:  // a signature kind; such ops run as AllReduce
-        for (const auto& t : op->outputs) all_reduce_one(t, op->reduce_op, timeout);
+        for (const auto& t : op->outputs) all_reduce_one(t, op->reduce_op, collective);
         break;
       case OpKind::AllGather:
       case OpKind::AllGatherCoalesced:
         for (size_t i = 0; i < op->inputs.size(); ++i) {
-          all_gather_one(op->outputs[i], op->inputs[i], timeout);
+          all_gather_one(op->outputs[i], op->inputs[i], collective);
         }
         break;
       case OpKind::ReduceScatter:
       case OpKind::ReduceScatterCoalesced:
         for (size_t i = 0; i < op->inputs.size(); ++i) {
-          reduce_scatter_one(op->outputs[i], op->inputs[i], op->reduce_op, timeout);
+          reduce_scatter_one(op->outputs[i], op->inputs[i], op->reduce_op, collective);
         }
         break;
       case OpKind::AllToAll:
@@ -676,7 +682,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
           gloo::AlltoallvOptions o(context_);
           o.setInput<E>(as<E>(op->inputs[0]), op->send_counts);
           o.setOutput<E>(as<E>(op->outputs[0]), op->recv_counts);
-          o.setTimeout(timeout);
+          o.setTimeout(gloo_timeout(collective));
           o.setTag(tag_);
           gloo::alltoallv(o);
         });
@@ -689,7 +695,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
           gloo::BroadcastOptions o(context_);
           o.setOutput<E>(as<E>(t), static_cast<size_t>(t.numel()));
           o.setRoot(op->root);
-          o.setTimeout(timeout);
+          o.setTimeout(gloo_timeout(collective));
           o.setTag(tag_);
           gloo::broadcast(o);
         });
@@ -697,7 +703,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       }
       case OpKind::Barrier: {
         gloo::BarrierOptions o(context_);
-        o.setTimeout(timeout);
+        o.setTimeout(gloo_timeout(collective));
         o.setTag(tag_);
         gloo::barrier(o);
         break;
@@ -712,18 +718,18 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // 200 small i32 ones in flight, 2 ranks; its all-gather 0.07 ms), larger ones as a
   // reduce-scatter and an all-gather (64 MiB, 2 ranks: f32 55-60 ms against 62-107 ms for
   // Gloo's, i32 63-65 ms against 76-81 ms).
-  void all_reduce_one(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+  void all_reduce_one(const Tensor& t, ReduceOp op, const CollectiveOp& collective) {
     if (t.numel() == 0) return;
     if (t.nbytes() * static_cast<size_t>(size()) <= process::kGatherReduceBytes) {
-      all_reduce_gathered(t, op, timeout);
+      all_reduce_gathered(t, op, collective);
     } else {
-      all_reduce_scattered(t, op, timeout);
+      all_reduce_scattered(t, op, collective);
     }
   }
 
   // Every rank's tensor, reduced here in rank order (process::reduce_blocks: f16/bf16 sums,
   // averages and products in f32, rounding once; avg divided once): one Gloo collective.
-  void all_reduce_gathered(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+  void all_reduce_gathered(const Tensor& t, ReduceOp op, const CollectiveOp& collective) {
     const int64_t n = t.numel();
     const Tensor all = Tensor::empty({n * size()}, t.dtype());
     with_element_type(t.dtype(), [&](auto e) {
@@ -731,7 +737,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       gloo::AllgatherOptions o(context_);
       o.setInput<E>(as<E>(t), static_cast<size_t>(n));
       o.setOutput<E>(static_cast<E*>(all.raw_data_ptr()), static_cast<size_t>(n) * size());
-      o.setTimeout(timeout);
+      o.setTimeout(gloo_timeout(collective));
       o.setTag(tag_);
       gloo::allgather(o);
     });
@@ -741,7 +747,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // A reduce-scatter (an all-to-all of the blocks, then each rank reduces its block over
   // every rank in rank order) and an all-gather of the reduced blocks: the same bytes on the
   // wire as a ring all-reduce.
-  void all_reduce_scattered(const Tensor& t, ReduceOp op, std::chrono::milliseconds timeout) {
+  void all_reduce_scattered(const Tensor& t, ReduceOp op, const CollectiveOp& collective) {
     const int64_t n = t.numel();
     const int g = size();
     const int me = rank();
@@ -751,19 +757,19 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     char* data = static_cast<char*>(t.raw_data_ptr());
     // Scratch from the caching allocator, as scatter_reduce's.
     const Tensor mine = Tensor::empty({std::max<int64_t>(counts[me], 1) * isz}, DType::U8);
-    scatter_reduce(data, t.dtype(), counts, mine.raw_data_ptr(), op, timeout);
+    scatter_reduce(data, t.dtype(), counts, mine.raw_data_ptr(), op, collective);
     with_element_type(t.dtype(), [&](auto e) {
       using E = decltype(e);
       gloo::AllgathervOptions o(context_);
       o.setInput<E>(static_cast<E*>(mine.raw_data_ptr()), static_cast<size_t>(counts[me]));
       o.setOutput<E>(reinterpret_cast<E*>(data), std::vector<size_t>(counts.begin(), counts.end()));
-      o.setTimeout(timeout);
+      o.setTimeout(gloo_timeout(collective));
       o.setTag(tag_);
       gloo::allgatherv(o);
     });
   }
 
-  void all_gather_one(const Tensor& out, const Tensor& in, std::chrono::milliseconds timeout) {
+  void all_gather_one(const Tensor& out, const Tensor& in, const CollectiveOp& collective) {
     const int64_t n = in.numel();
     if (n == 0) return;
     with_element_type(in.dtype(), [&](auto e) {
@@ -771,7 +777,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       gloo::AllgatherOptions o(context_);
       o.setInput<E>(as<E>(in), static_cast<size_t>(n));
       o.setOutput<E>(as<E>(out), static_cast<size_t>(n) * size());
-      o.setTimeout(timeout);
+      o.setTimeout(gloo_timeout(collective));
       o.setTag(tag_);
       gloo::allgather(o);
     });
@@ -781,17 +787,17 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // a local reduction over the ranks, in rank order, is exact for every dtype and op and
   // moves the same (n-1)/n of the data per rank.
   void reduce_scatter_one(const Tensor& out, const Tensor& in, ReduceOp op,
-                          std::chrono::milliseconds timeout) {
+                          const CollectiveOp& collective) {
     const int64_t n = out.numel();
     if (n == 0) return;
     scatter_reduce(in.raw_data_ptr(), in.dtype(), std::vector<int64_t>(size(), n),
-                   out.raw_data_ptr(), op, timeout);
+                   out.raw_data_ptr(), op, collective);
   }
 
   // Block r of `data` (counts[r] elements, the blocks back to back) goes to rank r; this rank
   // reduces the blocks it receives into `out` in rank order (process::reduce_blocks).
   void scatter_reduce(const void* data, DType dtype, const std::vector<int64_t>& counts,
-                      void* out, ReduceOp op, std::chrono::milliseconds timeout) {
+                      void* out, ReduceOp op, const CollectiveOp& collective) {
     const int g = size();
     const int64_t mine = counts[rank()];
     // From the caching allocator: a zeroed vector's memset and page faults took most of a 64
@@ -802,7 +808,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       gloo::AlltoallvOptions o(context_);
       o.setInput<E>(static_cast<E*>(const_cast<void*>(data)), counts);
       o.setOutput<E>(static_cast<E*>(blocks.raw_data_ptr()), std::vector<int64_t>(g, mine));
-      o.setTimeout(timeout);
+      o.setTimeout(gloo_timeout(collective));
       o.setTag(tag_);
       gloo::alltoallv(o);
     });

@@ -168,15 +168,21 @@ Stat stat_of(const std::string& pid) {
   return out;
 }
 
-// "<host name>/<boot id>/<pid namespace>/<device of /proc>": who may look up this process's
-// pids in its /proc and compare start times. Empty when one of them cannot be read.
+// "<host name>/<boot id>/<pid namespace>[+<time namespace>]/<device of /proc>": who may look
+// up this process's pids in its /proc and compare start times (/proc gives start times shifted
+// by the reader's time namespace; kernels before 5.6 have none). Empty when one of them cannot
+// be read.
 const std::string& machine_and_namespace() {
   static const std::string mine = [] {
     char host[256] = {};
     if (::gethostname(host, sizeof host - 1) != 0) return std::string();
     const std::string boot = first_line("/proc/sys/kernel/random/boot_id");
     std::error_code ec;
-    const std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
+    std::string ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec).string();
+    std::error_code no_time_ns;
+    const std::string time_ns =
+        std::filesystem::read_symlink("/proc/self/ns/time", no_time_ns).string();
+    if (!no_time_ns && !time_ns.empty()) ns += "+" + time_ns;
     struct stat proc {};
     if (boot.empty() || ec || ns.empty() || ::stat("/proc", &proc) != 0) return std::string();
     std::string key = fmt::format("{}/{}/{}/{}", host, boot, ns, static_cast<uint64_t>(proc.st_dev));

@@ -41,7 +41,8 @@ struct StoreUrl {
 StoreUrl parse_store_url(const std::string& url);
 
 // This process, as another process of its job on the same machine can tell whether it still
-// runs: "<host>/<boot id>/<pid namespace>/<device of /proc>/<pid>/<start time>" (no spaces).
+// runs: "<host>/<boot id>/<pid namespace>[+<time namespace>]/<device of /proc>/<pid>/<start
+// time>" (no spaces).
 // Empty when /proc cannot say.
 std::string process_identity();
 // What /proc says of the process that `identity` (another process's process_identity()) names:

@@ -468,6 +468,11 @@ std::optional<std::string> ProcessGroupBase::broken() const {
   return broken_;
 }
 
+Clock::time_point ProcessGroupBase::deadline_of(const CollectiveOp& op) const {
+  std::lock_guard lock(mu_);
+  return op.deadline;
+}
+
 bool ProcessGroupBase::issued_before_leaving(const PeerLoss& loss, int64_t seq) const {
   if (!loss.clean) return false;  // it died: whether it got there is unknown
   const auto issued = loss.issued.find(name());

@@ -185,6 +185,8 @@ class ProcessGroupBase : public ProcessGroup,
   void fail_mismatch(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
   // Why the group is unusable, or nullopt.
   std::optional<std::string> broken() const;
+  // The op's deadline now (a lost peer shortens it, under the group's lock).
+  std::chrono::steady_clock::time_point deadline_of(const CollectiveOp& op) const;
   // Describes a failure for a CommError: "<op description> failed: <what>; <lost peers>".
   std::string failure_message(const CollectiveOp& op, const std::string& what) const;
   // Collective over this group: dist_detail::agree_on_split for this group's next split.
