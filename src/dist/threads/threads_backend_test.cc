@@ -1618,6 +1618,82 @@ TEST(LaneTest, WaitsForAnAllReduceFlatReadingItsBuffer) {
   });
 }
 
+// Flat collectives share a layout with the previous one of the same shape on their group (a
+// bucket runs with one layout every step): layouts that come back, change two counts keeping
+// the total, change dtype or kind with the same counts, or are in flight together, each give
+// exact results.
+TEST(OpPathTest, FlatLayoutsSharedAcrossCallsStayExact) {
+  constexpr int n = 3;
+  // Rank r's element k of input i: distinct, exact in every dtype used.
+  auto value = [](int r, size_t i, int64_t k) {
+    return 100.0 * r + 7.0 * static_cast<double>(i) + static_cast<double>(k % 50);
+  };
+  struct Layout {
+    int kind;  // 0 all_reduce_flat, 1 all_gather_flat, 2 reduce_scatter_flat
+    DType dtype;
+    std::vector<int64_t> counts;  // multiples of n for reduce_scatter_flat
+  };
+  const std::vector<int64_t> a = {6, 3000, 3, 96, 0, 30000};
+  std::vector<int64_t> a_changed = a;  // the same total
+  a_changed[1] = 2997;
+  a_changed[3] = 99;
+  const std::vector<Layout> steps = {
+      {0, DType::F32, a},       {0, DType::F32, a}, {0, DType::F32, a_changed},
+      {0, DType::F32, a},       {0, DType::I32, a}, {1, DType::F32, a},
+      {2, DType::F32, a},       {2, DType::F32, a}, {0, DType::F64, {12, 6}},
+      {2, DType::F32, a}};
+  run_ranks(n, [&](ProcessGroup& pg) {
+    const int me = pg.rank();
+    // Each layout twice in flight at once, then waited.
+    for (size_t s = 0; s < steps.size(); ++s) {
+      const Layout& l = steps[s];
+      std::vector<std::shared_ptr<Work>> works;
+      std::vector<Tensor> outs;
+      for (int copy = 0; copy < 2; ++copy) {
+        auto list = std::make_shared<std::vector<Tensor>>();
+        int64_t total = 0;
+        for (size_t i = 0; i < l.counts.size(); ++i) {
+          std::vector<double> v(static_cast<size_t>(l.counts[i]));
+          for (int64_t k = 0; k < l.counts[i]; ++k) v[k] = value(me, i, k) + copy;
+          list->push_back(Tensor::from_vector<double>(v).to(l.dtype));
+          total += l.counts[i];
+        }
+        const int64_t out_count = l.kind == 0 ? total : l.kind == 1 ? total * n : total / n;
+        outs.push_back(Tensor::empty({out_count}, l.dtype));
+        works.push_back(l.kind == 0   ? pg.all_reduce_flat(outs.back(), list, ReduceOp::Sum)
+                        : l.kind == 1 ? pg.all_gather_flat(outs.back(), list)
+                                      : pg.reduce_scatter_flat(outs.back(), list, ReduceOp::Sum));
+      }
+      for (int copy = 0; copy < 2; ++copy) {
+        works[copy]->wait();
+        const std::vector<double> got = outs[copy].to(DType::F64).to_vector<double>();
+        std::vector<double> want;
+        for (size_t i = 0; i < l.counts.size(); ++i) {
+          const int64_t c = l.counts[i];
+          if (l.kind == 0) {
+            for (int64_t k = 0; k < c; ++k) {
+              double sum = 0;
+              for (int r = 0; r < n; ++r) sum += value(r, i, k) + copy;
+              want.push_back(sum);
+            }
+          } else if (l.kind == 1) {
+            for (int r = 0; r < n; ++r) {
+              for (int64_t k = 0; k < c; ++k) want.push_back(value(r, i, k) + copy);
+            }
+          } else {
+            for (int64_t k = me * c / n; k < (me + 1) * c / n; ++k) {
+              double sum = 0;
+              for (int r = 0; r < n; ++r) sum += value(r, i, k) + copy;
+              want.push_back(sum);
+            }
+          }
+        }
+        ASSERT_EQ(got, want) << "step " << s << " copy " << copy << " rank " << me;
+      }
+    }
+  });
+}
+
 // A coalesced list's references are released by the time its waiter returns, whichever rank
 // finished it (complete() leaves another rank's references to that rank's thread), and the
 // input list of an all_reduce_flat is held once and let go: the caller holds the only
