@@ -260,6 +260,10 @@ struct Executor::Impl {
   std::vector<uint8_t> operand_release;  // 1: this step is the operand's last use
   std::vector<uint32_t> release_slots;
   std::vector<uint32_t> initial_release;  // graph inputs nobody uses
+  // The layout of each input whose sizes the last run checked: an input of that very layout
+  // (held here, so its address names no other) has those sizes. Checking 1000 inputs' sizes
+  // took 7.5 us a step (fusion_bench's 1000 x 4 KiB graphs), each a miss on a cold layout.
+  std::vector<std::shared_ptr<const detail::Layout>> checked_layouts;
   std::vector<uint32_t> output_slots;
   // 1 where output i is its slot's last listing: run() moves it out instead of copying it
   // (a copy costs reference counts; every slot is cleared after the run anyway).
@@ -1108,6 +1112,7 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
     throw InvalidArgument(fmt::format("graph @{} takes {} inputs, got {}", graph.name(),
                                       graph.num_inputs(), inputs.size()));
   }
+  checked_layouts.resize(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Value* v = graph.input(i);
     const Tensor& t = inputs[i];
@@ -1116,10 +1121,12 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
                                         graph.name(), v->ref(),
                                         t.defined() ? "a meta tensor" : "an undefined tensor"));
     }
+    if (t.dtype() == v->dtype() && t.layout() == checked_layouts[i]) continue;
     if (t.dtype() != v->dtype() || t.sizes() != v->shape()) {
       throw InvalidArgument(fmt::format("graph @{}: input {} expects {}, got {}", graph.name(),
                                         v->ref(), v->type().str(), type_str(t.dtype(), t.sizes())));
     }
+    checked_layouts[i] = t.layout();
   }
   for (size_t i = 0; i < inputs.size(); ++i) slots[i] = std::move(inputs[i]);
   inputs.clear();

@@ -613,6 +613,25 @@ TEST(ExecutorErrors, InputsAreChecked) {
     // The executor still works after a failed run.
     EXPECT_EQ(floats(ex.run({Tensor::full({2}, DType::F32, 2.0)})[0]),
               (std::vector<float>{-2, -2}));
+    // After a good run the same checks hold (the layout of a checked input is remembered): a
+    // tensor of another shape, or of the same shape (and layout) in another dtype, or a view
+    // of the same sizes with other strides.
+    try {
+      ex.run({Tensor::zeros({3}, DType::F32)});
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(), "graph @g: input %x expects f32[2], got f32[3]");
+    }
+    try {
+      ex.run({Tensor::zeros({2}, DType::I32)});
+      ADD_FAILURE() << "expected InvalidArgument";
+    } catch (const InvalidArgument& e) {
+      EXPECT_STREQ(e.what(), "graph @g: input %x expects f32[2], got i32[2]");
+    }
+    const Tensor strided = Tensor::full({2, 2}, DType::F32, 3.0).select(1, 0);
+    EXPECT_EQ(floats(ex.run({strided})[0]), (std::vector<float>{-3, -3}));
+    EXPECT_EQ(floats(ex.run({Tensor::full({2}, DType::F32, 4.0)})[0]),
+              (std::vector<float>{-4, -4}));
   });
 }
 

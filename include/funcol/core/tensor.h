@@ -167,6 +167,10 @@ class Tensor {
   DType dtype() const { return dtype_; }
   const Shape& sizes() const { return layout_ ? layout_->sizes : detail::kNoDims; }
   const Shape& strides() const { return layout_ ? layout_->strides : detail::kNoDims; }
+  // The sizes and strides, shared by tensors built alike and never changed once built: a caller
+  // that keeps it can tell a tensor of that very layout by pointer (the executor checks its
+  // inputs' shapes so once per layout, not every step). Null when undefined.
+  const std::shared_ptr<const detail::Layout>& layout() const { return layout_; }
   // Negative dims count from the end; throws ShapeError when out of range.
   int64_t size(int64_t dim) const;
   int64_t stride(int64_t dim) const;
