@@ -774,7 +774,11 @@ Tensor Tensor::from_storage(std::shared_ptr<Storage> storage, const Shape& shape
   return t;
 }
 
-Tensor Tensor::placed(const Tensor& like, std::shared_ptr<Storage> storage, int64_t offset) {
+namespace {
+
+// placed()'s checks of `like` at element `offset` of `storage`.
+void check_placement(const Tensor& like, const std::shared_ptr<Storage>& storage,
+                     int64_t offset) {
   check_defined(like, "placed");
   if (!storage) throw InvalidArgument("placed: null storage");
   if (offset < 0) throw InvalidArgument(fmt::format("placed: negative offset {}", offset));
@@ -795,11 +799,11 @@ Tensor Tensor::placed(const Tensor& like, std::shared_ptr<Storage> storage, int6
     if (overflow) {
       throw ShapeError(fmt::format("placed: {} at offset {} lies past the end of the storage "
                                    "({} bytes)",
-                                   type_str(like.dtype_, sizes), offset, storage->nbytes()));
+                                   type_str(like.dtype(), sizes), offset, storage->nbytes()));
     }
     if (static_cast<uint64_t>(needed) > storage->nbytes()) {
       throw ShapeError(fmt::format("placed: {} at offset {} needs {} bytes but the storage has {}",
-                                   type_str(like.dtype_, sizes), offset, needed,
+                                   type_str(like.dtype(), sizes), offset, needed,
                                    storage->nbytes()));
     }
   } else if (int64_t bytes = 0;
@@ -807,14 +811,44 @@ Tensor Tensor::placed(const Tensor& like, std::shared_ptr<Storage> storage, int6
     // Nothing to hold, but first_element scales the offset by the itemsize (as from_storage).
     throw ShapeError(fmt::format("placed: {} at offset {} lies past the end of the storage "
                                  "({} bytes)",
-                                 type_str(like.dtype_, like.sizes()), offset, storage->nbytes()));
+                                 type_str(like.dtype(), like.sizes()), offset, storage->nbytes()));
   }
+}
+
+}  // namespace
+
+Tensor Tensor::placed(const Tensor& like, std::shared_ptr<Storage> storage, int64_t offset) {
+  check_placement(like, storage, offset);
   Tensor t;
   t.storage_ = std::move(storage);
   t.layout_ = like.layout_;
   t.offset_ = offset;
   t.dtype_ = like.dtype_;
   return t;
+}
+
+void Tensor::placed_run(const Tensor& like, const std::shared_ptr<Storage>& storage,
+                        int64_t offset, std::span<Tensor> out) {
+  if (out.empty()) return;
+  check_placement(like, storage, offset);
+  const int64_t numel = like.numel();
+  int64_t last = 0;
+  if (__builtin_mul_overflow(numel, static_cast<int64_t>(out.size() - 1), &last) ||
+      __builtin_add_overflow(last, offset, &last)) {
+    throw ShapeError(fmt::format("placed_run: {} tensors of {} from offset {} lie past the end of "
+                                 "the storage ({} bytes)",
+                                 out.size(), type_str(like.dtype_, like.sizes()), offset,
+                                 storage->nbytes()));
+  }
+  check_placement(like, storage, last);
+  for (Tensor& t : out) {
+    t.storage_ = storage;
+    t.annotation_.reset();
+    t.layout_ = like.layout_;
+    t.offset_ = offset;
+    t.dtype_ = like.dtype_;
+    offset += numel;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

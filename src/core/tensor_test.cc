@@ -463,6 +463,46 @@ TEST(Factories, Placed) {
   EXPECT_THROW(Tensor::placed(Tensor(), storage, 0), InvalidArgument);
 }
 
+TEST(Factories, PlacedRun) {
+  auto storage = std::make_shared<Storage>(64);
+  Tensor::from_storage(storage, {16}, DType::F32).copy_(Tensor::arange(16, DType::F32));
+  Tensor like = Tensor::meta({3}, DType::F32);
+  // The run replaces what the tensors held (here views of another storage).
+  Tensor other = Tensor::zeros({8}, DType::F32);
+  std::vector<Tensor> out = {other, other.narrow(0, 2, 2), Tensor(), other};
+  Tensor::placed_run(like, storage, 2, std::span<Tensor>(out).subspan(0, 3));
+  EXPECT_EQ(out[0].to_vector<float>(), (std::vector<float>{2, 3, 4}));
+  EXPECT_EQ(out[1].to_vector<float>(), (std::vector<float>{5, 6, 7}));
+  EXPECT_EQ(out[2].to_vector<float>(), (std::vector<float>{8, 9, 10}));
+  EXPECT_EQ(out[2].storage_offset(), 8);
+  EXPECT_EQ(out[1].sizes().data(), like.sizes().data());  // the layout is shared
+  EXPECT_TRUE(out[0].shares_storage(out[2]));
+  EXPECT_TRUE(out[3].shares_storage(other));  // outside the span: untouched
+  EXPECT_EQ(storage.use_count(), 4);
+  // The last tensor must fit: 5 x 3 from 1 ends at element 16 (fits), from 2 at 17 (not),
+  // and a refused run writes nothing.
+  std::vector<Tensor> five(5);
+  Tensor::placed_run(like, storage, 1, five);
+  EXPECT_EQ(five[4].to_vector<float>(), (std::vector<float>{13, 14, 15}));
+  std::vector<Tensor> kept = {other, other, other, other, other};
+  EXPECT_EQ(error_of<ShapeError>([&] { Tensor::placed_run(like, storage, 2, kept); }),
+            "placed: f32[3] at offset 14 needs 68 bytes but the storage has 64");
+  for (const Tensor& t : kept) EXPECT_TRUE(t.shares_storage(other));
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              std::vector<Tensor> many(3);
+              Tensor::placed_run(like, storage, INT64_MAX - 4, many);
+            }),
+            "placed: f32[3] at offset 9223372036854775803 lies past the end of the storage "
+            "(64 bytes)");
+  // Empty tensors fit anywhere; an empty run checks nothing.
+  std::vector<Tensor> empties(1000);
+  Tensor::placed_run(Tensor::meta({0}, DType::F32), storage, 100, empties);
+  EXPECT_EQ(empties[999].numel(), 0);
+  Tensor::placed_run(Tensor(), nullptr, -1, {});
+  EXPECT_THROW(Tensor::placed_run(like, storage, -1, five), InvalidArgument);
+  EXPECT_THROW(Tensor::placed_run(like, nullptr, 0, five), InvalidArgument);
+}
+
 // ---- views ----------------------------------------------------------------------------------
 
 Tensor iota(const Shape& shape, DType dtype = DType::I64) {

@@ -188,15 +188,24 @@ struct Step {
 // lower_buckets). The collective step allocates the members' results and issues the primitive
 // on them; they reach the chain's last nodes' slots at once.
 struct LoweredBucket {
-  // Member i's result type as a meta tensor: its layout is shared by every run's result i (a
-  // bucket's thousand results are placed without building or looking up a layout each).
-  std::vector<Tensor> types;
-  // Member i's result slot. The results are placed there at issue (nothing reads a slot
-  // before its value's Take step, and each value has a slot of its own), so Take has nothing
-  // to do: a bucket of a thousand members saves a pass over a thousand Tensors, on lines its
-  // data swept out of the cache. (A bucket of 1000 x 4 KiB reduce_scatters took 0.41-0.43 ms
-  // through a coalesced list and Take steps, 0.34-0.35 ms so: fusion_bench, 2 ranks.)
-  std::vector<uint32_t> out_slots;
+  // Consecutive members whose results have one type and consecutive slots, and lie back to
+  // back in the buffer (usually the whole bucket: a split's pieces of one shape).
+  struct Run {
+    // The members' result type as a meta tensor: its layout is shared by every run's results
+    // (a bucket's thousand results are placed without building or looking up a layout each).
+    Tensor type;
+    uint32_t first_slot = 0;  // member k of the run has result slot first_slot + k
+    uint32_t count = 0;
+  };
+  // The members' results, in member order. They are placed in their slots at issue (nothing
+  // reads a slot before its value's Take step, and each value has a slot of its own), so Take
+  // has nothing to do: a bucket of a thousand members saves a pass over a thousand Tensors, on
+  // lines its data swept out of the cache. (A bucket of 1000 x 4 KiB reduce_scatters took
+  // 0.41-0.43 ms through a coalesced list and Take steps, 0.34-0.35 ms so: fusion_bench, 2
+  // ranks.) Runs rather than a type, slot and offset per member: placing reads nothing per
+  // member but the run.
+  std::vector<Run> runs;
+  uint32_t first_slot = 0;  // the first member's result slot (what the chain's wait waits on)
   // One buffer holds every member's result, back to back: one allocation per run and one
   // storage for the backend to track, as the chain's split pieces share the bucket's buffer
   // (all_reduce, reduce_scatter). An all_gather chain's reshapes copy each member out, but its
@@ -204,7 +213,7 @@ struct LoweredBucket {
   // allocations per run made a bucket of 1000 x 4 KiB all_gathers 5-20% slower. The price: the
   // buffer lives while any member does, and a member is never donated to a later in-place
   // collective (its storage is shared), so such a use copies it.
-  std::vector<int64_t> offsets;  // member i's first element in the buffer
+  DType dtype = DType::F32;
   int64_t numel = 0;
   // The chain's members, handed to ProcessGroup::all_reduce_flat, all_gather_flat or
   // reduce_scatter_flat as one list: held from issue until the collective is closed, so that
@@ -260,13 +269,24 @@ struct Executor::Impl {
   std::vector<uint8_t> operand_release;  // 1: this step is the operand's last use
   std::vector<uint32_t> release_slots;
   std::vector<uint32_t> initial_release;  // graph inputs nobody uses
+  // The steps a run walks, in order: all of them when observed (the profiler and on_node see
+  // every node), else all but those with nothing to do (Skip, and Take with no result to
+  // release: a lowered bucket of a thousand members would walk two thousand such steps a run,
+  // 1.5 cache lines each).
+  std::vector<uint32_t> run_order;
+  // The slots that may still hold a value once a run handed out its outputs: written by some
+  // step and never released by one, nor moved out as an output. Empty for most graphs; a run
+  // clears these instead of every slot (3,000 of them in a bucket of 1000 members).
+  std::vector<uint32_t> end_clear;
   // The layout of each input whose sizes the last run checked: an input of that very layout
   // (held here, so its address names no other) has those sizes. Checking 1000 inputs' sizes
   // took 7.5 us a step (fusion_bench's 1000 x 4 KiB graphs), each a miss on a cold layout.
   std::vector<std::shared_ptr<const detail::Layout>> checked_layouts;
+  // Each input's dtype, read every run without touching the graph's Values.
+  std::vector<DType> input_dtypes;
   std::vector<uint32_t> output_slots;
   // 1 where output i is its slot's last listing: run() moves it out instead of copying it
-  // (a copy costs reference counts; every slot is cleared after the run anyway).
+  // (a copy costs reference counts; the slot is cleared after the run anyway).
   std::vector<uint8_t> output_moves;
   // Expected result types of kernel steps, packed: (dtype, rank, dims...) per result.
   std::vector<int64_t> result_types;
@@ -298,6 +318,8 @@ struct Executor::Impl {
   }
 
   void plan();
+  // run_order and end_clear, once the steps and their releases are final.
+  void plan_walk();
   void lower_buckets(const std::unordered_map<const Value*, uint32_t>& slot_of,
                      const std::unordered_map<const Node*, uint32_t>& step_of);
   void fold_casts(const std::unordered_map<const Node*, uint32_t>& step_of,
@@ -307,6 +329,11 @@ struct Executor::Impl {
   void run_steps(size_t& cur);
   void issue(const Step& st, std::span<Tensor> in, const uint8_t* release,
              uint32_t step_index);
+  // A lowered bucket's collective step: reads its members from their slots (a thousand of
+  // them are not staged in the scratch list and back) and releases those that die here.
+  void issue_bucket(const Step& st, uint32_t step_index);
+  // Records `work` as the in-flight collective of step `step_index`, issued at `issue_ns`.
+  void track(const Step& st, std::shared_ptr<Work> work, uint32_t step_index, int64_t issue_ns);
   // `in` is the step's scratch operand; `last_use`: it may be moved into the result.
   void wait(const Step& st, Tensor& in, bool last_use);
   void close(uint32_t index, int64_t now);
@@ -325,7 +352,10 @@ void Executor::Impl::plan() {
   ViewBases view_base;
   auto base_of = [&](const Value* v) { return view_base_of(view_base, v); };
   uint32_t next_slot = 0;
-  for (const Value* in : graph.inputs()) slot_of.emplace(in, next_slot++);
+  for (const Value* in : graph.inputs()) {
+    slot_of.emplace(in, next_slot++);
+    input_dtypes.push_back(in->dtype());
+  }
 
   size_t max_operands = 0;
   std::vector<uint32_t> seen;
@@ -472,9 +502,39 @@ void Executor::Impl::plan() {
   for (uint32_t i = 0; i < graph.num_inputs(); ++i) {
     if (!keep[i] && last_use[i] == kNone) initial_release.push_back(i);
   }
+  plan_walk();
   slots.resize(num_slots);
   scratch.resize(max_operands);
   open.reserve(inflight.size());
+}
+
+void Executor::Impl::plan_walk() {
+  // state[slot]: 1 once some step writes the slot, 2 once a step, the start or the outputs
+  // empty it again (each slot is written by one step, before any of its releases).
+  std::vector<uint8_t> state(num_slots, 0);
+  for (uint32_t i = 0; i < graph.num_inputs(); ++i) state[i] = 1;
+  for (uint32_t slot : initial_release) state[slot] = 2;
+  for (uint32_t s = 0; s < steps.size(); ++s) {
+    const Step& st = steps[s];
+    // Skip writes nothing and has no operands; its releases name results never written.
+    if (st.kind == StepKind::Skip) {
+      if (observe) run_order.push_back(s);
+      continue;
+    }
+    if (observe || st.kind != StepKind::Take || st.num_release > 0) run_order.push_back(s);
+    // Take's results are written at the bucket's issue, before it; the same for this walk.
+    for (uint32_t r = 0; r < st.num_results; ++r) state[st.results_begin + r] = 1;
+    for (uint32_t i = 0; i < st.num_operands; ++i) {
+      if (operand_release[st.operands_begin + i]) state[operand_slots[st.operands_begin + i]] = 2;
+    }
+    for (uint32_t i = 0; i < st.num_release; ++i) state[release_slots[st.release_begin + i]] = 2;
+  }
+  for (size_t i = 0; i < output_slots.size(); ++i) {
+    if (output_moves[i]) state[output_slots[i]] = 2;
+  }
+  for (uint32_t slot = 0; slot < num_slots; ++slot) {
+    if (state[slot] == 1) end_clear.push_back(slot);
+  }
 }
 
 void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* release,
@@ -490,12 +550,9 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     return Tensor::empty(t.shape, t.dtype);
   };
   // The backend reads input bytes directly: an input still produced by an earlier collective
-  // (a graph that skips its wait_tensor) is waited first. Free when it is ready, but a pass over
-  // a bucket's thousand storages all the same: the flat primitives wait for their inputs
-  // themselves.
-  if (st.bucket == kNone) {
-    for (const Tensor& t : in) t.wait();
-  }
+  // (a graph that skips its wait_tensor) is waited first. (issue_bucket does not: a pass over a
+  // bucket's thousand storages, and the flat primitives wait for their inputs themselves.)
+  for (const Tensor& t : in) t.wait();
   // Out of place as the functional ops: the result is a copy reduced (or overwritten) in place,
   // unless this is the operand's last use and nothing else holds its storage: then the operand
   // itself is donated, as a bucket's packed buffer always is.
@@ -507,42 +564,7 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     return t.clone();
   };
   std::shared_ptr<Work> work;
-  if (st.bucket != kNone) {
-    // A lowered bucket chain: the members go straight to one primitive, whose results are
-    // views of one buffer.
-    LoweredBucket& b = buckets[st.bucket];
-    const Tensor flat = Tensor::empty({b.numel}, b.types.front().dtype());
-    for (size_t i = 0; i < b.types.size(); ++i) {
-      slots[b.out_slots[i]] = Tensor::placed(b.types[i], flat.storage(), b.offsets[i]);
-    }
-    // What the wait_tensor of the chain waits on.
-    out[0] = slots[b.out_slots.front()];
-    // The members are read where they are into the buffer. The list owns them (one reference
-    // for the backend to hold): a member's last use moves it in.
-    auto list = std::make_shared<std::vector<Tensor>>();
-    list->reserve(in.size());
-    for (size_t i = 0; i < in.size(); ++i) {
-      Tensor& t = in[i];
-      if (!t.is_contiguous()) {
-        list->push_back(t.contiguous());
-      } else if (release[i] || st.copy_operands) {
-        list->push_back(std::move(t));
-      } else {
-        list->push_back(t);
-      }
-    }
-    b.held = list;
-    switch (st.op->collective) {
-      case CollectiveKind::AllReduce:
-        work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
-        break;
-      case CollectiveKind::AllGather: work = g.all_gather_flat(flat, std::move(list)); break;
-      case CollectiveKind::ReduceScatter:
-        work = g.reduce_scatter_flat(flat, std::move(list), st.reduce_op);
-        break;
-      default: FUNCOL_CHECK(false, "lowered bucket of an unexpected collective");
-    }
-  } else switch (st.op->collective) {
+  switch (st.op->collective) {
     case CollectiveKind::AllReduce:
       if (!coalesced) {
         out[0] = own_copy(0);
@@ -601,11 +623,69 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
     case CollectiveKind::Wait:
       FUNCOL_CHECK(false, "issue() of a non-collective step");
   }
+  track(st, std::move(work), step_index, t0);
+}
+
+void Executor::Impl::issue_bucket(const Step& st, uint32_t step_index) {
+  const int64_t t0 = prof ? prof->now_ns() : 0;
+  ProcessGroup& g = *st.group;
+  const uint32_t* ops = operand_slots.data() + st.operands_begin;
+  const uint8_t* release = operand_release.data() + st.operands_begin;
+  // The members go straight to one primitive, whose results are views of one buffer.
+  LoweredBucket& b = buckets[st.bucket];
+  const Tensor flat = Tensor::empty({b.numel}, b.dtype);
+  int64_t offset = 0;
+  for (const LoweredBucket::Run& run : b.runs) {
+    Tensor::placed_run(run.type, flat.storage(), offset,
+                       std::span<Tensor>(&slots[run.first_slot], run.count));
+    offset += run.type.numel() * run.count;
+  }
+  // What the wait_tensor of the chain waits on.
+  slots[st.results_begin] = slots[b.first_slot];
+  // The members are read where they are into the buffer. The list owns them (one reference
+  // for the backend to hold): a member's last use moves it in, unless the step lists its
+  // value twice (then each listing is a copy and the slot is released after them all).
+  auto list = std::make_shared<std::vector<Tensor>>();
+  list->reserve(st.num_operands);
+  for (uint32_t i = 0; i < st.num_operands; ++i) {
+    Tensor& t = slots[ops[i]];
+    const bool dies = release[i] && !st.copy_operands;
+    if (!t.is_contiguous()) {
+      list->push_back(t.contiguous());
+      if (dies) t = Tensor();
+    } else if (dies) {
+      list->push_back(std::move(t));
+    } else {
+      list->push_back(t);
+    }
+  }
+  if (st.copy_operands) {
+    for (uint32_t i = 0; i < st.num_operands; ++i) {
+      if (release[i]) slots[ops[i]] = Tensor();
+    }
+  }
+  b.held = list;
+  std::shared_ptr<Work> work;
+  switch (st.op->collective) {
+    case CollectiveKind::AllReduce:
+      work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
+      break;
+    case CollectiveKind::AllGather: work = g.all_gather_flat(flat, std::move(list)); break;
+    case CollectiveKind::ReduceScatter:
+      work = g.reduce_scatter_flat(flat, std::move(list), st.reduce_op);
+      break;
+    default: FUNCOL_CHECK(false, "lowered bucket of an unexpected collective");
+  }
+  track(st, std::move(work), step_index, t0);
+}
+
+void Executor::Impl::track(const Step& st, std::shared_ptr<Work> work, uint32_t step_index,
+                           int64_t issue_ns) {
   FUNCOL_CHECK(work != nullptr, fmt::format("{} returned no Work", st.op->name));
   Inflight& f = inflight[st.inflight];
   f.work = std::move(work);
   f.step = step_index;
-  f.issue_ns = t0;
+  f.issue_ns = issue_ns;
   f.done_ns = -1;
   f.open = true;
   if (open.size() >= 2 * num_open + 32) {
@@ -688,18 +768,19 @@ void Executor::Impl::poll() {
 template <bool kObserve>
 void Executor::Impl::run_steps(size_t& cur) {
   Tensor* sc = scratch.data();
-  const size_t n = steps.size();
-  for (size_t s = 0; s < n; ++s) {
+  for (const uint32_t s : run_order) {
     cur = s;
     const Step& st = steps[s];
     const uint32_t* ops = operand_slots.data() + st.operands_begin;
     const uint8_t* rel = operand_release.data() + st.operands_begin;
+    // A lowered bucket reads its members from their slots itself.
+    const uint32_t staged = st.bucket == kNone ? st.num_operands : 0;
     if (st.copy_operands) {
-      for (uint32_t i = 0; i < st.num_operands; ++i) sc[i] = slots[ops[i]];
+      for (uint32_t i = 0; i < staged; ++i) sc[i] = slots[ops[i]];
     } else {
-      for (uint32_t i = 0; i < st.num_operands; ++i) sc[i] = std::move(slots[ops[i]]);
+      for (uint32_t i = 0; i < staged; ++i) sc[i] = std::move(slots[ops[i]]);
     }
-    const std::span<const Tensor> in(sc, st.num_operands);
+    const std::span<const Tensor> in(sc, staged);
     switch (st.kind) {
       case StepKind::Kernel:
       case StepKind::CatCasts: {
@@ -741,7 +822,11 @@ void Executor::Impl::run_steps(size_t& cur) {
         break;
       }
       case StepKind::Collective:
-        issue(st, std::span<Tensor>(sc, st.num_operands), rel, static_cast<uint32_t>(s));
+        if (st.bucket != kNone) {
+          issue_bucket(st, s);
+        } else {
+          issue(st, std::span<Tensor>(sc, st.num_operands), rel, s);
+        }
         break;
       case StepKind::Wait:
         wait(st, sc[0], rel[0] && !st.copy_operands);
@@ -752,12 +837,12 @@ void Executor::Impl::run_steps(size_t& cur) {
         break;  // placed at issue
     }
     if (st.copy_operands) {
-      for (uint32_t i = 0; i < st.num_operands; ++i) {
+      for (uint32_t i = 0; i < staged; ++i) {
         sc[i] = Tensor();
         if (rel[i]) slots[ops[i]] = Tensor();
       }
     } else {
-      for (uint32_t i = 0; i < st.num_operands; ++i) {
+      for (uint32_t i = 0; i < staged; ++i) {
         if (rel[i]) {
           sc[i] = Tensor();
         } else {
@@ -1026,11 +1111,23 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
     }
     const auto index = static_cast<uint32_t>(buckets.size());
     LoweredBucket lb;
-    for (const Type* t : c.out_types) {
-      lb.offsets.push_back(lb.numel);
-      lb.numel += t->numel();
-      lb.types.push_back(Tensor::meta(t->shape, t->dtype));
+    lb.dtype = c.out_types.front()->dtype;
+    FUNCOL_CHECK(c.results.size() == c.out_types.size(), "a lowered bucket's results and types");
+    for (size_t i = 0; i < c.out_types.size(); ++i) {
+      const Type& t = *c.out_types[i];
+      const auto& [n, r] = c.results[i];
+      const uint32_t slot = steps[step_of.at(n)].results_begin + static_cast<uint32_t>(r);
+      lb.numel += t.numel();
+      if (!lb.runs.empty()) {
+        LoweredBucket::Run& last = lb.runs.back();
+        if (last.first_slot + last.count == slot && last.type.sizes() == t.shape) {
+          ++last.count;
+          continue;
+        }
+      }
+      lb.runs.push_back({Tensor::meta(t.shape, t.dtype), slot, 1});
     }
+    lb.first_slot = lb.runs.front().first_slot;
     buckets.push_back(std::move(lb));
     st.bucket = index;
     st.operands_begin = static_cast<uint32_t>(operand_slots.size());
@@ -1051,9 +1148,6 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       Step& take = steps[step_of.at(n)];
       take.kind = StepKind::Take;
       take.num_operands = 0;
-    }
-    for (const auto& [n, r] : c.results) {
-      buckets[index].out_slots.push_back(steps[step_of.at(n)].results_begin + r);
     }
   }
 }
@@ -1113,22 +1207,28 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
                                       graph.num_inputs(), inputs.size()));
   }
   checked_layouts.resize(inputs.size());
+  // Each input is checked and moved into its slot in one pass over the list.
   for (size_t i = 0; i < inputs.size(); ++i) {
-    const Value* v = graph.input(i);
-    const Tensor& t = inputs[i];
+    Tensor& t = inputs[i];
+    auto reject = [&](const std::string& message) {
+      for (size_t k = 0; k < i; ++k) slots[k] = Tensor();
+      throw InvalidArgument(message);
+    };
     if (!t.defined() || t.is_meta()) {
-      throw InvalidArgument(fmt::format("graph @{}: input {} must be a tensor with data, got {}",
-                                        graph.name(), v->ref(),
-                                        t.defined() ? "a meta tensor" : "an undefined tensor"));
+      reject(fmt::format("graph @{}: input {} must be a tensor with data, got {}", graph.name(),
+                         graph.input(i)->ref(),
+                         t.defined() ? "a meta tensor" : "an undefined tensor"));
     }
-    if (t.dtype() == v->dtype() && t.layout() == checked_layouts[i]) continue;
-    if (t.dtype() != v->dtype() || t.sizes() != v->shape()) {
-      throw InvalidArgument(fmt::format("graph @{}: input {} expects {}, got {}", graph.name(),
-                                        v->ref(), v->type().str(), type_str(t.dtype(), t.sizes())));
+    if (t.dtype() != input_dtypes[i] || t.layout() != checked_layouts[i]) {
+      const Value* v = graph.input(i);
+      if (t.dtype() != v->dtype() || t.sizes() != v->shape()) {
+        reject(fmt::format("graph @{}: input {} expects {}, got {}", graph.name(), v->ref(),
+                           v->type().str(), type_str(t.dtype(), t.sizes())));
+      }
+      checked_layouts[i] = t.layout();
     }
-    checked_layouts[i] = t.layout();
+    slots[i] = std::move(t);
   }
-  for (size_t i = 0; i < inputs.size(); ++i) slots[i] = std::move(inputs[i]);
   inputs.clear();
   for (uint32_t slot : initial_release) slots[slot] = Tensor();
 
@@ -1154,7 +1254,16 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
     Tensor& t = slots[output_slots[i]];
     outputs.push_back(output_moves[i] ? std::move(t) : t);
   }
-  for (Tensor& t : slots) t = Tensor();
+  for (const uint32_t slot : end_clear) slots[slot] = Tensor();
+#ifndef NDEBUG
+  // Debug builds (the sanitizer runs of every test) check end_clear missed nothing.
+  for (size_t slot = 0; slot < slots.size(); ++slot) {
+    if (slots[slot].defined()) {
+      throw InternalError(fmt::format("graph @{}: slot {} still holds a value after the run",
+                                      graph.name(), slot));
+    }
+  }
+#endif
   ++runs;
   return outputs;
 }

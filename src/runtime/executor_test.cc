@@ -621,6 +621,18 @@ TEST(ExecutorErrors, InputsAreChecked) {
     EXPECT_EQ(floats(ex.run({Tensor::full({2}, DType::F32, 4.0)})[0]),
               (std::vector<float>{-4, -4}));
   });
+  // A bad input after good ones: the run keeps none of them (inputs are checked and taken in
+  // one pass).
+  auto two = parse(
+      "graph @g(%x: f32[2], %y: f32[2]) {\n  %z = add(%x, %y) : f32[2]\n  return %z\n}\n");
+  run_local(1, [&](ProcessGroup& world) {
+    Executor ex(*two, world);
+    const Tensor x = Tensor::full({2}, DType::F32, 1.0);
+    EXPECT_THROW(ex.run({x, Tensor::zeros({3}, DType::F32)}), InvalidArgument);
+    EXPECT_EQ(ex.live_bytes(), 0);
+    EXPECT_EQ(x.storage().use_count(), 1);
+    EXPECT_EQ(floats(ex.run({x, x})[0]), (std::vector<float>{2, 2}));
+  });
 }
 
 TEST(ExecutorErrors, DifferentGraphsOnDifferentRanksFailFast) {

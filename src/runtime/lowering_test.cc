@@ -45,6 +45,7 @@ Result run(int n, const std::string& text, bool lower, const Setup& setup = {}) 
     const auto r = static_cast<size_t>(world.rank());
     ex.run(make_inputs(*graph, 7, world.rank()));
     res.outputs[r] = ex.run(make_inputs(*graph, 7, world.rank()));
+    EXPECT_EQ(ex.live_bytes(), 0) << "rank " << r << ": values held after the run";
     lowered[r] = ex.lowered_buckets();
     folded[r] = ex.folded_casts();
   });
@@ -534,6 +535,17 @@ TEST(LowerBuckets, SameMemberTwiceInOneBucket) {
       "  return %sum, %a\n"
       "}\n";
   EXPECT_EQ(expect_same_either_way(2, text), 1u);
+  // The member dies in the bucket (run() checks nothing is held afterwards).
+  const std::string dies =
+      "graph @g(%a: f32[3], %b: f32[2]) {\n"
+      "  %n = neg(%a)\n"
+      "  %pack = cat(%n, %b, %n) {dim = 0}\n"
+      "  %bucket = all_reduce(%pack) {reduce_op = \"sum\", group = \"world\"}\n"
+      "  %w = wait_tensor(%bucket)\n"
+      "  %s:3 = split_with_sizes(%w) {split_sizes = [3, 2, 3], dim = 0}\n"
+      "  return %s#2, %s#0\n"
+      "}\n";
+  EXPECT_EQ(expect_same_either_way(2, dies), 1u);
 }
 
 // Ranks that run graphs of their own (check_same_graph off) may differ in what a chain's

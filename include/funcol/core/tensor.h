@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -159,6 +160,11 @@ class Tensor {
   // types (the executor's bucket results). The elements must lie inside the storage
   // (ShapeError); `like` must be defined and `storage` non-null (InvalidArgument).
   static Tensor placed(const Tensor& like, std::shared_ptr<Storage> storage, int64_t offset);
+  // out.size() tensors placed back to back from element `offset`: out[k] is
+  // placed(like, storage, offset + k * like.numel()), each one's former value released. Checks
+  // once for the whole run (the same errors), then writes each tensor's fields.
+  static void placed_run(const Tensor& like, const std::shared_ptr<Storage>& storage,
+                         int64_t offset, std::span<Tensor> out);
 
   // ---- metadata (never waits) ----
   // A moved-from Tensor is undefined.
