@@ -270,9 +270,9 @@ struct Executor::Impl {
   std::vector<uint32_t> release_slots;
   std::vector<uint32_t> initial_release;  // graph inputs nobody uses
   // The steps a run walks, in order: all of them when observed (the profiler and on_node see
-  // every node), else all but those with nothing to do (Skip, and Take with no result to
-  // release: a lowered bucket of a thousand members would walk two thousand such steps a run,
-  // 1.5 cache lines each).
+  // every node), else all but those with nothing to do (the Skip and Take steps of lowered
+  // chains, unless they release a result the bucket placed: a bucket of a thousand members
+  // would walk two thousand such steps a run, 1.5 cache lines each).
   std::vector<uint32_t> run_order;
   // The slots that may still hold a value once a run handed out its outputs: written by some
   // step and never released by one, nor moved out as an output. Empty for most graphs; a run
@@ -516,18 +516,28 @@ void Executor::Impl::plan_walk() {
   for (uint32_t slot : initial_release) state[slot] = 2;
   for (uint32_t s = 0; s < steps.size(); ++s) {
     const Step& st = steps[s];
-    // Skip writes nothing and has no operands; its releases name results never written.
-    if (st.kind == StepKind::Skip) {
-      if (observe) run_order.push_back(s);
+    const uint32_t* released = release_slots.data() + st.release_begin;
+    if (st.kind == StepKind::Skip || st.kind == StepKind::Take) {
+      // Nothing to run but releases, of results a bucket placed at its issue (a Take's, or the
+      // pieces a gather chain's skipped split hands out as they are) or of results never
+      // written (the rest of a Skip's).
+      const bool releases =
+          std::any_of(released, released + st.num_release, [&](uint32_t x) { return state[x] == 1; });
+      if (observe || releases) run_order.push_back(s);
+      for (uint32_t i = 0; i < st.num_release; ++i) state[released[i]] = 2;
       continue;
     }
-    if (observe || st.kind != StepKind::Take || st.num_release > 0) run_order.push_back(s);
-    // Take's results are written at the bucket's issue, before it; the same for this walk.
+    run_order.push_back(s);
     for (uint32_t r = 0; r < st.num_results; ++r) state[st.results_begin + r] = 1;
+    if (st.bucket != kNone) {
+      for (const LoweredBucket::Run& run : buckets[st.bucket].runs) {
+        std::fill_n(state.begin() + run.first_slot, run.count, 1);
+      }
+    }
     for (uint32_t i = 0; i < st.num_operands; ++i) {
       if (operand_release[st.operands_begin + i]) state[operand_slots[st.operands_begin + i]] = 2;
     }
-    for (uint32_t i = 0; i < st.num_release; ++i) state[release_slots[st.release_begin + i]] = 2;
+    for (uint32_t i = 0; i < st.num_release; ++i) state[released[i]] = 2;
   }
   for (size_t i = 0; i < output_slots.size(); ++i) {
     if (output_moves[i]) state[output_slots[i]] = 2;
@@ -1207,27 +1217,32 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
                                       graph.num_inputs(), inputs.size()));
   }
   checked_layouts.resize(inputs.size());
-  // Each input is checked and moved into its slot in one pass over the list.
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    Tensor& t = inputs[i];
-    auto reject = [&](const std::string& message) {
-      for (size_t k = 0; k < i; ++k) slots[k] = Tensor();
-      throw InvalidArgument(message);
-    };
-    if (!t.defined() || t.is_meta()) {
-      reject(fmt::format("graph @{}: input {} must be a tensor with data, got {}", graph.name(),
-                         graph.input(i)->ref(),
-                         t.defined() ? "a meta tensor" : "an undefined tensor"));
-    }
-    if (t.dtype() != input_dtypes[i] || t.layout() != checked_layouts[i]) {
-      const Value* v = graph.input(i);
-      if (t.dtype() != v->dtype() || t.sizes() != v->shape()) {
-        reject(fmt::format("graph @{}: input {} expects {}, got {}", graph.name(), v->ref(),
-                           v->type().str(), type_str(t.dtype(), t.sizes())));
+  // Each input is checked and moved into its slot in one pass over the list; a bad one
+  // leaves none of those before it in their slots.
+  size_t taken = 0;
+  try {
+    for (; taken < inputs.size(); ++taken) {
+      const size_t i = taken;
+      Tensor& t = inputs[i];
+      if (!t.defined() || t.is_meta()) {
+        throw InvalidArgument(fmt::format(
+            "graph @{}: input {} must be a tensor with data, got {}", graph.name(),
+            graph.input(i)->ref(), t.defined() ? "a meta tensor" : "an undefined tensor"));
       }
-      checked_layouts[i] = t.layout();
+      if (t.dtype() != input_dtypes[i] || t.layout() != checked_layouts[i]) {
+        const Value* v = graph.input(i);
+        if (t.dtype() != v->dtype() || t.sizes() != v->shape()) {
+          throw InvalidArgument(fmt::format("graph @{}: input {} expects {}, got {}",
+                                            graph.name(), v->ref(), v->type().str(),
+                                            type_str(t.dtype(), t.sizes())));
+        }
+        checked_layouts[i] = t.layout();
+      }
+      slots[i] = std::move(t);
     }
-    slots[i] = std::move(t);
+  } catch (...) {
+    for (size_t k = 0; k < taken; ++k) slots[k] = Tensor();
+    throw;
   }
   inputs.clear();
   for (uint32_t slot : initial_release) slots[slot] = Tensor();
@@ -1259,6 +1274,7 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
   // Debug builds (the sanitizer runs of every test) check end_clear missed nothing.
   for (size_t slot = 0; slot < slots.size(); ++slot) {
     if (slots[slot].defined()) {
+      abort();
       throw InternalError(fmt::format("graph @{}: slot {} still holds a value after the run",
                                       graph.name(), slot));
     }
