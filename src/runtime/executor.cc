@@ -510,7 +510,8 @@ void Executor::Impl::plan() {
 
 void Executor::Impl::plan_walk() {
   // state[slot]: 1 once some step writes the slot, 2 once a step, the start or the outputs
-  // empty it again (each slot is written by one step, before any of its releases).
+  // empty it again (each slot is written by one step, before any of its releases: its own,
+  // or for a bucket's results, the bucket's collective step).
   std::vector<uint8_t> state(num_slots, 0);
   for (uint32_t i = 0; i < graph.num_inputs(); ++i) state[i] = 1;
   for (uint32_t slot : initial_release) state[slot] = 2;
@@ -1274,7 +1275,8 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
   // Debug builds (the sanitizer runs of every test) check end_clear missed nothing.
   for (size_t slot = 0; slot < slots.size(); ++slot) {
     if (slots[slot].defined()) {
-      abort();
+      this->abort();  // Impl::abort: the run's state cleared, as a failed run's
+      ++runs;
       throw InternalError(fmt::format("graph @{}: slot {} still holds a value after the run",
                                       graph.name(), slot));
     }
