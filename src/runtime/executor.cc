@@ -204,8 +204,7 @@ struct LoweredBucket {
   // 0.41-0.43 ms through a coalesced list and Take steps, 0.34-0.35 ms so: fusion_bench, 2
   // ranks.) Runs rather than a type, slot and offset per member: placing reads nothing per
   // member but the run.
-  std::vector<Run> runs;
-  uint32_t first_slot = 0;  // the first member's result slot (what the chain's wait waits on)
+  std::vector<Run> runs;  // never empty
   // One buffer holds every member's result, back to back: one allocation per run and one
   // storage for the backend to track, as the chain's split pieces share the bucket's buffer
   // (all_reduce, reduce_scatter). An all_gather chain's reshapes copy each member out, but its
@@ -213,7 +212,6 @@ struct LoweredBucket {
   // allocations per run made a bucket of 1000 x 4 KiB all_gathers 5-20% slower. The price: the
   // buffer lives while any member does, and a member is never donated to a later in-place
   // collective (its storage is shared), so such a use copies it.
-  DType dtype = DType::F32;
   int64_t numel = 0;
   // The chain's members, handed to ProcessGroup::all_reduce_flat, all_gather_flat or
   // reduce_scatter_flat as one list: held from issue until the collective is closed, so that
@@ -522,8 +520,8 @@ void Executor::Impl::plan_walk() {
       // Nothing to run but releases, of results a bucket placed at its issue (a Take's, or the
       // pieces a gather chain's skipped split hands out as they are) or of results never
       // written (the rest of a Skip's).
-      const bool releases =
-          std::any_of(released, released + st.num_release, [&](uint32_t x) { return state[x] == 1; });
+      const bool releases = std::any_of(released, released + st.num_release,
+                                        [&](uint32_t x) { return state[x] == 1; });
       if (observe || releases) run_order.push_back(s);
       for (uint32_t i = 0; i < st.num_release; ++i) state[released[i]] = 2;
       continue;
@@ -644,15 +642,15 @@ void Executor::Impl::issue_bucket(const Step& st, uint32_t step_index) {
   const uint8_t* release = operand_release.data() + st.operands_begin;
   // The members go straight to one primitive, whose results are views of one buffer.
   LoweredBucket& b = buckets[st.bucket];
-  const Tensor flat = Tensor::empty({b.numel}, b.dtype);
+  const Tensor flat = Tensor::empty({b.numel}, b.runs.front().type.dtype());
   int64_t offset = 0;
   for (const LoweredBucket::Run& run : b.runs) {
     Tensor::placed_run(run.type, flat.storage(), offset,
                        std::span<Tensor>(&slots[run.first_slot], run.count));
     offset += run.type.numel() * run.count;
   }
-  // What the wait_tensor of the chain waits on.
-  slots[st.results_begin] = slots[b.first_slot];
+  // What the wait_tensor of the chain waits on: the first member's result.
+  slots[st.results_begin] = slots[b.runs.front().first_slot];
   // The members are read where they are into the buffer. The list owns them (one reference
   // for the backend to hold): a member's last use moves it in, unless the step lists its
   // value twice (then each listing is a copy and the slot is released after them all).
@@ -1122,8 +1120,8 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
     }
     const auto index = static_cast<uint32_t>(buckets.size());
     LoweredBucket lb;
-    lb.dtype = c.out_types.front()->dtype;
-    FUNCOL_CHECK(c.results.size() == c.out_types.size(), "a lowered bucket's results and types");
+    FUNCOL_CHECK(!c.out_types.empty() && c.results.size() == c.out_types.size(),
+                 "a lowered bucket's results and types");
     for (size_t i = 0; i < c.out_types.size(); ++i) {
       const Type& t = *c.out_types[i];
       const auto& [n, r] = c.results[i];
@@ -1138,7 +1136,6 @@ void Executor::Impl::lower_buckets(const std::unordered_map<const Value*, uint32
       }
       lb.runs.push_back({Tensor::meta(t.shape, t.dtype), slot, 1});
     }
-    lb.first_slot = lb.runs.front().first_slot;
     buckets.push_back(std::move(lb));
     st.bucket = index;
     st.operands_begin = static_cast<uint32_t>(operand_slots.size());
