@@ -249,10 +249,11 @@ void check_no_internal_overlap(const Tensor& t, const char* what) {
   }
 }
 
-// A value written into a dtype must be representable there: no wrap-around in an integer dtype,
-// no finite value that rounds to infinity in f32, f16 or bf16 (inf and nan themselves are kept):
-// PyTorch's "value cannot be converted to type at::Half without overflow". V is double or
-// int64_t.
+// A value written into a dtype must be representable there: no finite value that rounds to
+// infinity in f32, f16 or bf16 (inf and nan themselves are kept), no integer an integer dtype
+// cannot hold: PyTorch's "value cannot be converted to type at::Half without overflow". As
+// there (c10::overflows), a negative integer down to minus an unsigned dtype's largest value
+// wraps (-1 as u8 is 255, -256 an error); a negative double does not. V is double or int64_t.
 template <typename V>
 void check_value_fits(DType dtype, V value, const char* what) {
   bool fits = true;
@@ -261,6 +262,9 @@ void check_value_fits(DType dtype, V value, const char* what) {
     if constexpr (std::is_integral_v<S> && !std::is_same_v<S, bool>) {
       if constexpr (std::is_integral_v<V>) {
         fits = std::in_range<S>(value);
+        if constexpr (std::is_unsigned_v<S> && sizeof(S) < 8) {
+          fits = fits || (value < 0 && value >= -static_cast<V>(std::numeric_limits<S>::max()));
+        }
       } else {
         // [lowest, max], as PyTorch's overflow check (255.5 does not fit u8, though it would
         // truncate to 255); for int64, whose max is no double, [lowest, max + 1 = 2^63).
@@ -950,13 +954,9 @@ T Tensor::item() const {
     // not wrapped or saturated as element conversions are (3e9 as int32, 300 as uint8, 1e300
     // as float, NaN or infinity as an integer). Bool and floating infinities and NaN convert.
     // A negative integer down to minus the largest value of an unsigned T wraps, as there (-1
-    // as uint8_t is 255, -256 an error).
+    // as uint8_t is 255, -256 an error: check_value_fits).
     if constexpr (std::is_integral_v<S>) {
-      auto i = static_cast<int64_t>(v);
-      if constexpr (std::is_unsigned_v<Dst> && !std::is_same_v<Dst, bool>) {
-        if (i < 0 && i >= -static_cast<int64_t>(std::numeric_limits<Dst>::max())) i = 0;
-      }
-      check_value_fits(dtype_of<Dst>, i, "item");
+      check_value_fits(dtype_of<Dst>, static_cast<int64_t>(v), "item");
     } else {
       check_value_fits(dtype_of<Dst>, cvt<double>(v), "item");
     }

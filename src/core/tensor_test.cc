@@ -193,7 +193,14 @@ TEST(Factories, IntegerValuesMustFit) {
   EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({2}, DType::I8, 1000); }),
             "full: value 1000 cannot be converted to i8 without overflow");
   EXPECT_THROW(Tensor::full({2}, DType::I8, 128), InvalidArgument);
-  EXPECT_THROW(Tensor::full({2}, DType::U8, -1), InvalidArgument);
+  // As PyTorch (c10::overflows): a negative integer down to -255 wraps into u8; -256 and a
+  // negative double do not.
+  EXPECT_EQ(Tensor::full({2}, DType::U8, -1).to_vector<int>(), (std::vector<int>{255, 255}));
+  EXPECT_EQ(Tensor::zeros({1}, DType::U8).fill_(-255).item<int>(), 1);
+  EXPECT_EQ(error_of<InvalidArgument>([] { Tensor::full({2}, DType::U8, -256); }),
+            "full: value -256 cannot be converted to u8 without overflow");
+  EXPECT_THROW(Tensor::full({2}, DType::U8, -1.0), InvalidArgument);
+  EXPECT_THROW(Tensor::full({2}, DType::I8, -129), InvalidArgument);
   EXPECT_THROW(Tensor::full({2}, DType::I32, 2147483648.0), InvalidArgument);
   EXPECT_THROW(Tensor::full({2}, DType::I64, 9.3e18), InvalidArgument);
   EXPECT_THROW(Tensor::full({2}, DType::I32, std::nan("")), InvalidArgument);

@@ -133,8 +133,8 @@ class Tensor {
   static Tensor empty(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype);
   // `value` is converted to dtype (bool: value != 0); an integer dtype refuses a value it
-  // cannot hold, f32/f16/bf16 a finite value that would round to infinity (InvalidArgument;
-  // inf and nan are kept). An integer value is taken as an integer: an i64 tensor holds it
+  // cannot hold (but, as PyTorch, u8 takes an integer from -255 to -1 as 256 + value), f32/f16/
+  // bf16 a finite value that would round to infinity (InvalidArgument; inf and nan are kept). An integer value is taken as an integer: an i64 tensor holds it
   // exactly, where a double would round those above 2^53.
   static Tensor full(const Shape& shape, DType dtype, double value);
   template <std::integral T>
