@@ -165,7 +165,11 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<V
     if (!any_operand) continue;
     if (!op.grad) {
       detail::throw_grad_error(*n, [&](const std::string& where) {
-        return fmt::format("autodiff: op {} has no gradient rule ({})", op.name, where);
+        // The packed ops exist only in bucketed graphs, which PyTorch never differentiates
+        // either (Inductor buckets after autograd).
+        const bool packed = op.name == "bucket_pack" || op.name == "all_gather_into_tensor_packed";
+        return fmt::format("autodiff: op {} has no gradient rule ({}){}", op.name, where,
+                           packed ? ": run autodiff before the bucketing passes" : "");
       });
     }
     b.set_name_hint("d_" + n->name());

@@ -341,7 +341,8 @@ TEST(Autodiff, Errors) {
     %l = sum(%p)
     return %l })",
                         {0}),
-            "autodiff: op bucket_pack has no gradient rule (node %p at <input>:2:5)");
+            "autodiff: op bucket_pack has no gradient rule (node %p at <input>:2:5): run autodiff "
+            "before the bucketing passes");
 }
 
 // An autodiff error about a parsed node carries the node's location, so funcol opt prints it as

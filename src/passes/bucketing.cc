@@ -430,7 +430,10 @@ class Bucketer {
   Node* emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket);
   std::vector<Value*> emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
                                   DType bucket);
-  void finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements);
+  // Replaces the members' waits by `replacements`, erases the members and gives the new nodes
+  // (x's and y's) the first member's location.
+  void finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements,
+              const Emitter& x, const Emitter& y);
   void key_new_nodes(const std::vector<Node*>& first, const std::vector<Node*>& second);
 };
 
@@ -954,7 +957,14 @@ std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll,
 }
 
 // Points the members' consumers at the replacements and erases the members.
-void Bucketer::finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements) {
+void Bucketer::finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements,
+                      const Emitter& x, const Emitter& y) {
+  // The bucket's nodes stand for its members: later errors about them (autodiff, the
+  // executor, the verifier) name the first member's place in the source.
+  const SourceLoc loc = members.front()->coll->loc();
+  for (const Emitter* e : {&x, &y}) {
+    for (Node* n : e->created()) n->set_loc(loc);
+  }
   for (size_t i = 0; i < members.size(); ++i) {
     graph_.replace_all_uses(members[i]->wait->result(0), replacements[i]);
   }
@@ -1066,7 +1076,7 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   Emitter y(graph_, y_anchor);
   y.reserve(2 * members.size() + 4);
   std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
-  finish(members, repl);
+  finish(members, repl, x, y);
   key_new_nodes(x.created(), y.created());
   note_new_nodes(members, x.created());
   note_new_nodes(members, y.created());
@@ -1202,7 +1212,7 @@ void Bucketer::emit_region(const std::vector<Entry*>& members, const Region& reg
   Node* coll = emit_pack(x, members, bucket);
   Emitter y(graph_, anchor);
   std::vector<Value*> repl = emit_unpack(y, coll, members, bucket);
-  finish(members, repl);
+  finish(members, repl, x, y);
   const auto x_item = static_cast<uint32_t>(region.nodes.size());
   for (uint32_t i : order) {
     if (i < x_item) {

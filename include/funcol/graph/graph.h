@@ -172,6 +172,9 @@ class Node {
   const std::string& name() const { return name_; }
   Graph* graph() const { return graph_; }
   SourceLoc loc() const { return loc_; }
+  // A pass's new node takes the location of what it stands for (a bucket's nodes: its first
+  // member's), so that later errors about it still name a place in the source.
+  void set_loc(SourceLoc loc) { loc_ = loc; }
 
   // ---- operands ----
   std::span<Value* const> operands() const { return {operands_.data(), operands_.size()}; }

@@ -62,7 +62,9 @@ class Executor {
 
   // Runs the graph once. `inputs` holds one tensor per graph input, of its dtype and shape
   // (InvalidArgument otherwise); they are released after their last use too. Returns the
-  // graph outputs, complete: collectives never waited by the graph are waited at the end.
+  // graph outputs, complete: collectives never waited by the graph are waited at the end. (An
+  // input returned as it is comes back as it was given: one still pending on a collective of
+  // the caller's waits on first use, as every pending tensor does.)
   std::vector<Tensor> run(std::vector<Tensor> inputs);
 
   const Graph& graph() const;
