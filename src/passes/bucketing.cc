@@ -388,6 +388,15 @@ class Bucketer {
     hops_epoch_.resize(cap, 0);
   }
 
+  // "%a (64 B), %b (128 B)": the explain form of a bucket's members.
+  static std::string members_str(const std::vector<Entry*>& entries) {
+    std::vector<std::string> parts;
+    parts.reserve(entries.size());
+    for (const Entry* e : entries) {
+      parts.push_back(fmt::format("%{} ({})", e->coll->name(), bytes_str(e->bytes)));
+    }
+    return fmt::format("{}", fmt::join(parts, ", "));
+  }
   void say(std::string_view line) {
     if (!explain_) return;
     explain_->append("  ");
@@ -645,15 +654,9 @@ void Bucketer::add_to_bucket(Entry* e) {
 void Bucketer::close_bucket(std::string_view reason) {
   if (bucket_.empty()) return;
   const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
-  std::string members;
-  if (explain_) {
-    std::vector<std::string> parts;
-    for (const Entry* e : bucket_) {
-      parts.push_back(fmt::format("%{} ({})", e->coll->name(), bytes_str(e->bytes)));
-    }
-    members = fmt::format("{}", fmt::join(parts, ", "));
-  }
+  const std::string members = explain_ ? members_str(bucket_) : std::string();
   std::string outcome;
+  std::vector<std::string> retried;  // explain lines of the tries after the first
   const auto packed =
       std::find_if(bucket_.begin(), bucket_.end(), [](const Entry* e) { return e->packed; });
   if (bucket_.size() == 1) {
@@ -661,36 +664,64 @@ void Bucketer::close_bucket(std::string_view reason) {
   } else if (packed != bucket_.end()) {
     outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
-    std::vector<Entry*> merged = bucket_;
-    const int64_t reorders = stats_.region_reorders;
-    const bool ok = merge(merged);
-    if (merged.size() < bucket_.size() && explain_) {
-      // `merged` is a subsequence of the bucket.
+    // The members a merge drops (issue order) get a few more tries as a bucket of their own,
+    // in wait order (each try costs at most a merge's bounded trials): a member that blocks
+    // some of the others then leaves only those unmerged, not every member it was not kept
+    // with.
+    constexpr int kMaxRetries = 4;
+    std::vector<Entry*> todo = bucket_;
+    for (int attempt = 0; attempt <= kMaxRetries && todo.size() >= 2; ++attempt) {
+      const std::string tried = explain_ && attempt > 0 ? members_str(todo) : std::string();
+      // merge() counts what it drops; a retry's members are counted again by it.
+      if (attempt > 0) stats_.dropped -= static_cast<int64_t>(todo.size());
+      std::vector<Entry*> merged = todo;
+      const int64_t reorders = stats_.region_reorders;
+      const bool ok = merge(merged);
+      // `merged` is a subsequence of `todo`; when nothing merged, its first member (counted
+      // as kept by merge()) stays alone and the others are tried again.
+      std::vector<Entry*> rest;
       size_t k = 0;
-      for (const Entry* e : bucket_) {
+      for (Entry* e : todo) {
         if (k < merged.size() && merged[k] == e) {
           ++k;
           continue;
         }
-        say(fmt::format("dropped %{} from bucket {}: merging it would change the issue order "
-                        "of collectives that stay unmerged",
-                        e->coll->name(), bucket_index_));
+        rest.push_back(e);
+        if (!explain_) continue;
+        const std::string line = fmt::format(
+            "dropped %{} from bucket {}{}: merging it would change the issue order of "
+            "collectives that stay unmerged",
+            e->coll->name(), bucket_index_, attempt > 0 ? " again" : "");
+        if (attempt > 0) {
+          retried.push_back(line);
+        } else {
+          say(line);
+        }
       }
-    }
-    const size_t dropped = bucket_.size() - merged.size();
-    if (ok) {
-      outcome = fmt::format("merged {} collectives{}{}", merged.size(),
-                            dropped > 0 ? fmt::format(" ({} dropped)", dropped) : "",
-                            stats_.region_reorders > reorders ? " (region reordered)" : "");
-      ++stats_.merged_buckets;
-      stats_.merged_collectives += static_cast<int64_t>(merged.size());
-    } else {
-      outcome = fmt::format("left alone ({} dropped)", dropped);
+      std::string result;
+      if (ok) {
+        result = fmt::format("merged {} collectives{}{}", merged.size(),
+                             rest.empty() ? "" : fmt::format(" ({} dropped)", rest.size()),
+                             stats_.region_reorders > reorders ? " (region reordered)" : "");
+        ++stats_.merged_buckets;
+        stats_.merged_collectives += static_cast<int64_t>(merged.size());
+      } else {
+        result = fmt::format("left alone ({} dropped)", rest.size());
+        if (attempt > 0) ++stats_.dropped;  // the first member stays dropped
+      }
+      if (attempt == 0) {
+        outcome = std::move(result);
+      } else {
+        retried.push_back(fmt::format("bucket {} again, with what was dropped: {}; {}",
+                                      bucket_index_, tried, result));
+      }
+      todo = std::move(rest);
     }
   }
   if (explain_) {
     say(fmt::format("bucket {}: {}; {} of cap {}; closed: {}; {}", bucket_index_, members,
                     bytes_str(bucket_bytes_), bytes_str(cap), reason, outcome));
+    for (const std::string& line : retried) say(line);
   }
   ++bucket_index_;
   ++stats_.buckets;

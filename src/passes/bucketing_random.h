@@ -50,7 +50,8 @@ inline bool chance(int one_in) { return *rc::gen::inRange(0, one_in) == 0; }
 // reduce ops; waits issued at once or later in random order (so wait order differs from issue
 // order and consumers of early waits precede later inputs); collectives whose result has a
 // second user; compute (neg, add, flatten, casts) on any value, so later collectives depend
-// on earlier ones. Every value nobody uses is an output, but for some waits' results. With
+// on earlier ones; pairs of all-gathers that cannot merge without swapping two collectives
+// that stay unmerged (see the motif). Every value nobody uses is an output, but for some waits' results. With
 // `one_key`, every value is f32 and every collective is on the world group with reduce op
 // sum, so that runs are long and buckets have many members: the case where no place fits a
 // bucket between its inputs and its consumers (a region to reorder) comes up often instead of
@@ -77,8 +78,35 @@ inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
   std::vector<Node*> pending;
   const int steps = *rc::gen::inRange(1, one_key ? 50 : 30);
   for (int s = 0; s < steps; ++s) {
-    const int what = *rc::gen::inRange(0, 10);
-    if (what < 5) {
+    const int what = *rc::gen::inRange(0, 11);
+    if (what == 10) {
+      // The issue-order motif: all-gathers whose waits each feed another collective at once,
+      // then collectives issued after those that feed as many all-gathers of the same key.
+      // Merging an all-gather of the first kind with one of the second would swap two
+      // collectives between them, which stay unmerged, so a bucket holding both kinds drops
+      // some (and tries the dropped ones again: they merge among themselves).
+      Value* v = pick(pool);
+      const std::string& group = pick(kGroups);
+      const int64_t gs = group == "world" ? 4 : 2;
+      auto other = [&](Value* in) {  // a collective of another kind where the dtype allows
+        if (in->dtype() == DType::Bool) {
+          return b.create("all_gather_into_tensor", {in}, {{"group_size", gs}, {"group", group}});
+        }
+        return b.create("all_reduce", {in}, {{"reduce_op", pick(kOps)}, {"group", group}});
+      };
+      const int pairs = *rc::gen::inRange(1, 4);
+      for (int i = 0; i < pairs; ++i) {
+        Node* first =
+            b.create("all_gather_into_tensor", {v}, {{"group_size", gs}, {"group", group}});
+        Node* use = other(b.value("wait_tensor", {first->result(0)}));
+        pool.push_back(b.value("wait_tensor", {use->result(0)}));
+      }
+      for (int i = 0; i < pairs; ++i) {
+        Value* fed = b.value("wait_tensor", {other(v)->result(0)});
+        pending.push_back(
+            b.create("all_gather_into_tensor", {fed}, {{"group_size", gs}, {"group", group}}));
+      }
+    } else if (what < 5) {
       Value* v = pick(pool);
       const std::string& group = pick(kGroups);
       const int64_t gs = group == "world" ? 4 : 2;
