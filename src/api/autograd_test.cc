@@ -501,6 +501,28 @@ TEST(EagerAutograd, MseLossGradientInPyTorchsOrder) {
   EXPECT_EQ(tape.grad(b).to_vector<float>(), std::vector<float>(64, -3200));
 }
 
+// In f16 and bf16 mse_loss scales by 2/N in f32 and rounds once: 2/N in f16 (PyTorch's CPU
+// kernel) is 2.026e-6 at N = 10^6, 1.3% off, and 0 from N = 2^26 on.
+TEST(EagerAutograd, ReducedPrecisionMseLossScalesInF32) {
+  for (const DType dtype : {DType::F16, DType::BF16}) {
+    GradTape tape;
+    const Tensor a = tape.requires_grad(Tensor::full({1000, 1000}, dtype, 1001.0));
+    const Tensor b = tape.requires_grad(Tensor::full({1000, 1000}, dtype, 1.0));
+    tape.backward(tape.call_one("mse_loss", std::vector<Tensor>{a, b}));
+    const float want = Tensor::full({}, dtype, 2e-3).item<float>();
+    const float in_dtype = Tensor::full({}, dtype, 2e-6).item<float>() * 1000;
+    if (dtype == DType::F16) {
+      EXPECT_NE(Tensor::full({}, dtype, in_dtype).item<float>(), want);
+    }
+    const std::vector<float> ga = tape.grad(a).to_vector<float>();
+    const std::vector<float> gb = tape.grad(b).to_vector<float>();
+    ASSERT_EQ(ga.size(), 1000000u);
+    EXPECT_EQ(ga.front(), want) << dtype_name(dtype);
+    EXPECT_EQ(ga, std::vector<float>(ga.size(), want)) << dtype_name(dtype);
+    EXPECT_EQ(gb, std::vector<float>(gb.size(), -want)) << dtype_name(dtype);
+  }
+}
+
 // mean's gradient is grad / N computed as PyTorch does for f16 and bf16 (in f32, then rounded):
 // N = 65536 is inf in f16 (the gradient came out 0) and 257 is 256 in bf16.
 TEST(EagerAutograd, ReducedPrecisionMeanDividesByTheExactCount) {
