@@ -7,6 +7,7 @@
 #include <cctype>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -710,6 +711,8 @@ void validate(const BenchOptions& o) {
   for (BenchOp op : o.ops) {
     if (has_reduce_op(op)) check_reduce_op_dtype(o.redop, o.dtype, bench_op_name(op));
   }
+  // FUNCOL_TIMEOUT is read by the first collective, after the references and the header.
+  (void)default_timeout();
   // Every size's buffers, before the run prints or runs anything (the largest needs the most).
   for (BenchOp op : o.ops) check_fits(o, op, largest_size(o));
 }
@@ -763,6 +766,7 @@ MemcpyRef measure_memcpy(int64_t bytes) {
   ref.bytes = bytes;
   ref.gbps_per_thread = (per_thread_bytes / secs[0] + per_thread_bytes / secs[1]) / 2 / 1e9;
   ref.gbps_total = 2 * per_thread_bytes / std::max(secs[0], secs[1]) / 1e9;
+  ref.cpus = reference_cpu(0) >= 0 ? 2 : 1;
   return ref;
 }
 
@@ -956,6 +960,18 @@ void emit(std::FILE* out, std::string line) {
   std::fflush(out);
 }
 
+// Where the references' two threads ran. On one CPU they share it: memcpy is about halved and a
+// handoff waits for a time slice, so the figures understate the machine (said on the line).
+std::string reference_binding(const BenchOptions& o, const BenchReport& report) {
+  const bool given = o.given_references.memcpy.bytes > 0;
+  std::string where = report.memcpy.cpus >= 2 ? "one per CPU" : "unbound (1 CPU)";
+  if (given) where += ", measured by funcol bench before it started the job";
+  if (report.memcpy.cpus < 2 && std::thread::hardware_concurrency() >= 2) {
+    where += ": both threads shared one CPU, so they understate this host";
+  }
+  return where;
+}
+
 void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& report) {
   const MemcpyRef& ref = report.memcpy;
   std::vector<std::string> names;
@@ -975,7 +991,7 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
   const std::vector<int> cpus = dist_detail::allowed_cpus();
   const bool ranks_bound = o.backend == "threads" && static_cast<int>(cpus.size()) >= o.ranks;
   emit(out, fmt::format("# binding: reference threads {}; rank threads {}",
-                        reference_cpu(0) >= 0 ? "one per CPU" : "unbound (1 CPU)",
+                        reference_binding(o, report),
                         ranks_bound ? fmt::format("one per CPU ({} CPUs)", cpus.size())
                         : o.backend == "threads"
                             ? fmt::format("unbound ({} ranks, {} CPUs)", o.ranks, cpus.size())
@@ -1049,6 +1065,7 @@ void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row,
                                 {"busbw", row.busbw},
                                 {"in_place", runs_in_place(o, row.op)},
                                 {"memcpy_gbps", ref.gbps_per_thread},
+                                {"memcpy_cpus", ref.cpus},
                                 {"busbw_memcpy_ratio", ratio}};
     if (report.handoff.round_trip_ns > 0) {
       j["handoff_ns"] = report.handoff.round_trip_ns;
@@ -1112,16 +1129,23 @@ void bench_rank(ProcessGroup& world, const BenchOptions& o,
 MemcpyRef memcpy_reference(const BenchOptions& o) {
   const int64_t bytes = std::clamp<int64_t>(largest_size(o), int64_t{1} << 20, int64_t{64} << 20);
   if (o.memcpy_gbps_override > 0) {
-    return {bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override};
+    return {bytes, o.memcpy_gbps_override, 2 * o.memcpy_gbps_override, 2};
   }
   return measure_memcpy(bytes);
 }
 
-// Measures the run's references into `report` and prints the header. The handoff reference is
+// The run's references: measured here, or as the launcher measured them. The handoff reference is
 // skipped when the memcpy figure is given (tests, which want neither the time nor the noise).
+BenchOptions::GivenReferences measure_references(const BenchOptions& o) {
+  if (o.given_references.memcpy.bytes > 0) return o.given_references;
+  return {memcpy_reference(o), o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff()};
+}
+
+// Measures the run's references into `report` and prints the header.
 void start_report(std::FILE* out, const BenchOptions& o, BenchReport& report) {
-  report.memcpy = memcpy_reference(o);
-  report.handoff = o.memcpy_gbps_override > 0 ? HandoffRef{} : measure_handoff();
+  const BenchOptions::GivenReferences refs = measure_references(o);
+  report.memcpy = refs.memcpy;
+  report.handoff = refs.handoff;
   if (!o.json) print_header(out, o, report);
 }
 
@@ -1238,6 +1262,13 @@ std::vector<std::string> bench_job_args(const BenchOptions& o) {
   if (o.json) a.emplace_back("--json");
   if (o.in_place) a.emplace_back("--in-place");
   if (o.inject_wrong) a.emplace_back("--inject-wrong");
+  const BenchOptions::GivenReferences& refs = o.given_references;
+  if (refs.memcpy.bytes > 0) {
+    a.emplace_back("--references");
+    a.push_back(fmt::format("{}:{}:{}:{}:{}", refs.memcpy.bytes, refs.memcpy.gbps_per_thread,
+                            refs.memcpy.gbps_total, refs.memcpy.cpus,
+                            refs.handoff.round_trip_ns));
+  }
   return a;
 }
 
@@ -1266,6 +1297,7 @@ struct BenchFlags {
   bool json = false;
   bool in_place = false;
   bool inject_wrong = false;
+  std::string references;  // hidden: the launcher's references (BenchOptions::given_references)
 };
 
 // How the run is placed: the backend, the job it joins, its ranks.
@@ -1278,6 +1310,42 @@ BenchOptions job_from_flags(const BenchFlags& f) {
       resolve_ranks(o.backend, o.join, f.ranks_typed ? std::optional<int>(ranks) : std::nullopt,
                     /*fallback=*/ranks);
   return o;
+}
+
+// --references BYTES:GBPS_PER_THREAD:GBPS_TOTAL:CPUS:HANDOFF_NS, as bench_job_args writes it.
+BenchOptions::GivenReferences parse_references(const std::string& text) {
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    const size_t colon = text.find(':', start);
+    parts.push_back(text.substr(start, colon - start));
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  auto bad = [&] {
+    return InvalidArgument(fmt::format(
+        "--references '{}': expected BYTES:GBPS_PER_THREAD:GBPS_TOTAL:CPUS:HANDOFF_NS, positive "
+        "numbers (CPUS 1 or 2; HANDOFF_NS 0: not measured)",
+        text));
+  };
+  if (parts.size() != 5) throw bad();
+  double v[5];
+  for (size_t i = 0; i < 5; ++i) {
+    try {
+      size_t used = 0;
+      v[i] = std::stod(parts[i], &used);
+      if (used != parts[i].size() || !std::isfinite(v[i]) || v[i] < 0) throw bad();
+    } catch (const std::logic_error&) {
+      throw bad();
+    }
+  }
+  if (v[0] < 1 || v[0] != std::floor(v[0]) || v[1] <= 0 || v[2] <= 0 ||
+      (v[3] != 1 && v[3] != 2)) {
+    throw bad();
+  }
+  BenchOptions::GivenReferences refs;
+  refs.memcpy = {static_cast<int64_t>(v[0]), v[1], v[2], static_cast<int>(v[3])};
+  refs.handoff.round_trip_ns = v[4];
+  return refs;
 }
 
 // The rest of the flags into `o`, checked (validate).
@@ -1296,6 +1364,7 @@ void run_from_flags(const BenchFlags& f, BenchOptions& o) {
   o.json = f.json;
   o.in_place = f.in_place;
   o.inject_wrong = f.inject_wrong;
+  if (!f.references.empty()) o.given_references = parse_references(f.references);
   validate(o);
 }
 
@@ -1368,6 +1437,8 @@ void add_bench_command(CLI::App& app) {
   // Hidden (no group): proves end to end that a wrong value fails the run.
   sub->add_flag("--inject-wrong", f->inject_wrong, "corrupt one output element per size")
       ->group("");
+  // Hidden: the references funcol bench measured before it started an mpi or gloo job.
+  sub->add_option("--references", f->references, "the launcher's reference figures")->group("");
   sub->callback([f, ranks]() {
     BenchReport report;
     try {
@@ -1381,7 +1452,10 @@ void add_bench_command(CLI::App& app) {
         throw CLI::RuntimeError(1);
       }
       if (o.backend != "threads" && !rank_of_job) {
-        // Start the job; its rank 0 prints the table and reports wrong values itself.
+        // Start the job; its rank 0 prints the table and reports wrong values itself. The
+        // references are measured here first, on this process's CPUs with nothing else running:
+        // mpirun binds each rank to one CPU, where rank 0's two reference threads would share it.
+        o.given_references = measure_references(o);
         JobOptions job;
         job.backend = o.backend;
         job.ranks = o.ranks;

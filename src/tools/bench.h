@@ -124,6 +124,24 @@ class CheckPattern {
   std::vector<std::vector<double>> inputs_;  // other ops: every rank's input, one period
 };
 
+// This run's memcpy bandwidth: two threads each copying `bytes` at the same time.
+struct MemcpyRef {
+  int64_t bytes = 0;
+  double gbps_per_thread = 0;  // mean over the two threads
+  double gbps_total = 0;       // both threads' bytes / the slower thread's time
+  int cpus = 0;                // CPUs the two threads ran on: 2, or 1 where only one was allowed
+};
+MemcpyRef measure_memcpy(int64_t bytes);
+
+// This run's cache-line handoff time: the mean round trip of a flag between two threads. A
+// small collective crosses several such handoffs (posting, completing, waking the waiter), so
+// this is the unit of its latency, and it varies from run to run with where the machine puts
+// the threads (measured here: 60 ns to 600 ns).
+struct HandoffRef {
+  double round_trip_ns = 0;
+};
+HandoffRef measure_handoff();
+
 // Everything one `funcol bench` run needs; the defaults are nccl-tests' (-b 32 -e 32M -f 2
 // -n 20 -w 5 -c 1) plus funcol's (all ops, f32, sum, root 0, 2 ranks, threads).
 struct BenchOptions {
@@ -154,6 +172,14 @@ struct BenchOptions {
   bool in_place = false;
   // 0: measure memcpy; > 0: skip the measurement and report this per-thread GB/s (tests).
   double memcpy_gbps_override = 0;
+  // The references as funcol bench measured them before it started this mpi or gloo job (hidden
+  // flag --references): mpirun binds each rank to one CPU, so rank 0's own two reference
+  // threads would share it (memcpy about halved, the handoff a time slice). memcpy.bytes 0: none
+  // given; rank 0 measures them itself.
+  struct GivenReferences {
+    MemcpyRef memcpy;
+    HandoffRef handoff;
+  } given_references;
   // Tests of the failure path: rank 0 overwrites element 0 of each output before checking it,
   // so every checked row has exactly one wrong value (hidden flag --inject-wrong).
   bool inject_wrong = false;
@@ -164,23 +190,6 @@ struct BenchOptions {
 // more than this machine's memory on the ranks it holds or, for a job funcol bench is about to
 // start, on all of them, ...).
 void validate(const BenchOptions& options);
-
-// This run's memcpy bandwidth: two threads each copying `bytes` at the same time.
-struct MemcpyRef {
-  int64_t bytes = 0;
-  double gbps_per_thread = 0;  // mean over the two threads
-  double gbps_total = 0;       // both threads' bytes / the slower thread's time
-};
-MemcpyRef measure_memcpy(int64_t bytes);
-
-// This run's cache-line handoff time: the mean round trip of a flag between two threads. A
-// small collective crosses several such handoffs (posting, completing, waking the waiter), so
-// this is the unit of its latency, and it varies from run to run with where the machine puts
-// the threads (measured here: 60 ns to 600 ns).
-struct HandoffRef {
-  double round_trip_ns = 0;
-};
-HandoffRef measure_handoff();
 
 // The CPU a reference's thread t (0 or 1) is pinned to: the t-th one this process may use, as
 // the ranks of the threads backend get (LocalOptions::bind_threads); -1 (unbound) on one CPU.

@@ -1,4 +1,5 @@
 // End-to-end tests of `funcol bench`: the built command, its exit status, table, JSON and errors.
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -26,6 +27,13 @@
 #endif
 
 namespace {
+
+// The CPUs this process may run on (the launcher's, when it measures the references).
+int allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+}
 
 using funcol::tools::e2e::alive;
 using funcol::tools::e2e::eventually;
@@ -166,6 +174,12 @@ TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
       {"-n abc", "funcol: error: invalid value 'abc' for -n/--iters: expected an integer"},
       {"-o", "funcol: error: --op: 1 required OP missing\nRun 'funcol bench --help'"},
       {"--frobnicate", "funcol: error: the following argument was not expected: --frobnicate"},
+      // The hidden flag that carries the launcher's references to a job's ranks.
+      {"--references 1048576:5:10:2", "funcol: error: --references '1048576:5:10:2': expected "
+                                      "BYTES:GBPS_PER_THREAD:GBPS_TOTAL:CPUS:HANDOFF_NS"},
+      {"--references 1048576:5:10:3:0", "funcol: error: --references '1048576:5:10:3:0'"},
+      {"--references 1048576:-5:10:2:0", "funcol: error: --references '1048576:-5:10:2:0'"},
+      {"--references 1M:5:10:2:0", "funcol: error: --references '1M:5:10:2:0'"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
@@ -176,6 +190,16 @@ TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
   }
   Result r = bench("--backend nccl");
   EXPECT_NE(r.out.find("threads"), std::string::npos) << r.out;
+}
+
+// A bad FUNCOL_TIMEOUT is refused before the references run and the header prints (the first
+// collective read it, after both).
+TEST(BenchE2E, ABadTimeoutFailsBeforeAnythingPrints) {
+  const funcol::tools::e2e::ShellResult sh = funcol::tools::e2e::run_shell(
+      std::string("FUNCOL_TIMEOUT=abc ") + FUNCOL_BIN + " bench -o all_reduce -b 4K -e 4K");
+  EXPECT_EQ(sh.status, 1);
+  EXPECT_EQ(sh.out, "");
+  EXPECT_EQ(sh.err, "funcol: error: FUNCOL_TIMEOUT=abc: expected a positive number of seconds\n");
 }
 
 // ---- process backends: funcol bench starts the job itself (mpirun, or gloo processes) ----
@@ -200,13 +224,37 @@ TEST_F(BenchProcessE2E, EveryOpChecksCleanOnTwoProcesses) {
               std::string::npos)
         << r.out;
     EXPECT_NE(r.out_only.find(kColumns), std::string::npos) << r.out;
-    // Printed once, by rank 0's process, which measured it.
+    // Printed once, by rank 0's process; measured by the launcher before the job started, on
+    // its CPUs (mpirun binds each rank to one CPU: rank 0's own figures were about halved).
     EXPECT_NE(r.out_only.find("# memcpy reference: 2 threads, 1 MiB each, "), std::string::npos)
+        << r.out;
+    EXPECT_NE(r.out_only.find(std::string("# binding: reference threads ") +
+                              (allowed_cpus() >= 2 ? "one per CPU" : "unbound (1 CPU)") +
+                              ", measured by funcol bench before it started the job; rank "
+                              "threads processes of the job\n"),
+              std::string::npos)
         << r.out;
     EXPECT_EQ(r.out_only.find("# memcpy reference"), r.out_only.rfind("# memcpy reference"))
         << r.out;
     EXPECT_NE(r.out_only.find("# Out of bounds values : 0 OK"), std::string::npos) << r.out;
     EXPECT_EQ(count_rows(r.out_only), 5 * 3) << r.out;  // 5 ops x (32 512 8K)
+  }
+}
+
+// Started with stdout closed, every backend fails the run (the output cannot arrive): under mpi
+// the launcher's own files and pipe took descriptor 1, the ranks' output went into them, and
+// the run "succeeded".
+TEST_F(BenchProcessE2E, AClosedStdoutFailsTheRunOnEveryBackend) {
+  std::vector<std::string> backends = process_backends();
+  backends.insert(backends.begin(), "threads");
+  for (const std::string& backend : backends) {
+    SCOPED_TRACE(backend);
+    const funcol::tools::e2e::ShellResult sh = funcol::tools::e2e::run_shell(
+        std::string(FUNCOL_BIN) + " bench --backend " + backend +
+        " --ranks 2 -o all_reduce -b 4K -e 4K -n 2 -w 1 >&-");
+    EXPECT_EQ(sh.status, 1) << sh.err;
+    EXPECT_NE(sh.err.find("funcol: error: cannot write the output: "), std::string::npos)
+        << sh.err;
   }
 }
 
@@ -242,6 +290,7 @@ TEST_F(BenchProcessE2E, JsonNamesTheBackend) {
       EXPECT_EQ(j["wrong"], 0);
       EXPECT_GT(j["time_us"].get<double>(), 0);
       EXPECT_GT(j["memcpy_gbps"].get<double>(), 0);
+      EXPECT_EQ(j["memcpy_cpus"], allowed_cpus() >= 2 ? 2 : 1);
       sizes.push_back(j["size"].get<int64_t>());
     }
     EXPECT_EQ(sizes, (std::vector<int64_t>{1024, 2048, 4096}));
@@ -308,6 +357,38 @@ TEST_F(BenchProcessE2E, ARankErrorIsPrintedWithItsRank) {
       << sh.err;
 #endif
 }
+
+#ifdef FUNCOL_WITH_MPI
+// Ranks started by the user's own mpirun measure the references in rank 0, which mpirun bound to
+// one CPU: the binding line says so, and JSON gives memcpy_cpus 1. Given references (the hidden
+// flag the launcher passes) are printed as given.
+TEST_F(BenchProcessE2E, RanksOfAUsersMpirunSayWhereTheReferencesRan) {
+  if (allowed_cpus() < 2) GTEST_SKIP() << "needs 2 CPUs (mpirun binds each rank to one of them)";
+  const std::string mpirun = std::string(geteuid() == 0 ? "mpirun --allow-run-as-root" : "mpirun") +
+                             " -np 2 --bind-to core " + FUNCOL_BIN +
+                             " bench --backend mpi --ranks 2 -o all_reduce -b 4K -e 4K -n 2 -w 1";
+  funcol::tools::e2e::ShellResult sh = funcol::tools::e2e::run_shell(mpirun);
+  ASSERT_EQ(sh.status, 0) << sh.out << sh.err;
+  EXPECT_NE(sh.out.find("# binding: reference threads unbound (1 CPU): both threads shared one "
+                        "CPU, so they understate this host; rank threads processes of the job\n"),
+            std::string::npos)
+      << sh.out;
+  sh = funcol::tools::e2e::run_shell(mpirun + " --json");
+  ASSERT_EQ(sh.status, 0) << sh.out << sh.err;
+  EXPECT_EQ(nlohmann::json::parse(sh.out.substr(0, sh.out.find('\n')))["memcpy_cpus"], 1)
+      << sh.out;
+
+  sh = funcol::tools::e2e::run_shell(mpirun + " --references 1048576:3.5:7.25:2:123");
+  ASSERT_EQ(sh.status, 0) << sh.out << sh.err;
+  EXPECT_NE(sh.out.find("# binding: reference threads one per CPU, measured by funcol bench "
+                        "before it started the job; rank threads processes of the job\n"
+                        "# memcpy reference: 2 threads, 1 MiB each, 3.50 GB/s per thread, 7.25 "
+                        "GB/s total\n# handoff reference: 2 threads, cache-line round trip 123 "
+                        "ns\n"),
+            std::string::npos)
+      << sh.out;
+}
+#endif
 
 #ifdef FUNCOL_WITH_GLOO
 // Two processes started by hand join one gloo job with --rank/--world-size/--store (--ranks

@@ -1,4 +1,7 @@
 // funcol: the command-line tool. Parses the subcommand and hands off to the tools library.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -99,7 +102,23 @@ int run_funcol(int argc, char** argv) {
 
 }  // namespace
 
+// A standard descriptor the command was started without (`>&-`) is reserved with /dev/null
+// opened the other way round, so that its writes (reads) still fail as on a closed descriptor,
+// and no file the command opens later takes its number: the launcher's own files and pipes took
+// descriptor 1, and the ranks' output went into them, "written" with exit status 0.
+void reserve_standard_descriptors() {
+  for (int fd = STDIN_FILENO; fd <= STDERR_FILENO; ++fd) {
+    if (fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    const int got = open("/dev/null", fd == STDIN_FILENO ? O_WRONLY : O_RDONLY);
+    if (got >= 0 && got != fd) {
+      dup2(got, fd);
+      close(got);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
+  reserve_standard_descriptors();
   const int status = run_funcol(argc, argv);
   funcol::tools::note_rank_exit(status);
   return status;
