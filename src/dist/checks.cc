@@ -471,22 +471,27 @@ void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& i
 std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
                                             const std::vector<std::vector<int>>& rank_lists,
                                             const std::string& new_name) {
-  if (new_name.empty()) throw InvalidArgument("split_group: the group name is empty");
+  if (new_name.empty()) {
+    throw InvalidArgument(fmt::format("{}: the group name is empty", split_caller()));
+  }
   // A name registered here is refused by agree_on_split, on every rank at once.
   const std::vector<int>& members = parent.global_ranks();
   const int me = members[parent.rank()];
   std::optional<std::vector<int>> mine;
   std::vector<int> seen;
   for (const auto& list : rank_lists) {
-    if (list.empty()) throw InvalidArgument("split_group: a rank list is empty");
+    if (list.empty()) {
+      throw InvalidArgument(fmt::format("{}: a rank list is empty", split_caller()));
+    }
     for (int r : list) {
       if (std::find(members.begin(), members.end(), r) == members.end()) {
-        throw InvalidArgument(fmt::format("split_group: rank {} is not in group '{}' (ranks {})", r,
-                                          parent.name(), format_ranks(members)));
+        throw InvalidArgument(fmt::format("{}: rank {} is not in group '{}' (ranks {})",
+                                          split_caller(), r, parent.name(),
+                                          format_ranks(members)));
       }
       if (std::find(seen.begin(), seen.end(), r) != seen.end()) {
         throw InvalidArgument(
-            fmt::format("split_group: rank {} appears in more than one place", r));
+            fmt::format("{}: rank {} appears in more than one place", split_caller(), r));
       }
       seen.push_back(r);
       if (r == me) mine = list;
@@ -523,8 +528,8 @@ void agree_on_split(ProcessGroup& parent, int split,
   // Where the name is taken on this rank: after the agreement, every rank refuses the same way.
   std::string taken;
   if (auto existing = parent.registry().find(new_name)) {
-    taken = fmt::format("split_group: group name '{}' is already registered (ranks {}) on rank {}",
-                        new_name, format_ranks(existing->global_ranks()),
+    taken = fmt::format("{}: group name '{}' is already registered (ranks {}) on rank {}",
+                        split_caller(), new_name, format_ranks(existing->global_ranks()),
                         parent.global_ranks()[parent.rank()]);
   }
   if (n == 1) {
@@ -538,8 +543,8 @@ void agree_on_split(ProcessGroup& parent, int split,
       const InternalStep step("split_group");
       issue()->wait();
     } catch (const CommError& e) {
-      throw CommError(fmt::format("split_group on group '{}' (split {}): {}", parent.name(), split,
-                                  e.what()));
+      throw CommError(fmt::format("{} on group '{}' (split {}): {}", split_caller(),
+                                  parent.name(), split, e.what()));
     }
   };
   auto gather = [&](Tensor& out, const Tensor& in) {
@@ -576,7 +581,7 @@ void agree_on_split(ProcessGroup& parent, int split,
   for (int r = 1; r < n; ++r) {
     if (part(r, false) != part(0, false)) {
       throw CommError(fmt::format(
-          "split_group on group '{}' (split {}): rank {} passed {} but rank {} passed {}",
+          "{} on group '{}' (split {}): rank {} passed {} but rank {} passed {}", split_caller(),
           parent.name(), split, parent.global_ranks()[0], part(0, false),
           parent.global_ranks()[r], part(r, false)));
     }
@@ -591,6 +596,7 @@ namespace {
 std::mutex g_step_labels_mu;
 std::vector<const char*> g_step_labels;
 thread_local uint8_t t_internal_step = 0;
+thread_local const char* t_split_caller = "split_group";
 
 uint8_t step_id(const char* label) {
   std::lock_guard<std::mutex> lock(g_step_labels_mu);
@@ -610,6 +616,12 @@ InternalStep::InternalStep(const char* label) : previous_(t_internal_step) {
 InternalStep::~InternalStep() { t_internal_step = previous_; }
 
 uint8_t internal_step() { return t_internal_step; }
+
+SplitCaller::SplitCaller(const char* name) : previous_(t_split_caller) { t_split_caller = name; }
+
+SplitCaller::~SplitCaller() { t_split_caller = previous_; }
+
+const char* split_caller() { return t_split_caller; }
 
 const char* step_label(uint8_t step) {
   if (step == 0) return nullptr;

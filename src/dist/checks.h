@@ -165,6 +165,22 @@ const char* step_label(uint8_t step);
 // " [funcol's agreement step for <label>]", or "" for nullptr.
 std::string describe_step(const char* label);
 
+// The public call a split_group runs for while in scope (new_group), which its errors name
+// instead of split_group: a user who called new_group never called split_group. `name` must
+// outlive the scope (a string literal); scopes nest.
+class SplitCaller {
+ public:
+  explicit SplitCaller(const char* name);
+  ~SplitCaller();
+  SplitCaller(const SplitCaller&) = delete;
+  SplitCaller& operator=(const SplitCaller&) = delete;
+
+ private:
+  const char* previous_;
+};
+// The innermost SplitCaller's name on this thread, or "split_group".
+const char* split_caller();
+
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it
 // is in none.

@@ -443,6 +443,7 @@ std::shared_ptr<ProcessGroup> new_group(ProcessGroup& parent, const std::vector<
   // named a group so, on its members only), N agreed by the ranks.
   const std::string group_name =
       !name.empty() ? name : dist_detail::agreed_group_name(parent, "new_group");
+  const dist_detail::SplitCaller caller("new_group");
   return parent.split_group({sorted}, group_name);
 }
 

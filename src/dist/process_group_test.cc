@@ -196,7 +196,21 @@ TEST(NewGroupTest, RejectsBadRankLists) {
                                   {"rank 5 is not in group 'world'"});
     new_group(world, {0, 1}, "pair");
     expect_error<InvalidArgument>([&] { new_group(world, {0, 1}, "pair"); },
-                                  {"group name 'pair' is already registered"});
+                                  {"new_group: group name 'pair' is already registered"});
+  });
+}
+
+// new_group's errors name new_group, not the split_group it runs: ranks that pass different
+// lists fail alike, each naming what two ranks passed.
+TEST(NewGroupTest, DisagreeingRanksGetAnErrorNamingNewGroup) {
+  run_ranks(3, [](ProcessGroup& world) {
+    const std::vector<int> ranks =
+        world.rank() == 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+    expect_error<CommError>([&] { new_group(world, ranks, "g"); },
+                            {"new_group on group 'world' (split ",
+                             "): rank 0 passed [[0, 1]] as 'g' but rank 2 passed [[0, 1, 2]] as "
+                             "'g'"});
+    EXPECT_EQ(world.registry().find("g"), nullptr);
   });
 }
 
@@ -208,8 +222,8 @@ TEST(NewGroupTest, NamesTakenOnSomeRanksOnly) {
     const int r = world.rank();
     new_group(world, {0, 1}, "group1");  // on ranks 0 and 1 only
     expect_error<InvalidArgument>([&] { new_group(world, {2, 3}, "group1"); },
-                                  {"group name 'group1' is already registered (ranks [0, 1]) "
-                                   "on rank 0"});
+                                  {"new_group: group name 'group1' is already registered "
+                                   "(ranks [0, 1]) on rank 0"});
     auto unnamed = new_group(world, {2, 3});
     if (r >= 2) {
       EXPECT_EQ(unnamed->name(), "group2");
