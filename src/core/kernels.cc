@@ -563,29 +563,30 @@ Tensor unary(const Tensor& a_in, const char* what, Fn&& fn) {
 std::vector<bool> reduced_dims(const Tensor& a, const std::vector<int64_t>& dims,
                                const char* what) {
   const int64_t ndim = a.dim();
-  std::vector<bool> reduce(static_cast<size_t>(ndim), dims.empty());
+  // A 0-d tensor accepts dim 0 / -1 (once) as PyTorch does; there is nothing to reduce.
+  const int64_t range = std::max<int64_t>(ndim, 1);
+  std::vector<bool> reduce(static_cast<size_t>(range), dims.empty());
   for (int64_t d : dims) {
-    // A 0-d tensor accepts dim 0 / -1 as PyTorch does; there is nothing to reduce.
-    const int64_t range = std::max<int64_t>(ndim, 1);
     if (d < -range || d >= range) {
       throw ShapeError(
           fmt::format("{}: dim {} is out of range for a tensor of rank {}", what, d, ndim));
     }
-    if (ndim == 0) continue;
-    const int64_t w = d < 0 ? d + ndim : d;
-    if (reduce[w] && !dims.empty()) {
+    const int64_t w = d < 0 ? d + range : d;
+    if (reduce[w]) {
       throw InvalidArgument(
           fmt::format("{}: dim {} appears more than once in {}", what, w, shape_str(dims)));
     }
     reduce[w] = true;
   }
+  reduce.resize(static_cast<size_t>(ndim));
   return reduce;
 }
 
-// Accumulator of sum / mean / mse_loss: every floating dtype in f64, rounded once at the end
-// (an f32 accumulator of f16 or bf16 ones stops growing at 2^24: the mean of 2^25 ones was
-// 0.5), integers wrap in 64 bits (uint64, exact modulo 2^64; sum writes i64, as torch.sum),
-// bool as a count.
+// Accumulator of sum / mean / mse_loss: every floating dtype in f64 (an f32 accumulator of f16
+// or bf16 ones stops growing at 2^24: the mean of 2^25 ones was 0.5), rounded at the end, f16
+// and bf16 through f32 as Eigen converts (a double rounding, which can differ from rounding the
+// f64 directly in the last bit only); integers wrap in 64 bits (uint64, exact modulo 2^64; sum
+// writes i64, as torch.sum), bool as a count.
 template <typename S>
 using SumAccOf = std::conditional_t<std::is_floating_point_v<ComputeOf<S>>, double, uint64_t>;
 

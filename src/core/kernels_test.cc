@@ -728,6 +728,13 @@ TEST(Reductions, Errors) {
             "sum: dim 1 appears more than once in [1,-1]");
   EXPECT_EQ(error_of<ShapeError>([&] { sum(t, {2}, false); }),
             "sum: dim 2 is out of range for a tensor of rank 2");
+  // A 0-d tensor takes dim 0 / -1 once, as PyTorch ("dim 0 appears multiple times").
+  const Tensor scalar = Tensor::full({}, DType::F32, 3);
+  EXPECT_EQ(sum(scalar, {-1}, true).item<float>(), 3.f);
+  EXPECT_EQ(error_of<InvalidArgument>([&] { sum(scalar, {0, -1}, false); }),
+            "sum: dim 0 appears more than once in [0,-1]");
+  EXPECT_EQ(error_of<InvalidArgument>([&] { mean(scalar, {0, 0}, true); }),
+            "mean: dim 0 appears more than once in [0,0]");
   EXPECT_EQ(error_of<InvalidArgument>([] { mean(Tensor::zeros({2}, DType::I32), {}, false); }),
             "mean: expected a floating dtype, got i32");
 }

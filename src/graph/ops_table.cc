@@ -541,13 +541,14 @@ Types infer_reduction(In in, const AttrList& a, bool is_mean) {
   if (is_mean) require_floating(t);
   const auto& dims = a.get_ints("dims");
   const bool keepdim = a.get_bool("keepdim");
-  std::vector<bool> reduced(static_cast<size_t>(t.rank()), dims.empty());
+  // A 0-d operand takes dim 0 / -1 once, as PyTorch: its one pseudo-dim, dropped after.
+  std::vector<bool> reduced(static_cast<size_t>(std::max<int64_t>(t.rank(), 1)), dims.empty());
   for (int64_t d : dims) {
     const int64_t w = wrap_dim(d, t.rank());
-    if (t.rank() == 0) continue;
     if (reduced[w]) throw ShapeError(fmt::format("dim {} appears twice in dims {}", w, list_str(dims)));
     reduced[w] = true;
   }
+  reduced.resize(static_cast<size_t>(t.rank()));
   Shape s;
   for (int64_t k = 0; k < t.rank(); ++k) {
     if (!reduced[k]) {

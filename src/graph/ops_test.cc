@@ -305,6 +305,8 @@ TEST(ShapeInference, Math) {
   EXPECT_EQ(infer1("sum", {Type(DType::I32, {2, 3})}), Type(DType::I64, {}));  // as torch.sum
   EXPECT_EQ(infer1("sum", {Type(DType::Bool, {2, 3})}, {{"dims", {1}}}), Type(DType::I64, {2}));
   EXPECT_EQ(infer1("mean", {f32({})}, {{"dims", {0}}}), f32({}));
+  EXPECT_EQ(infer_error<ShapeError>("mean", {f32({})}, {{"dims", {0, -1}}}),
+            "mean: dim 0 appears twice in dims [0,-1]");
   EXPECT_EQ(infer_error<ShapeError>("sum", {f32({2, 3})}, {{"dims", {1, -1}}}), "sum: dim 1 appears twice in dims [1,-1]");
   // A long list is shown by its first entries and its length.
   EXPECT_EQ(infer_error<ShapeError>("sum", {f32({2, 3})}, {{"dims", std::vector<int64_t>(100000, 0)}}),

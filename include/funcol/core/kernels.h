@@ -36,6 +36,9 @@ void convert_buffer(DType src_dtype, const void* src, DType dst_dtype, void* dst
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
+// Integers divide in their own dtype, truncating toward zero (-7 / 2 = -3, as torch.div with
+// rounding_mode="trunc"; a plain torch.div promotes to a floating result); by zero is an
+// InvalidArgument.
 Tensor div(const Tensor& a, const Tensor& b);
 Tensor neg(const Tensor& a);
 Tensor relu(const Tensor& a);
