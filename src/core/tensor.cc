@@ -254,6 +254,7 @@ void check_no_internal_overlap(const Tensor& t, const char* what) {
 // cannot hold: PyTorch's "value cannot be converted to type at::Half without overflow". As
 // there (c10::overflows), a negative integer down to minus an unsigned dtype's largest value
 // wraps (-1 as u8 is 255, -256 an error); a negative double does not. V is double or int64_t.
+// `what` (nullptr: none) starts the message.
 template <typename V>
 void check_value_fits(DType dtype, V value, const char* what) {
   bool fits = true;
@@ -280,8 +281,9 @@ void check_value_fits(DType dtype, V value, const char* what) {
     }
   });
   if (!fits) {
-    throw InvalidArgument(fmt::format("{}: value {} cannot be converted to {} without overflow",
-                                      what, value, dtype_name(dtype)));
+    throw InvalidArgument(fmt::format("{}{}value {} cannot be converted to {} without overflow",
+                                      what ? what : "", what ? ": " : "", value,
+                                      dtype_name(dtype)));
   }
 }
 
@@ -672,6 +674,10 @@ Tensor full_of(const Shape& shape, DType dtype, V value) {
 }
 
 }  // namespace
+
+void check_fill_value(DType dtype, double value) { check_value_fits(dtype, value, nullptr); }
+
+void check_fill_value(DType dtype, int64_t value) { check_value_fits(dtype, value, nullptr); }
 
 Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
   return full_of(shape, dtype, value);

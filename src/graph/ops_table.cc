@@ -443,9 +443,19 @@ Tensors kernel_zeros(TIn, const AttrList& a) {
   return {Tensor::zeros(a.get_ints("shape"), a.get_dtype("dtype"))};
 }
 
-Types infer_full(In in, const AttrList& a) { return infer_factory(in, a); }
 // `value` is an integer exactly as written (int64 values above 2^53 included), a float, or
-// true/false (1/0 in a numeric dtype, as torch.full(..., True, dtype=...)).
+// true/false (1/0 in a numeric dtype, as torch.full(..., True, dtype=...)); one its dtype cannot
+// hold is refused when the graph is checked, not first when it runs.
+Types infer_full(In in, const AttrList& a) {
+  const Attr& value = a.get("value");
+  const DType dtype = a.get_dtype("dtype");
+  if (value.kind() == AttrKind::Int) {
+    check_fill_value(dtype, value.as_int());
+  } else if (value.kind() != AttrKind::Bool) {
+    check_fill_value(dtype, value.as_float());
+  }
+  return infer_factory(in, a);
+}
 Tensors kernel_full(TIn, const AttrList& a) {
   const Attr& value = a.get("value");
   if (value.kind() == AttrKind::Int || value.kind() == AttrKind::Bool) {

@@ -121,6 +121,12 @@ concept ElementType =
 // Data accesses (kernels, data(), to_vector, printing, conversion, contiguous on a
 // non-contiguous tensor) wait for pending storage first; view ops (view, reshape of a
 // contiguous tensor, flatten, narrow, split, chunk, transpose, permute, view_dtype) never wait.
+// Throws InvalidArgument "value V cannot be converted to DTYPE without overflow" where
+// Tensor::full and fill_ refuse `value` for `dtype` (the verifier checks `full` nodes with it,
+// before anything runs).
+void check_fill_value(DType dtype, double value);
+void check_fill_value(DType dtype, int64_t value);
+
 class Tensor {
  public:
   // An undefined tensor (defined() == false).
@@ -134,8 +140,9 @@ class Tensor {
   static Tensor zeros(const Shape& shape, DType dtype);
   // `value` is converted to dtype (bool: value != 0); an integer dtype refuses a value it
   // cannot hold (but, as PyTorch, u8 takes an integer from -255 to -1 as 256 + value), f32/f16/
-  // bf16 a finite value that would round to infinity (InvalidArgument; inf and nan are kept). An integer value is taken as an integer: an i64 tensor holds it
-  // exactly, where a double would round those above 2^53.
+  // bf16 a finite value that would round to infinity (InvalidArgument; inf and nan are kept;
+  // check_fill_value). An integer value is taken as an integer: an i64 tensor holds it exactly,
+  // where a double would round those above 2^53.
   static Tensor full(const Shape& shape, DType dtype, double value);
   template <std::integral T>
   static Tensor full(const Shape& shape, DType dtype, T value) {
