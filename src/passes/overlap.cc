@@ -609,11 +609,15 @@ class Scheduler {
         continue;
       }
       Node* anchor = after;
+      bool reads_blocker = false;  // then c's operands stop it there, budget or not
       for (Value* v : c->operands()) {
         Node* def = v->node();
+        reads_blocker = reads_blocker || (def && def == blocker);
         if (def && (!anchor || before(*anchor, *def))) anchor = def;
       }
-      if (blocker && anchor == blocker) note_budget(*c, *blocker, held, result_bytes(*c));
+      if (blocker && anchor == blocker && !reads_blocker) {
+        note_budget(*c, *blocker, held, result_bytes(*c));
+      }
       Node* stop = anchor ? anchor->next() : graph_.first_node();  // c goes right before it
       if (stop == c) continue;
       const int64_t crossed = explain_ ? order_.rank(*c) - order_.rank(*stop) : 0;
