@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "memory.h"
 #include "funcol/core/error.h"
 
 #if defined(__SANITIZE_ADDRESS__)

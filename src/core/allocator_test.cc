@@ -11,14 +11,11 @@
 #include <utility>
 #include <vector>
 
+#include "memory.h"
 #include "funcol/core/error.h"
 #include "funcol/core/tensor.h"
 
 namespace funcol {
-
-namespace detail {
-size_t cache_limit_from(const char* env);  // allocator.cc: FUNCOL_ALLOC_CACHE_MB's value
-}  // namespace detail
 
 namespace {
 

@@ -21,6 +21,10 @@ uint64_t machine_memory_bytes();
 // The same without swap: what can be written before the kernel (or the cgroup) swaps or kills.
 uint64_t physical_memory_bytes();
 
+// The allocator's cache limit FUNCOL_ALLOC_CACHE_MB's value `env` (nullptr: unset) gives, in
+// bytes; InvalidArgument naming the variable when it is not a whole number of megabytes.
+size_t cache_limit_from(const char* env);
+
 // Whether `bytes` is more than the machine's memory and swap hold: such a request is refused
 // before asking, since AddressSanitizer's allocator aborts on it rather than throwing.
 inline bool beyond_memory(uint64_t bytes) {

@@ -31,6 +31,7 @@
 #include "dist/multiprocess/process_env.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
+#include "funcol/dist/work.h"
 #include "tools/commands.h"
 #include "tools/spawn.h"
 
@@ -683,6 +684,11 @@ int launch_job(const JobOptions& o, std::FILE* err) {
   FUNCOL_CHECK(o.backend == "mpi" || o.backend == "gloo", "launch_job: not a process backend");
   FUNCOL_CHECK(o.ranks >= 1 && o.rank_args, "launch_job: needs ranks and rank_args");
   check_launched_ranks(o.ranks);
+  // What every rank reads from its environment, checked once here before any starts: a bad
+  // value failed each rank instead (under mpi each printing it, under mpirun's banner).
+  (void)default_timeout();
+  (void)process::debug_detail();
+  (void)detail::cache_limit_from(std::getenv("FUNCOL_ALLOC_CACHE_MB"));
   // Declared before the directory: a signal stops the ranks, then the directory is removed.
   InterruptScope interrupts;
   remove_abandoned_job_dirs();

@@ -201,6 +201,26 @@ TEST_F(RunE2E, OutputThatCannotBeWrittenFailsTheRun) {
   }
 }
 
+// A bad value of what the ranks read from their environment is one error from the launcher,
+// before any rank starts: under mpi every rank printed it, under mpirun's banner.
+TEST_F(RunE2E, ABadRankEnvironmentIsOneErrorBeforeTheJob) {
+  const std::string file = write("g.ir", kGraph);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"FUNCOL_DEBUG", "environment variable FUNCOL_DEBUG='xyz' is not one of OFF, INFO, DETAIL"},
+      {"FUNCOL_ALLOC_CACHE_MB",
+       "FUNCOL_ALLOC_CACHE_MB=xyz: expected a whole number of megabytes (0 or more)"}};
+  for (const std::string& backend : e2e::process_backends()) {
+    for (const auto& [name, message] : cases) {
+      SCOPED_TRACE(backend + " " + name);
+      const Result r = run({file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", backend},
+                           "", {{name, "xyz"}});
+      EXPECT_EQ(r.status, 1);
+      EXPECT_EQ(r.err, "funcol: error: " + message + "\n");
+      EXPECT_EQ(r.out, "");
+    }
+  }
+}
+
 // A file named like a flag, given after "--", is the file on every backend (the launched ranks
 // get it after "--" too).
 TEST_F(RunE2E, AFileNamedLikeAFlagIsTheFile) {

@@ -349,6 +349,12 @@ void run_rank(ProcessGroup& world, const TrainOptions& o, const StepCallback& on
 
 std::string format_ms(double ms) { return fmt::format("{:.3f} ms", ms); }
 
+// Timed steps below which the two variants' step times are not worth comparing: the first
+// step is not timed and each step runs one variant first, alternating, so a few steps favour
+// whichever went second (measured here: --steps 2 gave 0.61x to 1.04x for identical variants,
+// --steps 100 0.96x to 0.99x).
+constexpr int kFairSteps = 10;
+
 }  // namespace
 
 Tensor train_inputs(const TrainOptions& o, int rank) {
@@ -399,14 +405,18 @@ void validate(const TrainOptions& o) {
   }
   check_backend_option(o.backend);
   check_job_options(o.backend, o.join, o.ranks);
-  // Keep a run within memory (f32 throughout, in doubles: the products overflow int64). Every
-  // rank holds the full gathered weights for the backward, the reference the full weights and
-  // Adam's two moments; every rank keeps its batch's activations of every layer for the
-  // backward (the layer's input and its matmul's result, the gradient and the relu mask), and
-  // the reference keeps the whole global batch's. Every rank builds its own two step graphs
-  // and executors: about 20 KB per layer (measured with --hidden 4), so 25 KB.
-  const double weights = 4.0 * o.hidden * o.hidden * o.layers * (o.ranks + 3);
-  const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 5;
+  // Keep a run within memory (f32 throughout, in doubles: the products overflow int64). Fitted
+  // to the peak resident memory of 2-step Adam runs here (FUNCOL_ALLOC_CACHE_MB at its default)
+  // and rounded up: with W the bytes of one full set of weights, 6.0 W for 1 rank, 8.1 W (no
+  // bucket merges: 64 MiB layers) to 10.9 W (64 layers of 4 MiB: the bucketed variant keeps its
+  // packed buffers) for 2, 12.8 W for 4 and 17.7 W for 8. Every rank holds its shards, Adam's
+  // moments, the gathered weights and full gradients of both variants, the reference the full
+  // weights, moments and gradients. Activations: every rank keeps its batch's activations of
+  // every layer for the backward and the reference the global batch's (measured: about 1.2
+  // buffers of a layer's activations per layer and rank; 2 here). Every rank builds its own two step graphs and executors: about
+  // 20 KB per layer (measured with --hidden 4), so 25 KB.
+  const double weights = 4.0 * o.hidden * o.hidden * o.layers * (1.75 * o.ranks + 7.5);
+  const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 2;
   const double graphs = 25e3 * o.layers * o.ranks;
   const double bytes = weights + activations + graphs;
   if (bytes > 8e9) {
@@ -605,10 +615,14 @@ std::string train_summary(const TrainOptions& o, const TrainReport& r) {
                      o.bucket_cap_mb);
     s += fmt::format(
         "  step time            {} unbucketed, {} bucketed: {:.2f}x (median of {} step{}, side "
-        "by side, slowest rank)\n",
+        "by side, slowest rank{})\n",
         format_ms(r.unbucketed.step_ms), format_ms(r.bucketed.step_ms),
         r.unbucketed.step_ms > 0 ? r.bucketed.step_ms / r.unbucketed.step_ms : 0.0, r.timed_steps,
-        r.timed_steps == 1 ? "" : "s");
+        r.timed_steps == 1 ? "" : "s",
+        // Each step runs one variant first (alternating): a few steps favour one of them.
+        r.timed_steps < kFairSteps
+            ? fmt::format("; too few to compare: use --steps {} or more", kFairSteps + 1)
+            : std::string());
   } else {
     s += fmt::format("  collectives per step {} (bucketing off)\n",
                      r.unbucketed.collectives_per_step);
@@ -616,8 +630,13 @@ std::string train_summary(const TrainOptions& o, const TrainReport& r) {
                      format_ms(r.unbucketed.step_ms), r.timed_steps,
                      r.timed_steps == 1 ? "" : "s");
   }
-  s += "  where the time went  per step, mean over ranks (communication: time with a collective "
-       "in flight, overlapping the rest):\n";
+  // The split is of the mean step, which one slow step moves more than the median above.
+  s += fmt::format(
+      "  where the time went  per step, mean over steps and ranks (mean step {}{}; communication: "
+      "time with a collective in flight, overlapping the rest):\n",
+      format_ms(r.unbucketed.mean_step_ms),
+      r.bucketed.ran ? fmt::format(" unbucketed, {} bucketed", format_ms(r.bucketed.mean_step_ms))
+                     : std::string());
   auto line = [&](const char* name, const VariantReport& v) {
     s += fmt::format("    {:<11} compute {}, waiting {}, other {}; communication in flight {}\n",
                      name, format_ms(v.split.compute_ms), format_ms(v.split.wait_ms),
