@@ -1370,6 +1370,37 @@ TEST(Waits, PendingCountAndIdempotentWait) {
   });
 }
 
+// D.28. A ProcessGroup primitive's output is in flight too: its Work is attached to the output's
+// storage, so wait_tensor (or any data access) waits for it, and once done nothing stays
+// registered, however many were issued.
+TEST(Waits, APrimitivesOutputIsWaitedByWaitTensor) {
+  Gate looked;
+  run_local(2, [&](ProcessGroup& world) {
+    if (world.rank() == 1) {
+      EXPECT_TRUE(looked.wait_open());
+    }
+    Tensor t = Tensor::full({8}, DType::F32, world.rank() + 1);
+    std::shared_ptr<Work> work = world.all_reduce(t, ReduceOp::Sum);
+    if (world.rank() == 0) {
+      EXPECT_EQ(t.storage()->pending_count(), 1u);  // rank 1 has not issued yet
+      looked.open();
+    }
+    EXPECT_EQ(&wait_tensor(t), &t);
+    EXPECT_EQ(t.storage()->pending_count(), 0u);
+    EXPECT_TRUE(work->is_completed());
+    EXPECT_EQ(t.to_vector<float>(), repeat(3, 8));
+    for (int i = 0; i < 2000; ++i) {
+      Tensor u = Tensor::full({4}, DType::I32, 1);
+      world.all_reduce(u, ReduceOp::Sum);
+      EXPECT_LE(u.storage()->pending_count(), 1u);
+      if (i % 500 == 0) {
+        EXPECT_EQ(u.to_vector<int32_t>(), std::vector<int32_t>(4, 2));
+      }
+    }
+    world.barrier();
+  });
+}
+
 // A write to an input waits until its collective has read it: rank 1 overwrites its input
 // right after the call while rank 0 is late, so the collective runs after the write would have
 // happened (it used to see the new values, or half of them).

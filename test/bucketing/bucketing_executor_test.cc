@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 #include <rapidcheck.h>
 
-#include <atomic>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -26,25 +25,19 @@ namespace {
 using testing_bucketing::check_property;
 constexpr int kRanks = 4;
 
-// Runs a random graph before and after `pipeline_text` on every rank and checks the outputs.
-// The bucketed graph runs twice: first on inputs the caller keeps, then on inputs handed over
-// (which the executor may reuse for its results), with its buckets lowered or not and its run
-// observed (profiler and on_node, which walk every step) or not, as the case draws.
-void check_bit_identical(const std::string& pipeline_text) {
-  const std::string original = print(*testing_bucketing::random_graph());
-  RC_LOG() << pipeline_text << "\n" << original;
-  std::unique_ptr<Graph> g = parse_graph(original);
-  Pipeline::parse(pipeline_text).run(*g);
-  const std::string bucketed = print(*g);
-  RC_LOG() << bucketed;
-  const bool lowered = *rc::gen::arbitrary<bool>();
-  const bool observed = *rc::gen::arbitrary<bool>();
-  RC_LOG() << "lowered " << lowered << ", observed " << observed << "\n";
-
-  std::atomic<int> mismatches{0};
-  std::vector<std::string> why(kRanks);
-  run_local(kRanks, [&](ProcessGroup& world) {
-    DeviceMesh mesh(world, {{"dp", 2}, {"tp", 2}});
+// Runs `original` and `bucketed` (the same graph after a pipeline) on `ranks` thread ranks
+// (4: with the mesh dp=2,tp=2 of the random graphs) and returns the first difference in their
+// outputs on each rank ("" where none). The bucketed graph runs twice: first on inputs the caller
+// keeps, then on inputs handed over (which the executor may reuse for its results), with its
+// buckets lowered or not and its run observed (profiler and on_node, which walk every step) or
+// not.
+std::vector<std::string> compare_runs(const std::string& original, const std::string& bucketed,
+                                      int ranks, bool lowered, bool observed) {
+  std::vector<std::string> why(static_cast<size_t>(ranks));
+  run_local(ranks, [&](ProcessGroup& world) {
+    std::unique_ptr<DeviceMesh> mesh;
+    if (ranks == 4) mesh = std::make_unique<DeviceMesh>(
+        world, std::vector<std::pair<std::string, int>>{{"dp", 2}, {"tp", 2}});
     // Every rank holds its own graphs.
     const auto before = parse_graph(original);
     const auto after = parse_graph(bucketed);
@@ -77,12 +70,45 @@ void check_bit_identical(const std::string& pipeline_text) {
         }
       }
     }
-    if (!mine.empty()) ++mismatches;
   });
-  for (const std::string& w : why) {
-    if (!w.empty()) RC_LOG() << w << "\n";
+  return why;
+}
+
+// A random graph before and after `pipeline_text`, on 4 ranks, as the case draws.
+void check_bit_identical(const std::string& pipeline_text) {
+  const std::string original = print(*testing_bucketing::random_graph());
+  RC_LOG() << pipeline_text << "\n" << original;
+  std::unique_ptr<Graph> g = parse_graph(original);
+  Pipeline::parse(pipeline_text).run(*g);
+  const std::string bucketed = print(*g);
+  RC_LOG() << bucketed;
+  const bool lowered = *rc::gen::arbitrary<bool>();
+  const bool observed = *rc::gen::arbitrary<bool>();
+  RC_LOG() << "lowered " << lowered << ", observed " << observed << "\n";
+  int mismatches = 0;
+  for (const std::string& w : compare_runs(original, bucketed, kRanks, lowered, observed)) {
+    if (w.empty()) continue;
+    ++mismatches;
+    RC_LOG() << w << "\n";
   }
-  RC_ASSERT(mismatches.load() == 0);
+  RC_ASSERT(mismatches == 0);
+}
+
+// `text` after `pipeline_text` has `collectives` collectives left and gives every rank the
+// outputs the original gives, lowered and not.
+void expect_same_outputs(const std::string& text, const std::string& pipeline_text, int ranks,
+                         int collectives) {
+  SCOPED_TRACE(pipeline_text);
+  std::unique_ptr<Graph> g = parse_graph(text);
+  Pipeline::parse(pipeline_text).run(*g);
+  int left = 0;
+  for (const Node* n : g->node_list()) left += n->op().is_collective() ? 1 : 0;
+  EXPECT_EQ(left, collectives) << print(*g);
+  for (const bool lowered : {false, true}) {
+    for (const std::string& w : compare_runs(text, print(*g), ranks, lowered, false)) {
+      EXPECT_EQ(w, "") << "lowered " << lowered << "\n" << print(*g);
+    }
+  }
 }
 
 TEST(BucketingExecutor, RandomPipelinesGiveBitIdenticalOutputsOnFourRanks) {
@@ -99,6 +125,50 @@ TEST(BucketingExecutor, OverlapAfterRandomPipelinesGivesBitIdenticalOutputs) {
     check_bit_identical(testing_bucketing::random_pipeline() + "," +
                         testing_bucketing::pick(kOverlap));
   });
+}
+
+// REFERENCE D.34: reduce-scatters of bf16 casts of 384x512 and 384x256 on 2 ranks become one
+// reduce_scatter whose shards are each rank's own (the [G, -1] rows, concatenated along dim 1,
+// layout), also read back as f32 after the waits.
+TEST(BucketingExecutor, ReduceScattersOfCastsGiveEachRankItsShards) {
+  const std::string text = R"(graph @g(%a: f32[384,512], %b: f32[384,256]) {
+  %ca = convert_element_type(%a) {dtype = bf16}
+  %ra = reduce_scatter_tensor(%ca) {reduce_op = "sum", group_size = 2, group = "world"}
+  %cb = convert_element_type(%b) {dtype = bf16}
+  %rb = reduce_scatter_tensor(%cb) {reduce_op = "sum", group_size = 2, group = "world"}
+  %wa = wait_tensor(%ra)
+  %wb = wait_tensor(%rb)
+  %fa = convert_element_type(%wa) {dtype = f32}
+  %fb = convert_element_type(%wb) {dtype = f32}
+  return %wa, %wb, %fa, %fb
+}
+)";
+  expect_same_outputs(text, "bucket-reduce-scatter", 2, 1);
+  expect_same_outputs(text, "bucket-reduce-scatter{mode=custom_ops}", 2, 1);
+}
+
+// REFERENCE D.35: four all-gathers on one group, AG0's input made from AG2's result and two
+// inputs bf16 casts: AG0 depends on the bucket and stays alone, the other three merge (in every
+// mode), and every rank's outputs are the original's.
+TEST(BucketingExecutor, ADependentAllGatherStaysAloneAndTheCastsMerge) {
+  const std::string text = R"(graph @g(%x1: f32[8,4], %x2: bf16[8,4], %x3: f32[8,4]) {
+  %g2 = all_gather_into_tensor(%x2) {group_size = 2, group = "world"}
+  %w2 = wait_tensor(%g2)
+  %c1 = convert_element_type(%x1) {dtype = bf16}
+  %g1 = all_gather_into_tensor(%c1) {group_size = 2, group = "world"}
+  %w1 = wait_tensor(%g1)
+  %n = narrow(%w2) {dim = 0, start = 4, length = 8}
+  %g0 = all_gather_into_tensor(%n) {group_size = 2, group = "world"}
+  %w0 = wait_tensor(%g0)
+  %c3 = convert_element_type(%x3) {dtype = bf16}
+  %g3 = all_gather_into_tensor(%c3) {group_size = 2, group = "world"}
+  %w3 = wait_tensor(%g3)
+  return %w0, %w1, %w2, %w3
+}
+)";
+  for (const char* mode : {"default", "custom_ops", "multidtype", "custom_ops_multidtype"}) {
+    expect_same_outputs(text, std::string("bucket-all-gather{mode=") + mode + "}", 2, 2);
+  }
 }
 
 }  // namespace
