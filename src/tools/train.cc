@@ -413,8 +413,8 @@ void validate(const TrainOptions& o) {
   // moments, the gathered weights and full gradients of both variants, the reference the full
   // weights, moments and gradients. Activations: every rank keeps its batch's activations of
   // every layer for the backward and the reference the global batch's (measured: about 1.2
-  // buffers of a layer's activations per layer and rank; 2 here). Every rank builds its own two step graphs and executors: about
-  // 20 KB per layer (measured with --hidden 4), so 25 KB.
+  // buffers of a layer's activations per layer and rank; 2 here). Every rank builds its own
+  // two step graphs and executors: about 20 KB per layer (measured with --hidden 4), so 25 KB.
   const double weights = 4.0 * o.hidden * o.hidden * o.layers * (1.75 * o.ranks + 7.5);
   const double activations = 4.0 * o.batch * o.hidden * (o.layers + 1.0) * o.ranks * 2;
   const double graphs = 25e3 * o.layers * o.ranks;
