@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <charconv>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <queue>
+#include <string>
 #include <utility>
 
 #include <fmt/format.h>
@@ -1371,7 +1373,20 @@ std::vector<double> parse_cap_mb(std::string_view text) {
     const auto r = std::from_chars(part.data(), part.data() + part.size(), v);
     const bool whole = !part.empty() && r.ptr == part.data() + part.size();
     if (whole && r.ec == std::errc::result_out_of_range) {
-      throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range (in '{}')", part, text));
+      // Too large (not too small): say what merges without a limit.
+      const bool huge = std::fabs(std::strtod(std::string(part).c_str(), nullptr)) > 1;
+      throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range{} (in '{}')", part,
+                                        huge ? "; a cap larger than every bucket, such as 1e6, "
+                                               "merges without a limit"
+                                             : "",
+                                        text));
+    }
+    if (whole && r.ec == std::errc() && std::isinf(v) && v > 0) {
+      // A cap beyond any buffer's size already merges without a limit.
+      throw InvalidArgument(fmt::format(
+          "cap-mb: '{}' is not a finite number; a cap larger than every bucket, such as 1e6, "
+          "merges without a limit (in '{}')",
+          part, text));
     }
     if (!whole || r.ec != std::errc() || !std::isfinite(v) || v <= 0) {
       throw InvalidArgument(
