@@ -1362,6 +1362,10 @@ BucketMode parse_bucket_mode(std::string_view text) {
                   text));
 }
 
+// What an infinite or too-large cap gets told: caps beyond any buffer saturate already.
+constexpr std::string_view kNoLimitHint =
+    "a cap larger than every bucket, such as 1e6, merges without a limit";
+
 std::vector<double> parse_cap_mb(std::string_view text) {
   std::vector<double> caps;
   size_t pos = 0;
@@ -1375,18 +1379,12 @@ std::vector<double> parse_cap_mb(std::string_view text) {
     if (whole && r.ec == std::errc::result_out_of_range) {
       // Too large (not too small): say what merges without a limit.
       const bool huge = std::fabs(std::strtod(std::string(part).c_str(), nullptr)) > 1;
-      throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range{} (in '{}')", part,
-                                        huge ? "; a cap larger than every bucket, such as 1e6, "
-                                               "merges without a limit"
-                                             : "",
-                                        text));
+      throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range{}{} (in '{}')", part,
+                                        huge ? "; " : "", huge ? kNoLimitHint : "", text));
     }
     if (whole && r.ec == std::errc() && std::isinf(v) && v > 0) {
-      // A cap beyond any buffer's size already merges without a limit.
-      throw InvalidArgument(fmt::format(
-          "cap-mb: '{}' is not a finite number; a cap larger than every bucket, such as 1e6, "
-          "merges without a limit (in '{}')",
-          part, text));
+      throw InvalidArgument(
+          fmt::format("cap-mb: '{}' is not a finite number; {} (in '{}')", part, kNoLimitHint, text));
     }
     if (!whole || r.ec != std::errc() || !std::isfinite(v) || v <= 0) {
       throw InvalidArgument(
@@ -1418,6 +1416,9 @@ void check_bucket_options(const BucketOptions& options) {
   const KindSpec& spec = kind_spec(options.kind);
   if (options.cap_mb.empty()) throw InvalidArgument("cap-mb: the cap list is empty");
   for (double v : options.cap_mb) {
+    if (std::isinf(v) && v > 0) {
+      throw InvalidArgument(fmt::format("cap-mb: 'inf' is not a finite number; {}", kNoLimitHint));
+    }
     if (!std::isfinite(v) || v <= 0) {
       throw InvalidArgument(fmt::format("cap-mb: '{}' is not a positive number", fmt_double(v)));
     }

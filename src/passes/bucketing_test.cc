@@ -110,6 +110,19 @@ TEST(BucketOptions, BadCapsAreRejected) {
   } catch (const InvalidArgument& e) {
     EXPECT_STREQ(e.what(), "cap-mb: 'x' is not a positive number (in '1:x')");
   }
+  // An infinite cap, from text or from the API, says what merges without a limit.
+  BucketOptions o;
+  o.cap_mb = {1, std::numeric_limits<double>::infinity()};
+  try {
+    check_bucket_options(o);
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(),
+                 "cap-mb: 'inf' is not a finite number; a cap larger than every bucket, such as "
+                 "1e6, merges without a limit");
+  }
+  o.cap_mb = {-std::numeric_limits<double>::infinity()};
+  EXPECT_THROW(check_bucket_options(o), InvalidArgument);
 }
 
 TEST(BucketOptions, Modes) {
