@@ -1399,9 +1399,16 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
     if (!tensors[i].defined()) {
       throw InvalidArgument(fmt::format("cat: tensor {} is undefined", i));
     }
+    if (tensors[i].dim() == 0) {
+      throw ShapeError(fmt::format("cat: zero-dimensional tensor {} cannot be concatenated", i));
+    }
   }
-  const Tensor& first = tensors[0];
-  if (first.dim() == 0) throw ShapeError("cat: zero-dimensional tensor 0 cannot be concatenated");
+  // As PyTorch, a 1-D tensor of no elements joins any concatenation (a list built up from an
+  // empty start): the shapes are those of the first other tensor.
+  const size_t ref = cat_reference(tensors.size(), [&](size_t i) -> const Shape& {
+    return tensors[i].sizes();
+  });
+  const Tensor& first = tensors[ref];
   const int64_t d = wrap_dim(dim, first.dim(), "cat");
   Shape sizes = first.sizes();
   sizes[d] = 0;
@@ -1409,35 +1416,36 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
     if (t.dtype_ != first.dtype_) {
-      throw InvalidArgument(fmt::format("cat: tensor {} has dtype {} but tensor 0 has {}", i,
-                                        dtype_name(t.dtype_), dtype_name(first.dtype_)));
+      throw InvalidArgument(fmt::format("cat: tensor {} has dtype {} but tensor {} has {}", i,
+                                        dtype_name(t.dtype_), ref, dtype_name(first.dtype_)));
     }
+    any_meta = any_meta || t.is_meta();
+    if (i != ref && cat_skips(t.sizes())) continue;
     bool match = t.dim() == first.dim();
     for (int64_t k = 0; match && k < first.dim(); ++k) {
       match = k == d || t.sizes()[k] == first.sizes()[k];
     }
     if (!match) {
       throw ShapeError(fmt::format(
-          "cat: tensor {} has shape {} but tensor 0 has {} (all dims but {} must match)", i,
-          shape_str(t.sizes()), shape_str(first.sizes()), d));
+          "cat: tensor {} has shape {} but tensor {} has {} (all dims but {} must match)", i,
+          shape_str(t.sizes()), ref, shape_str(first.sizes()), d));
     }
     if (__builtin_add_overflow(sizes[d], t.sizes()[d], &sizes[d])) {
       throw ShapeError(fmt::format("cat: the tensors' sizes at dim {} sum to more than int64 holds",
                                    d));
     }
-    any_meta = any_meta || t.is_meta();
   }
   if (any_meta) return meta(sizes, first.dtype_);
   Tensor out = empty(sizes, first.dtype_);
   int64_t start = 0;
   for (const Tensor& t : tensors) {
-    const int64_t len = t.sizes()[d];
-    if (len > 0) {
-      Tensor slot = out.narrow(d, start, len);
-      t.storage_->wait();
-      copy_elements(t.raw_data_ptr(), t.dtype_, t.strides(), slot.raw_data_ptr(), slot.dtype_,
-                    slot.strides(), slot.sizes());
-    }
+    // A skipped tensor (of another rank, perhaps) adds nothing.
+    const int64_t len = t.dim() == first.dim() ? t.sizes()[d] : 0;
+    if (len == 0) continue;
+    Tensor slot = out.narrow(d, start, len);
+    t.storage_->wait();
+    copy_elements(t.raw_data_ptr(), t.dtype_, t.strides(), slot.raw_data_ptr(), slot.dtype_,
+                  slot.strides(), slot.sizes());
     start += len;
   }
   return out;

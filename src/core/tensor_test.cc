@@ -1061,6 +1061,37 @@ TEST(Copies, CatEdgeCases) {
   EXPECT_THROW(Tensor::cat({a}, 2), ShapeError);
 }
 
+// As PyTorch: a 1-D tensor of no elements joins any concatenation, whatever the others' rank
+// and the dim, and takes no part in the shape checks (a list built up from an empty start).
+TEST(Copies, CatSkipsLegacyEmptyTensors) {
+  Tensor a = iota({2, 2});
+  Tensor none = Tensor::empty({0}, DType::I64);
+  EXPECT_EQ(Tensor::cat({none, a}, 1).sizes(), (Shape{2, 2}));
+  EXPECT_EQ(Tensor::cat({none, a}, 1).to_vector<int>(), a.to_vector<int>());
+  Tensor ab = Tensor::cat({a, none, a, none}, -1);
+  EXPECT_EQ(ab.sizes(), (Shape{2, 4}));
+  EXPECT_EQ(ab.to_vector<int>(), (std::vector<int>{0, 1, 0, 1, 2, 3, 2, 3}));
+  EXPECT_EQ(Tensor::cat({none, none}).sizes(), (Shape{0}));
+  // A 1-D concatenation is the ordinary one; [0, 2] is not skipped.
+  EXPECT_EQ(Tensor::cat({none, iota({3})}).to_vector<int>(), (std::vector<int>{0, 1, 2}));
+  EXPECT_THROW(Tensor::cat({Tensor::zeros({0, 2}, DType::I64), iota({3})}), ShapeError);
+  // The dim is that of the first tensor not skipped; dtypes must still agree, and the message
+  // names that tensor.
+  EXPECT_THROW(Tensor::cat({none, a}, 2), ShapeError);
+  EXPECT_EQ(error_of<InvalidArgument>([&] {
+              Tensor::cat({none.to(DType::F32), a});
+            }),
+            "cat: tensor 0 has dtype f32 but tensor 1 has i64");
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::cat({none, a, iota({2, 3})});
+            }),
+            "cat: tensor 2 has shape [2,3] but tensor 1 has [2,2] (all dims but 0 must match)");
+  EXPECT_EQ(error_of<ShapeError>([&] {
+              Tensor::cat({none, Tensor::full({}, DType::I64, 1.0)});
+            }),
+            "cat: zero-dimensional tensor 1 cannot be concatenated");
+}
+
 TEST(Copies, EqualAndFill) {
   Tensor a = iota({2, 3}, DType::F32);
   EXPECT_TRUE(a.equal(a.clone()));

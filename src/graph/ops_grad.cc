@@ -96,13 +96,28 @@ Grads grad_identity(Builder&, const Node&, GIn g) { return {g[0]}; }
 Grads grad_none(Builder&, const Node& n, GIn) { return Grads(n.num_operands(), nullptr); }
 
 Grads grad_cat(Builder& b, const Node& n, GIn g) {
-  const int64_t dim = wrap(n.attr("dim").as_int(), n.operand(0)->type().rank());
-  std::vector<int64_t> sizes;
-  for (const Value* v : n.operands()) sizes.push_back(v->shape()[static_cast<size_t>(dim)]);
   if (n.num_operands() == 1) return {g[0]};
+  const size_t ref = cat_reference(n.num_operands(), [&](size_t i) -> const Shape& {
+    return n.operand(i)->shape();
+  });
+  const int64_t rank = n.operand(ref)->type().rank();
+  const int64_t dim = wrap(n.attr("dim").as_int(), rank);
+  // The operands cat skipped (type [0], of another rank) get no gradient: they have no elements.
+  std::vector<size_t> parts;
+  std::vector<int64_t> sizes;
+  for (size_t i = 0; i < n.num_operands(); ++i) {
+    const Shape& s = n.operand(i)->shape();
+    if (i != ref && cat_skips(s) && rank != 1) continue;
+    parts.push_back(i);
+    sizes.push_back(s[static_cast<size_t>(dim)]);
+  }
+  Grads out(n.num_operands(), nullptr);
+  if (parts.size() == 1) {
+    out[parts[0]] = g[0];
+    return out;
+  }
   Node* split = b.create("split_with_sizes", {g[0]}, {{"split_sizes", sizes}, {"dim", dim}});
-  Grads out;
-  for (size_t i = 0; i < split->num_results(); ++i) out.push_back(split->result(i));
+  for (size_t k = 0; k < parts.size(); ++k) out[parts[k]] = split->result(k);
   return out;
 }
 

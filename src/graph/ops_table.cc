@@ -266,28 +266,33 @@ Tensors kernel_flatten(TIn in, const AttrList&) { return {in[0].flatten()}; }
 Tensors kernel_clone(TIn in, const AttrList&) { return {in[0].clone()}; }
 
 Types infer_cat(In in, const AttrList& a) {
-  const Type& first = in[0];
   for (size_t i = 0; i < in.size(); ++i) {
     if (in[i].rank() == 0) {
       throw ShapeError(fmt::format("input {} is a scalar; scalars cannot be concatenated", i));
     }
   }
+  // Inputs of type [0] join any concatenation (Tensor::cat).
+  const size_t ref = cat_reference(in.size(), [&](size_t i) -> const Shape& {
+    return in[i].shape;
+  });
+  const Type& first = in[ref];
   const int64_t d = wrap_dim(a.get_int("dim"), first.rank());
   Shape s = first.shape;
-  for (size_t i = 1; i < in.size(); ++i) {
+  for (size_t i = 0; i < in.size(); ++i) {
     const Type& t = in[i];
     if (t.dtype != first.dtype) {
-      throw InvalidArgument(fmt::format("input {} has dtype {} but input 0 has {}", i,
-                                        dtype_name(t.dtype), dtype_name(first.dtype)));
+      throw InvalidArgument(fmt::format("input {} has dtype {} but input {} has {}", i,
+                                        dtype_name(t.dtype), ref, dtype_name(first.dtype)));
     }
+    if (i == ref || cat_skips(t.shape)) continue;
     if (t.rank() != first.rank()) {
-      throw ShapeError(fmt::format("input {} has rank {} but input 0 has rank {}", i, t.rank(),
-                                   first.rank()));
+      throw ShapeError(fmt::format("input {} has rank {} but input {} has rank {}", i, t.rank(),
+                                   ref, first.rank()));
     }
     for (int64_t k = 0; k < t.rank(); ++k) {
       if (k != d && t.shape[k] != first.shape[k]) {
-        throw ShapeError(fmt::format("input {} has size {} at dim {} but input 0 has {}", i,
-                                     t.shape[k], k, first.shape[k]));
+        throw ShapeError(fmt::format("input {} has size {} at dim {} but input {} has {}", i,
+                                     t.shape[k], k, ref, first.shape[k]));
       }
     }
     s[d] = add_dim(s[d], t.shape[d], "concatenated dim");

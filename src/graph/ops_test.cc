@@ -254,6 +254,12 @@ TEST(ShapeInference, CatAndSplit) {
   EXPECT_EQ(infer_error<InvalidArgument>("cat", {f32({2}), Type(DType::F16, {2})}),
             "cat: input 1 has dtype f16 but input 0 has f32");
   EXPECT_EQ(infer_error<ShapeError>("cat", {f32({})}), "cat: input 0 is a scalar; scalars cannot be concatenated");
+  // Inputs of type [0] join any concatenation (PyTorch's legacy rule).
+  EXPECT_EQ(infer1("cat", {f32({0}), f32({2, 3}), f32({0}), f32({2, 1})}, {{"dim", 1}}),
+            f32({2, 4}));
+  EXPECT_EQ(infer1("cat", {f32({0}), f32({0})}), f32({0}));
+  EXPECT_EQ(infer_error<ShapeError>("cat", {f32({0}), f32({2, 3}), f32({3, 3})}, {{"dim", 1}}),
+            "cat: input 2 has size 3 at dim 0 but input 1 has 2");
   auto parts = infer("split_with_sizes", {f32({2, 7})}, {{"split_sizes", {3, 0, 4}}, {"dim", 1}});
   ASSERT_EQ(parts.size(), 3u);
   EXPECT_EQ(parts[1], f32({2, 0}));

@@ -187,6 +187,18 @@ TEST_P(GradCheck, ViewsAndCopies) {
             expected(2 * 12));
 }
 
+// An input of type [0] joins a concatenation of any rank (PyTorch's legacy rule) and gets an
+// empty gradient; the others get theirs.
+TEST_P(GradCheck, CatSkipsLegacyEmptyInputs) {
+  EXPECT_EQ(check(R"(graph @g(%e: f64[0], %a: f64[2,3], %b: f64[2,1]) {
+    %c = cat(%e, %a, %e, %b) {dim = 1}
+    %m = mul(%c, %c)
+    %l = sum(%m)
+    return %l
+  })"),
+            expected(8));
+}
+
 // A split result nobody uses gets zeros in the concatenated gradient; narrow pads both sides.
 TEST_P(GradCheck, UnusedSplitAndNarrowPadding) {
   EXPECT_EQ(check(R"(graph @g(%a: f64[5,2]) {

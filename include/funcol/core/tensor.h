@@ -308,4 +308,17 @@ std::string shape_str(const Shape& shape);
 // "f32[2,3]".
 std::string type_str(DType dtype, const Shape& shape);
 
+// cat's legacy rule (PyTorch's): a 1-D shape of no elements, [0], joins any concatenation and
+// takes no part in its shape checks.
+inline bool cat_skips(const Shape& shape) { return shape.size() == 1 && shape[0] == 0; }
+// The input whose shape a concatenation of `n` inputs takes (all dims but the cat dim): the
+// first that cat does not skip, or input 0 when it skips them all.
+template <typename ShapeOf>
+size_t cat_reference(size_t n, ShapeOf shape_of) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!cat_skips(shape_of(i))) return i;
+  }
+  return 0;
+}
+
 }  // namespace funcol
