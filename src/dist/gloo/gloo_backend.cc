@@ -113,6 +113,9 @@ class KeyStore {
   virtual void erase_stale(const std::string& key) noexcept = 0;
   // Called every poll of a wait for keys; it throws to end the wait (a member died).
   virtual void set_poll(std::function<void()> poll) = 0;
+  // What broke the store's connection, once something did (a Redis server that stopped
+  // answering); nullopt while it works.
+  virtual std::optional<std::string> failure() const { return std::nullopt; }
 };
 
 // A Gloo store whose waits (Gloo's connectFullMesh waits for its peers' addresses) last the
@@ -195,6 +198,19 @@ class RedisKeyStore final : public KeyStore {
   RedisKeyStore(const std::string& host, int port, std::chrono::milliseconds timeout)
       : store_(host, port) {
     store_.timeout = timeout;
+    store_.where = fmt::format("{}:{}", host, port);
+    // Every command waits at most the job's timeout for its reply: a server that accepts
+    // connections but stops answering (stopped, overloaded, a proxy in front of a dead one)
+    // fails the rendezvous instead of blocking it in read() for ever. (Gloo connects with a
+    // timeout of its own.)
+    timeval tv{};
+    tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+    tv.tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000);
+    if (redisSetTimeout(store_.context(), tv) != REDIS_OK) {
+      throw CommError(fmt::format("gloo: cannot set a reply timeout on the Redis connection to "
+                                  "{}: {}",
+                                  store_.where, store_.context()->errstr));
+    }
   }
   gloo::rendezvous::Store& store() override { return store_; }
   bool check(const std::vector<std::string>& keys) override { return store_.check(keys); }
@@ -204,6 +220,7 @@ class RedisKeyStore final : public KeyStore {
   void erase_own_keys() noexcept override { store_.erase_written(); }
   void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
   void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
+  std::optional<std::string> failure() const override { return store_.failure(); }
 
  private:
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
@@ -218,11 +235,22 @@ class RedisKeyStore final : public KeyStore {
       void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
       if (reply != nullptr) freeReplyObject(reply);
     }
+    redisContext* context() const { return redis_; }
+    std::optional<std::string> failure() const {
+      if (redis_ == nullptr || redis_->err == 0) return std::nullopt;
+      // hiredis reports a reply timeout as an I/O error "Resource temporarily unavailable".
+      if (redis_->err == REDIS_ERR_IO && std::strcmp(redis_->errstr, std::strerror(EAGAIN)) == 0) {
+        return fmt::format("the Redis server at {} did not answer within {} ms (FUNCOL_TIMEOUT)",
+                           where, timeout.count());
+      }
+      return fmt::format("the connection to the Redis server at {} failed: {}", where,
+                         redis_->errstr);
+    }
     std::optional<std::vector<char>> try_get(const std::string& key) {
       auto* reply =
           static_cast<redisReply*>(redisCommand(redis_, "GET %b", key.data(), key.size()));
       if (reply == nullptr) {
-        throw CommError(fmt::format("gloo: the Redis store failed: {}", redis_->errstr));
+        throw CommError("gloo: " + failure().value_or("the Redis store failed"));
       }
       std::optional<std::vector<char>> value;
       std::string error;
@@ -240,6 +268,7 @@ class RedisKeyStore final : public KeyStore {
       written.clear();
     }
     std::vector<std::string> written;
+    std::string where;  // "host:port"
   };
   Store store_;
 };
@@ -399,6 +428,10 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       throw lost_during_rendezvous(what, shared.url.text, died);
     }
   };
+  auto store_broken = [&](const std::string& broken) {
+    return CommError(
+        fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, broken));
+  };
   // A member that dies after its arrival key never writes its address: Gloo's wait for it
   // (connectFullMesh) ends at once, not at the timeout.
   if (watch != nullptr) store->set_poll(throw_if_member_lost);
@@ -494,12 +527,15 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     return context;
   } catch (const Error&) {
     forget_keys();
+    if (const auto broken = store->failure()) throw store_broken(*broken);
     throw;
   } catch (const std::exception& e) {
     forget_keys();
     // A member lost meanwhile (a connection it never answered, a barrier it left) is the cause.
     throw_if_member_lost();
     throw_if_member_ended();
+    // Or the store: Gloo says only "Resource temporarily unavailable".
+    if (const auto broken = store->failure()) throw store_broken(*broken);
     std::string msg = gloo_message(e);
     constexpr const char* kNextJob =
         "which the rank whose key was taken removes, so the next job can start there";

@@ -53,4 +53,22 @@ if [ "$left" != "0" ]; then
   redis-cli -p "$port" keys '*'
   exit 1
 fi
-echo "gloo_redis_test.sh: runs 1-4 passed, each stale key failed one run only; no keys left"
+# A server that accepts connections but never answers (stopped here; an overloaded one, or a
+# proxy in front of a dead one): the ranks fail after FUNCOL_TIMEOUT, saying so, instead of
+# blocking in read() for as long as it stays silent.
+kill -STOP "$redis_pid"
+echo "gloo_redis_test.sh: a run on a server that stopped answering (expected to fail)"
+start=$SECONDS
+FUNCOL_TIMEOUT=2 "$launch" --np 2 --timeout 60 --store "redis://127.0.0.1:$port" -- "$@" \
+  >"$work/silent.log" 2>&1
+status=$?
+took=$((SECONDS - start))
+kill -CONT "$redis_pid"
+if [ "$status" = 0 ] || [ "$took" -gt 20 ] || \
+    ! grep -q "did not answer within 2000 ms" "$work/silent.log"; then
+  echo "gloo_redis_test.sh: the run on a silent server exited $status after $took s:"
+  cat "$work/silent.log"
+  exit 1
+fi
+echo "gloo_redis_test.sh: runs 1-4 passed, each stale key failed one run only; no keys left;" \
+  "a silent server failed the run in $took s"
