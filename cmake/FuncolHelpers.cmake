@@ -13,13 +13,26 @@ function(funcol_target_options target)
   endif()
 endfunction()
 
+# Dependencies that are headers only (a user of the installed package needs none of them).
+set(FUNCOL_HEADER_ONLY_DEPS nlohmann_json::nlohmann_json CLI11::CLI11)
+
 # funcol_library(NAME SOURCES ... [PUBLIC_DEPS ...] [PRIVATE_DEPS ...]): one library per layer.
 function(funcol_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(funcol_${name} ${ARG_SOURCES})
   add_library(funcol::${name} ALIAS funcol_${name})
   set_target_properties(funcol_${name} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME funcol_${name})
-  target_link_libraries(funcol_${name} PUBLIC funcol_headers ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  # A static library's private dependencies are exported as link-only ones: header-only ones,
+  # which link nothing, stay out of the installed package (its users need not install them).
+  set(_private "")
+  foreach(_dep IN LISTS ARG_PRIVATE_DEPS)
+    if(_dep IN_LIST FUNCOL_HEADER_ONLY_DEPS)
+      list(APPEND _private "$<BUILD_INTERFACE:${_dep}>")
+    else()
+      list(APPEND _private "${_dep}")
+    endif()
+  endforeach()
+  target_link_libraries(funcol_${name} PUBLIC funcol_headers ${ARG_PUBLIC_DEPS} PRIVATE ${_private})
   funcol_target_options(funcol_${name})
   set_property(GLOBAL APPEND PROPERTY FUNCOL_LIBRARIES funcol_${name})
 endfunction()

@@ -12,8 +12,21 @@ cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
 test -x "$work/prefix/bin/funcol" || { echo "bin/funcol was not installed"; exit 1; }
 test -f "$work/prefix/include/funcol/funcol.h" || { echo "funcol.h was not installed"; exit 1; }
 
+# The exported targets name no file of this machine (libraries go by name), define none of the
+# build's own macros, and need no header-only dependency of the build (CLI11, nlohmann_json):
+# the consumer is configured with those packages hidden.
+exported=$(cat "$work"/prefix/lib*/cmake/funcol/funcolTargets*.cmake)
+for bad in '/usr/lib' 'FUNCOL_WITH_' 'CLI11' 'nlohmann'; do
+  if grep -q "$bad" <<<"$exported"; then
+    echo "the installed CMake package mentions $bad:"
+    grep -n "$bad" "$work"/prefix/lib*/cmake/funcol/funcolTargets*.cmake
+    exit 1
+  fi
+done
+
 # find_package(funcol) -> funcol::funcol
 cmake -S "$consumer_src" -B "$work/consumer-build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DCMAKE_DISABLE_FIND_PACKAGE_CLI11=ON -DCMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=ON \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/consumer-build" >/dev/null
 out=$("$work/consumer-build/consumer")
@@ -22,15 +35,20 @@ out=$("$work/consumer-build/consumer")
 # pkg-config funcol
 libdir=$(ls -d "$work/prefix"/lib*/pkgconfig | head -n 1)
 flags=$(PKG_CONFIG_PATH="$libdir" pkg-config --cflags --libs funcol)
-# Libraries as -l flags: no path to one machine's file, least of all a versioned one.
+# Libraries as -l flags: no path to one machine's file, least of all a versioned one; and no
+# -std, which, coming after the user's own, would lower a C++23 program to C++20.
 for flag in $flags; do
   case $flag in
+    -std=*) echo "funcol.pc sets the language standard: $flag"; exit 1 ;;
     -*) ;;
     *) echo "funcol.pc names a library file: $flag"; exit 1 ;;
   esac
 done
-# shellcheck disable=SC2086
-g++ -O1 "$consumer_src/main.cc" -o "$work/consumer-pc" $flags -Wl,-rpath,"$(dirname "$libdir")"
-out=$("$work/consumer-pc")
-[ "$out" = "ok" ] || { echo "pkg-config consumer printed: $out"; exit 1; }
+for std in c++20 c++23; do
+  # shellcheck disable=SC2086
+  g++ -std=$std -O1 "$consumer_src/main.cc" -o "$work/consumer-pc" $flags \
+    -Wl,-rpath,"$(dirname "$libdir")"
+  out=$("$work/consumer-pc")
+  [ "$out" = "ok" ] || { echo "pkg-config consumer (-std=$std) printed: $out"; exit 1; }
+done
 echo "install_consumer: find_package and pkg-config consumers built and ran"
