@@ -173,7 +173,8 @@ class FileKeyStore final : public KeyStore {
     return value;
   }
   void erase_own_keys() noexcept override {
-    for (const auto& path : store_.getAllKeyFilePaths()) ::unlink(path.c_str());
+    for (const auto& path : store_.written) ::unlink(path.c_str());
+    store_.written.clear();
   }
   void erase_stale(const std::string& key) noexcept override {
     try {
@@ -184,11 +185,54 @@ class FileKeyStore final : public KeyStore {
   void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
 
  private:
-  // Exposes FileStore's protected existence check and key paths.
+  // Exposes FileStore's protected existence check and key paths, and creates keys atomically.
   struct Store : TimedWaits<gloo::rendezvous::FileStore> {
     using TimedWaits::TimedWaits;
     using FileStore::check;
     using FileStore::objectPath;
+    // Gloo's FileStore writes a key through a temporary file named after the key, so two
+    // processes setting one key (the same --rank given twice) share that file: one of them
+    // lost its rename, or both succeeded, each over the other. Here each writes a file of its
+    // own and links it to the key's name, which exactly one can do.
+    void set(const std::string& key, const std::vector<char>& data) override {
+      const std::string path = objectPath(key);
+      const size_t slash = path.rfind('/');
+      const std::string tmp =
+          fmt::format("{}.{}.{}.{}.tmp", path.substr(0, slash + 1), path.substr(slash + 1),
+                      ::getpid(), next_tmp++);
+      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd < 0) throw_errno("cannot create", tmp);
+      size_t done = 0;
+      while (done < data.size()) {
+        const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          const int error = errno;
+          ::close(fd);
+          ::unlink(tmp.c_str());
+          errno = error;
+          throw_errno("cannot write", tmp);
+        }
+        done += static_cast<size_t>(n);
+      }
+      ::close(fd);
+      const int linked = ::link(tmp.c_str(), path.c_str());
+      const int error = errno;
+      ::unlink(tmp.c_str());
+      if (linked != 0) {
+        // "already": the rendezvous reads it as a key taken (a previous job's, or a duplicate).
+        if (error == EEXIST) throw std::runtime_error("Key '" + key + "' already set");
+        errno = error;
+        throw_errno("cannot create", path);
+      }
+      written.push_back(path);
+    }
+    [[noreturn]] static void throw_errno(const char* what, const std::string& path) {
+      throw CommError(
+          fmt::format("gloo: {} the store's key file {}: {}", what, path, std::strerror(errno)));
+    }
+    std::vector<std::string> written;  // the keys' paths, to delete
+    uint64_t next_tmp = 0;
   };
   Store store_;
 };
@@ -316,6 +360,28 @@ std::string arrival_key(const std::string& prefix, int index) {
   return fmt::format("{}/arrive/{}", prefix, index);
 }
 
+// The pid of the process that wrote the arrival record at `key`, when that is another process
+// and it runs (on this machine: elsewhere it cannot be known); nullopt otherwise.
+std::optional<std::string> live_holder(KeyStore& store, const std::string& key) noexcept {
+  try {
+    const auto record = store.try_get(key);
+    if (!record) return std::nullopt;
+    const std::string text(record->begin(), record->end());
+    // "<size> <mode> <monitor> <identity>", the identity "<machine>/<pid>/<start>".
+    if (std::count(text.begin(), text.end(), ' ') != 3) return std::nullopt;
+    const std::string identity = text.substr(text.rfind(' ') + 1);
+    if (identity == process::process_identity() || process::process_running(identity) != true) {
+      return std::nullopt;
+    }
+    const size_t end = identity.rfind('/');
+    const size_t begin = end == std::string::npos ? end : identity.rfind('/', end - 1);
+    if (begin == std::string::npos) return std::nullopt;
+    return identity.substr(begin + 1, end - begin - 1);
+  } catch (...) {  // a store that fails now: nothing known
+    return std::nullopt;
+  }
+}
+
 // Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
 // names the missing ones on timeout. A member that `watch` (the job's peer monitor, when there
 // is one) reports dead or departed fails the wait at once: it will never arrive. Each arrival
@@ -383,7 +449,13 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   // the ranks that got the error can run the next job on the same directory or Redis server
   // (RedisStore refuses keys that exist). Whichever rank fails first, and however, each rank
   // of the failed job clears its own index.
+  // Unless another process that runs holds this rank's arrival key: the same --rank given twice
+  // (one job). Its keys are not stale, and deleting them would fail its job too; this process
+  // leaves the store as it is and says so (`duplicate`, the other process's pid).
+  std::optional<std::string> duplicate;
   auto forget_keys = [&] {
+    duplicate = live_holder(*store, arrival_key(prefix, my_index));
+    if (duplicate) return;
     store->erase_own_keys();
     store->erase_stale(arrival_key(prefix, my_index));
     store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));  // Gloo: the host name
@@ -427,6 +499,13 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       died.rank = members[i];
       throw lost_during_rendezvous(what, shared.url.text, died);
     }
+  };
+  auto taken_by = [&](const std::string& pid) {
+    return CommError(fmt::format(
+        "gloo: rendezvous of {} at '{}' failed: rank {} is taken by another process that runs "
+        "(pid {} on this machine): the same --rank given twice; this process left the store as "
+        "it was, so that job goes on",
+        what, shared.url.text, members[my_index], pid));
   };
   auto store_broken = [&](const std::string& broken) {
     return CommError(
@@ -528,9 +607,11 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   } catch (const Error&) {
     forget_keys();
     if (const auto broken = store->failure()) throw store_broken(*broken);
+    if (duplicate) throw taken_by(*duplicate);
     throw;
   } catch (const std::exception& e) {
     forget_keys();
+    if (duplicate) throw taken_by(*duplicate);
     // A member lost meanwhile (a connection it never answered, a barrier it left) is the cause.
     throw_if_member_lost();
     throw_if_member_ended();
