@@ -1409,9 +1409,6 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
     return tensors[i].sizes();
   });
   const Tensor& first = tensors[ref];
-  const int64_t d = wrap_dim(dim, first.dim(), "cat");
-  Shape sizes = first.sizes();
-  sizes[d] = 0;
   bool any_meta = false;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
@@ -1420,6 +1417,14 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
                                         dtype_name(t.dtype_), ref, dtype_name(first.dtype_)));
     }
     any_meta = any_meta || t.is_meta();
+  }
+  // Every tensor skipped: an empty result, whatever `dim` is (PyTorch does not check it then).
+  if (cat_skips(first.sizes())) return any_meta ? meta({0}, first.dtype_) : empty({0}, first.dtype_);
+  const int64_t d = wrap_dim(dim, first.dim(), "cat");
+  Shape sizes = first.sizes();
+  sizes[d] = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
     if (i != ref && cat_skips(t.sizes())) continue;
     bool match = t.dim() == first.dim();
     for (int64_t k = 0; match && k < first.dim(); ++k) {

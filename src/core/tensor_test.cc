@@ -1072,6 +1072,9 @@ TEST(Copies, CatSkipsLegacyEmptyTensors) {
   EXPECT_EQ(ab.sizes(), (Shape{2, 4}));
   EXPECT_EQ(ab.to_vector<int>(), (std::vector<int>{0, 1, 0, 1, 2, 3, 2, 3}));
   EXPECT_EQ(Tensor::cat({none, none}).sizes(), (Shape{0}));
+  // All skipped: empty, whatever the dim (PyTorch checks none then).
+  EXPECT_EQ(Tensor::cat({none, none}, 1).sizes(), (Shape{0}));
+  EXPECT_EQ(Tensor::cat({none}, -3).sizes(), (Shape{0}));
   // A 1-D concatenation is the ordinary one; [0, 2] is not skipped.
   EXPECT_EQ(Tensor::cat({none, iota({3})}).to_vector<int>(), (std::vector<int>{0, 1, 2}));
   EXPECT_THROW(Tensor::cat({Tensor::zeros({0, 2}, DType::I64), iota({3})}), ShapeError);

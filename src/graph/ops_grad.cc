@@ -100,6 +100,8 @@ Grads grad_cat(Builder& b, const Node& n, GIn g) {
   const size_t ref = cat_reference(n.num_operands(), [&](size_t i) -> const Shape& {
     return n.operand(i)->shape();
   });
+  // Every operand skipped: none has elements, nor a gradient.
+  if (cat_skips(n.operand(ref)->shape())) return Grads(n.num_operands(), nullptr);
   const int64_t rank = n.operand(ref)->type().rank();
   const int64_t dim = wrap(n.attr("dim").as_int(), rank);
   // The operands cat skipped (type [0], of another rank) get no gradient: they have no elements.

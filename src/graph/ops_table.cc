@@ -276,14 +276,18 @@ Types infer_cat(In in, const AttrList& a) {
     return in[i].shape;
   });
   const Type& first = in[ref];
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i].dtype != first.dtype) {
+      throw InvalidArgument(fmt::format("input {} has dtype {} but input {} has {}", i,
+                                        dtype_name(in[i].dtype), ref, dtype_name(first.dtype)));
+    }
+  }
+  // Every input skipped: [0], whatever `dim` is (Tensor::cat).
+  if (cat_skips(first.shape)) return {result(first.dtype, {0})};
   const int64_t d = wrap_dim(a.get_int("dim"), first.rank());
   Shape s = first.shape;
   for (size_t i = 0; i < in.size(); ++i) {
     const Type& t = in[i];
-    if (t.dtype != first.dtype) {
-      throw InvalidArgument(fmt::format("input {} has dtype {} but input {} has {}", i,
-                                        dtype_name(t.dtype), ref, dtype_name(first.dtype)));
-    }
     if (i == ref || cat_skips(t.shape)) continue;
     if (t.rank() != first.rank()) {
       throw ShapeError(fmt::format("input {} has rank {} but input {} has rank {}", i, t.rank(),

@@ -258,6 +258,7 @@ TEST(ShapeInference, CatAndSplit) {
   EXPECT_EQ(infer1("cat", {f32({0}), f32({2, 3}), f32({0}), f32({2, 1})}, {{"dim", 1}}),
             f32({2, 4}));
   EXPECT_EQ(infer1("cat", {f32({0}), f32({0})}), f32({0}));
+  EXPECT_EQ(infer1("cat", {f32({0}), f32({0})}, {{"dim", 1}}), f32({0}));
   EXPECT_EQ(infer_error<ShapeError>("cat", {f32({0}), f32({2, 3}), f32({3, 3})}, {{"dim", 1}}),
             "cat: input 2 has size 3 at dim 0 but input 1 has 2");
   auto parts = infer("split_with_sizes", {f32({2, 7})}, {{"split_sizes", {3, 0, 4}}, {"dim", 1}});

@@ -246,8 +246,12 @@ std::vector<Tensor> cat_casts(const Node& cat, std::span<const Tensor> in) {
   Tensor out = Tensor::empty(type.shape, type.dtype);
   int64_t at = 0;
   for (const Tensor& t : in) {
+    // An operand of no elements is passed over: it adds nothing along `dim`, or it shares a dim
+    // of size 0 with the output, which then has nothing to copy. (One that cat skips, type [0],
+    // PyTorch's legacy rule, may have no dim `dim` at all.)
+    if (t.numel() == 0) continue;
     const int64_t n = t.size(dim);
-    if (n > 0) out.narrow(dim, at, n).copy_(t);
+    out.narrow(dim, at, n).copy_(t);
     at += n;
   }
   return {std::move(out)};
