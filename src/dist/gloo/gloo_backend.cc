@@ -116,6 +116,9 @@ class KeyStore {
   // What broke the store's connection, once something did (a Redis server that stopped
   // answering); nullopt while it works.
   virtual std::optional<std::string> failure() const { return std::nullopt; }
+  // After a failure(): connects again, its replies waited for briefly, so that the keys this
+  // rank wrote can still go (a connection in error sends nothing).
+  virtual void reconnect_for_cleanup() noexcept {}
 };
 
 // A Gloo store whose waits (Gloo's connectFullMesh waits for its peers' addresses) last the
@@ -197,28 +200,25 @@ class FileKeyStore final : public KeyStore {
     void set(const std::string& key, const std::vector<char>& data) override {
       const std::string path = objectPath(key);
       const size_t slash = path.rfind('/');
-      const std::string tmp =
-          fmt::format("{}.{}.{}.{}.tmp", path.substr(0, slash + 1), path.substr(slash + 1),
-                      ::getpid(), next_tmp++);
-      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-      if (fd < 0) throw_errno("cannot create", tmp);
-      size_t done = 0;
-      while (done < data.size()) {
-        const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          const int error = errno;
-          ::close(fd);
-          ::unlink(tmp.c_str());
-          errno = error;
-          throw_errno("cannot write", tmp);
+      const std::string tmp = write_temporary(
+          fmt::format("{}.{}.{}.{}", path.substr(0, slash + 1), path.substr(slash + 1),
+                      ::getpid(), next_tmp++),
+          data);
+      int linked = ::link(tmp.c_str(), path.c_str());
+      int error = errno;
+      if (linked != 0 && (error == EPERM || error == ENOTSUP || error == EOPNOTSUPP ||
+                          error == ENOSYS || error == EMLINK)) {
+        // A file system without hard links (vfat, some FUSE ones): Gloo's own way, a look and
+        // a rename, which two processes setting one key at once can both pass.
+        if (::access(path.c_str(), F_OK) == 0) {
+          linked = -1;
+          error = EEXIST;
+        } else {
+          linked = ::rename(tmp.c_str(), path.c_str());
+          error = errno;
         }
-        done += static_cast<size_t>(n);
       }
-      ::close(fd);
-      const int linked = ::link(tmp.c_str(), path.c_str());
-      const int error = errno;
-      ::unlink(tmp.c_str());
+      ::unlink(tmp.c_str());  // after a rename: gone already
       if (linked != 0) {
         // "already": the rendezvous reads it as a key taken (a previous job's, or a duplicate).
         if (error == EEXIST) throw std::runtime_error("Key '" + key + "' already set");
@@ -226,6 +226,36 @@ class FileKeyStore final : public KeyStore {
         throw_errno("cannot create", path);
       }
       written.push_back(path);
+    }
+    // Writes `data` to a new file at `tmp` (one a killed process left there is replaced) and
+    // returns its path; throws CommError naming the OS error.
+    static std::string write_temporary(const std::string& tmp, const std::vector<char>& data) {
+      int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd < 0 && errno == EEXIST) {  // its pid reused: that process is gone
+        ::unlink(tmp.c_str());
+        fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      }
+      if (fd < 0) throw_errno("cannot create", tmp);
+      size_t done = 0;
+      bool ok = true;
+      while (ok && done < data.size()) {
+        const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        ok = n > 0;
+        if (ok) done += static_cast<size_t>(n);
+      }
+      int error = errno;
+      // A network file system may report a full disk or quota only here.
+      if (::close(fd) != 0 && ok) {
+        ok = false;
+        error = errno;
+      }
+      if (!ok) {
+        ::unlink(tmp.c_str());
+        errno = error;
+        throw_errno("cannot write", tmp);
+      }
+      return tmp;
     }
     [[noreturn]] static void throw_errno(const char* what, const std::string& path) {
       throw CommError(
@@ -247,10 +277,7 @@ class RedisKeyStore final : public KeyStore {
     // connections but stops answering (stopped, overloaded, a proxy in front of a dead one)
     // fails the rendezvous instead of blocking it in read() for ever. (Gloo connects with a
     // timeout of its own.)
-    timeval tv{};
-    tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-    tv.tv_usec = static_cast<suseconds_t>(timeout.count() % 1000 * 1000);
-    if (redisSetTimeout(store_.context(), tv) != REDIS_OK) {
+    if (!store_.set_reply_timeout(timeout)) {
       throw CommError(fmt::format("gloo: cannot set a reply timeout on the Redis connection to "
                                   "{}: {}",
                                   store_.where, store_.context()->errstr));
@@ -265,6 +292,14 @@ class RedisKeyStore final : public KeyStore {
   void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
   void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
   std::optional<std::string> failure() const override { return store_.failure(); }
+  void reconnect_for_cleanup() noexcept override {
+    // A server still silent costs at most this once more: the first unanswered command puts
+    // the connection in error again, and the rest fail at once.
+    constexpr std::chrono::milliseconds kCleanupTimeout{2000};
+    if (redisReconnect(store_.context()) == REDIS_OK) {
+      store_.set_reply_timeout(std::min(store_.timeout, kCleanupTimeout));
+    }
+  }
 
  private:
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
@@ -280,6 +315,12 @@ class RedisKeyStore final : public KeyStore {
       if (reply != nullptr) freeReplyObject(reply);
     }
     redisContext* context() const { return redis_; }
+    bool set_reply_timeout(std::chrono::milliseconds t) {
+      timeval tv{};
+      tv.tv_sec = static_cast<time_t>(t.count() / 1000);
+      tv.tv_usec = static_cast<suseconds_t>(t.count() % 1000 * 1000);
+      return redisSetTimeout(redis_, tv) == REDIS_OK;
+    }
     std::optional<std::string> failure() const {
       if (redis_ == nullptr || redis_->err == 0) return std::nullopt;
       // hiredis reports a reply timeout as an I/O error "Resource temporarily unavailable".
@@ -453,7 +494,11 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   // (one job). Its keys are not stale, and deleting them would fail its job too; this process
   // leaves the store as it is and says so (`duplicate`, the other process's pid).
   std::optional<std::string> duplicate;
+  // What broke the store, when that ended the rendezvous: seen before the cleanup reconnects.
+  std::optional<std::string> broken;
   auto forget_keys = [&] {
+    broken = store->failure();
+    if (broken) store->reconnect_for_cleanup();
     duplicate = live_holder(*store, arrival_key(prefix, my_index));
     if (duplicate) return;
     store->erase_own_keys();
@@ -606,7 +651,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     return context;
   } catch (const Error&) {
     forget_keys();
-    if (const auto broken = store->failure()) throw store_broken(*broken);
+    if (broken) throw store_broken(*broken);
     if (duplicate) throw taken_by(*duplicate);
     throw;
   } catch (const std::exception& e) {
@@ -616,7 +661,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     throw_if_member_lost();
     throw_if_member_ended();
     // Or the store: Gloo says only "Resource temporarily unavailable".
-    if (const auto broken = store->failure()) throw store_broken(*broken);
+    if (broken) throw store_broken(*broken);
     std::string msg = gloo_message(e);
     constexpr const char* kNextJob =
         "which the rank whose key was taken removes, so the next job can start there";
