@@ -548,8 +548,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   auto taken_by = [&](const std::string& pid) {
     return CommError(fmt::format(
         "gloo: rendezvous of {} at '{}' failed: rank {} is taken by another process that runs "
-        "(pid {} on this machine): the same --rank given twice; this process left the store as "
-        "it was, so that job goes on",
+        "(pid {} on this machine): the same --rank given twice, or a rank of an earlier job on "
+        "this store still waiting for its peers; this process left the store as it was",
         what, shared.url.text, members[my_index], pid));
   };
   auto store_broken = [&](const std::string& broken) {
