@@ -87,8 +87,10 @@ int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t
   return dim;
 }
 
+Shape permute_rows(const Tensor& t) { return t.dim() == 0 ? Shape{1} : t.sizes(); }
+
 PermuteSplits permute_splits(const std::vector<int>& src_dst, int world, int rank,
-                             int64_t numel) {
+                             int64_t rows) {
   if (static_cast<int>(src_dst.size()) != world) {
     throw InvalidArgument(fmt::format("permute_tensor: src_dst {} has {} entries, expected "
                                       "group_size {}",
@@ -106,8 +108,8 @@ PermuteSplits permute_splits(const std::vector<int>& src_dst, int world, int ran
                        std::vector<int64_t>(static_cast<size_t>(world), 0)};
   for (int m = 0; m < world; ++m) {
     const int dst = src_dst[static_cast<size_t>(m)];
-    if (m == rank) splits.in[static_cast<size_t>(dst)] = numel;
-    if (dst == rank) splits.out[static_cast<size_t>(m)] = numel;
+    if (m == rank) splits.in[static_cast<size_t>(dst)] = rows;
+    if (dst == rank) splits.out[static_cast<size_t>(m)] = rows;
   }
   return splits;
 }

@@ -45,13 +45,15 @@ int64_t check_all_to_all_splits(const std::vector<int64_t>& output_splits,
 int64_t check_reduce_scatter_input(const Tensor& t, int64_t scatter_dim, int64_t group_size,
                                    std::string_view op, std::string_view suffix);
 
+// The shape permute_tensor exchanges `t` in: its own, a 0-d tensor as [1] (rows of dim 0).
+Shape permute_rows(const Tensor& t);
 // permute_tensor's all_to_all_single split sizes for `rank` of a group of `world` ranks, as the
-// seed builds them: everything (`numel`) goes to src_dst[rank] and comes from the m with
+// seed builds them: everything (`rows` rows) goes to src_dst[rank] and comes from the m with
 // src_dst[m] == rank. InvalidArgument when src_dst is not a permutation of 0..world-1.
 struct PermuteSplits {
   std::vector<int64_t> out, in;
 };
 PermuteSplits permute_splits(const std::vector<int>& src_dst, int world, int rank,
-                             int64_t numel);
+                             int64_t rows);
 
 }  // namespace funcol::api_detail

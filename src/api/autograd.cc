@@ -544,10 +544,15 @@ Tensor tape_permute(const Tensor& t, const std::vector<int64_t>& output_split_si
                     const std::vector<int64_t>& input_split_sizes, const GroupSpec& group) {
   const Tensor in[] = {t};
   std::shared_ptr<State> state = tape_of(in, "permute_tensor");
-  const Tensor flat[] = {call_one_on(state, "reshape", in, {{"shape", std::vector{t.numel()}}})};
-  const Tensor r[] = {
-      all_to_all_single_autograd(flat[0], output_split_sizes, input_split_sizes, group)};
-  return call_one_on(state, "reshape", r, {{"shape", t.sizes()}});
+  // Contiguous rows (permute_tensor), recorded: a 0-d tensor as [1]; one that is not contiguous
+  // copied (reshaped flat).
+  Tensor x = t;
+  if (t.dim() == 0 || !t.is_contiguous()) {
+    const Tensor flat[] = {call_one_on(state, "reshape", in, {{"shape", std::vector{t.numel()}}})};
+    x = call_one_on(state, "reshape", flat, {{"shape", permute_rows(t)}});
+  }
+  const Tensor r[] = {all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group)};
+  return t.dim() == 0 ? call_one_on(state, "reshape", r, {{"shape", t.sizes()}}) : r[0];
 }
 
 std::vector<Tensor> tape_reduce_scatter_coalesced(const std::vector<Tensor>& inputs,

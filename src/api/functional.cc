@@ -356,13 +356,15 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
   check_input(t, kOp);
   ProcessGroup& pg = group.resolve();
   // As the seed: one all_to_all_single where this rank sends everything to src_dst[rank] and
-  // receives everything from the m with src_dst[m] == rank.
-  const int64_t numel = t.numel();
+  // receives everything from the m with src_dst[m] == rank. In rows of dim 0 (a 0-d tensor is
+  // one), not in elements: a peer whose tensor has other rows or another row shape is then
+  // refused, and named in rows, by the exchange's checks.
+  const Shape rows = api_detail::permute_rows(t);
   const api_detail::PermuteSplits splits =
-      api_detail::permute_splits(src_dst, pg.size(), pg.rank(), numel);
+      api_detail::permute_splits(src_dst, pg.size(), pg.rank(), rows[0]);
   if (is_tracked(t)) return api_detail::tape_permute(t, splits.out, splits.in, pg);
-  Tensor flat = t.contiguous().view({numel});
-  return all_to_all_impl(pg, flat, splits.out, splits.in, numel).view(t.sizes());
+  Tensor x = t.contiguous().view(rows);
+  return all_to_all_impl(pg, x, splits.out, splits.in, rows[0]).view(t.sizes());
 }
 
 std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,

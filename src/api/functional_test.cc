@@ -574,6 +574,31 @@ TEST(PermuteTensor, RingShift) {  // D.19
   });
 }
 
+// Peers whose tensors differ are refused in terms of the tensors: rows of dim 0, and the row
+// shape (it exchanges rows, not elements: [2,3] and [3,2] would otherwise swap data into the
+// wrong shape).
+TEST(PermuteTensor, PeersWithOtherShapesAreRefusedInRows) {
+  for (const Shape& other : {Shape{3, 3}, Shape{3, 2}}) {
+    std::vector<std::string> messages(2);
+    run_local(2, [&](ProcessGroup& world) {
+      const Shape mine = world.rank() == 0 ? Shape{2, 3} : other;
+      try {
+        permute_tensor(Tensor::full(mine, DType::F32, 1.0), {1, 0}, world).wait();
+      } catch (const CommError& e) {
+        messages[static_cast<size_t>(world.rank())] = e.what();
+      }
+    });
+    for (const std::string& m : messages) {
+      if (other[0] == 3 && other[1] == 3) {
+        EXPECT_THAT(m, HasSubstr("rank 1 sends 3 rows to rank 0 but rank 0 expects 2 rows"));
+      } else {
+        EXPECT_THAT(m, HasSubstr("mismatched collectives: rank 0 issued all_to_all(f32 row 3) "
+                                 "but rank 1 issued all_to_all(f32 row 2)"));
+      }
+    }
+  }
+}
+
 TEST(WorldSizeOne, EveryOpIsTheIdentity) {
   run_local(1, [](ProcessGroup& world) {
     Tensor x = iota({2, 3, 4});

@@ -220,10 +220,17 @@ Tensor trace_permute_tensor(Tracer& tr, const Tensor& t, const std::vector<int>&
         "rank's split sizes",
         kOp, g.name));
   }
-  const PermuteSplits splits = permute_splits(src_dst, g.size, pg->rank(), t.numel());
-  const Tensor flat = ops::reshape(t, {t.numel()});
-  return ops::view(trace_all_to_all_single(tr, flat, splits.out, splits.in, group),
-                   std::vector<int64_t>(t.sizes().begin(), t.sizes().end()));
+  const Shape rows = permute_rows(t);
+  const PermuteSplits splits = permute_splits(src_dst, g.size, pg->rank(), rows[0]);
+  // Contiguous rows: a 0-d tensor as [1]; one that is not contiguous copied (reshaped flat).
+  Tensor x = t;
+  if (t.dim() == 0) {
+    x = ops::reshape(t, {1});
+  } else if (!t.is_contiguous()) {
+    x = ops::view(ops::reshape(t, {t.numel()}), std::vector<int64_t>(rows.begin(), rows.end()));
+  }
+  const Tensor r = trace_all_to_all_single(tr, x, splits.out, splits.in, group);
+  return t.dim() == 0 ? ops::view(r, {}) : r;
 }
 
 }  // namespace funcol::api_detail
