@@ -13,6 +13,20 @@ function(funcol_target_options target)
   endif()
 endfunction()
 
+# funcol_installed_link(OUT LIB): how the installed package names library file LIB for its
+# users' link: by name (-l) where the linker looks anyway (this machine's path, versioned at
+# that, means nothing elsewhere), else by its path.
+function(funcol_installed_link out lib)
+  get_filename_component(_dir "${lib}" DIRECTORY)
+  get_filename_component(_file "${lib}" NAME)
+  if(_dir IN_LIST CMAKE_CXX_IMPLICIT_LINK_DIRECTORIES AND
+     _file MATCHES "^lib(.+)\\.(so|a)(\\.[0-9.]+)?$")
+    set(${out} "${CMAKE_MATCH_1}" PARENT_SCOPE)
+  else()
+    set(${out} "${lib}" PARENT_SCOPE)
+  endif()
+endfunction()
+
 # Dependencies that are headers only (a user of the installed package needs none of them).
 set(FUNCOL_HEADER_ONLY_DEPS nlohmann_json::nlohmann_json CLI11::CLI11)
 
