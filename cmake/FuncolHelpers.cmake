@@ -13,6 +13,9 @@ function(funcol_target_options target)
   endif()
 endfunction()
 
+# A library file's name, libNAME.so or .a, perhaps versioned: CMAKE_MATCH_1 is NAME.
+set(FUNCOL_LIB_FILE_REGEX "^lib(.+)\\.(so|a)(\\.[0-9.]+)?$")
+
 # funcol_installed_link(OUT LIB): how the installed package names library file LIB for its
 # users' link: by name (-l) where the linker looks anyway (this machine's path, versioned at
 # that, means nothing elsewhere), else by its path.
@@ -20,7 +23,7 @@ function(funcol_installed_link out lib)
   get_filename_component(_dir "${lib}" DIRECTORY)
   get_filename_component(_file "${lib}" NAME)
   if(_dir IN_LIST CMAKE_CXX_IMPLICIT_LINK_DIRECTORIES AND
-     _file MATCHES "^lib(.+)\\.(so|a)(\\.[0-9.]+)?$")
+     _file MATCHES "${FUNCOL_LIB_FILE_REGEX}")
     set(${out} "${CMAKE_MATCH_1}" PARENT_SCOPE)
   else()
     set(${out} "${lib}" PARENT_SCOPE)

@@ -1444,9 +1444,11 @@ Tensor Tensor::cat(const std::vector<Tensor>& tensors, int64_t dim) {
   Tensor out = empty(sizes, first.dtype_);
   int64_t start = 0;
   for (const Tensor& t : tensors) {
-    // A skipped tensor (of another rank, perhaps) adds nothing.
-    const int64_t len = t.dim() == first.dim() ? t.sizes()[d] : 0;
-    if (len == 0) continue;
+    // A tensor of no elements is passed over: it adds nothing along `d`, or it shares a dim of
+    // size 0 with the output, which then has nothing to copy. (One that cat skips may have no
+    // dim `d` at all.)
+    if (t.numel() == 0) continue;
+    const int64_t len = t.sizes()[d];
     Tensor slot = out.narrow(d, start, len);
     t.storage_->wait();
     copy_elements(t.raw_data_ptr(), t.dtype_, t.strides(), slot.raw_data_ptr(), slot.dtype_,

@@ -401,23 +401,26 @@ std::string arrival_key(const std::string& prefix, int index) {
   return fmt::format("{}/arrive/{}", prefix, index);
 }
 
+// The process_identity in an arrival record "<size> <mode> <monitor> <identity>"; empty in a
+// record of three fields (none).
+std::string record_identity(const std::string& record) {
+  if (std::count(record.begin(), record.end(), ' ') != 3) return "";
+  return record.substr(record.rfind(' ') + 1);
+}
+
 // The pid of the process that wrote the arrival record at `key`, when that is another process
 // and it runs (on this machine: elsewhere it cannot be known); nullopt otherwise.
 std::optional<std::string> live_holder(KeyStore& store, const std::string& key) noexcept {
   try {
     const auto record = store.try_get(key);
     if (!record) return std::nullopt;
-    const std::string text(record->begin(), record->end());
-    // "<size> <mode> <monitor> <identity>", the identity "<machine>/<pid>/<start>".
-    if (std::count(text.begin(), text.end(), ' ') != 3) return std::nullopt;
-    const std::string identity = text.substr(text.rfind(' ') + 1);
-    if (identity == process::process_identity() || process::process_running(identity) != true) {
+    const std::string identity = record_identity(std::string(record->begin(), record->end()));
+    if (identity.empty() || identity == process::process_identity() ||
+        process::process_running(identity) != true) {
       return std::nullopt;
     }
-    const size_t end = identity.rfind('/');
-    const size_t begin = end == std::string::npos ? end : identity.rfind('/', end - 1);
-    if (begin == std::string::npos) return std::nullopt;
-    return identity.substr(begin + 1, end - begin - 1);
+    const std::string pid = process::identity_pid(identity);
+    return pid.empty() ? std::nullopt : std::optional<std::string>(pid);
   } catch (...) {  // a store that fails now: nothing known
     return std::nullopt;
   }
@@ -575,10 +578,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     std::vector<std::string> records(static_cast<size_t>(n));
     auto keep_record = [&](int i, const std::string& record) {
       records[i] = record;
-      // The identity is the fourth field (records of three have none).
-      if (std::count(record.begin(), record.end(), ' ') == 3) {
-        identities[static_cast<size_t>(i)] = record.substr(record.rfind(' ') + 1);
-      }
+      identities[static_cast<size_t>(i)] = record_identity(record);
     };
     auto last_look = Clock::now();
     // A member on this machine whose process ended fails the rendezvous at once, named (a

@@ -226,4 +226,14 @@ std::optional<bool> process_running(const std::string& identity) {
   return now.state != 'Z' && now.state != 'X';
 }
 
+std::string identity_pid(const std::string& identity) {
+  // "<...>/<pid>/<start time>": the field before the last.
+  const size_t end = identity.rfind('/');
+  if (end == std::string::npos || end == 0) return "";
+  const size_t begin = identity.rfind('/', end - 1);
+  if (begin == std::string::npos) return "";
+  const std::string pid = identity.substr(begin + 1, end - begin - 1);
+  return all_digits(pid) ? pid : "";
+}
+
 }  // namespace funcol::process

@@ -52,5 +52,8 @@ std::string process_identity();
 // little (a record copied from elsewhere, clock or namespace differences): callers act on a
 // process they saw running that ended.
 std::optional<bool> process_running(const std::string& identity);
+// The pid field of an identity (process_identity's format), as /proc numbers it on the
+// identity's machine; empty when the identity is malformed.
+std::string identity_pid(const std::string& identity);
 
 }  // namespace funcol::process
