@@ -31,6 +31,7 @@
 #include "funcol/dist/process_group.h"
 #include "funcol/dist/work.h"
 #include "tools/commands.h"
+#include "tools/json_line.h"
 #include "tools/launch.h"
 
 namespace funcol::tools {
@@ -1075,7 +1076,7 @@ void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row,
     } else {
       j["wrong"] = nullptr;
     }
-    emit(out, j.dump());
+    emit(out, json_line(j));
     return;
   }
   const std::string wrong = row.wrong >= 0 ? std::to_string(row.wrong) : "N/A";

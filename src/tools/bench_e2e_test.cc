@@ -131,7 +131,7 @@ TEST(BenchE2E, AWrongValueFailsTheRun) {
   EXPECT_EQ(count_rows(r.out_only), 3) << r.out;
   Result json = bench("-o all_reduce --ranks 3 -b 64 -e 64 --inject-wrong --json");
   EXPECT_EQ(json.status, 1) << json.out;
-  EXPECT_NE(json.out_only.find("\"wrong\":1"), std::string::npos) << json.out;
+  EXPECT_NE(json.out_only.find("\"wrong\": 1"), std::string::npos) << json.out;
 }
 
 // Sizes are made one at a time: -f 1 -i 1 -e 1G (a billion rows, as nccl-tests runs them) prints

@@ -877,13 +877,13 @@ TEST(BenchRun, InPlaceChecksCleanAndSaysSo) {
           // Two checks per row, one injected value each.
           EXPECT_EQ(row.wrong, inject ? 2 : 0) << bench_op_name(row.op);
         }
-        EXPECT_NE(text.find(R"("op":"all_gather")"), std::string::npos) << text;
+        EXPECT_NE(text.find(R"("op": "all_gather")"), std::string::npos) << text;
         size_t lines = 0;
         for (size_t at = text.find("{\"op\""); at != std::string::npos;
              at = text.find("{\"op\"", at + 1)) {
           const std::string line = text.substr(at, text.find('\n', at) - at);
-          const bool a2a = line.find(R"("op":"all_to_all")") != std::string::npos;
-          EXPECT_NE(line.find(a2a ? R"("in_place":false)" : R"("in_place":true)"),
+          const bool a2a = line.find(R"("op": "all_to_all")") != std::string::npos;
+          EXPECT_NE(line.find(a2a ? R"("in_place": false)" : R"("in_place": true)"),
                     std::string::npos)
               << line;
           ++lines;

@@ -20,6 +20,7 @@
 #include "funcol/graph/verifier.h"
 #include "funcol/passes/pipeline.h"
 #include "tools/commands.h"
+#include "tools/json_line.h"
 #include "tools/launch.h"
 
 namespace funcol::tools {
@@ -94,7 +95,7 @@ struct StatsCollector {
     for (const PassStat& p : passes) {
       j["passes"].push_back({{"name", p.name}, {"ms", p.ms}, {"changed", p.changed}});
     }
-    return j.dump();
+    return json_line(j);
   }
 };
 

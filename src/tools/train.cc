@@ -41,6 +41,7 @@
 #include "funcol/runtime/executor.h"
 #include "funcol/runtime/profile.h"
 #include "tools/commands.h"
+#include "tools/json_line.h"
 #include "tools/launch.h"
 
 namespace funcol::tools {
@@ -593,7 +594,7 @@ std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
                  {"no_overlap", o.no_overlap},
                  {"seed", o.seed},
                  {"backend", o.backend}};
-  return j.dump();
+  return json_line(j);
 }
 
 std::string train_summary(const TrainOptions& o, const TrainReport& r) {
