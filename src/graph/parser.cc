@@ -1,9 +1,13 @@
 // Parser of the IR text format: a hand-written lexer and a non-recursive descent parser.
 #include "funcol/graph/parser.h"
 
+#include <locale.h>  // newlocale, for strtod_l
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +22,15 @@
 
 namespace funcol {
 namespace {
+
+// The double nearest to a decimal literal that std::from_chars found out of range: for one too
+// small, a subnormal or a signed zero (std::from_chars reports the range and gives no value);
+// for one too large, infinity. strtod in the "C" locale: a '.' whatever the program's locale.
+double underflowed_value(std::string_view text) {
+  static const locale_t c_numeric = newlocale(LC_NUMERIC_MASK, "C", nullptr);
+  const std::string s(text);
+  return strtod_l(s.c_str(), nullptr, c_numeric);
+}
 
 enum class Tok : uint8_t {
   Eof,
@@ -238,7 +251,14 @@ class Lexer {
       double value = 0;
       auto [ptr, ec] = std::from_chars(start, p_, value);
       if (ec == std::errc::result_out_of_range) {
-        error(t.loc, fmt::format("float literal {} is out of range", excerpt(t.text)));
+        // Too small for a double: the nearest one (a subnormal or a signed zero), as C's
+        // strtod and Python's float() read it. Too large has no finite value: an error.
+        value = underflowed_value(t.text);
+        if (!std::isfinite(value)) {
+          error(t.loc, fmt::format("float literal {} is out of range", excerpt(t.text)));
+        }
+        ptr = p_;
+        ec = std::errc();
       }
       if (ec != std::errc() || ptr != p_) {
         error(t.loc, fmt::format("invalid number '{}'", excerpt(t.text)));

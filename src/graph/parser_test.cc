@@ -1,7 +1,9 @@
 // Tests of the IR parser: accepted syntax and one case per error kind with its exact location.
 #include "funcol/graph/parser.h"
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -140,6 +142,27 @@ TEST(Parser, IntegerLimits) {
                         "-9223372036854775808, length = 0}\n  return %n\n}"),
             "t.ir:2:8: error: %n: narrow: start (-9223372036854775808) is out of range for size 4 "
             "of dim 0");
+}
+
+// A float literal too small for a double reads as the nearest one (a subnormal or a signed
+// zero), as strtod and Python's float() read it; only one too large is an error.
+TEST(Parser, FloatLiteralsBelowTheRangeRound) {
+  Module m = parse_module(R"(graph @g() {
+    %a = full() {shape = [], dtype = f64, value = 1e-400}
+    %b = full() {shape = [], dtype = f64, value = -1e-400}
+    %c = full() {shape = [], dtype = f64, value = 3e-324}
+    %d = full() {shape = [], dtype = f64, value = 2.5e-308}
+    return %a, %b, %c, %d
+  })");
+  const Node* a = m.graphs()[0]->first_node();
+  EXPECT_EQ(a->attr("value").as_float(), 0.0);
+  EXPECT_FALSE(std::signbit(a->attr("value").as_float()));
+  EXPECT_EQ(a->next()->attr("value").as_float(), 0.0);
+  EXPECT_TRUE(std::signbit(a->next()->attr("value").as_float()));
+  EXPECT_EQ(a->next()->next()->attr("value").as_float(), std::numeric_limits<double>::denorm_min());
+  EXPECT_EQ(a->next()->next()->next()->attr("value").as_float(), 2.5e-308);
+  EXPECT_EQ(parse_error("graph @g() {\n  %a = full() {shape = [], dtype = f64, value = -1e999}\n}"),
+            "t.ir:2:49: error: float literal -1e999 is out of range");
 }
 
 TEST(Parser, ParseGraphWantsExactlyOne) {
