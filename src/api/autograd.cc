@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -42,6 +43,15 @@ struct GradTape::State {
   // (a thread a rank started has none: it passes the ProcessGroup). Weak: the tape keeps no
   // group alive.
   std::map<std::string, std::weak_ptr<ProcessGroup>, std::less<>> groups;
+  // Every tracked tensor by the storage it views (looked up only), so that a view of one made
+  // by a Tensor method, which the tape does not record, is refused where it would silently enter
+  // as a constant and lose its gradient. Guarded: a thread other than the recording one may look.
+  struct View {
+    Tensor tensor;
+    const Value* value;
+  };
+  std::mutex views_mutex;
+  std::unordered_map<const Storage*, std::vector<View>> views;
 };
 
 namespace {
@@ -113,9 +123,84 @@ Tensor track(const std::shared_ptr<State>& state, Value* value, const Tensor& t)
   const Tensor plain = untracked(t);
   state->values.insert_or_assign(value, plain);
   state->versions.insert_or_assign(value, version_of(plain));
+  if (plain.storage() && plain.numel() > 0) {
+    const std::lock_guard<std::mutex> lock(state->views_mutex);
+    state->views[plain.storage().get()].push_back({plain, value});
+  }
   Tensor out = plain;
   out.set_annotation(std::shared_ptr<TapeRef>(new TapeRef{state, value}, TapeRefDeleter{}));
   return out;
+}
+
+// The live tapes made on this thread, oldest first (expired ones are dropped as tapes come):
+// where a plain collective looks for the tensor its untracked input may be a view of.
+thread_local std::vector<std::weak_ptr<State>> t_tapes;
+// Above zero while the tape itself runs collectives on untracked tensors (backward) or an
+// in-place collective writes into a view (api_detail::UntrackedViewsAllowed).
+thread_local int t_views_allowed = 0;
+
+// The element byte range [begin, end) of `t` within its storage.
+std::pair<int64_t, int64_t> byte_extent(const Tensor& t) {
+  int64_t lo = t.storage_offset();
+  int64_t hi = lo;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t step = (t.size(d) - 1) * t.strides()[static_cast<size_t>(d)];
+    (step < 0 ? lo : hi) += step;
+  }
+  const auto isz = static_cast<int64_t>(t.itemsize());
+  return {lo * isz, (hi + 1) * isz};
+}
+
+bool same_view(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.storage_offset() == b.storage_offset() &&
+         a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
+// The tracked value `t` (untracked, with elements) is a view of, made outside the tape: one of
+// `state`'s tracked tensors holds all of t's bytes and none is t itself. Null otherwise. (A
+// tensor with exactly a tracked tensor's view, such as the one requires_grad() was given, is
+// that value's alias: it enters as a constant, as documented.)
+const Value* viewed_value(State& state, const Tensor& t) {
+  const std::lock_guard<std::mutex> lock(state.views_mutex);
+  const auto it = state.views.find(t.storage().get());
+  if (it == state.views.end()) return nullptr;
+  const auto [begin, end] = byte_extent(t);
+  const Value* holder = nullptr;
+  for (const State::View& v : it->second) {
+    if (same_view(v.tensor, t)) return nullptr;
+    const auto [vb, ve] = byte_extent(v.tensor);
+    if (!holder && vb <= begin && end <= ve) holder = v.value;
+  }
+  return holder;
+}
+
+// Refuses `t` (operand `what` of `op`) when it is an untracked view of a value that `also` or
+// a live tape of this thread tracks: the tape would take it for a constant and drop the
+// gradient through it without a word (PyTorch's views are differentiable).
+void refuse_untracked_view(const Tensor& t, std::string_view op, std::string_view what,
+                           State* also) {
+  if (t_views_allowed > 0 || !t.defined() || !t.storage() || t.numel() == 0) return;
+  if (t.annotation() && tracked(t).state) return;
+  auto check = [&](State& state) {
+    const Value* v = viewed_value(state, t);
+    if (!v) return;
+    throw InvalidArgument(fmt::format(
+        "{}: {} ({}) is a view of {} ({}), which a GradTape tracks, made by a Tensor method: the "
+        "tape records only its own calls, so the gradient through it would be lost. Make the "
+        "view with tape.call (view, reshape, narrow, transpose, permute, ...), or clone() it to "
+        "use its values as a constant",
+        op, what, type_str(t.dtype(), t.sizes()), v->ref(), v->type().str()));
+  };
+  if (also) check(*also);
+  for (size_t i = 0; i < t_tapes.size();) {
+    const std::shared_ptr<State> state = t_tapes[i].lock();
+    if (!state) {
+      t_tapes.erase(t_tapes.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    if (state.get() != also) check(*state);
+    ++i;
+  }
 }
 
 // Node names as the tracer gives them (%ar, %ag, %w, %matmul, ...), so errors read alike.
@@ -281,7 +366,10 @@ std::vector<Tensor> run_node(const State& s, const Node& n, const std::vector<Te
 
 // ---- GradTape ---------------------------------------------------------------------------------
 
-GradTape::GradTape() : state_(std::make_shared<State>()) {}
+GradTape::GradTape() : state_(std::make_shared<State>()) {
+  std::erase_if(t_tapes, [](const std::weak_ptr<State>& w) { return w.expired(); });
+  t_tapes.push_back(state_);
+}
 
 GradTape::~GradTape() = default;
 
@@ -310,6 +398,9 @@ std::vector<Tensor> GradTape::call(std::string_view op, std::span<const Tensor> 
   std::shared_ptr<State> state = tape_of(operands, op);
   if (state && state != state_) {
     throw InvalidArgument(fmt::format("{}: an operand is tracked by another tape", op));
+  }
+  for (size_t i = 0; i < operands.size(); ++i) {
+    refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), state_.get());
   }
   return call_on(state, op, operands, attrs);
 }
@@ -359,6 +450,8 @@ void GradTape::backward(const Tensor& loss) {
         }
       }
     }
+    // The backward's own tensors may view recorded ones (a rule reading a forward value).
+    const api_detail::UntrackedViewsAllowed own_tensors;
     std::unordered_map<const Value*, Tensor> env;  // backward values; looked up only
     auto get = [&](const Value* v) -> const Tensor& {
       auto it = env.find(v);
@@ -527,9 +620,24 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced_autograd(const std::vector<T
 
 namespace api_detail {
 
-bool any_tracked(std::span<const Tensor> ts) {
-  return std::any_of(ts.begin(), ts.end(), [](const Tensor& t) { return is_tracked(t); });
+bool tape_input(const Tensor& t, std::string_view op) {
+  if (is_tracked(t)) return true;
+  refuse_untracked_view(t, op, "the input", nullptr);
+  return false;
 }
+
+bool tape_inputs(std::span<const Tensor> ts, std::string_view op) {
+  if (std::any_of(ts.begin(), ts.end(), [](const Tensor& t) { return is_tracked(t); })) {
+    return true;  // the recording path runs the plain form on them, untracked: checked there
+  }
+  for (size_t i = 0; i < ts.size(); ++i) {
+    refuse_untracked_view(ts[i], op, fmt::format("input {}", i), nullptr);
+  }
+  return false;
+}
+
+UntrackedViewsAllowed::UntrackedViewsAllowed() { ++t_views_allowed; }
+UntrackedViewsAllowed::~UntrackedViewsAllowed() { --t_views_allowed; }
 
 Tensor tape_broadcast(const Tensor& t, int src, const GroupSpec& group) {
   const Tensor in[] = {t};

@@ -641,6 +641,61 @@ TEST(EagerAutograd, InPlaceCollectivesRefuseATrackedOutput) {
   });
 }
 
+// A Tensor method's view of a tracked tensor is not recorded (the tape sees only its own calls):
+// taken as a constant it would lose its gradient silently (loss = sum(x) + sum(all_reduce(
+// x.view)) gave 1 where PyTorch gives 3), so it is refused where it enters a collective or a
+// tape call. Recorded views, exact aliases, clones, tensors larger than the tracked one and
+// in-place writes pass.
+TEST(EagerAutograd, TensorMethodViewsOfTrackedTensorsAreRefused) {
+  run_local(2, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor src = Tensor::full({2, 2}, DType::F32, 1.0);
+    const Tensor x = tape.requires_grad(src);
+    auto refused = [](const std::function<void()>& fn, const std::string& what) {
+      try {
+        fn();
+        ADD_FAILURE() << "no error for " << what;
+      } catch (const InvalidArgument& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(what), std::string::npos) << msg;
+        EXPECT_NE(msg.find("which a GradTape tracks, made by a Tensor method"), std::string::npos)
+            << msg;
+        EXPECT_NE(msg.find("tape.call"), std::string::npos) << msg;
+      }
+    };
+    refused([&] { all_reduce(x.view({4}), "sum", "world"); },
+            "all_reduce: the input (f32[4]) is a view of %x");
+    refused([&] { all_reduce_autograd(x.view({4}), "sum", "world"); }, "all_reduce: the input");
+    refused([&] { all_gather_tensor(x.transpose(0, 1), 0, "world"); },
+            "all_gather_tensor: the input (f32[2,2])");
+    refused([&] { all_reduce_coalesced({x, x.narrow(0, 1, 1)}, "sum", "world"); },
+            "all_reduce_coalesced: input 1 (f32[1,2])");
+    refused([&] { tape.call_one("sum", std::vector<Tensor>{x.narrow(1, 0, 1)}); },
+            "sum: operand 0 (f32[2,1])");
+    const Tensor y = tape.call_one("relu", std::vector<Tensor>{x});
+    refused([&] { tape.call_one("add", std::vector<Tensor>{y, y.view({2, 2}).transpose(0, 1)}); },
+            "add: operand 1 (f32[2,2]) is a view of %relu");
+    EXPECT_EQ(tape.graph().num_nodes(), 1u);  // the relu; nothing refused was recorded
+
+    // Passing: the view recorded (its gradient flows), the tensor requires_grad() was given
+    // (x's alias: a constant), a clone, a tensor that holds x, an in-place write into x's bytes.
+    const Tensor v = tape.call_one("view", std::vector<Tensor>{x}, {{"shape", Shape{4}}});
+    const Tensor ar = all_reduce(v, "sum", "world");
+    EXPECT_TRUE(is_tracked(ar));
+    EXPECT_FALSE(is_tracked(all_reduce(src, "sum", "world")));
+    EXPECT_FALSE(is_tracked(all_reduce(x.view({4}).clone(), "sum", "world")));
+    const Tensor big = Tensor::full({4, 2}, DType::F32, 1.0);
+    const Tensor part = tape.requires_grad(big.narrow(0, 0, 2));
+    EXPECT_EQ(all_reduce(big, "sum", "world").to_vector<float>(), std::vector<float>(8, 2));
+    all_reduce_inplace(src.narrow(0, 0, 1), "max", "world");
+    const Tensor a = tape.call_one("sum", std::vector<Tensor>{x});
+    const Tensor b = tape.call_one("sum", std::vector<Tensor>{ar});
+    tape.backward(tape.call_one("add", std::vector<Tensor>{a, b}));
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), std::vector<float>(4, 1.0f + world.size()));
+    (void)part;
+  });
+}
+
 // As PyTorch's backward(): a loss of one element of any rank, seeded with ones of its shape.
 TEST(EagerAutograd, SingleElementLossOfAnyRank) {
   GradTape tape;

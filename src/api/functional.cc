@@ -248,7 +248,7 @@ Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_reduce(*tr, t, reduce_op, group);
   }
-  if (is_tracked(t)) return all_reduce_autograd(t, reduce_op, group);
+  if (api_detail::tape_input(t, "all_reduce")) return all_reduce_autograd(t, reduce_op, group);
   constexpr std::string_view kOp = "all_reduce";
   check_input(t, kOp);
   const ReduceOp op = parse_reduce_op(reduce_op);
@@ -263,7 +263,9 @@ Tensor all_gather_tensor(const Tensor& t, int64_t gather_dim, const GroupSpec& g
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_gather_tensor(*tr, t, gather_dim, group);
   }
-  if (is_tracked(t)) return all_gather_tensor_autograd(t, gather_dim, group);
+  if (api_detail::tape_input(t, "all_gather_tensor")) {
+    return all_gather_tensor_autograd(t, gather_dim, group);
+  }
   constexpr std::string_view kOp = "all_gather_tensor";
   check_input(t, kOp);
   check_contiguous(t, kOp);
@@ -276,7 +278,9 @@ Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int6
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_reduce_scatter_tensor(*tr, t, reduce_op, scatter_dim, group);
   }
-  if (is_tracked(t)) return reduce_scatter_tensor_autograd(t, reduce_op, scatter_dim, group);
+  if (api_detail::tape_input(t, "reduce_scatter_tensor")) {
+    return reduce_scatter_tensor_autograd(t, reduce_op, scatter_dim, group);
+  }
   constexpr std::string_view kOp = "reduce_scatter_tensor";
   check_input(t, kOp);
   const ReduceOp op = parse_reduce_op(reduce_op);
@@ -297,7 +301,7 @@ Tensor all_to_all_single(const Tensor& t, std::optional<std::vector<int64_t>> ou
     return api_detail::trace_all_to_all_single(*tr, t, output_split_sizes, input_split_sizes,
                                                group);
   }
-  if (is_tracked(t)) {
+  if (api_detail::tape_input(t, "all_to_all_single")) {
     return all_to_all_single_autograd(t, output_split_sizes, input_split_sizes, group);
   }
   constexpr std::string_view kOp = "all_to_all_single";
@@ -337,7 +341,7 @@ Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_broadcast(*tr, t, src, group);
   }
-  if (is_tracked(t)) return api_detail::tape_broadcast(t, src, group);
+  if (api_detail::tape_input(t, "broadcast")) return api_detail::tape_broadcast(t, src, group);
   constexpr std::string_view kOp = "broadcast";
   check_input(t, kOp);
   ProcessGroup& pg = group.resolve();
@@ -362,7 +366,9 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
   const Shape rows = api_detail::permute_rows(t);
   const api_detail::PermuteSplits splits =
       api_detail::permute_splits(src_dst, pg.size(), pg.rank(), rows[0]);
-  if (is_tracked(t)) return api_detail::tape_permute(t, splits.out, splits.in, pg);
+  if (api_detail::tape_input(t, "permute_tensor")) {
+    return api_detail::tape_permute(t, splits.out, splits.in, pg);
+  }
   Tensor x = t.contiguous().view(rows);
   return all_to_all_impl(pg, x, splits.out, splits.in, rows[0]).view(t.sizes());
 }
@@ -372,7 +378,7 @@ std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_reduce_coalesced(*tr, inputs, reduce_op, group);
   }
-  if (api_detail::any_tracked(inputs)) {
+  if (api_detail::tape_inputs(inputs, "all_reduce_coalesced")) {
     return all_reduce_coalesced_autograd(inputs, reduce_op, group);
   }
   constexpr std::string_view kOp = "all_reduce_coalesced";
@@ -395,7 +401,7 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
   if (Tracer* tr = current_tracer()) {
     return api_detail::trace_all_gather_into_tensor_coalesced(*tr, inputs, group);
   }
-  if (api_detail::any_tracked(inputs)) {
+  if (api_detail::tape_inputs(inputs, "all_gather_into_tensor_coalesced")) {
     return all_gather_into_tensor_coalesced_autograd(inputs, group);
   }
   constexpr std::string_view kOp = "all_gather_into_tensor_coalesced";
@@ -423,7 +429,7 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
     return api_detail::trace_reduce_scatter_tensor_coalesced(*tr, inputs, reduce_op, scatter_dims,
                                                              group);
   }
-  if (api_detail::any_tracked(inputs)) {
+  if (api_detail::tape_inputs(inputs, "reduce_scatter_tensor_coalesced")) {
     return api_detail::tape_reduce_scatter_coalesced(inputs, reduce_op, scatter_dims, group);
   }
   constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
@@ -468,6 +474,7 @@ void wait_tensors(const std::vector<Tensor>& tensors) {
 
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
                                  const GroupSpec& group) {
+  const api_detail::UntrackedViewsAllowed writes;  // into t, which may view a leaf
   assign(t, all_reduce(t, reduce_op, group), "all_reduce_inplace");
   return t;
 }
@@ -475,6 +482,7 @@ const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,
 void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
                         const GroupSpec& group) {
   constexpr std::string_view kOp = "all_gather_inplace";
+  const api_detail::UntrackedViewsAllowed writes;  // into tensor_list, as all_reduce_inplace
   // Tracing needs no live group (declared sizes); eager resolves the spec once.
   Tracer* tr = current_tracer();
   ProcessGroup* pg = tr ? nullptr : &group.resolve();
@@ -508,6 +516,7 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
 
 const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& input,
                                         const GroupSpec& group, int64_t gather_dim) {
+  const api_detail::UntrackedViewsAllowed writes;  // into output, as all_reduce_inplace
   Tensor result = all_gather_tensor(input, gather_dim, group);
   check_output(output, result, "all_gather_tensor_inplace");
   assign(output, result, "all_gather_tensor_inplace");
@@ -517,6 +526,7 @@ const Tensor& all_gather_tensor_inplace(const Tensor& output, const Tensor& inpu
 const Tensor& reduce_scatter_tensor_inplace(const Tensor& output, const Tensor& input,
                                             const GroupSpec& group, const std::string& reduce_op,
                                             int64_t scatter_dim) {
+  const api_detail::UntrackedViewsAllowed writes;  // into output, as all_reduce_inplace
   Tensor result = reduce_scatter_tensor(input, reduce_op, scatter_dim, group);
   check_output(output, result, "reduce_scatter_tensor_inplace");
   assign(output, result, "reduce_scatter_tensor_inplace");
@@ -527,6 +537,7 @@ const Tensor& all_to_all_inplace(const Tensor& output, const Tensor& input,
                                  std::optional<std::vector<int64_t>> output_split_sizes,
                                  std::optional<std::vector<int64_t>> input_split_sizes,
                                  const GroupSpec& group) {
+  const api_detail::UntrackedViewsAllowed writes;  // into output, as all_reduce_inplace
   Tensor result =
       all_to_all_single(input, std::move(output_split_sizes), std::move(input_split_sizes), group);
   check_output(output, result, "all_to_all_inplace");

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "funcol/api/functional.h"
@@ -14,8 +15,23 @@
 
 namespace funcol::api_detail {
 
-// True when a live GradTape tracks any of `ts`.
-bool any_tracked(std::span<const Tensor> ts);
+// True when a live GradTape tracks `t`: the plain collective `op` records itself then. An
+// untracked view of a tracked tensor (made by a Tensor method, which no tape records) is
+// refused (InvalidArgument): taken as a constant, it would lose its gradient without a word.
+bool tape_input(const Tensor& t, std::string_view op);
+// The same for a coalesced form's inputs: true when any is tracked.
+bool tape_inputs(std::span<const Tensor> ts, std::string_view op);
+
+// While one lives on a thread, tape_input(s) lets untracked views pass: the in-place
+// collectives (they write into their tensor, and a leaf may be written between uses) and the
+// tape's own backward.
+class UntrackedViewsAllowed {
+ public:
+  UntrackedViewsAllowed();
+  ~UntrackedViewsAllowed();
+  UntrackedViewsAllowed(const UntrackedViewsAllowed&) = delete;
+  UntrackedViewsAllowed& operator=(const UntrackedViewsAllowed&) = delete;
+};
 
 // broadcast of a tracked input: runs it and records it, so a backward that reaches it fails
 // with broadcast's error (PyTorch defines no gradient for it) instead of dropping the path.

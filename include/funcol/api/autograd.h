@@ -28,8 +28,12 @@ namespace funcol {
 // One tape per rank (thread); every rank must record the same ops in the same order, since the
 // backward collectives are issued in the order of the recorded graph. Tensors stay tracked as
 // long as the tape lives; a tensor of a destroyed tape counts as untracked. Tensor methods
-// (t.view(...)) are not recorded: use call(). The tape keeps everything it recorded and each
-// backward walks all of it: record each training step on a tape of its own.
+// (t.view(...)) are not recorded: use call(). A view they make of a tracked tensor is refused
+// (InvalidArgument) where it enters call() or a collective, on the tape's thread, since as a
+// constant it would lose its gradient without a word; copies they make (t.to(...), t.clone())
+// are untracked constants, and so is the tensor requires_grad() was given (the leaf's alias).
+// The in-place collectives may write into such views. The tape keeps everything it recorded
+// and each backward walks all of it: record each training step on a tape of its own.
 class GradTape {
  public:
   GradTape();
