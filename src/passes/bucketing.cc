@@ -1374,8 +1374,10 @@ std::vector<double> parse_cap_mb(std::string_view text) {
     const std::string_view part =
         text.substr(pos, colon == std::string_view::npos ? std::string_view::npos : colon - pos);
     double v = 0;
-    const auto r = std::from_chars(part.data(), part.data() + part.size(), v);
-    const bool whole = !part.empty() && r.ptr == part.data() + part.size();
+    // A sign of '+' as C's strtod and Python's float() take it (std::from_chars does not).
+    const char* first = part.data() + (part.size() > 1 && part[0] == '+' ? 1 : 0);
+    const auto r = std::from_chars(first, part.data() + part.size(), v);
+    const bool whole = first != part.data() + part.size() && r.ptr == part.data() + part.size();
     if (whole && r.ec == std::errc::result_out_of_range) {
       // Too large (not too small): say what merges without a limit.
       const bool huge = std::fabs(std::strtod(std::string(part).c_str(), nullptr)) > 1;

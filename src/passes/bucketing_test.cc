@@ -104,6 +104,10 @@ TEST(BucketOptions, BadCapsAreRejected) {
        {"", ":", "1:", ":1", "abc", "0", "-1", "inf", "nan", "1e999", "1:0", "1;2", " 1"}) {
     EXPECT_THROW(parse_cap_mb(bad), InvalidArgument) << bad;
   }
+  EXPECT_EQ(parse_cap_mb("+5:+0.5"), (std::vector<double>{5, 0.5}));
+  EXPECT_THROW(parse_cap_mb("+"), InvalidArgument);
+  EXPECT_THROW(parse_cap_mb("++5"), InvalidArgument);
+  EXPECT_THROW(parse_cap_mb("+-5"), InvalidArgument);
   try {
     parse_cap_mb("1:x");
     FAIL();
