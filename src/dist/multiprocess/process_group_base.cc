@@ -26,6 +26,12 @@ constexpr std::chrono::milliseconds kWatchdogTick{100};
 // have done its part (sent its data) just before dying. A transport that needs the dead rank
 // fails at once anyway (connection reset).
 constexpr std::chrono::milliseconds kDeathGrace{1000};
+// How long a collective that a member left without issuing still waits before it fails, when
+// no member's death is known yet: a peer mostly leaves because of an error of its own, often
+// the death of another member that this rank's monitor has not read yet (the goodbye and the
+// dead rank's end of file can arrive in one poll, read in rank order). The failure then names
+// the death as well as the departure.
+constexpr std::chrono::milliseconds kDepartureWait{500};
 
 std::vector<int64_t> displacements(const std::vector<int64_t>& counts) {
   std::vector<int64_t> displs(counts.size(), 0);
@@ -608,7 +614,7 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
   }
   if (expired) {
     if (!loss.empty()) {
-      fail_op(expired, fmt::format("{}: {}", expired->work->description(), loss));
+      fail_op(expired, loss_message(*expired, loss));
     } else {
       const std::string message = timeout_message(*expired);
       // A peer that is only late learns at once, when it issues this, that nobody waits any
@@ -666,43 +672,69 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     auto it = loss.issued.find(name());
     peer_issued = it == loss.issued.end() ? 0 : it->second;
   }
-  const std::string reason = loss.describe();
-  const std::string lost =
-      fmt::format("{}; missing ranks {}", reason, dist_detail::format_ranks({loss.rank}));
+  const std::string missing = "; missing ranks " + dist_detail::format_ranks({loss.rank});
+  const std::string lost = loss.describe() + missing;  // why the group is unusable from now on
+  // What a collective this loss fails says when the monitor knows no other loss.
+  const std::string fails = loss.describe() + (loss.clean ? " before joining" : "") + missing;
+  // A departure fails what the peer never issued at once only when a member's death is known
+  // already (the death is named with it); else after kDepartureWait, so that a death read
+  // just after the goodbye is named too.
+  bool death_known = false;
+  if (loss.clean && job_->monitor() != nullptr) {
+    for (int r : members) {
+      const auto other = job_->monitor()->lost(r);
+      death_known = death_known || (other && !other->clean);
+    }
+  }
   std::vector<std::shared_ptr<CollectiveOp>> victims;
+  bool affected = !loss.clean;
   {
     std::lock_guard lock(mu_);
     // Every later collective on this group would wait for the peer forever.
     if (!broken_) broken_ = lost;
     for (auto& op : inflight_) {
       if (op->done()) continue;
-      if (!loss.clean) {
-        // It may have finished its part before dying: fail soon unless it completes.
-        op->loss = lost;
-        op->deadline = std::min(op->deadline, Clock::now() + kDeathGrace);
-      } else if (op->seq >= peer_issued) {
-        // A peer that left cleanly finished what it issued; only what it never issued is lost.
+      // A peer that left cleanly finished what it issued; only what it never issued is lost.
+      // One that died may have finished its part before dying: fail soon unless it completes.
+      if (loss.clean && op->seq < peer_issued) continue;
+      affected = true;
+      if (loss.clean && death_known) {
         victims.push_back(op);
+        continue;
       }
+      // The first loss stays the fallback; the failure names every loss known by then.
+      if (op->loss.empty()) op->loss = fails;
+      op->deadline = std::min(op->deadline, Clock::now() + (loss.clean ? kDepartureWait
+                                                                        : kDeathGrace));
     }
     std::erase_if(inflight_, [&](const auto& op) {
       return std::find(victims.begin(), victims.end(), op) != victims.end();
     });
   }
-  if (!loss.clean) {
-    on_broken(lost);
-    return;
-  }
   for (auto& op : victims) {
-    if (op->claim()) {
-      op->work->fail(std::make_exception_ptr(
-          CommError(fmt::format("{}: {} before joining; missing ranks {}",
-                                op->work->description(), reason,
-                                dist_detail::format_ranks({loss.rank})))));
-    }
+    if (op->claim()) op->work->fail(std::make_exception_ptr(CommError(loss_message(*op, fails))));
   }
   // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
-  if (!victims.empty()) on_broken(lost);
+  if (affected) on_broken(lost);
+}
+
+std::string ProcessGroupBase::loss_message(const CollectiveOp& op,
+                                           const std::string& first) const {
+  std::vector<PeerLoss> losses;
+  if (PeerMonitor* monitor = job_->monitor()) {
+    losses = monitor->wait_for_loss(global_ranks(), std::chrono::milliseconds(0));
+  }
+  std::string msg = op.work->description() + ":";
+  std::vector<int> missing;
+  for (const PeerLoss& l : losses) {
+    if (issued_before_leaving(l, op.seq)) continue;  // it did its part
+    msg += fmt::format("{} {}{}", missing.empty() ? "" : ";", l.describe(),
+                       l.clean ? " before joining" : "");
+    missing.push_back(l.rank);
+  }
+  if (missing.empty()) return fmt::format("{}: {}", op.work->description(), first);
+  std::sort(missing.begin(), missing.end());
+  return msg + "; missing ranks " + dist_detail::format_ranks(missing);
 }
 
 }  // namespace funcol::process

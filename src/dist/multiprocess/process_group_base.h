@@ -204,6 +204,10 @@ class ProcessGroupBase : public ProcessGroup,
   CommError failed_earlier(const CollectiveOp& op, const std::string& reason) const;
   void remove_inflight(const CollectiveOp* op);
   std::string timeout_message(const CollectiveOp& op);
+  // The error of a collective that lost members: every member lost by now that had not issued
+  // it, deaths first (the likely cause), with " before joining" on a departure, and them as
+  // missing; `first` (the first loss seen, described) when the monitor knows none.
+  std::string loss_message(const CollectiveOp& op, const std::string& first) const;
   // The error of collective gave_up_->seq issued after a peer gave up on it (mu_ held).
   std::string late_message(const CollectiveOp& op) const;
   // Whether a peer that went away had issued collective `seq` of this group: only one that

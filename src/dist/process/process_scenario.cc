@@ -410,6 +410,41 @@ void scenario_depart(funcol::ProcessGroup& world) {
                                       leaver));
 }
 
+// One member dies in a collective that another never issues: that one leaves cleanly (an error
+// of its own) while the others wait. Their error names the death as well as the departure, and
+// both as missing. (The departure, read after the death, used to fail the collective at once
+// naming only the rank that left, which had left because of the death.)
+void scenario_death_then_departure(funcol::ProcessGroup& world) {
+  const int victim = world.size() - 1;
+  const int leaver = world.size() - 2;
+  check_sum(world);
+  if (world.rank() == leaver) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // after the death
+    funcol::set_departure_error("RuntimeError: the leaver's own error");
+    funcol::destroy_process_group();
+    ok("left");
+    return;
+  }
+  Tensor t = Tensor::full({16}, DType::I32, 1);
+  auto work = world.all_reduce(t, ReduceOp::Sum);
+  if (world.rank() == victim) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::fflush(stdout);
+    std::raise(SIGKILL);
+  }
+  auto start = Clock::now();
+  std::string msg =
+      expect_comm_error([&] { work->wait(); }, "a collective whose members died and left");
+  const double took = seconds_since(start);
+  expect_contains(msg, fmt::format("rank {} died (its process exited or was killed)", victim));
+  expect_contains(msg, fmt::format("rank {} departed after an error (RuntimeError: the leaver's "
+                                   "own error) before joining",
+                                   leaver));
+  expect_contains(msg, fmt::format("missing ranks [{}, {}]", leaver, victim));
+  if (took > 5) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
 void scenario_split_kill(funcol::ProcessGroup& world) {
   const int victim = world.size() - 1;
   check_sum(world);
@@ -640,6 +675,8 @@ int main(int argc, char** argv) {
       scenario_depart(*world);
     } else if (scenario == "split_kill") {
       scenario_split_kill(*world);
+    } else if (scenario == "death_then_departure") {
+      scenario_death_then_departure(*world);
     } else if (scenario == "exit") {
       scenario_exit(*world);
     } else if (scenario == "stopped") {
