@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <queue>
 #include <string>
@@ -433,8 +434,11 @@ class Bucketer {
     Node* before = nullptr;
     Node* anchor = nullptr;
   };
+  void collect_region(const std::vector<Entry*>& members, const Bounds& b, Region& region);
   std::optional<std::vector<uint32_t>> plan_region(const std::vector<Entry*>& members,
                                                    Region& region);
+  std::vector<Entry*> best_gap_members(const std::vector<Entry*>& members);
+  std::vector<Entry*> kept_by_ranges(const std::vector<Entry*>& members, Region& region);
   void emit_region(const std::vector<Entry*>& members, const Region& region,
                    const std::vector<uint32_t>& order);
   DType bucket_dtype(const std::vector<Entry*>& members) const;
@@ -667,9 +671,8 @@ void Bucketer::close_bucket(std::string_view reason) {
     outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
     // The members a merge drops (issue order) get a few more tries as a bucket of their own,
-    // in wait order (each try costs at most a merge's bounded trials): a member that blocks
-    // some of the others then leaves only those unmerged, not every member it was not kept
-    // with.
+    // in wait order (each try costs a pass over the members' region): the members that have
+    // no placement with the merged ones then merge among themselves.
     constexpr int kMaxRetries = 4;
     std::vector<Entry*> todo = bucket_;
     for (int attempt = 0; attempt <= kMaxRetries && todo.size() >= 2; ++attempt) {
@@ -1125,19 +1128,14 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
 // latest input is an ancestor of one, and every path from a consumer to an input stays
 // inside. (The window lies between the first and the last member; reordering all of that
 // span cost every bucket the graph's size when members are issued far ahead of their waits.)
-// Returns the order as item indices (region nodes, then X, then Y), or nothing when no such
-// order exists (a member would force two unmerged collectives to swap); an empty order when
-// the members leave a gap (nothing to reorder).
-std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Entry*>& members,
-                                                           Region& region) {
+// collect_region gathers that window (members excluded, marked with the item index kNoId,
+// the others with their index in region.nodes); plan_region orders it. plan_region returns the
+// order as item indices (region nodes, then X, then Y), or nothing when no such order exists (a
+// member would force two unmerged collectives to swap); an empty order when the members leave
+// a gap (nothing to reorder).
+void Bucketer::collect_region(const std::vector<Entry*>& members, const Bounds& b,
+                              Region& region) {
   region.nodes.clear();
-  const Bounds b = bounds(members);
-  if (b.lo < b.hi) return std::vector<uint32_t>{};
-  int64_t x_prio = kMinKey, y_prio = kMaxKey;
-  for (const Entry* m : members) {
-    x_prio = std::max(x_prio, order_.key(m->coll));
-    y_prio = std::min(y_prio, order_.key(m->wait));
-  }
   grow_scratch();
   ++item_epoch_;
   // Members are marked with the item index kNoId.
@@ -1167,6 +1165,110 @@ std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Ent
   while (region.before && is_member(region.before)) region.before = region.before->prev();
   region.anchor = b.lo_node->next();
   while (region.anchor && is_member(region.anchor)) region.anchor = region.anchor->next();
+}
+
+// Which members to merge when not all of them have one placement: in the window, the
+// unmerged collectives c_0 .. c_{K-1} keep their order, and the merged one goes into a gap g
+// (after g of them). Member m's input may descend from some c_j (then g > j) and its wait may
+// lead to some c_k (then g <= k): it fits the gaps [lo_m, hi_m], and the members that share one
+// gap can merge. Members cannot lead to one another (dependency skipping keeps those out), so
+// these are all the constraints. The fewest merged collectives that take every member are the
+// fewest gaps that every interval holds one of: in order of the intervals' ends, each interval
+// no gap holds yet puts one at its end, which takes every interval that holds it. Of those
+// groups, the largest (the first such) is merged now; the members left are tried again as a
+// bucket of their own (close_bucket), where the same choice picks the next largest.
+// Its members in wait order; fewer than two when no gap holds two.
+std::vector<Entry*> Bucketer::best_gap_members(const std::vector<Entry*>& members) {
+  const Bounds b = bounds(members);
+  Region region;
+  collect_region(members, b, region);
+  const std::vector<Node*>& nodes = region.nodes;
+  auto index_of = [&](const Node* n) -> std::optional<uint32_t> {
+    if (!n) return std::nullopt;
+    const uint32_t id = order_.id(n);
+    if (item_mark_[id] != item_epoch_ || item_[id] == kNoId) return std::nullopt;
+    return item_[id];
+  };
+  // The collectives' chain positions; after[i]: the least gap that node i's dependents need
+  // (one past the latest collective it descends from); before[i]: the greatest gap allowed when
+  // node i descends from the merged collective (the earliest collective it leads to).
+  uint32_t num_colls = 0;
+  std::vector<uint32_t> after(nodes.size(), 0), chain(nodes.size(), kNoId);
+  for (uint32_t i = 0; i < nodes.size(); ++i) {
+    for (const Value* v : nodes[i]->operands()) {
+      if (auto d = index_of(v->node())) after[i] = std::max(after[i], after[*d]);
+    }
+    if (nodes[i]->op().is_collective()) {
+      chain[i] = num_colls++;
+      after[i] = num_colls;
+    }
+  }
+  std::vector<uint32_t> before(nodes.size(), num_colls);
+  for (uint32_t i = static_cast<uint32_t>(nodes.size()); i-- > 0;) {
+    if (chain[i] != kNoId) before[i] = chain[i];
+    for (size_t r = 0; r < nodes[i]->num_results(); ++r) {
+      for (const Use& u : nodes[i]->result(r)->uses()) {
+        if (auto d = index_of(u.user)) before[i] = std::min(before[i], before[*d]);
+      }
+    }
+  }
+  std::vector<std::pair<uint32_t, uint32_t>> fits;  // [lo, hi] per member
+  fits.reserve(members.size());
+  for (const Entry* m : members) {
+    const auto src = index_of(m->source()->node());
+    uint32_t hi = num_colls;
+    for (const Use& u : m->wait->result(0)->uses()) {
+      if (auto d = index_of(u.user)) hi = std::min(hi, before[*d]);
+    }
+    fits.emplace_back(src ? after[*src] : 0, hi);
+  }
+  std::vector<uint32_t> by_end(members.size());
+  std::iota(by_end.begin(), by_end.end(), 0u);
+  std::stable_sort(by_end.begin(), by_end.end(),
+                   [&](uint32_t a, uint32_t b) { return fits[a].second < fits[b].second; });
+  std::vector<uint32_t> by_start(by_end);
+  std::stable_sort(by_start.begin(), by_start.end(),
+                   [&](uint32_t a, uint32_t b) { return fits[a].first < fits[b].first; });
+  // A gap at interval i's end takes every interval not taken yet that starts at or before it:
+  // those all end at or after it (one that ended before would have put a gap there first).
+  std::vector<uint32_t> group(members.size(), kNoId);
+  std::vector<uint32_t> sizes;
+  size_t next = 0;  // in by_start
+  for (uint32_t i : by_end) {
+    if (group[i] != kNoId) continue;
+    const uint32_t gap = fits[i].second;
+    const auto g = static_cast<uint32_t>(sizes.size());
+    sizes.push_back(0);
+    for (; next < by_start.size() && fits[by_start[next]].first <= gap; ++next) {
+      if (group[by_start[next]] != kNoId) continue;
+      group[by_start[next]] = g;
+      ++sizes[g];
+    }
+    if (group[i] == kNoId) {  // no gap fits it (not expected): alone
+      group[i] = g;
+      ++sizes[g];
+    }
+  }
+  const auto largest =
+      static_cast<uint32_t>(std::max_element(sizes.begin(), sizes.end()) - sizes.begin());
+  std::vector<Entry*> out;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (group[i] == largest) out.push_back(members[i]);
+  }
+  return out;
+}
+
+std::optional<std::vector<uint32_t>> Bucketer::plan_region(const std::vector<Entry*>& members,
+                                                           Region& region) {
+  region.nodes.clear();
+  const Bounds b = bounds(members);
+  if (b.lo < b.hi) return std::vector<uint32_t>{};
+  int64_t x_prio = kMinKey, y_prio = kMaxKey;
+  for (const Entry* m : members) {
+    x_prio = std::max(x_prio, order_.key(m->coll));
+    y_prio = std::min(y_prio, order_.key(m->wait));
+  }
+  collect_region(members, b, region);
   const std::vector<Node*>& nodes = region.nodes;
   const auto num_items = static_cast<uint32_t>(nodes.size() + 2);
   const uint32_t x_item = num_items - 2, y_item = num_items - 1;
@@ -1280,15 +1382,34 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
     ++stats_.region_reorders;
     return true;
   }
-  // One member can block the rest (its input comes after another member's consumer), and
-  // dropping from the end would drop the good ones behind it too. So, in wait order from
-  // the first member, add the others a range at a time: a range that leaves a placement is
-  // kept whole, one that does not is halved, down to single members, which are dropped. The
-  // first member may itself be the one that blocks the others, so the same is done from the
-  // second member, and the larger set is kept. Each trial costs the region's size, so failed
-  // trials are limited (the members left when the limit is reached are dropped): with at most
-  // two kept ranges per failed one, a bucket costs at most about 2 x 3 x kMaxFailedTrials
-  // trials, whatever its size.
+  // Not all of them have one placement: the most that do (the gap that holds the most). Should
+  // that set have none after all, a constraint the gaps missed, ranges are tried instead.
+  std::vector<Entry*> kept = best_gap_members(members);
+  if (kept.size() >= 2 && !plan_region(kept, region)) kept = kept_by_ranges(members, region);
+  // Nothing merges: the bucket stays as it was, its first member counted as kept.
+  if (kept.size() < 2) kept = {members[0]};
+  stats_.dropped += static_cast<int64_t>(members.size() - kept.size());
+  members = std::move(kept);
+  if (members.size() < 2) return false;
+  if (place_normally(members)) return true;
+  auto order = plan_region(members, region);
+  FUNCOL_CHECK(order.has_value(), "bucketing: a bucket's kept members have no placement");
+  emit_region(members, region, *order);
+  ++stats_.region_reorders;
+  return true;
+}
+
+// One member can block the rest (its input comes after another member's consumer), and
+// dropping from the end would drop the good ones behind it too. So, in wait order from the
+// first member, add the others a range at a time: a range that leaves a placement is kept
+// whole, one that does not is halved, down to single members, which are dropped. The first
+// member may itself be the one that blocks the others, so the same is done from the second
+// member, and the larger set is kept. Each trial costs the region's size, so failed trials are
+// limited (the members left when the limit is reached are dropped): with at most two kept
+// ranges per failed one, a bucket costs at most about 2 x 3 x kMaxFailedTrials trials,
+// whatever its size.
+std::vector<Entry*> Bucketer::kept_by_ranges(const std::vector<Entry*>& members,
+                                             Region& region) {
   constexpr int kMaxFailedTrials = 32;
   std::vector<Entry*> kept;
   std::vector<Entry*> best;
@@ -1302,7 +1423,7 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
     int failed = 0;
     ranges.clear();
     if (first == 0) {
-      // With the first member, the whole bucket failed above.
+      // With the first member, the whole bucket failed already.
       failed = 1;
       if (members.size() > 2) push_halves(1, members.size());
     } else {
@@ -1324,17 +1445,7 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
     }
   }
   if (best.size() >= kept.size()) kept = std::move(best);
-  // Nothing merges: the bucket stays as it was, its first member counted as kept.
-  if (kept.size() < 2) kept = {members[0]};
-  stats_.dropped += static_cast<int64_t>(members.size() - kept.size());
-  members = std::move(kept);
-  if (members.size() < 2) return false;
-  if (place_normally(members)) return true;
-  auto order = plan_region(members, region);
-  FUNCOL_CHECK(order.has_value(), "bucketing: a bucket's kept members have no placement");
-  emit_region(members, region, *order);
-  ++stats_.region_reorders;
-  return true;
+  return kept;
 }
 
 }  // namespace

@@ -100,8 +100,11 @@ struct BucketingStats {
 // is folded into the packing. New nodes go where every input is defined and before every
 // consumer; when no such place exists, the nodes from the first consumer of a member's wait to
 // the latest member input (a span within the members' region) are reordered (stably, keeping
-// the issue order of the collectives not merged; a member that would break that order is
-// dropped).
+// the issue order of the collectives not merged). When the members have no such order
+// together, the bucket is split into the fewest groups that each have one (each member's
+// placements are a range between two unmerged collectives), the largest merges, and the
+// rest are bucketed again on their own (up to four more times; members left then are
+// dropped, as are members of groups of one).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
 // routine again on it merges nothing more, with two exceptions. When it dropped members:
