@@ -709,8 +709,11 @@ std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options) {
   if (const std::string* text = options.find("memory-budget-mb")) {
     const double mb = options.get_double("overlap", "memory-budget-mb", 0);
     if (!(mb > 0) || !std::isfinite(mb)) {
+      // Without the option the budget is unlimited; say so to one who asked for infinity.
       throw InvalidArgument(fmt::format(
-          "option memory-budget-mb of pass overlap must be a positive number, got '{}'", *text));
+          "option memory-budget-mb of pass overlap must be a finite positive number, got "
+          "'{}'{}",
+          *text, std::isinf(mb) && mb > 0 ? " (leave the option out for no budget)" : ""));
     }
     // MB as the bucketing passes count them (DESIGN §6); a budget beyond any count of held
     // bytes saturates, and one under a byte, accepted as positive, is one byte, not no room.

@@ -247,7 +247,15 @@ TEST(Overlap, PipelineOptionAndErrors) {
     Pipeline::parse("overlap{memory-budget-mb=0}");
   } catch (const InvalidArgument& e) {
     EXPECT_EQ(std::string(e.what()),
-              "option memory-budget-mb of pass overlap must be a positive number, got '0'");
+              "option memory-budget-mb of pass overlap must be a finite positive number, got '0'");
+  }
+  try {
+    Pipeline::parse("overlap{memory-budget-mb=inf}");
+    ADD_FAILURE() << "inf accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "option memory-budget-mb of pass overlap must be a finite positive number, got "
+              "'inf' (leave the option out for no budget)");
   }
   EXPECT_THROW(Pipeline::parse("overlap{cap-mb=1}"), InvalidArgument);
 }

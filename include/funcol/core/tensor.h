@@ -135,7 +135,8 @@ class Tensor {
   // ---- factories ----
   // Storage beyond the machine's memory and swap (capped by the process's cgroup limit, a
   // container's) is refused before allocating, Error "out of memory: cannot allocate N bytes",
-  // even where overcommit would have let a tensor used only in part through.
+  // even where overcommit would have let a tensor used only in part through. empty's elements
+  // are uninitialized (torch.empty's): whatever its storage held before.
   static Tensor empty(const Shape& shape, DType dtype);
   static Tensor zeros(const Shape& shape, DType dtype);
   // `value` is converted to dtype (bool: value != 0); an integer dtype refuses a value it
