@@ -18,6 +18,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 
 #include "elem.h"
@@ -517,12 +518,34 @@ Storage::~Storage() { free_storage(data_, nbytes_); }
 
 void Storage::add_pending(std::shared_ptr<Waitable> work) {
   FUNCOL_CHECK(work != nullptr, "add_pending: null work");
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& w : pending_) {
-    if (w == work) return;
+  std::vector<std::shared_ptr<Waitable>> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // One collective attaches itself once per view of these bytes, one after the other.
+    if (!pending_.empty() && pending_.back() == work) return;
+    pending_.push_back(std::move(work));
+    has_pending_.store(true, std::memory_order_release);
+    // Whenever the list doubled since the last time, the completed operations are detached,
+    // except failed ones (they stay, as Storage::wait keeps them). Whether one failed is known
+    // only by waiting on it, done without the lock, as in drain.
+    if (pending_.size() < prune_pending_at_) return;
+    prune_pending_at_ = 2 * pending_.size();
+    for (const auto& w : pending_) {
+      if (w->is_completed()) done.push_back(w);
+    }
   }
-  pending_.push_back(std::move(work));
-  has_pending_.store(true, std::memory_order_release);
+  std::unordered_set<const Waitable*> succeeded;  // looked up only
+  for (const auto& w : done) {
+    try {
+      w->wait();
+      succeeded.insert(w.get());
+    } catch (...) {
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(pending_,
+                [&](const std::shared_ptr<Waitable>& w) { return succeeded.contains(w.get()); });
+  prune_pending_at_ = std::max(kPrunePendingAt, 2 * pending_.size());
 }
 
 bool Storage::is_ready() const {
@@ -560,22 +583,25 @@ std::exception_ptr drain(std::mutex& mu, std::vector<std::shared_ptr<Waitable>>&
       }
       snapshot = list;
     }
-    std::vector<std::shared_ptr<Waitable>> failed;
+    // What was waited and did not fail (looked up only): a set, since the list can be long.
+    std::unordered_set<const Waitable*> waited;
+    bool any_failed = false;
     for (const auto& w : snapshot) {
       try {
         w->wait();
       } catch (...) {
-        if (!failures_stay) continue;
-        if (!first_failure) first_failure = std::current_exception();
-        failed.push_back(w);
+        if (failures_stay) {
+          if (!first_failure) first_failure = std::current_exception();
+          any_failed = true;
+          continue;
+        }
       }
+      waited.insert(w.get());
     }
     std::lock_guard<std::mutex> lock(mu);
-    std::erase_if(list, [&](const std::shared_ptr<Waitable>& w) {
-      return std::find(snapshot.begin(), snapshot.end(), w) != snapshot.end() &&
-             std::find(failed.begin(), failed.end(), w) == failed.end();
-    });
-    if (!failed.empty()) return first_failure;
+    std::erase_if(list,
+                  [&](const std::shared_ptr<Waitable>& w) { return waited.contains(w.get()); });
+    if (any_failed) return first_failure;
   }
 }
 

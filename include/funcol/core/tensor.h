@@ -49,7 +49,9 @@ class Storage {
   // The bytes without waiting. Only the producer of pending data (a backend) may use this.
   void* raw() const { return data_; }
 
-  // Attaches an operation that produces these bytes. Attaching the same one twice is a no-op.
+  // Attaches an operation that produces these bytes. Attaching the one attached last again is a
+  // no-op. Operations that completed successfully are detached now and then (amortised O(1)):
+  // bytes written by many in-place collectives and never read in between do not collect them.
   void add_pending(std::shared_ptr<Waitable> work);
   // True when nothing is attached or every attached operation completed.
   bool is_ready() const;
@@ -78,6 +80,7 @@ class Storage {
 
  private:
   static constexpr size_t kPruneReadersAt = 16;  // add_reader's first pruning size
+  static constexpr size_t kPrunePendingAt = 16;  // add_pending's first pruning size
 
   void* data_ = nullptr;
   size_t nbytes_ = 0;
@@ -88,6 +91,7 @@ class Storage {
   std::vector<std::shared_ptr<Waitable>> pending_;
   std::vector<std::shared_ptr<Waitable>> readers_;
   size_t prune_readers_at_ = kPruneReadersAt;  // add_reader's next pruning size
+  size_t prune_pending_at_ = kPrunePendingAt;  // add_pending's next pruning size
 };
 
 namespace detail {
