@@ -980,9 +980,12 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
   const std::string ops = o.ops.size() == std::size(kAllBenchOps)
                               ? "all (" + join(names, ", ") + ")"
                               : join(names, ", ");
-  emit(out,
-       fmt::format("# funcol bench: op {}, backend {}, {} ranks, dtype {}, redop {}, root {}", ops,
-                   o.backend, o.ranks, dtype_name(o.dtype), reduce_op_name(o.redop), o.root));
+  // The reduce op only where a selected op reduces (rows say "none" elsewhere, as nccl-tests).
+  const bool reduces = std::any_of(o.ops.begin(), o.ops.end(), has_reduce_op);
+  const std::string_view rank_word = o.ranks == 1 ? "rank" : "ranks";
+  emit(out, fmt::format("# funcol bench: op {}, backend {}, {} {}, dtype {}, redop {}, root {}",
+                        ops, o.backend, o.ranks, rank_word, dtype_name(o.dtype),
+                        reduces ? reduce_op_name(o.redop) : "none", o.root));
   const std::string step = o.step_factor > 1 ? fmt::format("{}(factor)", o.step_factor)
                                              : fmt::format("{}(bytes)", o.step_bytes);
   emit(out, fmt::format("# minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} "
@@ -1014,9 +1017,9 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
        "# time: mean per-iteration time in us of the slowest rank (nccl-tests reports the "
        "mean over ranks by default)");
   emit(out, fmt::format("# algbw = size / time, busbw = algbw * factor, in GB/s (1e9 B/s); "
-                        "factor for {} ranks: all_reduce 2(n-1)/n = {:.2f},",
-                        o.ranks, bus_factor(BenchOp::AllReduce, o.ranks)));
-  emit(out, fmt::format("#   all_gather, reduce_scatter, all_to_all (n-1)/n = {:.2f}, "
+                        "factor for {} {}: all_reduce 2(n-1)/n = {:.4g},",
+                        o.ranks, rank_word, bus_factor(BenchOp::AllReduce, o.ranks)));
+  emit(out, fmt::format("#   all_gather, reduce_scatter, all_to_all (n-1)/n = {:.4g}, "
                         "broadcast 1",
                         bus_factor(BenchOp::AllGather, o.ranks)));
   if (o.in_place) {
@@ -1038,10 +1041,10 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
 void print_columns(std::FILE* out, BenchOp op) {
   emit(out, "#");
   emit(out, fmt::format("# {}", bench_op_name(op)));
-  emit(out, fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>6}",
+  emit(out, fmt::format("# {:>10}  {:>12}  {:>8}  {:>7}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>6}",
                         "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
                         "#wrong", "ratio"));
-  emit(out, fmt::format("# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>6}",
+  emit(out, fmt::format("# {:>10}  {:>12}  {:>8}  {:>7}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>6}",
                         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", ""));
 }
 
@@ -1080,7 +1083,7 @@ void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row,
     return;
   }
   const std::string wrong = row.wrong >= 0 ? std::to_string(row.wrong) : "N/A";
-  emit(out, fmt::format("{:>12}  {:>12}  {:>8}  {:>6}  {:>6}  {}  {:6.2f}  {:6.2f}  {:>6}  {:6.2f}",
+  emit(out, fmt::format("{:>12}  {:>12}  {:>8}  {:>7}  {:>6}  {}  {:6.2f}  {:6.2f}  {:>6}  {:6.2f}",
                         row.sizes.size_bytes, row.sizes.count, dtype_name(o.dtype), redop, root,
                         format_time(row.time_us), row.algbw, row.busbw, wrong, ratio));
 }

@@ -734,10 +734,10 @@ TEST(BenchRun, EveryOpChecksCleanAndPrintsTheTable) {
     }
     EXPECT_NE(text.find("# funcol bench: op all (all_reduce, all_gather, reduce_scatter, "
                         "all_to_all, broadcast), backend threads, " +
-                        std::to_string(ranks) + " ranks"),
+                        std::to_string(ranks) + (ranks == 1 ? " rank," : " ranks,")),
               std::string::npos)
         << text;
-    EXPECT_NE(text.find("#       size         count      type   redop    root     time   algbw"
+    EXPECT_NE(text.find("#       size         count      type    redop    root     time   algbw"
                         "   busbw  #wrong   ratio"),
               std::string::npos)
         << text;

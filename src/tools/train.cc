@@ -395,6 +395,15 @@ void validate(const TrainOptions& o) {
   if (!(o.lr > 0) || !std::isfinite(o.lr)) {
     throw InvalidArgument(fmt::format("--lr must be a positive number, got {}", o.lr));
   }
+  // The optimizers step in f32: a rate that becomes 0 or infinity there would train nothing, or
+  // only NaN, with no error.
+  const auto lr32 = static_cast<float>(o.lr);
+  if (!(lr32 > 0) || !std::isfinite(lr32)) {
+    throw InvalidArgument(fmt::format(
+        "--lr {} is {} in f32, in which the optimizers step (it must lie within {:g} to {:g})",
+        o.lr, lr32 > 0 ? "infinite" : "zero", std::numeric_limits<float>::denorm_min(),
+        std::numeric_limits<float>::max()));
+  }
   if (o.optimizer != "sgd" && o.optimizer != "adam") {
     throw InvalidArgument(
         fmt::format("unknown optimizer '{}' for --optimizer: expected sgd or adam", o.optimizer));

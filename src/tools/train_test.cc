@@ -285,7 +285,7 @@ TEST(Train, CommandPrintsJsonLineAndSummary) {
 TEST(Train, DivergedTrainingIsReportedNotMatched) {
   TrainOptions o = small();
   o.steps = 4;
-  o.lr = 1e308;
+  o.lr = 1e30;  // finite in f32, where the optimizers step
   const TrainReport r = run_train(o);
   EXPECT_TRUE(std::isfinite(r.initial_loss));
   EXPECT_FALSE(std::isfinite(r.final_loss));
@@ -349,6 +349,10 @@ TEST(Train, BadOptionsFailWithClearMessages) {
        },
        "--hidden 10 is not divisible by --ranks 4"},
       {[](TrainOptions& o) { o.lr = 0; }, "--lr must be a positive number, got 0"},
+      {[](TrainOptions& o) { o.lr = 1e-46; },
+       "--lr 1e-46 is zero in f32, in which the optimizers step (it must lie within 1.4013e-45 "
+       "to 3.40282e+38)"},
+      {[](TrainOptions& o) { o.lr = 1e39; }, "--lr 1e+39 is infinite in f32"},
       {[](TrainOptions& o) { o.steps = 0; }, "--steps must be at least 1, got 0"},
       {[](TrainOptions& o) { o.ranks = 0; }, "--ranks must be at least 1, got 0"},
       {[](TrainOptions& o) { o.bucket_cap_mb = "x"; }, "--bucket-cap-mb: cap-mb: 'x'"},
