@@ -376,6 +376,7 @@ class Bucketer {
   };
   std::vector<Frame> stack_;
   std::vector<std::pair<int64_t, int64_t>> member_keys_;  // place_normally's scratch
+  bool no_pair_fits_ = false;  // set by merge(): no two of its members have one placement
 
   void grow_scratch() {
     const size_t n = order_.id_bound();
@@ -721,6 +722,8 @@ void Bucketer::close_bucket(std::string_view reason) {
                                       bucket_index_, tried, result));
       }
       todo = std::move(rest);
+      // No two members had a placement together: no subset has one either.
+      if (!ok && no_pair_fits_) break;
     }
   }
   if (explain_) {
@@ -1374,6 +1377,7 @@ void Bucketer::emit_region(const std::vector<Entry*>& members, const Region& reg
 // order of the collectives left unmerged, keeps the members that still leave one and drops
 // the others: `members` becomes the merged ones. False when fewer than two remain.
 bool Bucketer::merge(std::vector<Entry*>& members) {
+  no_pair_fits_ = false;
   if (members.size() < 2) return false;
   if (place_normally(members)) return true;
   Region region;
@@ -1385,6 +1389,8 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
   // Not all of them have one placement: the most that do (the gap that holds the most). Should
   // that set have none after all, a constraint the gaps missed, ranges are tried instead.
   std::vector<Entry*> kept = best_gap_members(members);
+  // Fewest groups = members: the placement ranges are disjoint, so no two members merge.
+  no_pair_fits_ = kept.size() < 2;
   if (kept.size() >= 2 && !plan_region(kept, region)) kept = kept_by_ranges(members, region);
   // Nothing merges: the bucket stays as it was, its first member counted as kept.
   if (kept.size() < 2) kept = {members[0]};
