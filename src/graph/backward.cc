@@ -16,6 +16,13 @@ bool is_loss_type(const Type& type) { return type.numel() == 1 && is_floating(ty
 
 namespace {
 
+std::string unreached_message(const Value* v) {
+  return fmt::format(
+      "autodiff: {} reaches the loss only through ops with no gradient, so its gradient would "
+      "be zero",
+      v->ref());
+}
+
 // Throws when a floating `wrt` value the loss depends on got no gradient, every path from it to
 // the loss passing an op with no gradient (a bit reinterpretation, a cast to an integer dtype),
 // and either no `wrt` value got one (PyTorch raises there too: the loss "does not require
@@ -55,44 +62,52 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
       }
     }
   }
+  // The floating inputs that the loss depends on but that got no gradient (an input with no
+  // elements has no gradient to lose).
+  std::vector<const Value*> seeds;
   for (size_t i = 0; i < wrt.size(); ++i) {
     const Value* v = wrt[i];
     if (out[i] || !is_floating(v->dtype()) || !ancestors.count(v) || v == loss) continue;
-    const std::string what = fmt::format(
-        "autodiff: {} reaches the loss only through ops with no gradient, so its gradient would "
-        "be zero",
-        v->ref());
-    std::unordered_set<const Value*> reached{v};
-    for (size_t k = 0; k < end; ++k) {
-      const Node* n = order[k];
-      const bool per_operand = n->op().results == ResultArity::PerOperand;
-      for (size_t j = 0; j < n->num_results(); ++j) {
-        const Value* from = nullptr;  // a reached operand of result j without a gradient
-        for (size_t o = 0; o < n->num_operands(); ++o) {
-          const Value* x = n->operand(o);
-          if ((per_operand && o != j) || !reached.count(x) || grads.count(x)) continue;
-          if (!from || is_floating(x->dtype())) from = x;
-        }
-        if (!from) continue;
-        const Value* r = n->result(j);
-        reached.insert(r);
-        const bool stops = grads.count(r) != 0 || (is_floating(from->dtype()) &&
-                                                   !is_floating(r->dtype()) && ancestors.count(r));
-        if (!stops) continue;
-        const bool reinterpreted = n->op_name() == "view_dtype" && is_floating(from->dtype());
-        if (any_with && !reinterpreted) continue;  // zeros, as PyTorch
-        detail::throw_grad_error(*n, [&](const std::string& where) {
-          return fmt::format("{}: it stops at {} of {} to {} ({}){}", what, n->op_name(),
-                             dtype_name(from->dtype()), dtype_name(r->dtype()), where,
-                             n->op_name() == "view_dtype"
-                                 ? "; bucket-all-gather{mode=multidtype} packs bytes this way: "
-                                   "run autodiff before it"
-                                 : "");
-        });
-      }
-    }
-    if (!any_with) throw InvalidArgument(what);
+    if (v->type().numel() == 0) continue;
+    seeds.push_back(v);
+    if (!any_with) break;  // the first one is named; its path says where the gradient stops
   }
+  // Follows the seeds' paths forward in one pass (a pass per input was quadratic: 16,000
+  // inputs that reach the loss through casts to i32 took 18.5 s), each reached value
+  // remembering the seed it came from. Every stop is an error when no input got a gradient,
+  // else only a floating view_dtype (the others get zeros).
+  std::unordered_map<const Value*, const Value*> reached;  // value -> its seed; looked up only
+  for (const Value* v : seeds) reached.emplace(v, v);
+  for (size_t k = 0; k < end && !seeds.empty(); ++k) {
+    const Node* n = order[k];
+    const bool per_operand = n->op().results == ResultArity::PerOperand;
+    for (size_t j = 0; j < n->num_results(); ++j) {
+      const Value* from = nullptr;  // a reached operand of result j without a gradient
+      for (size_t o = 0; o < n->num_operands(); ++o) {
+        const Value* x = n->operand(o);
+        if ((per_operand && o != j) || !reached.count(x) || grads.count(x)) continue;
+        if (!from || is_floating(x->dtype())) from = x;
+      }
+      if (!from) continue;
+      const Value* r = n->result(j);
+      const Value* seed = reached.at(from);
+      reached.emplace(r, seed);
+      const bool stops = grads.count(r) != 0 || (is_floating(from->dtype()) &&
+                                                 !is_floating(r->dtype()) && ancestors.count(r));
+      if (!stops) continue;
+      const bool reinterpreted = n->op_name() == "view_dtype" && is_floating(from->dtype());
+      if (any_with && !reinterpreted) continue;  // zeros, as PyTorch
+      detail::throw_grad_error(*n, [&](const std::string& where) {
+        return fmt::format("{}: it stops at {} of {} to {} ({}){}", unreached_message(seed),
+                           n->op_name(), dtype_name(from->dtype()), dtype_name(r->dtype()), where,
+                           n->op_name() == "view_dtype"
+                               ? "; bucket-all-gather{mode=multidtype} packs bytes this way: "
+                                 "run autodiff before it"
+                               : "");
+      });
+    }
+  }
+  if (!any_with && !seeds.empty()) throw InvalidArgument(unreached_message(seeds[0]));
 }
 
 // append_backward without the clean-up on failure.
