@@ -438,7 +438,7 @@ class Bucketer {
   void collect_region(const std::vector<Entry*>& members, const Bounds& b, Region& region);
   std::optional<std::vector<uint32_t>> plan_region(const std::vector<Entry*>& members,
                                                    Region& region);
-  std::vector<Entry*> best_gap_members(const std::vector<Entry*>& members);
+  std::vector<Entry*> best_gap_members(const std::vector<Entry*>& members, const Region& region);
   std::vector<Entry*> kept_by_ranges(const std::vector<Entry*>& members, Region& region);
   void emit_region(const std::vector<Entry*>& members, const Region& region,
                    const std::vector<uint32_t>& order);
@@ -1180,11 +1180,10 @@ void Bucketer::collect_region(const std::vector<Entry*>& members, const Bounds& 
 // no gap holds yet puts one at its end, which takes every interval that holds it. Of those
 // groups, the largest (the first such) is merged now; the members left are tried again as a
 // bucket of their own (close_bucket), where the same choice picks the next largest.
-// Its members in wait order; fewer than two when no gap holds two.
-std::vector<Entry*> Bucketer::best_gap_members(const std::vector<Entry*>& members) {
-  const Bounds b = bounds(members);
-  Region region;
-  collect_region(members, b, region);
+// Its members in wait order; fewer than two when no gap holds two. `region` is the members'
+// window as plan_region collected it (its marks still current).
+std::vector<Entry*> Bucketer::best_gap_members(const std::vector<Entry*>& members,
+                                               const Region& region) {
   const std::vector<Node*>& nodes = region.nodes;
   auto index_of = [&](const Node* n) -> std::optional<uint32_t> {
     if (!n) return std::nullopt;
@@ -1381,24 +1380,28 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
   if (members.size() < 2) return false;
   if (place_normally(members)) return true;
   Region region;
-  if (auto order = plan_region(members, region)) {
+  std::optional<std::vector<uint32_t>> order = plan_region(members, region);
+  if (order) {
     emit_region(members, region, *order);
     ++stats_.region_reorders;
     return true;
   }
-  // Not all of them have one placement: the most that do (the gap that holds the most). Should
-  // that set have none after all, a constraint the gaps missed, ranges are tried instead.
-  std::vector<Entry*> kept = best_gap_members(members);
+  // Not all of them have one placement: the largest group of the fewest that each have one
+  // (read from the window plan_region just collected). Should that group have none after all,
+  // a constraint the gaps missed, ranges are tried instead.
+  std::vector<Entry*> kept = best_gap_members(members, region);
   // Fewest groups = members: the placement ranges are disjoint, so no two members merge.
   no_pair_fits_ = kept.size() < 2;
-  if (kept.size() >= 2 && !plan_region(kept, region)) kept = kept_by_ranges(members, region);
+  if (kept.size() >= 2) order = plan_region(kept, region);
+  if (kept.size() >= 2 && !order) kept = kept_by_ranges(members, region);
   // Nothing merges: the bucket stays as it was, its first member counted as kept.
   if (kept.size() < 2) kept = {members[0]};
   stats_.dropped += static_cast<int64_t>(members.size() - kept.size());
   members = std::move(kept);
   if (members.size() < 2) return false;
   if (place_normally(members)) return true;
-  auto order = plan_region(members, region);
+  // The best group's order is at hand; the ranges' last trial need not be the kept set's.
+  if (!order) order = plan_region(members, region);
   FUNCOL_CHECK(order.has_value(), "bucketing: a bucket's kept members have no placement");
   emit_region(members, region, *order);
   ++stats_.region_reorders;
