@@ -510,6 +510,33 @@ void* allocate_or_throw(size_t nbytes) {
   throw Error(fmt::format("out of memory: cannot allocate {} bytes", nbytes));
 }
 
+// Waits for `works` (taken from `list` under `mu`) without the lock (other threads may wait on
+// the same works, and a work's completion may attach or query the storage), then detaches from
+// `list` those that succeeded, and the failed ones too unless `failures_stay`. Returns the
+// first failure when one stays attached.
+std::exception_ptr wait_and_detach(std::mutex& mu, std::vector<std::shared_ptr<Waitable>>& list,
+                                   const std::vector<std::shared_ptr<Waitable>>& works,
+                                   bool failures_stay) {
+  std::exception_ptr first_failure;
+  // What was waited and leaves (looked up only): a set, since the list can be long.
+  std::unordered_set<const Waitable*> detached;
+  for (const auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      if (failures_stay) {
+        if (!first_failure) first_failure = std::current_exception();
+        continue;
+      }
+    }
+    detached.insert(w.get());
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  std::erase_if(list,
+                [&](const std::shared_ptr<Waitable>& w) { return detached.contains(w.get()); });
+  return first_failure;
+}
+
 }  // namespace
 
 Storage::Storage(size_t nbytes) : data_(allocate_or_throw(nbytes)), nbytes_(nbytes) {}
@@ -527,24 +554,15 @@ void Storage::add_pending(std::shared_ptr<Waitable> work) {
     has_pending_.store(true, std::memory_order_release);
     // Whenever the list doubled since the last time, the completed operations are detached,
     // except failed ones (they stay, as Storage::wait keeps them). Whether one failed is known
-    // only by waiting on it, done without the lock, as in drain.
+    // only by waiting on it.
     if (pending_.size() < prune_pending_at_) return;
     prune_pending_at_ = 2 * pending_.size();
     for (const auto& w : pending_) {
       if (w->is_completed()) done.push_back(w);
     }
   }
-  std::unordered_set<const Waitable*> succeeded;  // looked up only
-  for (const auto& w : done) {
-    try {
-      w->wait();
-      succeeded.insert(w.get());
-    } catch (...) {
-    }
-  }
+  (void)wait_and_detach(mu_, pending_, done, /*failures_stay=*/true);
   std::lock_guard<std::mutex> lock(mu_);
-  std::erase_if(pending_,
-                [&](const std::shared_ptr<Waitable>& w) { return succeeded.contains(w.get()); });
   prune_pending_at_ = std::max(kPrunePendingAt, 2 * pending_.size());
 }
 
@@ -565,43 +583,25 @@ bool Storage::is_ready() const {
 
 namespace {
 
-// Waits for every operation of `list` until it is empty: snapshots taken under `mu`, waited
-// without it (other threads may wait on the same works, and a work's completion may attach or
-// query the storage), then what was waited is detached. With `failures_stay` a failed operation
-// stays attached and the first failure is returned (see Storage::wait); otherwise failures are
-// ignored (readers: their failure is their result's, not these bytes').
+// Waits for every operation of `list` until it is empty, a snapshot at a time (wait_and_detach).
+// With `failures_stay` a failed operation stays attached and the first failure is returned (see
+// Storage::wait); otherwise failures are ignored (readers: their failure is their result's, not
+// these bytes').
 std::exception_ptr drain(std::mutex& mu, std::vector<std::shared_ptr<Waitable>>& list,
                          std::atomic<bool>& attached, bool failures_stay) {
-  std::exception_ptr first_failure;
   while (true) {
     std::vector<std::shared_ptr<Waitable>> snapshot;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (list.empty()) {
         attached.store(false, std::memory_order_release);
-        return first_failure;
+        return nullptr;
       }
       snapshot = list;
     }
-    // What was waited and did not fail (looked up only): a set, since the list can be long.
-    std::unordered_set<const Waitable*> waited;
-    bool any_failed = false;
-    for (const auto& w : snapshot) {
-      try {
-        w->wait();
-      } catch (...) {
-        if (failures_stay) {
-          if (!first_failure) first_failure = std::current_exception();
-          any_failed = true;
-          continue;
-        }
-      }
-      waited.insert(w.get());
+    if (std::exception_ptr failure = wait_and_detach(mu, list, snapshot, failures_stay)) {
+      return failure;
     }
-    std::lock_guard<std::mutex> lock(mu);
-    std::erase_if(list,
-                  [&](const std::shared_ptr<Waitable>& w) { return waited.contains(w.get()); });
-    if (any_failed) return first_failure;
   }
 }
 
