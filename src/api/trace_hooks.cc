@@ -222,12 +222,13 @@ Tensor trace_permute_tensor(Tracer& tr, const Tensor& t, const std::vector<int>&
   }
   const Shape rows = permute_rows(t);
   const PermuteSplits splits = permute_splits(src_dst, g.size, pg->rank(), rows[0]);
-  // Contiguous rows: a 0-d tensor as [1]; one that is not contiguous copied (reshaped flat).
+  // Contiguous rows: a 0-d tensor as [1]; one that is not contiguous copied (a clone, as
+  // eager's contiguous(): a reshape may give a strided view, such as a column's).
   Tensor x = t;
   if (t.dim() == 0) {
     x = ops::reshape(t, {1});
   } else if (!t.is_contiguous()) {
-    x = ops::view(ops::reshape(t, {t.numel()}), std::vector<int64_t>(rows.begin(), rows.end()));
+    x = ops::view(ops::clone(t), std::vector<int64_t>(rows.begin(), rows.end()));
   }
   const Tensor r = trace_all_to_all_single(tr, x, splits.out, splits.in, group);
   return t.dim() == 0 ? ops::view(r, {}) : r;

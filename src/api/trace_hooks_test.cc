@@ -463,11 +463,13 @@ TEST(TraceCollectives, ViewsSeeLaterWritesIntoTheirBase) {
 
 // permute_tensor traced inside a rank records that rank's all_to_all_single (a graph per rank,
 // as PyTorch traces it; run with check_same_graph = false): each rank's graph gives its eager
-// result, for a non-contiguous input too, and a bad src_dst fails with the eager message.
+// result, for non-contiguous inputs too (a transpose, and a column, whose flat reshape would be
+// a strided view), and a bad src_dst fails with the eager message.
 TEST(TraceCollectives, PermuteTensorTracesInsideARank) {
   const Fn fn = [](std::span<const Tensor> in) {
     return std::vector<Tensor>{permute_tensor(in[0], {1, 2, 3, 0}, "world"),
-                               permute_tensor(ops::transpose(in[0], 0, 1), {2, 0, 3, 1}, "world")};
+                               permute_tensor(ops::transpose(in[0], 0, 1), {2, 0, 3, 1}, "world"),
+                               permute_tensor(ops::narrow(in[0], 1, 1, 1), {3, 2, 1, 0}, "world")};
   };
   std::vector<std::string> printed(4);
   run_local(4, [&](ProcessGroup& world) {
@@ -481,8 +483,8 @@ TEST(TraceCollectives, PermuteTensorTracesInsideARank) {
     own_graphs.check_same_graph = false;
     Executor ex(*graph, world, own_graphs);
     const std::vector<Tensor> traced = ex.run(inputs);
-    ASSERT_EQ(traced.size(), 2u);
-    for (size_t i = 0; i < 2; ++i) {
+    ASSERT_EQ(traced.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
       EXPECT_EQ(traced[i].sizes(), eager[i].sizes());
       EXPECT_TRUE(traced[i].equal(eager[i])) << "rank " << r << " output " << i << "\n"
                                              << printed[r];
