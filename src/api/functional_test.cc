@@ -132,6 +132,19 @@ TEST(AllReduce, AvgIsANewTensorAndLeavesTheInputAlone) {  // D.1
   });
 }
 
+// The average of finite values is finite where their sum overflows (as NCCL's), on every
+// world size: all_reduce and reduce_scatter of 2^127 give 2^127.
+TEST(AllReduce, FloatAvgDoesNotOverflow) {
+  for (int n : {2, 3}) {
+    run_local(n, [](ProcessGroup& world) {
+      const float big = std::ldexp(1.0f, 127);  // 1.7e38: its sum overflows, 3 / 4 of it is exact
+      Tensor x = Tensor::full({static_cast<int64_t>(world.size()) * 3}, DType::F32, big);
+      EXPECT_EQ(all_reduce(x, "avg", world).to_vector<float>(), repeat(big, x.numel()));
+      EXPECT_EQ(reduce_scatter_tensor(x, "avg", 0, world).to_vector<float>(), repeat(big, 3));
+    });
+  }
+}
+
 TEST(AllReduce, EveryOpOnIntegers) {
   run_local(4, [](ProcessGroup& world) {
     Tensor x = Tensor::full({5}, DType::I32, world.rank() + 1);  // 1, 2, 3, 4

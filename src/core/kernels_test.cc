@@ -146,6 +146,70 @@ TEST(ReduceBuffers, PortableLoopsWithoutAvx2) {
   expect_reductions(2, 2, {0, 1, 15, 16, 17, 33, 1000, 1003});
 }
 
+// A floating average of finite sources is finite even where their sum overflows (NCCL's is
+// too): 3e38 and 3e38 average to 3e38 in f32, not inf. It rounds as the sum and division would
+// without a limit on the exponent; a source that is infinite keeps the average infinite. Every
+// path: two native sources (distinct, out aliasing either), more sources, f16/bf16 via f32.
+void expect_avg_past_the_range_of_the_sum() {
+  struct Case {
+    DType dtype;
+    double big;
+  };
+  for (Case c : {Case{DType::F32, 3.0e38}, Case{DType::F64, 1.5e308}, Case{DType::BF16, 3.0e38},
+                 Case{DType::F16, 65504.0}}) {
+    for (int nsrc : {2, 3, 4, 5, 8}) {
+      SCOPED_TRACE(std::string(dtype_name(c.dtype)) + " x" + std::to_string(nsrc));
+      // Element 0: every source big; 1: one big and the rest -big/2 (a finite sum); 2: big,
+      // one source +inf; 3: big and one small; 4: 7 (exact).
+      constexpr int64_t kCount = 4101;  // past one accumulation block
+      std::vector<Tensor> inputs;
+      for (int k = 0; k < nsrc; ++k) {
+        Tensor t = Tensor::full({kCount}, c.dtype, c.big);
+        t.narrow(0, 1, 1).fill_(k == 0 ? c.big : -c.big / 2);
+        if (k == nsrc - 1) {
+          t.narrow(0, 2, 1).fill_(std::numeric_limits<double>::infinity());
+          t.narrow(0, 3, 1).fill_(1.0);
+        }
+        t.narrow(0, 4, 1).fill_(7.0);
+        inputs.push_back(t);
+      }
+      // Every source's value of element 0, and the largest error of a sum of nsrc rounded
+      // once each step (2 ulps is plenty for eight sources of one value).
+      const double all_big = Tensor::full({1}, c.dtype, c.big).item<double>();
+      const int digits = c.dtype == DType::F64   ? 53
+                         : c.dtype == DType::F32 ? 24
+                         : c.dtype == DType::F16 ? 11
+                                                 : 8;
+      const double tolerance = all_big * std::ldexp(1.0, 2 - digits);
+      std::vector<const void*> srcs;
+      for (const Tensor& t : inputs) srcs.push_back(t.data_ptr());
+      for (int alias : {-1, 0, 1}) {
+        SCOPED_TRACE(alias);
+        Tensor out = alias < 0 ? Tensor::zeros({kCount}, c.dtype) : inputs[alias].clone();
+        std::vector<const void*> s = srcs;
+        if (alias >= 0) s[alias] = out.data_ptr();
+        reduce_buffers(ReduceOp::Avg, c.dtype, out.data_ptr(), s.data(), nsrc, kCount);
+        const std::vector<double> v = out.to_vector<double>();
+        EXPECT_NEAR(v[0], all_big, tolerance);
+        EXPECT_TRUE(std::isfinite(v[1])) << v[1];
+        EXPECT_NEAR(v[1], all_big / (2 * nsrc) * (3 - nsrc), tolerance);
+        EXPECT_EQ(v[2], std::numeric_limits<double>::infinity());
+        EXPECT_TRUE(std::isfinite(v[3])) << v[3];
+        EXPECT_NEAR(v[3], all_big / nsrc * (nsrc - 1), tolerance);
+        EXPECT_EQ(v[4], 7.0);
+        EXPECT_NEAR(v[kCount - 1], all_big, tolerance);  // in the last, partial block
+      }
+    }
+  }
+}
+
+TEST(ReduceBuffers, FloatAvgPastTheRangeOfTheSum) { expect_avg_past_the_range_of_the_sum(); }
+
+TEST(ReduceBuffers, FloatAvgPastTheRangeOfTheSumWithoutAvx2) {
+  PortableReductions portable;
+  expect_avg_past_the_range_of_the_sum();
+}
+
 // Both loops give the same bits on arbitrary values (nothing is fused or reassociated): a rank
 // on a CPU without AVX2 agrees with one that has it. Out of place and into either source.
 TEST(ReduceBuffers, PortableAndAvx2LoopsAgreeBitForBit) {
