@@ -26,6 +26,12 @@ constexpr int64_t kMinKey = std::numeric_limits<int64_t>::min();
 constexpr int64_t kMaxKey = std::numeric_limits<int64_t>::max();
 constexpr uint32_t kNoId = std::numeric_limits<uint32_t>::max();
 
+// Bytes of `numel` elements of `dtype`, saturated at kMaxTypeBytes.
+int64_t saturating_bytes(int64_t numel, DType dtype) {
+  const auto size = static_cast<int64_t>(itemsize(dtype));
+  return numel > kMaxTypeBytes / size ? kMaxTypeBytes : numel * size;
+}
+
 // ---- per-kind traits ----------------------------------------------------------------------------
 
 // What differs between the three passes besides the merge function.
@@ -498,11 +504,17 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.packed = packed;
     Value* coll_in = coll->operand(0);
-    // A packed all-gather's inputs can hold more than int64 counts (each up to kMaxTypeBytes):
-    // their sum saturates there, as caps do, so such a collective fills any bucket.
+    // A packed all-gather's inputs count as the dtypes they pack to (out_dtypes), as its
+    // members counted their folded casts' results: counted before the cast (an f64 packed as
+    // f16), the bucket it came from no longer fit its cap when bucketed again, and later buckets
+    // took other cap indices. (The verifier keeps their sum within kMaxTypeBytes; saturated
+    // there all the same, as caps are.)
     int64_t in_bytes = 0;
-    for (const Value* v : coll->operands()) {
-      const int64_t b = v->type().nbytes();
+    const std::vector<Attr>* out_dtypes = packed ? &coll->attr("out_dtypes").as_list() : nullptr;
+    for (size_t i = 0; i < coll->num_operands(); ++i) {
+      const Type& t = coll->operand(i)->type();
+      const int64_t b =
+          out_dtypes ? saturating_bytes(t.numel(), (*out_dtypes)[i].as_dtype()) : t.nbytes();
       in_bytes = b > kMaxTypeBytes - in_bytes ? kMaxTypeBytes : in_bytes + b;
     }
     e.out_dtype = packed ? coll->result(0)->dtype() : coll_in->dtype();
