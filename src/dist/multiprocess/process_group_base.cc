@@ -202,7 +202,7 @@ ProcessGroupBase::~ProcessGroupBase() {
 void ProcessGroupBase::attach() {
   job_->add_group(shared_from_this());
   if (job_->monitor()) {
-    job_->monitor()->add_group(name(), issued_,
+    job_->monitor()->add_group(name(), posted_,
                                [recent = recent_](int64_t seq) { return recent->describe(seq); });
   }
   attached_ = true;
@@ -349,9 +349,8 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
     if (t.storage()) t.storage()->wait_for_write();
   }
   std::lock_guard issue_lock(issue_mu_);
-  op->seq = issued_->load();
+  op->seq = issued_++;
   recent_->record(op->seq, op->signature);
-  issued_->store(op->seq + 1);
   op->work = std::make_shared<Work>(
       fmt::format("{} on group '{}' (seq {})", op_kind_name(op->signature.kind), name(), op->seq));
   op->issued_at = Clock::now();
@@ -360,6 +359,7 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
     if (t.storage()) t.storage()->add_pending(op->work);
   }
   if (size() == 1) {
+    posted_->store(op->seq + 1);
     if (op->own_error.empty()) run_single_rank(*op);
     op->claim();
     finish_work(*op);
@@ -381,6 +381,7 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
       return op->work;
     }
     inflight_.push_back(op);
+    posted_->store(op->seq + 1);
   }
   submit(op);
   return op->work;
@@ -432,12 +433,21 @@ void ProcessGroupBase::complete(const std::shared_ptr<CollectiveOp>& op) {
   if (op->claim()) finish_work(*op);
 }
 
+void ProcessGroupBase::not_taken_part(int64_t seq) {
+  int64_t posted = posted_->load();
+  while (seq < posted && !posted_->compare_exchange_weak(posted, seq)) {
+  }
+}
+
 void ProcessGroupBase::mark_broken(const std::string& reason) {
   std::deque<std::shared_ptr<CollectiveOp>> others;
   {
     std::lock_guard lock(mu_);
     if (!broken_) broken_ = reason;
     others.swap(inflight_);
+  }
+  for (const auto& other : others) {
+    if (!other->done()) not_taken_part(other->seq);
   }
   on_broken(reason);
   // Everything still in flight on this group would wait on the same broken transport.
@@ -459,6 +469,7 @@ void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
   // issue its next collective at once, which must then find the group unusable (not be taken
   // for one in flight and fail as "failed earlier").
   const bool mine = op->claim();
+  not_taken_part(op->seq);
   mark_broken(message);
   if (mine) op->work->fail(std::make_exception_ptr(CommError(message)));
 }
@@ -628,15 +639,17 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
   return earliest;
 }
 
-std::string ProcessGroupBase::late_message(const CollectiveOp& op) const {
+std::string ProcessGroupBase::gave_up_message(const CollectiveOp& op) const {
   const std::string& desc = op.work->description();
-  const std::string late = fmt::format("; rank {} issued it only after the others had given up "
-                                       "on it",
-                                       global_rank());
   // The peer's error names the same collective unless the two ranks issued different ones.
-  if (gave_up_->error.rfind(desc + ":", 0) == 0) return gave_up_->error + late;
-  return fmt::format("{}: rank {} gave up on it: {}{}", desc, gave_up_->from, gave_up_->error,
-                     late);
+  if (gave_up_->error.rfind(desc + ":", 0) == 0) return gave_up_->error;
+  return fmt::format("{}: rank {} gave up on it: {}", desc, gave_up_->from, gave_up_->error);
+}
+
+std::string ProcessGroupBase::late_message(const CollectiveOp& op) const {
+  return gave_up_message(op) + fmt::format("; rank {} issued it only after the others had given "
+                                           "up on it",
+                                           global_rank());
 }
 
 void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string& error) {
@@ -659,8 +672,8 @@ void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string&
   on_broken(error);
   for (auto& op : victims) {
     if (!op->claim()) continue;
-    op->work->fail(
-        std::make_exception_ptr(op->seq == seq ? CommError(error) : failed_earlier(*op, error)));
+    op->work->fail(std::make_exception_ptr(op->seq == seq ? CommError(gave_up_message(*op))
+                                                          : failed_earlier(*op, error)));
   }
 }
 

@@ -200,6 +200,9 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> issue(std::shared_ptr<CollectiveOp> op);
   void run_single_rank(CollectiveOp& op);
   void mark_broken(const std::string& reason);
+  // This rank's part in collective `seq` failed: posted_ goes back to it (the group is broken,
+  // so nothing later is taken part in either).
+  void not_taken_part(int64_t seq);
   // "<op>: group 'G' failed earlier: <reason>", for a collective a failure found in flight.
   CommError failed_earlier(const CollectiveOp& op, const std::string& reason) const;
   void remove_inflight(const CollectiveOp* op);
@@ -208,7 +211,11 @@ class ProcessGroupBase : public ProcessGroup,
   // it, deaths first (the likely cause), with " before joining" on a departure, and them as
   // missing; `first` (the first loss seen, described) when the monitor knows none.
   std::string loss_message(const CollectiveOp& op, const std::string& first) const;
-  // The error of collective gave_up_->seq issued after a peer gave up on it (mu_ held).
+  // The error of collective gave_up_->seq: the peer's that gave up on it, which names this
+  // rank's collective only when both issued the same ("<op>: rank 0 gave up on it: <its
+  // error>" otherwise). gave_up_ is set once; read on the thread that set it or under mu_.
+  std::string gave_up_message(const CollectiveOp& op) const;
+  // The same, issued after the peer gave up on it (mu_ held).
   std::string late_message(const CollectiveOp& op) const;
   // Whether a peer that went away had issued collective `seq` of this group: only one that
   // left cleanly says so (its goodbye counts what it issued per group). Such a peer did
@@ -237,7 +244,14 @@ class ProcessGroupBase : public ProcessGroup,
   };
 
   std::shared_ptr<ProcessJob> job_;
-  std::shared_ptr<std::atomic<int64_t>> issued_ = std::make_shared<std::atomic<int64_t>>(0);
+  // The next sequence number (under issue_mu_): every collective issued counts, refused ones
+  // included.
+  int64_t issued_ = 0;
+  // What the peer monitor reports to the peers (queries at a timeout, the goodbye): one past
+  // the last collective this rank took part in. A collective refused at issue (the group had
+  // failed) does not count, nor one that failed here (see not_taken_part): a peer waiting in
+  // it after this rank left would wait out its timeout, taking it for done here.
+  std::shared_ptr<std::atomic<int64_t>> posted_ = std::make_shared<std::atomic<int64_t>>(0);
   std::shared_ptr<RecentOps> recent_ = std::make_shared<RecentOps>();
   std::mutex issue_mu_;  // sequence numbers and submit() in one order
   mutable std::mutex mu_;

@@ -307,6 +307,40 @@ void scenario_count_limit(funcol::ProcessGroup& world) {
   ok(fmt::format("count limit reported on every rank: {}", msg));
 }
 
+// A rank whose group failed on its own (an mpi count over INT_MAX, refused before anything is
+// posted), then refused its next collective at issue, leaves; the other waits in the collective
+// the leaver never took part in. Its goodbye counts only what it took part in, so the waiting
+// rank fails within a second of it. (The refused ones counted as issued: the other waited out
+// its whole timeout, taking its collective for done by the leaver.)
+void scenario_refused_then_departure(funcol::ProcessGroup& world) {
+  if (world.backend() != "mpi") failed("refused_then_departure is an mpi scenario");
+  check_sum(world);
+  if (world.rank() == 0) {
+    std::vector<Tensor> list = {Tensor::empty({int64_t{1} << 31}, DType::U8)};
+    std::string msg = expect_comm_error(
+        [&] { world.all_reduce_coalesced(list, ReduceOp::Sum)->wait(); }, "a count over INT_MAX");
+    expect_contains(msg, "exceed MPI's int count limit");
+    std::string after = expect_comm_error([&] { world.barrier(); }, "a barrier after it");
+    expect_contains(after, "unusable after an earlier failure");
+    funcol::set_departure_error("RuntimeError: rank 0's own error");
+    funcol::destroy_process_group();
+    ok("left");
+    // A rank that failed ends the mpi job when it exits: the other has reported by then.
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    return;
+  }
+  Tensor t = Tensor::full({4}, DType::I32, 1);
+  auto work = world.all_reduce(t, ReduceOp::Sum);
+  const auto start = Clock::now();
+  std::string msg = expect_comm_error([&] { work->wait(); }, "a collective rank 0 never joined");
+  const double took = seconds_since(start);
+  expect_contains(msg, "rank 0 departed after an error (RuntimeError: rank 0's own error) before "
+                       "joining");
+  expect_contains(msg, "missing ranks [0]");
+  if (took > 5) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
 void scenario_timeout(funcol::ProcessGroup& world) {
   const int late = world.size() - 1;
   check_sum(world);
@@ -358,6 +392,32 @@ void scenario_step_pairing(funcol::ProcessGroup& world) {
                        "all_reduce(i64[1], op max) [funcol's agreement step for new_group] but "
                        "rank 1 issued all_reduce(i64[1], op max)");
   if (world.rank() == 0) expect_contains(msg, "new_group: agreeing with the other ranks");
+  if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+// The ranks issue different collectives as one seq (unchecked without FUNCOL_DEBUG=detail) and
+// time out: each rank's error names its own collective, whichever rank gave up first. (A rank
+// that heard of the other's timeout first failed with the other's error as it was: "barrier on
+// group 'world' (seq 1): ..." for its all_reduce.)
+void scenario_different_timeout(funcol::ProcessGroup& world) {
+  check_sum(world);
+  const auto start = Clock::now();
+  std::string msg = expect_comm_error(
+      [&] {
+        if (world.rank() == 0) {
+          world.barrier();
+        } else {
+          check_sum(world);
+        }
+      },
+      "different collectives");
+  const double took = seconds_since(start);
+  const std::string own =
+      world.rank() == 0 ? "barrier on group 'world' (seq 1): " : "all_reduce on group 'world' (seq 1): ";
+  if (msg.rfind(own, 0) != 0) failed(fmt::format("the error does not begin with '{}': {}", own, msg));
+  expect_contains(msg, "timed out after");
+  expect_contains(msg, "the ranks issued different collectives as seq 1");
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
@@ -667,10 +727,14 @@ int main(int argc, char** argv) {
       scenario_mismatch(*world);
     } else if (scenario == "count_limit") {
       scenario_count_limit(*world);
+    } else if (scenario == "refused_then_departure") {
+      scenario_refused_then_departure(*world);
     } else if (scenario == "timeout") {
       scenario_timeout(*world);
     } else if (scenario == "step_pairing") {
       scenario_step_pairing(*world);
+    } else if (scenario == "different_timeout") {
+      scenario_different_timeout(*world);
     } else if (scenario == "depart") {
       scenario_depart(*world);
     } else if (scenario == "split_kill") {
