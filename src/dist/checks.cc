@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -711,10 +712,17 @@ std::optional<double> env_number(const char* name, std::string_view expected,
                                  bool (*valid)(double)) {
   const char* env = std::getenv(name);
   if (env == nullptr || *env == '\0') return std::nullopt;
-  char* end = nullptr;
-  const double value = std::strtod(env, &end);
-  while (*end == ' ' || *end == '\t') ++end;
-  if (end == env || *end != '\0' || !std::isfinite(value) || !valid(value)) {
+  // Decimal only, whatever the program's locale (strtod also read "0x10" as 16, and "0.5" as 0
+  // under a locale whose decimal point is a comma); blanks around it and a '+' allowed.
+  const char* first = env;
+  const char* last = env + std::strlen(env);
+  while (first < last && (*first == ' ' || *first == '\t')) ++first;
+  while (last > first && (last[-1] == ' ' || last[-1] == '\t')) --last;
+  if (last - first > 1 && *first == '+') ++first;
+  double value = 0;
+  const auto [end, ec] = std::from_chars(first, last, value);
+  if (first == last || end != last || ec != std::errc() || !std::isfinite(value) ||
+      !valid(value)) {
     throw InvalidArgument(fmt::format("{}={}: expected {}", name, env, expected));
   }
   return value;

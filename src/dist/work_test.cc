@@ -157,6 +157,8 @@ TEST_F(DefaultTimeoutTest, ReadsFractionalSeconds) {
   EXPECT_EQ(default_timeout(), std::chrono::milliseconds(12'000));
   setenv("FUNCOL_TIMEOUT", "0.0001", 1);  // rounds up to the 1 ms minimum
   EXPECT_EQ(default_timeout(), std::chrono::milliseconds(1));
+  setenv("FUNCOL_TIMEOUT", " +2.5\t", 1);  // blanks around it and a '+', as strtod takes them
+  EXPECT_EQ(default_timeout(), std::chrono::milliseconds(2500));
 }
 
 // A huge requested timeout ("never", milliseconds::max()) is capped so that now + timeout does
@@ -171,7 +173,8 @@ TEST_F(DefaultTimeoutTest, EffectiveTimeoutCapsHugeValues) {
 }
 
 TEST_F(DefaultTimeoutTest, RejectsGarbage) {
-  for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf"}) {
+  // Decimal only: strtod read "0x10" as 16 s.
+  for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf", "0x10", "1e400", "+", "++1", " "}) {
     setenv("FUNCOL_TIMEOUT", bad, 1);
     try {
       default_timeout();
