@@ -541,7 +541,7 @@ void agree_on_split(ProcessGroup& parent, int split,
   // The user called new_group (or made a mesh): a failure of the collectives below is theirs.
   auto run = [&](const std::function<std::shared_ptr<Work>()>& issue) {
     try {
-      const InternalStep step("split_group");
+      const InternalStep step(split_caller());
       issue()->wait();
     } catch (const CommError& e) {
       throw CommError(fmt::format("{} on group '{}' (split {}): {}", split_caller(),

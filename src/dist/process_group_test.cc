@@ -214,6 +214,21 @@ TEST(NewGroupTest, DisagreeingRanksGetAnErrorNamingNewGroup) {
   });
 }
 
+// A peer that issued a collective of its own where new_group agrees: the mismatch labels the
+// agreement step with new_group, the call the user made (it said split_group for a named one).
+TEST(NewGroupTest, AMismatchedAgreementStepIsLabelledNewGroup) {
+  run_ranks(2, [](ProcessGroup& world) {
+    if (world.rank() == 0) {
+      expect_error<CommError>([&] { new_group(world, {0, 1}, "a"); },
+                              {"[funcol's agreement step for new_group]"});
+    } else {
+      Tensor t = Tensor::zeros({3}, DType::F32);
+      expect_error<CommError>([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); },
+                              {"[funcol's agreement step for new_group]"});
+    }
+  });
+}
+
 // Registries differ between ranks (a group is registered on its members only), so name checks
 // and automatic names are agreed by every rank: a name taken on some ranks fails every rank
 // alike and leaves the world usable; an unnamed group skips a "group<N>" a user took.

@@ -605,7 +605,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   void submit(const std::shared_ptr<CollectiveOp>& op) override {
     auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
     if (!Runtime::get().post([self, op] { self->start(op); })) {
-      fail_op(op, failure_message(*op, Runtime::get().unusable()));
+      fail_unposted(op, failure_message(*op, Runtime::get().unusable()));
     }
   }
 
@@ -755,8 +755,8 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     for (const auto& t : op->inputs) largest = std::max(largest, t.numel());
     for (const auto& t : op->outputs) largest = std::max(largest, t.numel());
     if (largest > INT_MAX) {
-      fail_op(op, failure_message(*op, fmt::format("{} elements exceed MPI's int count limit",
-                                                   largest)));
+      const std::string what = fmt::format("{} elements exceed MPI's int count limit", largest);
+      fail_unposted(op, failure_message(*op, what));
       finished(slot, {});
       return;
     }

@@ -446,9 +446,6 @@ void ProcessGroupBase::mark_broken(const std::string& reason) {
     if (!broken_) broken_ = reason;
     others.swap(inflight_);
   }
-  for (const auto& other : others) {
-    if (!other->done()) not_taken_part(other->seq);
-  }
   on_broken(reason);
   // Everything still in flight on this group would wait on the same broken transport.
   for (auto& other : others) {
@@ -469,9 +466,14 @@ void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
   // issue its next collective at once, which must then find the group unusable (not be taken
   // for one in flight and fail as "failed earlier").
   const bool mine = op->claim();
-  not_taken_part(op->seq);
   mark_broken(message);
   if (mine) op->work->fail(std::make_exception_ptr(CommError(message)));
+}
+
+void ProcessGroupBase::fail_unposted(const std::shared_ptr<CollectiveOp>& op,
+                                     const std::string& message) {
+  not_taken_part(op->seq);
+  fail_op(op, message);
 }
 
 void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,
@@ -496,6 +498,11 @@ bool ProcessGroupBase::issued_before_leaving(const PeerLoss& loss, int64_t seq) 
   return issued != loss.issued.end() && issued->second > seq;
 }
 
+std::string ProcessGroupBase::loss_text(const PeerLoss& loss, int64_t seq) const {
+  const bool never_joined = loss.clean && !issued_before_leaving(loss, seq);
+  return loss.describe() + (never_joined ? " before joining" : "");
+}
+
 std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
                                               const std::string& what) const {
   std::string msg = fmt::format("{}: {}: {}", op.work->description(), job_->backend(), what);
@@ -505,7 +512,7 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
     auto losses = monitor->wait_for_loss(global_ranks(), std::chrono::milliseconds(500));
     std::vector<int> missing;
     for (const auto& loss : losses) {
-      msg += "; " + loss.describe();
+      msg += "; " + loss_text(loss, op.seq);
       if (!issued_before_leaving(loss, op.seq)) missing.push_back(loss.rank);
     }
     std::sort(missing.begin(), missing.end());
@@ -741,8 +748,7 @@ std::string ProcessGroupBase::loss_message(const CollectiveOp& op,
   std::vector<int> missing;
   for (const PeerLoss& l : losses) {
     if (issued_before_leaving(l, op.seq)) continue;  // it did its part
-    msg += fmt::format("{} {}{}", missing.empty() ? "" : ";", l.describe(),
-                       l.clean ? " before joining" : "");
+    msg += fmt::format("{} {}", missing.empty() ? "" : ";", loss_text(l, op.seq));
     missing.push_back(l.rank);
   }
   if (missing.empty()) return fmt::format("{}: {}", op.work->description(), first);

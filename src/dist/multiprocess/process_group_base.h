@@ -180,6 +180,11 @@ class ProcessGroupBase : public ProcessGroup,
   void complete(const std::shared_ptr<CollectiveOp>& op);
   // Fails the op with CommError(message) and marks the group broken.
   void fail_op(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
+  // The same for an op that failed before the transport was given any of it (a count it
+  // cannot carry, a transport already gone): this rank never took part in it, so the peers
+  // waiting in it fail as soon as it leaves. (An op that failed in the transport may have
+  // done its part for them, as when another member died.)
+  void fail_unposted(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
   // Fails the op because the ranks disagreed on it (detail mode). The group stays usable:
   // every rank saw the same signatures and skipped the collective.
   void fail_mismatch(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
@@ -200,7 +205,7 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> issue(std::shared_ptr<CollectiveOp> op);
   void run_single_rank(CollectiveOp& op);
   void mark_broken(const std::string& reason);
-  // This rank's part in collective `seq` failed: posted_ goes back to it (the group is broken,
+  // This rank took no part in collective `seq`: posted_ goes back to it (the group is broken,
   // so nothing later is taken part in either).
   void not_taken_part(int64_t seq);
   // "<op>: group 'G' failed earlier: <reason>", for a collective a failure found in flight.
@@ -221,6 +226,9 @@ class ProcessGroupBase : public ProcessGroup,
   // left cleanly says so (its goodbye counts what it issued per group). Such a peer did
   // arrive; it only cannot help finish the collective.
   bool issued_before_leaving(const PeerLoss& loss, int64_t seq) const;
+  // The loss as errors name it: with " before joining" for a departure without its part in
+  // collective `seq`.
+  std::string loss_text(const PeerLoss& loss, int64_t seq) const;
 
   // The signatures of the last few collectives issued, for the peer monitor's answers: a peer
   // whose collective timed out while every rank had issued one asks what each issued, so that
@@ -249,8 +257,9 @@ class ProcessGroupBase : public ProcessGroup,
   int64_t issued_ = 0;
   // What the peer monitor reports to the peers (queries at a timeout, the goodbye): one past
   // the last collective this rank took part in. A collective refused at issue (the group had
-  // failed) does not count, nor one that failed here (see not_taken_part): a peer waiting in
-  // it after this rank left would wait out its timeout, taking it for done here.
+  // failed) does not count, nor one that failed before its transport had any of it
+  // (fail_unposted): a peer waiting in it after this rank left would wait out its timeout,
+  // taking it for done here.
   std::shared_ptr<std::atomic<int64_t>> posted_ = std::make_shared<std::atomic<int64_t>>(0);
   std::shared_ptr<RecentOps> recent_ = std::make_shared<RecentOps>();
   std::mutex issue_mu_;  // sequence numbers and submit() in one order
