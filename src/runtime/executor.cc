@@ -262,6 +262,7 @@ std::vector<Tensor> cat_casts(const Node& cat, std::span<const Tensor> in) {
 struct Executor::Impl {
   const Graph& graph;
   ProcessGroup& world;
+  std::atomic<bool> running{false};  // a run() in progress (Executor::run refuses a second)
   ExecutorOptions options;
   Profiler* prof = nullptr;
   bool observe = false;
@@ -391,8 +392,11 @@ void Executor::Impl::plan() {
       const std::string& name = node.attr("group").as_string();
       std::shared_ptr<ProcessGroup> group = registry.find(name);
       if (!group) {
-        fail_at(graph, node, fmt::format("unknown group '{}' (known groups: {})", printable(name),
-                                         join_names(registry.names())));
+        // A group is registered on its members only: the name may be right.
+        fail_at(graph, node,
+                fmt::format("unknown group '{}' (known groups: {}; a group is known on its "
+                            "members only, and rank {} may not be one)",
+                            printable(name), join_names(registry.names()), world.rank()));
       }
       check_collective(graph, node, name, group->size(), options.check_same_graph);
       st.group = group.get();
@@ -1298,6 +1302,16 @@ Executor::Executor(const Graph& graph, ProcessGroup& world, ExecutorOptions opti
 Executor::~Executor() = default;
 
 std::vector<Tensor> Executor::run(std::vector<Tensor> inputs) {
+  // Its slots and plan are one run's: a second thread in run() corrupted them (a double free).
+  if (impl_->running.exchange(true, std::memory_order_acquire)) {
+    throw InvalidArgument(
+        "Executor::run: another thread is running this Executor; one Executor belongs to one "
+        "rank's thread (make one per thread)");
+  }
+  struct Done {
+    std::atomic<bool>& running;
+    ~Done() { running.store(false, std::memory_order_release); }
+  } done{impl_->running};
   return impl_->run(std::move(inputs));
 }
 

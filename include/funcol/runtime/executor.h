@@ -49,7 +49,8 @@ struct ExecutorOptions {
 // blocks; every other op runs its op-table CPU kernel, views sharing storage. A value is
 // released right after its last use (graph outputs are kept). Errors name the graph, the node
 // and its source line: "graph @g, node %ag (line 3): group_size 4 does not match group 'world'
-// of size 2". One Executor belongs to one rank (thread); the graph must outlive it.
+// of size 2". One Executor belongs to one rank (thread): run() from a second thread while one
+// runs throws InvalidArgument. The graph must outlive it.
 class Executor {
  public:
   // Throws InvalidArgument (unknown group, group_size mismatch, bad src or split sizes, an op
