@@ -617,7 +617,11 @@ TEST(EagerAutograd, PlainBroadcastOfATrackedTensorFailsOnlyWhenBackwardReachesIt
 }
 
 // The tape records values: an in-place collective would overwrite a tracked tensor behind its
-// back (PyTorch refuses in-place changes autograd cannot follow). The input may be tracked.
+// back (PyTorch refuses in-place changes autograd cannot follow). A tracked input into an
+// untracked output is refused too: a tape op reading the output would take it for a constant,
+// losing the gradient (it gave grad 0 where PyTorch's copy_ gives the collective's); a clone
+// of the input passes as a constant. Each is refused after the collective was issued, so the
+// peers complete.
 TEST(EagerAutograd, InPlaceCollectivesRefuseATrackedOutput) {
   run_local(2, [](ProcessGroup& world) {
     GradTape tape;
@@ -633,10 +637,33 @@ TEST(EagerAutograd, InPlaceCollectivesRefuseATrackedOutput) {
     }
     EXPECT_EQ(x.to_vector<float>(), (std::vector<float>{1, 1}));  // left as it was
     Tensor out = Tensor::zeros({4}, DType::F32);
-    all_gather_tensor_inplace(out, x, "world");
+    all_gather_tensor_inplace(out, x.clone(), "world");
     EXPECT_EQ(out.to_vector<float>(), (std::vector<float>{1, 1, 1, 1}));
     const Tensor tracked_out = tape.requires_grad(Tensor::zeros({4}, DType::F32));
     EXPECT_THROW(all_gather_tensor_inplace(tracked_out, x, "world"), InvalidArgument);
+    const std::string lost =
+        "the input is tracked by a GradTape and the output is not, so the gradient through the "
+        "in-place collective would be lost";
+    auto refused = [&](const std::function<void()>& fn, const std::string& op) {
+      try {
+        fn();
+        ADD_FAILURE() << "no error for " << op;
+      } catch (const InvalidArgument& e) {
+        EXPECT_EQ(std::string(e.what()).rfind(op + ": " + lost, 0), 0u) << e.what();
+      }
+    };
+    refused([&] { all_gather_tensor_inplace(out, x, "world"); }, "all_gather_tensor_inplace");
+    std::vector<Tensor> list = {Tensor::zeros({2}, DType::F32), Tensor::zeros({2}, DType::F32)};
+    refused([&] { all_gather_inplace(list, x, "world"); }, "all_gather_inplace");
+    const Tensor one = Tensor::zeros({1}, DType::F32);
+    refused([&] { reduce_scatter_tensor_inplace(one, x, "world"); },
+            "reduce_scatter_tensor_inplace");
+    const Tensor two = Tensor::zeros({2}, DType::F32);
+    refused([&] { all_to_all_inplace(two, x, std::nullopt, std::nullopt, "world"); },
+            "all_to_all_inplace");
+    // The group is still in step on every rank: the refusals came after the collectives.
+    EXPECT_EQ(all_reduce(x.clone(), "sum", "world").to_vector<float>(),
+              (std::vector<float>{2, 2}));
     (void)world;
   });
 }

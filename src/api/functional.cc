@@ -199,6 +199,19 @@ Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int6
   return out;
 }
 
+// An in-place collective's result computed from an input a GradTape tracks (eagerly, the
+// collective recorded it): the output it is copied into is not tracked, so a tape op reading the
+// output would take it for a constant, and the input's gradient through it would be lost
+// without a word (PyTorch records the copy_). Refused; issued first, so no peer waits.
+void refuse_tracked_result(const Tensor& result, std::string_view op) {
+  if (current_tracer() != nullptr || !is_tracked(result)) return;
+  throw InvalidArgument(fmt::format(
+      "{}: the input is tracked by a GradTape and the output is not, so the gradient through "
+      "the in-place collective would be lost (use the functional form, whose result the tape "
+      "tracks, or pass input.clone() to use the input's values as a constant)",
+      op));
+}
+
 // output.copy_(result); under a tracer, output stands for result from now on, as graphs are
 // functional (DESIGN §4: the in-place remaps trace too). The dtypes match (check_output).
 void assign(const Tensor& output, const Tensor& result, std::string_view op) {
@@ -213,6 +226,7 @@ void assign(const Tensor& output, const Tensor& result, std::string_view op) {
           "differentiated (use the functional form, which returns a new tensor)",
           op));
     }
+    refuse_tracked_result(result, op);
     output.copy_(result);
     return;
   }
@@ -489,6 +503,7 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
   const int world = pg ? pg->size() : api_detail::traced_group_size(*tr, group, kOp);
   // Issued before the local checks below, so peers never wait on a rank that gave up early.
   Tensor gathered = pg ? all_gather_tensor(t, 0, *pg) : all_gather_tensor(t, 0, group);
+  refuse_tracked_result(gathered, kOp);
   if (static_cast<int64_t>(tensor_list.size()) != world) {
     throw InvalidArgument(fmt::format("{}: tensor_list has {} tensors, expected group_size {}", kOp,
                                       tensor_list.size(), world));
