@@ -262,12 +262,13 @@ template <typename T>
   return rest != rest;
 }
 
-// The floating average of `nsrc` sources whose sum `acc` overflowed to infinity while the
-// sources are finite: the sources scaled by 2^-m (2^m >= nsrc) are summed, then divided by
-// nsrc * 2^-m. Scaling these magnitudes by a power of two is exact, so the result rounds as the
-// sum and division would with no limit on the exponent: the average of 3e38 and 3e38 in f32 is
-// 3e38, not inf (NCCL averages floats without overflow too, scaling each source by 1/nsrc).
-// A sum that is infinite because a source is stays infinite.
+// The floating average of `nsrc` sources whose sum `acc` is not finite (overflowed, or met an
+// infinite source after overflowing): the sources scaled by 2^-m (2^m >= nsrc) are summed, then
+// divided by nsrc * 2^-m. Scaling large magnitudes by a power of two is exact, so the result
+// rounds as the sum and division would with no limit on the exponent (but for a source so small
+// that scaled it loses bits): the average of 3e38 and 3e38 in f32 is 3e38, not inf (NCCL
+// averages floats without overflow too, scaling each source by 1/nsrc). A sum that is infinite
+// or NaN because sources are stays so ([3e38, 3e38, -inf] gives -inf, not NaN).
 template <typename T>
 AccOf<T> avg_past_overflow(const RawOf<T>* const* srcs, int nsrc, int64_t i) {
   using A = AccOf<T>;
@@ -302,8 +303,8 @@ void reduce_blocked(RawOf<T>* out, const RawOf<T>* const* srcs, int nsrc, int64_
       if (maybe_inf) {
         // Element by element: element i of every source is read before out[i] is written.
         for (int64_t i = 0; i < n; ++i) {
-          const A v = std::isinf(acc[i]) ? avg_past_overflow<T>(srcs, nsrc, start + i)
-                                         : acc[i] / static_cast<A>(nsrc);
+          const A v = std::isfinite(acc[i]) ? acc[i] / static_cast<A>(nsrc)
+                                            : avg_past_overflow<T>(srcs, nsrc, start + i);
           out[start + i] = from_acc<T>(v);
         }
         continue;

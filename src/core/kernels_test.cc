@@ -148,7 +148,8 @@ TEST(ReduceBuffers, PortableLoopsWithoutAvx2) {
 
 // A floating average of finite sources is finite even where their sum overflows (NCCL's is
 // too): 3e38 and 3e38 average to 3e38 in f32, not inf. It rounds as the sum and division would
-// without a limit on the exponent; a source that is infinite keeps the average infinite. Every
+// without a limit on the exponent; a source that is infinite keeps the average infinite, of
+// its sign also after the others' sum overflowed (3e38, 3e38, -inf: -inf, not NaN). Every
 // path: two native sources (distinct, out aliasing either), more sources, f16/bf16 via f32.
 void expect_avg_past_the_range_of_the_sum() {
   struct Case {
@@ -160,7 +161,7 @@ void expect_avg_past_the_range_of_the_sum() {
     for (int nsrc : {2, 3, 4, 5, 8}) {
       SCOPED_TRACE(std::string(dtype_name(c.dtype)) + " x" + std::to_string(nsrc));
       // Element 0: every source big; 1: one big and the rest -big/2 (a finite sum); 2: big,
-      // one source +inf; 3: big and one small; 4: 7 (exact).
+      // one source +inf; 3: big and one small; 4: 7 (exact); 5: big, the last source -inf.
       constexpr int64_t kCount = 4101;  // past one accumulation block
       std::vector<Tensor> inputs;
       for (int k = 0; k < nsrc; ++k) {
@@ -169,6 +170,7 @@ void expect_avg_past_the_range_of_the_sum() {
         if (k == nsrc - 1) {
           t.narrow(0, 2, 1).fill_(std::numeric_limits<double>::infinity());
           t.narrow(0, 3, 1).fill_(1.0);
+          t.narrow(0, 5, 1).fill_(-std::numeric_limits<double>::infinity());
         }
         t.narrow(0, 4, 1).fill_(7.0);
         inputs.push_back(t);
@@ -197,6 +199,7 @@ void expect_avg_past_the_range_of_the_sum() {
         EXPECT_TRUE(std::isfinite(v[3])) << v[3];
         EXPECT_NEAR(v[3], all_big / nsrc * (nsrc - 1), tolerance);
         EXPECT_EQ(v[4], 7.0);
+        EXPECT_EQ(v[5], -std::numeric_limits<double>::infinity());
         EXPECT_NEAR(v[kCount - 1], all_big, tolerance);  // in the last, partial block
       }
     }

@@ -718,7 +718,7 @@ std::optional<double> env_number(const char* name, std::string_view expected,
   const char* last = env + std::strlen(env);
   while (first < last && (*first == ' ' || *first == '\t')) ++first;
   while (last > first && (last[-1] == ' ' || last[-1] == '\t')) --last;
-  if (last - first > 1 && *first == '+') ++first;
+  if (last - first > 1 && *first == '+' && first[1] != '-') ++first;
   double value = 0;
   const auto [end, ec] = std::from_chars(first, last, value);
   if (first == last || end != last || ec != std::errc() || !std::isfinite(value) ||

@@ -174,7 +174,7 @@ TEST_F(DefaultTimeoutTest, EffectiveTimeoutCapsHugeValues) {
 
 TEST_F(DefaultTimeoutTest, RejectsGarbage) {
   // Decimal only: strtod read "0x10" as 16 s.
-  for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf", "0x10", "1e400", "+", "++1", " "}) {
+  for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf", "0x10", "1e400", "+", "++1", "+-1", " "}) {
     setenv("FUNCOL_TIMEOUT", bad, 1);
     try {
       default_timeout();

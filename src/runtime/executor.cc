@@ -1305,8 +1305,9 @@ std::vector<Tensor> Executor::run(std::vector<Tensor> inputs) {
   // Its slots and plan are one run's: a second thread in run() corrupted them (a double free).
   if (impl_->running.exchange(true, std::memory_order_acquire)) {
     throw InvalidArgument(
-        "Executor::run: another thread is running this Executor; one Executor belongs to one "
-        "rank's thread (make one per thread)");
+        "Executor::run: this Executor is running already (on another thread, or run() was "
+        "called from inside a run); one Executor belongs to one rank's thread (make one per "
+        "thread)");
   }
   struct Done {
     std::atomic<bool>& running;

@@ -524,8 +524,9 @@ TEST(ExecutorErrors, ASecondThreadInRunIsRefused) {
     b.join();
     EXPECT_EQ(completed, 1);
     EXPECT_EQ(refusal.get(),
-              "Executor::run: another thread is running this Executor; one Executor belongs to "
-              "one rank's thread (make one per thread)");
+              "Executor::run: this Executor is running already (on another thread, or run() "
+              "was called from inside a run); one Executor belongs to one rank's thread (make "
+              "one per thread)");
     // Refused, it left the Executor usable.
     EXPECT_EQ(floats(ex.run({x})[0]), (std::vector<float>{3, 3}));
   });

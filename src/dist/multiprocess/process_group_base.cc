@@ -472,7 +472,13 @@ void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
 
 void ProcessGroupBase::fail_unposted(const std::shared_ptr<CollectiveOp>& op,
                                      const std::string& message) {
-  not_taken_part(op->seq);
+  {
+    // Broken first, under mu_, where issue() counts a collective only while the group is not
+    // broken: a collective issued meanwhile on another thread cannot raise posted_ again.
+    std::lock_guard lock(mu_);
+    if (!broken_) broken_ = message;
+    not_taken_part(op->seq);
+  }
   fail_op(op, message);
 }
 
