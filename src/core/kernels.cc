@@ -236,6 +236,14 @@ template <typename T>
   }
 }
 
+// Whether lanes that added up r - r of each result r (0 when finite, NaN when not), and `rest`,
+// which did so for the results past the last whole lane group, met a result that is not finite.
+template <typename A>
+inline bool any_not_finite(const A (&lanes)[kLanes], A rest) {
+  for (int64_t j = 0; j < kLanes; ++j) rest += lanes[j];
+  return rest != rest;
+}
+
 // combine_block of a sum's last source that also tells whether a sum may be infinite: lanes
 // add up r - r of each sum r (0 when finite, NaN when not), two more operations on registers.
 // (A separate pass over the block cost 10-20% of a 3-source average.)
@@ -258,8 +266,7 @@ template <typename T>
     acc[i] = r;
     rest += r - r;
   }
-  for (int64_t j = 0; j < kLanes; ++j) rest += lanes[j];
-  return rest != rest;
+  return any_not_finite(lanes, rest);
 }
 
 // The floating average of `nsrc` sources whose sum `acc` is not finite (overflowed, or met an
@@ -318,9 +325,7 @@ void reduce_blocked(RawOf<T>* out, const RawOf<T>* const* srcs, int nsrc, int64_
 template <typename T, typename Op, bool kAvg>
 inline T combine2(T a, T b) {
   T r = Op::apply(a, b);
-  if constexpr (kAvg) {
-    r = avg_of(r, 2);
-  }
+  if constexpr (kAvg) r = avg_of(r, 2);
   return r;
 }
 
@@ -391,8 +396,7 @@ template <typename T>
     dst[i] = r;
     rest += r - r;
   }
-  for (int64_t j = 0; j < kLanes; ++j) rest += lanes[j];
-  return rest != rest;
+  return any_not_finite(lanes, rest);
 }
 
 // The floating average of two sources, `out` one of them: (a + b) / 2, or where that is not

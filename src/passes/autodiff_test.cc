@@ -261,20 +261,27 @@ TEST(Autodiff, ViewDtypeStopsTheGradient) {
   EXPECT_NO_THROW((void)build_joint_graph(*packed, {1}));  // %y alone: its own path
 }
 
+// The joint graph of `ir` differentiated with respect to input 1 alone gives it `zeros` of
+// type `type` (no error).
+void expect_zeros_for_input_1(std::string_view ir, std::string_view type) {
+  std::unique_ptr<Graph> fwd = parse_graph(ir);
+  const Graph joint = build_joint_graph(*fwd, {1});
+  ASSERT_EQ(joint.outputs().size(), 2u);
+  EXPECT_EQ(joint.outputs()[1]->type().str(), type);
+  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "zeros");
+}
+
 // A [0] operand that cat passes over (PyTorch's legacy rule) has no elements, so no gradient
 // to lose: it gets zeros of [0] when it is the only input differentiated too, as PyTorch's
 // cat backward gives, not the "stops" error (which named cat, a differentiable op).
 TEST(Autodiff, AnEmptyInputCatSkipsGetsAnEmptyGradient) {
-  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%a: f64[2,3], %e: f64[0]) {
+  expect_zeros_for_input_1(R"(graph @g(%a: f64[2,3], %e: f64[0]) {
     %c = cat(%a, %e) {dim = 1}
     %m = mul(%c, %c)
     %l = sum(%m)
     return %l
-  })");
-  const Graph joint = build_joint_graph(*fwd, {1});
-  ASSERT_EQ(joint.outputs().size(), 2u);
-  EXPECT_EQ(joint.outputs()[1]->type().str(), "f64[0]");
-  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "zeros");
+  })",
+                           "f64[0]");
 }
 
 // Many inputs that reach the loss only through integer casts, beside one with a gradient: they
@@ -320,15 +327,12 @@ TEST(Autodiff, ManyInputsStoppedByCastsGetZeros) {
 // relu_backward's mask operand has a zero gradient, as PyTorch's threshold_backward: a
 // double-backward graph differentiated through it alone gets zeros, not the "stops" error.
 TEST(Autodiff, ReluBackwardsMaskHasAZeroGradient) {
-  std::unique_ptr<Graph> fwd = parse_graph(R"(graph @g(%g: f64[3], %x: f64[3]) {
+  expect_zeros_for_input_1(R"(graph @g(%g: f64[3], %x: f64[3]) {
     %r = relu_backward(%g, %x)
     %l = sum(%r)
     return %l
-  })");
-  const Graph joint = build_joint_graph(*fwd, {1});
-  ASSERT_EQ(joint.outputs().size(), 2u);
-  EXPECT_EQ(joint.outputs()[1]->type().str(), "f64[3]");
-  EXPECT_EQ(joint.outputs()[1]->node()->op_name(), "zeros");
+  })",
+                           "f64[3]");
 }
 
 TEST(Autodiff, Errors) {

@@ -1404,8 +1404,10 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
   std::vector<Entry*> kept = best_gap_members(members, region);
   // Fewest groups = members: the placement ranges are disjoint, so no two members merge.
   no_pair_fits_ = kept.size() < 2;
-  if (kept.size() >= 2) order = plan_region(kept, region);
-  if (kept.size() >= 2 && !order) kept = kept_by_ranges(members, region);
+  if (kept.size() >= 2) {
+    order = plan_region(kept, region);
+    if (!order) kept = kept_by_ranges(members, region);
+  }
   // Nothing merges: the bucket stays as it was, its first member counted as kept.
   if (kept.size() < 2) kept = {members[0]};
   stats_.dropped += static_cast<int64_t>(members.size() - kept.size());
