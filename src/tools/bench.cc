@@ -958,7 +958,7 @@ void emit(std::FILE* out, std::string line) {
   line.erase(line.find_last_not_of(' ') + 1);
   std::fputs(line.c_str(), out);
   std::fputc('\n', out);
-  std::fflush(out);
+  flush_output(out);
 }
 
 // Where the references' two threads ran. On one CPU they share it: memcpy is about halved and a

@@ -3,6 +3,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
+#include <cstdio>
+
 namespace funcol::tools {
 
 // `funcol bench`: nccl-tests style collective micro-benchmarks (bench.cc).
@@ -21,5 +24,18 @@ void add_opt_command(CLI::App& app);
 // funcol started and that failed (status != 0) tells its launcher so (launch.cc), which then
 // knows that an error of a rank explains the job's end.
 void note_rank_exit(int status);
+
+// The errno of the first failed flush of a command's output (ENOSPC, EPIPE), 0 while none
+// failed: the funcol command's last flush finds the stream failed already, with no errno of its
+// own, and says why from this.
+inline int output_errno = 0;
+
+// Flushes `out`, keeping the errno of a failure in output_errno. True when it flushed.
+inline bool flush_output(std::FILE* out) {
+  errno = 0;
+  if (std::fflush(out) == 0) return true;
+  if (output_errno == 0) output_errno = errno;
+  return false;
+}
 
 }  // namespace funcol::tools

@@ -169,7 +169,7 @@ void copy_to_stdout(int fd, const std::atomic<bool>& done) {
     if (n <= 0) break;
     if (writing) {
       writing = std::fwrite(buf, 1, static_cast<size_t>(n), stdout) == static_cast<size_t>(n) &&
-                std::fflush(stdout) == 0;
+                flush_output(stdout);
     }
   }
   close(fd);
@@ -197,7 +197,7 @@ int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& s
     throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
   }
   close(out[1]);
-  std::fflush(stdout);
+  flush_output(stdout);
   std::atomic<bool> done{false};
   std::thread copier(copy_to_stdout, out[0], std::cref(done));
   const ExitStatus st = wait_all({pid}).front();

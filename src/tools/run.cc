@@ -213,7 +213,7 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
     write_file(o.trace, chrome_trace_json(events), "trace file");
     if (o.outputs != "json") std::fprintf(out, "trace: %s\n", o.trace.c_str());
   }
-  std::fflush(out);
+  flush_output(out);
 }
 
 // ---- running the ranks ----------------------------------------------------------------------
@@ -398,6 +398,8 @@ std::string outputs_json_line(int rank, const std::vector<Tensor>& outputs) {
           s += "\"nan\"";
         } else if (std::isinf(v)) {
           s += v > 0 ? "\"inf\"" : "\"-inf\"";
+        } else if (v == 0 && std::signbit(v)) {
+          s += "-0.0";  // JSON readers take -0 for the integer 0 and lose the sign
         } else {
           char buf[40];
           std::snprintf(buf, sizeof buf, format, v);

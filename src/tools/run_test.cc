@@ -351,8 +351,8 @@ TEST(OutputsJson, FormatsEveryDtype) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   const std::string line = outputs_json_line(
-      3, {Tensor::from_vector<float>({0.1f, -2.5f, nan, inf, -inf}),
-          Tensor::from_vector<double>({0.1}, {1, 1}), Tensor::full({}, DType::BF16, 1.5),
+      3, {Tensor::from_vector<float>({0.1f, -2.5f, nan, inf, -inf, -0.0f, 0.0f}),
+          Tensor::from_vector<double>({0.1, -0.0}, {1, 2}), Tensor::full({}, DType::BF16, 1.5),
           Tensor::from_vector<int64_t>({-7, 1LL << 40}), Tensor::from_vector<bool>({true, false}),
           Tensor::zeros({4097}, DType::U8)});
   const json j = json::parse(line);
@@ -364,15 +364,20 @@ TEST(OutputsJson, FormatsEveryDtype) {
   EXPECT_EQ(o[0]["data"][2], "nan");
   EXPECT_EQ(o[0]["data"][3], "inf");
   EXPECT_EQ(o[0]["data"][4], "-inf");
-  EXPECT_EQ(o[1]["shape"], json::array({1, 1}));
+  // A negative zero keeps its sign through a JSON reader (-0 would read as the integer 0).
+  EXPECT_TRUE(o[0]["data"][5].is_number_float());
+  EXPECT_TRUE(std::signbit(o[0]["data"][5].get<float>()));
+  EXPECT_FALSE(std::signbit(o[0]["data"][6].get<float>()));
+  EXPECT_EQ(o[1]["shape"], json::array({1, 2}));
   EXPECT_EQ(o[1]["data"][0].get<double>(), 0.1);  // %.17g round-trips
+  EXPECT_TRUE(std::signbit(o[1]["data"][1].get<double>()));
   EXPECT_EQ(o[2]["shape"], json::array());
   EXPECT_EQ(o[2]["data"][0].get<double>(), 1.5);
   EXPECT_EQ(o[3]["data"][1].get<int64_t>(), 1LL << 40);
   EXPECT_EQ(o[4]["data"], json::array({true, false}));
   EXPECT_FALSE(o[5].contains("data"));  // more than 4096 elements: digest only
   EXPECT_EQ(o[5]["digest"].get<std::string>().size(), 16u);
-  EXPECT_NE(line.find("{\"rank\": 3, \"outputs\": [{\"dtype\": \"f32\", \"shape\": [5], "),
+  EXPECT_NE(line.find("{\"rank\": 3, \"outputs\": [{\"dtype\": \"f32\", \"shape\": [7], "),
             std::string::npos)
       << line;
 }

@@ -748,7 +748,7 @@ class Progress {
 void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, std::FILE* err) {
   const std::string text = o.json ? train_json_line(o, r) + "\n" : train_summary(o, r);
   std::fputs(text.c_str(), out);
-  std::fflush(out);
+  flush_output(out);
   for (size_t i = 0; i < r.losses.size(); ++i) {
     if (std::isfinite(r.losses[i])) continue;
     std::fprintf(err,

@@ -25,6 +25,8 @@ int finish(int status, int error = 0) {
   if (error == 0) error = errno;
   const bool flushed = std::fflush(stdout) == 0;
   if (error == 0) error = errno;
+  // A command's own flush failed first and the stream kept only its error flag.
+  if (error == 0) error = funcol::tools::output_errno;
   if (!flushed || std::ferror(stdout) || !std::cout) {
     std::fprintf(stderr, "funcol: error: cannot write the output: %s\n",
                  error != 0 ? std::strerror(error) : "write error");
