@@ -1273,6 +1273,14 @@ Tensor Tensor::view_dtype(DType dtype) const {
       throw InvalidArgument(
           what + fmt::format(": the last dim ({}) is not a multiple of {}", sizes.back(), ratio));
     }
+    if (numel() == 0) {
+      // No element to address: any layout views it (a contiguous [3, 0] has strides [1, 1],
+      // which PyTorch refuses to widen, while the IR's types accept it).
+      sizes.back() /= ratio;
+      Tensor t = with_layout(sizes, contiguous_strides(sizes), 0);
+      t.dtype_ = dtype;
+      return t;
+    }
     if (offset_ % ratio != 0) {
       throw InvalidArgument(
           what + fmt::format(": the storage offset ({}) is not a multiple of {}", offset_, ratio));

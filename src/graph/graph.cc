@@ -321,9 +321,9 @@ bool Node::is_before(const Node& other) const {
 // ---- Graph ----------------------------------------------------------------------------------
 
 Graph::Graph(std::string name) : name_(std::move(name)), names_(std::make_unique<NameTable>()) {
-  if (!is_valid_name(name_)) {
-    throw InvalidArgument(
-        fmt::format("invalid graph name '{}' (letters, digits, '_', '.')", name_.substr(0, 64)));
+  if (!is_valid_name(name_) || name_.size() > (size_t{1} << 20)) {
+    throw InvalidArgument(fmt::format("invalid graph name '{}' (1 to 2^20 letters, digits, '_', '.')",
+                                      name_.substr(0, 64)));
   }
 }
 

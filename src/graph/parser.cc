@@ -399,6 +399,7 @@ class Parser {
       error(tok_.loc, fmt::format("redefinition of graph @{} (first defined at {})",
                                   excerpt(tok_.text, 64), loc_str(first->loc())));
     }
+    if (tok_.text.size() > (size_t{1} << 20)) error(tok_.loc, "graph names are at most 2^20 bytes long");
     auto graph = std::make_unique<Graph>(std::string(tok_.text));
     graph->set_source(file_, graph_loc);
     g_ = graph.get();
@@ -423,7 +424,7 @@ class Parser {
         error_expected("a node ('%name = op(...)') or 'return'");
       }
     }
-    if (tok_.kind != Tok::RBrace) error_expected(fmt::format("'}}' to close graph @{}", g_->name()));
+    if (tok_.kind != Tok::RBrace) error_expected(fmt::format("'}}' to close graph @{}", excerpt(g_->name(), 64)));
     advance();
     g_ = nullptr;
     return graph;

@@ -1,6 +1,7 @@
 // The IR printer (deterministic text that parses back to an equal graph) and the dot export.
 #include "funcol/graph/printer.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 
@@ -198,22 +199,36 @@ std::string dot_quote(std::string_view s) {
   return out + "\"";
 }
 
+// Graphviz refuses a quoted string longer than 16 KiB, so a label shows at most 64 bytes of a
+// name and the first 8 result types of a node (a bucket's split has one per member; a type
+// is at most about 1.3 KB: 64 dims of 19 digits, when one is 0).
+constexpr size_t kDotNameBytes = 64;
+constexpr size_t kDotTypes = 8;
+
+std::string dot_name(std::string_view name) {
+  if (name.size() <= kDotNameBytes) return std::string(name);
+  return std::string(name.substr(0, kDotNameBytes)) + "...";
+}
+
 void dot_graph(const Graph& graph, std::string& out) {
-  out += "digraph " + dot_quote(graph.name()) + " {\n";
+  out += "digraph " + dot_quote(dot_name(graph.name())) + " {\n";
   out += "  node [fontname=\"monospace\"];\n";
   std::unordered_map<const Node*, size_t> ids;
   ids.reserve(graph.num_nodes());
   for (size_t i = 0; i < graph.num_inputs(); ++i) {
     const Value* v = graph.input(i);
     out += fmt::format("  in{} [shape=ellipse, label={}];\n", i,
-                       dot_quote(v->ref() + ": " + v->type().str()));
+                       dot_quote("%" + dot_name(v->name()) + ": " + v->type().str()));
   }
   size_t k = 0;
   for (const Node& n : graph.nodes()) {
     ids.emplace(&n, k);
     std::string types;
-    for (size_t i = 0; i < n.num_results(); ++i) types += (i ? ", " : "") + n.result(i)->type().str();
-    const std::string label = "%" + n.name() + " = " + std::string(n.op_name()) + "\n" + types;
+    for (size_t i = 0; i < std::min(n.num_results(), kDotTypes); ++i) {
+      types += (i ? ", " : "") + n.result(i)->type().str();
+    }
+    if (n.num_results() > kDotTypes) types += fmt::format(", ... ({} results)", n.num_results());
+    const std::string label = "%" + dot_name(n.name()) + " = " + std::string(n.op_name()) + "\n" + types;
     const char* style = "shape=box";
     if (n.op().is_collective()) {
       style = "shape=box, style=filled, fillcolor=\"lightblue\"";

@@ -1,6 +1,7 @@
 // Tests of the IR printer: exact format, round trips of every op, attribute values, dot export.
 #include "funcol/graph/printer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -135,6 +136,36 @@ TEST(Printer, Dot) {
   EXPECT_NE(dot.find("  n3 -> ret [label=\"#1\"];\n"), std::string::npos) << dot;
   EXPECT_NE(dot.find("  n2 -> ret;\n"), std::string::npos) << dot;
   EXPECT_EQ(dot.substr(dot.size() - 2), "}\n");
+}
+
+// Graphviz refuses a quoted string longer than 16 KiB: a bucket's split of 2,000 members and a
+// name of 20,000 bytes get short labels.
+TEST(Printer, DotLabelsStayShort) {
+  const std::string name(20000, 'v');
+  std::string sizes, types;
+  for (int i = 0; i < 2000; ++i) {
+    sizes += i ? ", 2" : "2";
+    types += i ? ", f32[2]" : "f32[2]";
+  }
+  Module m = parse_module("graph @" + name + "(%" + name + ": f32[4000]) {\n  %" + name +
+                          "x:2000 = split_with_sizes(%" + name + ") {split_sizes = [" + sizes +
+                          "]}\n  return %" + name + "x#1999\n}\n");
+  const std::string dot = to_dot(m);
+  size_t longest = 0;
+  for (size_t at = dot.find('"'); at != std::string::npos;) {
+    size_t end = at + 1;
+    while (dot[end] != '"') end += dot[end] == '\\' ? 2 : 1;
+    longest = std::max(longest, end - at - 1);
+    at = dot.find('"', end + 1);
+  }
+  EXPECT_LT(longest, 1000u) << dot.substr(0, 2000);
+  const std::string shown(64, 'v');
+  EXPECT_EQ(dot.rfind("digraph \"" + shown + "...\" {\n", 0), 0u) << dot.substr(0, 200);
+  EXPECT_NE(dot.find("label=\"%" + shown + "...: f32[4000]\"]"), std::string::npos);
+  EXPECT_NE(dot.find("label=\"%" + shown + "... = split_with_sizes\\nf32[2], f32[2], f32[2], "
+                     "f32[2], f32[2], f32[2], f32[2], f32[2], ... (2000 results)\"]"),
+            std::string::npos)
+      << dot.substr(0, 2000);
 }
 
 }  // namespace

@@ -95,6 +95,19 @@ TEST(Robustness, HugeIntegers) {
             "4611686018427387903 * 2 is more than 2^62");
 }
 
+// Names longer than 2^20 bytes are refused where they stand; messages show 64 bytes of one.
+TEST(Robustness, LongNames) {
+  const std::string longest((size_t{1} << 20), 'a');
+  EXPECT_EQ(parse_error("graph @" + longest + "b(%x: f32[4]) {\n  return %x\n}"),
+            "t.ir:1:7: error: graph names are at most 2^20 bytes long");
+  EXPECT_EQ(parse_error("graph @g(%x: f32[4]) {\n  %" + longest + "b = neg(%x)\n  return %x\n}"),
+            "t.ir:2:3: error: value names are at most 2^20 bytes long");
+  EXPECT_EQ(parse_error("graph @" + longest + "(%x: f32[4]) {\n  return %x %x\n}"),
+            "t.ir:2:13: error: expected '}' to close graph @" + std::string(64, 'a') +
+                "..., found '%x'");
+  EXPECT_THROW(Graph(longest + "b"), InvalidArgument);
+}
+
 TEST(Robustness, DeepNesting) {
   const std::string prefix = "graph @g(%x: f32[8]) {\n  %y = sum(%x) {dims = ";
   EXPECT_EQ(parse_error(prefix + std::string(100000, '[') + std::string(100000, ']') + "}\n}"),

@@ -2,6 +2,8 @@
 #include "funcol/graph/verifier.h"
 
 #include <optional>
+#include <string_view>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -194,7 +196,15 @@ class Verifier {
 void verify(const Graph& graph) { Verifier(graph).run(); }
 
 void verify(const Module& module) {
-  for (const auto& g : module.graphs()) verify(*g);
+  // Graphs are found by name, and a printed module must parse back: names are unique.
+  std::unordered_set<std::string_view> names;  // membership only, never iterated
+  for (const auto& g : module.graphs()) {
+    if (!names.insert(g->name()).second) {
+      throw InvalidArgument(fmt::format("the module has more than one graph @{}",
+                                        std::string_view(g->name()).substr(0, 64)));
+    }
+    verify(*g);
+  }
 }
 
 }  // namespace funcol

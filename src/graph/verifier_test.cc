@@ -94,5 +94,20 @@ TEST(Verifier, ModuleChecksEveryGraph) {
   EXPECT_THROW(verify(m), InvalidArgument);
 }
 
+// Two graphs of one name would print as a module that does not parse back.
+TEST(Verifier, ModuleGraphNamesAreUnique) {
+  Module m = design();
+  verify(m);
+  m.add(std::make_unique<Graph>(m.graphs()[0]->name()));
+  try {
+    verify(m);
+    FAIL() << "a second graph @" << m.graphs()[0]->name() << " verified";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("more than one graph @" + m.graphs()[0]->name()),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace funcol

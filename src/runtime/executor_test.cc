@@ -760,5 +760,23 @@ TEST(Digest, HexOfXxh3OverLogicalBytes) {
   EXPECT_EQ(tensor_digest(Tensor::zeros({0}, DType::F32)), fmt_hash(xxh3_64(nullptr, 0)));
 }
 
+// Views of more than the 4 MiB a digest copies at a time hash as their contiguous copies do:
+// pieces of rows, of a single row longer than a piece, and of an expanded view.
+TEST(Digest, LargeViewsHashInPieces) {
+  const Tensor a = Tensor::rand({1100, 1500}, DType::F32, 3);  // 6.6 MB
+  const auto one_shot = [](const Tensor& t) {
+    const Tensor c = t.contiguous();
+    return fmt_hash(xxh3_64(c.const_data_ptr(), c.nbytes()));
+  };
+  EXPECT_EQ(tensor_digest(a), one_shot(a));
+  EXPECT_EQ(tensor_digest(a.transpose(0, 1)), one_shot(a.transpose(0, 1)));
+  const Tensor row = Tensor::rand({1, 3, 1}, DType::F64, 4).expand({1, 3, 400000});  // 9.6 MB
+  EXPECT_EQ(tensor_digest(row), one_shot(row));
+  EXPECT_EQ(tensor_digest(row.permute({0, 2, 1})), one_shot(row.permute({0, 2, 1})));
+  const Tensor narrow = a.narrow(1, 7, 1400);
+  EXPECT_EQ(tensor_digest(narrow), one_shot(narrow));
+  EXPECT_NE(tensor_digest(narrow), tensor_digest(a.narrow(1, 8, 1400)));
+}
+
 }  // namespace
 }  // namespace funcol

@@ -6,6 +6,8 @@
 
 #include <fmt/ranges.h>
 #include <algorithm>
+#include <memory>
+#include <new>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/work.h"
@@ -18,15 +20,43 @@ uint64_t xxh3_64(const void* data, size_t n) {
   return static_cast<uint64_t>(XXH3_64bits(n == 0 ? nullptr : data, n));
 }
 
-std::string tensor_digest(const Tensor& tensor) {
-  uint64_t h = 0;
-  if (tensor.numel() == 0) {
-    h = xxh3_64(nullptr, 0);
-  } else {
-    const Tensor c = tensor.contiguous();
-    h = xxh3_64(c.const_data_ptr(), c.nbytes());
+namespace {
+
+// Feeds the elements of `t` in logical order to `state`, a contiguous piece at a time: a strided
+// or expanded tensor is copied a few MiB at a time, never whole (an expanded view of 4 bytes
+// may stand for gigabytes).
+void hash_elements(XXH3_state_t* state, const Tensor& t) {
+  constexpr size_t kPieceBytes = size_t{4} << 20;
+  if (t.numel() == 0) return;
+  if (t.is_contiguous()) {
+    XXH3_64bits_update(state, t.const_data_ptr(), t.nbytes());
+    return;
   }
-  return fmt::format("{:016x}", h);
+  if (t.nbytes() <= kPieceBytes) {
+    const Tensor c = t.contiguous();
+    XXH3_64bits_update(state, c.const_data_ptr(), c.nbytes());
+    return;
+  }
+  // Pieces along the first dim longer than 1 (there is one: the tensor has over 4 MiB).
+  int64_t d = 0;
+  while (t.sizes()[static_cast<size_t>(d)] == 1) ++d;
+  const int64_t n = t.sizes()[static_cast<size_t>(d)];
+  const size_t row_bytes = t.nbytes() / static_cast<size_t>(n);
+  const auto rows = std::max<int64_t>(1, static_cast<int64_t>(kPieceBytes / row_bytes));
+  for (int64_t start = 0; start < n; start += rows) {
+    hash_elements(state, t.narrow(d, start, std::min(rows, n - start)));
+  }
+}
+
+}  // namespace
+
+std::string tensor_digest(const Tensor& tensor) {
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (!state) throw std::bad_alloc();
+  XXH3_64bits_reset(state.get());
+  hash_elements(state.get(), tensor);
+  return fmt::format("{:016x}", static_cast<uint64_t>(XXH3_64bits_digest(state.get())));
 }
 
 uint64_t graph_hash(const Graph& graph) {

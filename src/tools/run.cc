@@ -106,6 +106,24 @@ void check_input_memory(const Graph& graph, const RunOptions& o) {
       o.backend == "threads" ? "in this process" : "on this machine"));
 }
 
+// A digest reads every element of an output, a view of a few bytes expanded to 2^62 too: an
+// output whose elements take more than this machine's memory is an error here, at its node,
+// rather than a run that never ends (or, copied to hash, an out-of-memory error naming
+// nothing).
+void check_output_sizes(const Graph& graph) {
+  for (size_t i = 0; i < graph.outputs().size(); ++i) {
+    const Value* v = graph.outputs()[i];
+    const double bytes = static_cast<double>(v->type().nbytes());
+    if (v->is_input() || fits_in_memory(1, bytes)) continue;  // inputs are checked as inputs
+    const std::string message = fmt::format(
+        "output {} ({}: {}) has {:.0f} bytes of elements, more than this machine's memory: "
+        "funcol run reads every element for its digest",
+        i, v->ref(), v->type().str(), bytes);
+    throw_at<InvalidArgument>(*v->node(), fmt::format("graph @{}: {}", graph.name(), message),
+                              fmt::format("graph @{}: {}", graph.name(), message));
+  }
+}
+
 // Parses, selects and verifies the graph and checks every collective against the groups the
 // run will have: the same errors on every rank, so they are reported once, before any starts.
 Prepared prepare(const RunOptions& o, const std::string& text) {
@@ -140,6 +158,7 @@ Prepared prepare(const RunOptions& o, const std::string& text) {
       },
       known);
   check_input_memory(*p.graph, o);
+  check_output_sizes(*p.graph);
   return p;
 }
 
