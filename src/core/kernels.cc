@@ -125,15 +125,26 @@ inline A and_bits(A a, A b) {
                                                  std::bit_cast<BitsOf<A>>(b)));
 }
 
-// Min and max propagate NaN (as torch.minimum / torch.maximum) and order -0 below +0 (IEEE
-// 754-2019 minimum and maximum): the result does not depend on the order in which the ranks'
-// values are combined, so every backend (MPI and Gloo combine in their own order) gives the
-// same bits.
+// Of two NaNs, the one whose bits are the larger unsigned integer: which NaN a min or max of
+// several gives then does not depend on the order they are combined in.
+template <typename A>
+inline A larger_nan(A a, A b) {
+  return std::bit_cast<BitsOf<A>>(a) >= std::bit_cast<BitsOf<A>>(b) ? a : b;
+}
+
+// Min and max propagate NaN (as torch.minimum / torch.maximum; of several NaNs, larger_nan's),
+// and order -0 below +0 (IEEE 754-2019 minimum and maximum): the result does not depend on the
+// order in which the ranks' values are combined, so every backend (MPI and Gloo combine in
+// their own order) gives the same bits.
 struct OpMin {
   template <typename A>
   static A apply(A a, A b) {
     if constexpr (std::is_floating_point_v<A>) {
-      return a < b ? a : b < a ? b : a != a ? a : b != b ? b : or_bits(a, b);
+      return a < b   ? a
+             : b < a ? b
+             : a != a ? (b != b ? larger_nan(a, b) : a)
+             : b != b ? b
+                      : or_bits(a, b);
     } else {
       return a < b ? a : b;
     }
@@ -143,7 +154,11 @@ struct OpMax {
   template <typename A>
   static A apply(A a, A b) {
     if constexpr (std::is_floating_point_v<A>) {
-      return a > b ? a : b > a ? b : a != a ? a : b != b ? b : and_bits(a, b);
+      return a > b   ? a
+             : b > a ? b
+             : a != a ? (b != b ? larger_nan(a, b) : a)
+             : b != b ? b
+                      : and_bits(a, b);
     } else {
       return a > b ? a : b;
     }

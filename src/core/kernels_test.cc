@@ -334,6 +334,61 @@ TEST(ReduceBuffers, FloatMinMaxPropagateNaN) {
   }
 }
 
+// Of several NaNs, min and max give the same one in any order of the sources (MPI combines the
+// ranks' values in its own order): each dtype, each pair of sign and payload.
+TEST(ReduceBuffers, FloatMinMaxPickTheSameNaNInAnyOrder) {
+  const auto nan_bits = [](DType d, int k) -> uint64_t {
+    const uint64_t sign = k & 1, payload = static_cast<uint64_t>(k);
+    switch (d) {
+      case DType::F16: return sign << 15 | 0x7e00 | payload;
+      case DType::BF16: return sign << 15 | 0x7fc0 | payload;
+      case DType::F32: return sign << 31 | 0x7fc00000 | payload;
+      default: return sign << 63 | 0x7ff8000000000000 | payload;
+    }
+  };
+  for (DType d : {DType::F16, DType::BF16, DType::F32, DType::F64}) {
+    const size_t size = itemsize(d);
+    std::vector<Tensor> src;
+    for (int k = 0; k < 4; ++k) {
+      Tensor t = Tensor::zeros({37}, d);
+      for (int64_t i = 0; i < 37; ++i) {
+        const uint64_t bits = i % 3 == 0 ? nan_bits(d, k) : 0;  // NaN in some lanes, 0 in others
+        std::memcpy(static_cast<char*>(t.data_ptr()) + i * size, &bits, size);
+      }
+      src.push_back(t);
+    }
+    for (ReduceOp op : {ReduceOp::Min, ReduceOp::Max}) {
+      std::vector<uint8_t> first;
+      for (const std::vector<int>& order : {std::vector<int>{0, 1, 2, 3}, std::vector<int>{3, 2, 1, 0},
+                                            std::vector<int>{1, 3, 0, 2}, std::vector<int>{2, 0, 3, 1}}) {
+        const void* srcs[4];
+        for (int k = 0; k < 4; ++k) srcs[k] = src[static_cast<size_t>(order[k])].data_ptr();
+        Tensor out = Tensor::zeros({37}, d);
+        reduce_buffers(op, d, out.data_ptr(), srcs, 4, 37);
+        // And pairwise, as MPI's user-defined operator combines them.
+        Tensor acc = src[static_cast<size_t>(order[0])].clone();
+        for (int k = 1; k < 4; ++k) reduce_inplace(op, d, acc.data_ptr(), srcs[k], 37);
+        const std::vector<uint8_t> bytes = out.view_dtype(DType::U8).to_vector<uint8_t>();
+        EXPECT_EQ(acc.view_dtype(DType::U8).to_vector<uint8_t>(), bytes)
+            << dtype_name(d) << " " << reduce_op_name(op);
+        if (first.empty()) first = bytes;
+        EXPECT_EQ(bytes, first) << dtype_name(d) << " " << reduce_op_name(op);
+      }
+      uint64_t got = 0;
+      std::memcpy(&got, first.data(), size);
+      if (size >= 4) {
+        EXPECT_EQ(got, nan_bits(d, 3)) << dtype_name(d) << " " << reduce_op_name(op);
+      } else {
+        // f16 and bf16 are combined as f32, whose conversion back keeps a NaN's sign only.
+        EXPECT_EQ(got & 0x8000, 0x8000u) << dtype_name(d) << " " << reduce_op_name(op);
+        EXPECT_TRUE(std::isnan(Tensor::from_vector<int16_t>({static_cast<int16_t>(got)})
+                                   .view_dtype(d)
+                                   .item<float>()));
+      }
+    }
+  }
+}
+
 TEST(ReduceBuffers, Errors) {
   Tensor f = Tensor::zeros({4}, DType::F32);
   const void* srcs[] = {f.data_ptr(), f.data_ptr()};
