@@ -373,11 +373,12 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
       op->work->fail(std::make_exception_ptr(CommError(late_message(*op))));
       return op->work;
     }
-    if (broken_) {
+    if (broken_ || op->seq >= departed_limit_) {
       op->claim();
       op->work->fail(std::make_exception_ptr(
           CommError(fmt::format("{}: group '{}' is unusable after an earlier failure: {}",
-                                op->work->description(), name(), *broken_))));
+                                op->work->description(), name(),
+                                broken_ ? *broken_ : *departed_))));
       return op->work;
     }
     inflight_.push_back(op);
@@ -421,7 +422,8 @@ void ProcessGroupBase::drain(std::chrono::steady_clock::time_point deadline) {
   for (;;) {
     {
       std::lock_guard lock(mu_);
-      if (inflight_.empty() || broken_) return;
+      // In issue order: from the first at the departure limit on, none can complete.
+      if (inflight_.empty() || broken_ || inflight_.front()->seq >= departed_limit_) return;
     }
     if (std::chrono::steady_clock::now() >= deadline) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -490,7 +492,7 @@ void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,
 
 std::optional<std::string> ProcessGroupBase::broken() const {
   std::lock_guard lock(mu_);
-  return broken_;
+  return broken_ ? broken_ : departed_;
 }
 
 Clock::time_point ProcessGroupBase::deadline_of(const CollectiveOp& op) const {
@@ -716,8 +718,14 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
   bool affected = !loss.clean;
   {
     std::lock_guard lock(mu_);
-    // Every later collective on this group would wait for the peer forever.
-    if (!broken_) broken_ = lost;
+    // Every later collective on this group would wait for the peer forever; after a clean
+    // departure, every one from the first it did not issue (those before still complete).
+    if (!loss.clean) {
+      if (!broken_) broken_ = lost;
+    } else if (peer_issued < departed_limit_) {
+      departed_limit_ = peer_issued;
+      departed_ = lost;  // the departure that set the limit
+    }
     for (auto& op : inflight_) {
       if (op->done()) continue;
       // A peer that left cleanly finished what it issued; only what it never issued is lost.

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -188,7 +189,7 @@ class ProcessGroupBase : public ProcessGroup,
   // Fails the op because the ranks disagreed on it (detail mode). The group stays usable:
   // every rank saw the same signatures and skipped the collective.
   void fail_mismatch(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
-  // Why the group is unusable, or nullopt.
+  // Why the group is unusable (from some collective on, after a departure), or nullopt.
   std::optional<std::string> broken() const;
   // The op's deadline now (a lost peer shortens it, under the group's lock).
   std::chrono::steady_clock::time_point deadline_of(const CollectiveOp& op) const;
@@ -266,6 +267,11 @@ class ProcessGroupBase : public ProcessGroup,
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<CollectiveOp>> inflight_;  // issue order
   std::optional<std::string> broken_;
+  // A member that left cleanly took part in every collective before the fewest any departed
+  // member issued here (departed_limit_): those still complete without it (its part is done:
+  // an eager broadcast's data, an empty collective), later ones never do (why: departed_).
+  int64_t departed_limit_ = std::numeric_limits<int64_t>::max();
+  std::optional<std::string> departed_;
   // The first peer that gave up on a collective of this group (on_peer_gave_up).
   struct GaveUp {
     int from = -1;

@@ -471,7 +471,16 @@ void scenario_depart(funcol::ProcessGroup& world) {
   }
   Tensor kept = Tensor::full({3}, DType::I64, world.rank() + 1);
   world.all_reduce(kept, ReduceOp::Sum);
+  // Collectives the leaver's part of completes without the others: an empty all_reduce (no
+  // transport) and, on mpi, a small broadcast from it (sent at once; Gloo's root waits for its
+  // receivers). The others issue them only after its goodbye, and they still complete: it took
+  // part. (They were refused, naming it as missing.)
+  Tensor empty = Tensor::zeros({0}, DType::F32);
+  Tensor small = Tensor::full({2}, DType::I32, world.rank() + 1);
+  const bool eager_broadcast = world.backend() == "mpi";
   if (world.rank() == leaver) {
+    world.all_reduce(empty, ReduceOp::Sum);
+    if (eager_broadcast) world.broadcast(small, leaver);
     // It leaves because of an error of its own: the others' errors name it (its first line).
     funcol::set_departure_error("ShapeError: the leaver's own error\nits second line");
     funcol::destroy_process_group();
@@ -483,6 +492,14 @@ void scenario_depart(funcol::ProcessGroup& world) {
   }
   if (kept.to_vector<int64_t>() != std::vector<int64_t>(3, n * (n + 1) / 2)) {
     failed("a collective the leaver issued gave a wrong sum");
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // its goodbye arrives meanwhile
+  world.all_reduce(empty, ReduceOp::Sum)->wait();
+  if (eager_broadcast) {
+    world.broadcast(small, leaver)->wait();
+    if (small.to_vector<int32_t>() != std::vector<int32_t>(2, leaver + 1)) {
+      failed("a broadcast the leaver sent before leaving gave a wrong value");
+    }
   }
   expect_departure(world, fmt::format("rank {} departed after an error (ShapeError: the "
                                       "leaver's own error)",
