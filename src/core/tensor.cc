@@ -1274,8 +1274,9 @@ Tensor Tensor::view_dtype(DType dtype) const {
           what + fmt::format(": the last dim ({}) is not a multiple of {}", sizes.back(), ratio));
     }
     if (numel() == 0) {
-      // No element to address: any layout views it (a contiguous [3, 0] has strides [1, 1],
-      // which PyTorch refuses to widen, while the IR's types accept it).
+      // No element to address: the strides of the other dims do not matter (a contiguous
+      // [3, 0] has strides [1, 1], which PyTorch refuses to widen, while the IR's types accept
+      // it). The last dim's stride is still 1, as PyTorch asks.
       sizes.back() /= ratio;
       Tensor t = with_layout(sizes, contiguous_strides(sizes), 0);
       t.dtype_ = dtype;

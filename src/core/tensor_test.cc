@@ -752,7 +752,7 @@ TEST(Views, ViewDType) {
   EXPECT_THROW(Tensor::zeros({8}, DType::U8).narrow(0, 1, 4).view_dtype(DType::I32),
                InvalidArgument);
   EXPECT_EQ(Tensor::zeros({}, DType::F32).view_dtype(DType::I32).dtype(), DType::I32);
-  // An empty tensor widens whatever its strides, as the IR's types say it does.
+  // An empty tensor widens whatever the strides of its other dims, as the IR's types say.
   for (const Shape& shape : {Shape{3, 0}, Shape{0, 8}, Shape{2, 0, 0}}) {
     const Tensor e = Tensor::zeros(shape, DType::I8).view_dtype(DType::F64);
     Shape wide = shape;

@@ -956,9 +956,8 @@ std::string mib(int64_t bytes) {
 
 void emit(std::FILE* out, std::string line) {
   line.erase(line.find_last_not_of(' ') + 1);
-  std::fputs(line.c_str(), out);
-  std::fputc('\n', out);
-  flush_output(out);
+  line += '\n';
+  write_output(out, line);
 }
 
 // Where the references' two threads ran. On one CPU they share it: memcpy is about halved and a

@@ -3,8 +3,10 @@
 
 #include <CLI/CLI.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <string_view>
 
 namespace funcol::tools {
 
@@ -25,17 +27,34 @@ void add_opt_command(CLI::App& app);
 // knows that an error of a rank explains the job's end.
 void note_rank_exit(int status);
 
-// The errno of the first failed flush of a command's output (ENOSPC, EPIPE), 0 while none
-// failed: the funcol command's last flush finds the stream failed already, with no errno of its
-// own, and says why from this.
-inline int output_errno = 0;
+// The errno of the first failed write or flush of a command's output (ENOSPC, EPIPE), 0 while
+// none failed: the funcol command's last flush finds the stream failed already, with no errno
+// of its own (stdio drops what it could not write and keeps only an error flag), and says why
+// from this. Atomic: mpi's launcher writes the ranks' output from a thread of its own.
+inline std::atomic<int> output_errno{0};
+
+inline void note_output_errno() {
+  int none = 0;
+  output_errno.compare_exchange_strong(none, errno);
+}
 
 // Flushes `out`, keeping the errno of a failure in output_errno. True when it flushed.
 inline bool flush_output(std::FILE* out) {
   errno = 0;
   if (std::fflush(out) == 0) return true;
-  if (output_errno == 0) output_errno = errno;
+  note_output_errno();
   return false;
+}
+
+// Writes `text` to `out` and flushes it, keeping the errno of a failure in output_errno. True
+// when all of it was written.
+inline bool write_output(std::FILE* out, std::string_view text) {
+  errno = 0;
+  if (std::fwrite(text.data(), 1, text.size(), out) != text.size()) {
+    note_output_errno();
+    return false;
+  }
+  return flush_output(out);
 }
 
 }  // namespace funcol::tools

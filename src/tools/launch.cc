@@ -167,10 +167,7 @@ void copy_to_stdout(int fd, const std::atomic<bool>& done) {
     const ssize_t n = read(fd, buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
-    if (writing) {
-      writing = std::fwrite(buf, 1, static_cast<size_t>(n), stdout) == static_cast<size_t>(n) &&
-                flush_output(stdout);
-    }
+    if (writing) writing = write_output(stdout, std::string_view(buf, static_cast<size_t>(n)));
   }
   close(fd);
 }

@@ -219,20 +219,21 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
     auto count = [](size_t n, const char* what) {
       return fmt::format("{} {}{}", n, what, n == 1 ? "" : "s");
     };
-    std::fprintf(out, "graph @%s: %s, %s; %s on %s; %s, %.3f ms per iteration (slowest rank)\n",
-                 p.graph->name().c_str(), count(p.graph->num_nodes(), "node").c_str(),
-                 count(collectives, "collective").c_str(),
-                 count(static_cast<size_t>(o.ranks), "rank").c_str(), o.backend.c_str(),
-                 count(static_cast<size_t>(o.iters), "iteration").c_str(), slowest / o.iters * 1e3);
+    write_output(out, fmt::format("graph @{}: {}, {}; {} on {}; {}, {:.3f} ms per iteration "
+                                  "(slowest rank)\n",
+                                  p.graph->name(), count(p.graph->num_nodes(), "node"),
+                                  count(collectives, "collective"),
+                                  count(static_cast<size_t>(o.ranks), "rank"), o.backend,
+                                  count(static_cast<size_t>(o.iters), "iteration"),
+                                  slowest / o.iters * 1e3));
   }
-  for (const RankReport& r : reports) std::fprintf(out, "%s\n", r.text.c_str());
+  for (const RankReport& r : reports) write_output(out, r.text + "\n");
   if (!o.trace.empty()) {
     std::vector<std::string> events;
     for (const RankReport& r : reports) events.push_back(r.events);
     write_file(o.trace, chrome_trace_json(events), "trace file");
-    if (o.outputs != "json") std::fprintf(out, "trace: %s\n", o.trace.c_str());
+    if (o.outputs != "json") write_output(out, fmt::format("trace: {}\n", o.trace));
   }
-  flush_output(out);
 }
 
 // ---- running the ranks ----------------------------------------------------------------------

@@ -747,8 +747,7 @@ class Progress {
 // (a NaN weight differs from the reference by NaN, which JSON writes as null).
 void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, std::FILE* err) {
   const std::string text = o.json ? train_json_line(o, r) + "\n" : train_summary(o, r);
-  std::fputs(text.c_str(), out);
-  flush_output(out);
+  write_output(out, text);
   for (size_t i = 0; i < r.losses.size(); ++i) {
     if (std::isfinite(r.losses[i])) continue;
     std::fprintf(err,

@@ -115,7 +115,8 @@ class ProcessJob {
 // runs world-size-1 groups locally, and hands everything else to submit() in issue order.
 // Failures — timeouts (from the job's watchdog), lost peers, transport errors — fail the Work
 // with a CommError naming the op, group, seq and the ranks that did not arrive, and leave the
-// group unusable: its later collectives fail at once instead of hanging.
+// group unusable: its later collectives fail at once instead of hanging. (After a clean
+// departure, only those from the first the leaver never issued: it did its part of the others.)
 class ProcessGroupBase : public ProcessGroup,
                          public std::enable_shared_from_this<ProcessGroupBase> {
  public:
@@ -159,7 +160,8 @@ class ProcessGroupBase : public ProcessGroup,
   // this rank issues `seq` only later, it fails at once, saying it came too late.
   void on_peer_gave_up(int from, int64_t seq, const std::string& error);
   // Waits until every collective issued on this group has ended (completed, failed, or timed
-  // out through the job's watchdog), or until `deadline`. destroy_process_group drains every
+  // out through the job's watchdog), or until `deadline`; at once when the group failed, or
+  // when those left are ones a departed member never issued. destroy_process_group drains every
   // group before the goodbye: dropped results still complete, and peers get this process's
   // part of every collective it issued.
   void drain(std::chrono::steady_clock::time_point deadline);
@@ -170,8 +172,9 @@ class ProcessGroupBase : public ProcessGroup,
   // Registers with the job and the monitor; call once right after construction.
   void attach();
 
-  // Runs `op` on the transport. Called in sequence order, never for world size 1 or for a
-  // group already broken. The backend ends it with complete() or fail_op().
+  // Runs `op` on the transport. Called in sequence order, never for world size 1, for a group
+  // already broken, or for a collective a departed member never issued. The backend ends it
+  // with complete() or fail_op().
   virtual void submit(const std::shared_ptr<CollectiveOp>& op) = 0;
 
   // Called (on any thread) when the group becomes unusable: a failure, a timeout, a lost peer.
