@@ -28,12 +28,8 @@ namespace {
 void hash_elements(XXH3_state_t* state, const Tensor& t) {
   constexpr size_t kPieceBytes = size_t{4} << 20;
   if (t.numel() == 0) return;
-  if (t.is_contiguous()) {
-    XXH3_64bits_update(state, t.const_data_ptr(), t.nbytes());
-    return;
-  }
-  if (t.nbytes() <= kPieceBytes) {
-    const Tensor c = t.contiguous();
+  if (t.is_contiguous() || t.nbytes() <= kPieceBytes) {
+    const Tensor c = t.contiguous();  // t itself when contiguous
     XXH3_64bits_update(state, c.const_data_ptr(), c.nbytes());
     return;
   }

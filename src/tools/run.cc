@@ -116,11 +116,10 @@ void check_output_sizes(const Graph& graph) {
     const double bytes = static_cast<double>(v->type().nbytes());
     if (v->is_input() || fits_in_memory(1, bytes)) continue;  // inputs are checked as inputs
     const std::string message = fmt::format(
-        "output {} ({}: {}) has {:.0f} bytes of elements, more than this machine's memory: "
-        "funcol run reads every element for its digest",
-        i, v->ref(), v->type().str(), bytes);
-    throw_at<InvalidArgument>(*v->node(), fmt::format("graph @{}: {}", graph.name(), message),
-                              fmt::format("graph @{}: {}", graph.name(), message));
+        "graph @{}: output {} ({}: {}) has {:.0f} bytes of elements, more than this machine's "
+        "memory: funcol run reads every element for its digest",
+        graph.name(), i, v->ref(), v->type().str(), bytes);
+    throw_at<InvalidArgument>(*v->node(), message, message);
   }
 }
 
