@@ -3,7 +3,6 @@
 #include "funcol/passes/bucketing.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -18,6 +17,7 @@
 
 #include "funcol/core/error.h"
 #include "funcol/graph/printer.h"
+#include "number.h"
 
 namespace funcol {
 namespace {
@@ -1507,22 +1507,18 @@ std::vector<double> parse_cap_mb(std::string_view text) {
     const size_t colon = text.find(':', pos);
     const std::string_view part =
         text.substr(pos, colon == std::string_view::npos ? std::string_view::npos : colon - pos);
-    double v = 0;
-    // A sign of '+' as C's strtod and Python's float() take it (std::from_chars does not).
-    const char* first = part.data() + (part.size() > 1 && part[0] == '+' ? 1 : 0);
-    const auto r = std::from_chars(first, part.data() + part.size(), v);
-    const bool whole = first != part.data() + part.size() && r.ptr == part.data() + part.size();
-    if (whole && r.ec == std::errc::result_out_of_range) {
+    const auto [v, whole, ec] = parse_whole_number<double>(part);
+    if (whole && ec == std::errc::result_out_of_range) {
       // Too large (not too small): say what merges without a limit.
       const bool huge = std::fabs(std::strtod(std::string(part).c_str(), nullptr)) > 1;
       throw InvalidArgument(fmt::format("cap-mb: '{}' is out of range{}{} (in '{}')", part,
                                         huge ? "; " : "", huge ? kNoLimitHint : "", text));
     }
-    if (whole && r.ec == std::errc() && std::isinf(v) && v > 0) {
+    if (whole && ec == std::errc() && std::isinf(v) && v > 0) {
       throw InvalidArgument(
           fmt::format("cap-mb: '{}' is not a finite number; {} (in '{}')", part, kNoLimitHint, text));
     }
-    if (!whole || r.ec != std::errc() || !std::isfinite(v) || v <= 0) {
+    if (!whole || ec != std::errc() || !std::isfinite(v) || v <= 0) {
       throw InvalidArgument(
           fmt::format("cap-mb: '{}' is not a positive number (in '{}')", part, text));
     }

@@ -2,28 +2,26 @@
 #include "funcol/passes/pass.h"
 
 #include <algorithm>
-#include <charconv>
 
 #include <fmt/format.h>
 
 #include "funcol/core/error.h"
+#include "number.h"
 
 namespace funcol {
 namespace {
 
 double parse_number(std::string_view pass, std::string_view key, std::string_view text) {
-  double value = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  const bool whole = !text.empty() && ptr == text.data() + text.size();
-  if (whole && ec == std::errc::result_out_of_range) {
+  const auto r = parse_whole_number<double>(text);
+  if (r.whole && r.ec == std::errc::result_out_of_range) {
     throw InvalidArgument(
         fmt::format("option {} of pass {} is out of range, got '{}'", key, pass, text));
   }
-  if (!whole || ec != std::errc()) {
+  if (!r.whole || r.ec != std::errc()) {
     throw InvalidArgument(
         fmt::format("option {} of pass {} must be a number, got '{}'", key, pass, text));
   }
-  return value;
+  return r.value;
 }
 
 }  // namespace
@@ -50,13 +48,12 @@ int64_t PassOptions::get_int(std::string_view pass, std::string_view key,
                              int64_t default_value) const {
   const std::string* v = find(key);
   if (!v) return default_value;
-  int64_t value = 0;
-  auto [ptr, ec] = std::from_chars(v->data(), v->data() + v->size(), value);
-  if (ec != std::errc() || ptr != v->data() + v->size() || v->empty()) {
+  const auto r = parse_whole_number<int64_t>(*v);
+  if (!r.whole || r.ec != std::errc()) {
     throw InvalidArgument(
         fmt::format("option {} of pass {} must be an integer, got '{}'", key, pass, *v));
   }
-  return value;
+  return r.value;
 }
 
 std::vector<double> PassOptions::get_double_list(std::string_view pass, std::string_view key,

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "funcol/core/error.h"
+#include "funcol/passes/bucketing.h"
 #include "funcol/graph/parser.h"
 #include "funcol/graph/printer.h"
 
@@ -102,6 +103,21 @@ TEST(PassOptionsTest, NumbersAreChecked) {
   } catch (const InvalidArgument& e) {
     EXPECT_STREQ(e.what(), "option memory-budget-mb of pass overlap is out of range, got '1e400'");
   }
+}
+
+// A leading '+' reads as C's strtod reads it, in every numeric option (cap-mb took it and
+// memory-budget-mb did not); a second sign, or a sign alone, is still not a number.
+TEST(PassOptionsTest, NumbersTakeALeadingPlus) {
+  PassOptions o({{"a", "+0.5"}, {"b", "+3"}, {"c", "+1:+2"}, {"d", "+-1"}, {"e", "+"}, {"f", "++1"}});
+  EXPECT_DOUBLE_EQ(o.get_double("p", "a", 0), 0.5);
+  EXPECT_EQ(o.get_int("p", "b", 0), 3);
+  EXPECT_EQ(o.get_double_list("p", "c", {}), (std::vector<double>{1, 2}));
+  for (const char* key : {"d", "e", "f"}) {
+    EXPECT_THROW(o.get_double("p", key, 0), InvalidArgument) << key;
+    EXPECT_THROW(o.get_int("p", key, 0), InvalidArgument) << key;
+  }
+  EXPECT_EQ(parse_cap_mb("+0.5:+2"), (std::vector<double>{0.5, 2}));
+  EXPECT_THROW(parse_cap_mb("+-1"), InvalidArgument);
 }
 
 // A pass that counts its runs and can be told to break the graph.

@@ -68,7 +68,7 @@ class OverlapPass : public Pass {
 };
 
 // The pass from pipeline options; throws InvalidArgument "option memory-budget-mb of pass
-// overlap must be a positive number, got 'x'" for a bad value.
+// overlap must be a finite positive number, got 'x'" for a bad value.
 std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options);
 
 }  // namespace funcol
