@@ -46,7 +46,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -540,16 +539,18 @@ struct SharedGroup;
 enum State : int { kPending = 0, kPlanning = 1, kRunning = 2, kFinished = 3 };
 
 // One collective shared by the members of a group; also every member's Work.
-const std::string* stable_name_of(const SharedGroup* group);  // after SharedGroup
+// The group's name as member `member`'s Works hold it (SharedGroup::member_names).
+std::shared_ptr<const std::string> member_name(const SharedGroup& group, int member);
 
 class Op final : public Work, public std::enable_shared_from_this<Op> {
  public:
   // Created ahead of need by a rank (outside the group's lock); the identity is set by
   // init() under the lock before any other rank can see it.
-  Op(World* world, SharedGroup* group, int size)
+  // `member`: the creating rank's group rank.
+  Op(World* world, SharedGroup* group, int size, int member)
       : world_(world),
         group_(group),
-        group_name_(stable_name_of(group)),
+        group_name_(member_name(*group, member)),
         size_(size),
         members_(size) {
     init_members();
@@ -593,7 +594,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   mutable std::string description_;
   World* const world_;
   SharedGroup* const group_;
-  const std::string* const group_name_;  // group_->stable_name: outlives the group
+  const std::shared_ptr<const std::string> group_name_;  // outlives the group
   const int size_;
 
   // ---- guarded by group_->mu ----
@@ -702,9 +703,11 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
 struct SharedGroup {
   int id = 0;
   std::string name;
-  // The same name, kept for the process (intern_group_name): a Work's description is built
-  // when first asked for, which may be after run_local freed this group.
-  const std::string* stable_name = nullptr;
+  // A copy of `name` per member, each an allocation of its own cache lines: a Work's
+  // description is built when first asked for, which may be after run_local freed this group,
+  // so the Works a member creates hold its copy. Their reference counts then touch no line
+  // that another member's collectives touch, and the copies go with the last Work.
+  std::vector<std::shared_ptr<const std::string>> member_names;
   std::vector<int> global_ranks;
   SpinMutex mu;
   // Ops not yet joined by every member, at seq - pending_base (null: not created yet, or
@@ -739,7 +742,16 @@ struct SharedGroup {
   SharedGroup& operator=(const SharedGroup&) = delete;
   ~SharedGroup();
 
-  void init_lane() {
+  // Sets member_names and the lane from name and global_ranks.
+  void init() {
+    struct alignas(64) NameCopy {
+      std::string name;
+    };
+    member_names.reserve(global_ranks.size());
+    for (size_t i = 0; i < global_ranks.size(); ++i) {
+      auto copy = std::make_shared<const NameCopy>(NameCopy{name});
+      member_names.emplace_back(copy, &copy->name);
+    }
     const size_t n = global_ranks.size();
     if (n >= 2 && n <= kLaneMaxRanks) lane = std::make_unique<LaneSlot[]>(kLaneSlots);
   }
@@ -787,16 +799,9 @@ std::string collective_name(OpKind kind, bool coalesced, const SharedGroup& grou
   return collective_name(kind, coalesced, group.name, seq);
 }
 
-// Every group name this process used, never freed (a program reuses a few names across runs):
-// what a Work's description reads once its world is gone.
-const std::string* intern_group_name(const std::string& name) {
-  static std::mutex mu;
-  static auto* names = new std::set<std::string>;
-  std::lock_guard<std::mutex> lock(mu);
-  return &*names->insert(name).first;
+std::shared_ptr<const std::string> member_name(const SharedGroup& group, int member) {
+  return group.member_names[member];
 }
-
-const std::string* stable_name_of(const SharedGroup* group) { return group->stable_name; }
 
 struct QueueEntry {
   std::shared_ptr<Op> op;
@@ -868,9 +873,8 @@ class World {
     auto g = std::make_unique<SharedGroup>();
     g->id = static_cast<int>(groups_.size());
     g->name = std::move(name);
-    g->stable_name = intern_group_name(g->name);
     g->global_ranks = std::move(ranks);
-    g->init_lane();
+    g->init();
     groups_.push_back(std::move(g));
     return groups_.back().get();
   }
@@ -1068,7 +1072,7 @@ class LaneWork final : public Work {
   LaneWork(World* world, SharedGroup* group, uint64_t seq, int member, Clock::time_point deadline)
       : world_(world),
         group_(group),
-        group_name_(group->stable_name),
+        group_name_(member_name(*group, member)),
         seq_(seq),
         member_(member),
         deadline_(deadline) {}
@@ -1079,7 +1083,7 @@ class LaneWork final : public Work {
 
   World* const world_;
   SharedGroup* const group_;
-  const std::string* const group_name_;  // group_->stable_name: outlives the group
+  const std::shared_ptr<const std::string> group_name_;  // outlives the group
   const uint64_t seq_;
   const int member_;
   const Clock::time_point deadline_;
@@ -1780,7 +1784,8 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     std::shared_ptr<Op>& slot = crossed_gone ? outside : group.pending_slot(seq);
     if (!slot) {
       if (!spare) {
-        spare = std::make_shared<Op>(this, &group, static_cast<int>(group.global_ranks.size()));
+        spare = std::make_shared<Op>(this, &group, static_cast<int>(group.global_ranks.size()),
+                                     member);
       }
       spare->init(seq, post.kind, post.coalesced, post.flat,
                   dist_detail::deadline_after(timeout_));
@@ -2834,9 +2839,8 @@ SharedGroup* World::split(const SharedGroup& parent, uint64_t index,
       auto g = std::make_unique<SharedGroup>();
       g->id = static_cast<int>(groups_.size());
       g->name = name;
-      g->stable_name = intern_group_name(g->name);
       g->global_ranks = list;
-      g->init_lane();
+      g->init();
       groups_.push_back(std::move(g));
       entry.groups.push_back(groups_.back().get());
     }
@@ -3155,7 +3159,7 @@ class ThreadsGroup final : public ProcessGroup {
     // A spare sized to the group, made before the lock; not kept for large groups, where every
     // rank's spare would hold a member record per rank (R^2 in all: 5.9 GB at 4096 ranks).
     if (!spare_ && size() <= kMaxSpareMembers) {
-      spare_ = std::make_shared<Op>(world_.get(), shared_, size());
+      spare_ = std::make_shared<Op>(world_.get(), shared_, size(), rank());
     }
     bool late = false;
     std::shared_ptr<Op> op = world_->join(*shared_, rank(), seq, std::move(post), spare_, &late);
