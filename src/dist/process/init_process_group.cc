@@ -3,9 +3,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "dist/multiprocess/process_world.h"
 #include "funcol/core/error.h"
@@ -45,11 +48,21 @@ struct ProcessState {
   std::string backend;
   std::unique_ptr<GroupRegistry> registry;
   process::ProcessWorld world;
-  // Every job ever started, kept so that no job is destroyed on one of its own threads (a
-  // group dropped last by the watchdog or the peer monitor); destroy_process_group shuts a
-  // job down explicitly.
+  // The jobs started and not yet known to be unused, kept so that no job is destroyed on one
+  // of its own threads (a group dropped last by the watchdog or the peer monitor);
+  // destroy_process_group shuts a job down explicitly. Guarded by mu.
   std::vector<std::shared_ptr<process::ProcessJob>> jobs;
   bool exit_handler = false;
+
+  // Destroys the jobs that are shut down (their threads joined) and held by nothing else (no
+  // group a caller kept): each init/destroy cycle used to keep its job, about 1.5 KB and a
+  // record per peer, for the life of the process. Nothing holds a job weakly, so one held
+  // only here stays so until it is dropped. Called with mu held.
+  void prune_jobs() {
+    std::erase_if(jobs, [](const std::shared_ptr<process::ProcessJob>& job) {
+      return job->shut_down() && job.use_count() == 1;
+    });
+  }
 };
 
 ProcessState& state() {
@@ -105,6 +118,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   s.backend = backend;
   s.registry = std::move(registry);
   s.world = world;
+  s.prune_jobs();
   s.jobs.push_back(world.job);
   dist_detail::set_process_world(world.world.get());
   if (!s.exit_handler) {
@@ -143,6 +157,11 @@ void destroy_world(bool at_exit) {
   registry.reset();
   world = {};
   job->shutdown(at_exit);
+  job.reset();
+  if (!at_exit) {
+    std::lock_guard lock(s.mu);
+    s.prune_jobs();
+  }
 }
 
 }  // namespace
