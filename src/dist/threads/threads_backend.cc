@@ -502,6 +502,11 @@ struct LaneSlot {
   // Written under the group's mu before kLaneFailed is set; read by whoever sees it set.
   std::string error;
   std::vector<int> given_up_on;  // a timeout's missing ranks (global); else empty
+  // One timeout after the slot last failed, or was freed after a failure (steady clock
+  // ticks): a member blocked behind the failed collective or a later absence, waiting for late
+  // members to come, gives up then unless they move it on. Atomic: such a member reads it
+  // while the slot may move on and fail again.
+  std::atomic<Clock::rep> late_deadline{0};
   std::array<LaneRecord, kLaneMaxRanks> records;
 };
 
@@ -722,6 +727,9 @@ struct SharedGroup {
     uint64_t seq;
     uint64_t members;
     std::string message;
+    // One timeout after the first member gave up: members blocked behind the absence, waiting
+    // for the late members to come, give up then.
+    Clock::time_point deadline;
     // The members that were already waiting for the slot for `seq` when the first gave up:
     // unlike later comers, they are not told that they came after the others had given up.
     uint64_t early;
@@ -1033,6 +1041,8 @@ class World {
   // Counts `count` more members (or the failer) out of failed slot `ls`; frees it after the last.
   void lane_exit(SharedGroup& group, LaneSlot& ls, int count);
   // Frees a failed slot: releases and drops the records' Works and frees it.
+  // Sets ls.late_deadline one timeout from now (the slot failed, or is freed after a failure).
+  void note_lane_moved(LaneSlot& ls) const;
   void lane_release(LaneSlot& ls);
   // Frees the slot for its next collective.
   static void lane_free(LaneSlot& ls);
@@ -2079,12 +2089,27 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       const Clock::time_point now = Clock::now();
       // Behind an earlier collective this member waits for it: it gives up when that one times
       // out (its first issue plus the timeout), not a whole timeout after this issue, or a rank
-      // k collectives ahead of a late peer would block k timeouts before its first wait.
-      // (A failed slot's arrived bits include absent members, whose records are stale: it waits
-      // for its late members to count out, this member on its own deadline.)
-      const Clock::time_point deadline = (prev & (kLaneBusy | kLaneFailed)) == kLaneBusy
-                                             ? lane_deadline(ls, prev, work->deadline_)
-                                             : work->deadline_;
+      // k collectives ahead of a late peer would block k timeouts before its first wait. Behind
+      // a failed collective or an absence, whose late members have yet to come, it gives up
+      // one timeout after the slot last moved (failed, was freed, or got its first absence),
+      // or at its own deadline if sooner: its own alone was k timeouts again for a rank
+      // 2 x kLaneSlots ahead. (A failed slot's arrived bits include absent members, whose
+      // records are stale.)
+      Clock::time_point deadline = work->deadline_;
+      if ((prev & (kLaneBusy | kLaneFailed)) == kLaneBusy) {
+        deadline = lane_deadline(ls, prev, deadline);
+      } else {
+        Clock::time_point moved(Clock::duration(ls.late_deadline.load(std::memory_order_relaxed)));
+        if ((prev & kLaneFailed) == 0) {
+          std::lock_guard<SpinMutex> lock(group.mu);
+          for (const SharedGroup::LaneAbsence& a : group.lane_absences) {
+            if (a.seq % kLaneSlots == seq % kLaneSlots && a.seq < seq) {
+              moved = std::max(moved, a.deadline);
+            }
+          }
+        }
+        deadline = std::min(deadline, moved);
+      }
       if (now >= deadline) {
         // This member waits for the earlier collective as a waiter of its would: that one
         // times out now, so that it is not reported unfinished here and completed later.
@@ -2151,7 +2176,8 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
               for (const auto& [waiting_seq, members] : group.lane_waiting) {
                 if (waiting_seq == seq) early = members & ~bit;
               }
-              group.lane_absences.push_back({seq, bit, failure, early});
+              group.lane_absences.push_back(
+                  {seq, bit, failure, dist_detail::deadline_after(timeout_), early});
               it = group.lane_absences.end() - 1;
             } else {
               it->members |= bit;
@@ -2341,6 +2367,7 @@ bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string
     }
     ls.error = message;
     ls.given_up_on = given_up_on;
+    note_lane_moved(ls);
     if (ls.state.compare_exchange_weak(prev, prev | absent | kLaneFailed,
                                        std::memory_order_seq_cst, std::memory_order_acquire)) {
       break;
@@ -2367,7 +2394,13 @@ void World::lane_exit(SharedGroup& group, LaneSlot& ls, int count) {
   if (ls.exits.fetch_add(count, std::memory_order_acq_rel) + count == last) lane_release(ls);
 }
 
+void World::note_lane_moved(LaneSlot& ls) const {
+  ls.late_deadline.store(dist_detail::deadline_after(timeout_).time_since_epoch().count(),
+                         std::memory_order_relaxed);
+}
+
 void World::lane_release(LaneSlot& ls) {
+  note_lane_moved(ls);  // published by lane_free
   for (auto& record : ls.records) {
     // An absent member's record still holds its previous (finished) collective.
     if (record.work) record.work->release_keep();
