@@ -517,11 +517,14 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
   if (auto* monitor = job_->monitor()) {
     // A dead peer's sockets close at once, so its loss is known within moments of the
     // transport's error; wait briefly so the message can name it.
+    // Members that left after issuing the collective did their part (a departure drains what
+    // it issued first): not named, as in a departure's own error.
     auto losses = monitor->wait_for_loss(global_ranks(), std::chrono::milliseconds(500));
     std::vector<int> missing;
     for (const auto& loss : losses) {
+      if (issued_before_leaving(loss, op.seq)) continue;
       msg += "; " + loss_text(loss, op.seq);
-      if (!issued_before_leaving(loss, op.seq)) missing.push_back(loss.rank);
+      missing.push_back(loss.rank);
     }
     std::sort(missing.begin(), missing.end());
     if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
