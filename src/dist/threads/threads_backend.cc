@@ -112,8 +112,9 @@ int64_t stream_threshold() {
   constexpr int64_t kDefaultStreamBytes = 8 << 20;
   const std::optional<double> mb =
       dist_detail::env_number("FUNCOL_STREAM_MB", "a number of megabytes (0 or more)",
-                              [](double v) { return v >= 0 && v <= 1e12; });
-  return mb ? static_cast<int64_t>(*mb * (1 << 20)) : kDefaultStreamBytes;
+                              [](double v) { return v >= 0; });
+  // Past 1e12 MB (more than any copy) it means "never", as 1e12 does.
+  return mb ? static_cast<int64_t>(std::min(*mb, 1e12) * (1 << 20)) : kDefaultStreamBytes;
 }
 
 #if defined(__SSE2__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
@@ -421,9 +422,10 @@ constexpr int kIssuedGroupBits = 20;
 std::chrono::nanoseconds stall_warning_after() {
   const std::optional<double> seconds =
       dist_detail::env_number("FUNCOL_STALL_WARNING", "a number of seconds (0 or more)",
-                              [](double v) { return v >= 0 && v <= 1e9; });
+                              [](double v) { return v >= 0; });
+  // Past 1e9 s (31 years, past any deadline) a warning never comes, as at 1e9.
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
-      std::chrono::duration<double>(seconds.value_or(10.0)));
+      std::chrono::duration<double>(std::min(seconds.value_or(10.0), 1e9)));
 }
 
 // When a sleeping wait looks whether it stalls: every `after` while it sleeps, until it warned

@@ -89,9 +89,12 @@ TEST(RunLocalTest, RejectsAnInvalidStreamThreshold) {
           << e.what();
     }
   }
-  // Empty means unset, and blanks may follow the number, as for FUNCOL_TIMEOUT.
-  for (const char* good : {"", "16 ", "0.5"}) {
+  // Empty means unset, and blanks may follow the number, as for FUNCOL_TIMEOUT. A number past
+  // any copy means "never" (past 1e12 it was refused as not "0 or more"), and so does a stall
+  // warning past any deadline.
+  for (const char* good : {"", "16 ", "0.5", "2e12"}) {
     ScopedEnv env("FUNCOL_STREAM_MB", good);
+    ScopedEnv warn("FUNCOL_STALL_WARNING", "2e9");
     EXPECT_NO_THROW(run_local(2, [](ProcessGroup& pg) {
       Tensor t = Tensor::full({1000}, DType::F32, 1);
       pg.all_reduce(t, ReduceOp::Sum)->wait();
