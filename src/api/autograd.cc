@@ -653,11 +653,13 @@ Tensor tape_permute(const Tensor& t, const std::vector<int64_t>& output_split_si
   const Tensor in[] = {t};
   std::shared_ptr<State> state = tape_of(in, "permute_tensor");
   // Contiguous rows (permute_tensor), recorded: a 0-d tensor as [1]; one that is not contiguous
-  // copied (reshaped flat).
+  // copied (a clone, as eager's contiguous(): a reshape may give a strided view, such as a
+  // column's).
   Tensor x = t;
-  if (t.dim() == 0 || !t.is_contiguous()) {
-    const Tensor flat[] = {call_one_on(state, "reshape", in, {{"shape", std::vector{t.numel()}}})};
-    x = call_one_on(state, "reshape", flat, {{"shape", permute_rows(t)}});
+  if (t.dim() == 0) {
+    x = call_one_on(state, "reshape", in, {{"shape", permute_rows(t)}});
+  } else if (!t.is_contiguous()) {
+    x = call_one_on(state, "clone", in, {});
   }
   const Tensor r[] = {all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group)};
   return t.dim() == 0 ? call_one_on(state, "reshape", r, {{"shape", t.sizes()}}) : r[0];

@@ -237,6 +237,11 @@ TEST_P(EagerGradCheck, PlainCollectivesAreDifferentiable) {
         std::vector<int> next(static_cast<size_t>(w));
         for (int r = 0; r < w; ++r) next[static_cast<size_t>(r)] = (r + 1) % w;
         const Tensor p = permute_tensor(x[2], next, "world");
+        // A column: not contiguous, and a reshape of it is a strided view, not a copy (the
+        // tape's permute_tensor refused it: "Tensor must be contiguous").
+        const Tensor column = tape.call_one("narrow", std::vector<Tensor>{x[2]},
+                                            {{"dim", 1}, {"start", 1}, {"length", 1}});
+        const Tensor pc = permute_tensor(column, next, "world");
         const Tensor a2a = all_to_all_single(ag, std::nullopt, std::nullopt, "world");
         const std::vector<Tensor> c = all_reduce_coalesced({ar, p}, "sum", "world");
         const std::vector<Tensor> cg = all_gather_into_tensor_coalesced({rs}, "world");
@@ -245,7 +250,7 @@ TEST_P(EagerGradCheck, PlainCollectivesAreDifferentiable) {
         // Rank-dependent weights, so a wrong route (a gradient sent to the wrong rank) shows.
         const Tensor scale = Tensor::full({}, DType::F64, 1.0 + rank);
         Tensor loss = tape.call_one("mul", std::vector<Tensor>{sum_of_cubes(tape, c[1]), scale});
-        for (const Tensor& t : {cg[0], crs[0], crs[1], wait_tensor(c[0])}) {
+        for (const Tensor& t : {cg[0], crs[0], crs[1], wait_tensor(c[0]), pc}) {
           loss = tape.call_one("add", std::vector<Tensor>{loss, sum_of_cubes(tape, t)});
         }
         return loss;
