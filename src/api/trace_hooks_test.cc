@@ -357,6 +357,40 @@ TEST(TraceCollectives, InplaceRemapsTraceFunctionally) {
   });
 }
 
+// A write into an input that the graph does not return is refused when the trace ends: a
+// graph cannot write its inputs, while the eager call leaves the caller's tensor written (the
+// graph dropped the write without a word). Into the input or a view of it; returned, it is kept.
+TEST(TraceCollectives, AnInputWrittenInPlaceMustBeReturned) {
+  using Fn = std::function<std::vector<Tensor>(std::span<const Tensor>)>;
+  const std::vector<Type> types = {Type(DType::F32, {4, 2}), Type(DType::F32, {4, 2})};
+  const std::vector<Fn> dropped = {
+      [](std::span<const Tensor> in) {
+        all_reduce_inplace(in[0], "sum", "world");  // gradients reduced in place
+        return std::vector<Tensor>{ops::relu(in[1])};
+      },
+      [](std::span<const Tensor> in) {
+        all_reduce_inplace(ops::narrow(in[0], 0, 0, 2), "sum", "world");
+        return std::vector<Tensor>{ops::narrow(in[0], 0, 0, 2)};  // the view, not the input
+      },
+  };
+  for (const Fn& fn : dropped) {
+    try {
+      trace("step", types, fn, {{"world", 4}});
+      ADD_FAILURE() << "an input written in place and not returned was traced";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("tracer: input %x was written in place", 0), 0u)
+          << e.what();
+    }
+  }
+  auto kept = trace("step", types,
+                    [](std::span<const Tensor> in) {
+                      all_reduce_inplace(in[0], "sum", "world");
+                      return std::vector<Tensor>{in[0], ops::relu(in[1])};
+                    },
+                    {{"world", 4}});
+  EXPECT_EQ(kept->outputs()[0]->node()->op_name(), "wait_tensor");
+}
+
 // An in-place collective into a view writes the view's base too, eagerly and traced (the graph
 // returned the base unchanged): narrow, a narrow of a transpose, a narrow of a view, and the
 // same view written twice.

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <optional>
 
@@ -123,7 +124,8 @@ Tensor Tracer::input(const Type& type, std::string name) {
   if (!graph_) throw InvalidArgument("tracer: input() after finish()");
   check_type(type.dtype, type.shape, "traced input");
   if (name.empty()) name = graph_->fresh_name("x");
-  return wrap(graph_->add_input(std::move(name), type));
+  inputs_.push_back(wrap(graph_->add_input(std::move(name), type)));
+  return inputs_.back();
 }
 
 bool Tracer::owns(const Tensor& t) const {
@@ -379,6 +381,21 @@ void Tracer::set_outputs(std::span<const Tensor> outputs) {
 
 std::unique_ptr<Graph> Tracer::finish() {
   if (!graph_) throw InvalidArgument("tracer: finish() called twice");
+  // An in-place write rebinds the input's tensor to the written value; eagerly the caller's
+  // tensor holds it afterwards, so a graph that neither returns it nor can write its input
+  // would drop the write without a word.
+  const std::vector<Value*>& outputs = graph_->outputs();
+  for (size_t i = 0; i < inputs_.size(); ++i) {
+    const Value* now = value(inputs_[i]);
+    const Value* input = graph_->inputs()[i];
+    if (now != input && std::find(outputs.begin(), outputs.end(), now) == outputs.end()) {
+      throw InvalidArgument(fmt::format(
+          "tracer: input {} was written in place (an in-place collective into it or a view of "
+          "it), but its new value {} is not an output: a graph cannot write its inputs, so "
+          "return the written tensor to keep the write",
+          input->ref(), now->ref()));
+    }
+  }
   verify(*graph_);
   return std::move(graph_);
 }

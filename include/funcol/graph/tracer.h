@@ -78,7 +78,10 @@ class Tracer {
   void set_outputs(std::span<const Tensor> outputs);
   // The graph so far.
   const Graph& graph() const { return *graph_; }
-  // Verifies and returns the graph; the tracer records nothing more afterwards.
+  // Verifies and returns the graph; the tracer records nothing more afterwards. Throws
+  // InvalidArgument when an input was written in place (an in-place collective into it or a
+  // view of it) and its new value is not an output: a graph cannot write its inputs, so the
+  // write would be lost where it happened eagerly.
   std::unique_ptr<Graph> finish();
 
  private:
@@ -96,6 +99,8 @@ class Tracer {
 
   uint64_t id_;
   std::unique_ptr<Graph> graph_;
+  // The traced tensors of the inputs, in order: their annotation follows in-place writes.
+  std::vector<Tensor> inputs_;
   std::vector<std::pair<std::string, int>> groups_;
   // In-place writes so far (assign), from 1: see refresh.
   uint64_t writes_ = 1;
