@@ -376,8 +376,26 @@ class Parser {
   std::vector<Type> in_types_;  // scratch, reused for every node
   Type given_;                  // scratch for result types written after ':'
   std::vector<int64_t> ints_;   // scratch for integer lists
+  // Values (graph inputs and node results) and attribute list elements read so far: see
+  // count_elements.
+  int64_t elements_ = 0;
 
   void advance() { tok_ = lex_.next(); }
+
+  // A value costs about 100 bytes and a list element up to about 80, while a split_with_sizes
+  // into empty pieces defines a value per 2 bytes of text ("0,"): a 256 MiB file of them asked
+  // for 13 GB. So a text holds at most kMaxParsedElements of them (under 2 GB; 100,000
+  // bucketed collectives make about 450,000), counted as they are read, before inference
+  // makes the values.
+  static constexpr int64_t kMaxParsedElements = int64_t{1} << 24;
+  void count_elements(size_t n, SourceLoc loc) {
+    elements_ += static_cast<int64_t>(n);
+    if (elements_ > kMaxParsedElements) {
+      error(loc, fmt::format("the text holds more than {} values and attribute list elements; "
+                             "larger graphs are not read",
+                             kMaxParsedElements));
+    }
+  }
   bool is_ident(std::string_view word) const { return tok_.kind == Tok::Ident && tok_.text == word; }
 
   [[noreturn]] void error(SourceLoc loc, const std::string& message) const { lex_.error(loc, message); }
@@ -452,6 +470,7 @@ class Parser {
     advance();
     expect(Tok::Colon, "':' and the input's type");
     Type type = parse_type();
+    count_elements(1, name.loc);
     g_->add_input(std::string(name.text), std::move(type), name.loc);
   }
 
@@ -622,6 +641,7 @@ class Parser {
     } catch (const Error& e) {
       error(op_loc, fmt::format("%{}: {}", excerpt(name.text, 64), e.what()));
     }
+    count_elements(types.size(), op_loc);
     if (declared && static_cast<size_t>(*declared) != types.size()) {
       error(declared_loc, fmt::format("%{} declares {} result(s) but {} produces {}",
                                       excerpt(name.text, 64), *declared, op->name, types.size()));
@@ -742,7 +762,10 @@ class Parser {
         return Attr(std::vector<int64_t>(ints_.begin(), ints_.end()));
       }
       if (after_element ? tok_.kind != Tok::Comma : tok_.kind != Tok::Int) break;
-      if (!after_element) ints_.push_back(tok_.int_value);
+      if (!after_element) {
+        count_elements(1, tok_.loc);
+        ints_.push_back(tok_.int_value);
+      }
       after_element = !after_element;
       advance();
     }
@@ -762,12 +785,14 @@ class Parser {
         advance();
         after_element = false;
       } else if (tok_.kind == Tok::LBracket) {
+        count_elements(1, tok_.loc);
         if (open.size() >= static_cast<size_t>(kMaxAttrListDepth)) {
           error(tok_.loc, fmt::format("attribute lists nest deeper than {} levels", kMaxAttrListDepth));
         }
         open.emplace_back();
         advance();
       } else {
+        count_elements(1, tok_.loc);
         open.back().push_back(parse_scalar(spec));
         after_element = true;
       }

@@ -144,6 +144,27 @@ TEST(Parser, IntegerLimits) {
             "of dim 0");
 }
 
+// Values and attribute list elements are counted as they are read, and a text with more than
+// 2^24 of them is refused before their memory is taken: a split_with_sizes into empty pieces
+// defines a value per 2 bytes of text ("0,", about 100 bytes of memory each), so a 256 MiB file
+// of them asked for 13 GB. Here 33 MB of text.
+TEST(Parser, RefusesTextsWithTooManyValuesAndListElements) {
+  const auto split = [](int pieces) {
+    std::string text = "graph @g(%x: f32[0]) {\n  %p = split_with_sizes(%x) {split_sizes = [";
+    text.reserve(text.size() + 2 * static_cast<size_t>(pieces) + 32);
+    for (int i = 0; i + 1 < pieces; ++i) text += "0,";
+    return text + "0]}\n  return %x\n}\n";
+  };
+  const std::string message = parse_error(split((1 << 24) + 1));
+  EXPECT_EQ(message.rfind("t.ir:2:", 0), 0u) << message.substr(0, 200);
+  EXPECT_NE(message.find("error: the text holds more than 16777216 values and attribute list "
+                         "elements; larger graphs are not read"),
+            std::string::npos)
+      << message.substr(0, 200);
+  // A bucket's split of 131,072 members reads.
+  EXPECT_EQ(parse_graph(split(1 << 17))->first_node()->num_results(), size_t{1} << 17);
+}
+
 // A float literal too small for a double reads as the nearest one (a subnormal or a signed
 // zero), as strtod and Python's float() read it; only one too large is an error.
 TEST(Parser, FloatLiteralsBelowTheRangeRound) {
