@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -18,6 +19,7 @@
 #include "funcol/core/kernels.h"
 #include "funcol/graph/backward.h"
 #include "funcol/graph/tracer.h"
+#include "graph/tape_hook.h"
 #include "tape_hooks.h"
 
 namespace funcol {
@@ -304,9 +306,37 @@ std::vector<Tensor> call_on(const std::shared_ptr<State>& state, std::string_vie
                                       "*_autograd collectives",
                                       op));
   }
-  std::vector<Tensor> results = ops::call(op, operands, attrs);
+  // Untracked, so that ops::call runs the kernel instead of coming back here (its tape hook).
+  std::vector<Tensor> plain;
+  plain.reserve(operands.size());
+  for (const Tensor& t : operands) plain.push_back(untracked(t));
+  std::vector<Tensor> results = ops::call(op, plain, attrs);
   if (!state) return results;
   return record(state, op, operands, attrs, results);
+}
+
+// Refuses operands that are untracked views of values `tracking` (or a live tape of this
+// thread) tracks, then runs `op` and records it on `state` (null: runs it only).
+std::vector<Tensor> checked_call(const std::shared_ptr<State>& state, State* tracking,
+                                 std::string_view op, std::span<const Tensor> operands,
+                                 const NamedAttrs& attrs) {
+  for (size_t i = 0; i < operands.size(); ++i) {
+    refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), tracking);
+  }
+  return call_on(state, op, operands, attrs);
+}
+
+// funcol::ops::call of a tracked operand (ops_detail::TapeHook): recorded on its tape, as
+// tape.call would record it, as PyTorch records every op on a tensor that requires grad.
+// Collectives and waits go their own way (ops::call refuses the first, and returns a wait's
+// operand itself).
+std::optional<std::vector<Tensor>> record_ops_call(std::string_view op,
+                                                   std::span<const Tensor> operands,
+                                                   const NamedAttrs& attrs) {
+  if (get_op(op).collective != CollectiveKind::None) return std::nullopt;
+  std::shared_ptr<State> state = tape_of(operands, op);
+  if (!state) return std::nullopt;
+  return checked_call(state, state.get(), op, operands, attrs);
 }
 
 Tensor call_one_on(const std::shared_ptr<State>& state, std::string_view op,
@@ -369,6 +399,7 @@ std::vector<Tensor> run_node(const State& s, const Node& n, const std::vector<Te
 GradTape::GradTape() : state_(std::make_shared<State>()) {
   std::erase_if(t_tapes, [](const std::weak_ptr<State>& w) { return w.expired(); });
   t_tapes.push_back(state_);
+  ops_detail::set_tape_hook(&record_ops_call);
 }
 
 GradTape::~GradTape() = default;
@@ -399,10 +430,7 @@ std::vector<Tensor> GradTape::call(std::string_view op, std::span<const Tensor> 
   if (state && state != state_) {
     throw InvalidArgument(fmt::format("{}: an operand is tracked by another tape", op));
   }
-  for (size_t i = 0; i < operands.size(); ++i) {
-    refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), state_.get());
-  }
-  return call_on(state, op, operands, attrs);
+  return checked_call(state, state_.get(), op, operands, attrs);
 }
 
 Tensor GradTape::call_one(std::string_view op, std::span<const Tensor> operands,

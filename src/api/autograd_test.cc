@@ -261,6 +261,38 @@ TEST_P(EagerGradCheck, PlainCollectivesAreDifferentiable) {
 INSTANTIATE_TEST_SUITE_P(Ranks, EagerGradCheck, ::testing::Values(2, 4),
                          [](const auto& info) { return fmt::format("ranks{}", info.param); });
 
+// funcol::ops on a tracked tensor are recorded on its tape, as PyTorch records every op on a
+// tensor that requires grad: their results were untracked constants, so the gradient through
+// them was lost without a word (d/dx sum(neg(x) * x) came out -x instead of -2x). Views made by
+// ops::view and ops::narrow are tracked too, so they enter tape.call; ops::call of wait_tensor
+// still returns its operand itself.
+TEST(EagerAutograd, FuncolOpsOnTrackedTensorsAreRecorded) {
+  GradTape tape;
+  const Tensor x = tape.requires_grad(Tensor::from_vector<float>({1, 2, 3, 4}, {4}));
+  const std::vector<std::pair<std::string, std::function<Tensor()>>> cases = {
+      {"neg", [&] { return ops::neg(x); }},
+      {"view/reshape", [&] { return ops::reshape(ops::view(x, {2, 2}), {4}); }},
+      {"clone", [&] { return ops::clone(x); }},
+      {"cat of narrows",
+       [&] { return ops::cat({ops::narrow(x, 0, 0, 2), ops::narrow(x, 0, 2, 2)}); }},
+      {"call", [&] { return ops::call_one("mul", std::vector<Tensor>{x, x}); }},
+  };
+  for (const auto& [name, make] : cases) {
+    tape.zero_grad();
+    const Tensor y = make();
+    EXPECT_TRUE(is_tracked(y)) << name;
+    tape.backward(ops::sum(ops::mul(y, x)));
+    const std::vector<float> v = {1, 2, 3, 4};
+    std::vector<float> want(4);
+    for (size_t i = 0; i < 4; ++i) {
+      // d/dx sum(f(x) * x) = f'(x) * x + f(x).
+      want[i] = name == "neg" ? -2 * v[i] : name == "call" ? 3 * v[i] * v[i] : 2 * v[i];
+    }
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), want) << name;
+  }
+  EXPECT_EQ(ops::call_one("wait_tensor", std::vector<Tensor>{x}).data_ptr(), x.data_ptr());
+}
+
 TEST(EagerAutograd, AllReduceBackwardIsAllReduceOfTheGradient) {
   run_local(4, [](ProcessGroup& world) {
     GradTape tape;

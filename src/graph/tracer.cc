@@ -10,6 +10,7 @@
 #include "funcol/core/error.h"
 #include "funcol/graph/ops.h"
 #include "funcol/graph/verifier.h"
+#include "tape_hook.h"
 
 namespace funcol {
 
@@ -17,6 +18,7 @@ namespace {
 
 thread_local Tracer* t_current_tracer = nullptr;
 std::atomic<uint64_t> g_next_tracer_id{1};
+std::atomic<ops_detail::TapeHook> g_tape_hook{nullptr};
 
 // A short node name for each kind of op, as people write them by hand.
 std::string_view default_hint(const OpDef& op) {
@@ -425,6 +427,8 @@ std::unique_ptr<Graph> trace(
   return tracer.finish();
 }
 
+void ops_detail::set_tape_hook(TapeHook hook) { g_tape_hook.store(hook, std::memory_order_release); }
+
 // ---- ops ----------------------------------------------------------------------------------
 
 namespace ops {
@@ -434,8 +438,11 @@ std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> opera
   const OpDef& op = get_op(op_name);
   bool traced = false;
   bool meta = false;
+  bool annotated = false;  // by something other than a tracer: a GradTape
   for (const Tensor& t : operands) {
-    traced |= ref_of(t) != nullptr;
+    const bool ref = ref_of(t) != nullptr;
+    traced |= ref;
+    annotated |= !ref && t.defined() && t.annotation();
     meta |= t.is_meta();
   }
   if (op.collective != CollectiveKind::None && op.collective != CollectiveKind::Wait) {
@@ -456,6 +463,13 @@ std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> opera
       return {operands[0]};
     }
     return tracer->record(op.name, operands, attrs);
+  }
+  if (annotated) {
+    if (const ops_detail::TapeHook hook = g_tape_hook.load(std::memory_order_acquire)) {
+      if (std::optional<std::vector<Tensor>> recorded = hook(op.name, operands, attrs)) {
+        return std::move(*recorded);
+      }
+    }
   }
   const std::vector<Attr> values = make_attrs(op, attrs);
   std::vector<Type> types;
