@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cerrno>
+#include <charconv>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -14,6 +14,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -36,13 +37,17 @@ namespace funcol {
 namespace detail {
 
 // FUNCOL_ALLOC_CACHE_MB's value (null or empty: the default, 1024 MB) in bytes. Anything but a
-// whole number of megabytes is refused, as the other FUNCOL_* variables are.
+// whole number of megabytes is refused, as the other FUNCOL_* variables are; blanks around it
+// and a '+' are allowed, as there (" 2" was taken and "2 " refused).
 size_t cache_limit_from(const char* env) {
   if (env == nullptr || *env == '\0') return size_t{1024} << 20;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long mb = std::strtoull(env, &end, 10);
-  if (end == env || *end != '\0' || errno != 0 || *env == '-' ||
+  std::string_view text(env);
+  while (!text.empty() && (text.front() == ' ' || text.front() == '\t')) text.remove_prefix(1);
+  while (!text.empty() && (text.back() == ' ' || text.back() == '\t')) text.remove_suffix(1);
+  if (text.size() > 1 && text.front() == '+' && text[1] != '-') text.remove_prefix(1);
+  unsigned long long mb = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), mb);
+  if (text.empty() || end != text.data() + text.size() || ec != std::errc() ||
       mb > (std::numeric_limits<size_t>::max() >> 20)) {
     throw InvalidArgument(fmt::format(
         "FUNCOL_ALLOC_CACHE_MB={}: expected a whole number of megabytes (0 or more)", env));
@@ -114,10 +119,19 @@ uint32_t thread_tag() {
 
 class Cache {
  public:
+  Cache() {
+    try {
+      limit_ = default_limit();
+    } catch (const InvalidArgument& e) {
+      env_error_ = e.what();
+    }
+  }
+
   void* take(size_t bytes) {
     const uint32_t me = thread_tag();
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!env_error_.empty()) throw InvalidArgument(env_error_);
       auto it = free_.find(bytes);
       if (it != free_.end() && !it->second.empty()) {
         // The block this thread freed last, if it is among the last few freed: its lines are
@@ -164,11 +178,14 @@ class Cache {
     for (const auto& [q, n] : evicted) system_free(q, n);
   }
 
-  void set_limit(size_t limit) {
+  // `chosen`: the program's own bound (set_allocator_cache_limit), which stands instead of a
+  // refused FUNCOL_ALLOC_CACHE_MB.
+  void set_limit(size_t limit, bool chosen = false) {
     std::vector<std::pair<void*, size_t>> evicted;
     {
       std::lock_guard<std::mutex> lock(mu_);
       limit_ = limit;
+      if (chosen) env_error_.clear();
       // Every thread's page blocks go back at its next allocation or free (and their room
       // with them).
       page_epoch_.fetch_add(1, std::memory_order_release);
@@ -190,6 +207,7 @@ class Cache {
     bool ok = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!env_error_.empty()) throw InvalidArgument(env_error_);
       if (page_reserved_ + bytes <= limit_) {
         make_room(bytes, evicted);
         page_reserved_ += bytes;
@@ -241,7 +259,11 @@ class Cache {
   int64_t cached_blocks_ = 0;
   int64_t hits_ = 0;
   int64_t misses_ = 0;
-  size_t limit_ = default_limit();
+  size_t limit_ = 0;
+  // FUNCOL_ALLOC_CACHE_MB's error when its value was refused: the first cached allocation
+  // (take, reserve_pages) throws it, until the program sets a bound of its own. Only then:
+  // allocator_stats() and the other calls work, and set_allocator_cache_limit can stand in.
+  std::string env_error_;
   size_t page_reserved_ = 0;  // room the threads' page caches hold within limit_
   std::atomic<uint64_t> page_epoch_{0};
 };
@@ -429,6 +451,6 @@ void empty_storage_cache() {
   if (ThreadPages* pages = ThreadPages::mine()) pages->sync();  // this thread's at once
 }
 
-void set_allocator_cache_limit(size_t bytes) { cache().set_limit(bytes); }
+void set_allocator_cache_limit(size_t bytes) { cache().set_limit(bytes, /*chosen=*/true); }
 
 }  // namespace funcol

@@ -26,7 +26,12 @@ TEST(AllocatorEnv, CacheLimitIsAWholeNumberOfMegabytes) {
   EXPECT_EQ(detail::cache_limit_from(""), size_t{1024} << 20);
   EXPECT_EQ(detail::cache_limit_from("0"), 0u);
   EXPECT_EQ(detail::cache_limit_from("64"), size_t{64} << 20);
-  for (const char* bad : {"abc", "12MB", "-1", "1.5", "99999999999999999999"}) {
+  // Blanks on either side and a '+', as FUNCOL_TIMEOUT takes them (" 2" was taken, "2 " not).
+  EXPECT_EQ(detail::cache_limit_from(" 2"), size_t{2} << 20);
+  EXPECT_EQ(detail::cache_limit_from("2 \t"), size_t{2} << 20);
+  EXPECT_EQ(detail::cache_limit_from("+3"), size_t{3} << 20);
+  for (const char* bad :
+       {"abc", "12MB", "-1", "1.5", "99999999999999999999", "+-1", "- 1", " ", "+", "1 2"}) {
     try {
       detail::cache_limit_from(bad);
       ADD_FAILURE() << bad << " was accepted";
