@@ -86,10 +86,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   if (entry == nullptr) {
     const std::string available = fmt::format("{}", fmt::join(available_backends(), ", "));
     if (backend == "threads") {
+      std::vector<std::string> process_backends;
+      for (const auto& b : backends) process_backends.emplace_back(b.name);
       throw InvalidArgument(fmt::format(
           "init_process_group: the threads backend runs ranks as threads of one process; use "
           "run_local (process backends available: {})",
-          backends.empty() ? std::string("none") : available));
+          backends.empty() ? std::string("none") : fmt::format("{}", fmt::join(process_backends, ", "))));
     }
     if (backend == "mpi" || backend == "gloo") {
       throw InvalidArgument(fmt::format(

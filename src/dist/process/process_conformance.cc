@@ -67,6 +67,16 @@ TEST(ProcessBackend, IsListedAndCannotBeInitialisedTwice) {
   EXPECT_THROW(funcol::init_process_group(g_world->backend()), funcol::InvalidArgument);
   EXPECT_THROW(funcol::init_process_group("nccl"), funcol::InvalidArgument);
   EXPECT_THROW(funcol::init_process_group("threads"), funcol::InvalidArgument);
+  // It names the process backends only (threads was listed among them).
+  try {
+    funcol::init_process_group("threads");
+  } catch (const funcol::InvalidArgument& e) {
+    const std::string what = e.what();
+    const size_t list = what.find("(process backends available: ");
+    ASSERT_NE(list, std::string::npos) << what;
+    EXPECT_EQ(what.find("threads", list), std::string::npos) << what;
+    EXPECT_NE(what.find(g_world->backend(), list), std::string::npos) << what;
+  }
 }
 
 TEST(ProcessBackend, SplitGroupRejectsBadListsOnEveryRank) {
