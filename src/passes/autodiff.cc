@@ -2,7 +2,6 @@
 #include "funcol/passes/autodiff.h"
 
 #include <algorithm>
-#include <charconv>
 #include <memory>
 #include <unordered_map>
 
@@ -12,6 +11,7 @@
 #include "funcol/graph/backward.h"
 #include "funcol/graph/verifier.h"
 #include "funcol/passes/dce.h"
+#include "number.h"
 
 namespace funcol {
 
@@ -137,9 +137,8 @@ std::unique_ptr<Pass> make_autodiff_pass(const PassOptions& options) {
   while (true) {
     const size_t end = std::min(text->find(':', pos), text->size());
     const std::string_view part = std::string_view(*text).substr(pos, end - pos);
-    int value = 0;
-    auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), value);
-    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || value < 0) {
+    const auto [value, whole, ec] = parse_whole_number<int>(part);
+    if (!whole || ec != std::errc() || value < 0) {
       throw InvalidArgument(fmt::format("option wrt of pass autodiff must be a colon list of "
                                         "input indices, got '{}'",
                                         *text));

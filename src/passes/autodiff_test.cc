@@ -461,13 +461,15 @@ TEST(AutodiffPass, PipelineOptionsAndDefault) {
     ASSERT_EQ(g->outputs().size(), 2u);
     EXPECT_EQ(g->outputs()[1]->type(), g->input(1)->type());
   }
-  {
+  // A '+' as every numeric pass option takes it.
+  for (const char* wrt : {"autodiff{wrt=2:0}", "autodiff{wrt=+2:+0}"}) {
     std::unique_ptr<Graph> g = parse_graph(ir);
-    Pipeline::parse("autodiff{wrt=2:0}").run(*g);
-    ASSERT_EQ(g->outputs().size(), 3u);
-    EXPECT_EQ(g->outputs()[1]->type(), g->input(2)->type());
+    Pipeline::parse(wrt).run(*g);
+    ASSERT_EQ(g->outputs().size(), 3u) << wrt;
+    EXPECT_EQ(g->outputs()[1]->type(), g->input(2)->type()) << wrt;
   }
-  for (const char* bad : {"autodiff{wrt=a}", "autodiff{wrt=1:}", "autodiff{wrt=-1}"}) {
+  for (const char* bad :
+       {"autodiff{wrt=a}", "autodiff{wrt=1:}", "autodiff{wrt=-1}", "autodiff{wrt=+-1}"}) {
     EXPECT_THROW(Pipeline::parse(bad), InvalidArgument) << bad;
   }
   EXPECT_THROW(Pipeline::parse("autodiff{cap-mb=1}"), InvalidArgument);
