@@ -359,10 +359,14 @@ void check_job_flags_fit(const std::string& backend, const InitOptions& join) {
         join.world_size, join.world_size - 1));
   }
   if (!join.store.empty() && !(rank && size)) {
+    // Name what is missing: with RANK set, "needs --rank and --world-size" read as if it was not.
+    const std::string missing = rank   ? "--world-size (or WORLD_SIZE)"
+                                : size ? "--rank (or RANK)"
+                                       : "--rank and --world-size (or RANK and WORLD_SIZE)";
     throw InvalidArgument(
-        fmt::format("--store {} needs --rank and --world-size (or RANK and WORLD_SIZE) to join a "
-                    "job; without them funcol starts the job itself, with a store of its own",
-                    join.store));
+        fmt::format("--store {} needs {} to join a job; without them funcol starts the job "
+                    "itself, with a store of its own",
+                    join.store, missing));
   }
 }
 

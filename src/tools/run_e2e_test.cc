@@ -817,6 +817,18 @@ TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {
     EXPECT_EQ(slurp(s.stderr_path), message);
     EXPECT_EQ(slurp(s.stdout_path), "");
   }
+  // With RANK set, --store names only the missing world size (it said "needs --rank and
+  // --world-size (or RANK and WORLD_SIZE)" although RANK was there).
+  SpawnOptions s;
+  s.argv = {FUNCOL_BIN, "run", file, "--backend", "gloo", "--store", store};
+  for (const auto& [name, value] : kHandEnv) s.env.emplace_back(name, name == "RANK" ? "0" : value);
+  s.stdout_path = dir_.path() + "/stdout";
+  s.stderr_path = dir_.path() + "/stderr";
+  const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
+  EXPECT_EQ(st.code, 1);
+  EXPECT_EQ(slurp(s.stderr_path),
+            e + "--store " + store + " needs --world-size (or WORLD_SIZE) to join a job; "
+                "without them funcol starts the job itself, with a store of its own\n");
   EXPECT_FALSE(std::filesystem::exists(store));  // nothing joined, nothing written
 }
 
