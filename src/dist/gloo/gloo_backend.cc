@@ -575,10 +575,33 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
         fmt::format("{} {} {} {}", n, mode, monitor ? monitor->address() : std::string("-"),
                     process::process_identity());
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
-    std::vector<std::string> records(static_cast<size_t>(n));
-    auto keep_record = [&](int i, const std::string& record) {
-      records[i] = record;
-      identities[static_cast<size_t>(i)] = record_identity(record);
+    // Each record is checked as it is read: a rank started for another world size or debug
+    // mode fails the rendezvous at once on every rank that reads its record, not only on the
+    // last to arrive (the others waited out their timeout, then named it as not arrived).
+    std::vector<std::string> addresses(static_cast<size_t>(n));
+    auto keep_record = [&](int i, const std::string& value) {
+      identities[static_cast<size_t>(i)] = record_identity(value);
+      const size_t space = value.find(' ');
+      const size_t space2 = space == std::string::npos ? space : value.find(' ', space + 1);
+      const std::string size = value.substr(0, space);
+      // The rank that finds the disagreement keeps its own record a moment before it takes it
+      // back, so that peers waiting for it (a look every 10 ms) read it and say the same.
+      auto refuse = [&](const std::string& why) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        return CommError(
+            fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, why));
+      };
+      if (space2 == std::string::npos || size != std::to_string(n)) {
+        throw refuse(fmt::format(
+            "rank {} was started for {} ranks, this rank (rank {}) for {} (or a previous job "
+            "left its keys there)",
+            members[i], space == std::string::npos ? "?" : size, members[my_index], n));
+      }
+      if (value.substr(space + 1, space2 - space - 1) != mode) {
+        throw refuse(process::debug_detail_mismatch(members[i], members[my_index], shared.detail));
+      }
+      const size_t space3 = value.find(' ', space2 + 1);
+      addresses[static_cast<size_t>(i)] = value.substr(space2 + 1, space3 - space2 - 1);
     };
     auto last_look = Clock::now();
     // A member on this machine whose process ended fails the rendezvous at once, named (a
@@ -603,27 +626,6 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
           "gloo: rendezvous of {} at '{}' failed: rank {} gave up on it after arriving (its own "
           "error says why); missing ranks {}",
           what, shared.url.text, gone.front(), dist_detail::format_ranks(gone)));
-    }
-    std::vector<std::string> addresses(n);
-    for (int i = 0; i < n; ++i) {
-      const std::string& value = records[i];
-      const size_t space = value.find(' ');
-      const size_t space2 = space == std::string::npos ? space : value.find(' ', space + 1);
-      const std::string size = value.substr(0, space);
-      if (space2 == std::string::npos || size != std::to_string(n)) {
-        throw CommError(fmt::format(
-            "gloo: rendezvous of {} at '{}' failed: rank {} was started for {} ranks, this rank "
-            "(rank {}) for {} (or a previous job left its keys there)",
-            what, shared.url.text, members[i], space == std::string::npos ? "?" : size,
-            members[my_index], n));
-      }
-      if (value.substr(space + 1, space2 - space - 1) != mode) {
-        throw CommError(fmt::format(
-            "gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text,
-            process::debug_detail_mismatch(members[i], members[my_index], shared.detail)));
-      }
-      const size_t space3 = value.find(' ', space2 + 1);
-      addresses[i] = value.substr(space2 + 1, space3 - space2 - 1);
     }
     // So too while Gloo waits for addresses, connects and meets at a barrier.
     store->set_poll([&] {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Two ranks started by hand that disagree on the job on one store: the rank that reads the
-# other's arrival says how, and both fail within FUNCOL_TIMEOUT.
+# Two ranks started by hand that disagree on the job on one store: each reads the other's
+# arrival and says how, at once (the rank that found it first took its record back at once, and
+# the other waited out FUNCOL_TIMEOUT, then named it as not arrived).
 # - Different world sizes (2 and 3): Gloo alone reported a garbled address exchange
 #   ("sizeof(impl_) == bytes.size()").
 # - FUNCOL_DEBUG=detail on one rank only: its signature exchange before each collective met the
@@ -16,10 +17,10 @@ trap 'pkill -9 -f -- "--store $work/store" 2>/dev/null; rm -rf "$work"' EXIT
 export FUNCOL_TIMEOUT=3
 failed=0
 
-# disagree NAME "RANK1 ENV" "RANK1 SIZE" "RANK0 ENV" "RANK0 SIZE" MESSAGE: the two ranks fail,
-# and one of them prints MESSAGE.
+# disagree NAME "RANK1 ENV" "RANK1 SIZE" "RANK0 ENV" "RANK0 SIZE" MESSAGE BOTH: the two ranks
+# fail within a few seconds, one of them prints MESSAGE and both print BOTH.
 disagree() {
-  local name=$1 env1=$2 size1=$3 env0=$4 size0=$5 message=$6
+  local name=$1 env1=$2 size1=$3 env0=$4 size0=$5 message=$6 both=$7
   rm -rf "$work/store"
   local start
   start=$(date +%s)
@@ -35,11 +36,17 @@ disagree() {
   [ "$status" -eq 0 ] || failed=1
   grep -qF "$message" "$work/r0" "$work/r1" ||
     { echo "$name: no rank says: $message"; failed=1; }
+  local r
+  for r in r0 r1; do
+    grep -qF "$both" "$work/$r" || { echo "$name: $r does not say: $both"; cat "$work/$r"; failed=1; }
+  done
+  [ $(($(date +%s) - start)) -lt "$FUNCOL_TIMEOUT" ] ||
+    { echo "$name: the ranks took FUNCOL_TIMEOUT or longer"; failed=1; }
 }
 
 disagree "world sizes" "FUNCOL_DEBUG=" 3 "FUNCOL_DEBUG=" 2 \
-  "rank 1 was started for 3 ranks, this rank (rank 0) for 2"
+  "rank 1 was started for 3 ranks, this rank (rank 0) for 2" "was started for"
 # Either rank may read the other's arrival first.
 disagree "FUNCOL_DEBUG" "FUNCOL_DEBUG=" 2 "FUNCOL_DEBUG=detail" 2 \
-  "FUNCOL_DEBUG=DETAIL and this rank (rank "
+  "FUNCOL_DEBUG=DETAIL and this rank (rank " "every rank of a job must set the same FUNCOL_DEBUG"
 exit $failed
