@@ -124,7 +124,16 @@ class Cache {
       limit_ = default_limit();
     } catch (const InvalidArgument& e) {
       env_error_ = e.what();
+      env_refused_.store(true, std::memory_order_relaxed);
     }
+  }
+
+  // Throws FUNCOL_ALLOC_CACHE_MB's error while it stands (a thread's page-sized allocations:
+  // one relaxed load unless it was refused).
+  void check_env() {
+    if (!env_refused_.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!env_error_.empty()) throw InvalidArgument(env_error_);
   }
 
   void* take(size_t bytes) {
@@ -185,7 +194,10 @@ class Cache {
     {
       std::lock_guard<std::mutex> lock(mu_);
       limit_ = limit;
-      if (chosen) env_error_.clear();
+      if (chosen) {
+        env_error_.clear();
+        env_refused_.store(false, std::memory_order_relaxed);
+      }
       // Every thread's page blocks go back at its next allocation or free (and their room
       // with them).
       page_epoch_.fetch_add(1, std::memory_order_release);
@@ -207,8 +219,8 @@ class Cache {
     bool ok = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!env_error_.empty()) throw InvalidArgument(env_error_);
-      if (page_reserved_ + bytes <= limit_) {
+      // (Not a throw: a free reaches here, from a destructor. The allocations throw.)
+      if (env_error_.empty() && page_reserved_ + bytes <= limit_) {
         make_room(bytes, evicted);
         page_reserved_ += bytes;
         ok = true;
@@ -260,10 +272,12 @@ class Cache {
   int64_t hits_ = 0;
   int64_t misses_ = 0;
   size_t limit_ = 0;
-  // FUNCOL_ALLOC_CACHE_MB's error when its value was refused: the first cached allocation
-  // (take, reserve_pages) throws it, until the program sets a bound of its own. Only then:
-  // allocator_stats() and the other calls work, and set_allocator_cache_limit can stand in.
+  // FUNCOL_ALLOC_CACHE_MB's error when its value was refused: every allocation of a page or
+  // more (take, check_env) throws it until the program sets a bound of its own
+  // (set_allocator_cache_limit); frees, allocator_stats() and the other calls work. Guarded
+  // by mu_; env_refused_ says it is set, for check_env's lock-free look.
   std::string env_error_;
+  std::atomic<bool> env_refused_{false};
   size_t page_reserved_ = 0;  // room the threads' page caches hold within limit_
   std::atomic<uint64_t> page_epoch_{0};
 };
@@ -421,6 +435,7 @@ bool page_cached(size_t bytes) { return bytes >= kPage && bytes < kMinCachedByte
 void* allocate_storage(size_t nbytes) {
   const size_t bytes = block_bytes(nbytes);
   if (bytes >= kMinCachedBytes) return cache().take(bytes);
+  if (page_cached(bytes)) cache().check_env();
   if (ThreadPages* pages = page_cached(bytes) ? ThreadPages::mine() : nullptr) {
     if (void* p = pages->take(bytes)) return p;
   }

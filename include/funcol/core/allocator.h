@@ -10,8 +10,8 @@
 // a step that drops a thousand 4 KiB tensors would otherwise leave them free at the top of the
 // heap, for malloc to hand back to the system and the next step to fault in again. The cache
 // is bounded: FUNCOL_ALLOC_CACHE_MB (whole megabytes, default 1024, 0 disables; another value
-// is an InvalidArgument at each cached allocation until set_allocator_cache_limit sets a bound
-// instead) or set_allocator_cache_limit; beyond it
+// is an InvalidArgument at each allocation of a page or more until set_allocator_cache_limit
+// sets a bound instead) or set_allocator_cache_limit; beyond it
 // the largest cached blocks are freed first (a thread's page blocks count against it too,
 // taken a megabyte at a time). Thread-safe. Under AddressSanitizer cached blocks are poisoned, so a
 // use after free is still reported.
