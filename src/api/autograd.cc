@@ -112,9 +112,10 @@ std::shared_ptr<State> tape_of(std::span<const Tensor> ts, std::string_view op) 
 
 // A tensor sharing t's data that no tape tracks: what the tape stores as a value's eager tensor,
 // and what the recording collectives run the plain ones on (which record a tracked input).
+// A tracer's annotation stays: a tape op under a TraceScope is recorded in the trace too.
 Tensor untracked(const Tensor& t) {
   Tensor u = t;
-  u.set_annotation(nullptr);
+  if (t.annotation() && std::get_deleter<TapeRefDeleter>(t.annotation())) u.set_annotation(nullptr);
   return u;
 }
 
@@ -306,11 +307,16 @@ std::vector<Tensor> call_on(const std::shared_ptr<State>& state, std::string_vie
                                       "*_autograd collectives",
                                       op));
   }
-  // Untracked, so that ops::call runs the kernel instead of coming back here (its tape hook).
+  // Untracked, so that ops::call runs the kernel instead of recording here again (its tape
+  // hook), which need not look at them either: they are the tape's own.
   std::vector<Tensor> plain;
   plain.reserve(operands.size());
   for (const Tensor& t : operands) plain.push_back(untracked(t));
-  std::vector<Tensor> results = ops::call(op, plain, attrs);
+  std::vector<Tensor> results;
+  {
+    const api_detail::UntrackedViewsAllowed own;
+    results = ops::call(op, plain, attrs);
+  }
   if (!state) return results;
   return record(state, op, operands, attrs, results);
 }
@@ -322,20 +328,40 @@ std::vector<Tensor> checked_call(const std::shared_ptr<State>& state, State* tra
                                  const NamedAttrs& attrs) {
   for (size_t i = 0; i < operands.size(); ++i) {
     refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), tracking);
+    if (state && operands[i].is_meta()) {
+      throw InvalidArgument(fmt::format("{}: operand {} is a meta tensor (no data; a traced "
+                                        "value?) beside a tracked one: the tape runs eagerly",
+                                        op, i));
+    }
   }
   return call_on(state, op, operands, attrs);
 }
 
-// funcol::ops::call of a tracked operand (ops_detail::TapeHook): recorded on its tape, as
-// tape.call would record it, as PyTorch records every op on a tensor that requires grad.
-// Collectives and waits go their own way (ops::call refuses the first, and returns a wait's
-// operand itself).
+// Whether `state` is a tape made on this thread.
+bool made_here(const std::shared_ptr<State>& state) {
+  return std::any_of(t_tapes.begin(), t_tapes.end(),
+                     [&](const std::weak_ptr<State>& w) { return w.lock() == state; });
+}
+
+// funcol::ops::call on a thread that made a tape (ops_detail::TapeHook): an op of a tracked
+// operand is recorded on its tape, as tape.call would record it, as PyTorch records every op on
+// a tensor that requires grad; an untracked view of a tracked value is refused, as tape.call
+// refuses it (taken as a constant, it would lose its gradient without a word). A tape records
+// only on the thread that made it (it has no lock): elsewhere a tracked operand enters as a
+// constant. Collectives and waits go their own way (ops::call refuses the first, and returns a
+// wait's operand itself).
 std::optional<std::vector<Tensor>> record_ops_call(std::string_view op,
                                                    std::span<const Tensor> operands,
                                                    const NamedAttrs& attrs) {
-  if (get_op(op).collective != CollectiveKind::None) return std::nullopt;
+  if (t_tapes.empty() || get_op(op).collective != CollectiveKind::None) return std::nullopt;
   std::shared_ptr<State> state = tape_of(operands, op);
-  if (!state) return std::nullopt;
+  if (state && !made_here(state)) return std::nullopt;
+  if (!state) {
+    for (size_t i = 0; i < operands.size(); ++i) {
+      refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), nullptr);
+    }
+    return std::nullopt;
+  }
   return checked_call(state, state.get(), op, operands, attrs);
 }
 

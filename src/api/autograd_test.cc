@@ -293,6 +293,38 @@ TEST(EagerAutograd, FuncolOpsOnTrackedTensorsAreRecorded) {
   EXPECT_EQ(ops::call_one("wait_tensor", std::vector<Tensor>{x}).data_ptr(), x.data_ptr());
 }
 
+// What funcol::ops does not record: on a thread other than the tape's (a tape has no lock:
+// recording there raced with the tape's own thread and crashed), a tracked operand enters as a
+// constant; an untracked view of a tracked value made by a Tensor method is refused, as
+// tape.call refuses it (recorded around it, it lost its gradient: -x instead of -2x); and a
+// tape op under a tracer is recorded in the trace too (its operands lost the tracer's
+// annotation with the tape's).
+TEST(EagerAutograd, FuncolOpsRecordOnlyWhatTheTapeCanKeep) {
+  GradTape tape;
+  const Tensor x = tape.requires_grad(Tensor::from_vector<float>({1, 2, 3, 4}, {4}));
+  std::thread([&] {
+    const Tensor y = ops::neg(x);
+    EXPECT_FALSE(is_tracked(y));
+    EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{-1, -2, -3, -4}));
+  }).join();
+  try {
+    (void)ops::neg(x.view({2, 2}));
+    ADD_FAILURE() << "a Tensor method's view of a tracked tensor went through funcol::ops";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("made by a Tensor method"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW((void)ops::add(x, Tensor::meta({4}, DType::F32)), InvalidArgument);
+  Tracer tracer("t");
+  const Tensor in = tracer.input(Type(DType::F32, {4}));
+  {
+    TraceScope scope(tracer);
+    const Tensor n = tape.call_one("neg", std::vector<Tensor>{in});
+    EXPECT_TRUE(tracer.owns(n));
+    EXPECT_NO_THROW((void)ops::add(in, n));
+  }
+}
+
 TEST(EagerAutograd, AllReduceBackwardIsAllReduceOfTheGradient) {
   run_local(4, [](ProcessGroup& world) {
     GradTape tape;

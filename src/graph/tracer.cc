@@ -438,11 +438,8 @@ std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> opera
   const OpDef& op = get_op(op_name);
   bool traced = false;
   bool meta = false;
-  bool annotated = false;  // by something other than a tracer: a GradTape
   for (const Tensor& t : operands) {
-    const bool ref = ref_of(t) != nullptr;
-    traced |= ref;
-    annotated |= !ref && t.defined() && t.annotation();
+    traced |= ref_of(t) != nullptr;
     meta |= t.is_meta();
   }
   if (op.collective != CollectiveKind::None && op.collective != CollectiveKind::Wait) {
@@ -464,11 +461,9 @@ std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> opera
     }
     return tracer->record(op.name, operands, attrs);
   }
-  if (annotated) {
-    if (const ops_detail::TapeHook hook = g_tape_hook.load(std::memory_order_acquire)) {
-      if (std::optional<std::vector<Tensor>> recorded = hook(op.name, operands, attrs)) {
-        return std::move(*recorded);
-      }
+  if (const ops_detail::TapeHook hook = g_tape_hook.load(std::memory_order_acquire)) {
+    if (std::optional<std::vector<Tensor>> recorded = hook(op.name, operands, attrs)) {
+      return std::move(*recorded);
     }
   }
   const std::vector<Attr> values = make_attrs(op, attrs);
