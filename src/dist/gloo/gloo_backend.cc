@@ -584,10 +584,11 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       const size_t space = value.find(' ');
       const size_t space2 = space == std::string::npos ? space : value.find(' ', space + 1);
       const std::string size = value.substr(0, space);
-      // The rank that finds the disagreement keeps its own record a moment before it takes it
-      // back, so that peers waiting for it (a look every 10 ms) read it and say the same.
+      // The rank that finds the disagreement keeps its own record half a second before it takes
+      // it back, so that peers waiting for it (a look every 10 ms, on a loaded machine too) read
+      // it and say the same.
       auto refuse = [&](const std::string& why) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
         return CommError(
             fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, why));
       };
