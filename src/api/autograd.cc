@@ -115,7 +115,9 @@ std::shared_ptr<State> tape_of(std::span<const Tensor> ts, std::string_view op) 
 // A tracer's annotation stays: a tape op under a TraceScope is recorded in the trace too.
 Tensor untracked(const Tensor& t) {
   Tensor u = t;
-  if (t.annotation() && std::get_deleter<TapeRefDeleter>(t.annotation())) u.set_annotation(nullptr);
+  if (t.annotation() && std::get_deleter<TapeRefDeleter>(t.annotation())) {
+    u.set_annotation(nullptr);
+  }
   return u;
 }
 
@@ -321,13 +323,22 @@ std::vector<Tensor> call_on(const std::shared_ptr<State>& state, std::string_vie
   return record(state, op, operands, attrs, results);
 }
 
-// Refuses operands that are untracked views of values `tracking` (or a live tape of this
-// thread) tracks, then runs `op` and records it on `state` (null: runs it only).
+// Refuses operands of `op` that are untracked views of values `tracking` (or a live tape of
+// this thread) tracks.
+void refuse_untracked_views(std::span<const Tensor> operands, std::string_view op,
+                            State* tracking) {
+  for (size_t i = 0; i < operands.size(); ++i) {
+    refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), tracking);
+  }
+}
+
+// Refuses untracked views (refuse_untracked_views) and, beside a tracked operand, meta ones;
+// then runs `op` and records it on `state` (null: runs it only).
 std::vector<Tensor> checked_call(const std::shared_ptr<State>& state, State* tracking,
                                  std::string_view op, std::span<const Tensor> operands,
                                  const NamedAttrs& attrs) {
+  refuse_untracked_views(operands, op, tracking);
   for (size_t i = 0; i < operands.size(); ++i) {
-    refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), tracking);
     if (state && operands[i].is_meta()) {
       throw InvalidArgument(fmt::format("{}: operand {} is a meta tensor (no data; a traced "
                                         "value?) beside a tracked one: the tape runs eagerly",
@@ -357,9 +368,7 @@ std::optional<std::vector<Tensor>> record_ops_call(std::string_view op,
   std::shared_ptr<State> state = tape_of(operands, op);
   if (state && !made_here(state)) return std::nullopt;
   if (!state) {
-    for (size_t i = 0; i < operands.size(); ++i) {
-      refuse_untracked_view(operands[i], op, fmt::format("operand {}", i), nullptr);
-    }
+    refuse_untracked_views(operands, op, nullptr);
     return std::nullopt;
   }
   return checked_call(state, state.get(), op, operands, attrs);

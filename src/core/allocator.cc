@@ -435,9 +435,11 @@ bool page_cached(size_t bytes) { return bytes >= kPage && bytes < kMinCachedByte
 void* allocate_storage(size_t nbytes) {
   const size_t bytes = block_bytes(nbytes);
   if (bytes >= kMinCachedBytes) return cache().take(bytes);
-  if (page_cached(bytes)) cache().check_env();
-  if (ThreadPages* pages = page_cached(bytes) ? ThreadPages::mine() : nullptr) {
-    if (void* p = pages->take(bytes)) return p;
+  if (page_cached(bytes)) {
+    cache().check_env();
+    if (ThreadPages* pages = ThreadPages::mine()) {
+      if (void* p = pages->take(bytes)) return p;
+    }
   }
   return system_alloc(bytes);
 }

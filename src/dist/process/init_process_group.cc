@@ -91,7 +91,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
       throw InvalidArgument(fmt::format(
           "init_process_group: the threads backend runs ranks as threads of one process; use "
           "run_local (process backends available: {})",
-          backends.empty() ? std::string("none") : fmt::format("{}", fmt::join(process_backends, ", "))));
+          process_backends.empty() ? std::string("none")
+                                   : fmt::format("{}", fmt::join(process_backends, ", "))));
     }
     if (backend == "mpi" || backend == "gloo") {
       throw InvalidArgument(fmt::format(
