@@ -28,6 +28,13 @@ void check_contiguous(const Tensor& t, std::string_view op, std::string_view suf
 
 std::string index_suffix(size_t i) { return fmt::format(" for tensor at index {}", i); }
 
+void check_scatter_dims_count(size_t scatter_dims, size_t inputs) {
+  if (scatter_dims != inputs) {
+    throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
+                                      scatter_dims, inputs));
+  }
+}
+
 void check_reduce_op_for(ReduceOp op, const Tensor& t, std::string_view op_name,
                          std::string_view suffix) {
   try {

@@ -29,6 +29,9 @@ std::string index_suffix(size_t i);
 void check_reduce_op_for(ReduceOp op, const Tensor& t, std::string_view op_name,
                          std::string_view suffix = {});
 
+// reduce_scatter_tensor_coalesced's scatter_dims: one per input (InvalidArgument otherwise).
+void check_scatter_dims_count(size_t scatter_dims, size_t inputs);
+
 // all_to_all_single's split sizes (`name` is "output_split_sizes" or "input_split_sizes"):
 // group_size entries, none negative (InvalidArgument). Returns their sum.
 int64_t check_splits(const std::vector<int64_t>& splits, int64_t group_size,

@@ -29,6 +29,7 @@ namespace {
 using api_detail::check_contiguous;
 using api_detail::check_reduce_op_for;
 using api_detail::check_reduce_scatter_input;
+using api_detail::check_scatter_dims_count;
 using api_detail::index_suffix;
 using api_detail::normalize_dim;
 
@@ -448,10 +449,7 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   }
   constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
   const ReduceOp op = parse_reduce_op(reduce_op);
-  if (scatter_dims.size() != inputs.size()) {
-    throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
-                                      scatter_dims.size(), inputs.size()));
-  }
+  check_scatter_dims_count(scatter_dims.size(), inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_input(inputs[i], kOp, index_suffix(i));
     check_reduce_op_for(op, inputs[i], kOp, index_suffix(i));

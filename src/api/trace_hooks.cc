@@ -175,10 +175,7 @@ std::vector<Tensor> trace_reduce_scatter_tensor_coalesced(Tracer& tr,
                                                           const GroupSpec& group) {
   constexpr std::string_view kOp = "reduce_scatter_tensor_coalesced";
   const ReduceOp op = parse_reduce_op(reduce_op);
-  if (scatter_dims.size() != inputs.size()) {
-    throw InvalidArgument(fmt::format("Length of scatter_dim ({}) must equal length of inputs ({})",
-                                      scatter_dims.size(), inputs.size()));
-  }
+  check_scatter_dims_count(scatter_dims.size(), inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_reduce_op_for(op, inputs[i], kOp, index_suffix(i));
   }
