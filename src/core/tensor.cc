@@ -755,13 +755,12 @@ Tensor Tensor::rand(const Shape& shape, DType dtype, uint64_t seed) {
 template <ElementType T>
 Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
   const DType dtype = dtype_for<T>();
-  Shape s = shape.empty() ? Shape{static_cast<int64_t>(values.size())} : shape;
-  check_shape(s, dtype, "from_vector");
-  if (shape_numel(s) != static_cast<int64_t>(values.size())) {
+  check_shape(shape, dtype, "from_vector");
+  if (shape_numel(shape) != static_cast<int64_t>(values.size())) {
     throw ShapeError(fmt::format("from_vector: {} values do not fit shape {} ({} elements)",
-                                 values.size(), shape_str(s), shape_numel(s)));
+                                 values.size(), shape_str(shape), shape_numel(shape)));
   }
-  Tensor t = empty(s, dtype);
+  Tensor t = empty(shape, dtype);
   using S = StorageOf<T>;
   using Src = std::conditional_t<std::is_same_v<T, long long>, int64_t, T>;
   auto* p = static_cast<S*>(t.raw_data_ptr());

@@ -347,6 +347,16 @@ TEST(Factories, FromVectorAndToVector) {
               Tensor::from_vector<float>({1, 2, 3}, {2, 2});
             }),
             "from_vector: 3 values do not fit shape [2,2] (4 elements)");
+  // An explicit empty shape is a scalar, as in full({}, ...); no shape at all is 1-D.
+  Tensor scalar = Tensor::from_vector<float>({5.f}, {});
+  EXPECT_EQ(scalar.dim(), 0);
+  EXPECT_EQ(scalar.item<float>(), 5.f);
+  EXPECT_EQ(Tensor::from_vector<float>({5.f}).sizes(), (Shape{1}));
+  EXPECT_EQ(error_of<ShapeError>([] {
+              Tensor::from_vector<float>({1, 2}, {});
+            }),
+            "from_vector: 2 values do not fit shape [] (1 elements)");
+  EXPECT_EQ(Tensor::from_vector<float>({}).sizes(), (Shape{0}));
   EXPECT_THROW(Tensor::empty({2, -1}, DType::F32), ShapeError);
 }
 

@@ -158,9 +158,15 @@ class Tensor {
   static Tensor arange(int64_t n, DType dtype);
   // Deterministic in seed: floats uniform in [-1, 1), integers in [0, 100), bool at random.
   static Tensor rand(const Shape& shape, DType dtype, uint64_t seed);
-  // Copies `values` (numel must equal the product of shape; an empty shape means 1-D).
+  // Copies `values` into a 1-D tensor of values.size() elements.
   template <ElementType T>
-  static Tensor from_vector(const std::vector<T>& values, const Shape& shape = {});
+  static Tensor from_vector(const std::vector<T>& values) {
+    return from_vector(values, Shape{static_cast<int64_t>(values.size())});
+  }
+  // Copies `values` into a tensor of `shape`; their count must be its numel, so an empty shape
+  // takes one value and makes a 0-d tensor, as full({}, ...) does (ShapeError otherwise).
+  template <ElementType T>
+  static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
   // A tensor with sizes and dtype but no storage.
   static Tensor meta(const Shape& shape, DType dtype);
   // Wraps existing storage (backends, executor buffer reuse).
