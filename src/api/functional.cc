@@ -477,11 +477,15 @@ const Tensor& wait_tensor(const Tensor& t) { return t.wait(); }
 
 void wait_tensors(const std::vector<Tensor>& tensors) {
   if (tensors.empty()) throw InvalidArgument("wait_tensors requires at least one tensor");
-  // Outputs of one coalesced op share a Work: the first wait blocks, the others find it done.
-  std::unordered_set<const Storage*> waited;
+  // Each storage once (a tensor listed twice, views of one result), and each Work once: the
+  // outputs of one coalesced op share it.
+  std::unordered_set<const Storage*> listed;
+  std::vector<Storage*> storages;
   for (const Tensor& t : tensors) {
-    if (waited.insert(t.storage().get()).second) t.wait();
+    Storage* s = t.storage().get();
+    if (s != nullptr && listed.insert(s).second) storages.push_back(s);
   }
+  Storage::wait_all(storages);
 }
 
 const Tensor& all_reduce_inplace(const Tensor& t, const std::string& reduce_op,

@@ -1580,6 +1580,64 @@ TEST(Waits, UserDefinedWaitable) {  // D.24, D.25
   EXPECT_EQ(t.storage()->pending_count(), 0u);
   wait_tensor(t);
   EXPECT_EQ(a->waits(), 1);
+  // Attached again after another one: still one operation, waited once.
+  Tensor u = Tensor::zeros({2}, DType::F32);
+  auto c = std::make_shared<CountingWaitable>();
+  auto d = std::make_shared<CountingWaitable>();
+  u.storage()->add_pending(c);
+  u.storage()->add_pending(d);
+  u.storage()->add_pending(c);
+  EXPECT_EQ(u.storage()->pending_count(), 2u);
+  wait_tensor(u);
+  EXPECT_EQ(c->waits(), 1);
+  EXPECT_EQ(d->waits(), 1);
+  EXPECT_EQ(u.storage()->pending_count(), 0u);
+}
+
+// A work that always fails, counting its waits.
+class FailingWaitable : public Waitable {
+ public:
+  void wait() override {
+    waits_.fetch_add(1);
+    throw CommError("all_reduce_coalesced: rank 1 departed");
+  }
+  bool is_completed() const override { return true; }
+  int waits() const { return waits_.load(); }
+
+ private:
+  std::atomic<int> waits_{0};
+};
+
+TEST(Waits, WaitTensorsWaitsASharedWorkOnce) {  // D.26 with a work that counts (PR #193892)
+  std::vector<Tensor> outs = {Tensor::zeros({3}, DType::F32), Tensor::zeros({5}, DType::I32),
+                              Tensor::zeros({1}, DType::F32)};
+  auto shared = std::make_shared<CountingWaitable>();
+  auto own = std::make_shared<CountingWaitable>();
+  for (const Tensor& t : outs) t.storage()->add_pending(shared);
+  outs[1].storage()->add_pending(own);
+  wait_tensors(outs);
+  EXPECT_EQ(shared->waits(), 1);
+  EXPECT_EQ(own->waits(), 1);
+  for (const Tensor& t : outs) EXPECT_EQ(t.storage()->pending_count(), 0u);
+  wait_tensors(outs);
+  EXPECT_EQ(shared->waits(), 1);
+
+  // A shared failure: waited once, rethrown, and still attached to every output, so each
+  // later access fails too; the operation waited before it is detached.
+  std::vector<Tensor> failed = {Tensor::zeros({2}, DType::F32), Tensor::zeros({2}, DType::F32)};
+  auto before = std::make_shared<CountingWaitable>();
+  auto bad = std::make_shared<FailingWaitable>();
+  failed[0].storage()->add_pending(before);
+  for (const Tensor& t : failed) t.storage()->add_pending(bad);
+  EXPECT_EQ(error_of<CommError>([&] { wait_tensors(failed); }),
+            "all_reduce_coalesced: rank 1 departed");
+  EXPECT_EQ(bad->waits(), 1);
+  EXPECT_EQ(before->waits(), 1);
+  EXPECT_EQ(failed[0].storage()->pending_count(), 1u);
+  for (const Tensor& t : failed) {
+    EXPECT_EQ(error_of<CommError>([&] { t.to_vector<float>(); }),
+              "all_reduce_coalesced: rank 1 departed");
+  }
 }
 
 TEST(Waits, WaitTensorsOfACoalescedOp) {  // D.26

@@ -520,7 +520,10 @@ std::exception_ptr wait_and_detach(std::mutex& mu, std::vector<std::shared_ptr<W
   std::exception_ptr first_failure;
   // What was waited and leaves (looked up only): a set, since the list can be long.
   std::unordered_set<const Waitable*> detached;
+  // An operation attached twice (not one after the other) is waited once.
+  std::unordered_set<const Waitable*> tried;
   for (const auto& w : works) {
+    if (!tried.insert(w.get()).second) continue;
     try {
       w->wait();
     } catch (...) {
@@ -638,9 +641,48 @@ void Storage::wait() {
   }
 }
 
+void Storage::wait_all(std::span<Storage* const> storages) {
+  // Each distinct operation once, in the order the storages list them (lookups only).
+  std::vector<std::shared_ptr<Waitable>> works;
+  std::unordered_set<const Waitable*> seen;
+  for (Storage* s : storages) {
+    if (s == nullptr || !s->has_pending_.load(std::memory_order_acquire)) continue;
+    std::lock_guard<std::mutex> lock(s->mu_);
+    for (const auto& w : s->pending_) {
+      if (seen.insert(w.get()).second) works.push_back(w);
+    }
+  }
+  // Waited while still attached (see wait()), detached after; a failure stops the waits and
+  // stays attached.
+  std::unordered_set<const Waitable*> done;
+  std::exception_ptr failure;
+  for (const auto& w : works) {
+    try {
+      w->wait();
+    } catch (...) {
+      failure = std::current_exception();
+      break;
+    }
+    done.insert(w.get());
+  }
+  for (Storage* s : storages) {
+    if (s == nullptr || done.empty()) continue;
+    std::lock_guard<std::mutex> lock(s->mu_);
+    std::erase_if(s->pending_,
+                  [&](const std::shared_ptr<Waitable>& w) { return done.contains(w.get()); });
+  }
+  if (failure) std::rethrow_exception(failure);
+  // What was attached meanwhile, and the flags of the lists now empty.
+  for (Storage* s : storages) {
+    if (s != nullptr) s->wait();
+  }
+}
+
 size_t Storage::pending_count() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return pending_.size();
+  std::unordered_set<const Waitable*> distinct;
+  for (const auto& w : pending_) distinct.insert(w.get());
+  return distinct.size();
 }
 
 void Storage::add_reader(std::shared_ptr<Waitable> work) {

@@ -50,7 +50,8 @@ class Storage {
   void* raw() const { return data_; }
 
   // Attaches an operation that produces these bytes. Attaching the one attached last again is a
-  // no-op. Operations that completed successfully are detached now and then (amortised O(1)):
+  // no-op; one attached again later is still waited once (PyTorch's register_work de-dup).
+  // Operations that completed successfully are detached now and then (amortised O(1)):
   // bytes written by many in-place collectives and never read in between do not collect them.
   void add_pending(std::shared_ptr<Waitable> work);
   // True when nothing is attached or every attached operation completed.
@@ -60,7 +61,12 @@ class Storage {
   // its error too (the storage holds no defined data any more). Thread-safe; cheap (one atomic
   // load) when nothing is pending; waiting twice costs nothing.
   void wait();
-  // Number of attached operations not yet waited (tests and leak checks).
+  // wait() for every storage of `storages`, waiting an operation attached to several of them
+  // once (the outputs of one coalesced collective share one): wait_tensors. Rethrows the first
+  // failure, as wait() of the storage it failed would (it stays attached there); the operations
+  // waited before it are detached. Null entries are skipped.
+  static void wait_all(std::span<Storage* const> storages);
+  // Number of distinct attached operations not yet waited (tests and leak checks).
   size_t pending_count() const;
 
   // Attaches an operation that reads these bytes later (a collective reads its input when it
