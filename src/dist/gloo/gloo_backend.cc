@@ -21,17 +21,15 @@
 #include <thread>
 
 #define HIREDIS_NESTED_INCLUDE 1
-#include <gloo/allgather.h>
-#include <gloo/allgatherv.h>
-#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
-#include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/redis_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 #include "dist/checks.h"
 #include "dist/multiprocess/process_env.h"
@@ -68,33 +66,6 @@ std::string gloo_message(const std::exception& e) {
     msg = msg.substr(end + 2);
   }
   return msg;
-}
-
-// Calls f with a value of an unsigned type as wide as one element: Gloo's templates need only
-// the element size (Gloo only moves bytes here; funcol's kernels reduce them).
-template <typename F>
-void with_element_type(DType dtype, F&& f) {
-  switch (itemsize(dtype)) {
-    case 1:
-      f(uint8_t{});
-      break;
-    case 2:
-      f(uint16_t{});
-      break;
-    case 4:
-      f(uint32_t{});
-      break;
-    case 8:
-      f(uint64_t{});
-      break;
-    default:
-      FUNCOL_CHECK(false, "unexpected itemsize");
-  }
-}
-
-template <typename E>
-E* as(const Tensor& t) {
-  return static_cast<E*>(t.raw_data_ptr());
 }
 
 // A rendezvous store that can delete the keys this process wrote once every peer has read
@@ -779,7 +750,10 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       // Failed already: timed out, a peer was lost, or the group broke.
       if (op->done()) continue;
       try {
+        const Running running(*this, *op);
         run(op);
+      } catch (const Aborted&) {
+        // on_failed stopped it: its Work failed already, with the better message.
       } catch (const std::exception& e) {
         // At the deadline the watchdog's report is the better one: wait for it, briefly.
         const auto deadline = deadline_of(*op);
@@ -809,14 +783,14 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     const CollectiveOp& collective = *op;  // each Gloo call's timeout: gloo_timeout(collective)
     tag_ = kUserTag;  // the signature exchange pairs every op with its peers' (detail mode)
     if (job()->detail()) {
-      std::vector<char> mine = process::encode_signature(op->signature, size());
-      std::vector<char> all(mine.size() * size());
-      gloo::AllgatherOptions o(context_);
-      o.setInput<char>(mine.data(), mine.size());
-      o.setOutput<char>(all.data(), all.size());
-      o.setTimeout(gloo_timeout(collective));
-      o.setTag(tag_);
-      gloo::allgather(o);
+      const std::vector<char> encoded = process::encode_signature(op->signature, size());
+      const auto bytes = static_cast<int64_t>(encoded.size());
+      const Tensor mine = Tensor::empty({bytes}, DType::U8);
+      std::memcpy(mine.raw_data_ptr(), encoded.data(), encoded.size());
+      const Tensor gathered = Tensor::empty({bytes * size()}, DType::U8);
+      all_gather_bytes(Purpose::kSignature, gathered, mine, collective);
+      const auto* first = static_cast<const char*>(gathered.raw_data_ptr());
+      const std::vector<char> all(first, first + bytes * size());
       if (auto mismatch = check_gathered(*op, all)) {
         fail_mismatch(op, *mismatch);
         return;
@@ -842,39 +816,185 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
         }
         break;
       case OpKind::AllToAll:
-        with_element_type(op->dtype, [&](auto e) {
-          using E = decltype(e);
-          gloo::AlltoallvOptions o(context_);
-          o.setInput<E>(as<E>(op->inputs[0]), op->send_counts);
-          o.setOutput<E>(as<E>(op->outputs[0]), op->recv_counts);
-          o.setTimeout(gloo_timeout(collective));
-          o.setTag(tag_);
-          gloo::alltoallv(o);
-        });
+        all_to_all_bytes(Purpose::kAllToAll, op->outputs[0], op->recv_counts, op->inputs[0],
+                         op->send_counts, collective);
         break;
-      case OpKind::Broadcast: {
-        const Tensor& t = op->outputs[0];
-        if (t.numel() == 0) break;
-        with_element_type(t.dtype(), [&](auto e) {
-          using E = decltype(e);
-          gloo::BroadcastOptions o(context_);
-          o.setOutput<E>(as<E>(t), static_cast<size_t>(t.numel()));
-          o.setRoot(op->root);
-          o.setTimeout(gloo_timeout(collective));
-          o.setTag(tag_);
-          gloo::broadcast(o);
-        });
+      case OpKind::Broadcast:
+        if (op->outputs[0].numel() > 0) broadcast_bytes(op->outputs[0], op->root, collective);
         break;
-      }
-      case OpKind::Barrier: {
-        gloo::BarrierOptions o(context_);
-        o.setTimeout(gloo_timeout(collective));
-        o.setTag(tag_);
-        gloo::barrier(o);
+      case OpKind::Barrier:
+        barrier(collective);
         break;
-      }
     }
     complete(op);
+  }
+
+  // ---- funcol's exchanges over Gloo's unbound buffers ----
+  // Gloo's own collectives wait inside, up to their timeout, and nothing can stop them: a
+  // collective that the watchdog or a lost peer failed kept its group's worker, and with it
+  // destroy_process_group and the process's exit, for up to a whole FUNCOL_TIMEOUT more (a
+  // send to a killed peer is not even woken by its socket's error). These post the same sends
+  // and receives on buffers the group holds, so on_failed can stop the waits.
+
+  // Thrown out of an exchange that on_failed stopped.
+  struct Aborted {};
+
+  // Marks `op` as the one the worker runs, for on_failed, while it lives.
+  class Running {
+   public:
+    Running(GlooProcessGroup& group, const CollectiveOp& op) : group_(group) {
+      std::lock_guard lock(group_.running_mu_);
+      group_.running_op_ = &op;
+      group_.running_aborted_ = false;
+    }
+    ~Running() {
+      std::lock_guard lock(group_.running_mu_);
+      group_.running_op_ = nullptr;
+    }
+    Running(const Running&) = delete;
+    Running& operator=(const Running&) = delete;
+
+   private:
+    GlooProcessGroup& group_;
+  };
+
+  void on_failed(const CollectiveOp& op) override {
+    std::lock_guard lock(running_mu_);
+    if (&op != running_op_) return;
+    running_aborted_ = true;
+    for (gloo::transport::UnboundBuffer* b : running_buffers_) {
+      b->abortWaitSend();
+      b->abortWaitRecv();
+    }
+  }
+
+  // `nbytes` bytes at `offset` of a tensor, to or from group rank `peer`.
+  struct Piece {
+    int peer;
+    size_t offset;
+    size_t nbytes;
+  };
+
+  // What an exchange is for. Each has slots of its own, so that ranks that issued different
+  // collectives (without FUNCOL_DEBUG=detail nothing compares them first) never pair their
+  // messages: they time out, and the watchdog's query names the difference.
+  enum class Purpose : uint8_t {
+    kSignature,
+    kAllReduceGathered,
+    kAllReduceScatter,
+    kAllReduceGather,
+    kAllGather,
+    kReduceScatter,
+    kAllToAll,
+    kBroadcast,
+    kBarrier,
+  };
+
+  // Posts every receive into `into` and every send from `from`, then waits for them all,
+  // each wait with what is left of the collective's time (gloo_timeout). Gloo pairs them by
+  // peer and slot, in order. Throws Aborted when on_failed stopped it, Gloo's IoException on
+  // a timeout or a broken connection. After a failure the buffers and the tensors they point
+  // into stay with the group until it is destroyed: a peer may still write into them.
+  void exchange(Purpose purpose, const Tensor& into, const std::vector<Piece>& recvs,
+                const Tensor& from, const std::vector<Piece>& sends, const CollectiveOp& op) {
+    const uint64_t slot = gloo::Slot::build(
+        static_cast<uint8_t>(kExchangeSlotPrefix + static_cast<uint8_t>(purpose)), tag_);
+    Posted posted{context_->createUnboundBuffer(into.raw_data_ptr(), into.nbytes()),
+                  context_->createUnboundBuffer(from.raw_data_ptr(), from.nbytes()), into,
+                  from};
+    {
+      std::lock_guard lock(running_mu_);
+      if (running_aborted_ || op.done()) throw Aborted{};
+      running_buffers_ = {posted.recv.get(), posted.send.get()};
+    }
+    try {
+      for (const Piece& p : recvs) posted.recv->recv(p.peer, slot, p.offset, p.nbytes);
+      for (const Piece& p : sends) posted.send->send(p.peer, slot, p.offset, p.nbytes);
+      for (size_t i = 0; i < recvs.size(); ++i) {
+        if (!posted.recv->waitRecv(nullptr, gloo_timeout(op))) throw Aborted{};
+      }
+      for (size_t i = 0; i < sends.size(); ++i) {
+        if (!posted.send->waitSend(nullptr, gloo_timeout(op))) throw Aborted{};
+      }
+    } catch (...) {
+      std::lock_guard lock(running_mu_);
+      running_buffers_.clear();
+      parked_.push_back(std::move(posted));
+      throw;
+    }
+    std::lock_guard lock(running_mu_);
+    running_buffers_.clear();
+  }
+
+  // Every rank's `in` into `out`, block r from rank r (blocks of in.nbytes()).
+  void all_gather_bytes(Purpose purpose, const Tensor& out, const Tensor& in,
+                        const CollectiveOp& op) {
+    const size_t n = in.nbytes();
+    std::memcpy(static_cast<char*>(out.raw_data_ptr()) + n * rank(), in.raw_data_ptr(), n);
+    std::vector<Piece> recvs, sends;
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank()) continue;
+      recvs.push_back({r, n * r, n});
+      sends.push_back({r, 0, n});
+    }
+    exchange(purpose, out, recvs, in, sends, op);
+  }
+
+  // all_to_all of elements: send_counts[r] of `in` (back to back, in rank order) go to rank
+  // r, recv_counts[r] of `out` come from it.
+  void all_to_all_bytes(Purpose purpose, const Tensor& out,
+                        const std::vector<int64_t>& recv_counts,
+                        const Tensor& in, const std::vector<int64_t>& send_counts,
+                        const CollectiveOp& op) {
+    const size_t isz = in.itemsize();
+    std::vector<Piece> recvs, sends;
+    size_t in_off = 0, out_off = 0;
+    for (int r = 0; r < size(); ++r) {
+      const size_t send = static_cast<size_t>(send_counts[r]) * isz;
+      const size_t recv = static_cast<size_t>(recv_counts[r]) * isz;
+      if (r == rank()) {
+        FUNCOL_CHECK(send == recv, "all_to_all: this rank's own block changes size");
+        std::memcpy(static_cast<char*>(out.raw_data_ptr()) + out_off,
+                    static_cast<const char*>(in.raw_data_ptr()) + in_off, send);
+      } else {
+        recvs.push_back({r, out_off, recv});
+        sends.push_back({r, in_off, send});
+      }
+      in_off += send;
+      out_off += recv;
+    }
+    exchange(purpose, out, recvs, in, sends, op);
+  }
+
+  // `t` from group rank `root` to every rank, down a binomial tree rooted there: each rank
+  // receives once from its parent, then sends to its children (log2(size) rounds in all).
+  void broadcast_bytes(const Tensor& t, int root, const CollectiveOp& op) {
+    const int n = size();
+    const int me = (rank() - root + n) % n;  // position in the tree, the root at 0
+    const size_t bytes = t.nbytes();
+    int bit = 1;
+    if (me != 0) {
+      while ((me & bit) == 0) bit <<= 1;  // the lowest set bit: the parent is me - bit
+      exchange(Purpose::kBroadcast, t, {{(me - bit + root) % n, 0, bytes}}, t, {}, op);
+    } else {
+      while (bit < n) bit <<= 1;
+    }
+    std::vector<Piece> children;
+    for (int child = bit >> 1; child >= 1; child >>= 1) {
+      if (me + child < n) children.push_back({(me + child + root) % n, 0, bytes});
+    }
+    if (!children.empty()) exchange(Purpose::kBroadcast, t, {}, t, children, op);
+  }
+
+  // A dissemination barrier: in round k each rank tells rank + 2^k and hears from rank - 2^k;
+  // after ceil(log2(size)) rounds every rank has heard, at one remove or more, from all.
+  void barrier(const CollectiveOp& op) {
+    const int n = size();
+    const Tensor token = Tensor::zeros({2}, DType::U8);
+    for (int step = 1; step < n; step <<= 1) {
+      exchange(Purpose::kBarrier, token, {{(rank() - step + n) % n, 1, 1}}, token,
+               {{(rank() + step) % n, 0, 1}}, op);
+    }
   }
 
   // Every all-reduce is reduced here, in rank order, as the threads backend does (Gloo's own
@@ -897,15 +1017,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   void all_reduce_gathered(const Tensor& t, ReduceOp op, const CollectiveOp& collective) {
     const int64_t n = t.numel();
     const Tensor all = Tensor::empty({n * size()}, t.dtype());
-    with_element_type(t.dtype(), [&](auto e) {
-      using E = decltype(e);
-      gloo::AllgatherOptions o(context_);
-      o.setInput<E>(as<E>(t), static_cast<size_t>(n));
-      o.setOutput<E>(static_cast<E*>(all.raw_data_ptr()), static_cast<size_t>(n) * size());
-      o.setTimeout(gloo_timeout(collective));
-      o.setTag(tag_);
-      gloo::allgather(o);
-    });
+    all_gather_bytes(Purpose::kAllReduceGathered, all, t, collective);
     process::reduce_blocks(op, t.dtype(), t.raw_data_ptr(), all.raw_data_ptr(), size(), n);
   }
 
@@ -919,33 +1031,28 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     const auto isz = static_cast<int64_t>(t.itemsize());
     std::vector<int64_t> counts(g);  // block r goes to rank r
     for (int r = 0; r < g; ++r) counts[r] = process::block_elements(n, g, r);
-    char* data = static_cast<char*>(t.raw_data_ptr());
     // Scratch from the caching allocator, as scatter_reduce's.
     const Tensor mine = Tensor::empty({std::max<int64_t>(counts[me], 1) * isz}, DType::U8);
-    scatter_reduce(data, t.dtype(), counts, mine.raw_data_ptr(), op, collective);
-    with_element_type(t.dtype(), [&](auto e) {
-      using E = decltype(e);
-      gloo::AllgathervOptions o(context_);
-      o.setInput<E>(static_cast<E*>(mine.raw_data_ptr()), static_cast<size_t>(counts[me]));
-      o.setOutput<E>(reinterpret_cast<E*>(data), std::vector<size_t>(counts.begin(), counts.end()));
-      o.setTimeout(gloo_timeout(collective));
-      o.setTag(tag_);
-      gloo::allgatherv(o);
-    });
+    scatter_reduce(Purpose::kAllReduceScatter, t, counts, mine.raw_data_ptr(), op, collective);
+    // The reduced blocks back into t, block r from rank r (an all_gather of uneven blocks).
+    std::vector<Piece> recvs, sends;
+    size_t offset = 0;
+    for (int r = 0; r < g; ++r) {
+      const size_t bytes = static_cast<size_t>(counts[r] * isz);
+      if (r == me) {
+        std::memcpy(static_cast<char*>(t.raw_data_ptr()) + offset, mine.raw_data_ptr(), bytes);
+      } else {
+        recvs.push_back({r, offset, bytes});
+        sends.push_back({r, 0, static_cast<size_t>(counts[me] * isz)});
+      }
+      offset += bytes;
+    }
+    exchange(Purpose::kAllReduceGather, t, recvs, mine, sends, collective);
   }
 
   void all_gather_one(const Tensor& out, const Tensor& in, const CollectiveOp& collective) {
-    const int64_t n = in.numel();
-    if (n == 0) return;
-    with_element_type(in.dtype(), [&](auto e) {
-      using E = decltype(e);
-      gloo::AllgatherOptions o(context_);
-      o.setInput<E>(as<E>(in), static_cast<size_t>(n));
-      o.setOutput<E>(as<E>(out), static_cast<size_t>(n) * size());
-      o.setTimeout(gloo_timeout(collective));
-      o.setTag(tag_);
-      gloo::allgather(o);
-    });
+    if (in.numel() == 0) return;
+    all_gather_bytes(Purpose::kAllGather, out, in, collective);
   }
 
   // Gloo's reduce-scatter needs power-of-two-friendly layouts; an all-to-all of the blocks and
@@ -955,29 +1062,21 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                           const CollectiveOp& collective) {
     const int64_t n = out.numel();
     if (n == 0) return;
-    scatter_reduce(in.raw_data_ptr(), in.dtype(), std::vector<int64_t>(size(), n),
+    scatter_reduce(Purpose::kReduceScatter, in, std::vector<int64_t>(size(), n),
                    out.raw_data_ptr(), op, collective);
   }
 
   // Block r of `data` (counts[r] elements, the blocks back to back) goes to rank r; this rank
   // reduces the blocks it receives into `out` in rank order (process::reduce_blocks).
-  void scatter_reduce(const void* data, DType dtype, const std::vector<int64_t>& counts,
+  void scatter_reduce(Purpose purpose, const Tensor& data, const std::vector<int64_t>& counts,
                       void* out, ReduceOp op, const CollectiveOp& collective) {
     const int g = size();
     const int64_t mine = counts[rank()];
     // From the caching allocator: a zeroed vector's memset and page faults took most of a 64
     // MiB reduce-scatter's time (0.92-1.08 s against 51-59 ms, 2 ranks, a loaded host).
-    const Tensor blocks = Tensor::empty({mine * g}, dtype);
-    with_element_type(dtype, [&](auto e) {
-      using E = decltype(e);
-      gloo::AlltoallvOptions o(context_);
-      o.setInput<E>(static_cast<E*>(const_cast<void*>(data)), counts);
-      o.setOutput<E>(static_cast<E*>(blocks.raw_data_ptr()), std::vector<int64_t>(g, mine));
-      o.setTimeout(gloo_timeout(collective));
-      o.setTag(tag_);
-      gloo::alltoallv(o);
-    });
-    process::reduce_blocks(op, dtype, out, blocks.raw_data_ptr(), g, mine);
+    const Tensor blocks = Tensor::empty({mine * g}, data.dtype());
+    all_to_all_bytes(purpose, blocks, std::vector<int64_t>(g, mine), data, counts, collective);
+    process::reduce_blocks(op, data.dtype(), out, blocks.raw_data_ptr(), g, mine);
   }
 
   std::shared_ptr<GlooShared> shared_;
@@ -990,6 +1089,20 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   static constexpr uint32_t kUserTag = 0;
   static constexpr uint32_t kStepTag = 1;
   uint32_t tag_ = kUserTag;  // the running op's (worker thread only)
+  // The slots of funcol's exchanges (plus their Purpose), apart from Gloo's collectives'
+  // (gloo/types.h's prefixes end at 0x08; the rendezvous still runs Gloo's barrier).
+  static constexpr uint8_t kExchangeSlotPrefix = 0x20;
+
+  // An exchange's buffers, and the tensors they point into.
+  struct Posted {
+    std::unique_ptr<gloo::transport::UnboundBuffer> recv, send;
+    Tensor into, from;
+  };
+  std::mutex running_mu_;
+  const CollectiveOp* running_op_ = nullptr;  // what the worker runs (Running)
+  bool running_aborted_ = false;              // on_failed stopped it
+  std::vector<gloo::transport::UnboundBuffer*> running_buffers_;  // the exchange it waits in
+  std::vector<Posted> parked_;  // failed exchanges' (see exchange)
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

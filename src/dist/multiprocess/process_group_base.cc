@@ -451,8 +451,15 @@ void ProcessGroupBase::mark_broken(const std::string& reason) {
   on_broken(reason);
   // Everything still in flight on this group would wait on the same broken transport.
   for (auto& other : others) {
-    if (other->claim()) other->work->fail(std::make_exception_ptr(failed_earlier(*other, reason)));
+    if (other->claim()) {
+      fail_claimed(*other, std::make_exception_ptr(failed_earlier(*other, reason)));
+    }
   }
+}
+
+void ProcessGroupBase::fail_claimed(const CollectiveOp& op, std::exception_ptr error) {
+  op.work->fail(std::move(error));
+  on_failed(op);
 }
 
 CommError ProcessGroupBase::failed_earlier(const CollectiveOp& op,
@@ -469,7 +476,7 @@ void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
   // for one in flight and fail as "failed earlier").
   const bool mine = op->claim();
   mark_broken(message);
-  if (mine) op->work->fail(std::make_exception_ptr(CommError(message)));
+  if (mine) fail_claimed(*op, std::make_exception_ptr(CommError(message)));
 }
 
 void ProcessGroupBase::fail_unposted(const std::shared_ptr<CollectiveOp>& op,
@@ -690,8 +697,8 @@ void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string&
   on_broken(error);
   for (auto& op : victims) {
     if (!op->claim()) continue;
-    op->work->fail(std::make_exception_ptr(op->seq == seq ? CommError(gave_up_message(*op))
-                                                          : failed_earlier(*op, error)));
+    fail_claimed(*op, std::make_exception_ptr(op->seq == seq ? CommError(gave_up_message(*op))
+                                                             : failed_earlier(*op, error)));
   }
 }
 
@@ -749,7 +756,9 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     });
   }
   for (auto& op : victims) {
-    if (op->claim()) op->work->fail(std::make_exception_ptr(CommError(loss_message(*op, fails))));
+    if (op->claim()) {
+      fail_claimed(*op, std::make_exception_ptr(CommError(loss_message(*op, fails))));
+    }
   }
   // A clean goodbye with nothing of ours waiting on it leaves the transport healthy.
   if (affected) on_broken(lost);

@@ -180,6 +180,11 @@ class ProcessGroupBase : public ProcessGroup,
   // Called (on any thread) when the group becomes unusable: a failure, a timeout, a lost peer.
   virtual void on_broken(const std::string& reason) { (void)reason; }
 
+  // Called (on any thread) after a collective given to submit() failed by something other
+  // than the backend's own report: the watchdog, a lost peer, a peer that gave up, an earlier
+  // failure of the group. A transport that may still be waiting in it can stop waiting.
+  virtual void on_failed(const CollectiveOp& op) { (void)op; }
+
   // Finishes the op's Work (no-op when it was already failed).
   void complete(const std::shared_ptr<CollectiveOp>& op);
   // Fails the op with CommError(message) and marks the group broken.
@@ -209,6 +214,8 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> issue(std::shared_ptr<CollectiveOp> op);
   void run_single_rank(CollectiveOp& op);
   void mark_broken(const std::string& reason);
+  // Fails the Work of an op claimed by the caller with `error`, then tells on_failed.
+  void fail_claimed(const CollectiveOp& op, std::exception_ptr error);
   // This rank took no part in collective `seq`: posted_ goes back to it (the group is broken,
   // so nothing later is taken part in either).
   void not_taken_part(int64_t seq);

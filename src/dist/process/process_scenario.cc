@@ -725,6 +725,35 @@ void scenario_reinit(const std::string& backend) {
   ok(fmt::format("{} worlds started and destroyed, none kept", kCycles));
 }
 
+#ifdef FUNCOL_WITH_GLOO
+// Rank 0 gives up (its timeout is 2 s) on a collective the last rank issues only after 6 s;
+// the ranks between, with a 40 s timeout, wait in Gloo for the last rank. Their collective
+// fails when rank 0 gives up, and destroy_process_group returns at once: it used to wait for
+// the group's worker, which stayed in Gloo's wait until their own timeout.
+void scenario_abandoned(const std::string& backend) {
+  const char* rank = std::getenv("RANK");
+  if (rank == nullptr) failed("run under gloo_launch.sh");
+  g_rank = std::atoi(rank);
+  funcol::InitOptions options;
+  options.timeout = std::chrono::seconds(g_rank == 0 ? 2 : 40);
+  auto world = funcol::init_process_group(backend, options);
+  check_sum(*world);
+  const int late = world->size() - 1;
+  const auto start = Clock::now();
+  if (g_rank == late) std::this_thread::sleep_for(std::chrono::seconds(6));
+  const std::string msg = expect_comm_error([&] { check_sum(*world); }, "an abandoned all_reduce");
+  const double took = seconds_since(start);
+  expect_contains(msg, "all_reduce on group 'world' (seq 1)");
+  if (g_rank != late && took > 10) failed(fmt::format("the error took {:.1f} s", took));
+  world.reset();
+  const auto destroying = Clock::now();
+  funcol::destroy_process_group();
+  const double destroyed = seconds_since(destroying);
+  if (destroyed > 3) failed(fmt::format("destroy_process_group took {:.1f} s", destroyed));
+  ok(fmt::format("CommError after {:.2f} s, destroyed in {:.2f} s: {}", took, destroyed, msg));
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -737,12 +766,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
-                 "split_kill_arrived|exit|stopped|world_dead_arrival|reinit\n");
+                 "split_kill_arrived|exit|stopped|world_dead_arrival|reinit|abandoned\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
   if (scenario == "world_dead_arrival") {
     scenario_world_dead_arrival(backend);
+    return 0;
+  }
+  if (scenario == "abandoned") {
+    scenario_abandoned(backend);
     return 0;
   }
 #endif
