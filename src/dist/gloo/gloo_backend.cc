@@ -470,15 +470,10 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   std::optional<std::string> duplicate;
   // What broke the store, when that ended the rendezvous: seen before the cleanup reconnects.
   std::optional<std::string> broken;
-  auto forget_keys = [&] {
-    broken = store->failure();
-    if (broken) store->reconnect_for_cleanup();
-    duplicate = live_holder(*store, arrival_key(prefix, my_index));
-    if (duplicate) return;
-    store->erase_own_keys();
-    store->erase_stale(arrival_key(prefix, my_index));
-    store->erase_stale(fmt::format("{}/rank_{}", prefix, my_index));  // Gloo: the host name
-    store->erase_stale(fmt::format("{}/{}", prefix, my_index));        // Gloo: the address
+  auto erase_index = [&](int i) {
+    store->erase_stale(arrival_key(prefix, i));
+    store->erase_stale(fmt::format("{}/rank_{}", prefix, i));  // Gloo: the host name
+    store->erase_stale(fmt::format("{}/{}", prefix, i));        // Gloo: the address
   };
   // Fails the rendezvous when `watch` knows of a member lost (deaths named first).
   std::vector<int> others;
@@ -517,6 +512,24 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       process::PeerLoss died;  // not clean: its process ended
       died.rank = members[i];
       throw lost_during_rendezvous(what, shared.url.text, died);
+    }
+  };
+  // The keys of this rank's index go, and those of every member known to have died: a dead
+  // process writes nothing more, and its keys would fail the next job that makes this group,
+  // perhaps many jobs later (only a job that makes the same group reads them).
+  auto forget_keys = [&] {
+    broken = store->failure();
+    if (broken) store->reconnect_for_cleanup();
+    duplicate = live_holder(*store, arrival_key(prefix, my_index));
+    if (duplicate) return;
+    store->erase_own_keys();
+    erase_index(my_index);
+    for (int i = 0; i < n; ++i) {
+      if (i == my_index) continue;
+      const std::optional<process::PeerLoss> loss =
+          watch != nullptr ? watch->lost(members[i]) : std::nullopt;
+      const bool ended = seen_running[i] && process::process_running(identities[i]) == false;
+      if ((loss && !loss->clean) || ended) erase_index(i);
     }
   };
   auto taken_by = [&](const std::string& pid) {

@@ -640,6 +640,18 @@ void scenario_stopped(funcol::ProcessGroup& world) {
 
 // A survivor's rendezvous error `msg`, `took` seconds after it began: it names the victim's
 // death, at once.
+// A file store (FUNCOL_STORE=file://DIR) holds no key: the next job can use it. Another
+// store is not looked at.
+void expect_file_store_empty(const std::string& after) {
+  const char* store_env = std::getenv("FUNCOL_STORE");
+  const std::string store = store_env != nullptr ? store_env : "";
+  if (store.rfind("file://", 0) != 0) return;
+  const std::filesystem::path dir = store.substr(7);
+  if (!std::filesystem::is_empty(dir)) {
+    failed(fmt::format("{} left keys in {}", after, dir.string()));
+  }
+}
+
 void expect_died_during_rendezvous(const std::string& msg, double took, int victim) {
   expect_contains(msg, fmt::format("rank {} died (its process exited or was killed) during the "
                                    "rendezvous; missing ranks [{}]",
@@ -675,7 +687,11 @@ void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
   } catch (const funcol::CommError& e) {
     msg = e.what();
   }
-  expect_died_during_rendezvous(msg, seconds_since(start), victim);
+  const double took = seconds_since(start);
+  // The dead member's arrival key went with this member's own: it would fail the next job
+  // that makes this group (the non-member has written nothing since the world's rendezvous).
+  expect_file_store_empty("the failed rendezvous of 'sub'");
+  expect_died_during_rendezvous(msg, took, victim);
 }
 
 // gloo: the last rank writes its world arrival record, as init_process_group would, and dies a
@@ -809,14 +825,7 @@ int main(int argc, char** argv) {
     if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
     // With two ranks nobody else wrote to the store: the failed rendezvous left it empty, ready
     // for the next job.
-    const char* store_env = std::getenv("FUNCOL_STORE");
-    const std::string store = store_env != nullptr ? store_env : "";
-    if (late == 1 && store.rfind("file://", 0) == 0) {
-      const std::filesystem::path dir = store.substr(7);
-      if (!std::filesystem::is_empty(dir)) {
-        failed(fmt::format("the failed rendezvous left keys in {}", dir.string()));
-      }
-    }
+    if (late == 1) expect_file_store_empty("the failed rendezvous");
     ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
     return 0;
   }
