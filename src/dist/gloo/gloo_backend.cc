@@ -456,7 +456,7 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
 std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::string& prefix,
                                           const std::vector<int>& members, int my_index,
                                           const std::string& what, process::PeerMonitor* monitor,
-                                          const process::PeerMonitor* watch) {
+                                          process::PeerMonitor* watch) {
   auto store = shared.open_store();
   const int n = static_cast<int>(members.size());
   // A failed rendezvous takes away every key at this rank's index: those it wrote, and any a
@@ -675,6 +675,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
           "during the rendezvous, or a previous job left its keys there, {})",
           shared.url.text, waited, kNextJob);
     }
+    // A member stopped (SIGSTOP) or stuck outside funcol: the peer monitor can tell it.
+    if (watch != nullptr) msg += watch->silent_ranks_note(others, process::kProgressQueryWait);
     throw CommError(
         fmt::format("gloo: rendezvous of {} at '{}' failed: {}", what, shared.url.text, msg));
   }

@@ -181,9 +181,11 @@ class Runtime {
   // keeps the communication thread for good: the runtime is stuck, later work fails at once
   // and the process exits without MPI_Finalize. fn must own what it uses: it may run after
   // this returns.
-  template <typename F, typename G>
-  auto call_until(const std::string& what, F fn, std::chrono::milliseconds timeout, G&& give_up)
-      -> decltype(fn()) {
+  // At the timeout, the error says "<what> timed out after <ms> ms" and `missing()`, which
+  // names the ranks that did not arrive where it can ("; some ranks did not arrive" else).
+  template <typename F, typename G, typename H>
+  auto call_until(const std::string& what, F fn, std::chrono::milliseconds timeout, G&& give_up,
+                  H&& missing) -> decltype(fn()) {
     const auto deadline = Clock::now() + timeout;
     using R = decltype(fn());
     auto task = std::make_shared<std::packaged_task<R()>>(std::move(fn));
@@ -192,14 +194,14 @@ class Runtime {
     while (future.wait_for(kGiveUpPoll) != std::future_status::ready) {
       std::string why = give_up();
       if (why.empty() && Clock::now() < deadline) continue;
+      // Asked before the lock: it may take a while.
+      if (why.empty()) {
+        why = fmt::format("{} timed out after {} ms{}", what, timeout.count(), missing());
+      }
       {
         std::lock_guard lock(mu_);
         // The call may have returned meanwhile; then the runtime is fine.
         if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) break;
-        if (why.empty()) {
-          why = fmt::format("{} timed out after {} ms; some ranks did not arrive", what,
-                            timeout.count());
-        }
         if (stuck_.empty()) stuck_ = why;
       }
       mark_unclean(why);
@@ -590,7 +592,18 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
           }
           return std::pair<MPI_Comm, MPI_Comm>(out, step);
         },
-        job()->timeout(), lost);
+        job()->timeout(), lost, [this]() -> std::string {
+          // A rank stopped (SIGSTOP) or stuck outside funcol does not answer the peer monitor.
+          std::vector<int> others;
+          for (int r : global_ranks()) {
+            if (r != global_rank()) others.push_back(r);
+          }
+          std::string note;
+          if (job()->monitor() != nullptr) {
+            note = job()->monitor()->silent_ranks_note(others, process::kProgressQueryWait);
+          }
+          return note.empty() ? std::string("; some ranks did not arrive") : note;
+        });
     if (!mine) {
       dist_detail::note_split(*this, rank_lists);
       return nullptr;

@@ -321,6 +321,25 @@ std::vector<PeerLoss> PeerMonitor::losses(const std::vector<int>& ranks,
   return found;
 }
 
+std::string PeerMonitor::silent_ranks_note(const std::vector<int>& ranks,
+                                           std::chrono::milliseconds wait) {
+  // Any group name: a rank that answers is not silent, whatever it says.
+  const std::vector<int64_t> progress = query_progress("", ranks, wait);
+  std::vector<int> silent;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (progress[i] == -1 && !lost(ranks[i])) silent.push_back(ranks[i]);
+  }
+  if (silent.empty()) return "";
+  return "; missing ranks " + dist_detail::format_ranks(silent) + silent_note(silent, wait);
+}
+
+std::string silent_note(const std::vector<int>& silent, std::chrono::milliseconds wait) {
+  return fmt::format(
+      "; ranks {} did not answer a progress query within {} ms (their process is stopped or "
+      "busy outside funcol)",
+      dist_detail::format_ranks(silent), wait.count());
+}
+
 std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
                                                  const std::vector<int>& ranks,
                                                  std::chrono::milliseconds wait, int64_t seq,

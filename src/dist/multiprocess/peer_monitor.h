@@ -17,6 +17,9 @@
 
 namespace funcol::process {
 
+// How long a timeout's error waits for the peers' answers to a progress query.
+inline constexpr std::chrono::milliseconds kProgressQueryWait{1000};
+
 // How a peer went away.
 struct PeerLoss {
   int rank = -1;
@@ -104,6 +107,12 @@ class PeerMonitor {
                                       std::chrono::milliseconds wait, int64_t seq = -1,
                                       std::vector<std::string>* at_seq = nullptr);
 
+  // What a timeout's error adds about the ranks of `ranks` that are connected but do not answer
+  // a progress query within `wait` (their process is stopped, or busy outside funcol):
+  // "; missing ranks [2]" and silent_note's, or "" when every one answers or is lost (a loss
+  // is named by its own message).
+  std::string silent_ranks_note(const std::vector<int>& ranks, std::chrono::milliseconds wait);
+
   // What this process is leaving because of, for the goodbye (peers name it); empty: none.
   void set_departure_error(std::string error);
   // Says goodbye to every peer (with this process's progress and its departure error, if any)
@@ -171,5 +180,9 @@ std::string default_host_address();
 std::string interface_address(const std::string& name);
 // True for 127.0.0.0/8 and ::1.
 bool is_loopback_address(const std::string& ip);
+
+// "; ranks [2] did not answer a progress query within 1000 ms (their process is stopped or
+// busy outside funcol)", for ranks that did not answer after `wait`.
+std::string silent_note(const std::vector<int>& silent, std::chrono::milliseconds wait);
 
 }  // namespace funcol::process

@@ -18,8 +18,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a failing rank waits for its peers' progress answers before giving up on them.
-constexpr std::chrono::milliseconds kProgressQueryWait{1000};
 // The watchdog's longest sleep; timeouts fire at most this late.
 constexpr std::chrono::milliseconds kWatchdogTick{100};
 // How long a collective in flight when a member died may still complete: the dead rank may
@@ -590,12 +588,7 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   std::sort(missing.begin(), missing.end());
   if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
   for (const auto& l : losses) msg += "; " + l;
-  if (!silent.empty()) {
-    msg += fmt::format(
-        "; ranks {} did not answer a progress query within {} ms (their process is stopped or "
-        "busy outside funcol)",
-        dist_detail::format_ranks(silent), kProgressQueryWait.count());
-  }
+  if (!silent.empty()) msg += silent_note(silent, kProgressQueryWait);
   if (missing.empty()) {
     const std::string mine = op.signature.summary();
     size_t other = 0;

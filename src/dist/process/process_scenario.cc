@@ -51,6 +51,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #ifdef FUNCOL_WITH_GLOO
@@ -546,6 +547,31 @@ void scenario_death_then_departure(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// The victim's part in split_group's agreement on `members` as "sub" (an all_reduce of a hash
+// of what each rank passed, and whether the name is taken: nowhere), without making the group.
+// Labelled as split_group's own step: its data travels apart from a user's.
+void agree_to_split(funcol::ProcessGroup& world, const std::vector<int>& members) {
+  const funcol::dist_detail::InternalStep step("split_group");
+  Tensor probe = funcol::dist_detail::split_probe(
+      funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
+  world.all_reduce(probe, ReduceOp::Max)->wait();
+}
+
+// split_group of `members` as "sub" on a rank other than the victim, which never takes its part:
+// the CommError's message, or nullopt on a rank outside the group (reported OK: it has nothing
+// to wait for).
+std::optional<std::string> split_error(funcol::ProcessGroup& world,
+                                       const std::vector<int>& members) {
+  try {
+    auto group = world.split_group({members}, "sub");
+    if (group != nullptr) failed("split_group returned a group with the victim");
+    ok("not a member");
+    return std::nullopt;
+  } catch (const funcol::CommError& e) {
+    return e.what();
+  }
+}
+
 void scenario_split_kill(funcol::ProcessGroup& world) {
   const int victim = world.size() - 1;
   check_sum(world);
@@ -553,13 +579,8 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   std::vector<int> members;
   for (int r = 1; r < world.size(); ++r) members.push_back(r);
   if (world.rank() == victim) {
-    // Take split_group's part in the agreement (an all_reduce of a hash of what each rank
-    // passed, and whether the name is taken: nowhere), then die before the new group's own
-    // setup. Labelled as split_group's own step: its data travels apart from a user's.
-    const funcol::dist_detail::InternalStep step("split_group");
-    Tensor probe = funcol::dist_detail::split_probe(
-        funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
-    world.all_reduce(probe, ReduceOp::Max)->wait();
+    // Agree, then die before the new group's own setup.
+    agree_to_split(world, members);
     std::fflush(stdout);
     std::raise(SIGKILL);
   }
@@ -622,24 +643,68 @@ void scenario_stopped(funcol::ProcessGroup& world) {
 }
 
 #ifdef FUNCOL_WITH_GLOO
-// The victim of a gloo rendezvous scenario: writes `record` as the arrival record of the member
-// at `index` of the rendezvous under `prefix` (in FUNCOL_STORE, a file store), as the backend
-// would, stays `linger` seconds, then dies before its address is there.
-[[noreturn]] void arrive_and_die(const std::string& prefix, int index, const std::string& record,
-                                 double linger) {
+// Writes `record` as the arrival record of the member at `index` of the gloo rendezvous under
+// `prefix` (in FUNCOL_STORE, a file store), as the backend would.
+void arrive(const std::string& prefix, int index, const std::string& record) {
   const char* store = std::getenv("FUNCOL_STORE");
   if (store == nullptr || std::strncmp(store, "file://", 7) != 0) failed("needs a file store");
   gloo::rendezvous::FileStore files(store + 7);
   gloo::rendezvous::PrefixStore prefixed(prefix, files);
   prefixed.set(fmt::format("arrive/{}", index), std::vector<char>(record.begin(), record.end()));
+}
+#endif
+
+// The last rank agrees to a new group with the rank before it, then stops (SIGSTOP) where the
+// group is made (gloo: after writing its arrival record, so that the other member waits for
+// its address; mpi: before MPI_Comm_split). The others time out naming it missing and saying
+// it did not answer (they named nobody, or a rank that left because of it); the other member
+// then ends it.
+void scenario_split_stopped(funcol::ProcessGroup& world, const std::string& backend) {
+  const int victim = world.size() - 1;
+  Tensor pid = Tensor::full({1}, DType::I64, static_cast<double>(::getpid()));
+  Tensor pids = Tensor::empty({world.size()}, DType::I64);
+  world.all_gather(pids, pid)->wait();
+  const std::vector<int> members = {victim - 1, victim};
+  if (world.rank() == victim) {
+    agree_to_split(world, members);
+    // The group's size, FUNCOL_DEBUG off, no monitor address.
+#ifdef FUNCOL_WITH_GLOO
+    if (backend == "gloo") {
+      arrive(fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), 1,
+             "2 plain -");
+    }
+#endif
+    std::fflush(stdout);
+    std::raise(SIGSTOP);
+    failed("resumed after SIGSTOP");
+  }
+  auto start = Clock::now();
+  const std::optional<std::string> error = split_error(world, members);
+  if (!error) return;
+  const std::string& msg = *error;
+  const double took = seconds_since(start);
+  expect_contains(msg, fmt::format("missing ranks [{}]", victim));
+  expect_contains(msg, fmt::format("ranks [{}] did not answer a progress query", victim));
+  // The timeout, Gloo's wait for the address (gloo), and a second for the progress query.
+  if (took > timeout_seconds() + 5) failed(fmt::format("the error took {:.1f} s", took));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+  if (world.rank() == victim - 1) {
+    ::kill(static_cast<pid_t>(pids.to_vector<int64_t>()[victim]), SIGKILL);
+  }
+}
+
+#ifdef FUNCOL_WITH_GLOO
+// The victim of a gloo rendezvous scenario: arrives (arrive), stays `linger` seconds, then
+// dies before its address is there.
+[[noreturn]] void arrive_and_die(const std::string& prefix, int index, const std::string& record,
+                                 double linger) {
+  arrive(prefix, index, record);
   std::this_thread::sleep_for(std::chrono::duration<double>(linger));
   std::fflush(stdout);
   std::raise(SIGKILL);
   std::abort();  // not reached
 }
 
-// A survivor's rendezvous error `msg`, `took` seconds after it began: it names the victim's
-// death, at once.
 // A file store (FUNCOL_STORE=file://DIR) holds no key: the next job can use it. Another
 // store is not looked at.
 void expect_file_store_empty(const std::string& after) {
@@ -652,6 +717,8 @@ void expect_file_store_empty(const std::string& after) {
   }
 }
 
+// A survivor's rendezvous error `msg`, `took` seconds after it began: it names the victim's
+// death, at once.
 void expect_died_during_rendezvous(const std::string& msg, double took, int victim) {
   expect_contains(msg, fmt::format("rank {} died (its process exited or was killed) during the "
                                    "rendezvous; missing ranks [{}]",
@@ -669,29 +736,19 @@ void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
   check_sum(world);
   const std::vector<int> members = {victim - 1, victim};
   if (world.rank() == victim) {
-    const funcol::dist_detail::InternalStep step("split_group");
-    Tensor probe = funcol::dist_detail::split_probe(
-        funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
-    world.all_reduce(probe, ReduceOp::Max)->wait();
+    agree_to_split(world, members);
     // The group's size, FUNCOL_DEBUG off, no monitor address.
     arrive_and_die(fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), 1,
                    "2 plain -", 0);
   }
   auto start = Clock::now();
-  std::string msg;
-  try {
-    auto group = world.split_group({members}, "sub");
-    if (group != nullptr) failed("split_group returned a group with the dead rank");
-    ok("not a member");
-    return;
-  } catch (const funcol::CommError& e) {
-    msg = e.what();
-  }
+  const std::optional<std::string> msg = split_error(world, members);
+  if (!msg) return;
   const double took = seconds_since(start);
   // The dead member's arrival key went with this member's own: it would fail the next job
   // that makes this group (the non-member has written nothing since the world's rendezvous).
   expect_file_store_empty("the failed rendezvous of 'sub'");
-  expect_died_during_rendezvous(msg, took, victim);
+  expect_died_during_rendezvous(*msg, took, victim);
 }
 
 // gloo: the last rank writes its world arrival record, as init_process_group would, and dies a
@@ -782,7 +839,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
-                 "split_kill_arrived|exit|stopped|world_dead_arrival|reinit|abandoned\n");
+                 "split_kill_arrived|exit|stopped|split_stopped|world_dead_arrival|reinit|abandoned\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
@@ -857,6 +914,8 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "stopped") {
       scenario_stopped(*world);
+    } else if (scenario == "split_stopped") {
+      scenario_split_stopped(*world, backend);
 #ifdef FUNCOL_WITH_GLOO
     } else if (scenario == "split_kill_arrived") {
       scenario_split_kill_arrived(*world);
