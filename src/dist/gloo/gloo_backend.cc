@@ -914,9 +914,9 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                 const Tensor& from, const std::vector<Piece>& sends, const CollectiveOp& op) {
     const uint64_t slot = gloo::Slot::build(
         static_cast<uint8_t>(kExchangeSlotPrefix + static_cast<uint8_t>(purpose)), tag_);
-    Posted posted{context_->createUnboundBuffer(into.raw_data_ptr(), into.nbytes()),
-                  context_->createUnboundBuffer(from.raw_data_ptr(), from.nbytes()), into,
-                  from};
+    Posted posted{into, from,
+                  context_->createUnboundBuffer(into.raw_data_ptr(), into.nbytes()),
+                  context_->createUnboundBuffer(from.raw_data_ptr(), from.nbytes())};
     {
       std::lock_guard lock(running_mu_);
       if (running_aborted_ || op.done()) throw Aborted{};
@@ -1108,10 +1108,11 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // (gloo/types.h's prefixes end at 0x08; the rendezvous still runs Gloo's barrier).
   static constexpr uint8_t kExchangeSlotPrefix = 0x20;
 
-  // An exchange's buffers, and the tensors they point into.
+  // An exchange's buffers, and the tensors they point into: declared first, so destroyed
+  // last (Gloo's device thread may write into a parked buffer until its destructor returns).
   struct Posted {
-    std::unique_ptr<gloo::transport::UnboundBuffer> recv, send;
     Tensor into, from;
+    std::unique_ptr<gloo::transport::UnboundBuffer> recv, send;
   };
   std::mutex running_mu_;
   const CollectiveOp* running_op_ = nullptr;  // what the worker runs (Running)
