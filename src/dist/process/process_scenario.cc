@@ -70,6 +70,9 @@
 #endif
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
+#ifdef FUNCOL_WITH_MPI
+#include <mpi.h>
+#endif
 
 namespace {
 
@@ -773,6 +776,18 @@ void scenario_world_dead_arrival(const std::string& backend) {
 }
 #endif
 
+#ifdef FUNCOL_WITH_MPI
+// Counts the MPI_Comm_free calls of the backend (MPI's profiling interface: this definition
+// stands in for the library's, which PMPI_Comm_free is).
+std::atomic<int> g_comm_frees{0};
+}  // namespace
+extern "C" int MPI_Comm_free(MPI_Comm* comm) {
+  g_comm_frees.fetch_add(1);
+  return PMPI_Comm_free(comm);
+}
+namespace {
+#endif
+
 // A destroyed world's job goes at the latest at the next init_process_group: on mpi the
 // communication thread may drop the world group's last reference a moment after
 // destroy_process_group returns. Two worlds of slack keep the check free of that race.
@@ -787,7 +802,16 @@ void scenario_reinit(const std::string& backend) {
     const int n = world->size();
     world->all_reduce(x, ReduceOp::Sum)->wait();
     if (x.to_vector<int>() != std::vector<int>(4, n * (n + 1) / 2)) failed("a wrong sum");
+#ifdef FUNCOL_WITH_MPI
+    // Every earlier world's two communicators were freed (the communication thread frees them
+    // in order, before this all_reduce), on the rank that leaves last too.
+    if (backend == "mpi" && g_comm_frees.load() < 2 * i) {
+      failed(fmt::format("{} communicators freed after {} worlds", g_comm_frees.load(), i));
+    }
+#endif
     world.reset();
+    // Rank 0 leaves last: it reads its peers' goodbyes first.
+    if (g_rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     funcol::destroy_process_group();
     for (int k = 0; k + 2 <= i; ++k) {
       if (!jobs[k].expired()) {
