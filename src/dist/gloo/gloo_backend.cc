@@ -944,13 +944,24 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // Every rank's `in` into `out`, block r from rank r (blocks of in.nbytes()).
   void all_gather_bytes(Purpose purpose, const Tensor& out, const Tensor& in,
                         const CollectiveOp& op) {
-    const size_t n = in.nbytes();
-    std::memcpy(static_cast<char*>(out.raw_data_ptr()) + n * rank(), in.raw_data_ptr(), n);
+    all_gather_blocks(purpose, out, std::vector<size_t>(size(), in.nbytes()), in, op);
+  }
+
+  // Rank r's first block_bytes[r] bytes of `in` into `out`, the blocks back to back in rank
+  // order.
+  void all_gather_blocks(Purpose purpose, const Tensor& out, const std::vector<size_t>& block_bytes,
+                         const Tensor& in, const CollectiveOp& op) {
+    const size_t mine = block_bytes[rank()];
     std::vector<Piece> recvs, sends;
+    size_t offset = 0;
     for (int r = 0; r < size(); ++r) {
-      if (r == rank()) continue;
-      recvs.push_back({r, n * r, n});
-      sends.push_back({r, 0, n});
+      if (r == rank()) {
+        std::memcpy(static_cast<char*>(out.raw_data_ptr()) + offset, in.raw_data_ptr(), mine);
+      } else {
+        recvs.push_back({r, offset, block_bytes[r]});
+        sends.push_back({r, 0, mine});
+      }
+      offset += block_bytes[r];
     }
     exchange(purpose, out, recvs, in, sends, op);
   }
@@ -1049,20 +1060,10 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     // Scratch from the caching allocator, as scatter_reduce's.
     const Tensor mine = Tensor::empty({std::max<int64_t>(counts[me], 1) * isz}, DType::U8);
     scatter_reduce(Purpose::kAllReduceScatter, t, counts, mine.raw_data_ptr(), op, collective);
-    // The reduced blocks back into t, block r from rank r (an all_gather of uneven blocks).
-    std::vector<Piece> recvs, sends;
-    size_t offset = 0;
-    for (int r = 0; r < g; ++r) {
-      const size_t bytes = static_cast<size_t>(counts[r] * isz);
-      if (r == me) {
-        std::memcpy(static_cast<char*>(t.raw_data_ptr()) + offset, mine.raw_data_ptr(), bytes);
-      } else {
-        recvs.push_back({r, offset, bytes});
-        sends.push_back({r, 0, static_cast<size_t>(counts[me] * isz)});
-      }
-      offset += bytes;
-    }
-    exchange(Purpose::kAllReduceGather, t, recvs, mine, sends, collective);
+    // The reduced blocks back into t, block r from rank r.
+    std::vector<size_t> block_bytes(g);
+    for (int r = 0; r < g; ++r) block_bytes[r] = static_cast<size_t>(counts[r] * isz);
+    all_gather_blocks(Purpose::kAllReduceGather, t, block_bytes, mine, collective);
   }
 
   void all_gather_one(const Tensor& out, const Tensor& in, const CollectiveOp& collective) {
