@@ -623,25 +623,39 @@ void scenario_exit(funcol::ProcessGroup& world) {
       fmt::format("rank {} departed (its process exited without destroy_process_group)", leaver));
 }
 
+// Every rank's process id, by group rank.
+std::vector<int64_t> all_pids(funcol::ProcessGroup& world) {
+  Tensor pid = Tensor::full({1}, DType::I64, static_cast<double>(::getpid()));
+  Tensor pids = Tensor::empty({world.size()}, DType::I64);
+  world.all_gather(pids, pid)->wait();
+  return pids.to_vector<int64_t>();
+}
+
+// The victim stops itself (SIGSTOP) until a peer kills it.
+[[noreturn]] void stop_self() {
+  std::fflush(stdout);
+  std::raise(SIGSTOP);
+  failed("resumed after SIGSTOP");
+}
+
+// A timeout's error `msg` names the stopped `victim` as missing and as not answering.
+void expect_silent(const std::string& msg, int victim) {
+  expect_contains(msg, fmt::format("missing ranks [{}]", victim));
+  expect_contains(msg, fmt::format("ranks [{}] did not answer a progress query", victim));
+}
+
 // The last rank stops (SIGSTOP) before a collective: its peer monitor cannot answer either.
 // The others time out naming it missing and saying it did not answer; rank 0 then ends it.
 void scenario_stopped(funcol::ProcessGroup& world) {
   const int victim = world.size() - 1;
-  Tensor pid = Tensor::full({1}, DType::I64, static_cast<double>(::getpid()));
-  Tensor pids = Tensor::empty({world.size()}, DType::I64);
-  world.all_gather(pids, pid)->wait();
-  if (world.rank() == victim) {
-    std::fflush(stdout);
-    std::raise(SIGSTOP);
-    failed("resumed after SIGSTOP");
-  }
+  const std::vector<int64_t> pids = all_pids(world);
+  if (world.rank() == victim) stop_self();
   auto start = Clock::now();
   std::string msg = expect_comm_error([&] { check_sum(world); }, "a collective a rank skipped");
   const double took = seconds_since(start);
-  expect_contains(msg, fmt::format("missing ranks [{}]", victim));
-  expect_contains(msg, fmt::format("ranks [{}] did not answer a progress query", victim));
+  expect_silent(msg, victim);
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
-  if (world.rank() == 0) ::kill(static_cast<pid_t>(pids.to_vector<int64_t>()[victim]), SIGKILL);
+  if (world.rank() == 0) ::kill(static_cast<pid_t>(pids[victim]), SIGKILL);
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
@@ -655,6 +669,13 @@ void arrive(const std::string& prefix, int index, const std::string& record) {
   gloo::rendezvous::PrefixStore prefixed(prefix, files);
   prefixed.set(fmt::format("arrive/{}", index), std::vector<char>(record.begin(), record.end()));
 }
+
+// The rendezvous prefix of split_group's "sub" of `members` (two ranks), and the arrival record
+// of its second member: the group's size, FUNCOL_DEBUG off, no monitor address.
+std::string sub_prefix(const std::vector<int>& members) {
+  return fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]);
+}
+constexpr const char* kSubRecord = "2 plain -";
 #endif
 
 // The last rank agrees to a new group with the rank before it, then stops (SIGSTOP) where the
@@ -664,36 +685,25 @@ void arrive(const std::string& prefix, int index, const std::string& record) {
 // then ends it.
 void scenario_split_stopped(funcol::ProcessGroup& world, const std::string& backend) {
   const int victim = world.size() - 1;
-  Tensor pid = Tensor::full({1}, DType::I64, static_cast<double>(::getpid()));
-  Tensor pids = Tensor::empty({world.size()}, DType::I64);
-  world.all_gather(pids, pid)->wait();
+  const std::vector<int64_t> pids = all_pids(world);
   const std::vector<int> members = {victim - 1, victim};
   if (world.rank() == victim) {
     agree_to_split(world, members);
-    // The group's size, FUNCOL_DEBUG off, no monitor address.
 #ifdef FUNCOL_WITH_GLOO
-    if (backend == "gloo") {
-      arrive(fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), 1,
-             "2 plain -");
-    }
+    if (backend == "gloo") arrive(sub_prefix(members), 1, kSubRecord);
 #endif
-    std::fflush(stdout);
-    std::raise(SIGSTOP);
-    failed("resumed after SIGSTOP");
+    stop_self();
   }
   auto start = Clock::now();
   const std::optional<std::string> error = split_error(world, members);
   if (!error) return;
   const std::string& msg = *error;
   const double took = seconds_since(start);
-  expect_contains(msg, fmt::format("missing ranks [{}]", victim));
-  expect_contains(msg, fmt::format("ranks [{}] did not answer a progress query", victim));
+  expect_silent(msg, victim);
   // The timeout, Gloo's wait for the address (gloo), and a second for the progress query.
   if (took > timeout_seconds() + 5) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
-  if (world.rank() == victim - 1) {
-    ::kill(static_cast<pid_t>(pids.to_vector<int64_t>()[victim]), SIGKILL);
-  }
+  if (world.rank() == victim - 1) ::kill(static_cast<pid_t>(pids[victim]), SIGKILL);
 }
 
 #ifdef FUNCOL_WITH_GLOO
@@ -740,9 +750,7 @@ void scenario_split_kill_arrived(funcol::ProcessGroup& world) {
   const std::vector<int> members = {victim - 1, victim};
   if (world.rank() == victim) {
     agree_to_split(world, members);
-    // The group's size, FUNCOL_DEBUG off, no monitor address.
-    arrive_and_die(fmt::format("funcol/world/split0/sub/{}-{}", members[0], members[1]), 1,
-                   "2 plain -", 0);
+    arrive_and_die(sub_prefix(members), 1, kSubRecord, 0);
   }
   auto start = Clock::now();
   const std::optional<std::string> msg = split_error(world, members);
