@@ -7,6 +7,8 @@
 # Without --store, a fresh temporary directory is the file store (removed at the end). Each
 # rank's output is printed, prefixed "[rank R]", once all ranks are done. --expect-killed R
 # accepts rank R dying of SIGKILL (the failure tests); any other non-zero exit fails the run.
+# A rank that stopped itself (SIGSTOP) is killed (SIGKILL) once every other rank has exited,
+# not before: the others may still be asking it for its progress.
 set -uo pipefail
 
 np=""
@@ -48,12 +50,22 @@ for ((r = 0; r < np; r++)); do
   pids+=($!)
 done
 
+# Rank $1's process is stopped and every other rank's has exited.
+only_stopped_left() {
+  grep -q '^State:[[:space:]]*T' "/proc/${pids[$1]}/status" 2>/dev/null || return 1
+  local o
+  for ((o = 0; o < np; o++)); do
+    [ "$o" -eq "$1" ] || ! kill -0 "${pids[$o]}" 2>/dev/null || return 1
+  done
+}
+
 # A hang is a failure, not a stuck CI: past the deadline every rank left is killed.
 deadline=$((SECONDS + timeout))
 status=0
 for ((r = 0; r < np; r++)); do
   pid=${pids[$r]}
   while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    only_stopped_left "$r" && kill -9 "$pid" 2>/dev/null
     # Poll: bash cannot wait for one child with a timeout.
     sleep 0.1
   done

@@ -33,7 +33,7 @@
 //  exit      the last rank exits (status 0) without destroy_process_group; the others'
 //            next collective fails at once saying so
 //  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
-//            missing and silent, and rank 0 kills it
+//            missing and silent, and run_scenario.sh kills it
 //  world_dead_arrival  (gloo, file store) the last rank writes its world arrival record, as
 //            init_process_group would, and dies a second later, its address never there; the
 //            others' init_process_group fails at once naming it (its identity, seen running,
@@ -623,16 +623,11 @@ void scenario_exit(funcol::ProcessGroup& world) {
       fmt::format("rank {} departed (its process exited without destroy_process_group)", leaver));
 }
 
-// Every rank's process id, by group rank.
-std::vector<int64_t> all_pids(funcol::ProcessGroup& world) {
-  Tensor pid = Tensor::full({1}, DType::I64, static_cast<double>(::getpid()));
-  Tensor pids = Tensor::empty({world.size()}, DType::I64);
-  world.all_gather(pids, pid)->wait();
-  return pids.to_vector<int64_t>();
-}
-
-// The victim stops itself (SIGSTOP) until a peer kills it.
+// The victim stops itself (SIGSTOP) for good. It says so first with its process id:
+// run_scenario.sh kills it once the others have reported (a survivor that killed it could do
+// so while another survivor still asked it for its progress, which then saw a death instead).
 [[noreturn]] void stop_self() {
+  std::printf("SCENARIO STOPPED pid %d\n", static_cast<int>(::getpid()));
   std::fflush(stdout);
   std::raise(SIGSTOP);
   failed("resumed after SIGSTOP");
@@ -645,17 +640,16 @@ void expect_silent(const std::string& msg, int victim) {
 }
 
 // The last rank stops (SIGSTOP) before a collective: its peer monitor cannot answer either.
-// The others time out naming it missing and saying it did not answer; rank 0 then ends it.
+// The others time out naming it missing and saying it did not answer.
 void scenario_stopped(funcol::ProcessGroup& world) {
   const int victim = world.size() - 1;
-  const std::vector<int64_t> pids = all_pids(world);
+  world.barrier();
   if (world.rank() == victim) stop_self();
   auto start = Clock::now();
   std::string msg = expect_comm_error([&] { check_sum(world); }, "a collective a rank skipped");
   const double took = seconds_since(start);
   expect_silent(msg, victim);
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
-  if (world.rank() == 0) ::kill(static_cast<pid_t>(pids[victim]), SIGKILL);
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
@@ -681,11 +675,10 @@ constexpr const char* kSubRecord = "2 plain -";
 // The last rank agrees to a new group with the rank before it, then stops (SIGSTOP) where the
 // group is made (gloo: after writing its arrival record, so that the other member waits for
 // its address; mpi: before MPI_Comm_split). The others time out naming it missing and saying
-// it did not answer (they named nobody, or a rank that left because of it); the other member
-// then ends it.
+// it did not answer (they named nobody, or a rank that left because of it).
 void scenario_split_stopped(funcol::ProcessGroup& world, const std::string& backend) {
   const int victim = world.size() - 1;
-  const std::vector<int64_t> pids = all_pids(world);
+  world.barrier();
   const std::vector<int> members = {victim - 1, victim};
   if (world.rank() == victim) {
     agree_to_split(world, members);
@@ -703,7 +696,6 @@ void scenario_split_stopped(funcol::ProcessGroup& world, const std::string& back
   // The timeout, Gloo's wait for the address (gloo), and a second for the progress query.
   if (took > timeout_seconds() + 5) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
-  if (world.rank() == victim - 1) ::kill(static_cast<pid_t>(pids[victim]), SIGKILL);
 }
 
 #ifdef FUNCOL_WITH_GLOO

@@ -2,6 +2,10 @@
 # Runs a failure scenario's launcher command and checks its report: at least --ok lines
 # "SCENARIO OK", no "SCENARIO FAILED", the exit status (--exit zero|nonzero|any), a run time
 # under --within seconds, and optional --grep patterns in the output.
+# A rank that stops itself prints "SCENARIO STOPPED pid P"; where that line comes while the
+# command runs (mpirun; gloo_launch.sh prints at the end and kills such a rank itself), P is
+# killed (SIGKILL) once --ok ranks reported SCENARIO OK or one reported SCENARIO FAILED, so that
+# no survivor sees the stopped rank die while it still expects silence from it.
 #
 #   run_scenario.sh --ok N [--exit zero|nonzero|any] [--within S] [--grep PATTERN]... -- cmd...
 set -uo pipefail
@@ -28,7 +32,20 @@ start=$SECONDS
 setsid "$@" >"$out" 2>&1 &
 pid=$!
 hung=0
+stopped_killed=0
+kill_stopped() {
+  [ $stopped_killed -eq 0 ] || return 0
+  local n
+  n=$(grep -c "SCENARIO OK" "$out")
+  if [ "$n" -ge "$want_ok" ] || grep -q "SCENARIO FAILED" "$out"; then
+    stopped_killed=1
+    for p in $(sed -n 's/.*SCENARIO STOPPED pid \([0-9]*\).*/\1/p' "$out"); do
+      kill -9 "$p" 2>/dev/null
+    done
+  fi
+}
 while kill -0 "$pid" 2>/dev/null; do
+  grep -q "SCENARIO STOPPED" "$out" && kill_stopped
   if [ $((SECONDS - start)) -gt $((within + 10)) ]; then
     hung=1
     kill -9 -- "-$pid" 2>/dev/null
