@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -44,6 +45,33 @@ struct Result {
   std::string out;
   std::string err;
 };
+
+// `pid` and what runs under it, one line a process ("PID STATE COMMAND"), indented by depth.
+std::string process_tree(pid_t pid, int depth = 0) {
+  std::string cmd = slurp("/proc/" + std::to_string(pid) + "/cmdline");
+  std::replace(cmd.begin(), cmd.end(), '\0', ' ');
+  const std::string stat = slurp("/proc/" + std::to_string(pid) + "/stat");
+  const size_t close = stat.rfind(')');
+  const char state = close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+  std::string out = std::string(2 * depth, ' ') + std::to_string(pid) + " " + state + " " + cmd +
+                    "\n";
+  for (pid_t c : children_of(pid)) out += process_tree(c, depth + 1);
+  return out;
+}
+
+// Waits up to `seconds` for the child `pid` (spawn_process: its own process group) and reaps
+// it. Still running then: adds a test failure showing what runs under it, kills its process
+// group and returns nullopt, so that a hang fails this test instead of ctest's whole run.
+// (wait_all's duration is the grace between SIGTERM and SIGKILL, not a limit.)
+std::optional<ExitStatus> wait_within(pid_t pid, int seconds) {
+  if (!eventually([&] { return !alive(pid); }, seconds)) {
+    ADD_FAILURE() << "still running after " << seconds << " s:\n" << process_tree(pid);
+    kill(-pid, SIGKILL);
+    wait_all({pid});
+    return std::nullopt;
+  }
+  return wait_all({pid}).front();
+}
 
 
 class RunE2E : public ::testing::Test {
@@ -365,13 +393,16 @@ TEST_F(RunE2E, AnMpirunStoppedBySignalIsNotASilentFailure) {
       60))
       << slurp(s.stderr_path);
   kill(mpirun, SIGTERM);
-  const ExitStatus st = wait_all({launcher}, std::chrono::seconds(60)).front();
-  EXPECT_FALSE(st.signaled);
-  EXPECT_EQ(st.code, 1);
+  const std::optional<ExitStatus> st = wait_within(launcher, 60);
+  ASSERT_TRUE(st);
+  EXPECT_FALSE(st->signaled);
+  EXPECT_EQ(st->code, 1);
+  // Open MPI 4.1.4's mpirun, stopping its ranks, now and then dies of SIGPIPE itself (1 run
+  // in about 30 here); the launcher then says that instead.
   const std::string err = slurp(s.stderr_path);
-  EXPECT_NE(err.find("funcol: error: mpirun ended the job with exit status 1 before any rank "
-                     "reported an error"),
-            std::string::npos)
+  EXPECT_TRUE(err.find("funcol: error: mpirun ended the job with exit status 1 before any rank "
+                       "reported an error") != std::string::npos ||
+              err.find("funcol: error: mpirun was killed by signal 13") != std::string::npos)
       << err;
 }
 #endif
@@ -416,9 +447,10 @@ TEST_F(RunE2E, GlooLauncherStoppedBySignalLeavesNothingBehind) {
       },
       30));
   kill(launcher, SIGTERM);
-  const ExitStatus st = wait_all({launcher}, std::chrono::seconds(30)).front();
-  EXPECT_FALSE(st.signaled);
-  EXPECT_EQ(st.code, 128 + SIGTERM);
+  const std::optional<ExitStatus> st = wait_within(launcher, 30);
+  ASSERT_TRUE(st);
+  EXPECT_FALSE(st->signaled);
+  EXPECT_EQ(st->code, 128 + SIGTERM);
   for (pid_t r : ranks) EXPECT_TRUE(eventually([&] { return !alive(r); }, 30)) << r;
   EXPECT_TRUE(std::filesystem::is_empty(tmp));
   EXPECT_NE(slurp(s.stderr_path).find("interrupted by signal 15"), std::string::npos);
@@ -496,7 +528,9 @@ TEST_F(RunE2E, TheNextLauncherRemovesTheDirectoryOfAKilledOne) {
   }
   EXPECT_EQ(left.size(), 5u);
   kill(running, SIGTERM);
-  EXPECT_EQ(wait_all({running}, std::chrono::seconds(30)).front().code, 128 + SIGTERM);
+  const std::optional<ExitStatus> st = wait_within(running, 30);
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->code, 128 + SIGTERM);
   EXPECT_EQ(job_dirs().count(*running_dir.begin()), 0u);
 }
 
@@ -747,11 +781,12 @@ TEST_F(RunJoinE2E, ARankThatTimedOutExitsRightAfterItsError) {
   const std::string err0 = rank_file(dir_.path(), 0, "err");
   ASSERT_TRUE(eventually([&] { return !slurp(err0).empty(); }, 60));
   const auto printed = std::chrono::steady_clock::now();
-  const ExitStatus st = wait_all({pids[0]}, std::chrono::seconds(60)).front();
+  const std::optional<ExitStatus> st = wait_within(pids[0], 60);
   const auto exited = std::chrono::steady_clock::now();
   kill(pids[1], SIGKILL);
   wait_all({pids[1]});
-  EXPECT_EQ(st.code, 1);
+  ASSERT_TRUE(st);
+  EXPECT_EQ(st->code, 1);
   const std::string err = slurp(err0);
   EXPECT_NE(err.find("timed out after 2 s; missing ranks [1]"), std::string::npos) << err;
   EXPECT_LT(exited - printed, std::chrono::milliseconds(1000))
