@@ -172,6 +172,40 @@ void copy_to_stdout(int fd, const std::atomic<bool>& done) {
   close(fd);
 }
 
+// Tells an mpirun that outlives its ranks: Open MPI 4.1.4's mpirun, when one rank finalised and
+// others exited with an error, can hang in PMIx_server_finalize with no rank left. hung() is true
+// once mpirun, having had processes under it (its ranks, or the daemons and ssh sessions that
+// run them elsewhere), has had none for kLinger. Where /proc does not list children it never is.
+class MpirunWatch {
+ public:
+  static constexpr std::chrono::seconds kLinger{10};
+  explicit MpirunWatch(pid_t mpirun)
+      : children_(fmt::format("/proc/{}/task/{}/children", mpirun, mpirun)) {}
+  bool hung() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_look_) return false;
+    next_look_ = now + std::chrono::milliseconds(100);
+    std::ifstream f(children_);
+    if (!f) return false;
+    pid_t child;
+    if (f >> child) {
+      had_children_ = true;
+      last_child_ = now;
+      return false;
+    }
+    fired_ = had_children_ && now - last_child_ >= kLinger;
+    return fired_;
+  }
+  bool fired() const { return fired_; }
+
+ private:
+  std::string children_;
+  std::chrono::steady_clock::time_point next_look_{};
+  std::chrono::steady_clock::time_point last_child_{};
+  bool had_children_ = false;
+  bool fired_ = false;
+};
+
 int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& self,
                const std::vector<std::string>& args, std::FILE* err) {
   SpawnOptions s;
@@ -197,10 +231,20 @@ int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& s
   flush_output(stdout);
   std::atomic<bool> done{false};
   std::thread copier(copy_to_stdout, out[0], std::cref(done));
-  const ExitStatus st = wait_all({pid}).front();
+  MpirunWatch watch(pid);
+  const ExitStatus st =
+      wait_all({pid}, std::chrono::seconds(5), [&] { return watch.hung(); }).front();
   done = true;
   copier.join();
   if (InterruptScope::signal() != 0) return interrupted(err);
+  if (watch.fired()) {
+    std::fprintf(err,
+                 "funcol: error: mpirun did not exit within %lld s after its last rank ended "
+                 "(Open MPI 4.1's mpirun can hang while finishing a job some of whose ranks "
+                 "failed); stopped it\n",
+                 static_cast<long long>(MpirunWatch::kLinger.count()));
+    return 1;
+  }
   if (st.ok()) return 0;
   // The ranks printed their errors; add mpirun's own status only when it died oddly, or ended
   // the job with no rank's word (mpirun, sent SIGTERM, stops the ranks and exits with 1 quietly;

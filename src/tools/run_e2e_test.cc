@@ -407,6 +407,37 @@ TEST_F(RunE2E, AnMpirunStoppedBySignalIsNotASilentFailure) {
 }
 #endif
 
+#ifdef FUNCOL_WITH_MPI
+// An mpirun that outlives its ranks (Open MPI 4.1.4's can hang in PMIx_server_finalize after a
+// failed job) is stopped 10 s after its last child ended, and the launcher says so: it waited
+// forever. The stand-in, first in PATH, has a child for a second and then none.
+TEST_F(RunE2E, AnMpirunThatOutlivesItsRanksIsStopped) {
+  const std::string file = write("g.ir", kGraph);
+  const std::string bin = dir_.path() + "/bin";
+  std::filesystem::create_directory(bin);
+  const std::string fake = write("bin/mpirun", "#!/bin/sh\nsleep 1\nexec sleep 600\n");
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  SpawnOptions s;
+  s.argv = {FUNCOL_BIN, "run", file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", "mpi"};
+  const char* path = std::getenv("PATH");
+  s.env = {{"PATH", bin + ":" + (path != nullptr ? path : "/usr/bin:/bin")}};
+  s.stdout_path = dir_.path() + "/stdout";
+  s.stderr_path = dir_.path() + "/stderr";
+  const auto start = std::chrono::steady_clock::now();
+  const std::optional<ExitStatus> st = wait_within(spawn_process(s), 60);
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(st);
+  EXPECT_FALSE(st->signaled);
+  EXPECT_EQ(st->code, 1);
+  EXPECT_GE(took, 10.0);
+  EXPECT_EQ(slurp(s.stderr_path),
+            "funcol: error: mpirun did not exit within 10 s after its last rank ended (Open MPI "
+            "4.1's mpirun can hang while finishing a job some of whose ranks failed); stopped "
+            "it\n");
+}
+#endif
+
 TEST_F(RunE2E, BackendsNotCompiledInAreAClearError) {
   const std::string file = write("g.ir", kGraph);
   for (const char* backend : {"mpi", "gloo"}) {

@@ -106,7 +106,8 @@ pid_t spawn_process(const SpawnOptions& options) {
   return pid;
 }
 
-std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::milliseconds grace) {
+std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::milliseconds grace,
+                                 const std::function<bool()>& stuck) {
   std::vector<pid_t> running = pids;
   std::vector<ExitStatus> done;
   bool killing = false;
@@ -130,7 +131,8 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
     }
     if (!killing && !running.empty() &&
         (g_interrupt != 0 ||
-         std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); }))) {
+         std::any_of(done.begin(), done.end(), [](const ExitStatus& s) { return !s.ok(); }) ||
+         (stuck && stuck()))) {
       killing = true;
       // Whole groups, the ended children's too: what they started may still run. A stopped
       // child (SIGSTOP, Ctrl-Z) keeps a SIGTERM pending until it is continued: it would end

@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,12 +41,14 @@ struct ExitStatus {
 };
 
 // Waits for every child in `pids`. As soon as one fails (non-zero exit or killed by a signal),
-// or an InterruptScope recorded a signal, the others get SIGTERM, then SIGKILL after `grace`, so
-// nothing is left running. Returns every status in the order the children ended (the first failure
-// is the first non-ok entry); every child is reaped. Polls with waitpid(WNOHANG) so it never reaps
-// children it did not start.
+// an InterruptScope recorded a signal, or `stuck` (when given; asked at each poll) returns
+// true, the others get SIGTERM, then SIGKILL after `grace`, so nothing is left
+// running. Returns every status in the order the children ended (the first failure is the first
+// non-ok entry); every child is reaped. Polls with waitpid(WNOHANG) so it never reaps children
+// it did not start. `grace` is no limit: a child that runs on well is waited for.
 std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids,
-                                 std::chrono::milliseconds grace = std::chrono::seconds(5));
+                                 std::chrono::milliseconds grace = std::chrono::seconds(5),
+                                 const std::function<bool()>& stuck = {});
 
 // True when one of `pids` ended with a failure (non-zero exit or a signal). Does not reap it
 // (wait_all still collects its status). Never blocks.
