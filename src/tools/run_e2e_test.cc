@@ -397,17 +397,17 @@ TEST_F(RunE2E, AnMpirunStoppedBySignalIsNotASilentFailure) {
   ASSERT_TRUE(st);
   EXPECT_FALSE(st->signaled);
   EXPECT_EQ(st->code, 1);
-  // Open MPI 4.1.4's mpirun, stopping its ranks, now and then dies of SIGPIPE itself (1 run
-  // in about 30 here); the launcher then says that instead.
+  // Usually mpirun ends the job with status 1 and no word; Open MPI 4.1.4's mpirun, stopping
+  // its ranks, now and then dies of SIGPIPE (1 run in about 30 here) or hangs once they ended:
+  // the launcher then says that instead.
   const std::string err = slurp(s.stderr_path);
   EXPECT_TRUE(err.find("funcol: error: mpirun ended the job with exit status 1 before any rank "
                        "reported an error") != std::string::npos ||
-              err.find("funcol: error: mpirun was killed by signal 13") != std::string::npos)
+              err.find("funcol: error: mpirun was killed by signal 13") != std::string::npos ||
+              err.find("funcol: error: mpirun did not exit within") != std::string::npos)
       << err;
 }
-#endif
 
-#ifdef FUNCOL_WITH_MPI
 // An mpirun that outlives its ranks (Open MPI 4.1.4's can hang in PMIx_server_finalize after a
 // failed job) is stopped 10 s after its last child ended, and the launcher says so: it waited
 // forever. The stand-in, first in PATH, has a child for a second and then none.
