@@ -524,13 +524,20 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     if (duplicate) return;
     store->erase_own_keys();
     erase_index(my_index);
+    std::vector<int> dead;
     for (int i = 0; i < n; ++i) {
       if (i == my_index) continue;
       const std::optional<process::PeerLoss> loss =
           watch != nullptr ? watch->lost(members[i]) : std::nullopt;
       const bool ended = seen_running[i] && process::process_running(identities[i]) == false;
-      if ((loss && !loss->clean) || ended) erase_index(i);
+      if ((loss && !loss->clean) || ended) dead.push_back(i);
     }
+    if (dead.empty()) return;
+    // Half a second first, so that members still waiting (a look every 100 ms) see the dead
+    // one's record there and name a death: a record gone from an ended process reads as a
+    // member that gave up and took it back.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    for (int i : dead) erase_index(i);
   };
   auto taken_by = [&](const std::string& pid) {
     return CommError(fmt::format(
