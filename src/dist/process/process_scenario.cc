@@ -33,7 +33,7 @@
 //  exit      the last rank exits (status 0) without destroy_process_group; the others'
 //            next collective fails at once saying so
 //  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
-//            missing and silent, and run_scenario.sh kills it
+//            missing and silent, and the launcher kills it
 //  world_dead_arrival  (gloo, file store) the last rank writes its world arrival record, as
 //            init_process_group would, and dies a second later, its address never there; the
 //            others' init_process_group fails at once naming it (its identity, seen running,
@@ -623,9 +623,10 @@ void scenario_exit(funcol::ProcessGroup& world) {
       fmt::format("rank {} departed (its process exited without destroy_process_group)", leaver));
 }
 
-// The victim stops itself (SIGSTOP) for good. It says so first with its process id:
-// run_scenario.sh kills it once the others have reported (a survivor that killed it could do
-// so while another survivor still asked it for its progress, which then saw a death instead).
+// The victim stops itself (SIGSTOP) for good. It says so first with its process id; the
+// launcher kills it once the others are done (run_scenario.sh under mpirun, gloo_launch.sh):
+// a survivor that killed it could do so while another survivor still asked it for its
+// progress, which then saw a death instead.
 [[noreturn]] void stop_self() {
   std::printf("SCENARIO STOPPED pid %d\n", static_cast<int>(::getpid()));
   std::fflush(stdout);
