@@ -24,14 +24,21 @@ inline std::string slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
+// The state letter of `pid` in /proc/PID/stat ('R', 'S', 'T', 'Z', ...); '\0' when there is
+// no such process.
+inline char process_state(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return '\0';
+  const size_t close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '\0';
+}
+
 // True while `pid` runs. A zombie counts as gone: it has stopped running (its parent or init
 // reaps it).
 inline bool alive(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat;
-  if (!std::getline(f, stat)) return false;
-  const size_t close = stat.rfind(')');
-  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
+  const char state = process_state(pid);
+  return state != '\0' && state != 'Z';
 }
 
 // The child pids of `pid` (/proc/PID/task/PID/children), in /proc's order.

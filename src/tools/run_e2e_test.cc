@@ -38,6 +38,7 @@ namespace {
 using funcol::tools::e2e::alive;
 using funcol::tools::e2e::children_of;
 using funcol::tools::e2e::eventually;
+using funcol::tools::e2e::process_state;
 using funcol::tools::e2e::slurp;
 
 struct Result {
@@ -50,11 +51,9 @@ struct Result {
 std::string process_tree(pid_t pid, int depth = 0) {
   std::string cmd = slurp("/proc/" + std::to_string(pid) + "/cmdline");
   std::replace(cmd.begin(), cmd.end(), '\0', ' ');
-  const std::string stat = slurp("/proc/" + std::to_string(pid) + "/stat");
-  const size_t close = stat.rfind(')');
-  const char state = close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
-  std::string out = std::string(2 * depth, ' ') + std::to_string(pid) + " " + state + " " + cmd +
-                    "\n";
+  const char state = process_state(pid);
+  std::string out = std::string(2 * depth, ' ') + std::to_string(pid) + " " +
+                    (state != '\0' ? state : '?') + " " + cmd + "\n";
   for (pid_t c : children_of(pid)) out += process_tree(c, depth + 1);
   return out;
 }
