@@ -173,9 +173,10 @@ void copy_to_stdout(int fd, const std::atomic<bool>& done) {
 }
 
 // Tells an mpirun that outlives its ranks: Open MPI 4.1.4's mpirun, when one rank finalised and
-// others exited with an error, can hang in PMIx_server_finalize with no rank left. hung() is true
-// once mpirun, having had processes under it (its ranks, or the daemons and ssh sessions that
-// run them elsewhere), has had none for kLinger. Where /proc does not list children it never is.
+// others exited with an error, or when sent SIGTERM, can hang in PMIx_server_finalize with no
+// rank left (not even reaped: they stay zombies). hung() is true once mpirun, having had live
+// processes under it (its ranks, or the daemons and ssh sessions that run them elsewhere), has
+// had none for kLinger. Where /proc does not list children it never is.
 class MpirunWatch {
  public:
   static constexpr std::chrono::seconds kLinger{10};
@@ -188,7 +189,8 @@ class MpirunWatch {
     std::ifstream f(children_);
     if (!f) return false;
     pid_t child;
-    if (f >> child) {
+    while (f >> child) {
+      if (!process::process_live(child)) continue;
       had_children_ = true;
       last_child_ = now;
       return false;
@@ -240,8 +242,8 @@ int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& s
   if (watch.fired()) {
     std::fprintf(err,
                  "funcol: error: mpirun did not exit within %lld s after its last rank ended "
-                 "(Open MPI 4.1's mpirun can hang while finishing a job some of whose ranks "
-                 "failed); stopped it\n",
+                 "(Open MPI 4.1's mpirun can hang while finishing a job that failed or was "
+                 "stopped); stopped it\n",
                  static_cast<long long>(MpirunWatch::kLinger.count()));
     return 1;
   }

@@ -408,13 +408,14 @@ TEST_F(RunE2E, AnMpirunStoppedBySignalIsNotASilentFailure) {
 }
 
 // An mpirun that outlives its ranks (Open MPI 4.1.4's can hang in PMIx_server_finalize after a
-// failed job) is stopped 10 s after its last child ended, and the launcher says so: it waited
-// forever. The stand-in, first in PATH, has a child for a second and then none.
+// failed job or a SIGTERM, its ranks left unreaped) is stopped 10 s after its last child ended,
+// and the launcher says so: it waited forever. The stand-in, first in PATH, has a child that
+// runs for a second and then stays a zombie, as that mpirun's ranks do.
 TEST_F(RunE2E, AnMpirunThatOutlivesItsRanksIsStopped) {
   const std::string file = write("g.ir", kGraph);
   const std::string bin = dir_.path() + "/bin";
   std::filesystem::create_directory(bin);
-  const std::string fake = write("bin/mpirun", "#!/bin/sh\nsleep 1\nexec sleep 600\n");
+  const std::string fake = write("bin/mpirun", "#!/bin/sh\nsleep 1 &\nexec sleep 600\n");
   std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
   SpawnOptions s;
   s.argv = {FUNCOL_BIN, "run", file, "--ranks", "4", "--mesh", "dp=2,tp=2", "--backend", "mpi"};
@@ -432,7 +433,7 @@ TEST_F(RunE2E, AnMpirunThatOutlivesItsRanksIsStopped) {
   EXPECT_GE(took, 10.0);
   EXPECT_EQ(slurp(s.stderr_path),
             "funcol: error: mpirun did not exit within 10 s after its last rank ended (Open MPI "
-            "4.1's mpirun can hang while finishing a job some of whose ranks failed); stopped "
+            "4.1's mpirun can hang while finishing a job that failed or was stopped); stopped "
             "it\n");
 }
 #endif

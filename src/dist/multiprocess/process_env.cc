@@ -226,6 +226,12 @@ std::optional<bool> process_running(const std::string& identity) {
   return now.state != 'Z' && now.state != 'X';
 }
 
+bool process_live(int pid) {
+  const Stat now = stat_of(std::to_string(pid));
+  if (now.error == ENOENT || now.error == ESRCH) return false;
+  return now.state != 'Z' && now.state != 'X';
+}
+
 std::string identity_pid(const std::string& identity) {
   // "<...>/<pid>/<start time>": the field before the last.
   const size_t end = identity.rfind('/');

@@ -52,6 +52,9 @@ std::string process_identity();
 // little (a record copied from elsewhere, clock or namespace differences): callers act on a
 // process they saw running that ended.
 std::optional<bool> process_running(const std::string& identity);
+// Whether process `pid` of this machine runs: false once it ended (gone, a zombie not yet
+// reaped, or dead), true otherwise (also when /proc cannot say).
+bool process_live(int pid);
 // The pid field of an identity (process_identity's format), as /proc numbers it on the
 // identity's machine; empty when the identity is malformed.
 std::string identity_pid(const std::string& identity);

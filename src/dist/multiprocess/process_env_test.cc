@@ -130,6 +130,7 @@ TEST(ProcessIdentity, AProcessIsAliveUntilItEnds) {
   EXPECT_EQ(std::count(mine.begin(), mine.end(), '/'), 5) << mine;
   EXPECT_EQ(mine.find(' '), std::string::npos) << mine;
   EXPECT_EQ(process_running(mine), std::optional<bool>(true));
+  EXPECT_TRUE(process_live(getpid()));
 
   int to_parent[2], to_child[2];
   ASSERT_EQ(pipe(to_parent), 0);
@@ -155,6 +156,7 @@ TEST(ProcessIdentity, AProcessIsAliveUntilItEnds) {
   ASSERT_FALSE(theirs.empty());
   EXPECT_NE(theirs, mine);
   EXPECT_EQ(process_running(theirs), std::optional<bool>(true));  // waiting for the go
+  EXPECT_TRUE(process_live(child));
   close(to_child[1]);                   // go: it exits, a zombie until reaped
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (process_running(theirs) != std::optional<bool>(false) &&
@@ -162,9 +164,11 @@ TEST(ProcessIdentity, AProcessIsAliveUntilItEnds) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(process_running(theirs), std::optional<bool>(false));  // a zombie
+  EXPECT_FALSE(process_live(child));
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_EQ(process_running(theirs), std::optional<bool>(false));  // gone
+  EXPECT_FALSE(process_live(child));
 
   // Another machine, another start time of the same pid (a pid taken again), nonsense.
   EXPECT_EQ(process_running("x" + mine), std::nullopt);
