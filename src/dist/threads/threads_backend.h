@@ -1,6 +1,7 @@
 // The `threads` backend: N ranks as threads of one process, shared-memory collectives.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -24,5 +25,9 @@ void depart(World& world, int rank, const std::string& reason);
 // Waits (each with its timeout) for every collective `rank` issued; failures are dropped (an
 // unwaited result's failure has nobody to report to).
 void drain(World& world, int rank);
+
+// Tests: true makes the streaming copies (FUNCOL_STREAM_MB) take their SSE2 loop on every CPU,
+// the loop a CPU without AVX2 runs.
+extern std::atomic<bool> stream_avx2_disabled;
 
 }  // namespace funcol::threads_detail

@@ -18,6 +18,7 @@
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "funcol/dist/process_group.h"
+#include "dist/threads/threads_backend.h"
 #include "testing/conformance.h"
 #include "testing/run_ranks.h"
 
@@ -74,6 +75,20 @@ const bool kRegistered = [] {
   streaming.families = {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                         "coalesced"};
   testing::register_conformance_tests(streaming);
+  // And through the streaming copy's SSE2 loop, which a CPU with AVX2 would not take.
+  testing::ConformanceConfig sse2 = streaming;
+  sse2.backend = "threads_streaming_sse2";
+  sse2.launch = [](int world_size, const testing::RankFn& fn) {
+    ScopedEnv env("FUNCOL_STREAM_MB", "0");
+    struct Sse2Loop {
+      Sse2Loop() { threads_detail::stream_avx2_disabled = true; }
+      ~Sse2Loop() { threads_detail::stream_avx2_disabled = false; }
+    } sse2_loop;
+    run_local(world_size, fn);
+  };
+  sse2.world_sizes = {2};
+  sse2.families = {"all_gather", "all_to_all", "broadcast"};
+  testing::register_conformance_tests(sse2);
   return true;
 }();
 
