@@ -9,7 +9,9 @@
 // e.g. 1 for 1 MB buckets; --mode picks the packing, default "default"; --only runs the cases
 // of one kind, e.g. all_reduce, or one case, e.g. all_reduce:1000).
 // Every rank runs both graphs through its own Executor, K times each after two warm-up runs, in
-// alternating blocks of 10 runs of one graph; an iteration's time is the slowest rank's wall
+// alternating blocks of 10 timed runs of one graph, each block after 5 untimed runs of its
+// graph (a graph's working set takes several runs to settle back into the caches after the
+// other graph's block); an iteration's time is the slowest rank's wall
 // time for that run (ranks start each run after a barrier; the per-rank times are combined with
 // an all_reduce max). Reports the median of each and speedup = unbucketed / bucketed. Targets:
 // 1000 x 4 KiB >= 10x, 100 x 256 KiB >= 1.0x ("bucketing is never slower"). Outputs of the two
@@ -174,14 +176,26 @@ CaseResult run_case(funcol::ProcessGroup& world, const Case& c, const Options& o
   // so a run should find the caches as its own graph's previous run left them. Alternating
   // single runs made each run start after the other graph had swept the caches (the bucketed
   // 1000 x 4 KiB all_gather took 0.69-0.82 ms so, 0.49 ms on its own); short blocks still keep
-  // the two side by side in time.
+  // the two side by side in time. Each block starts with kBlockWarmup untimed runs: after the
+  // other graph's block, a graph's working set takes several runs to settle back into the
+  // caches (on a Zen 5 host the bucketed 1000 x 4 KiB all_reduce took 0.62, 0.51, 0.43, 0.36,
+  // 0.33 ms in a block's first five runs and 0.23-0.27 ms after; a single thread re-reading an
+  // 8 MB buffer after another one, 3.2x its settled time on the first pass and 1.4x on the
+  // second: RESULTS.md, session 49), which a program running one graph step after step never
+  // pays.
   constexpr int kBlock = 10;
+  constexpr int kBlockWarmup = 5;
   std::vector<double> ms(2 * static_cast<size_t>(o.iters));
   for (int block = 0; block * kBlock < o.iters; ++block) {
     const int begin = block * kBlock;
     const int end = std::min(o.iters, begin + kBlock);
     for (int turn = 0; turn < 2; ++turn) {
       const int which = (turn + block) % 2;
+      funcol::Executor& ex = which == 0 ? ex_plain : ex_bucket;
+      for (int w = 0; w < kBlockWarmup; ++w) {
+        world.barrier();
+        ex.run(inputs);
+      }
       for (int it = begin; it < end; ++it) {
         if (first_case && world.rank() == o.fail_rank && which == 0 && it == o.iters / 2) {
           throw funcol::Error("injected failure (--fail-rank " + std::to_string(o.fail_rank) +
@@ -193,7 +207,7 @@ CaseResult run_case(funcol::ProcessGroup& world, const Case& c, const Options& o
         std::vector<funcol::Tensor> args = inputs;
         world.barrier();
         const auto t0 = std::chrono::steady_clock::now();
-        auto out = (which == 0 ? ex_plain : ex_bucket).run(std::move(args));
+        auto out = ex.run(std::move(args));
         const auto t1 = std::chrono::steady_clock::now();
         ms[2 * static_cast<size_t>(it) + static_cast<size_t>(which)] =
             std::chrono::duration<double, std::milli>(t1 - t0).count();
