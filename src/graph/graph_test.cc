@@ -250,6 +250,31 @@ TEST(Graph, ManyNodesErasedAndRecreatedAndLongOperandLists) {
   verify(*s.g);
 }
 
+// A graph past the small node blocks (over 8,176 nodes) takes its nodes from big mapped blocks
+// too: nodes there are created, erased, reused and carried along when the graph moves.
+TEST(Graph, NodesPastTheSmallBlocksLiveInBigOnes) {
+  Small s;
+  Builder b(*s.g);
+  std::vector<Value*> chain{s.x};
+  for (int i = 0; i < 40000; ++i) chain.push_back(b.value(i % 2 ? "neg" : "relu", {chain.back()}));
+  // Erase the second half, then grow again into the freed slots and past them.
+  for (size_t i = chain.size() - 1; i > 20000; --i) s.g->erase(chain[i]->node());
+  chain.resize(20001);
+  for (int i = 0; i < 30000; ++i) chain.push_back(b.value("neg", {chain.back()}));
+  s.g->add_output(chain.back());
+  EXPECT_EQ(s.g->num_nodes(), 3u + 50000u);
+  Graph moved(std::move(*s.g));
+  verify(moved);
+  EXPECT_EQ(moved.num_nodes(), 3u + 50000u);
+  size_t links = 0;
+  for (size_t i = 1; i < chain.size(); ++i) {
+    ASSERT_EQ(chain[i]->node()->operand(0), chain[i - 1]) << i;
+    ASSERT_EQ(chain[i]->node()->graph(), &moved) << i;
+    links++;
+  }
+  EXPECT_EQ(links, 50000u);
+}
+
 TEST(Graph, SetAttrAndReinfer) {
   Module m = parse_module(testing_ir::kDesignExample);
   Graph& g = *m.graphs()[0];

@@ -391,7 +391,12 @@ class Graph {
   // list, so creating and erasing nodes (which passes do by the hundred thousand) seldom calls
   // malloc. Sanitizer builds allocate each node on its own instead (graph.cc).
   struct NodeSlot;
-  std::vector<std::unique_ptr<NodeSlot[]>> node_blocks_;
+  // Frees a block: `bytes` 0 for one from new[], else the size of a mapped one (graph.cc).
+  struct FreeNodeBlock {
+    size_t bytes = 0;
+    void operator()(NodeSlot* block) const;
+  };
+  std::vector<std::unique_ptr<NodeSlot[], FreeNodeBlock>> node_blocks_;
   size_t block_used_ = 0;  // slots handed out from the last block
   size_t block_size_ = 0;  // slots in the last block
   NodeSlot* free_slots_ = nullptr;
