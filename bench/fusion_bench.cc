@@ -180,7 +180,7 @@ CaseResult run_case(funcol::ProcessGroup& world, const Case& c, const Options& o
   // other graph's block, a graph's working set takes several runs to settle back into the
   // caches (on a Zen 5 host the bucketed 1000 x 4 KiB all_reduce took 0.62, 0.51, 0.43, 0.36,
   // 0.33 ms in a block's first five runs and 0.23-0.27 ms after; a single thread re-reading an
-  // 8 MB buffer after another one, 3.2x its settled time on the first pass and 1.4x on the
+  // 8 MB buffer after another one, 3.2x its settled time on the first pass and 2.0x on the
   // second: RESULTS.md, session 49), which a program running one graph step after step never
   // pays.
   constexpr int kBlock = 10;
