@@ -11,9 +11,9 @@
 // Every rank runs both graphs through its own Executor, K times each after two warm-up runs, in
 // alternating blocks of 10 timed runs of one graph, each block after 5 untimed runs of its
 // graph (a graph's working set takes several runs to settle back into the caches after the
-// other graph's block); an iteration's time is the slowest rank's wall
-// time for that run (ranks start each run after a barrier; the per-rank times are combined with
-// an all_reduce max). Reports the median of each and speedup = unbucketed / bucketed. Targets:
+// other graph's block); an iteration's time is the slowest rank's wall time for that run
+// (ranks start each run after a barrier; the per-rank times are combined with an all_reduce
+// max). Reports the median of each and speedup = unbucketed / bucketed. Targets:
 // 1000 x 4 KiB >= 10x, 100 x 256 KiB >= 1.0x ("bucketing is never slower"). Outputs of the two
 // graphs are compared bit for bit on every rank; "identical" is yes only when every rank found
 // them equal. With --check it exits 1 when a target is missed or an output differs. On the
