@@ -259,29 +259,55 @@ inline bool any_not_finite(const A (&lanes)[kLanes], A rest) {
   return rest != rest;
 }
 
-// combine_block of a sum's last source that also tells whether a sum may be infinite: lanes
-// add up r - r of each sum r (0 when finite, NaN when not), two more operations on registers.
-// (A separate pass over the block cost 10-20% of a 3-source average.)
-template <typename T>
-[[gnu::noinline]] bool add_last_block(AccOf<T>* __restrict acc, const RawOf<T>* __restrict src,
-                                      int64_t n) {
+// combine_block of a floating sum's or product's last source that also tells whether a result
+// is not finite: lanes add up r - r of each result r (0 when finite, NaN when not), two more
+// operations on registers. (A separate pass over the block cost 10-20% of a 3-source average.)
+template <typename T, typename Op>
+[[gnu::noinline]] bool combine_last_block(AccOf<T>* __restrict acc,
+                                          const RawOf<T>* __restrict src, int64_t n) {
   using A = AccOf<T>;
   A lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) {
-      const A r = acc[i + j] + to_acc<T>(src[i + j]);
+      const A r = Op::apply(acc[i + j], to_acc<T>(src[i + j]));
       acc[i + j] = r;
       lanes[j] += r - r;
     }
   }
   A rest = 0;
   for (; i < n; ++i) {
-    const A r = acc[i] + to_acc<T>(src[i]);
+    const A r = Op::apply(acc[i], to_acc<T>(src[i]));
     acc[i] = r;
     rest += r - r;
   }
   return any_not_finite(lanes, rest);
+}
+
+// The first NaN of element i of the sources in rank order, quieted, in `nan`; false when none
+// is NaN. A floating sum's, product's or average's NaN with NaN sources is that one, as in the
+// two-source kernels (reduce2_float): of two NaNs the hardware keeps one by the order of the
+// instruction's operands, which differs between a loop's vector body and its tail, so the same
+// values gave other bits at another offset.
+template <typename T>
+bool first_nan_source(const RawOf<T>* const* srcs, int nsrc, int64_t i, AccOf<T>* nan) {
+  using A = AccOf<T>;
+  for (int k = 0; k < nsrc; ++k) {
+    const A v = to_acc<T>(srcs[k][i]);
+    if (v != v) {
+      *nan = v + v;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Each NaN of a floating sum's or product's block `acc` with NaN sources becomes theirs.
+template <typename T>
+void mend_nans(AccOf<T>* acc, const RawOf<T>* const* srcs, int nsrc, int64_t start, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (acc[i] != acc[i]) first_nan_source<T>(srcs, nsrc, start + i, &acc[i]);
+  }
 }
 
 // The floating average of `nsrc` sources whose sum `acc` is not finite (overflowed, or met an
@@ -311,22 +337,34 @@ void reduce_blocked(RawOf<T>* out, const RawOf<T>* const* srcs, int nsrc, int64_
   for (int64_t start = 0; start < count; start += kBlock) {
     const int64_t n = std::min(kBlock, count - start);
     load_block<T>(acc, srcs[0] + start, n);
-    // A floating average adds its last source checking for an overflowed sum (avg's Op is
-    // OpSum); with one source there is none.
-    const bool checked = std::is_floating_point_v<A> && avg && nsrc > 1;
+    // A floating sum, product or average (whose Op is OpSum) combines its last source checking
+    // for results that are not finite: NaNs to mend, an average's overflowed sum. With one
+    // source there is none.
+    constexpr bool kArith = std::is_floating_point_v<A> &&
+                            (std::is_same_v<Op, OpSum> || std::is_same_v<Op, OpProd>);
+    const bool checked = kArith && nsrc > 1;
     const int unchecked = checked ? nsrc - 1 : nsrc;
     for (int k = 1; k < unchecked; ++k) combine_block<T, Op>(acc, srcs[k] + start, n);
-    const bool maybe_inf = checked && add_last_block<T>(acc, srcs[nsrc - 1] + start, n);
+    bool not_finite = false;
+    if constexpr (kArith) {
+      not_finite = checked && combine_last_block<T, Op>(acc, srcs[nsrc - 1] + start, n);
+    }
     if (!avg) {
+      if constexpr (kArith) {
+        if (not_finite) mend_nans<T>(acc, srcs, nsrc, start, n);
+      }
       store_block<T>(out + start, acc, n);
       continue;
     }
     if constexpr (std::is_floating_point_v<A>) {
-      if (maybe_inf) {
-        // Element by element: element i of every source is read before out[i] is written.
+      if (not_finite) {
+        // Element by element: element i of every source is read before out[i] is written. A
+        // NaN without NaN sources is an overflowed sum that met an infinity.
         for (int64_t i = 0; i < n; ++i) {
-          const A v = std::isfinite(acc[i]) ? acc[i] / static_cast<A>(nsrc)
-                                            : avg_past_overflow<T>(srcs, nsrc, start + i);
+          A v = acc[i] / static_cast<A>(nsrc);
+          if (!std::isfinite(acc[i]) && !first_nan_source<T>(srcs, nsrc, start + i, &v)) {
+            v = avg_past_overflow<T>(srcs, nsrc, start + i);
+          }
           out[start + i] = from_acc<T>(v);
         }
         continue;
@@ -390,6 +428,41 @@ template <typename T, typename Op, bool kAvg>
   }
 }
 
+// out[i] = f(a[i], b[i]) (f(x, y, r) sets r), f applied to explicit vectors of 32 bytes, then to
+// the elements left (f is generic: its selects work on both; its vectors go by reference, which
+// leaves the baseline ABI alone). Each element's sources are read before its result is written,
+// so `out` may be either source.
+template <typename T, typename F>
+[[gnu::always_inline]] inline void map2_vectors(T* out, const T* a, const T* b, int64_t n, F f) {
+  typedef T V __attribute__((vector_size(32)));
+  constexpr int64_t kWidth = 32 / sizeof(T);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    V va;
+    V vb;
+    std::memcpy(&va, a + i, sizeof(V));
+    std::memcpy(&vb, b + i, sizeof(V));
+    V v;
+    f(va, vb, v);
+    std::memcpy(out + i, &v, sizeof(V));
+  }
+  for (; i < n; ++i) f(a[i], b[i], out[i]);
+}
+
+// A floating sum or product of two sources into `out`, which may be either source: the same
+// bits wherever `out` is and wherever the element sits. Of one NaN source the hardware keeps
+// that one, quieted, whatever the order of the operands; of two, the order decides, and the
+// compiler picks it per loop (an in-place 2-rank all_reduce and a bucket's separate output kept
+// different ranks' NaNs). So where `a` is NaN the result is `a` quieted: the first NaN source in
+// rank order. Selected in explicit vectors (the vectoriser leaves a loop with a select scalar).
+template <typename T, typename Op>
+[[gnu::always_inline]] inline void reduce2_float(T* out, const T* a, const T* b, int64_t n) {
+  map2_vectors(out, a, b, n, [](const auto& x, const auto& y, auto& v) {
+    const auto r = std::is_same_v<Op, OpSum> ? x + y : x * y;
+    v = x != x ? x + x : r;
+  });
+}
+
 // dst = (a + b) / 2, in lanes that also add up r - r of each result r (0 when finite, NaN when
 // not): whether any result may be infinite, for two more operations on registers. (A separate
 // pass over the results cost more than the average itself.)
@@ -422,24 +495,12 @@ template <typename T>
 // overwritten source would be lost for an element found infinite (20-60% slower).
 template <typename T>
 [[gnu::always_inline]] inline void avg2_in_place(T* out, const T* a, const T* b, int64_t n) {
-  typedef T V __attribute__((vector_size(32)));
-  constexpr int64_t kWidth = 32 / sizeof(T);
-  const V half = V{} + T{0.5};
-  int64_t i = 0;
-  for (; i + kWidth <= n; i += kWidth) {
-    V va;
-    V vb;
-    std::memcpy(&va, a + i, sizeof(V));
-    std::memcpy(&vb, b + i, sizeof(V));
-    const V r = (va + vb) * half;
-    const V past = va * half + vb * half;
-    const V v = r - r == V{} ? r : past;
-    std::memcpy(out + i, &v, sizeof(V));
-  }
-  for (; i < n; ++i) {
-    const T r = (a[i] + b[i]) * T{0.5};
-    out[i] = r - r == T{0} ? r : a[i] * T{0.5} + b[i] * T{0.5};
-  }
+  map2_vectors(out, a, b, n, [](const auto& x, const auto& y, auto& v) {
+    using W = std::remove_cvref_t<decltype(x)>;
+    const W half = W{} + T{0.5};
+    const W r = (x + y) * half;
+    v = r - r == W{} ? r : x != x ? x + x : x * half + y * half;
+  });
 }
 
 // The floating average of two sources: in place, avg2_in_place; else (a + b) / 2 block by
@@ -455,7 +516,11 @@ template <typename T>
     const int64_t n = std::min(kBlock, count - start);
     if (!halve_sums<T>(out + start, a + start, b + start, n)) continue;
     for (int64_t i = start; i < start + n; ++i) {
-      if (std::isinf(out[i])) out[i] = a[i] * T{0.5} + b[i] * T{0.5};
+      if (a[i] != a[i]) {
+        out[i] = a[i] + a[i];
+      } else if (std::isinf(out[i])) {
+        out[i] = a[i] * T{0.5} + b[i] * T{0.5};
+      }
     }
   }
 }
@@ -464,6 +529,9 @@ template <typename T, typename Op, bool kAvg>
 [[gnu::always_inline]] inline void reduce2(T* out, const T* a, const T* b, int64_t n) {
   if constexpr (kAvg && std::is_floating_point_v<T>) {
     avg2_checked<T>(out, a, b, n);
+  } else if constexpr (std::is_floating_point_v<T> &&
+                       (std::is_same_v<Op, OpSum> || std::is_same_v<Op, OpProd>)) {
+    reduce2_float<T, Op>(out, a, b, n);  // min and max choose their NaN themselves
   } else {
     reduce2_plain<T, Op, kAvg>(out, a, b, n);
   }

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "gemm.h"
 #include "simd.h"
@@ -211,6 +212,126 @@ TEST(ReduceBuffers, FloatAvgPastTheRangeOfTheSum) { expect_avg_past_the_range_of
 TEST(ReduceBuffers, FloatAvgPastTheRangeOfTheSumWithoutAvx2) {
   PortableReductions portable;
   expect_avg_past_the_range_of_the_sum();
+}
+
+// A two-source reduction's bits do not depend on where its output is: into the first source,
+// into the second, or a buffer of its own (an in-place all_reduce and a bucket's separate
+// output must agree bit for bit, NaN payloads and signs included, as must every backend). The
+// sources hold NaNs of different payloads and signs on both sides, a NaN against a number,
+// opposite infinities, sums past the range and signed zeros, at every position of the
+// 16-element inner loops and their tails.
+template <typename T, typename Bits>
+void expect_two_source_bits_independent_of_the_output(DType dtype) {
+  constexpr int64_t kCount = 71;
+  auto nan = [](Bits payload, bool negative) {
+    Bits bits;
+    const T q = std::numeric_limits<T>::quiet_NaN();
+    std::memcpy(&bits, &q, sizeof(T));
+    bits |= payload;
+    if (negative) bits |= Bits{1} << (8 * sizeof(T) - 1);
+    T v;
+    std::memcpy(&v, &bits, sizeof(T));
+    return v;
+  };
+  const T inf = std::numeric_limits<T>::infinity();
+  const T big = std::numeric_limits<T>::max() / 2 * T{1.5};
+  std::vector<T> a(kCount), b(kCount);
+  for (int64_t i = 0; i < kCount; ++i) {
+    switch (i % 8) {
+      case 0: a[i] = nan(Bits(3 + i), false), b[i] = nan(Bits(41 + i), true); break;
+      case 1: a[i] = nan(Bits(5 + i), true), b[i] = T(i); break;
+      case 2: a[i] = T(-i), b[i] = nan(Bits(7 + i), false); break;
+      case 3: a[i] = inf, b[i] = -inf; break;
+      case 4: a[i] = big, b[i] = big; break;
+      case 5: a[i] = T{0}, b[i] = -T{0}; break;
+      case 6: a[i] = -inf, b[i] = nan(Bits(9 + i), false); break;
+      default: a[i] = T(i) / T{3}, b[i] = T(-2 * i) / T{7}; break;
+    }
+  }
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min,
+                      ReduceOp::Max}) {
+    SCOPED_TRACE(std::string(reduce_op_name(op)));
+    std::vector<T> distinct(kCount), into_a = a, into_b = b;
+    const void* srcs[2] = {a.data(), b.data()};
+    reduce_buffers(op, dtype, distinct.data(), srcs, 2, kCount);
+    const void* srcs_a[2] = {into_a.data(), b.data()};
+    reduce_buffers(op, dtype, into_a.data(), srcs_a, 2, kCount);
+    const void* srcs_b[2] = {a.data(), into_b.data()};
+    reduce_buffers(op, dtype, into_b.data(), srcs_b, 2, kCount);
+    for (int64_t i = 0; i < kCount; ++i) {
+      Bits d, x, y;
+      std::memcpy(&d, &distinct[i], sizeof(T));
+      std::memcpy(&x, &into_a[i], sizeof(T));
+      std::memcpy(&y, &into_b[i], sizeof(T));
+      EXPECT_EQ(x, d) << "element " << i << ", out == first source";
+      EXPECT_EQ(y, d) << "element " << i << ", out == second source";
+    }
+  }
+}
+
+// The same for any number of sources: a result's bits depend only on its sources' values, not
+// on where in the buffers the element sits (a bucket packs a member's elements at another
+// offset than the member alone has) nor on whether `out` is the first source.
+template <typename T, typename Bits>
+void expect_bits_independent_of_position(DType dtype, int nsrc) {
+  constexpr int64_t kCount = 45;
+  const T inf = std::numeric_limits<T>::infinity();
+  std::vector<std::vector<T>> src(nsrc, std::vector<T>(kCount + 1));
+  for (int k = 0; k < nsrc; ++k) {
+    for (int64_t i = 0; i <= kCount; ++i) {
+      Bits bits;
+      const T q = std::numeric_limits<T>::quiet_NaN();
+      std::memcpy(&bits, &q, sizeof(T));
+      bits |= Bits(1 + 3 * k + i);
+      if ((i + k) % 2) bits |= Bits{1} << (8 * sizeof(T) - 1);
+      T nan;
+      std::memcpy(&nan, &bits, sizeof(T));
+      const int pattern = static_cast<int>((i + k) % 5);
+      src[k][i] = pattern == 0 || pattern == 3 ? nan : pattern == 1 ? (k % 2 ? -inf : inf) : T(i - k);
+    }
+  }
+  for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min,
+                      ReduceOp::Max}) {
+    SCOPED_TRACE(std::string(reduce_op_name(op)) + ", " + std::to_string(nsrc) + " sources");
+    std::vector<const void*> at0(nsrc), at1(nsrc);
+    for (int k = 0; k < nsrc; ++k) {
+      at0[k] = src[k].data();
+      at1[k] = src[k].data() + 1;
+    }
+    std::vector<T> whole(kCount + 1), shifted(kCount);
+    reduce_buffers(op, dtype, whole.data(), at0.data(), nsrc, kCount + 1);
+    reduce_buffers(op, dtype, shifted.data(), at1.data(), nsrc, kCount);
+    std::vector<T> in_place(src[0].begin() + 1, src[0].end());
+    std::vector<const void*> ip = at1;
+    ip[0] = in_place.data();
+    reduce_buffers(op, dtype, in_place.data(), ip.data(), nsrc, kCount);
+    for (int64_t i = 0; i < kCount; ++i) {
+      Bits w, x, y;
+      std::memcpy(&w, &whole[i + 1], sizeof(T));
+      std::memcpy(&x, &shifted[i], sizeof(T));
+      std::memcpy(&y, &in_place[i], sizeof(T));
+      EXPECT_EQ(x, w) << "element " << i + 1 << " read from offset " << i;
+      EXPECT_EQ(y, w) << "element " << i + 1 << " in place";
+    }
+  }
+}
+
+void expect_bits_independent_of_output_and_position() {
+  expect_two_source_bits_independent_of_the_output<float, uint32_t>(DType::F32);
+  expect_two_source_bits_independent_of_the_output<double, uint64_t>(DType::F64);
+  for (int nsrc : {2, 3, 4}) {
+    expect_bits_independent_of_position<float, uint32_t>(DType::F32, nsrc);
+    expect_bits_independent_of_position<double, uint64_t>(DType::F64, nsrc);
+  }
+}
+
+TEST(ReduceBuffers, FloatBitsDoNotDependOnTheOutputOrPosition) {
+  expect_bits_independent_of_output_and_position();
+}
+
+TEST(ReduceBuffers, FloatBitsDoNotDependOnTheOutputOrPositionWithoutAvx2) {
+  PortableReductions portable;
+  expect_bits_independent_of_output_and_position();
 }
 
 // Both loops give the same bits on arbitrary values (nothing is fused or reassociated): a rank
