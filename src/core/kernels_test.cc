@@ -287,7 +287,9 @@ void expect_bits_independent_of_position(DType dtype, int nsrc) {
       T nan;
       std::memcpy(&nan, &bits, sizeof(T));
       const int pattern = static_cast<int>((i + k) % 5);
-      src[k][i] = pattern == 0 || pattern == 3 ? nan : pattern == 1 ? (k % 2 ? -inf : inf) : T(i - k);
+      src[k][i] = pattern == 0 || pattern == 3 ? nan
+                  : pattern == 1                ? (k % 2 ? -inf : inf)
+                                                : T(i - k);
     }
   }
   for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product, ReduceOp::Min,
