@@ -284,11 +284,18 @@ template <typename T, typename Op>
   return any_not_finite(lanes, rest);
 }
 
-// The first NaN of element i of the sources in rank order, quieted, in `nan`; false when none
-// is NaN. A floating sum's, product's or average's NaN with NaN sources is that one, as in the
-// two-source kernels (reduce2_float): of two NaNs the hardware keeps one by the order of the
-// instruction's operands, which differs between a loop's vector body and its tail, so the same
-// values gave other bits at another offset.
+// A floating sum, product or average (avg's Op is OpSum) with NaN sources is the first of them
+// in rank order, quieted, wherever the output is and wherever the element sits. Of two NaNs the
+// hardware keeps one by the order of the instruction's operands, which the compiler picks per
+// loop: an in-place 2-rank all_reduce and a bucket's separate output kept different ranks'
+// NaNs, and 4-source sums other bits in a loop's vector body than in its tail. (Min and max
+// choose their NaN themselves: larger_nan.) x + x is NaN x quieted, as an operation returns it.
+template <typename A, typename Op>
+constexpr bool kKeepsFirstNan =
+    std::is_floating_point_v<A> && (std::is_same_v<Op, OpSum> || std::is_same_v<Op, OpProd>);
+
+// The first NaN of element i of the sources in rank order, quieted, in `nan` (kKeepsFirstNan);
+// false when none is NaN.
 template <typename T>
 bool first_nan_source(const RawOf<T>* const* srcs, int nsrc, int64_t i, AccOf<T>* nan) {
   using A = AccOf<T>;
@@ -340,8 +347,7 @@ void reduce_blocked(RawOf<T>* out, const RawOf<T>* const* srcs, int nsrc, int64_
     // A floating sum, product or average (whose Op is OpSum) combines its last source checking
     // for results that are not finite: NaNs to mend, an average's overflowed sum. With one
     // source there is none.
-    constexpr bool kArith = std::is_floating_point_v<A> &&
-                            (std::is_same_v<Op, OpSum> || std::is_same_v<Op, OpProd>);
+    constexpr bool kArith = kKeepsFirstNan<A, Op>;
     const bool checked = kArith && nsrc > 1;
     const int unchecked = checked ? nsrc - 1 : nsrc;
     for (int k = 1; k < unchecked; ++k) combine_block<T, Op>(acc, srcs[k] + start, n);
@@ -449,12 +455,10 @@ template <typename T, typename F>
   for (; i < n; ++i) f(a[i], b[i], out[i]);
 }
 
-// A floating sum or product of two sources into `out`, which may be either source: the same
-// bits wherever `out` is and wherever the element sits. Of one NaN source the hardware keeps
-// that one, quieted, whatever the order of the operands; of two, the order decides, and the
-// compiler picks it per loop (an in-place 2-rank all_reduce and a bucket's separate output kept
-// different ranks' NaNs). So where `a` is NaN the result is `a` quieted: the first NaN source in
-// rank order. Selected in explicit vectors (the vectoriser leaves a loop with a select scalar).
+// A floating sum or product of two sources into `out`, which may be either source, keeping the
+// first NaN source (kKeepsFirstNan). Of one NaN source the hardware keeps that one, quieted,
+// whatever the order of the operands, so only where `a` is NaN is the result chosen: `a`,
+// quieted. Selected in explicit vectors (the vectoriser leaves a loop with a select scalar).
 template <typename T, typename Op>
 [[gnu::always_inline]] inline void reduce2_float(T* out, const T* a, const T* b, int64_t n) {
   map2_vectors(out, a, b, n, [](const auto& x, const auto& y, auto& v) {
@@ -529,9 +533,8 @@ template <typename T, typename Op, bool kAvg>
 [[gnu::always_inline]] inline void reduce2(T* out, const T* a, const T* b, int64_t n) {
   if constexpr (kAvg && std::is_floating_point_v<T>) {
     avg2_checked<T>(out, a, b, n);
-  } else if constexpr (std::is_floating_point_v<T> &&
-                       (std::is_same_v<Op, OpSum> || std::is_same_v<Op, OpProd>)) {
-    reduce2_float<T, Op>(out, a, b, n);  // min and max choose their NaN themselves
+  } else if constexpr (kKeepsFirstNan<T, Op>) {
+    reduce2_float<T, Op>(out, a, b, n);
   } else {
     reduce2_plain<T, Op, kAvg>(out, a, b, n);
   }
