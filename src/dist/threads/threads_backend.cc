@@ -172,6 +172,59 @@ void copy_bytes(char* dst, const char* src, size_t n, bool stream) {
   std::memcpy(dst, src, n);
 }
 
+// The most destinations copy_to_each stores each loaded block to.
+constexpr int kCopyToEachMax = 8;
+
+#ifdef FUNCOL_STREAMING_COPY
+template <int N>
+__attribute__((target("avx2"))) void copy_to_each_avx2(char* const* dst_list, const char* src,
+                                                       size_t bytes) {
+  // In registers: the stores may alias anything, so each would reload the list.
+  std::array<char*, N> dsts;
+  std::copy_n(dst_list, N, dsts.begin());
+  size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    for (int k = 0; k < N; ++k) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i), a);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i + 32), b);
+    }
+  }
+  for (int k = 0; k < N; ++k) std::memcpy(dsts[k] + i, src + i, bytes - i);
+}
+
+// copy_to_each_avx2<n> for n in [2, kCopyToEachMax] (a loop over a count known only at run
+// time kept the gain from being had).
+template <int... N>
+constexpr auto copy_to_each_table(std::integer_sequence<int, N...>) {
+  return std::array<void (*)(char* const*, const char*, size_t), sizeof...(N)>{
+      &copy_to_each_avx2<N + 2>...};
+}
+constexpr auto kCopyToEach =
+    copy_to_each_table(std::make_integer_sequence<int, kCopyToEachMax - 1>());
+#endif
+
+// Copies `bytes` from `src` into each of n destinations, none of which overlaps it, with streaming
+// stores when `stream`. Without streaming, up to kCopyToEachMax destinations are written from
+// one load of each block: a bucketed all_gather copies each small input into every rank's
+// output, and a copy per destination read the input again and restarted the copy for each
+// (with the next input's prefetch in run_piece, all_gather_flat of 1000 x 4 KiB on 2 ranks
+// went 7-20% faster: RESULTS.md, session 51).
+template <typename DstOf>  // char* (int k): destination k
+void copy_to_each(int n, const DstOf& dst_of, const char* src, size_t bytes, bool stream) {
+#ifdef FUNCOL_STREAMING_COPY
+  static const bool have_avx2 = __builtin_cpu_supports("avx2");
+  if (!stream && have_avx2 && n > 1 && n <= kCopyToEachMax && bytes >= 64) {
+    std::array<char*, kCopyToEachMax> dsts;
+    for (int k = 0; k < n; ++k) dsts[k] = dst_of(k);
+    kCopyToEach[n - 2](dsts.data(), src, bytes);
+    return;
+  }
+#endif
+  for (int k = 0; k < n; ++k) copy_bytes(dst_of(k), src, bytes, stream);
+}
+
 // Copies unless the ranges are the same; tolerates overlap (an input that is a view of the
 // output).
 void move_bytes(char* dst, const char* src, size_t n, bool stream) {
@@ -1443,9 +1496,16 @@ void Op::run_piece(const Piece& p) {
         const char* src = members_[p.a].post.flat_in[p.t] + off;
         const int64_t dst_off =
             (n * flat_off_[p.t] + p.a * p0.flat_counts[p.t]) * isz + off;
-        for (int k = 0; k < n; ++k) {
-          copy_bytes(members_[k].post.slots[0].out + dst_off, src, bytes, stream_);
+        // The next piece's first lines: usually another input, on another page, where the
+        // hardware prefetcher starts over (as in run_flat_piece).
+        if (&p + 1 < piece_at_ + chunk_at_[num_chunks_]) {
+          const Piece& q = (&p)[1];
+          const char* next = members_[q.a].post.flat_in[q.t] + q.begin * isz;
+          for (int l = 0; l < 8; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
         }
+        copy_to_each(
+            n, [&](int k) { return members_[k].post.slots[0].out + dst_off; }, src, bytes,
+            stream_);
         break;
       }
       // a = the source rank: its input goes to block a of every output.
