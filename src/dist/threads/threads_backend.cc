@@ -191,7 +191,9 @@ __attribute__((target("avx2"))) void copy_to_each_avx2(char* const* dst_list, co
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i + 32), b);
     }
   }
-  for (int k = 0; k < N; ++k) std::memcpy(dsts[k] + i, src + i, bytes - i);
+  if (i < bytes) {
+    for (int k = 0; k < N; ++k) std::memcpy(dsts[k] + i, src + i, bytes - i);
+  }
 }
 
 // copy_to_each_avx2<n> for n in [2, kCopyToEachMax] (a loop over a count known only at run
@@ -1496,12 +1498,13 @@ void Op::run_piece(const Piece& p) {
         const char* src = members_[p.a].post.flat_in[p.t] + off;
         const int64_t dst_off =
             (n * flat_off_[p.t] + p.a * p0.flat_counts[p.t]) * isz + off;
-        // The next piece's first lines: usually another input, on another page, where the
-        // hardware prefetcher starts over (as in run_flat_piece).
+        // The next piece's first lines (its own only, at most 8): usually another input, on
+        // another page, where the hardware prefetcher starts over (as in run_flat_piece).
         if (&p + 1 < piece_at_ + chunk_at_[num_chunks_]) {
           const Piece& q = (&p)[1];
           const char* next = members_[q.a].post.flat_in[q.t] + q.begin * isz;
-          for (int l = 0; l < 8; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
+          const int64_t lines = std::min<int64_t>(8, (q.len * isz + 63) / 64);
+          for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
         }
         copy_to_each(
             n, [&](int k) { return members_[k].post.slots[0].out + dst_off; }, src, bytes,
