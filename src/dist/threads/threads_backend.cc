@@ -212,7 +212,7 @@ constexpr auto kCopyToEach =
 // one load of each block: a bucketed all_gather copies each small input into every rank's
 // output, and a copy per destination read the input again and restarted the copy for each
 // (with the next input's prefetch in run_piece, all_gather_flat of 1000 x 4 KiB on 2 ranks
-// went 7-20% faster: RESULTS.md, session 51).
+// went 7-21% faster: RESULTS.md, session 51).
 template <typename DstOf>  // char* (int k): destination k
 void copy_to_each(int n, const DstOf& dst_of, const char* src, size_t bytes, bool stream) {
 #ifdef FUNCOL_STREAMING_COPY
