@@ -1550,6 +1550,16 @@ void Op::run_flat_piece(const Piece& p, const void** srcs) {
   const auto isz = static_cast<int64_t>(itemsize(dtype));
   char* out0 = p0.slots[0].out;
   const int64_t end = p.begin + p.len;
+  // Copies the reduced elements [from, to) from rank 0's output to every other rank's: each
+  // input's as soon as it is reduced, still in the first-level cache (all_reduce_flat of 1000
+  // x 4 KiB on 2 ranks: 2-6% faster than a copy of the whole piece, 18 alternating pairs), or,
+  // streaming, the whole piece at once (each streaming copy ends with a fence).
+  auto copy_out = [&](int64_t from, int64_t to) {
+    for (int k = 1; k < n; ++k) {
+      copy_bytes(members_[k].post.slots[0].out + from * isz, out0 + from * isz,
+                 static_cast<size_t>((to - from) * isz), stream_);
+    }
+  };
   // The last input starting at or before the range (inputs of no elements are passed over).
   size_t i = static_cast<size_t>(
       std::upper_bound(flat_off_, flat_off_ + flat_off_size_ - 1, p.begin) - flat_off_ - 1);
@@ -1588,14 +1598,11 @@ void Op::run_flat_piece(const Piece& p, const void** srcs) {
       }
       for (int k = 0; k < n; ++k) srcs[k] = members_[k].post.flat_in[i] + skip;
       reduce(dtype, out0 + pos * isz, srcs, stop - pos);
+      if (!stream_) copy_out(pos, stop);
     }
     pos = stop;
   }
-  // The reduced range is hot in cache: one copy per other rank for every input in it.
-  for (int k = 1; k < n; ++k) {
-    copy_bytes(members_[k].post.slots[0].out + p.begin * isz, out0 + p.begin * isz,
-               static_cast<size_t>(p.len * isz), stream_);
-  }
+  if (stream_) copy_out(p.begin, end);
 }
 
 void World::start(const std::shared_ptr<Op>& op, OpList& ready) {
