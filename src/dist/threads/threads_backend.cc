@@ -140,13 +140,19 @@ __attribute__((target("avx2"))) void stream_copy_avx2(char* dst, const char* src
   std::memcpy(dst + i, src + i, n - i);
   _mm_sfence();
 }
+
+// Whether this CPU runs the AVX2 copies (stream_copy_avx2, copy_to_each_avx2).
+bool cpu_has_avx2() {
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have;
+}
 #endif
 
 // Copies n bytes between non-overlapping buffers, with streaming stores when `stream`.
 void copy_bytes(char* dst, const char* src, size_t n, bool stream) {
 #ifdef FUNCOL_STREAMING_COPY
-  static const bool have_avx2 = __builtin_cpu_supports("avx2");
-  if (stream && n >= 256 && have_avx2 && !stream_avx2_disabled.load(std::memory_order_relaxed)) {
+  if (stream && n >= 256 && cpu_has_avx2() &&
+      !stream_avx2_disabled.load(std::memory_order_relaxed)) {
     stream_copy_avx2(dst, src, n);
     return;
   }
@@ -216,8 +222,7 @@ constexpr auto kCopyToEach =
 template <typename DstOf>  // char* (int k): destination k
 void copy_to_each(int n, const DstOf& dst_of, const char* src, size_t bytes, bool stream) {
 #ifdef FUNCOL_STREAMING_COPY
-  static const bool have_avx2 = __builtin_cpu_supports("avx2");
-  if (!stream && have_avx2 && n > 1 && n <= kCopyToEachMax && bytes >= 64) {
+  if (!stream && cpu_has_avx2() && n > 1 && n <= kCopyToEachMax && bytes >= 64) {
     std::array<char*, kCopyToEachMax> dsts;
     for (int k = 0; k < n; ++k) dsts[k] = dst_of(k);
     kCopyToEach[n - 2](dsts.data(), src, bytes);
@@ -225,6 +230,15 @@ void copy_to_each(int n, const DstOf& dst_of, const char* src, size_t bytes, boo
   }
 #endif
   for (int k = 0; k < n; ++k) copy_bytes(dst_of(k), src, bytes, stream);
+}
+
+// Asks for the first lines of the `bytes` at `p`, its own only and at most 8: the next input of a
+// flat collective, which starts on another page, where the hardware prefetcher starts over. (A
+// whole page asked for made the 1000 x 4 KiB all_reduce bucket slower; 8 lines of inputs
+// smaller than that filled the miss queue with prefetches past them, each waiting for a slot.)
+void prefetch_head(const char* p, int64_t bytes) {
+  const int64_t lines = std::min<int64_t>(8, (bytes + 63) / 64);
+  for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(p + 64 * l, 0, 3);
 }
 
 // Copies unless the ranges are the same; tolerates overlap (an input that is a view of the
@@ -1498,13 +1512,10 @@ void Op::run_piece(const Piece& p) {
         const char* src = members_[p.a].post.flat_in[p.t] + off;
         const int64_t dst_off =
             (n * flat_off_[p.t] + p.a * p0.flat_counts[p.t]) * isz + off;
-        // The next piece's first lines (its own only, at most 8): usually another input, on
-        // another page, where the hardware prefetcher starts over (as in run_flat_piece).
+        // The next piece's first lines: usually another input's.
         if (&p + 1 < piece_at_ + chunk_at_[num_chunks_]) {
           const Piece& q = (&p)[1];
-          const char* next = members_[q.a].post.flat_in[q.t] + q.begin * isz;
-          const int64_t lines = std::min<int64_t>(8, (q.len * isz + 63) / 64);
-          for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(next + 64 * l, 0, 3);
+          prefetch_head(members_[q.a].post.flat_in[q.t] + q.begin * isz, q.len * isz);
         }
         copy_to_each(
             n, [&](int k) { return members_[k].post.slots[0].out + dst_off; }, src, bytes,
@@ -1572,18 +1583,12 @@ void Op::run_flat_piece(const Piece& p, const void** srcs) {
       std::memcpy(out0 + pos * isz, members_[0].post.flat_in[i] + skip,
                   static_cast<size_t>((stop - pos) * isz));
     } else {
-      // The next input's first lines on every rank: it starts on another page, where the
-      // hardware prefetcher starts over (1000 x 4 KiB all_reduce bucket, 2 ranks: 0.24-0.26
-      // -> 0.23-0.24 ms; a whole page asked for made it slower).
+      // The next input's first lines on every rank (1000 x 4 KiB all_reduce bucket, 2 ranks:
+      // 0.24-0.26 -> 0.23-0.24 ms).
       if (i + 2 < flat_off_size_) {
-        // Its lines only (at most 8): a bucket of small inputs filled the miss queue with
-        // prefetches of lines past them, and each prefetch waited for a slot.
-        const int64_t lines =
-            std::min<int64_t>(8, ((flat_off_[i + 2] - flat_off_[i + 1]) * isz + 63) / 64);
         for (int k = 0; k < n; ++k) {
-          for (int64_t l = 0; l < lines; ++l) {
-            __builtin_prefetch(members_[k].post.flat_in[i + 1] + 64 * l, 0, 3);
-          }
+          prefetch_head(members_[k].post.flat_in[i + 1],
+                        (flat_off_[i + 2] - flat_off_[i + 1]) * isz);
         }
       }
       // The lists themselves a chunk ahead: every rank wrote its own input list and the planner
