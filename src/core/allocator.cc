@@ -430,7 +430,167 @@ thread_local bool ThreadPages::tl_gone = false;
 
 bool page_cached(size_t bytes) { return bytes >= kPage && bytes < kMinCachedBytes; }
 
+// Storage objects (see detail::SlotAllocator) in slots of kSlotBytes, carved from slabs that
+// hold nothing else. A free slot is a link in a list.
+struct FreeSlot {
+  FreeSlot* next;
+};
+constexpr size_t kSlabBytes = size_t{64} << 10;
+constexpr size_t kSlotsPerSlab = kSlabBytes / detail::kSlotBytes;
+// A thread keeps at most this many free slots (384 KiB); beyond, half go back to the pool.
+constexpr size_t kThreadSlotsMax = 2048;
+// What a thread takes from the pool at once.
+constexpr size_t kSlotBatch = 64;
+
+// The slots no thread holds, and the slabs (never freed: a slot may be freed at any time, by
+// any thread, static destructors included). A list of slots moves in and out under one lock.
+class SlotPool {
+ public:
+  // Never destroyed, as cache().
+  static SlotPool& instance() {
+    static SlotPool* pool = new SlotPool;
+    return *pool;
+  }
+  // Up to kSlotBatch free slots, linked, or null when none is free; *count says how many.
+  FreeSlot* take(size_t* count) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_ == nullptr) return nullptr;
+    FreeSlot* head = free_;
+    FreeSlot* tail = head;
+    size_t n = 1;
+    while (n < kSlotBatch && tail->next != nullptr) {
+      tail = tail->next;
+      ++n;
+    }
+    free_ = tail->next;
+    tail->next = nullptr;
+    *count = n;
+    return head;
+  }
+  // The linked slots from `head` to `tail`.
+  void give(FreeSlot* head, FreeSlot* tail) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tail->next = free_;
+    free_ = head;
+  }
+  // A new slab's slots, linked, for the calling thread alone: its pages hold no other thread's
+  // Storage objects (whose counts that thread writes: slots handed out in batches from one
+  // slab to two ranks made both ranks' releases slower, not faster).
+  FreeSlot* new_slab() {
+    // Page-aligned and a whole number of pages: no other allocation shares its pages.
+    auto* slab = static_cast<char*>(::operator new (kSlabBytes, std::align_val_t{kPage}));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slabs_.push_back(slab);  // still reachable for leak checkers
+    }
+    FreeSlot* head = nullptr;
+    for (size_t i = kSlotsPerSlab; i-- > 0;) {
+      auto* slot = reinterpret_cast<FreeSlot*>(slab + i * detail::kSlotBytes);
+      slot->next = head;
+      head = slot;
+    }
+    return head;
+  }
+
+ private:
+  std::mutex mu_;
+  FreeSlot* free_ = nullptr;
+  std::vector<char*> slabs_;
+};
+
+// A thread's free slots, taken and given without a lock.
+class ThreadSlots {
+ public:
+  ~ThreadSlots() {
+    if (head_ != nullptr) SlotPool::instance().give(head_, tail());
+    tl_gone = true;
+  }
+  // Null once this thread's list was destroyed (a Storage freed by a later thread_local
+  // destructor): such a slot goes to the pool at once.
+  static ThreadSlots* mine() {
+    if (tl_gone) return nullptr;
+    thread_local ThreadSlots slots;
+    return &slots;
+  }
+  void* take() {
+    if (head_ == nullptr) {
+      // Slots others gave up first (they were freed, so they are nobody's now), else a slab.
+      head_ = SlotPool::instance().take(&count_);
+      if (head_ == nullptr) {
+        head_ = SlotPool::instance().new_slab();
+        count_ = kSlotsPerSlab;
+      }
+    }
+    FreeSlot* slot = head_;
+    head_ = slot->next;
+    --count_;
+    return slot;
+  }
+  void give(void* p) {
+    auto* slot = static_cast<FreeSlot*>(p);
+    slot->next = head_;
+    head_ = slot;
+    if (++count_ <= kThreadSlotsMax) return;
+    // A thread that frees what others made (a consumer of results): keep half.
+    FreeSlot* last_kept = head_;
+    for (size_t i = 1; i < kThreadSlotsMax / 2; ++i) last_kept = last_kept->next;
+    FreeSlot* first_given = last_kept->next;
+    last_kept->next = nullptr;
+    count_ = kThreadSlotsMax / 2;
+    FreeSlot* last_given = first_given;
+    while (last_given->next != nullptr) last_given = last_given->next;
+    SlotPool::instance().give(first_given, last_given);
+  }
+
+ private:
+  FreeSlot* tail() const {
+    FreeSlot* t = head_;
+    while (t->next != nullptr) t = t->next;
+    return t;
+  }
+  FreeSlot* head_ = nullptr;
+  size_t count_ = 0;
+  static thread_local bool tl_gone;  // trivially destructible: readable after the list is gone
+};
+thread_local bool ThreadSlots::tl_gone = false;
+
 }  // namespace
+
+namespace detail {
+
+void* allocate_slot() {
+#ifdef FUNCOL_ASAN
+  return ::operator new (kSlotBytes, std::align_val_t{kStorageAlignment});
+#else
+  if (ThreadSlots* slots = ThreadSlots::mine()) return slots->take();
+  size_t count = 0;
+  FreeSlot* head = SlotPool::instance().take(&count);
+  if (head == nullptr) head = SlotPool::instance().new_slab();
+  if (head->next != nullptr) {
+    FreeSlot* tail = head->next;
+    while (tail->next != nullptr) tail = tail->next;
+    SlotPool::instance().give(head->next, tail);
+  }
+  return head;
+#endif
+}
+
+void free_slot(void* p) {
+#ifdef FUNCOL_ASAN
+  // AddressSanitizer sees every slot freed, and a use after free reported.
+  ::operator delete (p, std::align_val_t{kStorageAlignment});
+#else
+  if (ThreadSlots* slots = ThreadSlots::mine()) {
+    slots->give(p);
+    return;
+  }
+  auto* slot = static_cast<FreeSlot*>(p);
+  slot->next = nullptr;
+  SlotPool::instance().give(slot, slot);
+#endif
+}
+
+}  // namespace detail
 
 void* allocate_storage(size_t nbytes) {
   const size_t bytes = block_bytes(nbytes);

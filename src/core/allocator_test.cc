@@ -3,7 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -286,6 +289,124 @@ TEST_F(AllocatorTest, ConcurrentUseFromManyThreads) {
   }
   for (auto& th : threads) th.join();
   EXPECT_LE(allocator_stats().cached_blocks, 12);
+}
+
+#ifdef __SANITIZE_ADDRESS__
+#define FUNCOL_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FUNCOL_TEST_ASAN 1
+#endif
+#endif
+
+// The first byte of each of the 64-byte lines [p, p + bytes) touches.
+std::vector<uintptr_t> lines_of(const void* p, size_t bytes) {
+  std::vector<uintptr_t> lines;
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t l = a / 64 * 64; l < a + bytes; l += 64) lines.push_back(l);
+  return lines;
+}
+
+// A tensor's Storage object (its reference counts, written by its owner's thread) lives on
+// pages that hold nothing but Storage objects of one thread, each on lines of its own: no
+// array that another thread reads through (a rank's list of input pointers, read by its peers)
+// shares a page with it, where the reader's prefetcher would pull its lines away.
+TEST_F(AllocatorTest, StorageObjectsLiveOnPagesOfTheirOwn) {
+#ifdef FUNCOL_TEST_ASAN
+  GTEST_SKIP() << "AddressSanitizer builds allocate each Storage object from the system, so that "
+                  "a use after free is reported";
+#else
+  std::vector<Tensor> tensors;
+  std::vector<std::unique_ptr<char[]>> arrays;
+  std::vector<std::pair<const void*, size_t>> array_spans;
+  // Interleaved, as a rank makes its inputs and posts its lists.
+  for (int i = 0; i < 300; ++i) {
+    tensors.push_back(Tensor::full({i % 3 == 0 ? 1024 : 3}, DType::F32, 1.0 * i));
+    const size_t bytes = 24 + 8 * static_cast<size_t>(i % 50);
+    arrays.push_back(std::make_unique<char[]>(bytes));
+    array_spans.emplace_back(arrays.back().get(), bytes);
+  }
+  std::vector<uintptr_t> array_pages;
+  for (const auto& [p, bytes] : array_spans) {
+    for (uintptr_t l : lines_of(p, bytes)) array_pages.push_back(l / 4096);
+  }
+  std::sort(array_pages.begin(), array_pages.end());
+  std::vector<uintptr_t> storage_lines;
+  for (const Tensor& t : tensors) {
+    const auto meta = reinterpret_cast<uintptr_t>(t.storage().get());
+    EXPECT_FALSE(std::binary_search(array_pages.begin(), array_pages.end(), meta / 4096))
+        << "a Storage object shares a page with a malloc'd array";
+    const auto data = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    EXPECT_NE(data / 4096, meta / 4096);
+    for (uintptr_t l : lines_of(t.storage().get(), sizeof(Storage))) storage_lines.push_back(l);
+  }
+  // No line holds two Storage objects.
+  std::sort(storage_lines.begin(), storage_lines.end());
+  EXPECT_EQ(std::adjacent_find(storage_lines.begin(), storage_lines.end()), storage_lines.end());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    EXPECT_EQ(tensors[i].narrow(0, 0, 1).item<float>(), static_cast<float>(i));
+  }
+#endif
+}
+
+// Two threads that start with no free slots get their Storage objects from slabs of their own:
+// no page holds both threads' (each writes its own reference counts).
+TEST_F(AllocatorTest, ThreadsStorageObjectsShareNoPage) {
+#ifdef FUNCOL_TEST_ASAN
+  GTEST_SKIP() << "AddressSanitizer builds allocate each Storage object from the system";
+#else
+  // Other tests' threads left free slots in the shared pool: take them all first, so that the
+  // two threads below start from new slabs.
+  std::vector<Tensor> drained;
+  for (int i = 0; i < 20000; ++i) drained.push_back(Tensor::empty({1}, DType::U8));
+  std::vector<Tensor> mine[2];
+  std::vector<std::thread> threads;
+  std::atomic<int> done{0};
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      for (int i = 0; i < 500; ++i) mine[r].push_back(Tensor::empty({16}, DType::F32));
+      // Both alive until both are done: a thread that exits gives its free slots to the pool,
+      // where the other could take them.
+      done.fetch_add(1);
+      while (done.load() < 2) std::this_thread::yield();
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::vector<uintptr_t> pages[2];
+  for (int r = 0; r < 2; ++r) {
+    for (const Tensor& t : mine[r]) {
+      pages[r].push_back(reinterpret_cast<uintptr_t>(t.storage().get()) / 4096);
+    }
+    std::sort(pages[r].begin(), pages[r].end());
+  }
+  std::vector<uintptr_t> shared;
+  std::set_intersection(pages[0].begin(), pages[0].end(), pages[1].begin(), pages[1].end(),
+                        std::back_inserter(shared));
+  EXPECT_TRUE(shared.empty()) << shared.size() << " pages hold both threads' Storage objects";
+#endif
+}
+
+// Storage objects made on one thread and dropped on another (a consumer of results) are reused,
+// by the thread that dropped them and, past its bound, by others; the bytes stay each tensor's.
+TEST_F(AllocatorTest, StorageObjectsMadeAndDroppedOnDifferentThreads) {
+  for (int round = 0; round < 20; ++round) {
+    std::vector<Tensor> made;
+    std::thread producer([&] {
+      for (int i = 0; i < 3000; ++i) made.push_back(Tensor::full({2}, DType::I32, i + round));
+    });
+    producer.join();
+    std::thread consumer([&] {
+      for (size_t i = 0; i < made.size(); ++i) {
+        ASSERT_EQ(made[i].narrow(0, 1, 1).item<int32_t>(), static_cast<int32_t>(i) + round);
+      }
+      made.clear();
+      // Made here from what the drops left, mixed with the next round's producer's.
+      std::vector<Tensor> again;
+      for (int i = 0; i < 2500; ++i) again.push_back(Tensor::full({1}, DType::I64, i));
+      for (int i = 0; i < 2500; ++i) ASSERT_EQ(again[i].item<int64_t>(), i);
+    });
+    consumer.join();
+  }
 }
 
 }  // namespace

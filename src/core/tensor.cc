@@ -718,8 +718,9 @@ size_t Storage::reader_count() const {
 
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
   check_shape(shape, dtype, "empty");
-  auto storage =
-      std::make_shared<Storage>(static_cast<size_t>(shape_numel(shape)) * funcol::itemsize(dtype));
+  auto storage = std::allocate_shared<Storage>(
+      detail::SlotAllocator<Storage>(),
+      static_cast<size_t>(shape_numel(shape)) * funcol::itemsize(dtype));
   return from_storage(std::move(storage), shape, dtype);
 }
 
