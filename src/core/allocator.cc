@@ -31,6 +31,17 @@
 #ifdef FUNCOL_ASAN
 #include <sanitizer/asan_interface.h>
 #endif
+// Builds whose sanitizer tracks memory through the system allocator take each Storage object
+// from it (detail::allocate_slot): AddressSanitizer then reports a use after free, and
+// ThreadSanitizer forgets a freed Storage's mutex (a slot reused at once would give the next
+// Storage's mutex the old one's lock order: false lock-order inversions between storages).
+#if defined(FUNCOL_ASAN) || defined(__SANITIZE_THREAD__)
+#define FUNCOL_SLOTS_FROM_SYSTEM 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define FUNCOL_SLOTS_FROM_SYSTEM 1
+#endif
+#endif
 
 namespace funcol {
 
@@ -559,7 +570,7 @@ thread_local bool ThreadSlots::tl_gone = false;
 namespace detail {
 
 void* allocate_slot() {
-#ifdef FUNCOL_ASAN
+#ifdef FUNCOL_SLOTS_FROM_SYSTEM
   return ::operator new (kSlotBytes, std::align_val_t{kStorageAlignment});
 #else
   if (ThreadSlots* slots = ThreadSlots::mine()) return slots->take();
@@ -576,8 +587,7 @@ void* allocate_slot() {
 }
 
 void free_slot(void* p) {
-#ifdef FUNCOL_ASAN
-  // AddressSanitizer sees every slot freed, and a use after free reported.
+#ifdef FUNCOL_SLOTS_FROM_SYSTEM
   ::operator delete (p, std::align_val_t{kStorageAlignment});
 #else
   if (ThreadSlots* slots = ThreadSlots::mine()) {

@@ -291,13 +291,21 @@ TEST_F(AllocatorTest, ConcurrentUseFromManyThreads) {
   EXPECT_LE(allocator_stats().cached_blocks, 12);
 }
 
-#ifdef __SANITIZE_ADDRESS__
-#define FUNCOL_TEST_ASAN 1
+// Sanitizer builds allocate each Storage object from the system (allocator.cc).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kStorageFromSystem = true;
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define FUNCOL_TEST_ASAN 1
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kStorageFromSystem = true;
+#else
+constexpr bool kStorageFromSystem = false;
 #endif
+#else
+constexpr bool kStorageFromSystem = false;
 #endif
+constexpr const char* kSlotsSkip =
+    "sanitizer builds allocate each Storage object from the system, whose allocator the "
+    "sanitizer tracks";
 
 // The first byte of each of the 64-byte lines [p, p + bytes) touches.
 std::vector<uintptr_t> lines_of(const void* p, size_t bytes) {
@@ -312,10 +320,7 @@ std::vector<uintptr_t> lines_of(const void* p, size_t bytes) {
 // array that another thread reads through (a rank's list of input pointers, read by its peers)
 // shares a page with it, where the reader's prefetcher would pull its lines away.
 TEST_F(AllocatorTest, StorageObjectsLiveOnPagesOfTheirOwn) {
-#ifdef FUNCOL_TEST_ASAN
-  GTEST_SKIP() << "AddressSanitizer builds allocate each Storage object from the system, so that "
-                  "a use after free is reported";
-#else
+  if (kStorageFromSystem) GTEST_SKIP() << kSlotsSkip;
   std::vector<Tensor> tensors;
   std::vector<std::unique_ptr<char[]>> arrays;
   std::vector<std::pair<const void*, size_t>> array_spans;
@@ -346,15 +351,12 @@ TEST_F(AllocatorTest, StorageObjectsLiveOnPagesOfTheirOwn) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     EXPECT_EQ(tensors[i].narrow(0, 0, 1).item<float>(), static_cast<float>(i));
   }
-#endif
 }
 
 // Two threads that start with no free slots get their Storage objects from slabs of their own:
 // no page holds both threads' (each writes its own reference counts).
 TEST_F(AllocatorTest, ThreadsStorageObjectsShareNoPage) {
-#ifdef FUNCOL_TEST_ASAN
-  GTEST_SKIP() << "AddressSanitizer builds allocate each Storage object from the system";
-#else
+  if (kStorageFromSystem) GTEST_SKIP() << kSlotsSkip;
   // Other tests' threads left free slots in the shared pool: take them all first, so that the
   // two threads below start from new slabs.
   std::vector<Tensor> drained;
@@ -383,7 +385,6 @@ TEST_F(AllocatorTest, ThreadsStorageObjectsShareNoPage) {
   std::set_intersection(pages[0].begin(), pages[0].end(), pages[1].begin(), pages[1].end(),
                         std::back_inserter(shared));
   EXPECT_TRUE(shared.empty()) << shared.size() << " pages hold both threads' Storage objects";
-#endif
 }
 
 // Storage objects made on one thread and dropped on another (a consumer of results) are reused,

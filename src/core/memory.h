@@ -42,7 +42,8 @@ inline bool beyond_memory(uint64_t bytes) {
 // back from the other core (a bucket of 1000 x 4 KiB all_reduces, 2 ranks: one rank released
 // its inputs in 10-31 us instead of 6). A thread keeps the slots it frees for its next ones
 // (allocator.cc). Slabs are never handed back to the system: a program keeps 192 bytes for each
-// Storage it ever had alive at once. Anything larger than a slot is an ordinary allocation.
+// Storage it ever had alive at once. Anything larger than a slot is an ordinary allocation, and
+// so is every Storage in AddressSanitizer and ThreadSanitizer builds (allocator.cc).
 inline constexpr size_t kSlotBytes = 192;
 void* allocate_slot();
 void free_slot(void* p);
