@@ -114,6 +114,52 @@ TEST_F(AllocatorTest, BlocksOfAPageOrMoreOwnTheirPages) {
   EXPECT_NE(data / 4096, meta / 4096);
 }
 
+// A thread's page blocks are cut back to back (not a page apart, as from malloc): a thousand
+// 4 KiB inputs span the pages they fill and no more.
+TEST_F(AllocatorTest, PageBlocksAreCutBackToBack) {
+  std::thread([] {
+    std::vector<char*> blocks;
+    for (int i = 0; i < 32; ++i) {
+      blocks.push_back(static_cast<char*>(allocate_storage(4096)));
+      std::memset(blocks.back(), i, 4096);
+    }
+    int adjacent = 0;
+    for (size_t i = 1; i < blocks.size(); ++i) adjacent += blocks[i] == blocks[i - 1] + 4096;
+    // A new run may start once (its first page is its header).
+    EXPECT_GE(adjacent, 30);
+    for (size_t i = 0; i < blocks.size(); ++i) EXPECT_EQ(blocks[i][4095], static_cast<char>(i));
+    for (char* b : blocks) free_storage(b, 4096);
+  }).join();
+}
+
+// With caching off every freed page block is released at once, by whichever thread frees it,
+// and each run goes back to the system with its last block; the bytes stay each block's.
+TEST_F(AllocatorTest, PageBlocksReleasedByOtherThreadsFreeTheirRuns) {
+  set_allocator_cache_limit(0);
+  for (int round = 0; round < 4; ++round) {
+    std::vector<std::pair<unsigned char*, size_t>> blocks;
+    std::thread cutter([&] {
+      for (int i = 0; i < 3000; ++i) {
+        const size_t n = 4096 * static_cast<size_t>(1 + (i + round) % 5);
+        auto* b = static_cast<unsigned char*>(allocate_storage(n));
+        std::memset(b, i & 0xff, n);
+        blocks.emplace_back(b, n);
+      }
+    });
+    cutter.join();  // its runs are no longer current: the last release frees each
+    std::thread releaser([&] {
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        const auto [b, n] = blocks[i];
+        ASSERT_EQ(b[0], i & 0xff);
+        ASSERT_EQ(b[n - 1], i & 0xff);
+        free_storage(b, n);
+      }
+    });
+    releaser.join();
+  }
+  EXPECT_EQ(allocator_stats().cached_blocks, 0);
+}
+
 TEST_F(AllocatorTest, LargeBlockIsReusedAfterFree) {
   const size_t n = size_t{1} << 20;
   const AllocatorStats before = allocator_stats();
