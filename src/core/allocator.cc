@@ -21,6 +21,8 @@
 #include "memory.h"
 #include "funcol/core/error.h"
 
+#include <pthread.h>
+
 #if defined(__SANITIZE_ADDRESS__)
 #define FUNCOL_ASAN 1
 #elif defined(__has_feature)
@@ -119,6 +121,40 @@ void unpoison(void* p, size_t bytes) {
 #endif
 }
 
+// The allocator's locks are held across fork(), as glibc's malloc holds its own: a child never
+// starts with one held by a thread it does not have, where its first allocation through that
+// lock would wait forever. Registered once each, at most kForkSafeLocks of them.
+constexpr int kForkSafeLocks = 8;
+std::atomic<std::mutex*> fork_safe_locks[kForkSafeLocks];  // null: not (yet) registered
+std::atomic<int> fork_safe_next{0};
+
+void fork_prepare() {
+  for (auto& mu : fork_safe_locks) {
+    if (std::mutex* m = mu.load(std::memory_order_acquire)) m->lock();
+  }
+}
+void fork_parent() {
+  for (int i = kForkSafeLocks; i-- > 0;) {
+    if (std::mutex* m = fork_safe_locks[i].load(std::memory_order_acquire)) m->unlock();
+  }
+}
+void fork_child() {
+  // The child's only thread holds them all: each starts over, unlocked.
+  for (auto& mu : fork_safe_locks) {
+    if (std::mutex* m = mu.load(std::memory_order_acquire)) new (m) std::mutex;
+  }
+}
+
+// Registers `mu` (a lock that is never destroyed). No path of the allocator holds two of them,
+// so taking them in any order is free of deadlock.
+void fork_safe(std::mutex* mu) {
+  static const int registered = pthread_atfork(fork_prepare, fork_parent, fork_child);
+  (void)registered;
+  const int i = fork_safe_next.fetch_add(1, std::memory_order_relaxed);
+  FUNCOL_CHECK(i < kForkSafeLocks, "allocator: too many fork-safe locks");
+  fork_safe_locks[i].store(mu, std::memory_order_release);
+}
+
 size_t default_limit() { return detail::cache_limit_from(std::getenv("FUNCOL_ALLOC_CACHE_MB")); }
 
 // A small number per thread, for the cache to hand a thread back its own blocks.
@@ -131,6 +167,7 @@ uint32_t thread_tag() {
 class Cache {
  public:
   Cache() {
+    fork_safe(&mu_);
     try {
       limit_ = default_limit();
     } catch (const InvalidArgument& e) {
@@ -299,82 +336,6 @@ Cache& cache() {
   return *c;
 }
 
-// Blocks of one page up to kMinCachedBytes are cut back to back from runs of kRunBytes (page 0
-// of a run holds its header), each thread cutting from a run of its own. From malloc, a
-// page-aligned 4 KiB block took 8 KiB of addresses (the page before it went to small objects),
-// so a thousand 4 KiB inputs spanned twice the pages they fill, and a reduction over them
-// walked twice the page tables: cut back to back, the bucketed 1000 x 4 KiB all_reduce was
-// 2-10% faster (RESULTS.md, session 52). A run goes back to the system once its cutter moved on
-// and every block cut from it was released (not merely cached).
-constexpr size_t kRunBytes = size_t{256} << 10;
-// The cutting thread's hold on its current run, counted with the run's live blocks.
-constexpr int64_t kRunHeld = int64_t{1} << 40;
-
-struct RunHeader {
-  std::atomic<int64_t> live{kRunHeld};  // blocks cut and not released, plus kRunHeld
-};
-
-RunHeader* run_of(const void* block) {
-  return reinterpret_cast<RunHeader*>(reinterpret_cast<uintptr_t>(block) & ~(kRunBytes - 1));
-}
-
-void unref_run(RunHeader* run, int64_t count) {
-  if (run->live.fetch_sub(count, std::memory_order_acq_rel) != count) return;
-  run->~RunHeader();
-  unpoison(run, kRunBytes);
-  ::operator delete (static_cast<void*>(run), std::align_val_t{kRunBytes});
-}
-
-// A released block is never cut again: it stays poisoned until its run goes.
-void release_block(void* block, size_t bytes) {
-  poison(block, bytes);
-  unref_run(run_of(block), 1);
-}
-
-// Where one thread cuts blocks (or, under a lock, the threads whose ThreadPages are gone).
-class PageRun {
- public:
-  ~PageRun() { retire(); }
-  void* cut(size_t bytes) {
-    if (next_ == nullptr || bytes > static_cast<size_t>(end_ - next_)) {
-      retire();
-      start();
-    }
-    void* block = next_;
-    next_ += bytes;
-    run_of(block)->live.fetch_add(1, std::memory_order_relaxed);
-    unpoison(block, bytes);
-    return block;
-  }
-  // Drops the hold on the current run (its blocks keep it until released).
-  void retire() {
-    if (next_ == nullptr) return;
-    RunHeader* run = run_of(next_ - 1);
-    next_ = end_ = nullptr;
-    unref_run(run, kRunHeld);
-  }
-
- private:
-  void start() {
-    void* raw = ::operator new (kRunBytes, std::align_val_t{kRunBytes});
-    new (raw) RunHeader;
-    char* base = static_cast<char*>(raw);
-    poison(base + sizeof(RunHeader), kRunBytes - sizeof(RunHeader));
-    next_ = base + kPage;
-    end_ = base + kRunBytes;
-  }
-  char* next_ = nullptr;
-  char* end_ = nullptr;
-};
-
-// A page block for a thread without a ThreadPages any more.
-void* cut_shared(size_t bytes) {
-  static auto* mu = new std::mutex;
-  static auto* run = new PageRun;  // never destroyed: blocks may be cut at exit
-  std::lock_guard<std::mutex> lock(*mu);
-  return run->cut(bytes);
-}
-
 // Blocks of one page up to kMinCachedBytes, cached by the thread that frees them, without a
 // lock. A step that makes a thousand 4 KiB tensors and drops them all left that much free at
 // the top of malloc's heap, which glibc handed back to the system and the next step faulted in
@@ -390,7 +351,6 @@ class ThreadPages {
   }
   ~ThreadPages() {
     drop();
-    run_.retire();
     {
       std::lock_guard<std::mutex> lock(registry_mu());
       auto& all = registry();
@@ -411,14 +371,13 @@ class ThreadPages {
     return &pages;
   }
 
-  // A block of `bytes` (a whole number of pages below kMinCachedBytes): a cached one, else one
-  // cut from this thread's run.
+  // A cached block of `bytes` (a whole number of pages below kMinCachedBytes), or null.
   void* take(size_t bytes) {
     sync();
     std::vector<void*>& list = lists_[bytes / kPage];
     if (list.empty()) {
       bump(misses_, 1);
-      return run_.cut(bytes);
+      return nullptr;
     }
     void* p = list.back();
     list.pop_back();
@@ -429,7 +388,7 @@ class ThreadPages {
     return p;
   }
 
-  // Keeps a freed block unless this cache or the bound is full; false: the caller releases it.
+  // Keeps a freed block unless this cache or the bound is full; false: the caller frees it.
   bool give(void* p, size_t bytes) {
     sync();
     const size_t need = static_cast<size_t>(bytes_.load(std::memory_order_relaxed)) + bytes;
@@ -472,7 +431,10 @@ class ThreadPages {
  private:
   void drop() {
     for (size_t c = 1; c < lists_.size(); ++c) {
-      for (void* p : lists_[c]) release_block(p, c * kPage);
+      for (void* p : lists_[c]) {
+        unpoison(p, c * kPage);
+        system_free(p, c * kPage);
+      }
       lists_[c].clear();
     }
     bytes_.store(0, std::memory_order_relaxed);
@@ -486,7 +448,11 @@ class ThreadPages {
     counter.store(counter.load(std::memory_order_relaxed) + delta, std::memory_order_relaxed);
   }
   static std::mutex& registry_mu() {
-    static auto* mu = new std::mutex;
+    static auto* mu = [] {
+      auto* m = new std::mutex;
+      fork_safe(m);
+      return m;
+    }();
     return *mu;
   }
   static std::vector<ThreadPages*>& registry() {
@@ -503,7 +469,6 @@ class ThreadPages {
   }
 
   std::array<std::vector<void*>, kMinCachedBytes / kPage> lists_;  // [pages]: LIFO
-  PageRun run_;
   static constexpr size_t kReserveStep = size_t{1} << 20;
   uint64_t epoch_ = cache().page_epoch();
   size_t reserved_ = 0;  // room taken from the shared bound (Cache::reserve_pages)
@@ -538,6 +503,7 @@ class SlotPool {
     static SlotPool* pool = new SlotPool;
     return *pool;
   }
+  SlotPool() { fork_safe(&mu_); }
   // Up to kSlotBatch free slots, linked, or null when none is free; *count says how many.
   FreeSlot* take(size_t* count) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -683,8 +649,9 @@ void* allocate_storage(size_t nbytes) {
   if (bytes >= kMinCachedBytes) return cache().take(bytes);
   if (page_cached(bytes)) {
     cache().check_env();
-    if (ThreadPages* pages = ThreadPages::mine()) return pages->take(bytes);
-    return cut_shared(bytes);
+    if (ThreadPages* pages = ThreadPages::mine()) {
+      if (void* p = pages->take(bytes)) return p;
+    }
   }
   return system_alloc(bytes);
 }
@@ -696,12 +663,8 @@ void free_storage(void* ptr, size_t nbytes) {
     cache().give(ptr, bytes);
     return;
   }
-  if (!page_cached(bytes)) {
-    system_free(ptr, bytes);
-    return;
-  }
-  ThreadPages* pages = ThreadPages::mine();
-  if (pages == nullptr || !pages->give(ptr, bytes)) release_block(ptr, bytes);
+  ThreadPages* pages = page_cached(bytes) ? ThreadPages::mine() : nullptr;
+  if (pages == nullptr || !pages->give(ptr, bytes)) system_free(ptr, bytes);
 }
 
 AllocatorStats allocator_stats() {

@@ -8,9 +8,7 @@
 // allocators; a thread gets back the blocks it freed where it can. Blocks of one page up to
 // kMinCachedBytes are kept by the thread that frees them (up to 16 MiB each, without a lock):
 // a step that drops a thousand 4 KiB tensors would otherwise leave them free at the top of the
-// heap, for malloc to hand back to the system and the next step to fault in again. Such blocks
-// are cut back to back from runs of 256 KiB, one run at a time per thread; a run goes back to
-// the system once every block cut from it was freed beyond the cache. The cache
+// heap, for malloc to hand back to the system and the next step to fault in again. The cache
 // is bounded: FUNCOL_ALLOC_CACHE_MB (whole megabytes, default 1024, 0 disables; another value
 // is an InvalidArgument at each allocation of a page or more until set_allocator_cache_limit
 // sets a bound instead) or set_allocator_cache_limit; beyond it
