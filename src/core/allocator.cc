@@ -121,39 +121,53 @@ void unpoison(void* p, size_t bytes) {
 #endif
 }
 
-// The allocator's locks are held across fork(), as glibc's malloc holds its own: a child never
-// starts with one held by a thread it does not have, where its first allocation through that
-// lock would wait forever. Registered once each, at most kForkSafeLocks of them.
+// The locks registered here are held across fork(), as glibc's malloc holds its own: a child
+// never starts with one held by a thread it does not have, where its first allocation (or new
+// tensor shape) through that lock would wait forever. At most kForkSafeLocks of them.
 constexpr int kForkSafeLocks = 8;
-std::atomic<std::mutex*> fork_safe_locks[kForkSafeLocks];  // null: not (yet) registered
+detail::ForkSafeLock fork_safe_locks[kForkSafeLocks];
+std::atomic<bool> fork_safe_ready[kForkSafeLocks];  // entry i written
 std::atomic<int> fork_safe_next{0};
 
 void fork_prepare() {
-  for (auto& mu : fork_safe_locks) {
-    if (std::mutex* m = mu.load(std::memory_order_acquire)) m->lock();
+  for (int i = 0; i < kForkSafeLocks; ++i) {
+    if (fork_safe_ready[i].load(std::memory_order_acquire)) {
+      fork_safe_locks[i].acquire(fork_safe_locks[i].lock);
+    }
   }
 }
 void fork_parent() {
   for (int i = kForkSafeLocks; i-- > 0;) {
-    if (std::mutex* m = fork_safe_locks[i].load(std::memory_order_acquire)) m->unlock();
+    if (fork_safe_ready[i].load(std::memory_order_acquire)) {
+      fork_safe_locks[i].release(fork_safe_locks[i].lock);
+    }
   }
 }
 void fork_child() {
   // The child's only thread holds them all: each starts over, unlocked.
-  for (auto& mu : fork_safe_locks) {
-    if (std::mutex* m = mu.load(std::memory_order_acquire)) new (m) std::mutex;
+  for (int i = 0; i < kForkSafeLocks; ++i) {
+    if (fork_safe_ready[i].load(std::memory_order_acquire)) {
+      fork_safe_locks[i].renew(fork_safe_locks[i].lock);
+    }
   }
 }
 
-// Registers `mu` (a lock that is never destroyed). No path of the allocator holds two of them,
-// so taking them in any order is free of deadlock.
-void fork_safe(std::mutex* mu) {
+}  // namespace
+
+namespace detail {
+
+void fork_safe(const ForkSafeLock& lock) {
   static const int registered = pthread_atfork(fork_prepare, fork_parent, fork_child);
   (void)registered;
   const int i = fork_safe_next.fetch_add(1, std::memory_order_relaxed);
-  FUNCOL_CHECK(i < kForkSafeLocks, "allocator: too many fork-safe locks");
-  fork_safe_locks[i].store(mu, std::memory_order_release);
+  FUNCOL_CHECK(i < kForkSafeLocks, "too many fork-safe locks");
+  fork_safe_locks[i] = lock;
+  fork_safe_ready[i].store(true, std::memory_order_release);
 }
+
+}  // namespace detail
+
+namespace {
 
 size_t default_limit() { return detail::cache_limit_from(std::getenv("FUNCOL_ALLOC_CACHE_MB")); }
 
@@ -167,7 +181,7 @@ uint32_t thread_tag() {
 class Cache {
  public:
   Cache() {
-    fork_safe(&mu_);
+    detail::fork_safe(&mu_);
     try {
       limit_ = default_limit();
     } catch (const InvalidArgument& e) {
@@ -450,7 +464,7 @@ class ThreadPages {
   static std::mutex& registry_mu() {
     static auto* mu = [] {
       auto* m = new std::mutex;
-      fork_safe(m);
+      detail::fork_safe(m);
       return m;
     }();
     return *mu;
@@ -503,7 +517,7 @@ class SlotPool {
     static SlotPool* pool = new SlotPool;
     return *pool;
   }
-  SlotPool() { fork_safe(&mu_); }
+  SlotPool() { detail::fork_safe(&mu_); }
   // Up to kSlotBatch free slots, linked, or null when none is free; *count says how many.
   FreeSlot* take(size_t* count) {
     std::lock_guard<std::mutex> lock(mu_);

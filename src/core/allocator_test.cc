@@ -134,8 +134,9 @@ TEST_F(AllocatorTest, BlocksOfAPageOrMoreOwnTheirPages) {
   EXPECT_NE(data / 4096, meta / 4096);
 }
 
-// A child forked while other threads allocate and free (taking the allocator's locks) can
-// allocate: no lock is held by a thread the child does not have.
+// A child forked while other threads allocate and free (taking the allocator's locks) and make
+// tensors of many shapes (the layout table's lock) can make tensors, of new shapes too: no lock
+// is held by a thread the child does not have.
 TEST_F(AllocatorTest, AForkedChildCanAllocate) {
   std::atomic<bool> stop{false};
   std::vector<Tensor> handoff[2];
@@ -147,6 +148,7 @@ TEST_F(AllocatorTest, AForkedChildCanAllocate) {
         std::vector<Tensor> made;
         for (int i = 0; i < 200; ++i) {
           made.push_back(Tensor::empty({1 + (i % 3) * 1024}, DType::F32));
+          made.push_back(Tensor::empty({1 + i % 40, 7}, DType::U8));  // past a thread's cache
         }
         std::lock_guard<std::mutex> lock(handoff_mu);
         handoff[t] = std::move(handoff[1 - t]);  // dropped here: made on the other thread
@@ -168,7 +170,11 @@ TEST_F(AllocatorTest, AForkedChildCanAllocate) {
       for (int i = 0; i < 500; ++i) {
         mine.push_back(Tensor::full({1 + (i % 5) * 1024}, DType::F32, 1.0));
       }
-      _exit(mine.back().narrow(0, 0, 1).item<float>() == 1.0f ? 0 : 1);
+      mine.push_back(Tensor::full({1000 + f, 3}, DType::F32, 1.0));  // a shape nobody made
+      const std::vector<float> last = mine.back().to_vector<float>();
+      const bool ok = mine.front().narrow(0, 0, 1).item<float>() == 1.0f &&
+                      last.size() == static_cast<size_t>(3 * (1000 + f)) && last.back() == 1.0f;
+      _exit(ok ? 0 : 1);
     }
     int status = 0;
     if (waitpid(child, &status, 0) != child || !WIFEXITED(status) ||

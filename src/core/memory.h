@@ -71,6 +71,25 @@ struct SlotAllocator {
   }
 };
 
+// A lock held across fork() (allocator.cc): taken before, released in the parent and made anew
+// in the child, so that a child forked while another thread held it can still take it. For the
+// process-wide locks of making tensors (the allocator's, the layout table's); the lock must live
+// as long as the process, and no two such locks may be held at once (they are taken in
+// registration order).
+struct ForkSafeLock {
+  void* lock = nullptr;
+  void (*acquire)(void*) = nullptr;
+  void (*release)(void*) = nullptr;
+  void (*renew)(void*) = nullptr;
+};
+void fork_safe(const ForkSafeLock& lock);
+template <typename Mutex>
+void fork_safe(Mutex* mu) {
+  fork_safe(ForkSafeLock{mu, [](void* m) { static_cast<Mutex*>(m)->lock(); },
+                         [](void* m) { static_cast<Mutex*>(m)->unlock(); },
+                         [](void* m) { new (m) Mutex; }});
+}
+
 // v.reserve(n), whose failure to allocate throws funcol::Error.
 template <typename V>
 void reserve_or_throw(std::vector<V>& v, size_t n) {

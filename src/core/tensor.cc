@@ -129,7 +129,11 @@ class LayoutInterns {
  private:
   // Never destroyed: tensors in static or thread_local objects may outlive any destructor order.
   static LayoutInterns& instance() {
-    static LayoutInterns* t = new LayoutInterns;
+    static LayoutInterns* t = [] {
+      auto* interns = new LayoutInterns;
+      detail::fork_safe(&interns->mu_);  // a child makes tensors of new shapes too
+      return interns;
+    }();
     return *t;
   }
   std::shared_mutex mu_;
