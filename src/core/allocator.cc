@@ -33,17 +33,6 @@
 #ifdef FUNCOL_ASAN
 #include <sanitizer/asan_interface.h>
 #endif
-// Builds whose sanitizer tracks memory through the system allocator take each Storage object
-// from it (detail::allocate_slot): AddressSanitizer then reports a use after free, and
-// ThreadSanitizer forgets a freed Storage's mutex (a slot reused at once would give the next
-// Storage's mutex the old one's lock order: false lock-order inversions between storages).
-#if defined(FUNCOL_ASAN) || defined(__SANITIZE_THREAD__)
-#define FUNCOL_SLOTS_FROM_SYSTEM 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define FUNCOL_SLOTS_FROM_SYSTEM 1
-#endif
-#endif
 
 namespace funcol {
 
@@ -565,11 +554,17 @@ class SlotPool {
   std::vector<char*> slabs_;
 };
 
+// The last slot of the list from `head` (not null).
+FreeSlot* last_of(FreeSlot* head) {
+  while (head->next != nullptr) head = head->next;
+  return head;
+}
+
 // A thread's free slots, taken and given without a lock.
 class ThreadSlots {
  public:
   ~ThreadSlots() {
-    if (head_ != nullptr) SlotPool::instance().give(head_, tail());
+    if (head_ != nullptr) SlotPool::instance().give(head_, last_of(head_));
     tl_gone = true;
   }
   // Null once this thread's list was destroyed (a Storage freed by a later thread_local
@@ -604,17 +599,10 @@ class ThreadSlots {
     FreeSlot* first_given = last_kept->next;
     last_kept->next = nullptr;
     count_ = kThreadSlotsMax / 2;
-    FreeSlot* last_given = first_given;
-    while (last_given->next != nullptr) last_given = last_given->next;
-    SlotPool::instance().give(first_given, last_given);
+    SlotPool::instance().give(first_given, last_of(first_given));
   }
 
  private:
-  FreeSlot* tail() const {
-    FreeSlot* t = head_;
-    while (t->next != nullptr) t = t->next;
-    return t;
-  }
   FreeSlot* head_ = nullptr;
   size_t count_ = 0;
   static thread_local bool tl_gone;  // trivially destructible: readable after the list is gone
@@ -626,26 +614,22 @@ thread_local bool ThreadSlots::tl_gone = false;
 namespace detail {
 
 void* allocate_slot() {
-#ifdef FUNCOL_SLOTS_FROM_SYSTEM
-  return ::operator new (kSlotBytes, std::align_val_t{kStorageAlignment});
-#else
+  if constexpr (kSlotsFromSystem) {
+    return ::operator new (kSlotBytes, std::align_val_t{kStorageAlignment});
+  }
   if (ThreadSlots* slots = ThreadSlots::mine()) return slots->take();
   size_t count = 0;
   FreeSlot* head = SlotPool::instance().take(&count);
   if (head == nullptr) head = SlotPool::instance().new_slab();
-  if (head->next != nullptr) {
-    FreeSlot* tail = head->next;
-    while (tail->next != nullptr) tail = tail->next;
-    SlotPool::instance().give(head->next, tail);
-  }
+  if (head->next != nullptr) SlotPool::instance().give(head->next, last_of(head->next));
   return head;
-#endif
 }
 
 void free_slot(void* p) {
-#ifdef FUNCOL_SLOTS_FROM_SYSTEM
-  ::operator delete (p, std::align_val_t{kStorageAlignment});
-#else
+  if constexpr (kSlotsFromSystem) {
+    ::operator delete (p, std::align_val_t{kStorageAlignment});
+    return;
+  }
   if (ThreadSlots* slots = ThreadSlots::mine()) {
     slots->give(p);
     return;
@@ -653,7 +637,6 @@ void free_slot(void* p) {
   auto* slot = static_cast<FreeSlot*>(p);
   slot->next = nullptr;
   SlotPool::instance().give(slot, slot);
-#endif
 }
 
 }  // namespace detail

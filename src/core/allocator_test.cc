@@ -26,18 +26,8 @@ namespace funcol {
 
 namespace {
 
-// Sanitizer builds allocate each Storage object from the system (allocator.cc).
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kStorageFromSystem = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kStorageFromSystem = true;
-#else
-constexpr bool kStorageFromSystem = false;
-#endif
-#else
-constexpr bool kStorageFromSystem = false;
-#endif
+// Sanitizer builds allocate each Storage object from the system (memory.h).
+constexpr bool kStorageFromSystem = detail::kSlotsFromSystem;
 constexpr const char* kSlotsSkip =
     "sanitizer builds allocate each Storage object from the system, whose allocator the "
     "sanitizer tracks";

@@ -43,8 +43,23 @@ inline bool beyond_memory(uint64_t bytes) {
 // its inputs in 10-31 us instead of 6). A thread keeps the slots it frees for its next ones
 // (allocator.cc). Slabs are never handed back to the system: a program keeps 192 bytes for each
 // Storage it ever had alive at once. Anything larger than a slot is an ordinary allocation, and
-// so is every Storage in AddressSanitizer and ThreadSanitizer builds (allocator.cc).
+// so is every Storage in AddressSanitizer and ThreadSanitizer builds (kSlotsFromSystem).
 inline constexpr size_t kSlotBytes = 192;
+// Whether this build takes each Storage from the system instead: the builds whose sanitizer
+// tracks memory through the system allocator (AddressSanitizer reports a use after free there,
+// and ThreadSanitizer forgets a freed Storage's mutex, where a slot reused at once would give
+// the next Storage's mutex the old one's lock order: false lock-order inversions).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSlotsFromSystem = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+inline constexpr bool kSlotsFromSystem = true;
+#else
+inline constexpr bool kSlotsFromSystem = false;
+#endif
+#else
+inline constexpr bool kSlotsFromSystem = false;
+#endif
 void* allocate_slot();
 void free_slot(void* p);
 
