@@ -8,6 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -1096,6 +1098,33 @@ TEST(GroupSpecTest, RankListWarnsOnce) {
     ++count;
   }
   EXPECT_LE(count, 1u) << err;
+}
+
+// Exactly once per process: counted in a process of its own (the threadsafe style runs the
+// test binary anew), where no earlier test has warned yet.
+TEST(GroupSpecDeathTest, RankListWarnsExactlyOncePerProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        testing::internal::CaptureStderr();
+        run_local(2, [](ProcessGroup&) {
+          Tensor x = Tensor::full({4}, DType::F32, 1);
+          all_reduce(x, "sum", {0, 1}).wait();
+          all_reduce(x, "sum", std::vector<int>{0, 1}).wait();
+        });
+        const std::string err = testing::internal::GetCapturedStderr();
+        const std::string warning =
+            "funcol: warning: passing a list of ranks as a group is deprecated; pass a "
+            "ProcessGroup, a DeviceMesh or a group name\n";
+        size_t count = 0;
+        for (size_t pos = err.find(warning); pos != std::string::npos;
+             pos = err.find(warning, pos + 1)) {
+          ++count;
+        }
+        std::fprintf(stderr, "rank-list warnings: %zu\n", count);
+        std::_Exit(count == 1 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "rank-list warnings: 1");
 }
 
 TEST(GroupSpecTest, Names) {

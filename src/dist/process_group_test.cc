@@ -398,6 +398,8 @@ TEST(DeviceMeshTest, RejectsBadDims) {
     expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"a", 2}, {"a", 2}}); },
                                   {"'a' is used twice"});
     expect_error<InvalidArgument>([&] { DeviceMesh(world, {}); }, {"at least one dim"});
+    expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"dp", 2}, {"", 2}}); },
+                                  {"DeviceMesh: dim 1 has an empty name"});
     expect_error<InvalidArgument>([&] { DeviceMesh(world, {{"a", 0}, {"b", 4}}); },
                                   {"'a' has size 0"});
     // A product past int64 wraps to 4 (2^64 + 4) without the overflow check; it crashed.

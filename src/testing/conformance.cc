@@ -195,14 +195,18 @@ std::string case_name(const char* op, DType dtype, const char* extra, int64_t co
   return s.str();
 }
 
-// Large counts (1<<20): f32 only, to keep the suite fast on two cores. Every collective with
-// sum up to 4 ranks (all_reduce at every size); every reduce op for all_reduce on 2 and 3
-// ranks and for reduce_scatter on 2. Reduced: sum on the first two world sizes above 1.
+// Large counts (1<<20) for f32: every collective with sum up to 4 ranks (all_reduce at every
+// size); every reduce op for all_reduce on 2 and 3 ranks and for reduce_scatter on 2. Reduced:
+// sum on the first two world sizes above 1. Full (not reduced) adds every dtype and reduce op on
+// every world size, reduce_scatter and all_gather with 1<<20 elements in their larger buffer
+// (as nccl-tests sizes them): n x 1<<20 would take minutes at 8 ranks on two cores.
 struct LargePolicy {
   bool reduced = false;
   std::vector<int> sizes;
+  bool full = false;
   enum Family { kAllReduce, kReduceScatter, kOther };
-  // Whether to run count 1<<20 with reduce op `op` (Sum for non-reducing collectives).
+  bool every() const { return full && !reduced; }
+  // Whether to run count 1<<20 with reduce op `op` (Sum for non-reducing collectives) for f32.
   bool allows(int n, Family family, ReduceOp op = ReduceOp::Sum) const {
     if (reduced) {
       std::vector<int> above;
@@ -496,8 +500,11 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
       for (int64_t count : kSmallCounts) run_all_reduce(c, dtype, op, count);
     }
   }
-  for (ReduceOp op : valid_ops(DType::F32)) {
-    if (large.allows(c.n, LargePolicy::kAllReduce, op)) run_all_reduce(c, DType::F32, op, kLarge);
+  for (DType dtype : kAllDTypes) {
+    for (ReduceOp op : valid_ops(dtype)) {
+      const bool f32_case = dtype == DType::F32 && large.allows(c.n, LargePolicy::kAllReduce, op);
+      if (large.every() || f32_case) run_all_reduce(c, dtype, op, kLarge);
+    }
   }
   // Reference scenario: all_reduce(full(10x10, rank), avg) = mean of the ranks.
   Tensor t = Tensor::full({10, 10}, DType::F32, c.r);
@@ -537,9 +544,12 @@ void family_reduce_scatter(Ctx& c, const LargePolicy& large) {
       for (int64_t count : kSmallCounts) run_reduce_scatter(c, dtype, op, count);
     }
   }
-  for (ReduceOp op : valid_ops(DType::F32)) {
-    if (large.allows(c.n, LargePolicy::kReduceScatter, op)) {
-      run_reduce_scatter(c, DType::F32, op, kLarge);
+  for (DType dtype : kAllDTypes) {
+    for (ReduceOp op : valid_ops(dtype)) {
+      if (large.every()) run_reduce_scatter(c, dtype, op, kLarge / c.n);
+      if (dtype == DType::F32 && large.allows(c.n, LargePolicy::kReduceScatter, op)) {
+        run_reduce_scatter(c, dtype, op, kLarge);
+      }
     }
   }
   // Reference scenario: reduce_scatter(tensor(ranks), avg) gives rank r the value r.
@@ -571,7 +581,12 @@ void family_all_gather(Ctx& c, const LargePolicy& large) {
   for (DType dtype : kAllDTypes) {
     for (int64_t count : kSmallCounts) run_all_gather(c, dtype, count);
   }
-  if (large.allows(c.n, LargePolicy::kOther)) run_all_gather(c, DType::F32, kLarge);
+  for (DType dtype : kAllDTypes) {
+    if (large.every()) run_all_gather(c, dtype, kLarge / c.n);
+    if (dtype == DType::F32 && large.allows(c.n, LargePolicy::kOther)) {
+      run_all_gather(c, dtype, kLarge);
+    }
+  }
   // In place: the input is this rank's block of the output.
   Tensor out = Tensor::zeros({c.n, 5}, DType::I64);
   Tensor mine = out.select(0, c.r);
@@ -630,8 +645,10 @@ void family_all_to_all(Ctx& c, const LargePolicy& large) {
       run_all_to_all(c, dtype, even(count), 1, count % 2 == 0, "even, rows " + std::to_string(count));
     }
   }
-  if (large.allows(n, LargePolicy::kOther)) {
-    run_all_to_all(c, DType::F32, even(kLarge / n), 1, true, "even, rows 1<<20 / n");
+  for (DType dtype : kAllDTypes) {
+    if (large.every() || (dtype == DType::F32 && large.allows(n, LargePolicy::kOther))) {
+      run_all_to_all(c, dtype, even(kLarge / n), 1, true, "even, rows 1<<20 / n");
+    }
   }
   // Uneven splits with zeros, rows of 3 elements: rank i sends (i + j) % 3 rows to j.
   std::vector<std::vector<int64_t>> uneven(n, std::vector<int64_t>(n));
@@ -710,7 +727,11 @@ void family_broadcast(Ctx& c, const LargePolicy& large) {
       }
     }
   }
-  if (large.allows(c.n, LargePolicy::kOther)) run_broadcast(c, DType::F32, kLarge, c.n - 1);
+  for (DType dtype : kAllDTypes) {
+    if (large.every() || (dtype == DType::F32 && large.allows(c.n, LargePolicy::kOther))) {
+      run_broadcast(c, dtype, kLarge, c.n - 1);
+    }
+  }
   if (c.n >= 2) {
     // Reference scenario: broadcast(full(rank), src=1) is all ones.
     Tensor t = Tensor::full({4}, DType::F32, c.r);
@@ -1382,7 +1403,7 @@ void expect_values(const Tensor& actual, const std::vector<double>& expected,
 }
 
 void register_conformance_tests(const ConformanceConfig& config) {
-  LargePolicy large{config.reduced, config.world_sizes};
+  LargePolicy large{config.reduced, config.world_sizes, config.full_large};
   const std::string suite = "Conformance/" + config.backend;
   for (const FamilyEntry& family : kFamilies) {
     if (!config.families.empty() &&

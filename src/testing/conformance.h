@@ -20,6 +20,10 @@ struct ConformanceConfig {
   // f32 with sum, on the first two world sizes that are > 1 (and in a build compiled with
   // FUNCOL_SANITIZED, with 1<<17 elements instead).
   bool reduced = false;
+  // The whole matrix at 1<<20 too: every dtype and every valid reduce op on every world size,
+  // reduce_scatter and all_gather with 1<<20 elements in their larger buffer (the threads
+  // backend outside sanitizer builds). Ignored when `reduced`.
+  bool full_large = false;
   // Families to register (names as in the test names); empty means all of them.
   std::vector<std::string> families;
 };
@@ -32,8 +36,10 @@ struct ConformanceConfig {
 //
 // Matrix: counts {0, 1, 7, 1000} for every dtype and every valid reduce op (bitwise ops on
 // integer and bool only; avg on every dtype but bool, integer avg truncating); count 1<<20 for
-// f32: every collective with sum up to 4 ranks (all_reduce at every size), every reduce op
-// for all_reduce on 2 and 3 ranks and for reduce_scatter on 2. Families: all_reduce, reduce_scatter, all_gather, all_to_all (even, uneven and zero
+// f32: every collective with sum up to 4 ranks (all_reduce at every size), every reduce op for
+// all_reduce on 2 and 3 ranks and for reduce_scatter on 2; with `full_large`, every dtype and
+// reduce op on every world size as well (reduce_scatter and all_gather: 1<<20 / n per rank).
+// Families: all_reduce, reduce_scatter, all_gather, all_to_all (even, uneven and zero
 // splits, random split matrix), broadcast (every root), coalesced (all three forms, mixed
 // dtypes and counts), overlap (an output over its input other than in place is refused),
 // barrier, groups (new_group, split_group, 2-D DeviceMesh membership and

@@ -10,10 +10,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -55,6 +57,7 @@ const bool kRegistered = [] {
   config.backend = "threads";
   config.launch = testing::threads_launcher();
   config.world_sizes = {1, 2, 3, 4, 5, 6, 7, 8};
+  config.full_large = true;
 #ifdef FUNCOL_SANITIZED
   config.reduced = true;
   config.world_sizes = {1, 2, 3, 4, 8};
@@ -162,6 +165,60 @@ TEST(RunLocalTest, RejectsInvalidWorldSizes) {
     EXPECT_NE(std::string(e.what()).find("got 0"), std::string::npos) << e.what();
   }
   EXPECT_THROW(run_local(2, noop, LocalOptions{std::chrono::milliseconds(-1)}), InvalidArgument);
+  try {
+    run_local(2, std::function<void(ProcessGroup&)>());
+    ADD_FAILURE() << "an empty rank function was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("run_local: the rank function is empty"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// A rank's second thread issuing on a group while the rank's own thread is inside an issue on
+// it would race for the sequence numbers (and the ranks would disagree on which collective is
+// which): refused. Rank 0's ninth small all_reduce waits at issue for the lane slot of its first,
+// which rank 1 has not issued yet, so rank 0 is inside an issue while its helper tries.
+TEST(RunLocalTest, TwoThreadsIssuingOnOneGroupIsAnError) {
+  constexpr int kCalls = 9;  // one more than a group's lane slots
+  std::atomic<bool> helper_done{false};
+  std::string helper_error;
+  run_ranks(2, [&](ProcessGroup& world) {
+    std::vector<Tensor> tensors;
+    std::vector<std::shared_ptr<Work>> works;
+    auto issue_all = [&] {
+      for (int i = 0; i < kCalls; ++i) {
+        tensors.push_back(Tensor::full({4}, DType::F32, i + 1));
+        works.push_back(world.all_reduce(tensors.back(), ReduceOp::Sum));
+      }
+    };
+    if (world.rank() == 0) {
+      std::thread helper([&] {
+        // Long enough for rank 0 to reach its blocked ninth issue (microseconds away).
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        Tensor t = Tensor::full({4}, DType::F32, 100);
+        try {
+          world.all_reduce(t, ReduceOp::Sum);
+        } catch (const InvalidArgument& e) {
+          helper_error = e.what();
+        }
+        helper_done = true;
+      });
+      issue_all();
+      helper.join();
+    } else {
+      while (!helper_done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      issue_all();
+    }
+    for (int i = 0; i < kCalls; ++i) {
+      works[i]->wait();
+      EXPECT_EQ(tensors[i].to_vector<float>(), std::vector<float>(4, 2.0f * (i + 1)));
+    }
+  });
+  EXPECT_NE(helper_error.find("group 'world' (threads backend, rank 0): collectives issued from "
+                              "two threads at once"),
+            std::string::npos)
+      << helper_error;
 }
 
 // LocalOptions{milliseconds::max()} means "never time out": a late rank is waited for (the
@@ -442,7 +499,7 @@ TEST(FailureTest, PeerThrowsBeforeJoining) {
   EXPECT_EQ(message,
             "all_reduce on group 'world' (seq 0): rank 1 departed (threw: boom) before joining; "
             "missing ranks [1]");
-  EXPECT_LT(seconds_since(start), 2.0);
+  EXPECT_LT(seconds_since(start), 1.0);  // within a second, not at the timeout
 }
 
 // A flat collective's failures name it as called (all_reduce_flat), not as the coalesced list
@@ -589,7 +646,7 @@ TEST(FailureTest, PendingCollectiveFailsWhenPeerThrowsLater) {
   EXPECT_EQ(message,
             "all_reduce on group 'world' (seq 0): rank 2 departed (threw: late failure) before "
             "joining; missing ranks [2]");
-  EXPECT_LT(seconds_since(start), 2.0);
+  EXPECT_LT(seconds_since(start), 1.0);  // within a second, not at the timeout
 }
 
 TEST(FailureTest, PeerReturnsEarly) {
@@ -617,7 +674,7 @@ TEST(FailureTest, PeerReturnsEarly) {
   EXPECT_NE(second.find("barrier on group 'world' (seq 2): rank 1 departed (returned)"),
             std::string::npos)
       << second;
-  EXPECT_LT(seconds_since(start), 2.0);
+  EXPECT_LT(seconds_since(start), 1.0);  // within a second, not at the timeout
 }
 
 // A collective issued after a peer left fails at once; its outputs must not read as data (the
@@ -1099,7 +1156,7 @@ TEST(LaneTest, MismatchFoundWithoutWaitingOnTheLane) {
   EXPECT_NE(messages[0].find("(seq 0): mismatched collectives"), std::string::npos)
       << messages[0];
   EXPECT_EQ(messages[1], messages[0]);
-  EXPECT_LT(seconds_since(start), 2.0);
+  EXPECT_LT(seconds_since(start), 1.0);  // within a second, not at the timeout
 }
 
 // The Op-path side of a lane/Op mismatch may run kLaneSlots (8) collectives ahead before the
@@ -1161,7 +1218,7 @@ TEST(LaneTest, MismatchWhenTheOpPathSideRunsAhead) {
           << messages[0];
     }
     for (int r = 1; r < n; ++r) EXPECT_EQ(messages[r], messages[0]) << r;
-    EXPECT_LT(seconds_since(start), 2.0);
+    EXPECT_LT(seconds_since(start), 1.0);  // within a second, not at the timeout
   }
 }
 
@@ -1855,7 +1912,7 @@ TEST(LaneTest, DepartureWhileWaiting) {
               "all_reduce on group 'world' (seq 0): rank 3 departed (threw: gone) before "
               "joining; missing ranks [3]");
   }
-  EXPECT_LT(seconds_since(start), 2.0);
+  EXPECT_LT(seconds_since(start), 1.0);  // within a second, not at the timeout
 }
 
 TEST(FailureTest, TimeoutWhenAPeerNeverArrives) {
