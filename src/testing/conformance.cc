@@ -206,8 +206,18 @@ struct LargePolicy {
   bool full = false;
   enum Family { kAllReduce, kReduceScatter, kOther };
   bool every() const { return full && !reduced; }
-  // Whether to run count 1<<20 with reduce op `op` (Sum for non-reducing collectives) for f32.
-  bool allows(int n, Family family, ReduceOp op = ReduceOp::Sum) const {
+  // Whether to run count 1<<20 of `dtype` with reduce op `op` (Sum for non-reducing ones).
+  bool runs(DType dtype, int n, Family family, ReduceOp op = ReduceOp::Sum) const {
+    return every() || f32_runs(dtype, n, family, op);
+  }
+  // Whether the f32 case of count 1<<20 runs (every policy's; reduce_scatter and all_gather
+  // run it at n x 1<<20 beside the full policy's 1<<20 in all).
+  bool f32_runs(DType dtype, int n, Family family, ReduceOp op = ReduceOp::Sum) const {
+    return dtype == DType::F32 && allows(n, family, op);
+  }
+
+ private:
+  bool allows(int n, Family family, ReduceOp op) const {
     if (reduced) {
       std::vector<int> above;
       for (int s : sizes) {
@@ -502,8 +512,7 @@ void family_all_reduce(Ctx& c, const LargePolicy& large) {
   }
   for (DType dtype : kAllDTypes) {
     for (ReduceOp op : valid_ops(dtype)) {
-      const bool f32_case = dtype == DType::F32 && large.allows(c.n, LargePolicy::kAllReduce, op);
-      if (large.every() || f32_case) run_all_reduce(c, dtype, op, kLarge);
+      if (large.runs(dtype, c.n, LargePolicy::kAllReduce, op)) run_all_reduce(c, dtype, op, kLarge);
     }
   }
   // Reference scenario: all_reduce(full(10x10, rank), avg) = mean of the ranks.
@@ -547,7 +556,7 @@ void family_reduce_scatter(Ctx& c, const LargePolicy& large) {
   for (DType dtype : kAllDTypes) {
     for (ReduceOp op : valid_ops(dtype)) {
       if (large.every()) run_reduce_scatter(c, dtype, op, kLarge / c.n);
-      if (dtype == DType::F32 && large.allows(c.n, LargePolicy::kReduceScatter, op)) {
+      if (large.f32_runs(dtype, c.n, LargePolicy::kReduceScatter, op)) {
         run_reduce_scatter(c, dtype, op, kLarge);
       }
     }
@@ -583,9 +592,7 @@ void family_all_gather(Ctx& c, const LargePolicy& large) {
   }
   for (DType dtype : kAllDTypes) {
     if (large.every()) run_all_gather(c, dtype, kLarge / c.n);
-    if (dtype == DType::F32 && large.allows(c.n, LargePolicy::kOther)) {
-      run_all_gather(c, dtype, kLarge);
-    }
+    if (large.f32_runs(dtype, c.n, LargePolicy::kOther)) run_all_gather(c, dtype, kLarge);
   }
   // In place: the input is this rank's block of the output.
   Tensor out = Tensor::zeros({c.n, 5}, DType::I64);
@@ -646,7 +653,7 @@ void family_all_to_all(Ctx& c, const LargePolicy& large) {
     }
   }
   for (DType dtype : kAllDTypes) {
-    if (large.every() || (dtype == DType::F32 && large.allows(n, LargePolicy::kOther))) {
+    if (large.runs(dtype, n, LargePolicy::kOther)) {
       run_all_to_all(c, dtype, even(kLarge / n), 1, true, "even, rows 1<<20 / n");
     }
   }
@@ -728,9 +735,7 @@ void family_broadcast(Ctx& c, const LargePolicy& large) {
     }
   }
   for (DType dtype : kAllDTypes) {
-    if (large.every() || (dtype == DType::F32 && large.allows(c.n, LargePolicy::kOther))) {
-      run_broadcast(c, dtype, kLarge, c.n - 1);
-    }
+    if (large.runs(dtype, c.n, LargePolicy::kOther)) run_broadcast(c, dtype, kLarge, c.n - 1);
   }
   if (c.n >= 2) {
     // Reference scenario: broadcast(full(rank), src=1) is all ones.
