@@ -1080,6 +1080,18 @@ TEST(Errors, InplaceDtypeMismatchIsRefusedWithoutStallingPeers) {
 
 // ---- group specs (D.20-21) ----
 
+// How many times `err` holds the rank-list deprecation warning.
+size_t rank_list_warnings(const std::string& err) {
+  const std::string warning =
+      "funcol: warning: passing a list of ranks as a group is deprecated; pass a ProcessGroup, a "
+      "DeviceMesh or a group name\n";
+  size_t count = 0;
+  for (size_t pos = err.find(warning); pos != std::string::npos; pos = err.find(warning, pos + 1)) {
+    ++count;
+  }
+  return count;
+}
+
 TEST(GroupSpecTest, RankListWarnsOnce) {
   testing::internal::CaptureStderr();
   run_local(4, [](ProcessGroup& world) {
@@ -1090,14 +1102,7 @@ TEST(GroupSpecTest, RankListWarnsOnce) {
     EXPECT_EQ(&GroupSpec({0, 1, 2, 3}).resolve(), &world);
   });
   const std::string err = testing::internal::GetCapturedStderr();
-  const std::string warning =
-      "funcol: warning: passing a list of ranks as a group is deprecated; pass a ProcessGroup, a "
-      "DeviceMesh or a group name";
-  size_t count = 0;
-  for (size_t pos = err.find(warning); pos != std::string::npos; pos = err.find(warning, pos + 1)) {
-    ++count;
-  }
-  EXPECT_LE(count, 1u) << err;
+  EXPECT_LE(rank_list_warnings(err), 1u) << err;
 }
 
 // Exactly once per process: counted in a process of its own (the threadsafe style runs the
@@ -1112,15 +1117,7 @@ TEST(GroupSpecDeathTest, RankListWarnsExactlyOncePerProcess) {
           all_reduce(x, "sum", {0, 1}).wait();
           all_reduce(x, "sum", std::vector<int>{0, 1}).wait();
         });
-        const std::string err = testing::internal::GetCapturedStderr();
-        const std::string warning =
-            "funcol: warning: passing a list of ranks as a group is deprecated; pass a "
-            "ProcessGroup, a DeviceMesh or a group name\n";
-        size_t count = 0;
-        for (size_t pos = err.find(warning); pos != std::string::npos;
-             pos = err.find(warning, pos + 1)) {
-          ++count;
-        }
+        const size_t count = rank_list_warnings(testing::internal::GetCapturedStderr());
         std::fprintf(stderr, "rank-list warnings: %zu\n", count);
         std::_Exit(count == 1 ? 0 : 1);
       },

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -55,20 +56,30 @@ Program make_program(uint32_t seed) {
   auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint32_t>(n)); };
   Program p;
   p.world_size = 2 + pick(7);
-  p.max_pending = 1 + pick(12);
-  const int steps = 3 + pick(30);
-  for (int s = 0; s < steps; ++s) {
+  p.max_pending = 1 + pick(16);
+  const int target = 3 + pick(30);
+  while (static_cast<int>(p.steps.size()) < target) {
     Step step;
     step.kind = static_cast<Kind>(pick(7));
     step.group = p.world_size >= 4 ? pick(3) : 0;
     // Small counts take the lane (all_reduce up to its limit); large ones the Op path.
     step.count = step.kind == Kind::kLargeAllReduce ? 4096 + pick(60000) : 1 + pick(300);
-    step.wait_now = pick(3) == 0;
-    p.steps.push_back(step);
+    step.wait_now = pick(5) == 0;
+    // Now and then a burst of small all_reduces on one group, none waited: past the group's 8
+    // lane slots a rank waits at issue for the slot of its own earlier one.
+    const int copies = pick(6) == 0 ? 9 + pick(4) : 1;
+    if (copies > 1) {
+      step.kind = Kind::kSmallAllReduce;
+      step.wait_now = false;
+    }
+    for (int k = 0; k < copies; ++k) p.steps.push_back(step);
   }
+  const int steps = static_cast<int>(p.steps.size());
   p.failing_rank = pick(p.world_size);
   p.failing_step = pick(steps);
   p.failure = static_cast<Failure>(pick(3));
+  // A mismatch needs the failing rank among the step's members: the world's.
+  if (p.failure == Failure::kMismatch) p.steps[p.failing_step].group = 0;
   return p;
 }
 
@@ -86,6 +97,8 @@ std::vector<int> members(int world_size, int group) {
 struct Outcome {
   int completed = 0;
   int comm_errors = 0;
+  // Issued a small all_reduce with 8 of its own on the group unwaited (it waited at issue).
+  bool past_lane_slots = false;
   std::vector<std::string> problems;  // anything but a right value or a CommError
 };
 
@@ -122,6 +135,7 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
     groups[2] = new_group(world, members(p.world_size, 2));
   }
   std::vector<Pending> pending;
+  int lane_pending[3] = {0, 0, 0};  // unwaited small all_reduces per group
   auto finish = [&](Pending& x) {
     try {
       x.work->wait();
@@ -133,6 +147,10 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
       }
     } catch (const CommError& e) {
       ++out.comm_errors;
+      if (std::string(e.what()).find("(seq ") == std::string::npos) {
+        out.problems.push_back("step " + std::to_string(x.step) + ": a CommError without the "
+                               "collective's seq: " + e.what());
+      }
       // A rank that sees its group fail leaves, as a training loop would.
       throw;
     }
@@ -155,6 +173,8 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
     x.step = s;
     switch (mismatch && step.kind == Kind::kBarrier ? Kind::kSmallAllReduce : step.kind) {
       case Kind::kSmallAllReduce:
+        if (lane_pending[step.group]++ >= 8) out.past_lane_slots = true;
+        [[fallthrough]];
       case Kind::kLargeAllReduce: {
         Tensor t = Tensor::full({count}, DType::I64, gr + 1 + s);
         x.work = g->all_reduce(t, ReduceOp::Sum);
@@ -181,12 +201,16 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
         break;
       }
       case Kind::kReduceScatter: {
-        Tensor in = Tensor::full({count * n}, DType::F32, 1.0);
+        // Block b of member m's input holds (b + 1) * 100 + m: member r gets
+        // n (r + 1) 100 + n (n - 1) / 2 everywhere.
+        Tensor in = Tensor::empty({count * n}, DType::F32);
+        for (int b = 0; b < n; ++b) in.narrow(0, b * count, count).fill_((b + 1) * 100 + gr);
         Tensor o = Tensor::empty({count}, DType::F32);
         x.work = g->reduce_scatter(o, in, ReduceOp::Sum);
-        x.check = [o, n] {
+        const float want = static_cast<float>(n * (gr + 1) * 100 + n * (n - 1) / 2);
+        x.check = [o, want] {
           for (float v : o.to_vector<float>()) {
-            if (v != static_cast<float>(n)) return std::string("reduce_scatter");
+            if (v != want) return "reduce_scatter gave " + std::to_string(v);
           }
           return std::string();
         };
@@ -226,6 +250,7 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
     if (step.wait_now || static_cast<int>(pending.size()) >= p.max_pending) {
       for (Pending& q : pending) finish(q);
       pending.clear();
+      for (int& k : lane_pending) k = 0;
     }
   }
   for (Pending& q : pending) finish(q);
@@ -245,6 +270,7 @@ TEST(FailureFuzzTest, OneRankFailsAtARandomStep) {
   constexpr auto kTimeout = std::chrono::seconds(60);
   constexpr double kBoundSeconds = 5.0;
   int by_failure[3] = {0, 0, 0};
+  int completed = 0, comm_errors = 0, past_lane_slots = 0;
   for (uint32_t seed = 0; seed < seeds; ++seed) {
     const Program p = make_program(seed);
     SCOPED_TRACE("seed " + std::to_string(seed) + ": " + std::to_string(p.world_size) +
@@ -271,11 +297,16 @@ TEST(FailureFuzzTest, OneRankFailsAtARandomStep) {
     }
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     EXPECT_LT(seconds, kBoundSeconds) << thrown;
+    bool past = false;
     for (int r = 0; r < p.world_size; ++r) {
       for (const std::string& problem : outcomes[r].problems) {
         ADD_FAILURE() << "rank " << r << ": " << problem;
       }
+      completed += outcomes[r].completed;
+      comm_errors += outcomes[r].comm_errors;
+      past = past || outcomes[r].past_lane_slots;
     }
+    past_lane_slots += past ? 1 : 0;
     if (p.failure == Failure::kThrow) {
       EXPECT_EQ(thrown, "injected failure");  // the first failure, not a peer's CommError
       continue;
@@ -288,10 +319,17 @@ TEST(FailureFuzzTest, OneRankFailsAtARandomStep) {
       EXPECT_NE(thrown.find("(seq "), std::string::npos) << thrown;
     }
   }
-  // Every kind of failure was drawn.
+  // Every kind of failure was drawn, collectives both completed and failed, and some ranks
+  // waited at issue for a lane slot.
   if (seeds >= 100) {
     for (int k = 0; k < 3; ++k) EXPECT_GT(by_failure[k], 0) << "failure kind " << k;
+    EXPECT_GT(completed, 0);
+    EXPECT_GT(comm_errors, 0);
+    EXPECT_GT(past_lane_slots, 0);
   }
+  std::printf("%u programs: %d collectives completed, %d CommErrors seen by a waiting rank, %d "
+              "programs with a rank waiting at issue for a lane slot\n",
+              seeds, completed, comm_errors, past_lane_slots);
 }
 
 }  // namespace

@@ -208,14 +208,14 @@ TEST(RunLocalTest, TwoThreadsIssuingOnOneGroupIsAnError) {
       issue_all();
       helper.join();
     } else {
-      while (!helper_done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      await(helper_done);
       issue_all();
     }
     for (int i = 0; i < kCalls; ++i) {
       works[i]->wait();
       EXPECT_EQ(tensors[i].to_vector<float>(), std::vector<float>(4, 2.0f * (i + 1)));
     }
-  });
+  }, LocalOptions{std::chrono::seconds(10)});  // a guard that let the helper in fails, not hangs
   EXPECT_NE(helper_error.find("group 'world' (threads backend, rank 0): collectives issued from "
                               "two threads at once"),
             std::string::npos)
