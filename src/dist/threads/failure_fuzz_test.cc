@@ -13,7 +13,6 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -70,6 +69,7 @@ Program make_program(uint32_t seed) {
     const int copies = pick(6) == 0 ? 9 + pick(4) : 1;
     if (copies > 1) {
       step.kind = Kind::kSmallAllReduce;
+      step.count = 1 + pick(300);
       step.wait_now = false;
     }
     for (int k = 0; k < copies; ++k) p.steps.push_back(step);
