@@ -211,9 +211,10 @@ struct LargePolicy {
     return every() || f32_runs(dtype, n, family, op);
   }
   // Whether the f32 case of count 1<<20 runs (every policy's; reduce_scatter and all_gather
-  // run it at n x 1<<20 beside the full policy's 1<<20 in all).
+  // run it at n x 1<<20 beside the full policy's 1<<20 in all, which at one rank is the same
+  // case and runs once).
   bool f32_runs(DType dtype, int n, Family family, ReduceOp op = ReduceOp::Sum) const {
-    return dtype == DType::F32 && allows(n, family, op);
+    return dtype == DType::F32 && allows(n, family, op) && !(every() && n == 1);
   }
 
  private:
@@ -556,8 +557,7 @@ void family_reduce_scatter(Ctx& c, const LargePolicy& large) {
   for (DType dtype : kAllDTypes) {
     for (ReduceOp op : valid_ops(dtype)) {
       if (large.every()) run_reduce_scatter(c, dtype, op, kLarge / c.n);
-      if (large.f32_runs(dtype, c.n, LargePolicy::kReduceScatter, op) &&
-          !(large.every() && c.n == 1)) {  // the same case at one rank
+      if (large.f32_runs(dtype, c.n, LargePolicy::kReduceScatter, op)) {
         run_reduce_scatter(c, dtype, op, kLarge);
       }
     }
@@ -593,9 +593,7 @@ void family_all_gather(Ctx& c, const LargePolicy& large) {
   }
   for (DType dtype : kAllDTypes) {
     if (large.every()) run_all_gather(c, dtype, kLarge / c.n);
-    if (large.f32_runs(dtype, c.n, LargePolicy::kOther) && !(large.every() && c.n == 1)) {
-      run_all_gather(c, dtype, kLarge);  // (at one rank the same case as above)
-    }
+    if (large.f32_runs(dtype, c.n, LargePolicy::kOther)) run_all_gather(c, dtype, kLarge);
   }
   // In place: the input is this rank's block of the output.
   Tensor out = Tensor::zeros({c.n, 5}, DType::I64);

@@ -109,6 +109,30 @@ struct Pending {
   int step;
 };
 
+// Checks for Pending::check: every element of `t` is `want` (all_equal), or every element of
+// block j of `t` (`block` elements each, from member j) is block_value(j) (blocks_equal).
+template <typename T>
+std::function<std::string()> all_equal(const Tensor& t, T want, const char* what) {
+  return [t, want, what] {
+    for (T v : t.to_vector<T>()) {
+      if (v != want) return std::string(what) + " gave " + std::to_string(v);
+    }
+    return std::string();
+  };
+}
+template <typename T, typename BlockValue>
+std::function<std::string()> blocks_equal(const Tensor& t, int64_t block, BlockValue block_value,
+                                          const char* what) {
+  return [t, block, block_value, what] {
+    const std::vector<T> v = t.to_vector<T>();
+    for (size_t i = 0; i < v.size(); ++i) {
+      const T want = block_value(static_cast<int64_t>(i) / block);
+      if (v[i] != want) return std::string(what) + " gave " + std::to_string(v[i]);
+    }
+    return std::string();
+  };
+}
+
 void run_program(const Program& p, ProcessGroup& world, Outcome& out);
 
 // run_program, with every exception but the injected failure and a CommError recorded as a
@@ -179,25 +203,15 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
         Tensor t = Tensor::full({count}, DType::I64, gr + 1 + s);
         x.work = g->all_reduce(t, ReduceOp::Sum);
         const int64_t want = static_cast<int64_t>(n) * (n + 1) / 2 + static_cast<int64_t>(n) * s;
-        x.check = [t, want] {
-          for (int64_t v : t.to_vector<int64_t>()) {
-            if (v != want) return "all_reduce gave " + std::to_string(v);
-          }
-          return std::string();
-        };
+        x.check = all_equal(t, want, "all_reduce");
         break;
       }
       case Kind::kAllGather: {
         Tensor in = Tensor::full({count}, DType::I32, gr * 10 + s);
         Tensor o = Tensor::empty({count * n}, DType::I32);
         x.work = g->all_gather(o, in);
-        x.check = [o, count, s] {
-          const std::vector<int32_t> v = o.to_vector<int32_t>();
-          for (size_t i = 0; i < v.size(); ++i) {
-            if (v[i] != static_cast<int32_t>(i / count) * 10 + s) return std::string("all_gather");
-          }
-          return std::string();
-        };
+        x.check = blocks_equal<int32_t>(
+            o, count, [s](int64_t j) { return static_cast<int32_t>(j * 10 + s); }, "all_gather");
         break;
       }
       case Kind::kReduceScatter: {
@@ -208,37 +222,22 @@ void run_program(const Program& p, ProcessGroup& world, Outcome& out) {
         Tensor o = Tensor::empty({count}, DType::F32);
         x.work = g->reduce_scatter(o, in, ReduceOp::Sum);
         const float want = static_cast<float>(n * (gr + 1) * 100 + n * (n - 1) / 2);
-        x.check = [o, want] {
-          for (float v : o.to_vector<float>()) {
-            if (v != want) return "reduce_scatter gave " + std::to_string(v);
-          }
-          return std::string();
-        };
+        x.check = all_equal(o, want, "reduce_scatter");
         break;
       }
       case Kind::kAllToAll: {
         Tensor in = Tensor::full({count * n}, DType::I16, gr);
         Tensor o = Tensor::empty({count * n}, DType::I16);
         x.work = g->all_to_all(o, in, {}, {});
-        x.check = [o, count] {
-          const std::vector<int16_t> v = o.to_vector<int16_t>();
-          for (size_t i = 0; i < v.size(); ++i) {
-            if (v[i] != static_cast<int16_t>(i / count)) return std::string("all_to_all");
-          }
-          return std::string();
-        };
+        x.check = blocks_equal<int16_t>(
+            o, count, [](int64_t j) { return static_cast<int16_t>(j); }, "all_to_all");
         break;
       }
       case Kind::kBroadcast: {
         const int root = s % n;
         Tensor t = Tensor::full({count}, DType::F64, gr == root ? 7.0 + s : -1.0);
         x.work = g->broadcast(t, root);
-        x.check = [t, s] {
-          for (double v : t.to_vector<double>()) {
-            if (v != 7.0 + s) return std::string("broadcast");
-          }
-          return std::string();
-        };
+        x.check = all_equal(t, 7.0 + s, "broadcast");
         break;
       }
       case Kind::kBarrier:
