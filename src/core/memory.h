@@ -62,6 +62,10 @@ inline constexpr bool kSlotsFromSystem = false;
 #endif
 void* allocate_slot();
 void free_slot(void* p);
+// The slot pool itself, which allocate_slot and free_slot use where kSlotsFromSystem is false;
+// every build has it, so that its test runs under the sanitizers too (slot_pool_test).
+void* pool_allocate_slot();
+void pool_free_slot(void* p);
 
 template <typename T>
 struct SlotAllocator {
