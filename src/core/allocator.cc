@@ -675,21 +675,6 @@ void pool_free_slot(void* p) {
   SlotPool::instance().give(slot, slot);
 }
 
-void* allocate_slot() {
-  if constexpr (kSlotsFromSystem) {
-    return ::operator new (kSlotBytes, std::align_val_t{kStorageAlignment});
-  }
-  return pool_allocate_slot();
-}
-
-void free_slot(void* p) {
-  if constexpr (kSlotsFromSystem) {
-    ::operator delete (p, std::align_val_t{kStorageAlignment});
-    return;
-  }
-  pool_free_slot(p);
-}
-
 }  // namespace detail
 
 void* allocate_storage(size_t nbytes) {

@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "funcol/core/allocator.h"
 #include "funcol/core/error.h"
 
 namespace funcol::detail {
@@ -60,12 +61,24 @@ inline constexpr bool kSlotsFromSystem = false;
 #else
 inline constexpr bool kSlotsFromSystem = false;
 #endif
-void* allocate_slot();
-void free_slot(void* p);
 // The slot pool itself, which allocate_slot and free_slot use where kSlotsFromSystem is false;
 // every build has it, so that its test runs under the sanitizers too (slot_pool_test).
 void* pool_allocate_slot();
 void pool_free_slot(void* p);
+// Inline, so that a Storage's allocation calls the pool itself (no second jump).
+inline void* allocate_slot() {
+  if constexpr (kSlotsFromSystem) {
+    return ::operator new (kSlotBytes, std::align_val_t{kStorageAlignment});
+  }
+  return pool_allocate_slot();
+}
+inline void free_slot(void* p) {
+  if constexpr (kSlotsFromSystem) {
+    ::operator delete (p, std::align_val_t{kStorageAlignment});
+    return;
+  }
+  pool_free_slot(p);
+}
 
 template <typename T>
 struct SlotAllocator {

@@ -54,7 +54,13 @@ class LiveSlots {
   // False when `p` is live already: the pool handed one slot to two owners.
   bool add(void* p) {
     std::lock_guard<std::mutex> lock(mu_);
+    ever_.insert(reinterpret_cast<uintptr_t>(p));
     return live_.insert(reinterpret_cast<uintptr_t>(p)).second;
+  }
+  // Every slot handed out so far.
+  std::set<uintptr_t> ever() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ever_;
   }
   // Called before the slot goes back (another thread may take it at once).
   bool remove(void* p) {
@@ -65,6 +71,7 @@ class LiveSlots {
  private:
   std::mutex mu_;
   std::set<uintptr_t> live_;
+  std::set<uintptr_t> ever_;
 };
 
 struct Held {
@@ -131,9 +138,15 @@ TEST(SlotPool, EverySlotHasOneOwnerWhileThreadsTradeThem) {
     });
   }
   for (auto& th : threads) th.join();
-  // This thread's slots come first from what the exited threads left.
+  // This thread's slots come first from what the exited threads left: every one of those is
+  // handed out again before a new slab is carved (a list lost on the way is not).
+  const std::set<uintptr_t> traded = live.ever();
+  ASSERT_LT(traded.size(), size_t{20000} - 2048);
   std::vector<Held> after;
   for (uint32_t i = 0; i < 20000; ++i) after.push_back(take(1000, i));
+  size_t reused = 0;
+  for (const Held& h : after) reused += traded.count(reinterpret_cast<uintptr_t>(h.slot));
+  EXPECT_EQ(reused, traded.size()) << "slots the exited threads left that were not reused";
   for (const Held& h : after) drop(h);
   EXPECT_EQ(twice.load(), 0) << "slots handed to two owners at once";
   EXPECT_EQ(misaligned.load(), 0) << "slots not on a 64-byte boundary";
@@ -143,24 +156,34 @@ TEST(SlotPool, EverySlotHasOneOwnerWhileThreadsTradeThem) {
 
 // A slot freed by a thread whose list of free slots is gone (a thread_local destructor that
 // runs after the list's) goes to the pool at once: it is the first slot the next thread gets.
+// It takes a slot there too (from the pool, which keeps the rest of its batch).
 struct LateFree {
   explicit LateFree(int) {}
   ~LateFree() {
-    if (slot != nullptr) pool_free_slot(slot);
+    if (slot == nullptr) return;
+    void* late_taken = pool_allocate_slot();
+    fill(late_taken, 8, 8);
+    *late_taken_intact = intact(late_taken, 8, 8);
+    pool_free_slot(late_taken);
+    pool_free_slot(slot);
   }
   void* slot = nullptr;
+  bool* late_taken_intact = nullptr;
 };
 
 TEST(SlotPool, ASlotFreedAfterItsThreadsListWentIsTheNextHandedOut) {
   void* freed_late = nullptr;
+  bool late_taken_intact = false;
   std::thread([&] {
     // Made before this thread's list of free slots (made by its first slot), so destroyed after.
     thread_local LateFree late(0);
     late.slot = pool_allocate_slot();
     fill(late.slot, 7, 7);
     freed_late = late.slot;
+    late.late_taken_intact = &late_taken_intact;
   }).join();
   ASSERT_NE(freed_late, nullptr);
+  EXPECT_TRUE(late_taken_intact) << "a slot taken after the thread's list went";
 #ifdef FUNCOL_TEST_ASAN
   EXPECT_TRUE(__asan_address_is_poisoned(freed_late)) << "a free slot is not poisoned";
 #endif
@@ -182,8 +205,17 @@ TEST(SlotPoolAsan, AFreeSlotIsPoisonedWholeAndATakenOneNot) {
   void* p = pool_allocate_slot();
   EXPECT_EQ(__asan_region_is_poisoned(p, kSlotBytes), nullptr);
   pool_free_slot(p);
-  for (size_t i = 0; i < kSlotBytes; i += 8) {
-    EXPECT_TRUE(__asan_address_is_poisoned(static_cast<char*>(p) + i)) << "byte " << i;
+  // Two slots in a thread's list, which the pool walks to its end (reading each link) when the
+  // thread exits: both stay poisoned whole.
+  void* in_list[2] = {};
+  std::thread([&] {
+    for (void*& q : in_list) q = pool_allocate_slot();
+    for (void* q : in_list) pool_free_slot(q);
+  }).join();
+  for (void* q : {p, in_list[0], in_list[1]}) {
+    for (size_t i = 0; i < kSlotBytes; i += 8) {
+      EXPECT_TRUE(__asan_address_is_poisoned(static_cast<char*>(q) + i)) << "byte " << i;
+    }
   }
 #endif
 }
