@@ -721,6 +721,11 @@ std::optional<double> env_number(const char* name, std::string_view expected,
   if (last - first > 1 && *first == '+' && first[1] != '-') ++first;
   double value = 0;
   const auto [end, ec] = std::from_chars(first, last, value);
+  // A number beyond a double's range (1e400, 1e-400) is refused as such: it may well be what
+  // `expected` asks for.
+  if (first != last && end == last && ec == std::errc::result_out_of_range) {
+    throw InvalidArgument(fmt::format("{}={}: out of range; expected {}", name, env, expected));
+  }
   if (first == last || end != last || ec != std::errc() || !std::isfinite(value) ||
       !valid(value)) {
     throw InvalidArgument(fmt::format("{}={}: expected {}", name, env, expected));

@@ -172,16 +172,31 @@ TEST_F(DefaultTimeoutTest, EffectiveTimeoutCapsHugeValues) {
   EXPECT_GT(std::chrono::steady_clock::now() + cap, std::chrono::steady_clock::now());
 }
 
+// FUNCOL_TIMEOUT's error for `value`, or "" (a failure) when it was accepted.
+std::string timeout_refusal(const char* value) {
+  setenv("FUNCOL_TIMEOUT", value, 1);
+  try {
+    default_timeout();
+  } catch (const InvalidArgument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted FUNCOL_TIMEOUT=" << value;
+  return "";
+}
+
 TEST_F(DefaultTimeoutTest, RejectsGarbage) {
   // Decimal only: strtod read "0x10" as 16 s.
   for (const char* bad : {"abc", "-1", "0", "5s", "nan", "inf", "0x10", "1e400", "+", "++1", "+-1", " "}) {
-    setenv("FUNCOL_TIMEOUT", bad, 1);
-    try {
-      default_timeout();
-      ADD_FAILURE() << "accepted FUNCOL_TIMEOUT=" << bad;
-    } catch (const InvalidArgument& e) {
-      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
-    }
+    const std::string error = timeout_refusal(bad);
+    EXPECT_NE(error.find(bad), std::string::npos) << error;
+  }
+  // A number past a double's range says so (1e400 is a positive number of seconds).
+  for (const char* huge : {"1e400", "1e-400"}) {
+    const std::string error = timeout_refusal(huge);
+    EXPECT_NE(error.find(std::string("FUNCOL_TIMEOUT=") + huge +
+                         ": out of range; expected a positive number of seconds"),
+              std::string::npos)
+        << error;
   }
 }
 
