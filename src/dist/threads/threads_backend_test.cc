@@ -1334,19 +1334,27 @@ TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
   for (const int ahead : {13, 24}) {
     std::atomic<bool> issued{false};       // rank 0 issued all of them
     std::atomic<bool> late_issued{false};  // rank 1 did
+    std::atomic<Clock::rep> issued_0_7{0};   // when rank 0 had issued seq 0-7
     double issue_seconds = 0;
     std::vector<std::vector<std::string>> messages(2, std::vector<std::string>(ahead));
     run_local(
         2,
         [&](ProcessGroup& pg) {
           const int r = pg.rank();
-          if (r == 1) await(issued);
+          if (r == 1) {
+            await(issued);
+            // Past the deadlines of seq 5-7 too (rank 0 ran on at seq 4's), which a rank 0
+            // descheduled among its issues could otherwise put after rank 1's.
+            std::this_thread::sleep_until(Clock::time_point(Clock::duration(issued_0_7.load())) +
+                                          std::chrono::milliseconds(350));
+          }
           std::vector<Tensor> ts;
           std::vector<std::shared_ptr<Work>> works;
           const auto start = Clock::now();
           for (int i = 0; i < ahead; ++i) {
             ts.push_back(Tensor::full({2}, DType::I32, i));
             works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
+            if (r == 0 && i == 7) issued_0_7 = Clock::now().time_since_epoch().count();
           }
           if (r == 0) {
             issue_seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -1532,6 +1540,7 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
 TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
   std::atomic<bool> gave_up{false};
   std::atomic<bool> third_issued{false};
+  std::atomic<Clock::rep> issued_0_7{0};  // when rank 0 had issued seq 0-7
   std::vector<std::string> at8(3);
   std::vector<std::vector<std::string>> at(3, std::vector<std::string>(8));
   run_local(
@@ -1541,8 +1550,16 @@ TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
         std::vector<Tensor> t;
         for (int i = 0; i < 9; ++i) t.push_back(Tensor::full({2}, DType::I32, i));
         std::vector<std::shared_ptr<Work>> w(8);
-        if (r == 2) await(gave_up);
+        if (r == 2) {
+          await(gave_up);
+          // Past the deadlines of seq 1-7 by a margin, not only seq 0's: rank 0 gives up at seq
+          // 0's, and a slow issue of seq 1-7 (ThreadSanitizer on a busy machine) put theirs after
+          // rank 2's arrival once, and they completed.
+          std::this_thread::sleep_until(Clock::time_point(Clock::duration(issued_0_7.load())) +
+                                        std::chrono::milliseconds(700));
+        }
         for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
+        if (r == 0) issued_0_7 = Clock::now().time_since_epoch().count();
         if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
         if (r == 2) third_issued = true;
         at8[r] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
