@@ -140,10 +140,11 @@ TEST(SlotPool, EverySlotHasOneOwnerWhileThreadsTradeThem) {
   for (auto& th : threads) th.join();
   // This thread's slots come first from what the exited threads left: every one of those is
   // handed out again before a new slab is carved (a list lost on the way is not).
+  constexpr uint32_t kAfter = 20000;
   const std::set<uintptr_t> traded = live.ever();
-  ASSERT_LT(traded.size(), size_t{20000} - 2048);
+  ASSERT_LT(traded.size(), size_t{kAfter} - 2048);
   std::vector<Held> after;
-  for (uint32_t i = 0; i < 20000; ++i) after.push_back(take(1000, i));
+  for (uint32_t i = 0; i < kAfter; ++i) after.push_back(take(1000, i));
   size_t reused = 0;
   for (const Held& h : after) reused += traded.count(reinterpret_cast<uintptr_t>(h.slot));
   EXPECT_EQ(reused, traded.size()) << "slots the exited threads left that were not reused";

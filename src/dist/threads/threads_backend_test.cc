@@ -154,6 +154,13 @@ void await(const std::atomic<bool>& flag) {
   }
 }
 
+// A moment one rank records for another (an atomic of Clock ticks), and sleeping until `after`
+// past it.
+Clock::rep now_ticks() { return Clock::now().time_since_epoch().count(); }
+void sleep_past(const std::atomic<Clock::rep>& moment, std::chrono::milliseconds after) {
+  std::this_thread::sleep_until(Clock::time_point(Clock::duration(moment.load())) + after);
+}
+
 constexpr LocalOptions kShortTimeout{std::chrono::milliseconds(200)};
 
 TEST(RunLocalTest, RejectsInvalidWorldSizes) {
@@ -1345,8 +1352,7 @@ TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
             await(issued);
             // Past the deadlines of seq 5-7 too (rank 0 ran on at seq 4's), which a rank 0
             // descheduled among its issues could otherwise put after rank 1's.
-            std::this_thread::sleep_until(Clock::time_point(Clock::duration(issued_0_7.load())) +
-                                          std::chrono::milliseconds(350));
+            sleep_past(issued_0_7, std::chrono::milliseconds(350));
           }
           std::vector<Tensor> ts;
           std::vector<std::shared_ptr<Work>> works;
@@ -1354,7 +1360,7 @@ TEST(LaneTest, RunningFarAheadGivesUpWithinOneTimeout) {
           for (int i = 0; i < ahead; ++i) {
             ts.push_back(Tensor::full({2}, DType::I32, i));
             works.push_back(pg.all_reduce(ts.back(), ReduceOp::Sum));
-            if (r == 0 && i == 7) issued_0_7 = Clock::now().time_since_epoch().count();
+            if (r == 0 && i == 7) issued_0_7 = now_ticks();
           }
           if (r == 0) {
             issue_seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -1492,7 +1498,7 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
           at8[0] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
           await(first_issued);
           for (int i = 9; i < 16; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
-          issued_9_15 = Clock::now().time_since_epoch().count();
+          issued_9_15 = now_ticks();
           at16[0] = comm_error([&] { pg.all_reduce(t[16], ReduceOp::Sum)->wait(); });
           gave_up = true;
           await(second_issued);
@@ -1502,8 +1508,7 @@ TEST(LaneTest, GivingUpBehindAnEarlierAbsence) {
           // Past the deadlines of rank 0's seq 9-15 by a margin: they time out, as seq 1-7 did.
           // (Rank 0's seq 16 gives up one timeout after slot 0 last moved, which may come before
           // those deadlines when rank 0 is descheduled after rank 1 released seq 0.)
-          std::this_thread::sleep_until(Clock::time_point(Clock::duration(issued_9_15.load())) +
-                                        std::chrono::milliseconds(250));
+          sleep_past(issued_9_15, std::chrono::milliseconds(250));
           at8[1] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
           for (int i = 9; i < 16; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
           at16[1] = comm_error([&] { pg.all_reduce(t[16], ReduceOp::Sum)->wait(); });
@@ -1555,11 +1560,10 @@ TEST(LaneTest, ARankWaitingWhenAnotherGaveUpIsNotCalledLate) {
           // Past the deadlines of seq 1-7 by a margin, not only seq 0's: rank 0 gives up at seq
           // 0's, and a slow issue of seq 1-7 (ThreadSanitizer on a busy machine) put theirs after
           // rank 2's arrival once, and they completed.
-          std::this_thread::sleep_until(Clock::time_point(Clock::duration(issued_0_7.load())) +
-                                        std::chrono::milliseconds(700));
+          sleep_past(issued_0_7, std::chrono::milliseconds(700));
         }
         for (int i = 0; i < 8; ++i) w[i] = pg.all_reduce(t[i], ReduceOp::Sum);
-        if (r == 0) issued_0_7 = Clock::now().time_since_epoch().count();
+        if (r == 0) issued_0_7 = now_ticks();
         if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
         if (r == 2) third_issued = true;
         at8[r] = comm_error([&] { pg.all_reduce(t[8], ReduceOp::Sum)->wait(); });
