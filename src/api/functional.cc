@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -18,6 +19,7 @@
 #include "funcol/api/autograd.h"
 #include "funcol/core/dtype.h"
 #include "funcol/core/error.h"
+#include "funcol/dist/work.h"
 #include "arg_checks.h"
 #include "funcol/graph/tracer.h"
 #include "tape_hooks.h"
@@ -46,12 +48,36 @@ int64_t prod(const Shape& s, size_t begin, size_t end) {
   return p;
 }
 
-// A contiguous copy that the collective may overwrite, so the input stays untouched.
-Tensor contiguous_copy(const Tensor& t) { return t.is_contiguous() ? t.clone() : t.contiguous(); }
+// Null once the collective still writing `t` (if any) is done; or, when `t` holds the failed
+// result of an earlier collective, a contiguous stand-in of its shape and dtype that holds the
+// same failure. The backend then takes the collective's place in the group's sequence and fails
+// it for every member. Throwing here instead, before the backend call, would leave this rank one
+// collective behind its peers: its next collective would pair with their current one, and
+// silently so when the two look alike.
+std::optional<Tensor> failed_stand_in(const Tensor& t) {
+  try {
+    t.wait();
+    return std::nullopt;
+  } catch (...) {
+    Tensor stand_in = Tensor::empty(t.sizes(), t.dtype());
+    auto failed = std::make_shared<Work>("an earlier collective");
+    failed->fail(std::current_exception());
+    stand_in.storage()->add_pending(std::move(failed));
+    return stand_in;
+  }
+}
 
-// The backend reads an input's bytes; an input still pending on an earlier collective is waited
-// first (free when it is ready).
-const Tensor& ready_input(const Tensor& t) { return t.wait(); }
+// What the backend reads: `t` once ready (free when it is), or its failed stand-in.
+Tensor ready_input(const Tensor& t) {
+  std::optional<Tensor> stand_in = failed_stand_in(t);
+  return stand_in ? std::move(*stand_in) : t;
+}
+
+// A contiguous copy that the collective may overwrite, so the input stays untouched.
+Tensor contiguous_copy(const Tensor& t) {
+  if (std::optional<Tensor> stand_in = failed_stand_in(t)) return std::move(*stand_in);
+  return t.is_contiguous() ? t.clone() : t.contiguous();
+}
 
 // The backends read an input when the collective runs, which may be after the call returned
 // (a peer comes later): a write to the input before then would change or tear the result
@@ -171,9 +197,10 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
 // for rank j becomes the j-th contiguous slab, as reduce_scatter expects. A copy, so the input
 // may be non-contiguous unless dim is 0.
 Tensor scatter_dim_to_front(const Tensor& t, int64_t dim, int64_t world) {
+  if (std::optional<Tensor> stand_in = failed_stand_in(t)) return std::move(*stand_in);
   const Shape& s = t.sizes();
   const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
-  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return ready_input(t.contiguous());
+  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return t.contiguous();
   if (!t.is_contiguous()) return Tensor::cat(t.chunk(world, dim), 0);
   Tensor front = Tensor::empty(s, t.dtype());
   const size_t block_bytes = static_cast<size_t>(s[static_cast<size_t>(dim)] / world *
@@ -384,7 +411,7 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
   if (api_detail::tape_input(t, "permute_tensor")) {
     return api_detail::tape_permute(t, splits.out, splits.in, pg);
   }
-  Tensor x = t.contiguous().view(rows);
+  Tensor x = ready_input(t).contiguous().view(rows);
   return all_to_all_impl(pg, x, splits.out, splits.in, rows[0]).view(t.sizes());
 }
 
@@ -427,12 +454,14 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
   ProcessGroup& pg = group.resolve();
   if (inputs.empty()) return {};
   std::vector<Tensor> outputs;
+  std::vector<Tensor> ready;
   outputs.reserve(inputs.size());
+  ready.reserve(inputs.size());
   for (const Tensor& t : inputs) {
     outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size(), kOp), t.dtype()));
-    ready_input(t);
+    ready.push_back(ready_input(t));
   }
-  guard_inputs(pg.all_gather_coalesced(outputs, inputs), inputs);
+  guard_inputs(pg.all_gather_coalesced(outputs, ready), inputs);
   return outputs;
 }
 

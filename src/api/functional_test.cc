@@ -1841,6 +1841,80 @@ TEST(Waits, FailureReachesTheLazyResult) {
   EXPECT_TRUE(saw_comm_error.load());
 }
 
+// A collective whose input holds the failed result of an earlier one, on some ranks only: those
+// ranks still take its place in the group's sequence, so it fails on every rank (naming why)
+// and the group's next collective pairs up right. (A rank that threw before its sequence
+// number paired its next all_reduce with its peers' current one: 103 instead of 6, silently.)
+// Each shape and path: the lane (small all_reduce), the Op path (large), a gather, a scatter
+// on dim 1 (transposed before the backend), a coalesced gather; the failed ranks arriving first
+// and last.
+TEST(Failures, AnInputHoldingAFailedResultFailsTheCollectiveOnEveryRank) {
+  using Call = std::function<Tensor(const Tensor&, ProcessGroup&)>;
+  struct Case {
+    const char* name;
+    int64_t numel;  // of the input
+    Call call;
+  };
+  const std::vector<Case> kCases = {
+      {"small all_reduce", 2,
+       [](const Tensor& x, ProcessGroup& g) { return all_reduce(x, "sum", g); }},
+      {"large all_reduce", 16384,
+       [](const Tensor& x, ProcessGroup& g) { return all_reduce(x, "sum", g); }},
+      {"all_gather_tensor", 2,
+       [](const Tensor& x, ProcessGroup& g) { return all_gather_tensor(x, 0, g); }},
+      {"reduce_scatter_tensor dim 1", 6,
+       [](const Tensor& x, ProcessGroup& g) {
+         return reduce_scatter_tensor(x.view({2, 3}), "sum", 1, g);
+       }},
+      {"all_gather_into_tensor_coalesced", 2,
+       [](const Tensor& x, ProcessGroup& g) {
+         return all_gather_into_tensor_coalesced({Tensor::full({1}, DType::F32, 1), x}, g)[1];
+       }},
+  };
+  for (const Case& c : kCases) {
+    for (const bool failed_first : {true, false}) {
+      SCOPED_TRACE(std::string(c.name) + (failed_first ? ", failed ranks first" : ", last"));
+      run_local(3, [&](ProcessGroup& world) {
+        const int r = world.rank();
+        const std::shared_ptr<ProcessGroup> pair = new_group(world, {0, 1});
+        Tensor x = Tensor::full({c.numel}, DType::F32, 100);
+        if (pair) {
+          // Sizes that differ: both ranks' results hold the mismatch (rank 1's through a view).
+          x = all_reduce(Tensor::full({c.numel + r}, DType::F32, 1), "sum", *pair);
+          x = x.narrow(0, 0, c.numel);
+        }
+        if ((r == 2) == failed_first) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        const std::string error = error_of<CommError>([&] { c.call(x, world).wait(); });
+        if (r == 2) {
+          EXPECT_THAT(error, HasSubstr("could not take part: its "));
+          EXPECT_THAT(error, HasSubstr("holds the failed result of an earlier collective ("));
+          EXPECT_THAT(error, HasSubstr("mismatched collectives"));  // the cause, named
+        } else {
+          EXPECT_THAT(error, HasSubstr("mismatched collectives"));  // its own input's failure
+        }
+        // The group's next collective is everyone's next one.
+        const Tensor sum = all_reduce(Tensor::full({2}, DType::F32, r + 1), "sum", world);
+        EXPECT_EQ(sum.to_vector<float>(), std::vector<float>({6, 6}));
+      });
+    }
+  }
+}
+
+// The same on the backend's own primitive, in place: the Work fails on every rank.
+TEST(Failures, APrimitiveOnAFailedTensorFailsOnEveryRank) {
+  run_local(2, [](ProcessGroup& world) {
+    Tensor x = all_reduce(Tensor::full({world.rank() == 0 ? 2 : 3}, DType::I32, 1), "sum", world);
+    if (world.rank() == 1) x = x.narrow(0, 0, 2);
+    const std::string error =
+        error_of<CommError>([&] { world.all_reduce(x, ReduceOp::Sum)->wait(); });
+    EXPECT_THAT(error, HasSubstr("all_reduce on group 'world' (seq 1): rank "));
+    EXPECT_THAT(error, HasSubstr(" could not take part: its tensor holds the failed result"));
+    Tensor ok = Tensor::full({3}, DType::I32, world.rank() + 1);
+    world.all_reduce(ok, ReduceOp::Sum)->wait();
+    EXPECT_EQ(ok.to_vector<int32_t>(), std::vector<int32_t>({3, 3, 3}));
+  });
+}
+
 }  // namespace
 }  // namespace funcol
 

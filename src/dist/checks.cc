@@ -206,6 +206,15 @@ std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {
       from, sent, sent == 1 ? "" : "s", to, to, expected, expected == 1 ? "" : "s", from);
 }
 
+std::string failed_buffer_reason(std::string_view role, const std::exception& error) {
+  return fmt::format("its {} holds the failed result of an earlier collective ({})", role,
+                     error.what());
+}
+
+std::string failed_buffer_message(const std::string& what, int rank, const std::string& why) {
+  return fmt::format("{}: rank {} could not take part: {}", what, rank, why);
+}
+
 void check_coalesced_lists(std::string_view op, size_t outputs, size_t inputs) {
   if (outputs != inputs) {
     throw InvalidArgument(

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -82,6 +83,15 @@ std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words
 // for an all_to_all whose ranks disagree on the rows between `from` and `to` (global ranks; the
 // same rank when one disagrees with itself), on every backend.
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
+
+// A rank that issues a collective with a tensor holding the failed result of an earlier one
+// still takes the collective's place in the group's sequence (else its next collective would
+// pair with its peers' current one), and the collective fails for every member with
+// failed_buffer_message(what, rank, why), why = failed_buffer_reason(role, error): its `role`
+// ("input", "output" or, in place, "tensor") rethrew `error` when waited for.
+std::string failed_buffer_reason(std::string_view role, const std::exception& error);
+// "<what>: rank R could not take part: <why>".
+std::string failed_buffer_message(const std::string& what, int rank, const std::string& why);
 
 // all_reduce_flat: a one-dimensional contiguous output of the inputs' dtype and their total
 // element count, contiguous inputs, none of them sharing bytes with the output.

@@ -340,11 +340,24 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
         op_kind_name(op->signature.kind), name()));
   }
   // Inputs produced by earlier collectives must be complete before the transport reads them;
-  // waiting here (not on the communication thread) cannot deadlock it.
-  for (const auto& t : op->inputs) t.wait();
-  // Outputs are written: also after the collectives still reading them.
+  // waiting here (not on the communication thread) cannot deadlock it. Outputs are written: also
+  // after the collectives still reading them. A tensor that holds a failed result still lets
+  // this rank take the collective's sequence number, below (see failed_buffer_reason).
+  std::string failed_buffer;
+  auto settle = [&](std::string_view role, const auto& wait) {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      if (failed_buffer.empty()) failed_buffer = dist_detail::failed_buffer_reason(role, e);
+    }
+  };
+  for (size_t i = 0; i < op->inputs.size(); ++i) {
+    const Tensor& t = op->inputs[i];
+    const bool in_place = i < op->outputs.size() && t.storage() == op->outputs[i].storage();
+    settle(in_place ? "tensor" : "input", [&] { t.wait(); });
+  }
   for (const auto& t : op->outputs) {
-    if (t.storage()) t.storage()->wait_for_write();
+    if (t.storage()) settle("output", [&] { t.storage()->wait_for_write(); });
   }
   std::lock_guard issue_lock(issue_mu_);
   op->seq = issued_++;
@@ -355,6 +368,17 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   op->deadline = op->issued_at + job_->timeout();
   for (const auto& t : op->outputs) {
     if (t.storage()) t.storage()->add_pending(op->work);
+  }
+  if (!failed_buffer.empty()) {
+    // The transport cannot carry this rank's part: the peers learn at once that it gave up on
+    // the collective (a transport cannot skip one), and the group is unusable from here on.
+    const std::string message = dist_detail::failed_buffer_message(op->work->description(),
+                                                                    global_rank(), failed_buffer);
+    if (PeerMonitor* monitor = size() > 1 ? job_->monitor() : nullptr) {
+      monitor->tell_gave_up(global_ranks(), name(), op->seq, message);
+    }
+    fail_unposted(op, message);
+    return op->work;
   }
   if (size() == 1) {
     posted_->store(op->seq + 1);

@@ -32,6 +32,9 @@
 //            victim dying after its arrival key is in the store, before its address
 //  exit      the last rank exits (status 0) without destroy_process_group; the others'
 //            next collective fails at once saying so
+//  failed_input  the last rank's all_reduce input holds the failed result of an earlier
+//            collective: every rank's all_reduce fails at once naming it, and the group is
+//            unusable afterwards
 //  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
 //            missing and silent, and the launcher kills it
 //  world_dead_arrival  (gloo, file store) the last rank writes its world arrival record, as
@@ -70,6 +73,7 @@
 #endif
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
+#include "funcol/dist/work.h"
 #ifdef FUNCOL_WITH_MPI
 #include <mpi.h>
 #endif
@@ -608,6 +612,34 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// The last rank's input holds the failed result of an earlier collective (a Work failed by
+// hand here): it still takes the all_reduce's place in the group's sequence, and every rank's
+// all_reduce fails at once naming it (not at the timeout, and no rank pairs its next collective
+// with another's); the group is unusable afterwards on every rank.
+void scenario_failed_input(funcol::ProcessGroup& world) {
+  const int culprit = world.size() - 1;
+  check_sum(world);
+  Tensor t = Tensor::full({16}, DType::I32, 1);
+  if (world.rank() == culprit) {
+    auto earlier = std::make_shared<funcol::Work>("an earlier collective");
+    earlier->fail(std::make_exception_ptr(funcol::CommError("the earlier collective failed")));
+    t.storage()->add_pending(earlier);
+  }
+  const auto start = Clock::now();
+  const std::string msg = expect_comm_error([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); },
+                                            "all_reduce with the last rank's input failed");
+  const double took = seconds_since(start);
+  expect_contains(msg, "all_reduce on group 'world' (seq 1)");
+  expect_contains(msg, fmt::format("rank {} could not take part: its tensor holds the failed "
+                                   "result of an earlier collective (the earlier collective "
+                                   "failed)",
+                                   culprit));
+  if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
+  const std::string next = expect_comm_error([&] { check_sum(world); }, "the next all_reduce");
+  expect_contains(next, "could not take part");
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
 // The last rank exits (status 0) without destroy_process_group: the others' next collective
 // fails at once saying so, not that it called destroy_process_group.
 void scenario_exit(funcol::ProcessGroup& world) {
@@ -937,6 +969,8 @@ int main(int argc, char** argv) {
       scenario_death_then_departure(*world);
     } else if (scenario == "exit") {
       scenario_exit(*world);
+    } else if (scenario == "failed_input") {
+      scenario_failed_input(*world);
     } else if (scenario == "stopped") {
       scenario_stopped(*world);
     } else if (scenario == "split_stopped") {

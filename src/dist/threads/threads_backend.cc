@@ -432,6 +432,10 @@ struct Post {
   std::vector<const Storage*> flat_storages;  // identity only (World::wait_readers)
   std::shared_ptr<const void> hold;           // the input list, alive until the op finished
   uint8_t step = 0;  // dist_detail::internal_step() of the issuing thread
+  // Non-empty when a buffer of this rank's holds the failed result of an earlier collective
+  // (say why): the rank still takes the collective's place in the group's sequence, and the
+  // collective fails for every member with this reason (see ThreadsGroup::buffer_ptr).
+  std::string failed_buffer;
 
   // "all_reduce(f32, numel 16, op sum)", for mismatch messages.
   std::string summary() const {
@@ -1944,6 +1948,12 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
     *late = op->state_.load(std::memory_order_acquire) != kPending;
     const int me = group.global_ranks[member];
     if (group.lane) failure = lane_crossed_locked(group, member, seq, post, *op);
+    // Kept as the op's post even so: members that took the lane find it there (lane_check).
+    bool keep_post = false;
+    if (failure.empty() && !*late && !op->doomed_ && !post.failed_buffer.empty()) {
+      failure = dist_detail::failed_buffer_message(op->description(), me, post.failed_buffer);
+      keep_post = true;
+    }
     if (crossed_gone && failure.empty()) {
       // The lane side already finished or gave up on `seq` (its records may be reused): say
       // what is known. The other members never join this op.
@@ -1993,10 +2003,11 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
         failure = timed_out_message(op->description(), given_up_on);
         *late = true;
       }
-      if (failure.empty()) {
-        op->members_[member].post = std::move(post);
-        if (op->ref_ < 0) op->ref_ = member;
-      }
+      if (failure.empty()) keep_post = true;
+    }
+    if (keep_post) {
+      op->members_[member].post = std::move(post);
+      if (op->ref_ < 0) op->ref_ = member;
     }
     op->members_[member].joined = 1;
     ++op->joined_count_;
@@ -2618,9 +2629,12 @@ std::string World::lane_crossed_locked(SharedGroup& group, int member, uint64_t 
     lane_exit(group, ls, 1);
   } else {
     const int first = __builtin_ctzll(arrived);  // a claimed slot has its claimer's bit
-    message = mismatch_message(collective_name(OpKind::AllReduce, false, group, seq),
-                               group.global_ranks[first], ls.records[first].post(),
-                               group.global_ranks[member], post);
+    const std::string what = collective_name(OpKind::AllReduce, false, group, seq);
+    const int me = group.global_ranks[member];
+    message = post.failed_buffer.empty()
+                  ? mismatch_message(what, group.global_ranks[first], ls.records[first].post(),
+                                     me, post)
+                  : dist_detail::failed_buffer_message(what, me, post.failed_buffer);
     // This member and those that joined the op before the lane was claimed never arrive there.
     lane_fail_locked(group, seq, message, bit | joined_mask(op), &arrived);
   }
@@ -2675,11 +2689,15 @@ void World::lane_check(SharedGroup& group, uint64_t seq, int member, bool timed_
     const int departed = first_departed(missing);
     std::shared_ptr<Op> op = group.find_pending(seq);
     if (op && op->ref_ >= 0) {
-      // A member issued `seq` on the Op path: a different collective. Both fail.
+      // A member issued `seq` on the Op path: a different collective, or the same one with a
+      // tensor that holds a failed result (Post::failed_buffer). Both fail.
       const uint64_t absent = joined_mask(*op);
-      failure = mismatch_message(what, group.global_ranks[member], ls.records[member].post(),
-                                 group.global_ranks[op->ref_],
-                                 op->members_[op->ref_].post);
+      const Post& ref = op->members_[op->ref_].post;
+      const int ref_rank = group.global_ranks[op->ref_];
+      failure = ref.failed_buffer.empty()
+                    ? mismatch_message(what, group.global_ranks[member],
+                                       ls.records[member].post(), ref_rank, ref)
+                    : dist_detail::failed_buffer_message(what, ref_rank, ref.failed_buffer);
       uint64_t failed = 0;
       if (lane_fail_locked(group, seq, failure, absent, &failed)) {
         op->doomed_ = true;
@@ -3182,15 +3200,15 @@ class ThreadsGroup final : public ProcessGroup {
     for (size_t i = 0; i < m; ++i) {
       const Tensor& in = (*inputs)[i];
       const int64_t count = in.numel();
-      // An input still being produced by another collective is waited first (const_data_ptr).
-      in_at[i] = count > 0 ? static_cast<const char*>(in.const_data_ptr()) : nullptr;
+      // An input still being produced by another collective is waited first.
+      in_at[i] = count > 0 ? buffer_ptr(in, /*write=*/false, "input", p.failed_buffer) : nullptr;
       count_at[i] = count;
       storage_at[i] = in.storage().get();
     }
     Slot& s = p.slots.emplace_back();
     s.dtype = output.dtype();
     s.count = output.numel();
-    if (output.numel() > 0) s.out = static_cast<char*>(output.data_ptr());
+    if (output.numel() > 0) s.out = buffer_ptr(output, /*write=*/true, "output", p.failed_buffer);
     keep(p, output.storage());
     p.hold = std::move(inputs);
     return p;
@@ -3249,16 +3267,33 @@ class ThreadsGroup final : public ProcessGroup {
 
   // `out_ready`: the output's storage was already waited for writing (an earlier slot of the
   // same post has it too), so its pointer is taken as it is.
+  // `failed`: see buffer_ptr.
   static Slot make_slot(OpKind kind, DType dtype, int64_t count, const Tensor& in,
-                        const Tensor& out, bool out_ready = false) {
+                        const Tensor& out, std::string& failed) {
     Slot s;
-    fill_slot(s, kind, dtype, count, in, out, out_ready);
+    fill_slot(s, kind, dtype, count, in, out, /*out_ready=*/false, failed);
     return s;
+  }
+
+  // The first byte of `t`'s elements, once the collectives still writing it (and, for `write`,
+  // those still reading it) are done. When `t` holds the failed result of an earlier
+  // collective: null, and `failed` (Post::failed_buffer) says so unless it already says why.
+  // The rank then still takes this collective's place in the group's sequence and the
+  // collective fails for every member: throwing here, before the sequence number, would pair
+  // this rank's next collective with its peers' current one, silently when the two look alike.
+  static char* buffer_ptr(const Tensor& t, bool write, std::string_view role,
+                          std::string& failed) {
+    try {
+      return static_cast<char*>(write ? t.data_ptr() : const_cast<void*>(t.const_data_ptr()));
+    } catch (const std::exception& e) {
+      if (failed.empty()) failed = dist_detail::failed_buffer_reason(role, e);
+      return nullptr;
+    }
   }
 
   // make_slot into `s`, a value-initialised slot.
   static void fill_slot(Slot& s, OpKind kind, DType dtype, int64_t count, const Tensor& in,
-                        const Tensor& out, bool out_ready) {
+                        const Tensor& out, bool out_ready, std::string& failed) {
     s.dtype = dtype;
     s.count = count;
     if (kind != OpKind::AllToAll) s.ndim = dist_detail::pack_shape(in.sizes(), s.dims);
@@ -3268,12 +3303,13 @@ class ThreadsGroup final : public ProcessGroup {
     s.in_storage = in.storage().get();
     if (&out == &in) {
       // In place: one wait and check is enough.
-      if (in.numel() > 0) s.in = static_cast<const char*>(in.data_ptr());
+      if (in.numel() > 0) s.in = buffer_ptr(in, /*write=*/true, "tensor", failed);
       s.out = const_cast<char*>(s.in);
     } else {
-      if (in.numel() > 0) s.in = static_cast<const char*>(in.const_data_ptr());
+      if (in.numel() > 0) s.in = buffer_ptr(in, /*write=*/false, "input", failed);
       if (out.numel() > 0) {
-        s.out = static_cast<char*>(out_ready ? out.raw_data_ptr() : out.data_ptr());
+        s.out = out_ready ? static_cast<char*>(out.raw_data_ptr())
+                          : buffer_ptr(out, /*write=*/true, "output", failed);
       }
     }
   }
@@ -3296,7 +3332,7 @@ class ThreadsGroup final : public ProcessGroup {
       const bool out_ready = &outputs[i] != &inputs[i] && out_storage != nullptr &&
                              out_storage == ready && out_storage != inputs[i].storage().get();
       fill_slot(p.slots.emplace_back(), p.kind, inputs[i].dtype(), counted.numel(), inputs[i],
-                outputs[i], out_ready);
+                outputs[i], out_ready, p.failed_buffer);
       if (&outputs[i] != &inputs[i] && outputs[i].numel() > 0) ready = out_storage;
     }
     p.keep.reserve(inputs.size() + 1);  // distinct inputs and a shared output: no regrowth
@@ -3315,7 +3351,7 @@ class ThreadsGroup final : public ProcessGroup {
   }
 
   static void add_slot(Post& p, DType dtype, int64_t count, const Tensor& in, const Tensor& out) {
-    p.slots.push_back(make_slot(p.kind, dtype, count, in, out));
+    p.slots.push_back(make_slot(p.kind, dtype, count, in, out, p.failed_buffer));
     keep(p, in.storage());
     keep(p, out.storage());
   }
@@ -3361,7 +3397,17 @@ class ThreadsGroup final : public ProcessGroup {
 
   // A small all_reduce through the lane (see LaneSlot): no Post, no Op.
   std::shared_ptr<Work> issue_lane(const Tensor& tensor, ReduceOp op) {
-    const Slot slot = make_slot(OpKind::AllReduce, tensor.dtype(), tensor.numel(), tensor, tensor);
+    std::string failed;
+    const Slot slot =
+        make_slot(OpKind::AllReduce, tensor.dtype(), tensor.numel(), tensor, tensor, failed);
+    if (!failed.empty()) {
+      // Through the Op path, whose join fails the lane's members too (lane_crossed_locked).
+      Post p = make_post(OpKind::AllReduce, false);
+      p.reduce_op = op;
+      p.slots.push_back(slot);
+      p.failed_buffer = std::move(failed);
+      return issue(std::move(p), tensor);
+    }
     check_caller(OpKind::AllReduce, false, false);
     IssueGuard guard(issuing_, *this);
     uint64_t seq = next_seq_++;
