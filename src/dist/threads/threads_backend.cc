@@ -3265,9 +3265,7 @@ class ThreadsGroup final : public ProcessGroup {
     return p;
   }
 
-  // `out_ready`: the output's storage was already waited for writing (an earlier slot of the
-  // same post has it too), so its pointer is taken as it is.
-  // `failed`: see buffer_ptr.
+  // A slot of `in` and `out`; `failed`: see buffer_ptr.
   static Slot make_slot(OpKind kind, DType dtype, int64_t count, const Tensor& in,
                         const Tensor& out, std::string& failed) {
     Slot s;
@@ -3291,7 +3289,9 @@ class ThreadsGroup final : public ProcessGroup {
     }
   }
 
-  // make_slot into `s`, a value-initialised slot.
+  // make_slot into `s`, a value-initialised slot. `out_ready`: the output's storage was already
+  // waited for writing (an earlier slot of the same post has it too), so its pointer is taken
+  // as it is.
   static void fill_slot(Slot& s, OpKind kind, DType dtype, int64_t count, const Tensor& in,
                         const Tensor& out, bool out_ready, std::string& failed) {
     s.dtype = dtype;
