@@ -200,19 +200,32 @@ void copy_bytes(char* dst, const char* src, size_t n, bool stream) {
 constexpr int kCopyToEachMax = 8;
 
 #ifdef FUNCOL_STREAMING_COPY
-template <int N>
+// Stores each 64-byte block of `src` loaded once to every destination; with Stream, by streaming
+// stores, which need every destination 32-byte aligned alike (copy_to_each checks). Those are
+// not fenced here: the chunk running the copy fences once at its end (Op::run_chunk), as a fence
+// after each small input's copy cost more than streaming saved.
+template <int N, bool Stream>
 __attribute__((target("avx2"))) void copy_to_each_avx2(char* const* dst_list, const char* src,
                                                        size_t bytes) {
   // In registers: the stores may alias anything, so each would reload the list.
   std::array<char*, N> dsts;
   std::copy_n(dst_list, N, dsts.begin());
   size_t i = 0;
+  if constexpr (Stream) {
+    i = std::min(bytes, (32 - (reinterpret_cast<uintptr_t>(dsts[0]) & 31)) & 31);
+    for (int k = 0; k < N; ++k) std::memcpy(dsts[k], src, i);
+  }
   for (; i + 64 <= bytes; i += 64) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
     for (int k = 0; k < N; ++k) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i), a);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i + 32), b);
+      if constexpr (Stream) {
+        stream_store(reinterpret_cast<__m256i*>(dsts[k] + i), a);
+        stream_store(reinterpret_cast<__m256i*>(dsts[k] + i + 32), b);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i), a);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsts[k] + i + 32), b);
+      }
     }
   }
   if (i < bytes) {
@@ -220,31 +233,47 @@ __attribute__((target("avx2"))) void copy_to_each_avx2(char* const* dst_list, co
   }
 }
 
-// copy_to_each_avx2<n> for n in [2, kCopyToEachMax] (a loop over a count known only at run
-// time kept the gain from being had).
-template <int... N>
+// copy_to_each_avx2<n, Stream> for n in [2, kCopyToEachMax] (a loop over a count known only at
+// run time kept the gain from being had).
+template <bool Stream, int... N>
 constexpr auto copy_to_each_table(std::integer_sequence<int, N...>) {
   return std::array<void (*)(char* const*, const char*, size_t), sizeof...(N)>{
-      &copy_to_each_avx2<N + 2>...};
+      &copy_to_each_avx2<N + 2, Stream>...};
 }
 constexpr auto kCopyToEach =
-    copy_to_each_table(std::make_integer_sequence<int, kCopyToEachMax - 1>());
+    copy_to_each_table<false>(std::make_integer_sequence<int, kCopyToEachMax - 1>());
+constexpr auto kStreamToEach =
+    copy_to_each_table<true>(std::make_integer_sequence<int, kCopyToEachMax - 1>());
 #endif
 
 // Copies `bytes` from `src` into each of n destinations, none of which overlaps it, with streaming
-// stores when `stream`. Without streaming, up to kCopyToEachMax destinations are written from
-// one load of each block: a bucketed all_gather copies each small input into every rank's
-// output, and a copy per destination read the input again and restarted the copy for each
-// (with the next input's prefetch in run_piece, all_gather_flat of 1000 x 4 KiB on 2 ranks
-// went 7-21% faster: RESULTS.md, session 51).
+// stores when `stream` (left unfenced: see copy_to_each_avx2). Up to kCopyToEachMax destinations
+// are written from one load of each block: a bucketed all_gather copies each small input into
+// every rank's output, and a copy per destination read the input again and restarted the copy
+// for each (with the next input's prefetch in run_piece, all_gather_flat of 1000 x 4 KiB on 2
+// ranks went 7-21% faster: RESULTS.md, session 51; streamed, and fenced once per chunk rather
+// than per copy, 1.04-1.13 -> 0.68-0.75 ms on an Intel host: session 57). Streaming that way
+// needs the destinations 32-byte aligned alike; others are copied one at a time.
 template <typename DstOf>  // char* (int k): destination k
 void copy_to_each(int n, const DstOf& dst_of, const char* src, size_t bytes, bool stream) {
 #ifdef FUNCOL_STREAMING_COPY
-  if (!stream && cpu_has_avx2() && n > 1 && n <= kCopyToEachMax && bytes >= 64) {
+  if (cpu_has_avx2() && n > 1 && n <= kCopyToEachMax && bytes >= (stream ? 256 : 64) &&
+      !(stream && stream_avx2_disabled.load(std::memory_order_relaxed))) {
     std::array<char*, kCopyToEachMax> dsts;
-    for (int k = 0; k < n; ++k) dsts[k] = dst_of(k);
-    kCopyToEach[n - 2](dsts.data(), src, bytes);
-    return;
+    bool aligned_alike = true;
+    for (int k = 0; k < n; ++k) {
+      dsts[k] = dst_of(k);
+      aligned_alike &=
+          ((reinterpret_cast<uintptr_t>(dsts[k]) - reinterpret_cast<uintptr_t>(dsts[0])) & 31) == 0;
+    }
+    if (!stream) {
+      kCopyToEach[n - 2](dsts.data(), src, bytes);
+      return;
+    }
+    if (aligned_alike) {
+      kStreamToEach[n - 2](dsts.data(), src, bytes);
+      return;
+    }
   }
 #endif
   for (int k = 0; k < n; ++k) copy_bytes(dst_of(k), src, bytes, stream);
@@ -1470,6 +1499,11 @@ int Op::home_cursor() const {
 
 void Op::run_chunk(int c) {
   for (uint32_t i = chunk_at_[c]; i < chunk_at_[c + 1]; ++i) run_piece(piece_at_[i]);
+#ifdef FUNCOL_STREAMING_COPY
+  // Streaming stores are weakly ordered: the chunk's are published before it counts as done
+  // (copy_to_each leaves them unfenced).
+  if (stream_) _mm_sfence();
+#endif
 }
 
 void Op::run_piece(const Piece& p) {

@@ -1723,6 +1723,50 @@ TEST(LaneTest, WaitsForAnAllReduceFlatReadingItsBuffer) {
   });
 }
 
+// A streamed all_gather_flat stores each block of an input, loaded once, to every rank's output
+// with streaming stores when the outputs are 32-byte aligned alike, and copies per output when
+// they are not: outputs at byte offsets that agree, or differ, mod 32 (views of one-byte
+// elements), inputs whose copies start and end mid-block, each exact.
+TEST(OpPathTest, StreamedAllGatherFlatToOutputsAlignedAlikeOrNot) {
+  ScopedEnv stream("FUNCOL_STREAM_MB", "0");
+  const std::vector<int64_t> counts = {1000, 7, 300, 4096, 64, 0, 333};
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  for (const int n : {2, 3}) {
+    for (const int64_t stride : {int64_t{32}, int64_t{64}, int64_t{1}, int64_t{13}}) {
+      SCOPED_TRACE(fmt::format("{} ranks, output of rank r at byte {} * r", n, stride));
+      run_ranks(n, [&](ProcessGroup& pg) {
+        const int me = pg.rank();
+        auto value = [](int r, size_t i, int64_t k) {
+          return static_cast<int8_t>((31 * r + 7 * static_cast<int64_t>(i) + k) % 101);
+        };
+        auto list = std::make_shared<std::vector<Tensor>>();
+        for (size_t i = 0; i < counts.size(); ++i) {
+          std::vector<int8_t> v(static_cast<size_t>(counts[i]));
+          for (int64_t k = 0; k < counts[i]; ++k) v[k] = value(me, i, k);
+          list->push_back(Tensor::from_vector<int8_t>(v));
+        }
+        const Tensor buffer = Tensor::zeros({n * total + 64 * n}, DType::I8);
+        const Tensor out = buffer.narrow(0, stride * me, n * total);
+        pg.all_gather_flat(out, list)->wait();
+        std::vector<int8_t> want;
+        for (size_t i = 0; i < counts.size(); ++i) {
+          for (int r = 0; r < n; ++r) {
+            for (int64_t k = 0; k < counts[i]; ++k) want.push_back(value(r, i, k));
+          }
+        }
+        ASSERT_EQ(out.to_vector<int8_t>(), want) << "rank " << me;
+        // Nothing written around the output.
+        const std::vector<int8_t> all = buffer.to_vector<int8_t>();
+        for (int64_t b = 0; b < static_cast<int64_t>(all.size()); ++b) {
+          if (b >= stride * me && b < stride * me + n * total) continue;
+          ASSERT_EQ(all[b], 0) << "rank " << me << " byte " << b;
+        }
+      });
+    }
+  }
+}
+
 // Flat collectives share a layout with the previous one of the same shape on their group (a
 // bucket runs with one layout every step): layouts that come back, change two counts keeping
 // the total, change dtype or kind with the same counts, or are in flight together, each give
