@@ -59,11 +59,7 @@ std::optional<Tensor> failed_stand_in(const Tensor& t) {
     t.wait();
     return std::nullopt;
   } catch (...) {
-    Tensor stand_in = Tensor::empty(t.sizes(), t.dtype());
-    auto failed = std::make_shared<Work>("an earlier collective");
-    failed->fail(std::current_exception());
-    stand_in.storage()->add_pending(std::move(failed));
-    return stand_in;
+    return failed_tensor(t.sizes(), t.dtype(), std::current_exception());
   }
 }
 

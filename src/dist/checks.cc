@@ -207,6 +207,7 @@ std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {
 }
 
 std::string failed_buffer_reason(std::string_view role, const std::exception& error) {
+  if (dynamic_cast<const AbandonedError*>(&error) != nullptr) return error.what();
   return fmt::format("its {} holds the failed result of an earlier collective ({})", role,
                      error.what());
 }

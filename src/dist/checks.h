@@ -88,7 +88,8 @@ std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
 // still takes the collective's place in the group's sequence (else its next collective would
 // pair with its peers' current one), and the collective fails for every member with
 // failed_buffer_message(what, rank, why), why = failed_buffer_reason(role, error): its `role`
-// ("input", "output" or, in place, "tensor") rethrew `error` when waited for.
+// ("input", "output" or, in place, "tensor") rethrew `error` when waited for; an
+// AbandonedError (a value the rank gave up computing) gives its own message as the reason.
 std::string failed_buffer_reason(std::string_view role, const std::exception& error);
 // "<what>: rank R could not take part: <why>".
 std::string failed_buffer_message(const std::string& what, int rank, const std::string& why);

@@ -105,6 +105,14 @@ void Work::set_done(std::exception_ptr error) {
   }
 }
 
+Tensor failed_tensor(const Shape& shape, DType dtype, std::exception_ptr error) {
+  Tensor t = Tensor::empty(shape, dtype);
+  auto failed = std::make_shared<Work>("a failed result");
+  failed->fail(std::move(error));
+  t.storage()->add_pending(std::move(failed));
+  return t;
+}
+
 std::shared_ptr<Work> Work::completed(std::string description) {
   auto work = std::make_shared<Work>(std::move(description));
   work->finish();

@@ -235,6 +235,7 @@ struct Inflight {
   int64_t issue_ns = 0;
   int64_t done_ns = -1;  // when first seen complete (profiling only)
   bool open = false;
+  int run = -1;  // the run (Impl::runs) that issued it last
 };
 
 // A CatCasts step's result (see Executor::Impl::fold_casts): `in`, the cat's operands with the
@@ -342,6 +343,9 @@ struct Executor::Impl {
   void close(uint32_t index, int64_t now);
   void poll();
   void finish(size_t& cur);
+  // After a failure at node `at`: issues, in run order, every collective of the run not issued
+  // yet, with inputs that hold `why` (see give_up's definition).
+  void give_up(const Node& at) noexcept;
   void abort() noexcept;
 };
 
@@ -568,13 +572,28 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
   };
   // The backend reads input bytes directly: an input still produced by an earlier collective
   // (a graph that skips its wait_tensor) is waited first. (issue_bucket does not: a pass over a
-  // bucket's thousand storages, and the flat primitives wait for their inputs themselves.)
-  for (const Tensor& t : in) t.wait();
+  // bucket's thousand storages, and the flat primitives wait for their inputs themselves.) An
+  // input that holds a failure (that collective's, or give_up's) goes to the backend as it is,
+  // as a contiguous stand-in: the backend takes the collective's place in the group's sequence
+  // and fails it on every rank, where a throw here would leave this rank one collective behind.
+  std::vector<uint8_t> failed;  // failed[i]: input i holds a failure (sized on the first)
+  std::exception_ptr failure;
+  for (size_t i = 0; i < in.size(); ++i) {
+    try {
+      in[i].wait();
+    } catch (...) {
+      failure = std::current_exception();
+      in[i] = failed_tensor(in[i].sizes(), in[i].dtype(), failure);
+      failed.resize(in.size());
+      failed[i] = 1;
+    }
+  }
   // Out of place as the functional ops: the result is a copy reduced (or overwritten) in place,
   // unless this is the operand's last use and nothing else holds its storage: then the operand
   // itself is donated, as a bucket's packed buffer always is.
   auto own_copy = [&](size_t i) {
     const Tensor& t = in[i];
+    if (!failed.empty() && failed[i]) return t;
     if (release[i] && !st.copy_operands && t.is_contiguous() && t.storage().use_count() == 1) {
       return t;
     }
@@ -603,8 +622,12 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
         Tensor o = empty_result(0);
         const int64_t per_rank = o.numel() / g.size();
         Tensor slot = o.flatten().narrow(0, g.rank() * per_rank, per_rank);
-        st.op->pack(in, AttrList(*st.op, std::span<const Attr>(st.attrs, st.num_attrs)), slot);
-        work = g.all_gather(o, slot);
+        if (failure) {
+          work = g.all_gather(o, failed_tensor(slot.sizes(), slot.dtype(), failure));
+        } else {
+          st.op->pack(in, AttrList(*st.op, std::span<const Attr>(st.attrs, st.num_attrs)), slot);
+          work = g.all_gather(o, slot);
+        }
         out[0] = std::move(o);
       } else if (!coalesced) {
         Tensor o = empty_result(0);
@@ -705,6 +728,7 @@ void Executor::Impl::track(const Step& st, std::shared_ptr<Work> work, uint32_t 
   f.issue_ns = issue_ns;
   f.done_ns = -1;
   f.open = true;
+  f.run = runs;
   if (open.size() >= 2 * num_open + 32) {
     std::erase_if(open, [&](uint32_t i) { return !inflight[i].open; });
   }
@@ -887,6 +911,73 @@ void Executor::Impl::finish(size_t& cur) {
   open.clear();
   unseen.clear();
   unseen_head = 0;
+}
+
+// A run that fails part-way (a kernel's error, a collective that failed at its wait) stops
+// there, while its peers go on issuing the run's collectives: had this rank left them out, its
+// next run would pair its collectives with their current ones, silently so where the shapes
+// agree. So every collective of the run it has not issued yet is issued now, in run order (the
+// same on every rank), with inputs that hold an AbandonedError naming where and why it failed:
+// each fails on every rank ("rank R could not take part: it gave up on the rest of its run
+// after an error at graph @g, node %q: ..."), and every rank issues each collective once per
+// run. On threads the groups stay usable; on mpi and gloo a group with such a collective is
+// unusable afterwards, as after a timeout. A collective whose issue throws (its group already
+// unusable) is passed over. Called while the run's exception is in flight.
+void Executor::Impl::give_up(const Node& at) noexcept {
+  try {
+    std::string what = "an unknown error";
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    const std::exception_ptr why = std::make_exception_ptr(AbandonedError(fmt::format(
+        "it gave up on the rest of its run after an error at {}: {}", node_context(graph, at),
+        what)));
+    for (const uint32_t s : run_order) {
+      const Step& st = steps[s];
+      if (st.kind != StepKind::Collective || inflight[st.inflight].run == runs) continue;
+      try {
+        if (st.bucket == kNone) {
+          std::vector<Tensor> in;
+          for (const Value* v : st.node->operands()) {
+            in.push_back(failed_tensor(v->shape(), v->dtype(), why));
+          }
+          const std::vector<uint8_t> kept(in.size(), 0);
+          issue(st, in, kept.data(), s);
+          continue;
+        }
+        // A lowered bucket: its members as the flat primitive takes them, from its results.
+        ProcessGroup& g = *st.group;
+        const LoweredBucket& b = buckets[st.bucket];
+        const DType dtype = b.runs.front().type.dtype();
+        auto list = std::make_shared<std::vector<Tensor>>();
+        for (const LoweredBucket::Run& run : b.runs) {
+          const int64_t out = run.type.numel();
+          const int64_t numel = st.op->collective == CollectiveKind::AllGather ? out / g.size()
+                                : st.op->collective == CollectiveKind::ReduceScatter
+                                    ? out * g.size()
+                                    : out;
+          for (uint32_t k = 0; k < run.count; ++k) {
+            list->push_back(failed_tensor({numel}, dtype, why));
+          }
+        }
+        const Tensor flat = Tensor::empty({b.numel}, dtype);
+        switch (st.op->collective) {
+          case CollectiveKind::AllReduce: g.all_reduce_flat(flat, list, st.reduce_op); break;
+          case CollectiveKind::AllGather: g.all_gather_flat(flat, list); break;
+          case CollectiveKind::ReduceScatter:
+            g.reduce_scatter_flat(flat, list, st.reduce_op);
+            break;
+          default: break;
+        }
+      } catch (...) {
+      }
+    }
+  } catch (...) {
+    // Out of memory building the reason: the peers find this rank missing at their timeout.
+  }
 }
 
 void Executor::Impl::abort() noexcept {
@@ -1262,12 +1353,14 @@ std::vector<Tensor> Executor::Impl::run(std::vector<Tensor> inputs) {
     }
     finish(cur);
   } catch (...) {
-    abort();
-    ++runs;
     // A wait fails for its collective (a peer's mismatch, death or timeout): point at that.
     const Step& failed = steps[cur];
     const bool waited = failed.kind == StepKind::Wait && failed.inflight != kNone;
-    rethrow_at(graph, waited ? *steps[inflight[failed.inflight].step].node : *failed.node);
+    const Node& at = waited ? *steps[inflight[failed.inflight].step].node : *failed.node;
+    give_up(at);
+    abort();
+    ++runs;
+    rethrow_at(graph, at);
   }
   std::vector<Tensor> outputs;
   outputs.reserve(output_slots.size());

@@ -647,6 +647,92 @@ TEST(ExecutorErrors, KernelErrorsNameTheNode) {
   EXPECT_EQ(e, "graph @g, node %v (line 3): div: integer division by zero");
 }
 
+// A run that fails part-way on one rank (a kernel's error, after the rank issued a collective)
+// still issues the run's later collectives, failed: its peers' run fails naming the rank and
+// why, instead of their next collectives pairing with this rank's next run's (which gave every
+// later run on both sides the other run's data, silently: a review's finding). Later runs are
+// exact everywhere. The later collectives take each path: an all_gather (the threads backend's
+// Op path), a small all_reduce (its lane), a lowered all_reduce bucket (a flat primitive); the
+// failing rank comes first or last.
+TEST(ExecutorErrors, ARunFailingPartWayStillIssuesItsLaterCollectives) {
+  const auto graph = parse(
+      R"(graph @g(%a: f32[2], %n: i32[2], %d: i32[2], %c: f32[3], %e: f32[2,3]) {
+  %ag1 = all_gather_into_tensor(%a) {group_size = 3, group = "world"}
+  %q = div(%n, %d)
+  %ag2 = all_gather_into_tensor(%a) {group_size = 3, group = "world"}
+  %ar = all_reduce(%a) {reduce_op = "sum", group = "world"}
+  %ef = flatten(%e)
+  %pack = cat(%c, %ef) {dim = 0}
+  %bucket = all_reduce(%pack) {reduce_op = "sum", group = "world"}
+  %w1 = wait_tensor(%ag1)
+  %w2 = wait_tensor(%ag2)
+  %w3 = wait_tensor(%ar)
+  %w = wait_tensor(%bucket)
+  %s:2 = split_with_sizes(%w) {split_sizes = [3, 6], dim = 0}
+  %o = reshape(%s#1) {shape = [2, 3]}
+  return %w1, %w2, %w3, %s#0, %o, %q
+})");
+  constexpr int n = 3;
+  // Rank r's inputs in run k: every value distinct across ranks and runs.
+  auto base = [](int r, int k) { return static_cast<float>(100 * k + 10 * r); };
+  for (const bool failing_first : {true, false}) {
+    SCOPED_TRACE(failing_first ? "the failing rank first" : "the failing rank last");
+    std::string errors[n];
+    run_local(n, [&](ProcessGroup& world) {
+      const int r = world.rank();
+      Executor ex(*graph, world);
+      EXPECT_EQ(ex.lowered_buckets(), 1u);
+      for (int k = 0; k < 3; ++k) {
+        const float b = base(r, k);
+        const bool fails = r == 1 && k == 0;  // rank 1 divides by zero in run 0
+        if (k == 0 && (r == 1) != failing_first) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        }
+        std::vector<Tensor> in = {
+            Tensor::from_vector<float>({b, b + 1}), Tensor::full({2}, DType::I32, 6),
+            Tensor::full({2}, DType::I32, fails ? 0 : 3), Tensor::full({3}, DType::F32, b),
+            Tensor::full({2, 3}, DType::F32, b + 2)};
+        if (k == 0) {
+          try {
+            ex.run(std::move(in));
+            ADD_FAILURE() << "rank " << r << ": run 0 did not fail";
+          } catch (const Error& e) {
+            errors[r] = e.what();
+          }
+          continue;
+        }
+        const std::vector<Tensor> out = ex.run(std::move(in));
+        std::vector<float> gathered, sum(2, 0), c(3, 0), e(6, 0);
+        for (int p = 0; p < n; ++p) {
+          gathered.insert(gathered.end(), {base(p, k), base(p, k) + 1});
+          sum[0] += base(p, k);
+          sum[1] += base(p, k) + 1;
+          for (float& x : c) x += base(p, k);
+          for (float& x : e) x += base(p, k) + 2;
+        }
+        EXPECT_EQ(floats(out[0]), gathered) << "rank " << r << " run " << k;
+        EXPECT_EQ(floats(out[1]), gathered) << "rank " << r << " run " << k;
+        EXPECT_EQ(floats(out[2]), sum) << "rank " << r << " run " << k;
+        EXPECT_EQ(floats(out[3]), c) << "rank " << r << " run " << k;
+        EXPECT_EQ(floats(out[4].reshape({6})), e) << "rank " << r << " run " << k;
+        EXPECT_EQ(out[5].to_vector<int32_t>(), std::vector<int32_t>({2, 2}));
+      }
+    });
+    EXPECT_EQ(errors[1], "graph @g, node %q (line 3): div: integer division by zero");
+    for (const int r : {0, 2}) {
+      // Its run fails at the first later collective it waits for (the others fail too).
+      // (seq 0 is the executor's check that every rank runs this graph.)
+      EXPECT_EQ(errors[r].rfind("graph @g, node %ag2 (line 4): all_gather on group 'world' (seq "
+                                "2): rank 1 could not take part: it gave up on the "
+                                "rest of its run after an error at graph @g, node %q (line 3): "
+                                "div: integer division by zero",
+                                0),
+                0u)
+          << "rank " << r << ": " << errors[r];
+    }
+  }
+}
+
 TEST(ExecutorErrors, InputsAreChecked) {
   auto graph = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
   run_local(1, [&](ProcessGroup& world) {

@@ -368,6 +368,30 @@ TEST_F(RunE2E, RuntimeErrorIsPrintedOnceWithItsRank) {
   }
 }
 
+// A kernel's error on one rank after its first collective (seed 2 gives rank 0 a zero divisor,
+// rank 1 none): the rank still issues the run's later collective, failed, so on every backend
+// the job ends at once naming the error, never at the timeout.
+TEST_F(RunE2E, AKernelErrorOnOneRankMidRunEndsTheJobAtOnce) {
+  const std::string file = write("mid.ir", R"(graph @g(%a: f32[4], %n: i32[40]) {
+  %ag1 = all_gather_into_tensor(%a) {group_size = 2, group = "world"}
+  %q = div(%n, %n)
+  %ag2 = all_gather_into_tensor(%a) {group_size = 2, group = "world"}
+  %w1 = wait_tensor(%ag1)
+  %w2 = wait_tensor(%ag2)
+  return %w1, %w2, %q
+}
+)");
+  for (const std::string& backend : backends()) {
+    SCOPED_TRACE(backend);
+    const auto start = std::chrono::steady_clock::now();
+    const Result r = run({file, "--ranks", "2", "--seed", "2", "--backend", backend});
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.err.find("div: integer division by zero"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("timed out"), std::string::npos) << r.err;
+  }
+}
+
 #ifdef FUNCOL_WITH_MPI
 // mpirun sent SIGTERM (by a user, or a batch system that signals it alone) stops the ranks and
 // exits with status 1 quietly; the launcher then says that the job ended before any rank

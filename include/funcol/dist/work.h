@@ -77,4 +77,11 @@ class Work : public Waitable {
   std::atomic<int> sleepers_{0};
 };
 
+// A contiguous tensor of `shape` and `dtype` holding the failure `error`: every access to its
+// data throws it. Given to a collective as input, it still lets the rank take the collective's
+// place in the group's sequence, and the collective fails on every rank, naming this rank and
+// the failure ("rank R could not take part: its input holds the failed result of an earlier
+// collective (...)", or, for an AbandonedError, its message).
+Tensor failed_tensor(const Shape& shape, DType dtype, std::exception_ptr error);
+
 }  // namespace funcol

@@ -65,7 +65,14 @@ class Executor {
   // (InvalidArgument otherwise); they are released after their last use too. Returns the
   // graph outputs, complete: collectives never waited by the graph are waited at the end. (An
   // input returned as it is comes back as it was given: one still pending on a collective of
-  // the caller's waits on first use, as every pending tensor does.)
+  // the caller's waits on first use, as every pending tensor does.) A run that fails part-way
+  // (a kernel's error, a collective that failed) throws that error after issuing the run's
+  // collectives it had not issued yet, failed, so that every rank issues each collective once
+  // per run: the peers' run fails with a CommError naming this rank and the error ("rank 1
+  // could not take part: it gave up on the rest of its run after an error at graph @g, node
+  // %q (line 3): ..."), and the next run pairs up right. (On mpi and gloo the group is
+  // unusable after such a collective, as after a timeout.) Bad inputs are refused before
+  // anything is issued.
   std::vector<Tensor> run(std::vector<Tensor> inputs);
 
   const Graph& graph() const;
