@@ -17,6 +17,7 @@
 #include "arg_checks.h"
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
+#include "funcol/dist/work.h"
 #include "funcol/graph/backward.h"
 #include "funcol/graph/tracer.h"
 #include "graph/tape_hook.h"
@@ -477,12 +478,42 @@ Tensor GradTape::call_one(std::string_view op, std::span<const Tensor> operands,
   return r[0];
 }
 
+namespace {
+
+// As Executor::run (docs/runtime.md): a backward that fails part-way on one rank (a rank-local
+// error: a value written in place, a kernel's error) issues the collectives it had not issued
+// yet, from the one after `done` on, with inputs that hold an AbandonedError saying why, so
+// that every rank issues each of the backward's collectives once: the peers' backward fails
+// naming this rank, instead of their collectives pairing with this rank's next ones. Called
+// while the backward's exception is in flight.
+void give_up_backward(const State& s, const Graph& g, const Node* done) noexcept {
+  try {
+    const std::exception_ptr why = abandoned_error("backward");
+    for (const Node* n = done ? done->next() : g.first_node(); n; n = n->next()) {
+      const CollectiveKind kind = n->op().collective;
+      if (kind == CollectiveKind::None || kind == CollectiveKind::Wait) continue;
+      std::vector<Tensor> in;
+      for (const Value* v : n->operands()) in.push_back(failed_tensor(v->shape(), v->dtype(), why));
+      try {
+        run_node(s, *n, in);
+      } catch (...) {
+        // Its group is unusable already: nothing more to keep in step there.
+      }
+    }
+  } catch (...) {
+    // Out of memory: the peers find this rank missing at their timeout.
+  }
+}
+
+}  // namespace
+
 void GradTape::backward(const Tensor& loss) {
   State& s = *state_;
   Tracked tr = tracked(loss);
   if (tr.state != state_) throw InvalidArgument("backward: the loss is not tracked by this tape");
   Graph& g = *s.graph;
   Node* mark = g.last_node();
+  const Node* done = mark;  // the last node of the graph that ran
   try {
     // The recorded values the gradient rules read must hold what they held when recorded
     // (PyTorch: "one of the variables needed for gradient computation has been modified by an
@@ -527,6 +558,7 @@ void GradTape::backward(const Tensor& loss) {
       std::vector<Tensor> out = run_node(s, *n, in);
       FUNCOL_CHECK(out.size() == n->num_results(), "autograd: result count");
       for (size_t r = 0; r < out.size(); ++r) env.emplace(n->result(r), std::move(out[r]));
+      done = n;
     }
     // Each leaf gets a tensor of its own, as in PyTorch: leaves may receive one backward value
     // (add(a, b) hands g to both) or views of one buffer, and an in-place change to grad(a)
@@ -539,6 +571,7 @@ void GradTape::backward(const Tensor& loss) {
       s.grads[i] = s.grads[i].defined() ? add(s.grads[i], gi) : gi;
     }
   } catch (...) {
+    give_up_backward(s, g, done);
     erase_nodes_after(g, mark);
     throw;
   }

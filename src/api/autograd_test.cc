@@ -418,6 +418,41 @@ TEST(EagerAutograd, ReluGradientSelectsLikePyTorch) {
   EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{0, 3, 4, 0}));
 }
 
+// A backward that fails on one rank only (here a value its gradient needs written in place on
+// rank 1) still issues its collectives, failed: the peers' backward fails naming rank 1 and
+// why, instead of their all_reduce pairing with rank 1's next collective (which summed the
+// gradient with the next step's tensors, silently), and the next collective pairs up right.
+TEST(EagerAutograd, ABackwardFailingOnOneRankStillIssuesItsCollectives) {
+  std::string errors[3];
+  run_local(3, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    GradTape tape;
+    const Tensor w = tape.requires_grad(Tensor::full({2}, DType::F64, r + 1));
+    const Tensor y = all_reduce_autograd(w, "sum", "world");
+    const Tensor l = tape.call_one("sum", std::vector<Tensor>{
+                                              tape.call_one("mul", std::vector<Tensor>{y, w})});
+    if (r == 1) w.fill_(7.0);
+    try {
+      tape.backward(l);
+      ADD_FAILURE() << "rank " << r << ": the backward did not fail";
+    } catch (const Error& e) {
+      errors[r] = e.what();
+    }
+    const Tensor sum = all_reduce(Tensor::full({2}, DType::F32, r + 1), "sum", world);
+    EXPECT_EQ(sum.to_vector<float>(), std::vector<float>({6, 6})) << "rank " << r;
+  });
+  EXPECT_EQ(errors[1].rfind("backward: %x (f64[2]), a value the gradient needs, was written", 0),
+            0u)
+      << errors[1];
+  for (const int r : {0, 2}) {
+    EXPECT_NE(errors[r].find("all_reduce on group 'world' (seq 1): rank 1 could not take part: "
+                             "it gave up on the rest of its backward after an error: backward: "
+                             "%x (f64[2]), a value the gradient needs, was written"),
+              std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 // A value the gradient needs, written in place between forward and backward, fails the backward
 // (PyTorch's version check) instead of giving a gradient of the new values; writes to values the
 // gradient does not read, and a leaf updated between two recorded steps, are fine.

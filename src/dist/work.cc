@@ -8,6 +8,8 @@
 #include <string>
 #include <typeinfo>
 
+#include <fmt/format.h>
+
 #include "checks.h"
 #include "funcol/core/error.h"
 #include "spin.h"
@@ -111,6 +113,18 @@ Tensor failed_tensor(const Shape& shape, DType dtype, std::exception_ptr error) 
   failed->fail(std::move(error));
   t.storage()->add_pending(std::move(failed));
   return t;
+}
+
+std::exception_ptr abandoned_error(std::string_view rest, std::string_view where) {
+  std::string what = "an unknown error";
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  return std::make_exception_ptr(AbandonedError(
+      fmt::format("it gave up on the rest of its {} after an error{}: {}", rest, where, what)));
 }
 
 std::shared_ptr<Work> Work::completed(std::string description) {

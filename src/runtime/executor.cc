@@ -925,16 +925,7 @@ void Executor::Impl::finish(size_t& cur) {
 // unusable) is passed over. Called while the run's exception is in flight.
 void Executor::Impl::give_up(const Node& at) noexcept {
   try {
-    std::string what = "an unknown error";
-    try {
-      throw;
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    const std::exception_ptr why = std::make_exception_ptr(AbandonedError(fmt::format(
-        "it gave up on the rest of its run after an error at {}: {}", node_context(graph, at),
-        what)));
+    const std::exception_ptr why = abandoned_error("run", " at " + node_context(graph, at));
     for (const uint32_t s : run_order) {
       const Step& st = steps[s];
       if (st.kind != StepKind::Collective || inflight[st.inflight].run == runs) continue;

@@ -62,7 +62,11 @@ class GradTape {
   // non-sum all_reduce / reduce_scatter on the way ("all_reduce backward only supports 'sum'
   // reduction, got 'max' (node %ar)"), broadcast, an op without a rule, a value the gradient
   // reads that was written in place since it was recorded (Storage::version, PyTorch's
-  // version check). May be called again (gradients accumulate, as in PyTorch).
+  // version check). May be called again (gradients accumulate, as in PyTorch). A backward that
+  // fails after its gradient graph was built (such a version check, a kernel's error, a failed
+  // collective) first issues its collectives not issued yet, failed, so that a rank failing
+  // alone does not fall behind its peers: their backward fails naming it ("rank 1 could not
+  // take part: it gave up on the rest of its backward after an error: ...").
   void backward(const Tensor& loss);
 
   // The accumulated gradient of `leaf` (a tensor requires_grad() returned), zeros of its type

@@ -9,6 +9,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 #include "funcol/core/tensor.h"
 
@@ -83,5 +84,11 @@ class Work : public Waitable {
 // the failure ("rank R could not take part: its input holds the failed result of an earlier
 // collective (...)", or, for an AbandonedError, its message).
 Tensor failed_tensor(const Shape& shape, DType dtype, std::exception_ptr error);
+
+// For failed_tensor, called while an exception is in flight: the AbandonedError "it gave up on
+// the rest of its <rest> after an error<where>: <the exception's message>", where a rank stops
+// part-way through a sequence of collectives and issues the rest failed (Executor::run,
+// GradTape::backward).
+std::exception_ptr abandoned_error(std::string_view rest, std::string_view where = {});
 
 }  // namespace funcol
