@@ -344,7 +344,7 @@ struct Executor::Impl {
   void poll();
   void finish(size_t& cur);
   // After a failure at node `at`: issues, in run order, every collective of the run not issued
-  // yet, with inputs that hold `why` (see give_up's definition).
+  // yet, with inputs that hold the failure (see give_up's definition).
   void give_up(const Node& at) noexcept;
   void abort() noexcept;
 };
