@@ -48,21 +48,6 @@ int64_t prod(const Shape& s, size_t begin, size_t end) {
   return p;
 }
 
-// Null once the collective still writing `t` (if any) is done; or, when `t` holds the failed
-// result of an earlier collective, a contiguous stand-in of its shape and dtype that holds the
-// same failure. The backend then takes the collective's place in the group's sequence and fails
-// it for every member. Throwing here instead, before the backend call, would leave this rank one
-// collective behind its peers: its next collective would pair with their current one, and
-// silently so when the two look alike.
-std::optional<Tensor> failed_stand_in(const Tensor& t) {
-  try {
-    t.wait();
-    return std::nullopt;
-  } catch (...) {
-    return failed_tensor(t.sizes(), t.dtype(), std::current_exception());
-  }
-}
-
 // What the backend reads: `t` once ready (free when it is), or its failed stand-in.
 Tensor ready_input(const Tensor& t) {
   std::optional<Tensor> stand_in = failed_stand_in(t);

@@ -115,6 +115,17 @@ Tensor failed_tensor(const Shape& shape, DType dtype, std::exception_ptr error) 
   return t;
 }
 
+std::optional<Tensor> failed_stand_in(const Tensor& t, std::exception_ptr* error) {
+  try {
+    t.wait();
+    return std::nullopt;
+  } catch (...) {
+    const std::exception_ptr failure = std::current_exception();
+    if (error != nullptr) *error = failure;
+    return failed_tensor(t.sizes(), t.dtype(), failure);
+  }
+}
+
 std::exception_ptr abandoned_error(std::string_view rest, std::string_view where) {
   std::string what = "an unknown error";
   try {

@@ -579,11 +579,8 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
   std::vector<uint8_t> failed;  // failed[i]: input i holds a failure (sized on the first)
   std::exception_ptr failure;
   for (size_t i = 0; i < in.size(); ++i) {
-    try {
-      in[i].wait();
-    } catch (...) {
-      failure = std::current_exception();
-      in[i] = failed_tensor(in[i].sizes(), in[i].dtype(), failure);
+    if (std::optional<Tensor> stand_in = failed_stand_in(in[i], &failure)) {
+      in[i] = std::move(*stand_in);
       failed.resize(in.size());
       failed[i] = 1;
     }

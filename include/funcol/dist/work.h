@@ -8,6 +8,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -84,6 +85,14 @@ class Work : public Waitable {
 // the failure ("rank R could not take part: its input holds the failed result of an earlier
 // collective (...)", or, for an AbandonedError, its message).
 Tensor failed_tensor(const Shape& shape, DType dtype, std::exception_ptr error);
+
+// Null once the collective still writing `t` (if any) is done; or, when `t` holds a failure
+// (the failed result of an earlier collective), a failed_tensor of its shape and dtype holding
+// the same failure, which `error` (when given) receives too. A collective given the stand-in
+// takes its place in the group's sequence and fails for every member; throwing before the
+// backend call instead would leave this rank one collective behind its peers, its next
+// collective pairing with their current one, silently so when the two look alike.
+std::optional<Tensor> failed_stand_in(const Tensor& t, std::exception_ptr* error = nullptr);
 
 // For failed_tensor, called while an exception is in flight: the AbandonedError "it gave up on
 // the rest of its <rest> after an error<where>: <the exception's message>", where a rank stops
