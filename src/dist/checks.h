@@ -91,6 +91,19 @@ std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
 // ("input", "output" or, in place, "tensor") rethrew `error` when waited for; an
 // AbandonedError (a value the rank gave up computing) gives its own message as the reason.
 std::string failed_buffer_reason(std::string_view role, const std::exception& error);
+// Runs `wait` (a wait for the collectives still producing or reading a tensor in `role`). When
+// it throws, `failed` gets failed_buffer_reason(role, error) unless it already says why (the
+// first failed tensor names the cause), and the result is false.
+template <typename Wait>
+bool wait_or_note_failed(std::string_view role, std::string& failed, Wait&& wait) {
+  try {
+    wait();
+    return true;
+  } catch (const std::exception& e) {
+    if (failed.empty()) failed = failed_buffer_reason(role, e);
+    return false;
+  }
+}
 // "<what>: rank R could not take part: <why>".
 std::string failed_buffer_message(const std::string& what, int rank, const std::string& why);
 

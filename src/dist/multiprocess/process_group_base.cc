@@ -344,20 +344,16 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   // after the collectives still reading them. A tensor that holds a failed result still lets
   // this rank take the collective's sequence number, below (see failed_buffer_reason).
   std::string failed_buffer;
-  auto settle = [&](std::string_view role, const auto& wait) {
-    try {
-      wait();
-    } catch (const std::exception& e) {
-      if (failed_buffer.empty()) failed_buffer = dist_detail::failed_buffer_reason(role, e);
-    }
-  };
+  using dist_detail::wait_or_note_failed;
   for (size_t i = 0; i < op->inputs.size(); ++i) {
     const Tensor& t = op->inputs[i];
     const bool in_place = i < op->outputs.size() && t.storage() == op->outputs[i].storage();
-    settle(in_place ? "tensor" : "input", [&] { t.wait(); });
+    wait_or_note_failed(in_place ? "tensor" : "input", failed_buffer, [&] { t.wait(); });
   }
   for (const auto& t : op->outputs) {
-    if (t.storage()) settle("output", [&] { t.storage()->wait_for_write(); });
+    if (t.storage()) {
+      wait_or_note_failed("output", failed_buffer, [&] { t.storage()->wait_for_write(); });
+    }
   }
   std::lock_guard issue_lock(issue_mu_);
   op->seq = issued_++;

@@ -3315,12 +3315,11 @@ class ThreadsGroup final : public ProcessGroup {
   // this rank's next collective with its peers' current one, silently when the two look alike.
   static char* buffer_ptr(const Tensor& t, bool write, std::string_view role,
                           std::string& failed) {
-    try {
-      return static_cast<char*>(write ? t.data_ptr() : const_cast<void*>(t.const_data_ptr()));
-    } catch (const std::exception& e) {
-      if (failed.empty()) failed = dist_detail::failed_buffer_reason(role, e);
-      return nullptr;
-    }
+    char* p = nullptr;
+    dist_detail::wait_or_note_failed(role, failed, [&] {
+      p = static_cast<char*>(write ? t.data_ptr() : const_cast<void*>(t.const_data_ptr()));
+    });
+    return p;
   }
 
   // make_slot into `s`, a value-initialised slot. `out_ready`: the output's storage was already
