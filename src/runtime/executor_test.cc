@@ -2,6 +2,7 @@
 #include "funcol/runtime/executor.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -791,6 +792,34 @@ TEST(ExecutorErrors, DifferentGraphsOnDifferentRanksFailFast) {
                              ", rank 1 has " + fmt_hash(graph_hash(*g1)) +
                              " (every rank must run the same graph)";
   for (const std::string& e : errors) EXPECT_EQ(e, expect);
+}
+
+// The graph check is a collective of funcol's own: a peer that issued one of the same shape
+// instead (an all_gather of one i64) gets a mismatch naming the check, not this rank's hash as
+// its result, and this rank's Executor fails naming the peer's collective.
+TEST(ExecutorErrors, TheGraphCheckNeverPairsWithAUsersCollective) {
+  auto g = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
+  std::vector<std::string> errors(2, "no error");
+  run_local(2, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    try {
+      if (r == 0) {
+        Executor ex(*g, world);
+      } else {
+        Tensor all = Tensor::empty({2}, DType::I64);
+        world.all_gather(all, Tensor::from_vector<int64_t>({100}))->wait();
+        errors[r] = fmt::format("all_gather completed: {}", all.to_vector<int64_t>());
+      }
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
+    EXPECT_NE(e.find("all_gather(i64[1]) [funcol's agreement step for Executor]"),
+              std::string::npos)
+        << e;
+  }
 }
 
 TEST(ExecutorErrors, ValidateGroupsWithoutLiveGroups) {

@@ -9,6 +9,8 @@
 #include "funcol/dist/process_group.h"
 #include "funcol/graph/graph.h"
 
+#include "dist/checks.h"
+
 namespace funcol {
 
 namespace {
@@ -63,7 +65,11 @@ void align_epochs(ProcessGroup& world, std::span<Profiler* const> profilers) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(mine.time_since_epoch()).count();
   // Latest and (negated) earliest reading, in one collective.
   Tensor range = Tensor::from_vector<int64_t>({ns, -ns});
-  world.all_reduce(range, ReduceOp::Max)->wait();
+  {
+    // Labelled (see dist_detail::InternalStep): never paired with a user's all_reduce.
+    const dist_detail::InternalStep step("align_epochs");
+    world.all_reduce(range, ReduceOp::Max)->wait();
+  }
   const std::vector<int64_t> r = range.to_vector<int64_t>();
   const bool shared_clock = r[0] + r[1] < int64_t{1'000'000'000};
   const Clock::time_point epoch =

@@ -8,7 +8,9 @@
 #include <cstdlib>
 #include <map>
 #include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -133,6 +135,31 @@ TEST(Profile, AlignEpochsGivesEveryRankOneTimeZero) {
   });
   for (const Clock::time_point& e : epochs) {
     EXPECT_EQ(e.time_since_epoch().count(), epochs[0].time_since_epoch().count());
+  }
+}
+
+// align_epochs' all_reduce is funcol's own: a peer that issued an all_reduce of the same shape
+// instead gets a mismatch naming align_epochs, not a clock reading as its result.
+TEST(Profile, AlignEpochsNeverPairsWithAUsersCollective) {
+  std::vector<std::string> errors(2, "no error");
+  run_local(2, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    Profiler p;
+    Profiler* const mine[] = {&p};
+    try {
+      if (r == 0) {
+        align_epochs(world, mine);
+      } else {
+        Tensor t = Tensor::from_vector<int64_t>({1, 7});
+        world.all_reduce(t, ReduceOp::Max)->wait();
+        errors[r] = "all_reduce completed: " + std::to_string(t.to_vector<int64_t>()[0]);
+      }
+    } catch (const CommError& e) {
+      errors[r] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("[funcol's agreement step for align_epochs]"), std::string::npos) << e;
   }
 }
 

@@ -111,7 +111,9 @@ void validate_groups(const Graph& graph,
 // XXH3-64 of the printed graph (print(graph)): equal graphs hash equal on every rank.
 uint64_t graph_hash(const Graph& graph);
 // All-gathers graph_hash over `world` and throws InvalidArgument naming every rank's hash when
-// they differ: "graph @g differs between ranks: rank 0 has 1f..., rank 1 has 9c...".
+// they differ: "graph @g differs between ranks: rank 0 has 1f..., rank 1 has 9c...". The
+// all_gather is labelled as funcol's own step: a peer's collective issued in its place fails
+// (CommError, "[funcol's agreement step for Executor]") instead of pairing with it.
 void check_same_graph(const Graph& graph, ProcessGroup& world);
 
 // The inputs `funcol run` feeds a graph: input i of rank `rank` is Tensor::rand of its type

@@ -59,7 +59,8 @@ class Profiler {
 // each other (ranks on one host share the monotonic clock: threads, or processes on loopback),
 // time 0 is the latest reading on any rank, one instant for all, so the ranks' traces line up
 // exactly. Otherwise (hosts whose clocks differ) each rank's time 0 is its own reading, taken
-// as the ranks leave the collective. Call it right after a barrier.
+// as the ranks leave the collective. Call it right after a barrier. Its all_reduce is labelled
+// as funcol's own step, so it never pairs with a user's collective a peer issued instead.
 void align_epochs(ProcessGroup& world, std::span<Profiler* const> profilers);
 
 // One rank's trace events as a JSON array (text): metadata naming process `rank` "rank R" and
