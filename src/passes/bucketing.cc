@@ -383,6 +383,8 @@ class Bucketer {
   std::vector<Frame> stack_;
   std::vector<std::pair<int64_t, int64_t>> member_keys_;  // place_normally's scratch
   bool no_pair_fits_ = false;  // set by merge(): no two of its members have one placement
+  int64_t region_work_ = 0;     // nodes collect_region collected, over the whole pass
+  int64_t retry_work_ = 0;      // of those, the ones close_bucket's later retries collected
 
   void grow_scratch() {
     const size_t n = order_.id_bound();
@@ -683,12 +685,29 @@ void Bucketer::close_bucket(std::string_view reason) {
   } else if (packed != bucket_.end()) {
     outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
-    // The members a merge drops (issue order) get a few more tries as a bucket of their own,
-    // in wait order (each try costs a pass over the members' region): the members that have
-    // no placement with the merged ones then merge among themselves.
-    constexpr int kMaxRetries = 4;
+    // The members a merge drops (issue order) are tried again as a bucket of their own, in
+    // wait order, until no two of them merge: the members that have no placement with the
+    // merged ones then merge among themselves. Each try merges the largest group that has a
+    // placement and costs a pass over the members' region, so a bucket whose members pair off
+    // in many small groups (each the members' whole region) costs one pass per group: after
+    // kRetries tries, a bucket tries again only while the later tries of the whole pass have
+    // collected fewer than kRetryWork region nodes (a bound on the pass's time, the same on
+    // every rank), and the members left are dropped.
+    constexpr int kRetries = 4;
+    constexpr int64_t kRetryWork = int64_t{1} << 18;
     std::vector<Entry*> todo = bucket_;
-    for (int attempt = 0; attempt <= kMaxRetries && todo.size() >= 2; ++attempt) {
+    for (int attempt = 0; todo.size() >= 2; ++attempt) {
+      const bool later = attempt > kRetries;
+      if (later && retry_work_ >= kRetryWork) {
+        if (explain_) {
+          retried.push_back(fmt::format(
+              "bucket {}: {} dropped members not tried again (the pass's retries visited {} "
+              "region nodes, their budget)",
+              bucket_index_, todo.size(), retry_work_));
+        }
+        break;
+      }
+      const int64_t work_before = region_work_;
       const std::string tried = explain_ && attempt > 0 ? members_str(todo) : std::string();
       // merge() counts what it drops; a retry's members are counted again by it.
       if (attempt > 0) stats_.dropped -= static_cast<int64_t>(todo.size());
@@ -733,6 +752,7 @@ void Bucketer::close_bucket(std::string_view reason) {
         retried.push_back(fmt::format("bucket {} again, with what was dropped: {}; {}",
                                       bucket_index_, tried, result));
       }
+      if (later) retry_work_ += region_work_ - work_before;
       todo = std::move(rest);
       // No two members had a placement together: no subset has one either.
       if (!ok && no_pair_fits_) break;
@@ -1175,6 +1195,7 @@ void Bucketer::collect_region(const std::vector<Entry*>& members, const Bounds& 
     }
     if (n == b.lo_node) break;
   }
+  region_work_ += static_cast<int64_t>(region.nodes.size());
   // The window's neighbours that survive the merge (members are erased).
   region.before = b.hi_node->prev();
   while (region.before && is_member(region.before)) region.before = region.before->prev();
@@ -1516,7 +1537,8 @@ std::vector<double> parse_cap_mb(std::string_view text) {
     }
     if (whole && ec == std::errc() && std::isinf(v) && v > 0) {
       throw InvalidArgument(
-          fmt::format("cap-mb: '{}' is not a finite number; {} (in '{}')", part, kNoLimitHint, text));
+          fmt::format("cap-mb: '{}' is not a finite number; {} (in '{}')", part, kNoLimitHint,
+                      text));
     }
     if (!whole || ec != std::errc() || !std::isfinite(v) || v <= 0) {
       throw InvalidArgument(

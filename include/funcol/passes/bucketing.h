@@ -103,8 +103,9 @@ struct BucketingStats {
 // the issue order of the collectives not merged). When the members have no such order
 // together, the bucket is split into the fewest groups that each have one (each member's
 // placements are a range between two unmerged collectives), the largest merges, and the
-// rest are bucketed again on their own (up to four more times; members left then are
-// dropped, as are members of groups of one).
+// rest are bucketed again on their own until no two of them merge (after four more times,
+// only while the pass's later tries have visited fewer than 2^18 nodes of their regions, which
+// bounds its time; members left then are dropped, as are members of groups of one).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
 // routine again on it merges nothing more, with two exceptions. When it dropped members:
