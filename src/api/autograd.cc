@@ -97,15 +97,44 @@ Tracked tracked(const Tensor& t) {
   return {std::move(state), ref->value};
 }
 
-// The one tape the tracked tensors among `ts` belong to (null when none is tracked).
+// What the version checks' messages say counts as a write (Storage::version).
+constexpr std::string_view kWritesNote =
+    "data_ptr() and data<T>() count as writes; read through const_data<T>() or to_vector";
+
+// The live tapes made on this thread, oldest first (expired ones are dropped as tapes come):
+// where a plain collective looks for the tensor its untracked input may be a view of.
+thread_local std::vector<std::weak_ptr<State>> t_tapes;
+
+// Whether `state` is a tape made on this thread.
+bool made_here(const std::shared_ptr<State>& state) {
+  return std::any_of(t_tapes.begin(), t_tapes.end(),
+                     [&](const std::weak_ptr<State>& w) { return w.lock() == state; });
+}
+
+// A tape records only on the thread that made it (it has no lock: recording from two threads
+// corrupted it), and a tracked operand taken as a constant elsewhere would lose its gradient
+// without a word: InvalidArgument for `what` (an operand of `op`) on any other thread.
+void check_made_here(const std::shared_ptr<State>& state, std::string_view op,
+                     std::string_view what) {
+  if (made_here(state)) return;
+  throw InvalidArgument(fmt::format(
+      "{}: {} is tracked by a tape made on another thread, and a tape records only on the "
+      "thread that made it: run it there, or pass a copy (t.clone()) to use the value as a "
+      "constant",
+      op, what));
+}
+
+// The one tape the tracked tensors among `ts` belong to (null when none is tracked); it must
+// have been made on this thread (check_made_here).
 std::shared_ptr<State> tape_of(std::span<const Tensor> ts, std::string_view op) {
   std::shared_ptr<State> state;
-  for (const Tensor& t : ts) {
-    Tracked tr = tracked(t);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    Tracked tr = tracked(ts[i]);
     if (!tr.state) continue;
     if (state && state != tr.state) {
       throw InvalidArgument(fmt::format("{}: operands are tracked by different tapes", op));
     }
+    if (!state) check_made_here(tr.state, op, fmt::format("operand {}", i));
     state = std::move(tr.state);
   }
   return state;
@@ -138,9 +167,6 @@ Tensor track(const std::shared_ptr<State>& state, Value* value, const Tensor& t)
   return out;
 }
 
-// The live tapes made on this thread, oldest first (expired ones are dropped as tapes come):
-// where a plain collective looks for the tensor its untracked input may be a view of.
-thread_local std::vector<std::weak_ptr<State>> t_tapes;
 // Above zero while the tape itself runs collectives on untracked tensors (backward) or an
 // in-place collective writes into a view (api_detail::UntrackedViewsAllowed).
 thread_local int t_views_allowed = 0;
@@ -243,9 +269,9 @@ std::vector<Tensor> record(const std::shared_ptr<State>& state, std::string_view
       if (tr.value->node() != nullptr && now != known) {
         throw InvalidArgument(fmt::format(
             "{}: operand {} ({}, made by a recorded {}) was written in place after that op was "
-            "recorded, and the tape does not record in-place writes: use the functional form "
-            "of the write (its result), or write to a copy",
-            op, i, tr.value->ref(), tr.value->node()->op_name()));
+            "recorded ({}), and the tape does not record in-place writes: use the functional "
+            "form of the write (its result), or write to a copy",
+            op, i, tr.value->ref(), tr.value->node()->op_name(), kWritesNote));
       }
       known = now;
       values.push_back(tr.value);
@@ -349,25 +375,19 @@ std::vector<Tensor> checked_call(const std::shared_ptr<State>& state, State* tra
   return call_on(state, op, operands, attrs);
 }
 
-// Whether `state` is a tape made on this thread.
-bool made_here(const std::shared_ptr<State>& state) {
-  return std::any_of(t_tapes.begin(), t_tapes.end(),
-                     [&](const std::weak_ptr<State>& w) { return w.lock() == state; });
-}
-
 // funcol::ops::call on a thread that made a tape (ops_detail::TapeHook): an op of a tracked
 // operand is recorded on its tape, as tape.call would record it, as PyTorch records every op on
 // a tensor that requires grad; an untracked view of a tracked value is refused, as tape.call
 // refuses it (taken as a constant, it would lose its gradient without a word). A tape records
-// only on the thread that made it (it has no lock): elsewhere a tracked operand enters as a
-// constant. Collectives and waits go their own way (ops::call refuses the first, and returns a
+// only on the thread that made it (it has no lock): elsewhere a tracked operand is refused
+// (tape_of). Collectives and waits go their own way (ops::call refuses the first, and returns a
 // wait's operand itself).
 std::optional<std::vector<Tensor>> record_ops_call(std::string_view op,
                                                    std::span<const Tensor> operands,
                                                    const NamedAttrs& attrs) {
-  if (t_tapes.empty() || get_op(op).collective != CollectiveKind::None) return std::nullopt;
+  if (get_op(op).collective != CollectiveKind::None) return std::nullopt;
   std::shared_ptr<State> state = tape_of(operands, op);
-  if (state && !made_here(state)) return std::nullopt;
+  if (t_tapes.empty()) return std::nullopt;  // no view here can be of a tape's value
   if (!state) {
     refuse_untracked_views(operands, op, nullptr);
     return std::nullopt;
@@ -442,6 +462,11 @@ GradTape::~GradTape() = default;
 
 Tensor GradTape::requires_grad(const Tensor& t) {
   if (!t.defined()) throw InvalidArgument("requires_grad: the tensor is undefined");
+  if (!made_here(state_)) {
+    throw InvalidArgument(
+        "requires_grad: the tape was made on another thread, and a tape records only on the "
+        "thread that made it");
+  }
   if (!is_floating(t.dtype())) {
     throw InvalidArgument(fmt::format("requires_grad: only floating tensors have gradients, got {}",
                                       type_str(t.dtype(), t.sizes())));
@@ -538,9 +563,9 @@ void GradTape::backward(const Tensor& loss) {
         if (now != then) {
           throw InvalidArgument(fmt::format(
               "backward: {} ({}), a value the gradient needs, was written in place after it "
-              "was recorded (version {}, recorded at {}): record the computation again, or "
+              "was recorded (version {}, recorded at {}; {}): record the computation again, or "
               "write to a copy",
-              v->ref(), v->type().str(), now, then));
+              v->ref(), v->type().str(), now, then, kWritesNote));
         }
       }
     }

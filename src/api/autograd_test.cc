@@ -293,20 +293,13 @@ TEST(EagerAutograd, FuncolOpsOnTrackedTensorsAreRecorded) {
   EXPECT_EQ(ops::call_one("wait_tensor", std::vector<Tensor>{x}).data_ptr(), x.data_ptr());
 }
 
-// What funcol::ops does not record: on a thread other than the tape's (a tape has no lock:
-// recording there raced with the tape's own thread and crashed), a tracked operand enters as a
-// constant; an untracked view of a tracked value made by a Tensor method is refused, as
-// tape.call refuses it (recorded around it, it lost its gradient: -x instead of -2x); and a
-// tape op under a tracer is recorded in the trace too (its operands lost the tracer's
-// annotation with the tape's).
+// What funcol::ops does not record: an untracked view of a tracked value made by a Tensor
+// method is refused, as tape.call refuses it (recorded around it, it lost its gradient: -x
+// instead of -2x); and a tape op under a tracer is recorded in the trace too (its operands lost
+// the tracer's annotation with the tape's). On another thread, see the next test.
 TEST(EagerAutograd, FuncolOpsRecordOnlyWhatTheTapeCanKeep) {
   GradTape tape;
   const Tensor x = tape.requires_grad(Tensor::from_vector<float>({1, 2, 3, 4}, {4}));
-  std::thread([&] {
-    const Tensor y = ops::neg(x);
-    EXPECT_FALSE(is_tracked(y));
-    EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{-1, -2, -3, -4}));
-  }).join();
   try {
     (void)ops::neg(x.view({2, 2}));
     ADD_FAILURE() << "a Tensor method's view of a tracked tensor went through funcol::ops";
@@ -322,6 +315,75 @@ TEST(EagerAutograd, FuncolOpsRecordOnlyWhatTheTapeCanKeep) {
     const Tensor n = tape.call_one("neg", std::vector<Tensor>{in});
     EXPECT_TRUE(tracer.owns(n));
     EXPECT_NO_THROW((void)ops::add(in, n));
+  }
+}
+
+// A tape records only on the thread that made it (it has no lock: funcol::ops and a collective
+// recording from two threads at once corrupted it). On another thread a tracked operand is
+// refused, by ops, tape.call, the plain and the *_autograd collectives alike (funcol::ops took
+// it as a constant, silently losing its gradient: -x + 2 instead of -2x + 2, while the
+// collective was recorded), and so is requires_grad; a copy (clone) enters as a constant.
+TEST(EagerAutograd, ATapeRecordsOnlyOnItsOwnThread) {
+  run_local(1, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::from_vector<float>({1, 2, 3, 4}, {4}));
+    std::vector<std::string> errors;
+    std::thread([&] {
+      auto expect_refused = [&](const std::function<void()>& fn) {
+        try {
+          fn();
+          errors.push_back("no error");
+        } catch (const InvalidArgument& e) {
+          errors.push_back(e.what());
+        }
+      };
+      expect_refused([&] { (void)ops::neg(x); });
+      expect_refused([&] { (void)tape.call_one("neg", std::vector<Tensor>{x}); });
+      expect_refused([&] { (void)all_reduce(x, "sum", world); });
+      expect_refused([&] { (void)all_gather_tensor_autograd(x, 0, world); });
+      expect_refused([&] { (void)all_reduce_coalesced({x}, "sum", world); });
+      expect_refused([&] { (void)tape.requires_grad(Tensor::zeros({2}, DType::F32)); });
+      const Tensor y = ops::neg(x.clone());
+      EXPECT_FALSE(is_tracked(y));
+      EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{-1, -2, -3, -4}));
+    }).join();
+    ASSERT_EQ(errors.size(), 6u);
+    for (size_t i = 0; i + 1 < errors.size(); ++i) {
+      EXPECT_NE(errors[i].find("is tracked by a tape made on another thread, and a tape records "
+                               "only on the thread that made it"),
+                std::string::npos)
+          << i << ": " << errors[i];
+    }
+    EXPECT_NE(errors.back().find("requires_grad: the tape was made on another thread"),
+              std::string::npos)
+        << errors.back();
+    // Nothing of the other thread's reached the tape: the gradient of sum(neg(x) * x) is -2x.
+    const Tensor n = ops::neg(x);
+    tape.backward(ops::sum(ops::mul(n, x)));
+    EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{-2, -4, -6, -8}));
+  });
+}
+
+// Reading a recorded value through const_data<T>() is a read; data<T>() and data_ptr() count as
+// writes (funcol cannot tell), which the version check names with what to use instead.
+TEST(EagerAutograd, ReadsThroughConstDataAreNotWrites) {
+  GradTape tape;
+  const Tensor x = tape.requires_grad(Tensor::from_vector<float>({1, 2}, {2}));
+  const Tensor y = ops::mul(x, x);
+  EXPECT_EQ(y.const_data<float>()[1], 4.0f);
+  EXPECT_THROW((void)y.const_data<double>(), InvalidArgument);
+  tape.backward(ops::sum(y));
+  EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{2, 4}));
+  const Tensor z = ops::mul(x, x);
+  (void)z.data<float>();
+  try {
+    (void)ops::sum(z);
+    ADD_FAILURE() << "a value whose data<T>() was taken was recorded";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("data_ptr() and data<T>() count as writes; read "
+                                         "through const_data<T>() or to_vector"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -473,8 +535,9 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     w.copy_(Tensor::from_vector<double>({10, 20, 30}, {3}));
     EXPECT_EQ(error_of([&] { tape.backward(l); }),
               "backward: %x (f64[3]), a value the gradient needs, was written in place after it "
-              "was recorded (version 1, recorded at 0): record the computation again, or write "
-              "to a copy");
+              "was recorded (version 1, recorded at 0; data_ptr() and data<T>() count as "
+              "writes; read through const_data<T>() or to_vector): record the computation "
+              "again, or write to a copy");
   }
   {
     GradTape tape;
@@ -499,8 +562,9 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
                                    tape.call_one("sum", std::vector<Tensor>{q})});
     EXPECT_EQ(error_of([&] { tape.backward(l); }),
               "backward: %x.1 (f64[2]), a value the gradient needs, was written in place after "
-              "it was recorded (version 2, recorded at 1): record the computation again, or "
-              "write to a copy");
+              "it was recorded (version 2, recorded at 1; data_ptr() and data<T>() count as "
+              "writes; read through const_data<T>() or to_vector): record the computation "
+              "again, or write to a copy");
   }
   {
     GradTape tape;  // the same write, but the loss reads only uses made after it: fine
@@ -547,8 +611,9 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     y.copy_(b);
     EXPECT_EQ(error_of([&] { tape.call_one("mul", std::vector<Tensor>{y, y}); }),
               "mul: operand 0 (%mul, made by a recorded mul) was written in place after that op "
-              "was recorded, and the tape does not record in-place writes: use the functional "
-              "form of the write (its result), or write to a copy");
+              "was recorded (data_ptr() and data<T>() count as writes; read through "
+              "const_data<T>() or to_vector), and the tape does not record in-place writes: use "
+              "the functional form of the write (its result), or write to a copy");
   }
   {
     GradTape tape;  // div's gradient reads its result: a wrong -5 for b, no error, before

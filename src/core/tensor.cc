@@ -975,14 +975,28 @@ void* Tensor::first_element() const {
   return static_cast<char*>(storage_->raw()) + offset_ * static_cast<int64_t>(itemsize());
 }
 
+namespace {
+// data<T>() and const_data<T>(): T must be the tensor's dtype.
+template <ElementType T>
+void check_element_type(const Tensor& t, std::string_view what) {
+  constexpr DType want = dtype_for<T>();
+  if (t.defined() && want != t.dtype()) {
+    throw InvalidArgument(fmt::format("{}: requested {} but the tensor is {}", what,
+                                      dtype_name(want), dtype_name(t.dtype())));
+  }
+}
+}  // namespace
+
 template <ElementType T>
 T* Tensor::data() const {
-  constexpr DType want = dtype_for<T>();
-  if (defined() && want != dtype_) {
-    throw InvalidArgument(fmt::format("data: requested {} but the tensor is {}", dtype_name(want),
-                                      dtype_name(dtype_)));
-  }
+  check_element_type<T>(*this, "data");
   return static_cast<T*>(data_ptr());
+}
+
+template <ElementType T>
+const T* Tensor::const_data() const {
+  check_element_type<T>(*this, "const_data");
+  return static_cast<const T*>(const_data_ptr());
 }
 
 const Tensor& Tensor::wait() const {
@@ -1574,6 +1588,7 @@ bool Tensor::equal(const Tensor& other) const {
 #define FUNCOL_INSTANTIATE(T)                                                  \
   template Tensor Tensor::from_vector<T>(const std::vector<T>&, const Shape&); \
   template T* Tensor::data<T>() const;                                         \
+  template const T* Tensor::const_data<T>() const;                             \
   template std::vector<T> Tensor::to_vector<T>() const;                        \
   template T Tensor::item<T>() const;
 

@@ -26,8 +26,12 @@ namespace funcol {
 // (collectives through the functional API, each waited) and adds the gradients into grad().
 //
 // One tape per rank (thread); every rank must record the same ops in the same order, since the
-// backward collectives are issued in the order of the recorded graph. Tensors stay tracked as
-// long as the tape lives; a tensor of a destroyed tape counts as untracked. Tensor methods
+// backward collectives are issued in the order of the recorded graph. A tape records only on the
+// thread that made it: on any other, a tracked tensor given to an op or a collective, and
+// requires_grad, are refused (InvalidArgument), since taken as a constant the tensor would lose
+// its gradient (a copy, t.clone(), is a constant). data_ptr() and data<T>() count as writes
+// (Storage::version) for the version checks below; const_data<T>() reads. Tensors stay tracked
+// as long as the tape lives; a tensor of a destroyed tape counts as untracked. Tensor methods
 // (t.view(...)) are not recorded: use call(). A view they make of a tracked tensor is refused
 // (InvalidArgument) where it enters call() or a collective, on the tape's thread, since as a
 // constant it would lose its gradient without a word; copies they make (t.to(...), t.clone())
@@ -62,7 +66,8 @@ class GradTape {
   // non-sum all_reduce / reduce_scatter on the way ("all_reduce backward only supports 'sum'
   // reduction, got 'max' (node %ar)"), broadcast, an op without a rule, a value the gradient
   // reads that was written in place since it was recorded (Storage::version, PyTorch's
-  // version check). May be called again (gradients accumulate, as in PyTorch). A backward that
+  // version check). May be called again: gradients accumulate, as in PyTorch with
+  // retain_graph=True (the tape keeps its graph; PyTorch frees it by default). A backward that
   // fails after its gradient graph was built (such a version check, a kernel's error, a failed
   // collective) first issues its collectives not issued yet, failed, so that a rank failing
   // alone does not fall behind its peers: their backward fails naming it ("rank 1 could not

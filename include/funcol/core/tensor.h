@@ -228,6 +228,10 @@ class Tensor {
   // Typed pointer, as data_ptr(); throws InvalidArgument when T does not match dtype().
   template <ElementType T>
   T* data() const;
+  // Typed pointer, as const_data_ptr() (a read: not counted in Storage::version, so it does not
+  // trip the autograd tape's in-place check); throws as data<T>().
+  template <ElementType T>
+  const T* const_data() const;
   // Pointer to the first element WITHOUT waiting, for the producer of pending data.
   void* raw_data_ptr() const;
   // Waits for pending storage; returns *this. Waiting twice costs nothing.
