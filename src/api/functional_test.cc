@@ -20,22 +20,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "testing/error_of.h"
+
 namespace funcol {
 namespace {
 
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
-// The what() of the funcol::Error (or the E) that fn throws, or a marker when it throws none.
-template <typename E = Error>
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no funcol::Error thrown>";
-}
+using testing::error_of;
 
 // f32 tensor whose element k (row-major) is base + k.
 Tensor iota(const Shape& shape, float base = 0) {
@@ -1093,7 +1086,7 @@ size_t rank_list_warnings(const std::string& err) {
 }
 
 TEST(GroupSpecTest, RankListWarnsOnce) {
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   run_local(4, [](ProcessGroup& world) {
     Tensor x = Tensor::full({4}, DType::F32, 1);
     EXPECT_EQ(all_reduce(x, "sum", {0, 1, 2, 3}).to_vector<float>(), repeat(4, 4));
@@ -1101,7 +1094,7 @@ TEST(GroupSpecTest, RankListWarnsOnce) {
     // The whole world in order is the world group.
     EXPECT_EQ(&GroupSpec({0, 1, 2, 3}).resolve(), &world);
   });
-  const std::string err = testing::internal::GetCapturedStderr();
+  const std::string err = ::testing::internal::GetCapturedStderr();
   EXPECT_LE(rank_list_warnings(err), 1u) << err;
 }
 
@@ -1111,13 +1104,13 @@ TEST(GroupSpecDeathTest, RankListWarnsExactlyOncePerProcess) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
-        testing::internal::CaptureStderr();
+        ::testing::internal::CaptureStderr();
         run_local(2, [](ProcessGroup&) {
           Tensor x = Tensor::full({4}, DType::F32, 1);
           all_reduce(x, "sum", {0, 1}).wait();
           all_reduce(x, "sum", std::vector<int>{0, 1}).wait();
         });
-        const size_t count = rank_list_warnings(testing::internal::GetCapturedStderr());
+        const size_t count = rank_list_warnings(::testing::internal::GetCapturedStderr());
         std::fprintf(stderr, "rank-list warnings: %zu\n", count);
         std::_Exit(count == 1 ? 0 : 1);
       },
