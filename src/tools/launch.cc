@@ -462,6 +462,26 @@ std::optional<int> job_world_size(const std::string& backend, const InitOptions&
   return known_world_size(join)->value;
 }
 
+namespace {
+
+// For the error of a command that has no rank count: a job this process looks like a rank of,
+// which `backend` does not join ("" when there is none).
+std::string job_hint(const std::string& backend) {
+  if (backend == "threads" && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+    return fmt::format(
+        "; this process is a rank of an mpirun job (OMPI_COMM_WORLD_SIZE={}): pass --backend "
+        "mpi to join it",
+        std::getenv("OMPI_COMM_WORLD_SIZE"));
+  }
+  if (backend == "threads" && std::getenv("RANK") != nullptr &&
+      std::getenv("WORLD_SIZE") != nullptr) {
+    return "; RANK and WORLD_SIZE are set: pass --backend gloo to join that job as rank RANK";
+  }
+  return "";
+}
+
+}  // namespace
+
 int resolve_ranks(const std::string& backend, const InitOptions& join, std::optional<int> typed,
                   std::optional<int> fallback) {
   // Flags that do not fit the backend are the error to report, before any about --ranks.
@@ -469,13 +489,21 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
   if (typed) return *typed;
   if (const std::optional<int> n = job_world_size(backend, join)) return *n;
   if (fallback) return *fallback;
-  throw InvalidArgument(
+  throw InvalidArgument(fmt::format(
       "--ranks is required (the number of ranks), unless this process is a rank of an mpirun "
-      "job or joins a gloo job as one rank with --rank and --world-size");
+      "job or joins a gloo job as one rank with --rank and --world-size{}",
+      job_hint(backend)));
 }
 
 void check_job_options(const std::string& backend, const InitOptions& join, int ranks) {
   check_job_flags_fit(backend, join);
+  if (backend == "threads" && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+    std::fprintf(stderr,
+                 "funcol: warning: this process is a rank of an mpirun job, but --backend threads "
+                 "runs all %d ranks in it (each mpirun process runs a job of its own): pass "
+                 "--backend mpi to run one rank a process\n",
+                 ranks);
+  }
   if (backend == "threads" && ranks > kMaxLocalRanks) {
     throw InvalidArgument(fmt::format(
         "--ranks {}: the threads backend runs at most {} ranks (a thread each)", ranks,

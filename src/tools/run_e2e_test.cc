@@ -951,6 +951,75 @@ TEST_F(RunJoinE2E, ABadWorldSizeVariableIsNamed) {
   }
   EXPECT_FALSE(std::filesystem::exists(store));
 }
+
+// A process that looks like a rank of a job (mpirun's variables, or RANK and WORLD_SIZE) but runs
+// --backend threads is told which backend joins that job: the error without --ranks said "unless
+// this process is a rank of an mpirun job" to a process that was one; with --ranks, each such
+// process runs a whole job of its own, which a warning says.
+TEST_F(RunJoinE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string e = "funcol: error: --ranks is required (the number of ranks), unless this "
+                        "process is a rank of an mpirun job or joins a gloo job as one rank with "
+                        "--rank and --world-size; ";
+  struct Case {
+    std::vector<std::pair<std::string, std::string>> env;
+    std::vector<std::string> flags;
+    int code;
+    std::string err;  // the whole of stderr, or (code 0) its first line
+  };
+  const std::vector<Case> cases = {
+      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {}, 1,
+       e + "this process is a rank of an mpirun job (OMPI_COMM_WORLD_SIZE=2): pass --backend mpi "
+           "to join it\n"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {}, 1,
+       e + "RANK and WORLD_SIZE are set: pass --backend gloo to join that job as rank RANK\n"},
+      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {"--ranks", "2"}, 0,
+       "funcol: warning: this process is a rank of an mpirun job, but --backend threads runs all "
+       "2 ranks in it (each mpirun process runs a job of its own): pass --backend mpi to run one "
+       "rank a process"},
+  };
+  for (const Case& c : cases) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run", file};
+    s.argv.insert(s.argv.end(), c.flags.begin(), c.flags.end());
+    s.env = kHandEnv;
+    for (const auto& [name, value] : c.env) {
+      std::erase_if(s.env, [&](const auto& kv) { return kv.first == name; });
+      s.env.emplace_back(name, value);
+    }
+    SCOPED_TRACE(c.err);
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
+    EXPECT_FALSE(st.signaled);
+    EXPECT_EQ(st.code, c.code);
+    const std::string err = slurp(s.stderr_path);
+    EXPECT_EQ(c.code == 0 ? err.substr(0, err.find('\n')) : err, c.err);
+  }
+}
+
+// A FUNCOL_GLOO_HOSTNAME that does not resolve is an error naming it: Gloo's own lookup
+// dereferenced the failed result (the rank died of SIGSEGV).
+TEST_F(RunJoinE2E, AGlooHostNameThatDoesNotResolveIsAnError) {
+  const std::string file = write("g2.ir", kGraph2);
+  SpawnOptions s;
+  s.argv = {FUNCOL_BIN, "run", file,           "--backend", "gloo",
+            "--rank",   "0",  "--world-size", "2",         "--store",
+            dir_.path() + "/store"};
+  s.env = kHandEnv;
+  s.env.emplace_back("FUNCOL_GLOO_HOSTNAME", "no-such-host.invalid");
+  s.stdout_path = dir_.path() + "/stdout";
+  s.stderr_path = dir_.path() + "/stderr";
+  const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(60)).front();
+  EXPECT_FALSE(st.signaled) << st.code;
+  EXPECT_EQ(st.code, 1);
+  const std::string err = slurp(s.stderr_path);
+  EXPECT_EQ(err.rfind("funcol: error: gloo: cannot create a TCP device on no-such-host.invalid: "
+                      "the name does not resolve (",
+                      0),
+            0u)
+      << err;
+}
 #endif
 
 // A memory cgroup (v1 or v2) of `limit` bytes for the commands a test runs in it (prefix()),

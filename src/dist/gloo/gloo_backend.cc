@@ -3,9 +3,11 @@
 #include "dist/gloo/gloo_backend.h"
 
 #include <fcntl.h>
+#include <netdb.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -353,7 +355,13 @@ struct GlooShared {
       }
       return std::make_unique<RedisKeyStore>(url.host, url.port, timeout);
     } catch (const std::exception& e) {
-      throw CommError(fmt::format("gloo: cannot open store '{}': {}", url.text, gloo_message(e)));
+      // The Redis server's address as tried: a URL without a port means Redis's default.
+      const std::string where =
+          url.kind == process::StoreUrl::Kind::Redis
+              ? fmt::format(" (Redis at {}, port {})", url.host, url.port)
+              : std::string();
+      throw CommError(fmt::format("gloo: cannot open store '{}'{}: {}", url.text, where,
+                                  gloo_message(e)));
     }
   }
 };
@@ -365,6 +373,23 @@ CommError lost_during_rendezvous(const std::string& what, const std::string& url
       fmt::format("gloo: rendezvous of {} at '{}' failed: {} during the rendezvous; missing "
                   "ranks [{}]",
                   what, url, loss.describe(), loss.rank));
+}
+
+// Throws when `host` (a name or an address for Gloo's TCP device) does not resolve, as Gloo's
+// device looks it up (any family, stream sockets).
+void check_resolves(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (rc != 0) {
+    throw std::runtime_error(fmt::format(
+        "the name does not resolve ({}); set FUNCOL_GLOO_HOSTNAME to an address or a name of "
+        "this host, or FUNCOL_GLOO_IFNAME to an interface",
+        gai_strerror(rc)));
+  }
+  freeaddrinfo(res);
 }
 
 // Where the member at `index` of a rendezvous under `prefix` writes its arrival record.
@@ -440,10 +465,11 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
       }
     }
     if (Clock::now() > deadline) {
-      throw CommError(
-          fmt::format("gloo: rendezvous of {} at '{}' timed out after {} ms; ranks "
-                      "that did not arrive: {}",
-                      what, url, timeout.count(), dist_detail::format_ranks(ranks)));
+      throw CommError(fmt::format(
+          "gloo: rendezvous of {} at '{}' timed out after {} ms; ranks that did not arrive: {} "
+          "(never started, or failed before arriving: one that found a previous job's key at "
+          "its index failed at once and removed it, so starting it again succeeds)",
+          what, url, timeout.count(), dist_detail::format_ranks(ranks)));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -663,6 +689,8 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     // first connection (five times a fifth of it, see above).
     const auto waited = shared.timeout.count();
     if (msg.find("already") != std::string::npos) {
+      // RedisStore's check comes first ("reply->integer == 1. 0 vs 1. Key '...' already set").
+      if (const auto key = msg.find("Key '"); key != std::string::npos) msg.erase(0, key);
       msg += fmt::format(
           " (a previous job left its keys in '{}', or another process joined as rank {}: the "
           "same --rank given twice, or two jobs at one store; this rank removed its own keys, "
@@ -1194,6 +1222,9 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
       attr.hostname = host;
     }
     try {
+      // Gloo's own lookup of a name that does not resolve dereferences the failed result
+      // (a segfault, not an exception): checked here first.
+      if (!attr.hostname.empty()) check_resolves(attr.hostname);
       shared->device = gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& e) {
       throw CommError(fmt::format("gloo: cannot create a TCP device on {}: {}",

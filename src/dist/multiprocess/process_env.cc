@@ -108,6 +108,10 @@ StoreUrl parse_store_url(const std::string& url) {
   }
   if (url.empty()) throw bad("empty");
   if (url.find("://") != std::string::npos) throw bad("unknown scheme");
+  // "redis:/x" or "file:dir" is a mistyped URL, not a directory named "redis:".
+  for (const char* scheme : {"redis:", "file:"}) {
+    if (url.rfind(scheme, 0) == 0) throw bad(fmt::format("'{}' must be followed by //", scheme));
+  }
   // A bare directory (no scheme): a file store there; a relative one is taken from the working
   // directory now, so the path in messages and the store's files are the same wherever they go.
   out.kind = StoreUrl::Kind::File;

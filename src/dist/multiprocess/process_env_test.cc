@@ -57,7 +57,8 @@ TEST(StoreUrl, RedisHostAndPort) {
 
 TEST(StoreUrl, BadUrlsNameTheValue) {
   for (const char* bad : {"", "tcp://x:1", "ftp://x", "redis://", "redis://h:0", "redis://h:70000",
-                          "redis://h:x", "file://relative"}) {
+                          "redis://h:x", "file://relative", "redis:/x", "redis:h:1",
+                          "file:/tmp/st"}) {
     try {
       parse_store_url(bad);
       ADD_FAILURE() << "accepted " << bad;
@@ -84,6 +85,9 @@ TEST(StoreUrl, UnknownSchemeAndEmptyAreErrors) {
             "redis://host:port)");
   EXPECT_EQ(message(""),
             "invalid store '': empty (expected a directory, file:///dir or redis://host:port)");
+  EXPECT_EQ(message("redis:/h"),
+            "invalid store 'redis:/h': 'redis:' must be followed by // (expected a directory, "
+            "file:///dir or redis://host:port)");
 }
 
 TEST(EnvInt, UnsetParsedAndMalformed) {
