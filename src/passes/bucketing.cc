@@ -3,6 +3,8 @@
 #include "funcol/passes/bucketing.h"
 
 #include <algorithm>
+#include <deque>
+#include <iterator>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -383,6 +385,9 @@ class Bucketer {
   std::vector<Frame> stack_;
   std::vector<std::pair<int64_t, int64_t>> member_keys_;  // place_normally's scratch
   bool no_pair_fits_ = false;  // set by merge(): no two of its members have one placement
+  // Set by merge() when it merged the largest group of best_gap_members's cover: the cover's
+  // other groups, in its order (each in wait order). Empty otherwise.
+  std::vector<std::vector<Entry*>> cover_rest_;
   int64_t region_work_ = 0;     // nodes collect_region collected, over the whole pass
   int64_t retry_work_ = 0;      // of those, the ones close_bucket's later retries collected
 
@@ -685,25 +690,44 @@ void Bucketer::close_bucket(std::string_view reason) {
   } else if (packed != bucket_.end()) {
     outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
-    // The members a merge drops (issue order) are tried again as a bucket of their own, in
-    // wait order, until no two of them merge: the members that have no placement with the
-    // merged ones then merge among themselves. Each try merges the largest group that has a
-    // placement and costs a pass over the members' region, so a bucket whose members pair off
-    // in many small groups (each the members' whole region) costs one pass per group: after
-    // kRetries tries, a bucket tries again only while the later tries of the whole pass have
-    // collected fewer than kRetryWork region nodes (a bound on the pass's time, the same on
-    // every rank), and the members left are dropped.
+    // The members a merge drops are tried again, until no two of them merge. When the merge
+    // split the bucket into the fewest groups that each have a placement (best_gap_members),
+    // each other group is tried on its own, in the order of the cover (a try costs a pass over
+    // its members' region, which a group's is a part of); the members no group of two or more
+    // took, and those such a try drops, are then tried together as a bucket of their own, in
+    // wait order, and so on. After kRetries tries, a bucket tries again only while the later
+    // tries of the whole pass have collected fewer than kRetryWork region nodes and members (a
+    // bound on the pass's time, the same on every rank); the members left are dropped. The
+    // budget is the pass's, not a bucket's, so that it bounds the pass whatever the number of
+    // buckets: a bucket that spends it leaves later buckets their first kRetries tries only.
+    // 2^18: tries that each take a whole region cost about 0.7 us a node on the 2-vCPU hosts
+    // here, so the budget is about 0.2 s, a fifth of the 100,000-collective target (issue 4),
+    // and far more than the tries of real graphs (FSDP's buckets drop nothing).
     constexpr int kRetries = 4;
     constexpr int64_t kRetryWork = int64_t{1} << 18;
-    std::vector<Entry*> todo = bucket_;
-    for (int attempt = 0; todo.size() >= 2; ++attempt) {
+    // Every try takes at least one member out (it merges two or more, or leaves its first
+    // alone), so the tries end.
+    auto wait_order = [](const Entry* a, const Entry* b) { return a->index < b->index; };
+    std::deque<std::vector<Entry*>> tries = {bucket_};
+    std::vector<Entry*> leftover;  // for the next try of them together
+    for (int attempt = 0;; ++attempt) {
+      if (tries.empty()) {
+        if (leftover.size() < 2) break;
+        std::sort(leftover.begin(), leftover.end(), wait_order);
+        tries.push_back(std::move(leftover));
+        leftover.clear();
+      }
+      std::vector<Entry*> todo = std::move(tries.front());
+      tries.pop_front();
       const bool later = attempt > kRetries;
       if (later && retry_work_ >= kRetryWork) {
+        size_t untried = todo.size() + leftover.size();
+        for (const auto& t : tries) untried += t.size();
         if (explain_) {
           retried.push_back(fmt::format(
               "bucket {}: {} dropped members not tried again (the pass's retries visited {} "
-              "region nodes, their budget)",
-              bucket_index_, todo.size(), retry_work_));
+              "region nodes and members, their budget)",
+              bucket_index_, untried, retry_work_));
         }
         break;
       }
@@ -752,10 +776,22 @@ void Bucketer::close_bucket(std::string_view reason) {
         retried.push_back(fmt::format("bucket {} again, with what was dropped: {}; {}",
                                       bucket_index_, tried, result));
       }
-      if (later) retry_work_ += region_work_ - work_before;
-      todo = std::move(rest);
+      if (later) {
+        retry_work_ += region_work_ - work_before + static_cast<int64_t>(todo.size());
+      }
       // No two members had a placement together: no subset has one either.
-      if (!ok && no_pair_fits_) break;
+      if (!ok && no_pair_fits_) continue;
+      // The other groups of the cover (their members are in `rest`, each group in wait
+      // order) are tried first; the rest of `rest` waits for the next try together.
+      std::vector<Entry*> grouped;
+      for (std::vector<Entry*>& group : cover_rest_) {
+        if (group.size() < 2) continue;
+        grouped.insert(grouped.end(), group.begin(), group.end());
+        tries.push_back(std::move(group));
+      }
+      std::sort(grouped.begin(), grouped.end(), wait_order);
+      std::set_difference(rest.begin(), rest.end(), grouped.begin(), grouped.end(),
+                          std::back_inserter(leftover), wait_order);
     }
   }
   if (explain_) {
@@ -1211,10 +1247,10 @@ void Bucketer::collect_region(const std::vector<Entry*>& members, const Bounds& 
 // these are all the constraints. The fewest merged collectives that take every member are the
 // fewest gaps that every interval holds one of: in order of the intervals' ends, each interval
 // no gap holds yet puts one at its end, which takes every interval that holds it. Of those
-// groups, the largest (the first such) is merged now; the members left are tried again as a
-// bucket of their own (close_bucket), where the same choice picks the next largest.
-// Its members in wait order; fewer than two when no gap holds two. `region` is the members'
-// window as plan_region collected it (its marks still current).
+// groups, the largest (the first such) is merged now, and the others (cover_rest_) are tried
+// next, each on its own (close_bucket). Its members in wait order; fewer than two when no gap
+// holds two. `region` is the members' window as plan_region collected it (its marks still
+// current).
 std::vector<Entry*> Bucketer::best_gap_members(const std::vector<Entry*>& members,
                                                const Region& region) {
   const std::vector<Node*>& nodes = region.nodes;
@@ -1286,9 +1322,12 @@ std::vector<Entry*> Bucketer::best_gap_members(const std::vector<Entry*>& member
   }
   const auto largest =
       static_cast<uint32_t>(std::max_element(sizes.begin(), sizes.end()) - sizes.begin());
-  std::vector<Entry*> out;
-  for (size_t i = 0; i < members.size(); ++i) {
-    if (group[i] == largest) out.push_back(members[i]);
+  std::vector<std::vector<Entry*>> groups(sizes.size());
+  for (size_t i = 0; i < members.size(); ++i) groups[group[i]].push_back(members[i]);
+  std::vector<Entry*> out = std::move(groups[largest]);
+  cover_rest_.clear();
+  for (uint32_t g = 0; g < groups.size(); ++g) {
+    if (g != largest) cover_rest_.push_back(std::move(groups[g]));
   }
   return out;
 }
@@ -1410,6 +1449,7 @@ void Bucketer::emit_region(const std::vector<Entry*>& members, const Region& reg
 // the others: `members` becomes the merged ones. False when fewer than two remain.
 bool Bucketer::merge(std::vector<Entry*>& members) {
   no_pair_fits_ = false;
+  cover_rest_.clear();
   if (members.size() < 2) return false;
   if (place_normally(members)) return true;
   Region region;
@@ -1427,7 +1467,10 @@ bool Bucketer::merge(std::vector<Entry*>& members) {
   no_pair_fits_ = kept.size() < 2;
   if (kept.size() >= 2) {
     order = plan_region(kept, region);
-    if (!order) kept = kept_by_ranges(members, region);
+    if (!order) {
+      kept = kept_by_ranges(members, region);
+      cover_rest_.clear();  // the cover missed a constraint: its groups are not tried
+    }
   }
   // Nothing merges: the bucket stays as it was, its first member counted as kept.
   if (kept.size() < 2) kept = {members[0]};

@@ -102,15 +102,18 @@ struct BucketingStats {
 // the latest member input (a span within the members' region) are reordered (stably, keeping
 // the issue order of the collectives not merged). When the members have no such order
 // together, the bucket is split into the fewest groups that each have one (each member's
-// placements are a range between two unmerged collectives), the largest merges, and the
-// rest are bucketed again on their own until no two of them merge (after four more times,
-// only while the pass's later tries have visited fewer than 2^18 nodes of their regions, which
-// bounds its time; members left then are dropped, as are members of groups of one).
+// placements are a range between two unmerged collectives), the largest merges, then each
+// other group on its own, and the members left are bucketed again on their own, until no two
+// of them merge (after four more tries, only while the pass's later tries have visited fewer
+// than 2^18 region nodes and members, which bounds its time; members left then are dropped, as
+// are members of groups of one).
 //
 // Decisions depend only on the graph and `options`; the result verifies, and running the
-// routine again on it merges nothing more, with two exceptions. When it dropped members:
+// routine again on it merges nothing more, with three exceptions. When it dropped members:
 // merging a later bucket can move the collective that made an earlier bucket drop one, and a
-// second run may then merge the dropped member with the (already packed) bucket. When a bucket
+// second run may then merge the dropped member with the (already packed) bucket; and members
+// the tries' budget left untried (the explanation says so) may merge in a second run, which
+// has a budget of its own. When a bucket
 // depends on an earlier bucket through one of its members: a second run finds it depending on
 // the whole packed bucket and skips it, which can leave room under the cap for a later
 // collective. The routine does not rerun itself, as that would copy whole buckets once more to
