@@ -3,6 +3,7 @@
 #include "funcol/api/autograd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -99,7 +100,8 @@ Tracked tracked(const Tensor& t) {
 
 // What the version checks' messages say counts as a write (Storage::version).
 constexpr std::string_view kWritesNote =
-    "data_ptr() and data<T>() count as writes; read through const_data<T>() or to_vector";
+    "copy_, fill_, an in-place collective, or data_ptr() or data<T>(), which count as writes "
+    "even to read: read through const_data<T>() or to_vector";
 
 // The live tapes made on this thread, oldest first (expired ones are dropped as tapes come):
 // where a plain collective looks for the tensor its untracked input may be a view of.
@@ -111,17 +113,34 @@ bool made_here(const std::shared_ptr<State>& state) {
                      [&](const std::weak_ptr<State>& w) { return w.lock() == state; });
 }
 
-// A tape records only on the thread that made it (it has no lock: recording from two threads
-// corrupted it), and a tracked operand taken as a constant elsewhere would lose its gradient
-// without a word: InvalidArgument for `what` (an operand of `op`) on any other thread.
+// Every live tape of the process (expired ones are dropped as tapes come), for the views of
+// its values that another thread may use (refuse_untracked_view); g_tape_count counts them.
+std::mutex g_tapes_mu;
+std::vector<std::weak_ptr<State>> g_tapes;  // guarded by g_tapes_mu
+std::atomic<int> g_tape_count{0};
+
+// What a thread other than the tape's is told (a tape has no lock: recording from two threads
+// corrupted it, and a tracked value taken as a constant there would lose its gradient).
+constexpr std::string_view kOwnThreadRule =
+    "a tape records only on the thread that made it: use it there (make the GradTape on the "
+    "thread that records, such as inside the rank's function)";
+
+// InvalidArgument for `what` (an operand of `op`), tracked by `state`, unless this thread made
+// `state`.
 void check_made_here(const std::shared_ptr<State>& state, std::string_view op,
                      std::string_view what) {
   if (made_here(state)) return;
   throw InvalidArgument(fmt::format(
-      "{}: {} is tracked by a tape made on another thread, and a tape records only on the "
-      "thread that made it: run it there, or pass a copy (t.clone()) to use the value as a "
-      "constant",
-      op, what));
+      "{}: {} is tracked by a tape made on another thread, and {}, or pass a copy (t.clone()) "
+      "to use the value as a constant",
+      op, what, kOwnThreadRule));
+}
+
+// InvalidArgument for tape.`call`() on a thread other than the tape's.
+void check_tape_thread(const std::shared_ptr<State>& state, std::string_view call) {
+  if (made_here(state)) return;
+  throw InvalidArgument(
+      fmt::format("{}: the tape was made on another thread, and {}", call, kOwnThreadRule));
 }
 
 // The one tape the tracked tensors among `ts` belong to (null when none is tracked); it must
@@ -232,6 +251,20 @@ void refuse_untracked_view(const Tensor& t, std::string_view op, std::string_vie
     }
     if (state.get() != also) check(*state);
     ++i;
+  }
+  // A view of another thread's tape's value, taken as a constant here, would lose its gradient
+  // as well; that tape cannot record here.
+  if (g_tape_count.load(std::memory_order_relaxed) <= static_cast<int>(t_tapes.size())) return;
+  const std::lock_guard<std::mutex> lock(g_tapes_mu);
+  for (const std::weak_ptr<State>& w : g_tapes) {
+    const std::shared_ptr<State> state = w.lock();
+    if (!state || state.get() == also || made_here(state)) continue;
+    if (const Value* v = viewed_value(*state, t)) {
+      throw InvalidArgument(fmt::format(
+          "{}: {} ({}) is a view of {} ({}), which a GradTape made on another thread tracks, and "
+          "{}, or clone() the view to use its values as a constant",
+          op, what, type_str(t.dtype(), t.sizes()), v->ref(), v->type().str(), kOwnThreadRule));
+    }
   }
 }
 
@@ -375,19 +408,20 @@ std::vector<Tensor> checked_call(const std::shared_ptr<State>& state, State* tra
   return call_on(state, op, operands, attrs);
 }
 
-// funcol::ops::call on a thread that made a tape (ops_detail::TapeHook): an op of a tracked
+// funcol::ops::call once a tape exists (ops_detail::TapeHook): an op of a tracked
 // operand is recorded on its tape, as tape.call would record it, as PyTorch records every op on
 // a tensor that requires grad; an untracked view of a tracked value is refused, as tape.call
 // refuses it (taken as a constant, it would lose its gradient without a word). A tape records
-// only on the thread that made it (it has no lock): elsewhere a tracked operand is refused
-// (tape_of). Collectives and waits go their own way (ops::call refuses the first, and returns a
-// wait's operand itself).
+// only on the thread that made it (it has no lock): elsewhere a tracked operand, or an
+// untracked view of a tracked value, is refused (tape_of, refuse_untracked_view). Collectives
+// and waits go their own way (ops::call refuses the first, and returns a wait's operand
+// itself).
 std::optional<std::vector<Tensor>> record_ops_call(std::string_view op,
                                                    std::span<const Tensor> operands,
                                                    const NamedAttrs& attrs) {
   if (get_op(op).collective != CollectiveKind::None) return std::nullopt;
   std::shared_ptr<State> state = tape_of(operands, op);
-  if (t_tapes.empty()) return std::nullopt;  // no view here can be of a tape's value
+  if (!state && g_tape_count.load(std::memory_order_relaxed) == 0) return std::nullopt;
   if (!state) {
     refuse_untracked_views(operands, op, nullptr);
     return std::nullopt;
@@ -455,18 +489,20 @@ std::vector<Tensor> run_node(const State& s, const Node& n, const std::vector<Te
 GradTape::GradTape() : state_(std::make_shared<State>()) {
   std::erase_if(t_tapes, [](const std::weak_ptr<State>& w) { return w.expired(); });
   t_tapes.push_back(state_);
+  {
+    const std::lock_guard<std::mutex> lock(g_tapes_mu);
+    std::erase_if(g_tapes, [](const std::weak_ptr<State>& w) { return w.expired(); });
+    g_tapes.push_back(state_);
+  }
+  g_tape_count.fetch_add(1, std::memory_order_relaxed);
   ops_detail::set_tape_hook(&record_ops_call);
 }
 
-GradTape::~GradTape() = default;
+GradTape::~GradTape() { g_tape_count.fetch_sub(1, std::memory_order_relaxed); }
 
 Tensor GradTape::requires_grad(const Tensor& t) {
   if (!t.defined()) throw InvalidArgument("requires_grad: the tensor is undefined");
-  if (!made_here(state_)) {
-    throw InvalidArgument(
-        "requires_grad: the tape was made on another thread, and a tape records only on the "
-        "thread that made it");
-  }
+  check_tape_thread(state_, "requires_grad");
   if (!is_floating(t.dtype())) {
     throw InvalidArgument(fmt::format("requires_grad: only floating tensors have gradients, got {}",
                                       type_str(t.dtype(), t.sizes())));
@@ -533,6 +569,7 @@ void give_up_backward(const State& s, const Graph& g, const Node* done) noexcept
 }  // namespace
 
 void GradTape::backward(const Tensor& loss) {
+  check_tape_thread(state_, "backward");  // it adds nodes to the graph and erases them
   State& s = *state_;
   Tracked tr = tracked(loss);
   if (tr.state != state_) throw InvalidArgument("backward: the loss is not tracked by this tape");
@@ -615,6 +652,7 @@ Tensor GradTape::grad(const Tensor& leaf) const {
 }
 
 void GradTape::zero_grad() {
+  check_tape_thread(state_, "zero_grad");
   for (Tensor& g : state_->grads) g = Tensor();
 }
 

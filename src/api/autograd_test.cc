@@ -322,14 +322,16 @@ TEST(EagerAutograd, FuncolOpsRecordOnlyWhatTheTapeCanKeep) {
 }
 
 // A tape records only on the thread that made it (it has no lock: funcol::ops and a collective
-// recording from two threads at once corrupted it). On another thread a tracked operand is
-// refused, by ops, tape.call, the plain and the *_autograd collectives alike (funcol::ops took
-// it as a constant, silently losing its gradient: -x + 2 instead of -2x + 2, while the
-// collective was recorded), and so is requires_grad; a copy (clone) enters as a constant.
+// recording from two threads at once corrupted it, and so did a backward there). On another
+// thread a tracked operand, or a Tensor method's view of one, is refused by ops, tape.call, the
+// plain and the *_autograd collectives alike (funcol::ops took it as a constant, silently
+// losing its gradient: -x + 2 instead of -2x + 2, while the collective was recorded), and so
+// are requires_grad, backward and zero_grad; a copy (clone) enters as a constant.
 TEST(EagerAutograd, ATapeRecordsOnlyOnItsOwnThread) {
   run_local(1, [](ProcessGroup& world) {
     GradTape tape;
     const Tensor x = tape.requires_grad(Tensor::from_vector<float>({1, 2, 3, 4}, {4}));
+    const Tensor loss = ops::sum(x);
     std::vector<std::string> errors;
     std::thread([&] {
       auto expect_refused = [&](const std::function<void()>& fn) {
@@ -341,20 +343,34 @@ TEST(EagerAutograd, ATapeRecordsOnlyOnItsOwnThread) {
       expect_refused([&] { (void)all_gather_tensor_autograd(x, 0, world); });
       expect_refused([&] { (void)all_reduce_coalesced({x}, "sum", world); });
       expect_refused([&] { (void)tape.requires_grad(Tensor::zeros({2}, DType::F32)); });
+      expect_refused([&] { (void)ops::neg(x.view({2, 2})); });
+      expect_refused([&] { (void)all_reduce(x.view({2, 2}), "sum", world); });
+      expect_refused([&] { tape.backward(loss); });
+      expect_refused([&] { tape.zero_grad(); });
       const Tensor y = ops::neg(x.clone());
       EXPECT_FALSE(is_tracked(y));
       EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{-1, -2, -3, -4}));
     }).join();
-    ASSERT_EQ(errors.size(), 6u);
-    for (size_t i = 0; i + 1 < errors.size(); ++i) {
-      EXPECT_NE(errors[i].find("is tracked by a tape made on another thread, and a tape records "
-                               "only on the thread that made it"),
-                std::string::npos)
-          << i << ": " << errors[i];
+    const std::string rule = "a tape records only on the thread that made it";
+    const std::vector<std::string> expected = {
+        "neg: operand 0 is tracked by a tape made on another thread",
+        "neg: operand 0 is tracked by a tape made on another thread",
+        "all_reduce: operand 0 is tracked by a tape made on another thread",
+        "all_gather_tensor: operand 0 is tracked by a tape made on another thread",
+        "all_reduce_coalesced: operand 0 is tracked by a tape made on another thread",
+        "requires_grad: the tape was made on another thread",
+        "neg: operand 0 (f32[2,2]) is a view of %x (f32[4]), which a GradTape made on another "
+        "thread tracks",
+        "all_reduce: the input (f32[2,2]) is a view of %x (f32[4]), which a GradTape made on "
+        "another thread tracks",
+        "backward: the tape was made on another thread",
+        "zero_grad: the tape was made on another thread",
+    };
+    ASSERT_EQ(errors.size(), expected.size());
+    for (size_t i = 0; i < errors.size(); ++i) {
+      EXPECT_EQ(errors[i].rfind(expected[i], 0), 0u) << i << ": " << errors[i];
+      EXPECT_NE(errors[i].find(rule), std::string::npos) << i << ": " << errors[i];
     }
-    EXPECT_NE(errors.back().find("requires_grad: the tape was made on another thread"),
-              std::string::npos)
-        << errors.back();
     // Nothing of the other thread's reached the tape: the gradient of sum(neg(x) * x) is -2x.
     const Tensor n = ops::neg(x);
     tape.backward(ops::sum(ops::mul(n, x)));
@@ -375,8 +391,8 @@ TEST(EagerAutograd, ReadsThroughConstDataAreNotWrites) {
   const Tensor z = ops::mul(x, x);
   (void)z.data<float>();
   const std::string error = error_of([&] { (void)ops::sum(z); });
-  EXPECT_NE(error.find("data_ptr() and data<T>() count as writes; read through const_data<T>() "
-                       "or to_vector"),
+  EXPECT_NE(error.find("data_ptr() or data<T>(), which count as writes even to read: read "
+                       "through const_data<T>() or to_vector"),
             std::string::npos)
       << error;
 }
@@ -521,9 +537,10 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     w.copy_(Tensor::from_vector<double>({10, 20, 30}, {3}));
     EXPECT_EQ(error_of([&] { tape.backward(l); }),
               "backward: %x (f64[3]), a value the gradient needs, was written in place after it "
-              "was recorded (version 1, recorded at 0; data_ptr() and data<T>() count as "
-              "writes; read through const_data<T>() or to_vector): record the computation "
-              "again, or write to a copy");
+              "was recorded (version 1, recorded at 0; copy_, fill_, an in-place "
+              "collective, or data_ptr() or data<T>(), which count as writes even to read: read "
+              "through const_data<T>() or to_vector): record the computation again, or write "
+              "to a copy");
   }
   {
     GradTape tape;
@@ -548,9 +565,10 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
                                    tape.call_one("sum", std::vector<Tensor>{q})});
     EXPECT_EQ(error_of([&] { tape.backward(l); }),
               "backward: %x.1 (f64[2]), a value the gradient needs, was written in place after "
-              "it was recorded (version 2, recorded at 1; data_ptr() and data<T>() count as "
-              "writes; read through const_data<T>() or to_vector): record the computation "
-              "again, or write to a copy");
+              "it was recorded (version 2, recorded at 1; copy_, fill_, an in-place "
+              "collective, or data_ptr() or data<T>(), which count as writes even to read: read "
+              "through const_data<T>() or to_vector): record the computation again, or write "
+              "to a copy");
   }
   {
     GradTape tape;  // the same write, but the loss reads only uses made after it: fine
@@ -597,9 +615,10 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     y.copy_(b);
     EXPECT_EQ(error_of([&] { tape.call_one("mul", std::vector<Tensor>{y, y}); }),
               "mul: operand 0 (%mul, made by a recorded mul) was written in place after that op "
-              "was recorded (data_ptr() and data<T>() count as writes; read through "
-              "const_data<T>() or to_vector), and the tape does not record in-place writes: use "
-              "the functional form of the write (its result), or write to a copy");
+              "was recorded (copy_, fill_, an in-place collective, or data_ptr() or data<T>(), "
+              "which count as writes even to read: read through const_data<T>() or to_vector), "
+              "and the tape does not record in-place writes: use the functional form of the "
+              "write (its result), or write to a copy");
   }
   {
     GradTape tape;  // div's gradient reads its result: a wrong -5 for b, no error, before

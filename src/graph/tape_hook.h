@@ -11,11 +11,11 @@
 
 namespace funcol::ops_detail {
 
-// Called by ops::call for every eager call (no tracer involved) once a GradTape exists: on a
-// thread that made a tape, records the op on the tape that tracks an operand and returns its
-// tracked results (or refuses an untracked view of a tracked value); nullopt to run the op as
-// it is. Without it a funcol::ops result of a tracked tensor was an untracked constant, and its
-// gradient was lost without a word.
+// Called by ops::call for every eager call (no tracer involved) once a GradTape exists, on any
+// thread: records the op on the tape that tracks an operand and returns its tracked results,
+// or refuses an untracked view of a tracked value, and a tracked operand on a thread other than
+// its tape's; nullopt to run the op as it is. Without it a funcol::ops result of a tracked
+// tensor was an untracked constant, and its gradient was lost without a word.
 using TapeHook = std::optional<std::vector<Tensor>> (*)(std::string_view op,
                                                          std::span<const Tensor> operands,
                                                          const NamedAttrs& attrs);
