@@ -467,14 +467,15 @@ namespace {
 // For the error of a command that has no rank count: a job this process looks like a rank of,
 // which `backend` does not join ("" when there is none).
 std::string job_hint(const std::string& backend) {
-  if (backend == "threads" && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+  if (backend != "threads") return "";
+  const std::string mpi_size = process::env_string("OMPI_COMM_WORLD_SIZE");
+  if (!mpi_size.empty()) {
     return fmt::format(
         "; this process is a rank of an mpirun job (OMPI_COMM_WORLD_SIZE={}): pass --backend "
         "mpi to join it",
-        std::getenv("OMPI_COMM_WORLD_SIZE"));
+        mpi_size);
   }
-  if (backend == "threads" && std::getenv("RANK") != nullptr &&
-      std::getenv("WORLD_SIZE") != nullptr) {
+  if (!process::env_string("RANK").empty() && !process::env_string("WORLD_SIZE").empty()) {
     return "; RANK and WORLD_SIZE are set: pass --backend gloo to join that job as rank RANK";
   }
   return "";
@@ -497,7 +498,10 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
 
 void check_job_options(const std::string& backend, const InitOptions& join, int ranks) {
   check_job_flags_fit(backend, join);
-  if (backend == "threads" && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+  // Said once a process (the commands check their options again before the ranks start).
+  static bool warned = false;
+  if (backend == "threads" && !warned && !process::env_string("OMPI_COMM_WORLD_SIZE").empty()) {
+    warned = true;
     std::fprintf(stderr,
                  "funcol: warning: this process is a rank of an mpirun job, but --backend threads "
                  "runs all %d ranks in it (each mpirun process runs a job of its own): pass "

@@ -118,6 +118,18 @@ const char* const kGraph = R"(graph @g(%x: i32[6], %y: i64[4]) {
 }
 )";
 
+// Two ranks, integer data: the launcher's job and one started by hand print the same bits.
+const char* const kGraph2 = R"(graph @g(%x: i32[6], %y: i64[4]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : i32[6]
+  %ag = all_gather_into_tensor(%y) {group_size = 2, group = "world"} : i64[8]
+  %n = neg(%x) : i32[6]
+  %w1 = wait_tensor(%ar) : i32[6]
+  %w2 = wait_tensor(%ag) : i64[8]
+  %s = add(%w1, %n) : i32[6]
+  return %s, %w2
+}
+)";
+
 std::vector<std::string> backends() {
   std::vector<std::string> b = {"threads"};
   for (const std::string& p : e2e::process_backends()) b.push_back(p);
@@ -477,6 +489,53 @@ TEST_F(RunE2E, BackendsNotCompiledInAreAClearError) {
   }
 }
 
+// A process that looks like a rank of a job (mpirun's variables, or RANK and WORLD_SIZE) but runs
+// --backend threads is told which backend joins that job: the error without --ranks said "unless
+// this process is a rank of an mpirun job" to a process that was one; with --ranks, each such
+// process runs a whole job of its own, which a warning says.
+TEST_F(RunE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string e = "funcol: error: --ranks is required (the number of ranks), unless this "
+                        "process is a rank of an mpirun job or joins a gloo job as one rank with "
+                        "--rank and --world-size; ";
+  struct Case {
+    std::vector<std::pair<std::string, std::string>> env;
+    std::vector<std::string> flags;
+    int code;
+    std::string err;  // the whole of stderr, or (code 0) its first line (once)
+  };
+  const std::vector<Case> cases = {
+      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {}, 1,
+       e + "this process is a rank of an mpirun job (OMPI_COMM_WORLD_SIZE=2): pass --backend mpi "
+           "to join it\n"},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {}, 1,
+       e + "RANK and WORLD_SIZE are set: pass --backend gloo to join that job as rank RANK\n"},
+      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {"--ranks", "2"}, 0,
+       "funcol: warning: this process is a rank of an mpirun job, but --backend threads runs all "
+       "2 ranks in it (each mpirun process runs a job of its own): pass --backend mpi to run one "
+       "rank a process"},
+  };
+  for (const Case& c : cases) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run", file};
+    s.argv.insert(s.argv.end(), c.flags.begin(), c.flags.end());
+    s.env = {{"RANK", ""}, {"WORLD_SIZE", ""}, {"OMPI_COMM_WORLD_SIZE", ""}};
+    for (const auto& [name, value] : c.env) {
+      std::erase_if(s.env, [&](const auto& kv) { return kv.first == name; });
+      s.env.emplace_back(name, value);
+    }
+    SCOPED_TRACE(c.err);
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
+    EXPECT_FALSE(st.signaled);
+    EXPECT_EQ(st.code, c.code);
+    const std::string err = slurp(s.stderr_path);
+    EXPECT_EQ(c.code == 0 ? err.substr(0, err.find('\n')) : err, c.err);
+    if (c.code == 0) EXPECT_EQ(err.find(c.err, 1), std::string::npos) << "said twice: " << err;
+  }
+}
+
 #ifdef FUNCOL_WITH_GLOO
 
 
@@ -591,17 +650,6 @@ TEST_F(RunE2E, TheNextLauncherRemovesTheDirectoryOfAKilledOne) {
 
 // ---- joining a gloo job as one rank: --rank, --world-size, --store ----
 
-// Two ranks, integer data: the launcher's job and one started by hand print the same bits.
-const char* const kGraph2 = R"(graph @g(%x: i32[6], %y: i64[4]) {
-  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : i32[6]
-  %ag = all_gather_into_tensor(%y) {group_size = 2, group = "world"} : i64[8]
-  %n = neg(%x) : i32[6]
-  %w1 = wait_tensor(%ar) : i32[6]
-  %w2 = wait_tensor(%ag) : i64[8]
-  %s = add(%w1, %n) : i32[6]
-  return %s, %w2
-}
-)";
 
 // The environment of a rank started by hand: none of the launcher's variables (empty is unset),
 // so only the flags say which job it joins; a bounded collective timeout.
@@ -950,52 +998,6 @@ TEST_F(RunJoinE2E, ABadWorldSizeVariableIsNamed) {
     EXPECT_EQ(slurp(s.stderr_path), message);
   }
   EXPECT_FALSE(std::filesystem::exists(store));
-}
-
-// A process that looks like a rank of a job (mpirun's variables, or RANK and WORLD_SIZE) but runs
-// --backend threads is told which backend joins that job: the error without --ranks said "unless
-// this process is a rank of an mpirun job" to a process that was one; with --ranks, each such
-// process runs a whole job of its own, which a warning says.
-TEST_F(RunJoinE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
-  const std::string file = write("g2.ir", kGraph2);
-  const std::string e = "funcol: error: --ranks is required (the number of ranks), unless this "
-                        "process is a rank of an mpirun job or joins a gloo job as one rank with "
-                        "--rank and --world-size; ";
-  struct Case {
-    std::vector<std::pair<std::string, std::string>> env;
-    std::vector<std::string> flags;
-    int code;
-    std::string err;  // the whole of stderr, or (code 0) its first line
-  };
-  const std::vector<Case> cases = {
-      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {}, 1,
-       e + "this process is a rank of an mpirun job (OMPI_COMM_WORLD_SIZE=2): pass --backend mpi "
-           "to join it\n"},
-      {{{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {}, 1,
-       e + "RANK and WORLD_SIZE are set: pass --backend gloo to join that job as rank RANK\n"},
-      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {"--ranks", "2"}, 0,
-       "funcol: warning: this process is a rank of an mpirun job, but --backend threads runs all "
-       "2 ranks in it (each mpirun process runs a job of its own): pass --backend mpi to run one "
-       "rank a process"},
-  };
-  for (const Case& c : cases) {
-    SpawnOptions s;
-    s.argv = {FUNCOL_BIN, "run", file};
-    s.argv.insert(s.argv.end(), c.flags.begin(), c.flags.end());
-    s.env = kHandEnv;
-    for (const auto& [name, value] : c.env) {
-      std::erase_if(s.env, [&](const auto& kv) { return kv.first == name; });
-      s.env.emplace_back(name, value);
-    }
-    SCOPED_TRACE(c.err);
-    s.stdout_path = dir_.path() + "/stdout";
-    s.stderr_path = dir_.path() + "/stderr";
-    const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
-    EXPECT_FALSE(st.signaled);
-    EXPECT_EQ(st.code, c.code);
-    const std::string err = slurp(s.stderr_path);
-    EXPECT_EQ(c.code == 0 ? err.substr(0, err.find('\n')) : err, c.err);
-  }
 }
 
 // A FUNCOL_GLOO_HOSTNAME that does not resolve is an error naming it: Gloo's own lookup

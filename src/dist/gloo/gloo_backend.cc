@@ -392,6 +392,9 @@ void check_resolves(const std::string& host) {
   freeaddrinfo(res);
 }
 
+// The world's rendezvous keys (a subgroup's: see split_group).
+constexpr std::string_view kWorldPrefix = "funcol/world";
+
 // Where the member at `index` of a rendezvous under `prefix` writes its arrival record.
 std::string arrival_key(const std::string& prefix, int index) {
   return fmt::format("{}/arrive/{}", prefix, index);
@@ -465,11 +468,16 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
       }
     }
     if (Clock::now() > deadline) {
-      throw CommError(fmt::format(
-          "gloo: rendezvous of {} at '{}' timed out after {} ms; ranks that did not arrive: {} "
-          "(never started, or failed before arriving: one that found a previous job's key at "
-          "its index failed at once and removed it, so starting it again succeeds)",
-          what, url, timeout.count(), dist_detail::format_ranks(ranks)));
+      // Only a world's ranks can have failed on a previous job's keys before arriving.
+      const char* world_note =
+          prefix == kWorldPrefix
+              ? " (never started, or failed before arriving: one that found a previous job's "
+                "key at its index failed at once and removed it, so starting it again succeeds)"
+              : "";
+      throw CommError(
+          fmt::format("gloo: rendezvous of {} at '{}' timed out after {} ms; ranks that did "
+                      "not arrive: {}{}",
+                      what, url, timeout.count(), dist_detail::format_ranks(ranks), world_note));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -1223,7 +1231,8 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     }
     try {
       // Gloo's own lookup of a name that does not resolve dereferences the failed result
-      // (a segfault, not an exception): checked here first.
+      // (a segfault, not an exception): checked here first (a name that stops resolving
+      // between the two lookups, as a DNS server fails, can still reach Gloo's).
       if (!attr.hostname.empty()) check_resolves(attr.hostname);
       shared->device = gloo::transport::tcp::CreateDevice(attr);
     } catch (const std::exception& e) {
@@ -1234,7 +1243,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     monitor = std::make_unique<process::PeerMonitor>(rank, world_size, host);
     std::vector<int> members(world_size);
     std::iota(members.begin(), members.end(), 0);
-    context = rendezvous(*shared, "funcol/world", members, rank,
+    context = rendezvous(*shared, std::string(kWorldPrefix), members, rank,
                          fmt::format("the world ({} ranks)", world_size), monitor.get(),
                          /*watch=*/nullptr);
   }
