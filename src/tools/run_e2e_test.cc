@@ -520,9 +520,9 @@ TEST_F(RunE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
     s.argv = {FUNCOL_BIN, "run", file};
     s.argv.insert(s.argv.end(), c.flags.begin(), c.flags.end());
     s.env = {{"RANK", ""}, {"WORLD_SIZE", ""}, {"OMPI_COMM_WORLD_SIZE", ""}};
-    for (const auto& [name, value] : c.env) {
-      std::erase_if(s.env, [&](const auto& kv) { return kv.first == name; });
-      s.env.emplace_back(name, value);
+    for (const auto& var : c.env) {
+      std::erase_if(s.env, [&](const auto& kv) { return kv.first == var.first; });
+      s.env.push_back(var);
     }
     SCOPED_TRACE(c.err);
     s.stdout_path = dir_.path() + "/stdout";
