@@ -3,11 +3,11 @@
 #include "funcol/passes/bucketing.h"
 
 #include <algorithm>
-#include <deque>
-#include <iterator>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -388,8 +388,10 @@ class Bucketer {
   // Set by merge() when it merged the largest group of best_gap_members's cover: the cover's
   // other groups, in its order (each in wait order). Empty otherwise.
   std::vector<std::vector<Entry*>> cover_rest_;
-  int64_t region_work_ = 0;     // nodes collect_region collected, over the whole pass
-  int64_t retry_work_ = 0;      // of those, the ones close_bucket's later retries collected
+  int64_t region_work_ = 0;  // nodes collect_region collected, over the whole pass
+  // What close_bucket's later tries cost, over the whole pass: the region nodes they collected
+  // and their members.
+  int64_t retry_work_ = 0;
 
   void grow_scratch() {
     const size_t n = order_.id_bound();
