@@ -532,7 +532,9 @@ TEST_F(RunE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
     EXPECT_EQ(st.code, c.code);
     const std::string err = slurp(s.stderr_path);
     EXPECT_EQ(c.code == 0 ? err.substr(0, err.find('\n')) : err, c.err);
-    if (c.code == 0) EXPECT_EQ(err.find(c.err, 1), std::string::npos) << "said twice: " << err;
+    if (c.code == 0) {
+      EXPECT_EQ(err.find(c.err, 1), std::string::npos) << "said twice: " << err;
+    }
   }
 }
 
