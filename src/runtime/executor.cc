@@ -346,6 +346,10 @@ struct Executor::Impl {
   // After a failure at node `at`: issues, in run order, every collective of the run not issued
   // yet, with inputs that hold the failure (see give_up's definition).
   void give_up(const Node& at) noexcept;
+  // Posts the lowered bucket `st` (all_reduce_flat, all_gather_flat or reduce_scatter_flat of
+  // `list` into `flat`).
+  std::shared_ptr<Work> post_flat(const Step& st, const Tensor& flat,
+                                  std::shared_ptr<std::vector<Tensor>> list);
   void abort() noexcept;
 };
 
@@ -665,7 +669,6 @@ void Executor::Impl::issue(const Step& st, std::span<Tensor> in, const uint8_t* 
 
 void Executor::Impl::issue_bucket(const Step& st, uint32_t step_index) {
   const int64_t t0 = prof ? prof->now_ns() : 0;
-  ProcessGroup& g = *st.group;
   const uint32_t* ops = operand_slots.data() + st.operands_begin;
   const uint8_t* release = operand_release.data() + st.operands_begin;
   // The members go straight to one primitive, whose results are views of one buffer.
@@ -702,18 +705,20 @@ void Executor::Impl::issue_bucket(const Step& st, uint32_t step_index) {
     }
   }
   b.held = list;
-  std::shared_ptr<Work> work;
+  track(st, post_flat(st, flat, std::move(list)), step_index, t0);
+}
+
+std::shared_ptr<Work> Executor::Impl::post_flat(const Step& st, const Tensor& flat,
+                                                std::shared_ptr<std::vector<Tensor>> list) {
+  ProcessGroup& g = *st.group;
   switch (st.op->collective) {
-    case CollectiveKind::AllReduce:
-      work = g.all_reduce_flat(flat, std::move(list), st.reduce_op);
-      break;
-    case CollectiveKind::AllGather: work = g.all_gather_flat(flat, std::move(list)); break;
+    case CollectiveKind::AllReduce: return g.all_reduce_flat(flat, std::move(list), st.reduce_op);
+    case CollectiveKind::AllGather: return g.all_gather_flat(flat, std::move(list));
     case CollectiveKind::ReduceScatter:
-      work = g.reduce_scatter_flat(flat, std::move(list), st.reduce_op);
-      break;
+      return g.reduce_scatter_flat(flat, std::move(list), st.reduce_op);
     default: FUNCOL_CHECK(false, "lowered bucket of an unexpected collective");
   }
-  track(st, std::move(work), step_index, t0);
+  return nullptr;
 }
 
 void Executor::Impl::track(const Step& st, std::shared_ptr<Work> work, uint32_t step_index,
@@ -951,15 +956,7 @@ void Executor::Impl::give_up(const Node& at) noexcept {
             list->push_back(failed_tensor({numel}, dtype, why));
           }
         }
-        const Tensor flat = Tensor::empty({b.numel}, dtype);
-        switch (st.op->collective) {
-          case CollectiveKind::AllReduce: g.all_reduce_flat(flat, list, st.reduce_op); break;
-          case CollectiveKind::AllGather: g.all_gather_flat(flat, list); break;
-          case CollectiveKind::ReduceScatter:
-            g.reduce_scatter_flat(flat, list, st.reduce_op);
-            break;
-          default: break;
-        }
+        post_flat(st, Tensor::empty({b.numel}, dtype), std::move(list));
       } catch (...) {
       }
     }

@@ -68,8 +68,9 @@ class CommError : public Error {
 
 // What the data of a value throws when its rank gave up computing it: an Executor run or a
 // GradTape backward that failed part-way issues the collectives it had not issued yet with such
-// inputs (so that no rank falls behind its peers in a group's sequence). The message says why; a collective given
-// such a value fails on every rank with "rank R could not take part: <that message>".
+// inputs (so that no rank falls behind its peers in a group's sequence). The message says why;
+// a collective given such a value fails on every rank with "rank R could not take part: <that
+// message>".
 class AbandonedError : public Error {
  public:
   using Error::Error;
