@@ -369,6 +369,20 @@ std::string flag_list(const std::vector<std::string>& flags) {
   return s;
 }
 
+// RANK without WORLD_SIZE, or WORLD_SIZE without RANK, for --backend gloo: half of a job's
+// coordinates, which PyTorch's env:// rendezvous refuses too. Left alone, funcol would start a
+// job of its own and ignore the rank (or size) set.
+void check_job_variables_pair() {
+  const std::optional<Known> rank = known(-1, "--rank", "RANK");
+  const std::optional<Known> size = known(-1, "--world-size", "WORLD_SIZE");
+  if (rank.has_value() == size.has_value()) return;
+  const Known& set = rank ? *rank : *size;
+  throw InvalidArgument(fmt::format(
+      "{} is set but {} is not: a rank joining a gloo job needs both (or --rank and "
+      "--world-size); unset {} to have funcol start the job itself",
+      set.said, rank ? "WORLD_SIZE" : "RANK", rank ? "RANK" : "WORLD_SIZE"));
+}
+
 // The checks of --rank/--world-size/--store that need no --ranks: that they fit the backend and
 // that a gloo rank gets both its rank and the world size.
 void check_job_flags_fit(const std::string& backend, const InitOptions& join) {
@@ -376,7 +390,10 @@ void check_job_flags_fit(const std::string& backend, const InitOptions& join) {
   if (join.rank >= 0) given.push_back("--rank");
   if (join.world_size >= 0) given.push_back("--world-size");
   if (!join.store.empty()) given.push_back("--store");
-  if (given.empty()) return;
+  if (given.empty()) {
+    if (backend == "gloo") check_job_variables_pair();
+    return;
+  }
   const std::string flags = flag_list(given);
   const char* verb = given.size() == 1 ? "is" : "are";
   if (backend == "threads") {

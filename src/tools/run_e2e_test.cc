@@ -963,18 +963,40 @@ TEST_F(RunJoinE2E, MisusedFlagsAreOneClearError) {
     EXPECT_EQ(slurp(s.stderr_path), message);
     EXPECT_EQ(slurp(s.stdout_path), "");
   }
-  // With RANK set, --store names only the missing world size (it said "needs --rank and
-  // --world-size (or RANK and WORLD_SIZE)" although RANK was there).
-  SpawnOptions s;
-  s.argv = {FUNCOL_BIN, "run", file, "--backend", "gloo", "--store", store};
-  for (const auto& [name, value] : kHandEnv) s.env.emplace_back(name, name == "RANK" ? "0" : value);
-  s.stdout_path = dir_.path() + "/stdout";
-  s.stderr_path = dir_.path() + "/stderr";
-  const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
-  EXPECT_EQ(st.code, 1);
-  EXPECT_EQ(slurp(s.stderr_path),
-            e + "--store " + store + " needs --world-size (or WORLD_SIZE) to join a job; "
-                "without them funcol starts the job itself, with a store of its own\n");
+  // Half of a job's coordinates in the environment. With RANK set, --store names only the
+  // missing world size (it said "needs --rank and --world-size (or RANK and WORLD_SIZE)"
+  // although RANK was there); without flags, RANK or WORLD_SIZE alone is refused (funcol
+  // started a job of its own and ignored it).
+  struct HalfSet {
+    std::string name, value;
+    std::vector<std::string> flags;
+    std::string message;
+  };
+  const std::vector<HalfSet> half_set = {
+      {"RANK", "0", {"--store", store},
+       e + "--store " + store + " needs --world-size (or WORLD_SIZE) to join a job; without them "
+           "funcol starts the job itself, with a store of its own\n"},
+      {"RANK", "1", {"--ranks", "2"},
+       e + "RANK=1 is set but WORLD_SIZE is not: a rank joining a gloo job needs both (or --rank "
+           "and --world-size); unset RANK to have funcol start the job itself\n"},
+      {"WORLD_SIZE", "2", {},
+       e + "WORLD_SIZE=2 is set but RANK is not: a rank joining a gloo job needs both (or --rank "
+           "and --world-size); unset WORLD_SIZE to have funcol start the job itself\n"},
+  };
+  for (const HalfSet& c : half_set) {
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run", file, "--backend", "gloo"};
+    s.argv.insert(s.argv.end(), c.flags.begin(), c.flags.end());
+    SCOPED_TRACE(c.name + "=" + c.value);
+    for (const auto& [name, value] : kHandEnv) {
+      s.env.emplace_back(name, name == c.name ? c.value : value);
+    }
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const ExitStatus st = wait_all({spawn_process(s)}, std::chrono::seconds(30)).front();
+    EXPECT_EQ(st.code, 1);
+    EXPECT_EQ(slurp(s.stderr_path), c.message);
+  }
   EXPECT_FALSE(std::filesystem::exists(store));  // nothing joined, nothing written
 }
 
