@@ -698,15 +698,11 @@ void Bucketer::close_bucket(std::string_view reason) {
     // its members' region, which a group's is a part of); the members no group of two or more
     // took, and those such a try drops, are then tried together as a bucket of their own, in
     // wait order, and so on. After kRetries tries, a bucket tries again only while the later
-    // tries of the whole pass have collected fewer than kRetryWork region nodes and members (a
-    // bound on the pass's time, the same on every rank); the members left are dropped. The
+    // tries of the whole pass have collected fewer than opt_.retry_work region nodes and members
+    // (a bound on the pass's time, the same on every rank); the members left are dropped. The
     // budget is the pass's, not a bucket's, so that it bounds the pass whatever the number of
     // buckets: a bucket that spends it leaves later buckets their first kRetries tries only.
-    // 2^18: tries that each take a whole region cost about 0.7 us a node on the 2-vCPU hosts
-    // here, so the budget is about 0.2 s, a fifth of the 100,000-collective target (issue 4),
-    // and far more than the tries of real graphs (FSDP's buckets drop nothing).
     constexpr int kRetries = 4;
-    constexpr int64_t kRetryWork = int64_t{1} << 18;
     // Every try takes at least one member out (it merges two or more, or leaves its first
     // alone), so the tries end.
     auto wait_order = [](const Entry* a, const Entry* b) { return a->index < b->index; };
@@ -722,7 +718,7 @@ void Bucketer::close_bucket(std::string_view reason) {
       std::vector<Entry*> todo = std::move(tries.front());
       tries.pop_front();
       const bool later = attempt > kRetries;
-      if (later && retry_work_ >= kRetryWork) {
+      if (later && retry_work_ >= opt_.retry_work) {
         size_t untried = todo.size() + leftover.size();
         for (const auto& t : tries) untried += t.size();
         if (explain_) {
@@ -1625,6 +1621,11 @@ void check_bucket_options(const BucketOptions& options) {
   if (is_multidtype(options.mode) && options.kind != CollectiveKind::AllGather) {
     throw InvalidArgument(fmt::format("{} bucketing does not support multidtype (mode {})",
                                       spec.noun, bucket_mode_name(options.mode)));
+  }
+  if (options.retry_work < 0) {
+    throw InvalidArgument(
+        fmt::format("retry_work: the budget of later tries is {}; it must be at least 0",
+                    options.retry_work));
   }
 }
 

@@ -16,6 +16,7 @@
 #include "funcol/graph/printer.h"
 #include "funcol/graph/verifier.h"
 #include "funcol/passes/pipeline.h"
+#include "testing/error_of.h"
 
 namespace funcol {
 namespace {
@@ -160,6 +161,15 @@ TEST(BucketOptions, MultidtypeOnlyForAllGather) {
     }
   }
   EXPECT_THROW(check_bucket_options(opts(CollectiveKind::AllToAll)), InvalidArgument);
+}
+
+TEST(BucketOptions, ANegativeRetryBudgetIsRejected) {
+  BucketOptions o = opts(CollectiveKind::AllGather);
+  o.retry_work = 0;
+  EXPECT_NO_THROW(check_bucket_options(o));
+  o.retry_work = -1;
+  const std::string what = testing::error_of<InvalidArgument>([&] { check_bucket_options(o); });
+  EXPECT_EQ(what, "retry_work: the budget of later tries is -1; it must be at least 0");
 }
 
 TEST(BucketPasses, RegisteredWithTheirOptions) {
@@ -675,6 +685,77 @@ TEST(BucketPlacement, InterleavedFamiliesMergeAsOneCollectiveEach) {
       EXPECT_GT(next, at) << name;
       at = next;
     }
+  }
+}
+
+// A bucket whose members pair off (as test/lit/bucketing/retries.ir): each member's input comes
+// from an all_reduce issued after the member before it, and each odd member's wait feeds an
+// all_reduce. A try merges one pair and drops the rest, so `pairs` pairs take `pairs` tries.
+std::string pairing_graph(int pairs) {
+  std::string text = "graph @pairs(%x: f32[4]) {\n";
+  std::string outs;
+  for (int i = 0; i < 2 * pairs; ++i) {
+    text += fmt::format(
+        "  %c{0} = all_reduce(%x) {{reduce_op = \"sum\", group = \"world\"}}\n"
+        "  %wc{0} = wait_tensor(%c{0})\n"
+        "  %in{0} = neg(%wc{0})\n"
+        "  %m{0} = all_gather_into_tensor(%in{0}) {{group_size = 4, group = \"world\"}}\n"
+        "  %w{0} = wait_tensor(%m{0})\n",
+        i);
+    if (i % 2 == 0) {
+      outs += fmt::format("{}%w{}", i ? ", " : "", i);
+      continue;
+    }
+    text += fmt::format(
+        "  %b{0} = all_reduce(%w{0}) {{reduce_op = \"sum\", group = \"world\"}}\n"
+        "  %wb{0} = wait_tensor(%b{0})\n",
+        i);
+    outs += fmt::format(", %wb{}", i);
+  }
+  return text + "  return " + outs + "\n}";
+}
+
+// The tries after the first four stop when the pass's later tries have visited retry_work
+// region nodes and members: the members left are dropped, the explanation says how many, the
+// result still computes what the input did, and a second run (with a budget of its own) merges
+// more. With the default budget one run merges every pair.
+TEST(BucketPlacement, RetriesStopAtTheirBudget) {
+  constexpr int kPairs = 10;
+  const std::string text = pairing_graph(kPairs);
+  const std::unique_ptr<Graph> before = parse_graph(text);
+  const auto in = random_inputs(*before, 4, 11);
+  const std::vector<std::vector<Tensor>> expected = simulate(*before, in);
+  struct Case {
+    int64_t budget;
+    int64_t merged;  // pairs merged by the first run
+  };
+  // Budget 0: the first try and four more; 1: one try after them, which spends the budget.
+  for (const Case& c : {Case{0, 5}, Case{1, 6}, Case{kDefaultRetryWork, kPairs}}) {
+    SCOPED_TRACE(c.budget);
+    BucketOptions o = opts(CollectiveKind::AllGather);
+    o.retry_work = c.budget;
+    std::unique_ptr<Graph> g = parse_graph(text);
+    std::string explain;
+    const BucketingStats stats = bucket_collectives(*g, o, &explain);
+    EXPECT_NO_THROW(verify(*g)) << print(*g);
+    EXPECT_EQ(stats.merged_buckets, c.merged) << explain;
+    EXPECT_EQ(stats.merged_collectives, 2 * c.merged);
+    EXPECT_EQ(stats.dropped, 2 * (kPairs - c.merged)) << explain;
+    EXPECT_EQ(count_op(*g, "all_gather_into_tensor"), c.merged + 2 * (kPairs - c.merged));
+    const std::string untried = fmt::format("bucket 0: {} dropped members not tried again",
+                                            2 * (kPairs - c.merged));
+    EXPECT_EQ(explain.find(untried) != std::string::npos, c.merged < kPairs) << explain;
+    std::string why;
+    EXPECT_TRUE(same_outputs(expected, simulate(*g, in), &why)) << why << "\n" << print(*g);
+    // The same decisions on a second copy (every rank makes them).
+    std::unique_ptr<Graph> copy = parse_graph(text);
+    bucket_collectives(*copy, o);
+    EXPECT_EQ(print(*copy), print(*g));
+    // A second run merges what the budget left untried (one pair more, or five).
+    const BucketingStats second = bucket_collectives(*g, o);
+    EXPECT_EQ(second.changed(), c.merged < kPairs);
+    EXPECT_NO_THROW(verify(*g));
+    EXPECT_TRUE(same_outputs(expected, simulate(*g, in), &why)) << why;
   }
 }
 
