@@ -93,15 +93,13 @@ std::string split_mismatch(int from, int64_t sent, int to, int64_t expected);
 std::string failed_buffer_reason(std::string_view role, const std::exception& error);
 // Runs `wait` (a wait for the collectives still producing or reading a tensor in `role`). When
 // it throws, `failed` gets failed_buffer_reason(role, error) unless it already says why (the
-// first failed tensor names the cause), and the result is false.
+// first failed tensor names the cause).
 template <typename Wait>
-bool wait_or_note_failed(std::string_view role, std::string& failed, Wait&& wait) {
+void wait_or_note_failed(std::string_view role, std::string& failed, Wait&& wait) {
   try {
     wait();
-    return true;
   } catch (const std::exception& e) {
     if (failed.empty()) failed = failed_buffer_reason(role, e);
-    return false;
   }
 }
 // "<what>: rank R could not take part: <why>".
