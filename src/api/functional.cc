@@ -176,14 +176,25 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
 
 // The seed's chunk(world, dim) + cat(dim 0), done eagerly (it needs only the input): the block
 // for rank j becomes the j-th contiguous slab, as reduce_scatter expects. A copy, so the input
-// may be non-contiguous unless dim is 0.
+// may be non-contiguous unless dim is 0. The result has the seed's shape (dim 0 times world,
+// dim divided by it) on every path: the collective's shape is what ranks compare, so ranks that
+// disagree on scatter_dim fail, and a non-contiguous input on one rank still pairs with a
+// contiguous one on another (the traced and autograd forms record the same shape).
 Tensor scatter_dim_to_front(const Tensor& t, int64_t dim, int64_t world) {
-  if (std::optional<Tensor> stand_in = failed_stand_in(t)) return std::move(*stand_in);
   const Shape& s = t.sizes();
+  Shape front_shape = s;
+  if (dim != 0 && world != 1) {
+    front_shape[0] *= world;
+    front_shape[static_cast<size_t>(dim)] /= world;
+  }
+  // A failed input's stand-in has the shape the peers' inputs have.
+  if (std::optional<Tensor> stand_in = failed_stand_in(t)) return stand_in->view(front_shape);
+  if (dim == 0 || world == 1) return t.contiguous();
   const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
-  if (dim == 0 || world == 1 || outer == 1 || t.numel() == 0) return t.contiguous();
+  // With nothing before dim, the chunks are the input's slabs in order already.
+  if (outer == 1 || t.numel() == 0) return t.contiguous().view(front_shape);
   if (!t.is_contiguous()) return Tensor::cat(t.chunk(world, dim), 0);
-  Tensor front = Tensor::empty(s, t.dtype());
+  Tensor front = Tensor::empty(front_shape, t.dtype());
   const size_t block_bytes = static_cast<size_t>(s[static_cast<size_t>(dim)] / world *
                                                  prod(s, static_cast<size_t>(dim) + 1, s.size())) *
                              t.itemsize();

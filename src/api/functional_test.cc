@@ -486,6 +486,50 @@ TEST(ReduceScatter, NonContiguousInputAlongAnotherDim) {
   });
 }
 
+// The rearranged input of a scatter_dim != 0 has the seed's chunk + cat shape however it was
+// made, since ranks compare the collective's shape: a contiguous input on one rank and a
+// non-contiguous one on another pair (they failed as a mismatch: [4,4] against [8,2]), and
+// ranks that disagree on scatter_dim fail (they paired silently: wrong sums on both).
+TEST(ReduceScatter, RanksMayDifferInContiguityButNotInScatterDim) {
+  run_local(2, [](ProcessGroup& world) {
+    const int r = world.rank();
+    // A copy of `t` with transposed strides on rank 1; `t` itself on rank 0.
+    auto on_rank = [&](const Tensor& t) {
+      if (r == 0) return t;
+      Tensor strided = Tensor::empty({t.size(1), t.size(0)}, t.dtype()).transpose(0, 1);
+      strided.copy_(t);
+      return strided;
+    };
+    const Tensor x = on_rank(iota({4, 4}));
+    EXPECT_EQ(x.is_contiguous(), r == 0);
+    const Tensor sum = mul_scalar(iota({4, 4}), 2);
+    EXPECT_TRUE(reduce_scatter_tensor(x, "sum", 1, world).equal(sum.narrow(1, 2 * r, 2)));
+    // Only ones before the dim.
+    const Tensor y = on_rank(iota({1, 8}));
+    const Tensor y_sum = mul_scalar(iota({1, 8}), 2);
+    EXPECT_TRUE(reduce_scatter_tensor(y, "sum", 1, world).equal(y_sum.narrow(1, 4 * r, 4)));
+    std::vector<Tensor> outs = reduce_scatter_tensor_coalesced({x, y}, "sum", {1, -1}, world);
+    EXPECT_TRUE(outs[0].equal(sum.narrow(1, 2 * r, 2)));
+    EXPECT_TRUE(outs[1].equal(y_sum.narrow(1, 4 * r, 4)));
+  });
+  for (const bool coalesced : {false, true}) {
+    SCOPED_TRACE(coalesced);
+    run_local(2, [&](ProcessGroup& world) {
+      const int64_t dim = world.rank() == 0 ? 0 : 1;
+      const std::string what = error_of([&] {
+        if (coalesced) {
+          reduce_scatter_tensor_coalesced({iota({4, 4})}, "sum", {dim}, world).front().wait();
+        } else {
+          reduce_scatter_tensor(iota({4, 4}), "sum", dim, world).wait();
+        }
+      });
+      EXPECT_THAT(what, HasSubstr("mismatched collectives"));
+      EXPECT_THAT(what, HasSubstr("f32[4,4]"));
+      EXPECT_THAT(what, HasSubstr("f32[8,2]"));
+    });
+  }
+}
+
 // D.9: rank r sends S[r][j] rows to rank j; row k of rank r's input holds 1000 r + 10 k + c.
 TEST(AllToAll, RandomSplitMatrix) {
   constexpr int kW = 4;
@@ -585,9 +629,9 @@ TEST(PermuteTensor, RingShift) {  // D.19
 
 // Peers whose tensors differ are refused in terms of the tensors: rows of dim 0, and the row
 // shape (it exchanges rows, not elements: [2,3] and [3,2] would otherwise swap data into the
-// wrong shape).
+// wrong shape, and rows of [3] and of [1,3], alike in size, were paired silently).
 TEST(PermuteTensor, PeersWithOtherShapesAreRefusedInRows) {
-  for (const Shape& other : {Shape{3, 3}, Shape{3, 2}}) {
+  for (const Shape& other : {Shape{3, 3}, Shape{3, 2}, Shape{2, 1, 3}}) {
     std::vector<std::string> messages(2);
     run_local(2, [&](ProcessGroup& world) {
       const Shape mine = world.rank() == 0 ? Shape{2, 3} : other;
@@ -603,10 +647,11 @@ TEST(PermuteTensor, PeersWithOtherShapesAreRefusedInRows) {
         EXPECT_THAT(m, AnyOf(HasSubstr("rank 1 sends 3 rows to rank 0 but rank 0 expects 2 rows"),
                              HasSubstr("rank 0 sends 2 rows to rank 1 but rank 1 expects 3 rows")));
       } else {
-        EXPECT_THAT(m, AnyOf(HasSubstr("mismatched collectives: rank 0 issued all_to_all(f32 row "
-                                       "3) but rank 1 issued all_to_all(f32 row 2)"),
-                             HasSubstr("mismatched collectives: rank 1 issued all_to_all(f32 row "
-                                       "2) but rank 0 issued all_to_all(f32 row 3)")));
+        const std::string theirs = other.size() == 3 ? "f32[*,1,3]" : "f32[*,2]";
+        EXPECT_THAT(m, AnyOf(HasSubstr("mismatched collectives: rank 0 issued all_to_all(f32[*,3]) "
+                                       "but rank 1 issued all_to_all(" + theirs + ")"),
+                             HasSubstr("mismatched collectives: rank 1 issued all_to_all(" +
+                                       theirs + ") but rank 0 issued all_to_all(f32[*,3])")));
       }
     }
   }
