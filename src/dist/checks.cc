@@ -199,6 +199,17 @@ std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words
                      ndim, static_cast<uint32_t>(static_cast<uint64_t>(words.back()) >> 32));
 }
 
+int8_t pack_compared_shape(std::span<const int64_t> sizes, bool rows, ShapeWords& words) {
+  return pack_shape(rows && !sizes.empty() ? sizes.subspan(1) : sizes, words);
+}
+
+std::string describe_compared_shape(DType dtype, int ndim, const ShapeWords& words, bool rows) {
+  std::string s = describe_packed_shape(dtype, ndim, words);
+  if (!rows) return s;
+  const size_t open = s.find('[');
+  return s.insert(open + 1, ndim == 0 ? "*" : "*,");
+}
+
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {
   return fmt::format(
       "mismatched split sizes: rank {} sends {} row{} to rank {} but rank {} expects {} row{} "

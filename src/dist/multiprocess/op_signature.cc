@@ -124,7 +124,8 @@ std::string OpSignature::summary() const {
     }
     s += slots[i].ndim < 0
              ? fmt::format("{} {} {}", dtype_name(slots[i].dtype), count_name, slots[i].count)
-             : dist_detail::describe_packed_shape(slots[i].dtype, slots[i].ndim, slots[i].dims);
+             : dist_detail::describe_compared_shape(slots[i].dtype, slots[i].ndim, slots[i].dims,
+                                                    kind == OpKind::AllToAll);
   }
   if (reduces(kind)) s += fmt::format(", op {}", reduce_op_name(reduce_op));
   if (kind == OpKind::Broadcast) s += fmt::format(", src {}", root);

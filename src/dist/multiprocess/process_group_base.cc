@@ -53,7 +53,8 @@ void add_slot(CollectiveOp& op, const Tensor& in, const Tensor& out, int64_t cou
   OpSignature::Slot& slot = op.signature.slots.emplace_back();
   slot.dtype = in.dtype();
   slot.count = count;
-  if (op.kind != OpKind::AllToAll) slot.ndim = dist_detail::pack_shape(in.sizes(), slot.dims);
+  slot.ndim =
+      dist_detail::pack_compared_shape(in.sizes(), op.kind == OpKind::AllToAll, slot.dims);
   if (op.inputs.size() == 1) op.dtype = in.dtype();
 }
 

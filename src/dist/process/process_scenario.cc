@@ -283,6 +283,19 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(split_msg,
                   "mismatched split sizes: rank 0 sends 1 row to rank 1 but rank 1 "
                   "expects 2 rows from rank 0");
+  // Rows of 3 elements on every rank, but rank 0's are [3] and the others' [1,3]: the rows'
+  // shapes differ (they were paired silently, compared by size only).
+  std::string row_msg = expect_comm_error(
+      [&] {
+        const funcol::Shape shape =
+            world.rank() == 0 ? funcol::Shape{n, 3} : funcol::Shape{n, 1, 3};
+        world.all_to_all(Tensor::zeros(shape, DType::I64), Tensor::zeros(shape, DType::I64),
+                         std::vector<int64_t>(n, 1), std::vector<int64_t>(n, 1))
+            ->wait();
+      },
+      "all_to_all rows of other shapes");
+  expect_contains(row_msg, "rank 0 issued all_to_all(i64[*,3])");
+  expect_contains(row_msg, "issued all_to_all(i64[*,1,3])");
   // Rank 0 sends itself 3 rows but expects 1 from itself, while every pair agrees: the
   // signatures show it to every rank, as the threads backend does.
   std::vector<int64_t> own_in(n, 1), own_out(n, 1);

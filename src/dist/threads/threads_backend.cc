@@ -416,7 +416,7 @@ bool reduces(OpKind kind) { return kind == OpKind::AllReduce || kind == OpKind::
 // descriptors are compared on: all_reduce/broadcast numel, all_gather input numel,
 // reduce_scatter output numel, all_to_all elements per row.
 // The input's shape is compared across ranks too (as torch.distributed's DETAIL debug mode
-// does; packed as dist_detail::pack_shape); all_to_all compares only rows' sizes.
+// does; packed as dist_detail::pack_compared_shape); all_to_all compares a row's shape.
 // The shape comes last: a peer comparing two slots of equal count reads it only for two or
 // more dims (one cache line less per member for the lane's executor).
 struct Slot {
@@ -434,10 +434,10 @@ struct Slot {
     if (ndim != o.ndim) return false;
     return ndim <= 1 || dist_detail::same_packed_shape(ndim, dims, o.ndim, o.dims);
   }
-  // "f32[2,3]", or "f32 row 4" / "f32 numel 6" without a recorded shape.
+  // "f32[2,3]" ("f32[*,3]": an all_to_all's rows), or "f32 numel 6" without a recorded shape.
   std::string describe(bool rows) const {
     if (ndim < 0) return fmt::format("{} {} {}", dtype_name(dtype), rows ? "row" : "numel", count);
-    return dist_detail::describe_packed_shape(dtype, ndim, dims);
+    return dist_detail::describe_compared_shape(dtype, ndim, dims, rows);
   }
 };
 
@@ -3329,7 +3329,7 @@ class ThreadsGroup final : public ProcessGroup {
                         const Tensor& out, bool out_ready, std::string& failed) {
     s.dtype = dtype;
     s.count = count;
-    if (kind != OpKind::AllToAll) s.ndim = dist_detail::pack_shape(in.sizes(), s.dims);
+    s.ndim = dist_detail::pack_compared_shape(in.sizes(), kind == OpKind::AllToAll, s.dims);
     // An input (or in-place output) still being produced by another collective must be
     // complete before any rank reads or writes it; an output also waits for the collectives
     // that still read it (data_ptr).
