@@ -1150,6 +1150,28 @@ void family_groups(Ctx& c, const LargePolicy&) {
   Tensor w = Tensor::full({3}, DType::I64, 1);
   c.pg.all_reduce(w, ReduceOp::Sum);
   expect_values(w, std::vector<double>(3, n), c.where("all_reduce on the parent after splits"));
+  // Groups are independent: two groups of the same ranks, issued in one order on even ranks and
+  // in the other on odd ones, both complete (each group keeps its own order).
+  auto first = c.pg.split_group({c.pg.global_ranks()}, "conformance_order_a");
+  auto second = c.pg.split_group({c.pg.global_ranks()}, "conformance_order_b");
+  constexpr int64_t kBlock = 3000;
+  const Tensor mine = Tensor::full({kBlock}, DType::F32, me);
+  Tensor in_first = Tensor::empty({n * kBlock}, DType::F32);
+  Tensor in_second = Tensor::empty({n * kBlock}, DType::F32);
+  std::shared_ptr<Work> done_first, done_second;
+  if (me % 2 == 0) {
+    done_first = first->all_gather(in_first, mine);
+    done_second = second->all_gather(in_second, mine);
+  } else {
+    done_second = second->all_gather(in_second, mine);
+    done_first = first->all_gather(in_first, mine);
+  }
+  done_second->wait();
+  done_first->wait();
+  std::vector<double> blocks;
+  for (int r : c.pg.global_ranks()) blocks.insert(blocks.end(), kBlock, r);
+  expect_values(in_first, blocks, c.where("all_gather on a group issued first on even ranks"));
+  expect_values(in_second, blocks, c.where("all_gather on a group issued first on odd ranks"));
 
   // A 1-D mesh spans the whole group; a 2-D mesh is row-major with one group per dim.
   DeviceMesh line(c.pg, {{"conformance_line", n}});

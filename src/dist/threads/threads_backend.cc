@@ -3,9 +3,12 @@
 // Design. Every collective is one shared `Op` per (group, sequence number), created by the first
 // rank that issues it; each rank *joins* it by posting its buffer pointers and a descriptor
 // (checked against the first rank's: a mismatch fails the op on every rank). Each rank also
-// keeps an ordered queue of the ops it issued: an op becomes *eligible* once it is at the head
-// of every member's queue, so a rank's collectives execute in issue order (a collective may read
-// the output of the rank's previous one) while independent groups still run concurrently.
+// keeps an ordered queue of the ops it issued: an op becomes *eligible* once it is its group's
+// first unfinished op in every member's queue, so a group's collectives execute in issue order,
+// while the collectives of different groups run independently, as on gloo and mpi (two groups
+// of the same ranks may be issued in different orders on different ranks, or from a thread a
+// group). A collective that reads or writes a buffer an earlier one of the rank's still writes
+// or reads waits at issue (through the tensor, and wait_readers), whatever the groups.
 //
 // Nobody owns an op's execution: the thread that makes it eligible (the last rank to issue it,
 // or the thread that completed the op ahead of it) runs it at once, and every thread that waits
@@ -964,7 +967,8 @@ struct QueueEntry {
   int member;  // this rank's group rank in op's group
 };
 
-// One rank: its ordered queue of unfinished collectives and whether it departed.
+// One rank: its ordered queue of unfinished collectives (of every group: a group's first
+// unfinished one is at its head for that group) and whether it departed.
 // The three parts live on separate cache lines: the owner writes mu and queue on every
 // collective, completers on other threads read `queued`, and joiners read `departed`.
 struct RankState {
@@ -1053,10 +1057,10 @@ class World {
                            std::shared_ptr<Op>& spare, bool* late);
   // Appends op to `global_rank`'s queue and runs whatever became eligible.
   void push(int global_rank, int member, const std::shared_ptr<Op>& op);
-  // Pops finished ops off `global_rank`'s queue head and marks the new head; collects ops that
-  // became eligible into `ready`.
-  void advance(int global_rank, OpList& ready);
-  void advance_locked(RankState& rs, OpList& ready);
+  // Pops finished ops off `global_rank`'s queue front and marks `group`'s first unfinished op
+  // in it as at its head; collects an op that became eligible into `ready`.
+  void advance(int global_rank, const SharedGroup* group, OpList& ready);
+  void advance_locked(RankState& rs, const SharedGroup* group, OpList& ready);
   // Runs eligible ops (and, transitively, the ops their completion makes eligible).
   void run_ready(OpList& ready);
   // Claims and runs chunks of a running op until none is left; may complete it.
@@ -1768,12 +1772,15 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
   } else {
     op->finish();
   }
-  // Advance only the ranks with something queued behind this op. Both this read and push()'s
+  // Advance only the ranks with something queued beside this op. Both this read and push()'s
   // increment are acq_rel RMWs of `queued`: if ours comes first, the pusher sees this op
-  // completed (finish() happened before) and pops it itself; otherwise we see its push.
+  // completed (finish() happened before) and passes it itself; otherwise we see its push. An
+  // advance for another group that popped this op first marks this group's next op itself.
   for (int m = 0; m < op->size_; ++m) {
     int r = op->group_->global_ranks[m];
-    if (ranks_[r]->queued.fetch_add(0, std::memory_order_acq_rel) > 1) advance(r, ready);
+    if (ranks_[r]->queued.fetch_add(0, std::memory_order_acq_rel) > 1) {
+      advance(r, op->group_, ready);
+    }
   }
 }
 
@@ -1789,27 +1796,53 @@ void World::release_returned(int global_rank) {
   for (auto& op : returned) op->release_returned_keep(global_rank);
 }
 
-void World::advance(int global_rank, OpList& ready) {
+void World::advance(int global_rank, const SharedGroup* group, OpList& ready) {
   RankState& rs = *ranks_[global_rank];
   std::lock_guard<SpinMutex> lock(rs.mu);
-  advance_locked(rs, ready);
+  advance_locked(rs, group, ready);
 }
 
-void World::advance_locked(RankState& rs, OpList& ready) {
-  while (!rs.queue.empty()) {
-    QueueEntry& e = rs.queue.front();
-    if (e.op->is_completed()) {
-      rs.queue.pop_front();
-      rs.queued.fetch_sub(1, std::memory_order_relaxed);
+void World::advance_locked(RankState& rs, const SharedGroup* group, OpList& ready) {
+  // The groups whose first unfinished op to mark: `group`, and that of each finished op popped
+  // here, whose completer may have found only the op behind it queued and skipped this rank
+  // (see complete()). Past kMaxGroups of them, every group's.
+  constexpr int kMaxGroups = 4;
+  std::array<const SharedGroup*, kMaxGroups> wanted{group};
+  int num_wanted = 1;
+  bool every_group = false;
+  while (!rs.queue.empty() && rs.queue.front().op->is_completed()) {
+    const SharedGroup* g = rs.queue.front().op->group_;
+    if (std::find(wanted.begin(), wanted.begin() + num_wanted, g) == wanted.begin() + num_wanted) {
+      if (num_wanted < kMaxGroups) {
+        wanted[num_wanted++] = g;
+      } else {
+        every_group = true;
+      }
+    }
+    rs.queue.pop_front();
+    rs.queued.fetch_sub(1, std::memory_order_relaxed);
+  }
+  // Finished ops behind an unfinished one stay until it is popped (wait_readers and drain skip
+  // them). With one group, its first unfinished op is the front.
+  std::vector<const SharedGroup*> seen;  // with every_group only
+  for (QueueEntry& e : rs.queue) {
+    if (e.op->is_completed()) continue;
+    const SharedGroup* g = e.op->group_;
+    auto end = wanted.begin() + num_wanted;
+    auto it = std::find(wanted.begin(), end, g);
+    if (it != end) {
+      *it = wanted[--num_wanted];  // found: no longer wanted
+    } else if (!every_group || std::find(seen.begin(), seen.end(), g) != seen.end()) {
       continue;
     }
+    if (every_group) seen.push_back(g);
     if (!e.op->members_[e.member].head_marked) {
       e.op->members_[e.member].head_marked = 1;
       if (e.op->heads_.fetch_add(1, std::memory_order_acq_rel) + 1 == e.op->size_) {
         ready.push_back(e.op);
       }
     }
-    break;
+    if (num_wanted == 0 && !every_group) break;
   }
 }
 
@@ -1820,7 +1853,7 @@ void World::push(int global_rank, int member, const std::shared_ptr<Op>& op) {
     std::lock_guard<SpinMutex> lock(rs.mu);
     rs.queue.push_back({op, member});
     rs.queued.fetch_add(1, std::memory_order_acq_rel);  // see complete()
-    advance_locked(rs, ready);
+    advance_locked(rs, op->group_, ready);
   }
   run_ready(ready);
 }
@@ -1887,7 +1920,7 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
   keep.clear();
   holds.clear();
   OpList ready;
-  for (int r : joined) advance(r, ready);
+  for (int r : joined) advance(r, op->group_, ready);
   run_ready(ready);
   return true;
 }
@@ -2855,14 +2888,15 @@ std::string World::stall_report(Op& op, std::vector<int>* missing_out, bool* all
     *missing_out = std::move(missing);
     return report;
   }
-  // Everyone joined, but some member is still busy with an earlier collective.
+  // Everyone joined, but some member is still busy with an earlier collective of the group.
   std::string blockers;
   for (auto [m, r] : members) {
     RankState& rs = *ranks_[r];
     std::lock_guard<SpinMutex> lock(rs.mu);
     if (op.members_[m].head_marked) continue;
-    auto it = std::find_if(rs.queue.begin(), rs.queue.end(),
-                           [](const QueueEntry& e) { return !e.op->is_completed(); });
+    auto it = std::find_if(rs.queue.begin(), rs.queue.end(), [&](const QueueEntry& e) {
+      return e.op->group_ == op.group_ && !e.op->is_completed();
+    });
     if (it == rs.queue.end() || it->op.get() == &op) continue;
     if (!blockers.empty()) blockers += "; ";
     blockers += fmt::format("rank {} is still in {}", r, it->op->description());

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <functional>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -458,6 +459,130 @@ TEST(RunLocalTest, IndependentGroupsOverlap) {
       EXPECT_EQ(t.item<float>(), 2.0f);
     }
   });
+}
+
+// Groups are independent, as on gloo and mpi: a thread a group on each rank, and a ring of pair
+// groups each issued in a cycle, complete (a rank's collectives of every group once ran in its
+// issue order: each of these waited for the timeout, blaming a collective that every member
+// joined). Two groups issued in opposite orders: the conformance suite's groups family. Sizes
+// on the Op path and the lane (small all_reduces, which never waited for other groups).
+TEST(RunLocalTest, GroupsOfTheSameRanksMayBeIssuedInAnyOrder) {
+  const LocalOptions timeout{std::chrono::seconds(20)};
+  for (const int64_t numel : {int64_t{4}, int64_t{1} << 16}) {
+    SCOPED_TRACE(numel);
+    // A thread a group: each issues 50 all_reduces on its own group, in its own time.
+    run_ranks(2, [&](ProcessGroup& world) {
+      std::vector<std::shared_ptr<ProcessGroup>> groups = {world.split_group({{0, 1}}, "t1"),
+                                                           world.split_group({{0, 1}}, "t2")};
+      std::vector<std::thread> threads;
+      std::vector<std::string> errors(2);
+      for (int i = 0; i < 2; ++i) {
+        threads.emplace_back([&, i] {
+          try {
+            for (int k = 0; k < 50; ++k) {
+              Tensor t = Tensor::full({numel}, DType::F32, i + k);
+              groups[static_cast<size_t>(i)]->all_reduce(t, ReduceOp::Sum)->wait();
+              if (t.to_vector<float>() != std::vector<float>(numel, 2.0f * (i + k))) {
+                throw std::runtime_error(fmt::format("wrong sum at {}", k));
+              }
+            }
+          } catch (const std::exception& e) {
+            errors[static_cast<size_t>(i)] = e.what();
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      EXPECT_EQ(errors, std::vector<std::string>(2));
+    }, timeout);
+  }
+  // A ring: rank 0 issues on {0,1} then {0,2}, rank 1 on {1,2} then {0,1}, rank 2 on {0,2}
+  // then {1,2}: each group is second on one of its members.
+  run_ranks(3, [&](ProcessGroup& world) {
+    auto g01 = world.split_group({{0, 1}, {2}}, "g01");
+    auto g12 = world.split_group({{1, 2}, {0}}, "g12");
+    auto g02 = world.split_group({{0, 2}, {1}}, "g02");
+    const int r = world.rank();
+    std::vector<std::shared_ptr<ProcessGroup>> order =
+        r == 0 ? std::vector{g01, g02} : r == 1 ? std::vector{g12, g01} : std::vector{g02, g12};
+    std::vector<Tensor> outs;
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto& g : order) {
+      outs.push_back(Tensor::empty({2 << 14}, DType::I32));
+      works.push_back(g->all_gather(outs.back(), Tensor::full({1 << 14}, DType::I32, r)));
+    }
+    for (size_t i = 0; i < works.size(); ++i) {
+      works[i]->wait();
+      const int first = order[i]->global_ranks()[0];
+      const int second = order[i]->global_ranks()[1];
+      std::vector<int32_t> expected(1 << 14, first);
+      expected.resize(2 << 14, second);
+      EXPECT_EQ(outs[i].to_vector<int32_t>(), expected);
+    }
+  }, timeout);
+}
+
+// Seeded random programs on overlapping groups (the world, pairs {0,1} {2,3}, pairs {0,2}
+// {1,3}) in which each rank interleaves its groups' collectives in an order of its own, keeping
+// each group's: every collective completes with the right values, within the timeout.
+TEST(RunLocalTest, RandomInterleavingsOfGroupsComplete) {
+  const LocalOptions timeout{std::chrono::seconds(20)};
+  for (uint32_t seed = 0; seed < 40; ++seed) {
+    SCOPED_TRACE(seed);
+    struct Call {
+      int group;      // 0: world, 1: {0,1}/{2,3}, 2: {0,2}/{1,3}
+      int64_t numel;  // per rank; small ones of an all_reduce take the lane
+      bool gather;    // all_gather, else all_reduce
+    };
+    std::mt19937 rng(seed);
+    std::vector<Call> program(10 + rng() % 30);
+    for (Call& c : program) {
+      c.group = static_cast<int>(rng() % 3);
+      c.numel = rng() % 2 ? 1 + rng() % 64 : 5000 + rng() % 20000;
+      c.gather = rng() % 2 == 0;
+    }
+    run_ranks(4, [&](ProcessGroup& world) {
+      const int me = world.rank();
+      std::shared_ptr<ProcessGroup> groups[3] = {
+          std::shared_ptr<ProcessGroup>(&world, [](ProcessGroup*) {}),
+          world.split_group({{0, 1}, {2, 3}}, "rows"), world.split_group({{0, 2}, {1, 3}}, "cols")};
+      // Each group's calls in program order; the rank draws which group goes next.
+      std::vector<size_t> next(3, 0);
+      std::mt19937 mine(seed * 16 + static_cast<uint32_t>(me));
+      std::vector<std::function<void()>> checks;
+      for (size_t done = 0; done < program.size(); ++done) {
+        int g = 0;
+        do {
+          g = static_cast<int>(mine() % 3);
+        } while (std::none_of(program.begin() + static_cast<std::ptrdiff_t>(next[g]),
+                              program.end(), [&](const Call& c) { return c.group == g; }));
+        while (program[next[g]].group != g) ++next[g];
+        const Call& c = program[next[g]++];
+        ProcessGroup& pg = *groups[g];
+        const int step = static_cast<int>(&c - program.data());
+        const Tensor x = Tensor::full({c.numel}, DType::I64, me * 100 + step);
+        if (c.gather) {
+          Tensor out = Tensor::empty({c.numel * pg.size()}, DType::I64);
+          auto work = pg.all_gather(out, x);
+          checks.push_back([&pg, out, work, c, step] {
+            work->wait();
+            std::vector<int64_t> want;
+            for (int r : pg.global_ranks()) want.insert(want.end(), c.numel, r * 100 + step);
+            EXPECT_EQ(out.to_vector<int64_t>(), want) << "all_gather at step " << step;
+          });
+        } else {
+          auto work = pg.all_reduce(x, ReduceOp::Sum);
+          checks.push_back([&pg, x, work, c, step] {
+            work->wait();
+            int64_t want = 0;
+            for (int r : pg.global_ranks()) want += r * 100 + step;
+            EXPECT_EQ(x.to_vector<int64_t>(), std::vector<int64_t>(c.numel, want))
+                << "all_reduce at step " << step;
+          });
+        }
+      }
+      for (auto& check : checks) check();
+    }, timeout);
+  }
 }
 
 TEST(RunLocalTest, WaiterRunsTheChunksOfAPeerThatDoesNotWait) {
