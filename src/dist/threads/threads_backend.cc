@@ -7,8 +7,12 @@
 // first unfinished op in every member's queue, so a group's collectives execute in issue order,
 // while the collectives of different groups run independently, as on gloo and mpi (two groups
 // of the same ranks may be issued in different orders on different ranks, or from a thread a
-// group). A collective that reads or writes a buffer an earlier one of the rank's still writes
-// or reads waits at issue (through the tensor, and wait_readers), whatever the groups.
+// group). A collective that reads a buffer an earlier one of the rank's still writes waits at
+// issue (through the tensor), whatever the groups; so does one that writes a buffer a pending
+// functional collective reads (the API registers its readers) and a small all_reduce writing
+// a buffer any pending collective of the rank reads (wait_readers). The ProcessGroup
+// primitives otherwise leave a write to a buffer that another group's pending collective still
+// reads to the caller, as gloo and mpi do (README).
 //
 // Nobody owns an op's execution: the thread that makes it eligible (the last rank to issue it,
 // or the thread that completed the op ahead of it) runs it at once, and every thread that waits
@@ -1803,46 +1807,67 @@ void World::advance(int global_rank, const SharedGroup* group, OpList& ready) {
 }
 
 void World::advance_locked(RankState& rs, const SharedGroup* group, OpList& ready) {
-  // The groups whose first unfinished op to mark: `group`, and that of each finished op popped
-  // here, whose completer may have found only the op behind it queued and skipped this rank
-  // (see complete()). Past kMaxGroups of them, every group's.
+  // Marks the first unfinished op of `group`, and of the group of each finished op removed here,
+  // whose completer may have found only the op behind it queued and skipped this rank (see
+  // complete()); past kMaxGroups such groups, of every group. Finished ops are removed wherever
+  // they are, so that the queue holds only unfinished ones and the few finished since: behind a
+  // long-pending op of one group, another group's thousands of finished ops would otherwise
+  // stay, and every advance and wait_readers would walk them.
   constexpr int kMaxGroups = 4;
   std::array<const SharedGroup*, kMaxGroups> wanted{group};
   int num_wanted = 1;
   bool every_group = false;
-  while (!rs.queue.empty() && rs.queue.front().op->is_completed()) {
-    const SharedGroup* g = rs.queue.front().op->group_;
-    if (std::find(wanted.begin(), wanted.begin() + num_wanted, g) == wanted.begin() + num_wanted) {
-      if (num_wanted < kMaxGroups) {
-        wanted[num_wanted++] = g;
-      } else {
-        every_group = true;
-      }
+  // The groups whose first unfinished op this walk passed (a few inline, then a vector).
+  std::array<const SharedGroup*, kMaxGroups> passed{};
+  int num_passed = 0;
+  std::vector<const SharedGroup*> more_passed;
+  auto was_passed = [&](const SharedGroup* g) {
+    return std::find(passed.begin(), passed.begin() + num_passed, g) !=
+               passed.begin() + num_passed ||
+           std::find(more_passed.begin(), more_passed.end(), g) != more_passed.end();
+  };
+  auto pass = [&](const SharedGroup* g) {
+    if (num_passed < kMaxGroups) {
+      passed[num_passed++] = g;
+    } else {
+      more_passed.push_back(g);
     }
-    rs.queue.pop_front();
-    rs.queued.fetch_sub(1, std::memory_order_relaxed);
-  }
-  // Finished ops behind an unfinished one stay until it is popped (wait_readers and drain skip
-  // them). With one group, its first unfinished op is the front.
-  std::vector<const SharedGroup*> seen;  // with every_group only
-  for (QueueEntry& e : rs.queue) {
-    if (e.op->is_completed()) continue;
-    const SharedGroup* g = e.op->group_;
-    auto end = wanted.begin() + num_wanted;
-    auto it = std::find(wanted.begin(), end, g);
-    if (it != end) {
-      *it = wanted[--num_wanted];  // found: no longer wanted
-    } else if (!every_group || std::find(seen.begin(), seen.end(), g) != seen.end()) {
+  };
+  for (auto it = rs.queue.begin(); it != rs.queue.end();) {
+    const SharedGroup* g = it->op->group_;
+    auto wanted_end = wanted.begin() + num_wanted;
+    auto at = std::find(wanted.begin(), wanted_end, g);
+    if (it->op->is_completed()) {
+      // A group's ops finish in order, except that a later one may fail first (a timeout or a
+      // departure): one behind its group's first unfinished op changes nothing.
+      if (at == wanted_end && !was_passed(g)) {
+        if (num_wanted < kMaxGroups) {
+          wanted[num_wanted++] = g;
+        } else {
+          every_group = true;
+        }
+      }
+      it = rs.queue.erase(it);
+      rs.queued.fetch_sub(1, std::memory_order_relaxed);
       continue;
     }
-    if (every_group) seen.push_back(g);
-    if (!e.op->members_[e.member].head_marked) {
-      e.op->members_[e.member].head_marked = 1;
-      if (e.op->heads_.fetch_add(1, std::memory_order_acq_rel) + 1 == e.op->size_) {
-        ready.push_back(e.op);
-      }
+    if (was_passed(g)) {
+      ++it;
+      continue;
     }
-    if (num_wanted == 0 && !every_group) break;
+    pass(g);
+    if (at != wanted_end || every_group) {
+      if (at != wanted_end) *at = wanted[--num_wanted];
+      QueueEntry& e = *it;
+      if (!e.op->members_[e.member].head_marked) {
+        e.op->members_[e.member].head_marked = 1;
+        if (e.op->heads_.fetch_add(1, std::memory_order_acq_rel) + 1 == e.op->size_) {
+          ready.push_back(e.op);
+        }
+      }
+      if (num_wanted == 0 && !every_group) break;
+    }
+    ++it;
   }
 }
 
