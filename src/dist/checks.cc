@@ -189,25 +189,21 @@ bool same_packed_shape(int ndim_a, const ShapeWords& a, int ndim_b, const ShapeW
   return std::equal(a.begin(), a.begin() + words, b.begin());
 }
 
-std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words) {
-  if (ndim <= kShapeWords) {
-    return fmt::format("{}[{}]", dtype_name(dtype),
-                       fmt::join(words.begin(), words.begin() + std::max(ndim, 0), ","));
-  }
-  return fmt::format("{}[{},...: {}{} dims, #{:08x}]", dtype_name(dtype),
-                     fmt::join(words.begin(), words.end() - 1, ","), ndim == 127 ? ">= " : "",
-                     ndim, static_cast<uint32_t>(static_cast<uint64_t>(words.back()) >> 32));
-}
-
 int8_t pack_compared_shape(std::span<const int64_t> sizes, bool rows, ShapeWords& words) {
   return pack_shape(rows && !sizes.empty() ? sizes.subspan(1) : sizes, words);
 }
 
 std::string describe_compared_shape(DType dtype, int ndim, const ShapeWords& words, bool rows) {
-  std::string s = describe_packed_shape(dtype, ndim, words);
-  if (!rows) return s;
-  const size_t open = s.find('[');
-  return s.insert(open + 1, ndim == 0 ? "*" : "*,");
+  const char* any_rows = rows ? (ndim == 0 ? "*" : "*,") : "";
+  if (ndim <= kShapeWords) {
+    return fmt::format("{}[{}{}]", dtype_name(dtype), any_rows,
+                       fmt::join(words.begin(), words.begin() + std::max(ndim, 0), ","));
+  }
+  // The tensor's dim count: a row's and its dim 0.
+  const int dims = ndim + (rows ? 1 : 0);
+  return fmt::format("{}[{}{},...: {}{} dims, #{:08x}]", dtype_name(dtype), any_rows,
+                     fmt::join(words.begin(), words.end() - 1, ","), ndim == 127 ? ">= " : "",
+                     dims, static_cast<uint32_t>(static_cast<uint64_t>(words.back()) >> 32));
 }
 
 std::string split_mismatch(int from, int64_t sent, int to, int64_t expected) {

@@ -76,13 +76,12 @@ using ShapeWords = std::array<int64_t, kShapeWords>;
 int8_t pack_shape(std::span<const int64_t> sizes, ShapeWords& words);
 // Whether two packed shapes are equal; a negative ndim (no shape recorded) matches any.
 bool same_packed_shape(int ndim_a, const ShapeWords& a, int ndim_b, const ShapeWords& b);
-// "f32[2,3]"; longer shapes "f32[2,3,4,5,6,...: 9 dims, #1a2b3c4d]".
-std::string describe_packed_shape(DType dtype, int ndim, const ShapeWords& words);
 // The shape ranks compare for a tensor of a collective: all of it, or for an all_to_all, whose
 // ranks may send and receive different numbers of rows, the shape of a row (sizes after dim
 // 0), so that rows of [3,2] against rows of [2,3] fail while the row counts may differ.
 int8_t pack_compared_shape(std::span<const int64_t> sizes, bool rows, ShapeWords& words);
-// describe_packed_shape of a pack_compared_shape: a row's shape with "*" rows ("f32[*,3,2]").
+// A pack_compared_shape as messages show it: "f32[2,3]", longer shapes "f32[2,3,4,5,6,...: 9
+// dims, #1a2b3c4d]"; `rows` (an all_to_all's) with "*" rows: "f32[*,3,2]".
 std::string describe_compared_shape(DType dtype, int ndim, const ShapeWords& words, bool rows);
 
 // "mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 1 row from rank 0",

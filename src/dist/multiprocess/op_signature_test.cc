@@ -92,6 +92,20 @@ TEST(OpSignature, ShapesAreCompared) {
   EXPECT_NE(long_a.summary(), long_b.summary());
   EXPECT_EQ(long_a.summary().rfind("all_reduce(f32[1,1,1,1,1,...: 7 dims, #", 0), 0u)
       << long_a.summary();
+  // An all_to_all compares a row's shape and counts the tensor's dims in its summary.
+  for (const Shape& shape : {Shape{4, 3, 2}, Shape{4, 1, 1, 1, 1, 1, 2, 3}}) {
+    OpSignature a2a;
+    a2a.kind = OpKind::AllToAll;
+    a2a.slots = {{DType::I64, 6}};
+    a2a.slots[0].ndim = dist_detail::pack_compared_shape(shape, /*rows=*/true, a2a.slots[0].dims);
+    a2a.input_splits = a2a.output_splits = {2, 2};
+    const std::string summary = round_trip(a2a, 2).summary();
+    EXPECT_EQ(summary.rfind(shape.size() == 3 ? "all_to_all(i64[*,3,2])"
+                                              : "all_to_all(i64[*,1,1,1,1,1,...: 8 dims, #",
+                            0),
+              0u)
+        << summary;
+  }
   // The tenth tensor of a coalesced list differs in shape only.
   OpSignature list_a, list_b;
   list_a.kind = list_b.kind = OpKind::AllReduceCoalesced;
