@@ -1061,8 +1061,9 @@ class World {
                            std::shared_ptr<Op>& spare, bool* late);
   // Appends op to `global_rank`'s queue and runs whatever became eligible.
   void push(int global_rank, int member, const std::shared_ptr<Op>& op);
-  // Pops finished ops off `global_rank`'s queue front and marks `group`'s first unfinished op
-  // in it as at its head; collects an op that became eligible into `ready`.
+  // Removes finished ops from `global_rank`'s queue and marks `group`'s first unfinished op in
+  // it (and that of each removed op's group) as at its head; collects ops that became eligible
+  // into `ready`.
   void advance(int global_rank, const SharedGroup* group, OpList& ready);
   void advance_locked(RankState& rs, const SharedGroup* group, OpList& ready);
   // Runs eligible ops (and, transitively, the ops their completion makes eligible).
