@@ -782,8 +782,10 @@ void Executor::Impl::wait(const Step& st, Tensor& in, bool last_use) {
 
 // Records when in-flight collectives are first seen complete. Looks at most kPollDepth
 // incomplete ones, oldest first (a group completes its collectives in issue order, so later
-// ones are rarely done before them): a step costs O(1) however many are in flight, and a
-// collective completing behind them is seen when they are, or at its wait.
+// ones of one group are rarely done before them; another group's may be, and a trace then
+// shows one done behind kPollDepth unfinished ones at its wait): a step costs O(1) however
+// many are in flight, and a collective completing behind them is seen when they are, or at
+// its wait.
 void Executor::Impl::poll() {
   constexpr int kPollDepth = 8;
   const int64_t now = prof->now_ns();
