@@ -1810,55 +1810,35 @@ void World::advance(int global_rank, const SharedGroup* group, OpList& ready) {
 void World::advance_locked(RankState& rs, const SharedGroup* group, OpList& ready) {
   // Marks the first unfinished op of `group`, and of the group of each finished op removed here,
   // whose completer may have found only the op behind it queued and skipped this rank (see
-  // complete()); past kMaxGroups such groups, of every group. Finished ops are removed wherever
-  // they are, so that the queue holds only unfinished ones and the few finished since: behind a
-  // long-pending op of one group, another group's thousands of finished ops would otherwise
-  // stay, and every advance and wait_readers would walk them.
-  constexpr int kMaxGroups = 4;
-  std::array<const SharedGroup*, kMaxGroups> wanted{group};
-  int num_wanted = 1;
-  bool every_group = false;
-  // The groups whose first unfinished op this walk passed (a few inline, then a vector).
-  std::array<const SharedGroup*, kMaxGroups> passed{};
-  int num_passed = 0;
-  std::vector<const SharedGroup*> more_passed;
-  auto was_passed = [&](const SharedGroup* g) {
-    return std::find(passed.begin(), passed.begin() + num_passed, g) !=
-               passed.begin() + num_passed ||
-           std::find(more_passed.begin(), more_passed.end(), g) != more_passed.end();
-  };
-  auto pass = [&](const SharedGroup* g) {
-    if (num_passed < kMaxGroups) {
-      passed[num_passed++] = g;
-    } else {
-      more_passed.push_back(g);
-    }
+  // complete()). Finished ops are removed wherever they are, so that the queue holds only
+  // unfinished ones and the few finished since: behind a long-pending op of one group, another
+  // group's thousands of finished ops would otherwise stay, and every advance and wait_readers
+  // would walk them.
+  InlineVec<const SharedGroup*, 4> wanted;
+  wanted.push_back(group);
+  InlineVec<const SharedGroup*, 4> passed;  // whose first unfinished op this walk passed
+  auto holds = [](const InlineVec<const SharedGroup*, 4>& list, const SharedGroup* g) {
+    return std::find(list.begin(), list.end(), g) != list.end();
   };
   for (auto it = rs.queue.begin(); it != rs.queue.end();) {
     const SharedGroup* g = it->op->group_;
-    auto wanted_end = wanted.begin() + num_wanted;
-    auto at = std::find(wanted.begin(), wanted_end, g);
     if (it->op->is_completed()) {
       // A group's ops finish in order, except that a later one may fail first (a timeout or a
       // departure): one behind its group's first unfinished op changes nothing.
-      if (at == wanted_end && !was_passed(g)) {
-        if (num_wanted < kMaxGroups) {
-          wanted[num_wanted++] = g;
-        } else {
-          every_group = true;
-        }
-      }
+      if (!holds(wanted, g) && !holds(passed, g)) wanted.push_back(g);
       it = rs.queue.erase(it);
       rs.queued.fetch_sub(1, std::memory_order_relaxed);
       continue;
     }
-    if (was_passed(g)) {
+    if (holds(passed, g)) {
       ++it;
       continue;
     }
-    pass(g);
-    if (at != wanted_end || every_group) {
-      if (at != wanted_end) *at = wanted[--num_wanted];
+    passed.push_back(g);
+    const SharedGroup** at = std::find(wanted.begin(), wanted.end(), g);
+    if (at != wanted.end()) {
+      *at = wanted.back();
+      wanted.pop_back();
       QueueEntry& e = *it;
       if (!e.op->members_[e.member].head_marked) {
         e.op->members_[e.member].head_marked = 1;
@@ -1866,7 +1846,7 @@ void World::advance_locked(RankState& rs, const SharedGroup* group, OpList& read
           ready.push_back(e.op);
         }
       }
-      if (num_wanted == 0 && !every_group) break;
+      if (wanted.empty()) break;
     }
     ++it;
   }
