@@ -98,6 +98,12 @@ void ok(const std::string& what) {
   std::fflush(stdout);
 }
 
+// Called after ok() by a scenario whose every rank exits with status 1 (its group failed): mpirun
+// stops the job at the first such exit, and a peer still on its way to its own report would be
+// killed before it printed (failed_input: about once in 30 runs on 2 cores). The others'
+// reports come within milliseconds of this one's.
+void linger_for_peers_reports() { std::this_thread::sleep_for(std::chrono::seconds(1)); }
+
 void expect_contains(const std::string& text, const std::string& part) {
   if (text.find(part) == std::string::npos) {
     failed(fmt::format("expected '{}' in: {}", part, text));
@@ -346,6 +352,7 @@ void scenario_count_limit(funcol::ProcessGroup& world) {
   std::string after = expect_comm_error([&] { world.barrier(); }, "a barrier after it");
   expect_contains(after, "unusable after an earlier failure");
   ok(fmt::format("count limit reported on every rank: {}", msg));
+  linger_for_peers_reports();
 }
 
 // A rank whose group failed on its own (an mpi count over INT_MAX, refused before anything is
@@ -435,6 +442,7 @@ void scenario_step_pairing(funcol::ProcessGroup& world) {
   if (world.rank() == 0) expect_contains(msg, "new_group: agreeing with the other ranks");
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+  linger_for_peers_reports();
 }
 
 // The ranks issue different collectives as one seq (unchecked without FUNCOL_DEBUG=detail) and
@@ -651,10 +659,7 @@ void scenario_failed_input(funcol::ProcessGroup& world) {
   const std::string next = expect_comm_error([&] { check_sum(world); }, "the next all_reduce");
   expect_contains(next, "could not take part");
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
-  // Every rank exits with status 1 (a collective failed), and mpirun stops the job at the first
-  // such exit: a peer still on its way to its report would be killed before it printed (seen
-  // about once in 30 runs on 2 cores). The others' reports come within milliseconds.
-  std::this_thread::sleep_for(std::chrono::seconds(1));
+  linger_for_peers_reports();
 }
 
 // The last rank exits (status 0) without destroy_process_group: the others' next collective
