@@ -606,6 +606,33 @@ std::string train_json_line(const TrainOptions& o, const TrainReport& r) {
   return json_line(j);
 }
 
+namespace {
+
+// The index of the first step whose loss is not finite (training diverged), if any.
+std::optional<size_t> first_non_finite_loss(const TrainReport& r) {
+  for (size_t i = 0; i < r.losses.size(); ++i) {
+    if (!std::isfinite(r.losses[i])) return i;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+void check_train_report(const TrainReport& r) {
+  if (r.bucketed.ran && !r.variants_identical) {
+    throw InternalError(
+        "the bucketed and unbucketed steps gave different results (they are bit-identical by "
+        "construction): a funcol bug");
+  }
+  if (first_non_finite_loss(r)) return;
+  if (r.max_abs_diff_vs_reference != 0) {  // NaN too
+    throw InternalError(fmt::format(
+        "the trained weights differ from the single-process reference by up to {:.3g} (they are "
+        "bit-identical by construction): a funcol bug",
+        r.max_abs_diff_vs_reference));
+  }
+}
+
 std::string train_summary(const TrainOptions& o, const TrainReport& r) {
   std::string s;
   s += fmt::format(
@@ -742,22 +769,22 @@ class Progress {
   bool line_open_ = false;
 };
 
-// This process is one rank of an mpi or gloo job: train; rank 0 reports.
 // The summary or JSON line to `out`; a warning to `err` when the loss stopped being finite
-// (a NaN weight differs from the reference by NaN, which JSON writes as null).
+// (a NaN weight differs from the reference by NaN, which JSON writes as null); then
+// check_train_report's error, if any.
 void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, std::FILE* err) {
   const std::string text = o.json ? train_json_line(o, r) + "\n" : train_summary(o, r);
   write_output(out, text);
-  for (size_t i = 0; i < r.losses.size(); ++i) {
-    if (std::isfinite(r.losses[i])) continue;
+  if (const std::optional<size_t> step = first_non_finite_loss(r)) {
     std::fprintf(err,
                  "funcol train: warning: the loss is %g from step %zu on: training diverged "
                  "(lower --lr)\n",
-                 r.losses[i], i + 1);
-    break;
+                 r.losses[*step], *step + 1);
   }
+  check_train_report(r);
 }
 
+// This process is one rank of an mpi or gloo job: train; rank 0 reports.
 int train_in_job(const TrainOptions& o, Progress& progress, std::FILE* out, std::FILE* err) {
   return run_as_rank(o.backend, o.ranks, o.join, err, [&](ProcessGroup& world) {
     // Ranks started by hand with different flags would pair other collectives (a rank with

@@ -119,10 +119,18 @@ std::string train_json_line(const TrainOptions& options, const TrainReport& repo
 // The human summary printed after training.
 std::string train_summary(const TrainOptions& options, const TrainReport& report);
 
+// Throws InternalError when the result failed its checks: the trained weights differ from the
+// single-process reference (they are bit-identical by construction: the same kernels, the same
+// order of combination), or the bucketed and unbucketed variants differed at some step. A run
+// whose loss stopped being finite (diverged: lower --lr) is not compared with the reference: its
+// weights hold NaN, and so may the reference's.
+void check_train_report(const TrainReport& report);
+
 // Runs the command: progress on `err` (a bar when `progress_bar`, `err` being a terminal, else
 // plain lines, none with --json; a launched rank 0 writes it where its launcher said, see
 // progress_fd and progress_bar), the summary or the JSON line on `out`, errors on `err` as
-// "funcol: error: ...". Returns the exit status.
+// "funcol: error: ...". Returns the exit status: 1 also when the result failed its checks
+// (check_train_report), after the summary.
 int train_command(const TrainOptions& options, std::FILE* out, std::FILE* err, bool progress_bar);
 
 }  // namespace funcol::tools

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -297,6 +298,39 @@ TEST(Train, DivergedTrainingIsReportedNotMatched) {
   EXPECT_NE(c.err.find("funcol train: warning: the loss is "), std::string::npos) << c.err;
   EXPECT_NE(c.err.find("training diverged (lower --lr)"), std::string::npos) << c.err;
 }
+// The command fails (exit 1, after its summary) when its result fails its checks: a report
+// that differs from the reference or between its variants is an error naming what differed.
+TEST(Train, ResultsThatFailTheirChecksAreErrors) {
+  TrainReport good;
+  good.losses = {2.0, 1.5};
+  good.bucketed.ran = true;
+  EXPECT_NO_THROW(check_train_report(good));
+  auto expect_error = [](const TrainReport& r, const std::string& naming) {
+    try {
+      check_train_report(r);
+      ADD_FAILURE() << "no error; expected one naming: " << naming;
+    } catch (const InternalError& e) {
+      EXPECT_NE(std::string(e.what()).find(naming), std::string::npos) << e.what();
+    }
+  };
+  TrainReport off = good;
+  off.max_abs_diff_vs_reference = 8.08e-4;
+  expect_error(off, "the trained weights differ from the single-process reference by up to "
+                    "0.000808");
+  off.max_abs_diff_vs_reference = std::numeric_limits<double>::quiet_NaN();
+  expect_error(off, "by up to nan");
+  TrainReport split = good;
+  split.variants_identical = false;
+  expect_error(split, "the bucketed and unbucketed steps gave different results");
+  split.bucketed.ran = false;  // --no-bucketing: nothing was compared
+  EXPECT_NO_THROW(check_train_report(split));
+  // Diverged: NaN weights on both sides are not compared (the command warns instead).
+  TrainReport diverged = good;
+  diverged.losses.push_back(std::numeric_limits<double>::infinity());
+  diverged.max_abs_diff_vs_reference = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_NO_THROW(check_train_report(diverged));
+}
+
 // A model too large for memory is an error naming the flags, before anything is allocated:
 // the activations (--batch rows on every rank, kept for the backward) count, not only the
 // weights. (--batch 100000000 used to pass and then fail as "out of memory", or be killed.)
