@@ -284,6 +284,9 @@ int launch_gloo(const JobOptions& o, const std::string& dir, const std::string& 
                {kLauncherPidVar, std::to_string(getpid())}};
       err_files.push_back(fmt::format("{}/rank{}.err", dir, r));
       s.stderr_path = err_files.back();
+      // In the launcher's process group: the terminal's Ctrl-Z stops the ranks with it, and
+      // they may write to it (rank 0's results) under `stty tostop`.
+      s.own_process_group = false;
       pids.push_back(spawn_process(s));
     }
   } catch (...) {

@@ -90,14 +90,24 @@ pid_t spawn_process(const SpawnOptions& options) {
     posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, options.stderr_path.c_str(),
                                      O_WRONLY | O_CREAT | O_TRUNC, 0644);
   }
-  // Each child leads its own process group, so that stopping it also stops whatever it started
-  // (a shell's command, mpirun's daemons): wait_all signals the whole group.
+  // A child of a group of its own: wait_all signals the whole group. SIGTTOU is ignored in it
+  // (a disposition exec keeps) for the spawn: our own group may be the terminal's foreground
+  // one, the child's is not, and with `stty tostop` its first write there would stop it for
+  // good (the launcher waiting on it).
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
-  posix_spawnattr_setpgroup(&attr, 0);
+  struct sigaction ttou_before {};
+  if (options.own_process_group) {
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    posix_spawnattr_setpgroup(&attr, 0);
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    sigemptyset(&ignore.sa_mask);
+    sigaction(SIGTTOU, &ignore, &ttou_before);
+  }
   pid_t pid = -1;
   const int rc = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
+  if (options.own_process_group) sigaction(SIGTTOU, &ttou_before, nullptr);
   posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
@@ -108,7 +118,20 @@ pid_t spawn_process(const SpawnOptions& options) {
 
 std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::milliseconds grace,
                                  const std::function<bool()>& stuck) {
+  // Asked while every child is unreaped (its pid still its own): after that, a pid that led no
+  // group may be another process's.
+  std::vector<char> leads(pids.size());
+  for (size_t i = 0; i < pids.size(); ++i) leads[i] = getpgid(pids[i]) == pids[i];
   std::vector<pid_t> running = pids;
+  auto signal_children = [&](int sig) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (leads[i]) {
+        kill(-pids[i], sig);
+      } else if (std::find(running.begin(), running.end(), pids[i]) != running.end()) {
+        kill(pids[i], sig);
+      }
+    }
+  };
   std::vector<ExitStatus> done;
   bool killing = false;
   auto kill_deadline = std::chrono::steady_clock::now();
@@ -137,14 +160,12 @@ std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids, std::chrono::mi
       // Whole groups, the ended children's too: what they started may still run. A stopped
       // child (SIGSTOP, Ctrl-Z) keeps a SIGTERM pending until it is continued: it would end
       // only at the SIGKILL after `grace`, and the launcher print the failure that late.
-      for (pid_t p : pids) {
-        kill(-p, SIGTERM);
-        kill(-p, SIGCONT);
-      }
+      signal_children(SIGTERM);
+      signal_children(SIGCONT);
       kill_deadline = std::chrono::steady_clock::now() + grace;
     }
     if (killing && !sent_kill && std::chrono::steady_clock::now() >= kill_deadline) {
-      for (pid_t p : pids) kill(-p, SIGKILL);
+      signal_children(SIGKILL);
       sent_kill = true;
     }
     if (running.empty()) break;
@@ -184,7 +205,9 @@ InterruptScope::InterruptScope() {
   sa.sa_handler = record_interrupt;
   sigemptyset(&sa.sa_mask);
   for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
-    sigaction(kInterruptSignals[i], &sa, &g_previous[i]);
+    sigaction(kInterruptSignals[i], nullptr, &g_previous[i]);
+    if (g_previous[i].sa_handler == SIG_IGN) continue;  // nohup's SIGHUP, say: stays ignored
+    sigaction(kInterruptSignals[i], &sa, nullptr);
   }
 }
 

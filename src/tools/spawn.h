@@ -23,6 +23,13 @@ struct SpawnOptions {
   // A descriptor of ours that becomes the child's stdout (a pipe's write end, say); -1: none.
   // Takes the place of stdout_path.
   int stdout_fd = -1;
+  // The child leads a process group of its own, so that stopping it also stops whatever it
+  // starts (mpirun's daemons, a shell's commands). Such a group is not the terminal's foreground
+  // one: the terminal's Ctrl-C and Ctrl-Z reach only the caller, and with `stty tostop` a write
+  // to the terminal stops the child (SIGTTOU; ignored in the child, which then writes). false:
+  // the child stays in the caller's group, as torchrun's children do, and gets the terminal's
+  // signals with it (a launcher's ranks, which start nothing).
+  bool own_process_group = true;
 };
 
 // Starts a child with posix_spawn. Throws funcol::Error naming the program when it cannot be
@@ -43,7 +50,7 @@ struct ExitStatus {
 // Waits for every child in `pids`. As soon as one fails (non-zero exit or killed by a signal),
 // an InterruptScope recorded a signal, or `stuck` (when given; asked at each poll) returns
 // true, the others get SIGTERM, then SIGKILL after `grace`, so nothing is left
-// running. Returns every status in the order the children ended (the first failure is the first
+// running (a child that leads a process group: its whole group, also once it ended). Returns every status in the order the children ended (the first failure is the first
 // non-ok entry); every child is reaped. Polls with waitpid(WNOHANG) so it never reaps children
 // it did not start. `grace` is no limit: a child that runs on well is waited for.
 std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids,
@@ -56,7 +63,9 @@ bool any_failed(const std::vector<pid_t>& pids);
 
 // While alive, SIGINT, SIGTERM and SIGHUP do not kill this process but are recorded: wait_all
 // then stops the children as on a failure, and the launcher cleans up and exits with
-// 128 + signal() itself. Children start with default handlers (exec resets them).
+// 128 + signal() itself. A signal this process ignores (nohup's SIGHUP, a background job's
+// SIGINT) stays ignored, and so it is in the children; the others start with default handlers
+// (exec resets them).
 class InterruptScope {
  public:
   InterruptScope();

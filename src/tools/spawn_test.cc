@@ -116,6 +116,80 @@ TEST(Spawn, AnyFailedSeesAFailureWithoutReapingIt) {
   EXPECT_EQ(failures, 1);
 }
 
+// Whether process `pid` ignores `sig` (/proc's SigIgn mask).
+bool ignores(pid_t pid, int sig) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("SigIgn:", 0) == 0) {
+      return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
+    }
+  }
+  ADD_FAILURE() << "no SigIgn line for pid " << pid;
+  return false;
+}
+
+// A child of a group of its own ignores SIGTTOU (with `stty tostop` its first write to the
+// terminal, whose foreground group it is not in, stopped it for good); one in our group does
+// not (the terminal's job control treats it as ours). wait_all stops both kinds.
+TEST(Spawn, ProcessGroupsAndTheTerminal) {
+  struct sigaction ours {};
+  ASSERT_EQ(sigaction(SIGTTOU, nullptr, &ours), 0);
+  if (ours.sa_handler == SIG_IGN) {
+    GTEST_SKIP() << "this test process ignores SIGTTOU: a child in its group would too";
+  }
+  std::vector<pid_t> pids;
+  pids.push_back(spawn_process(command({"sleep", "60"})));
+  SpawnOptions shared = command({"sleep", "60"});
+  shared.own_process_group = false;
+  pids.push_back(spawn_process(shared));
+  struct sigaction after {};
+  ASSERT_EQ(sigaction(SIGTTOU, nullptr, &after), 0);
+  EXPECT_EQ(after.sa_handler, ours.sa_handler);  // ours as it was
+  EXPECT_EQ(getpgid(pids[0]), pids[0]);
+  EXPECT_EQ(getpgid(pids[1]), getpgid(0));
+  // After exec: /proc shows the program's dispositions once sleep runs.
+  const auto t0 = std::chrono::steady_clock::now();
+  for (pid_t pid : pids) {
+    while (std::filesystem::read_symlink("/proc/" + std::to_string(pid) + "/exe").filename() !=
+           "sleep") {
+      ASSERT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  EXPECT_TRUE(ignores(pids[0], SIGTTOU));
+  EXPECT_FALSE(ignores(pids[1], SIGTTOU));
+  pids.push_back(spawn_process(command({"sh", "-c", "exit 7"})));
+  const auto st = wait_all(pids, std::chrono::seconds(60));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  ASSERT_EQ(st.size(), 3u);
+  EXPECT_EQ(st[0].code, 7);
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_TRUE(st[i].signaled);
+    EXPECT_EQ(st[i].code, SIGTERM);
+  }
+}
+
+// A signal ignored when the scope begins (nohup's SIGHUP) stays ignored: the launcher under
+// nohup survived its terminal only on the threads backend. The others are recorded.
+TEST(InterruptScopeTest, IgnoredSignalsStayIgnored) {
+  struct sigaction ignore {}, before {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGHUP, &ignore, &before), 0);
+  {
+    InterruptScope scope;
+    raise(SIGHUP);
+    EXPECT_EQ(InterruptScope::signal(), 0);
+    raise(SIGTERM);
+    EXPECT_EQ(InterruptScope::signal(), SIGTERM);
+  }
+  struct sigaction now {};
+  ASSERT_EQ(sigaction(SIGHUP, nullptr, &now), 0);
+  EXPECT_EQ(now.sa_handler, SIG_IGN);
+  ASSERT_EQ(sigaction(SIGHUP, &before, nullptr), 0);
+}
+
 TEST(Spawn, SuccessWaitsForEveryone) {
   std::vector<pid_t> pids;
   for (int i = 0; i < 3; ++i) pids.push_back(spawn_process(command({"true"})));

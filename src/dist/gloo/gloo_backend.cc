@@ -407,6 +407,18 @@ std::string record_identity(const std::string& record) {
   return record.substr(record.rfind(' ') + 1);
 }
 
+// Whether the arrival record `record` was written by a process of this machine that has ended:
+// a stale record (a killed rank's, or one stopped by a signal), which nobody will answer for.
+bool written_by_ended_process(const std::string& record) {
+  return process::process_running(record_identity(record)) == false;
+}
+
+// Whether `key` holds an arrival record written_by_ended_process.
+bool ended_writer(KeyStore& store, const std::string& key) {
+  const auto record = store.try_get(key);
+  return record && written_by_ended_process(std::string(record->begin(), record->end()));
+}
+
 // The pid of the process that wrote the arrival record at `key`, when that is another process
 // and it runs (on this machine: elsewhere it cannot be known); nullopt otherwise.
 std::optional<std::string> live_holder(KeyStore& store, const std::string& key) noexcept {
@@ -426,7 +438,8 @@ std::optional<std::string> live_holder(KeyStore& store, const std::string& key) 
 }
 
 // Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
-// names the missing ones on timeout. A member that `watch` (the job's peer monitor, when there
+// names the missing ones on timeout. A record whose writer ended on this machine is a stale one
+// (written_by_ended_process): its member has not arrived until it replaces it. A member that `watch` (the job's peer monitor, when there
 // is one) reports dead or departed fails the wait at once: it will never arrive. Each arrival
 // record is passed to `arrived(i, record)` as first seen; `poll` is called between looks (it
 // throws to end the wait: a member that arrived and died).
@@ -438,14 +451,18 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
   const auto deadline = Clock::now() + timeout;
   std::vector<int> missing(members.size());
   std::iota(missing.begin(), missing.end(), 0);
+  std::vector<int> stale;  // members whose index held a stale record at the last look
   while (true) {
     std::vector<int> still;
+    stale.clear();
     for (int i : missing) {
       const auto record = store.try_get(arrival_key(prefix, i));
-      if (!record) {
+      const std::string text = record ? std::string(record->begin(), record->end()) : "";
+      if (!record || written_by_ended_process(text)) {
         still.push_back(i);
+        if (record) stale.push_back(members[i]);
       } else {
-        arrived(i, std::string(record->begin(), record->end()));
+        arrived(i, text);
       }
     }
     missing.swap(still);
@@ -470,14 +487,22 @@ void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::ve
     if (Clock::now() > deadline) {
       // Only a world's ranks can have failed on a previous job's keys before arriving.
       const char* world_note =
-          prefix == kWorldPrefix
+          prefix == kWorldPrefix && stale.size() < ranks.size()
               ? " (never started, or failed before arriving: one that found a previous job's "
                 "key at its index failed at once and removed it, so starting it again succeeds)"
               : "";
+      const std::string stale_note =
+          stale.empty() ? ""
+                        : fmt::format("; the keys there for ranks {} were written by a process "
+                                      "of this machine that has ended (a rank of an earlier "
+                                      "job, or one that died while it waited): each such rank "
+                                      "replaces them when it arrives",
+                                      dist_detail::format_ranks(stale));
       throw CommError(
           fmt::format("gloo: rendezvous of {} at '{}' timed out after {} ms; ranks that did "
-                      "not arrive: {}{}",
-                      what, url, timeout.count(), dist_detail::format_ranks(ranks), world_note));
+                      "not arrive: {}{}{}",
+                      what, url, timeout.count(), dist_detail::format_ranks(ranks), stale_note,
+                      world_note));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -599,6 +624,11 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     const std::string mine =
         fmt::format("{} {} {} {}", n, mode, monitor ? monitor->address() : std::string("-"),
                     process::process_identity());
+    // Keys at this index whose writer ended on this machine (a rank of an earlier job stopped
+    // by Ctrl-C or killed while it waited here, which could not take them back) are stale:
+    // they go, and this rank takes the index. Those of a writer that cannot be checked (another
+    // machine) still fail the set below.
+    if (ended_writer(*store, arrival_key(prefix, my_index))) erase_index(my_index);
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
     // Each record is checked as it is read: a rank started for another world size or debug
     // mode fails the rendezvous at once on every rank that reads its record, not only on the
