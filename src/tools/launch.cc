@@ -520,13 +520,17 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
   check_job_flags_fit(backend, join);
   // Said once a process (the commands check their options again before the ranks start).
   static bool warned = false;
-  if (backend == "threads" && !warned && !process::env_string("OMPI_COMM_WORLD_SIZE").empty()) {
+  const bool launches_here =
+      backend == "threads" ||
+      (backend == "gloo" && (!known(join.rank, "--rank", "RANK") || !known_world_size(join)));
+  if (launches_here && !warned && !process::env_string("OMPI_COMM_WORLD_SIZE").empty()) {
     warned = true;
     std::fprintf(stderr,
-                 "funcol: warning: this process is a rank of an mpirun job, but --backend threads "
-                 "runs all %d ranks in it (each mpirun process runs a job of its own): pass "
-                 "--backend mpi to run one rank a process\n",
-                 ranks);
+                 "funcol: warning: this process is a rank of an mpirun job, but --backend %s %s "
+                 "all %d ranks %s (each mpirun process runs a job of its own): pass --backend "
+                 "mpi to run one rank a process\n",
+                 backend.c_str(), backend == "threads" ? "runs" : "starts", ranks,
+                 backend == "threads" ? "in it" : "itself");
   }
   if (backend == "threads" && ranks > kMaxLocalRanks) {
     throw InvalidArgument(fmt::format(

@@ -514,6 +514,13 @@ TEST_F(RunE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
        "funcol: warning: this process is a rank of an mpirun job, but --backend threads runs all "
        "2 ranks in it (each mpirun process runs a job of its own): pass --backend mpi to run one "
        "rank a process"},
+#ifdef FUNCOL_WITH_GLOO
+      // The gloo launcher inside mpirun: each mpirun process started a gloo job of its own.
+      {{{"OMPI_COMM_WORLD_SIZE", "2"}}, {"--ranks", "2", "--backend", "gloo"}, 0,
+       "funcol: warning: this process is a rank of an mpirun job, but --backend gloo starts all "
+       "2 ranks itself (each mpirun process runs a job of its own): pass --backend mpi to run "
+       "one rank a process"},
+#endif
   };
   for (const Case& c : cases) {
     SpawnOptions s;
@@ -540,7 +547,19 @@ TEST_F(RunE2E, ThreadsInsideAJobSaysWhichBackendJoinsIt) {
 
 #ifdef FUNCOL_WITH_GLOO
 
-
+// A relative TMPDIR is taken from the working directory: the launcher's store under it must be
+// named absolutely (the job failed with "invalid store 'file://rel/funcol-run-.../store': the
+// directory must be absolute", naming a store the user never gave).
+TEST_F(RunE2E, ARelativeTmpdirIsTakenFromTheWorkingDirectory) {
+  const std::string file = write("g2.ir", kGraph2);
+  const std::string relative =
+      std::filesystem::relative(dir_.path(), std::filesystem::current_path()).string();
+  ASSERT_FALSE(relative.empty());
+  ASSERT_NE(relative.front(), '/');
+  const Result r = run({file, "--ranks", "2", "--backend", "gloo"}, "", {{"TMPDIR", relative}});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("2 ranks on gloo"), std::string::npos) << r.out;
+}
 
 // A launcher stopped by SIGTERM stops its ranks, removes its temporary directory and exits
 // with 128 + 15; nothing is left running.

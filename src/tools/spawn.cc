@@ -228,7 +228,11 @@ std::string self_executable() {
 
 std::string temp_root() {
   const char* base = std::getenv("TMPDIR");
-  return base && *base ? base : "/tmp";
+  if (base == nullptr || *base == '\0') return "/tmp";
+  // Absolute: the ranks' store is a directory under it, and a store must be named absolutely.
+  std::error_code ec;
+  const std::filesystem::path absolute = std::filesystem::absolute(base, ec);
+  return ec ? base : absolute.lexically_normal().string();
 }
 
 TempDir::TempDir(const std::string& prefix) {

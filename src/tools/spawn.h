@@ -79,7 +79,7 @@ class InterruptScope {
 // The absolute path of the running executable (/proc/self/exe).
 std::string self_executable();
 
-// Where temporary directories go: $TMPDIR, or /tmp when it is unset or empty.
+// Where temporary directories go: $TMPDIR (made absolute), or /tmp when it is unset or empty.
 std::string temp_root();
 
 // A fresh private directory (mkdtemp under temp_root()), removed with its contents when the
