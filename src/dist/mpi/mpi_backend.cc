@@ -277,13 +277,21 @@ class Runtime {
       thread_.detach();
       // A normal exit could block in Open MPI's teardown behind the thread still inside
       // MPI_Init_thread.
+      process::note_backend_owner();
       std::atexit([] {
+        if (process::forked_from_backend_owner()) return;  // a forked child is no rank
         exit_without_finalize("MPI_Init_thread never returned", "init_process_group timed out");
       });
       return;
     }
     init_error_ = ready_future.get();
-    if (init_error_.empty()) std::atexit([] { get_unchecked().finalise_at_exit(); });
+    if (init_error_.empty()) {
+      process::note_backend_owner();
+      std::atexit([] {
+        // A forked child is no rank: MPI and the communication thread are its parent's.
+        if (!process::forked_from_backend_owner()) get_unchecked().finalise_at_exit();
+      });
+    }
   }
 
   static Runtime& get_unchecked() { return get(); }

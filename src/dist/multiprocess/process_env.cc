@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
@@ -228,6 +229,17 @@ std::optional<bool> process_running(const std::string& identity) {
   if (now.start.empty()) return std::nullopt;                    // unreadable: cannot tell
   if (now.start != rest.substr(slash + 1)) return false;         // the pid went to a later one
   return now.state != 'Z' && now.state != 'X';
+}
+
+namespace {
+std::atomic<pid_t> g_backend_owner{0};
+}  // namespace
+
+void note_backend_owner() { g_backend_owner.store(::getpid()); }
+
+bool forked_from_backend_owner() {
+  const pid_t owner = g_backend_owner.load();
+  return owner != 0 && owner != ::getpid();
 }
 
 bool process_live(int pid) {

@@ -55,6 +55,14 @@ std::optional<bool> process_running(const std::string& identity);
 // Whether process `pid` of this machine runs: false once it ended (gone, a zombie not yet
 // reaped, or dead), true otherwise (also when /proc cannot say).
 bool process_live(int pid);
+// Records this process as the one that runs a process backend (init_process_group, MPI's
+// start). A child it forks without exec has a copy of that state whose threads are gone and
+// whose sockets it shares with its parent: its exit handlers must not drain its collectives,
+// say goodbye for the rank (the peers then failed the living rank as departed) or finalise MPI
+// (waiting on a communication thread the child does not have).
+void note_backend_owner();
+// True in a child of the process that called note_backend_owner (forked, not exec'd).
+bool forked_from_backend_owner();
 // The pid field of an identity (process_identity's format), as /proc numbers it on the
 // identity's machine; empty when the identity is malformed.
 std::string identity_pid(const std::string& identity);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/multiprocess/process_env.h"
 #include "dist/multiprocess/process_world.h"
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -124,6 +125,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   s.prune_jobs();
   s.jobs.push_back(world.job);
   dist_detail::set_process_world(world.world.get());
+  process::note_backend_owner();
   if (!s.exit_handler) {
     // A process that exits without destroy_process_group still says goodbye, so its peers
     // tell "finished" from "died".
@@ -138,6 +140,8 @@ void destroy_process_group() { destroy_world(/*at_exit=*/false); }
 namespace {
 
 void destroy_world(bool at_exit) {
+  // A child forked without exec (its exit handlers run this too) is no rank: its parent is.
+  if (process::forked_from_backend_owner()) return;
   ProcessState& s = state();
   std::unique_ptr<GroupRegistry> registry;
   process::ProcessWorld world;

@@ -41,8 +41,15 @@
 //            init_process_group would, and dies a second later, its address never there; the
 //            others' init_process_group fails at once naming it (its identity, seen running,
 //            says it ended), not after FUNCOL_TIMEOUT
+//  fork_child  the last rank forks a child (no exec) that returns from main through exit():
+//            the child's exit handlers leave the world alone (they said goodbye for the rank,
+//            and its peers failed it as departed; on mpi the child hung finalising MPI), and
+//            the job goes on
 //  reinit    every rank starts and destroys the world 45 times, an all_reduce in each: the
 //            process keeps nothing of the worlds it destroyed (each used to keep its job)
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include <fmt/ranges.h>
@@ -662,6 +669,31 @@ void scenario_failed_input(funcol::ProcessGroup& world) {
   linger_for_peers_reports();
 }
 
+void scenario_fork_child(funcol::ProcessGroup& world) {
+  check_sum(world);
+  if (world.rank() == world.size() - 1) {
+    std::fflush(stdout);
+    const pid_t child = ::fork();
+    if (child < 0) failed("fork failed");
+    if (child == 0) std::exit(0);  // the exit handlers of a process with a world
+    int status = 0;
+    const auto start = Clock::now();
+    while (::waitpid(child, &status, WNOHANG) == 0) {
+      if (seconds_since(start) > 10) {
+        ::kill(child, SIGKILL);
+        failed("the forked child did not exit within 10 s");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      failed(fmt::format("the forked child ended with status {:#x}", status));
+    }
+  }
+  for (int i = 0; i < 20; ++i) check_sum(world);
+  world.barrier();
+  ok("the job went on after the forked child's exit");
+}
+
 // The last rank exits (status 0) without destroy_process_group: the others' next collective
 // fails at once saying so, not that it called destroy_process_group.
 void scenario_exit(funcol::ProcessGroup& world) {
@@ -918,7 +950,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
-                 "split_kill_arrived|exit|stopped|split_stopped|world_dead_arrival|reinit|abandoned\n");
+                 "split_kill_arrived|exit|stopped|split_stopped|world_dead_arrival|reinit|"
+                 "abandoned|fork_child\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
@@ -993,6 +1026,8 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "failed_input") {
       scenario_failed_input(*world);
+    } else if (scenario == "fork_child") {
+      scenario_fork_child(*world);
     } else if (scenario == "stopped") {
       scenario_stopped(*world);
     } else if (scenario == "split_stopped") {
