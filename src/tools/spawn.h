@@ -49,10 +49,11 @@ struct ExitStatus {
 
 // Waits for every child in `pids`. As soon as one fails (non-zero exit or killed by a signal),
 // an InterruptScope recorded a signal, or `stuck` (when given; asked at each poll) returns
-// true, the others get SIGTERM, then SIGKILL after `grace`, so nothing is left
-// running (a child that leads a process group: its whole group, also once it ended). Returns every status in the order the children ended (the first failure is the first
-// non-ok entry); every child is reaped. Polls with waitpid(WNOHANG) so it never reaps children
-// it did not start. `grace` is no limit: a child that runs on well is waited for.
+// true, the others get SIGTERM, then SIGKILL after `grace`, so nothing is left running (a
+// child that leads a process group: its whole group, also once it ended). Returns every status
+// in the order the children ended (the first failure is the first non-ok entry); every child is
+// reaped. Polls with waitpid(WNOHANG) so it never reaps children it did not start. `grace` is
+// no limit: a child that runs on well is waited for.
 std::vector<ExitStatus> wait_all(const std::vector<pid_t>& pids,
                                  std::chrono::milliseconds grace = std::chrono::seconds(5),
                                  const std::function<bool()>& stuck = {});

@@ -439,10 +439,11 @@ std::optional<std::string> live_holder(KeyStore& store, const std::string& key) 
 
 // Waits until every member (index i = global rank members[i]) wrote "<prefix>/arrive/<i>";
 // names the missing ones on timeout. A record whose writer ended on this machine is a stale one
-// (written_by_ended_process): its member has not arrived until it replaces it. A member that `watch` (the job's peer monitor, when there
-// is one) reports dead or departed fails the wait at once: it will never arrive. Each arrival
-// record is passed to `arrived(i, record)` as first seen; `poll` is called between looks (it
-// throws to end the wait: a member that arrived and died).
+// (written_by_ended_process): its member has not arrived until it replaces it. A member that
+// `watch` (the job's peer monitor, when there is one) reports dead or departed fails the wait at
+// once: it will never arrive. Each arrival record is passed to `arrived(i, record)` as first
+// seen; `poll` is called between looks (it throws to end the wait: a member that arrived and
+// died).
 void wait_for_arrivals(KeyStore& store, const std::string& prefix, const std::vector<int>& members,
                        const process::PeerMonitor* watch, std::chrono::milliseconds timeout,
                        const std::string& what, const std::string& url,

@@ -6,7 +6,8 @@
 #
 # Rank 1 runs with rank 0's keys as a rank 0 that reached the address exchange would leave
 # them (its arrival and host name): it writes its address and waits for rank 0's, and is
-# killed there (its arrival record then rewritten to name another machine's process). With those planted keys deleted, rank 0 then runs against the dead address.
+# killed there (its arrival record then rewritten to name another machine's process). With
+# those planted keys deleted, rank 0 then runs against the dead address.
 # Which side of a pair listens depends on the two (random) ports, so this is done 6 times.
 #
 #   gloo_dead_address_test.sh FUNCOL GRAPH.ir     (exit 77: skipped, no redis-server)
