@@ -616,6 +616,16 @@ std::optional<size_t> first_non_finite_loss(const TrainReport& r) {
   return std::nullopt;
 }
 
+// Whether a trained weight is not finite: the last update diverged (its loss is never seen).
+bool non_finite_weights(const TrainReport& r) {
+  for (const Tensor& w : r.final_weights) {
+    for (float v : w.to_vector<float>()) {
+      if (!std::isfinite(v)) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 void check_train_report(const TrainReport& r) {
@@ -624,7 +634,7 @@ void check_train_report(const TrainReport& r) {
         "the bucketed and unbucketed steps gave different results (they are bit-identical by "
         "construction): a funcol bug");
   }
-  if (first_non_finite_loss(r)) return;
+  if (first_non_finite_loss(r) || non_finite_weights(r)) return;  // diverged: not compared
   if (r.max_abs_diff_vs_reference != 0) {  // NaN too
     throw InternalError(fmt::format(
         "the trained weights differ from the single-process reference by up to {:.3g} (they are "
@@ -780,6 +790,10 @@ void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, s
                  "funcol train: warning: the loss is %g from step %zu on: training diverged "
                  "(lower --lr)\n",
                  r.losses[*step], *step + 1);
+  } else if (non_finite_weights(r)) {
+    std::fprintf(err,
+                 "funcol train: warning: the last step's update made weights infinite or NaN: "
+                 "training diverged (lower --lr)\n");
   }
   check_train_report(r);
 }

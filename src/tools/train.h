@@ -122,8 +122,8 @@ std::string train_summary(const TrainOptions& options, const TrainReport& report
 // Throws InternalError when the result failed its checks: the trained weights differ from the
 // single-process reference (they are bit-identical by construction: the same kernels, the same
 // order of combination), or the bucketed and unbucketed variants differed at some step. A run
-// whose loss stopped being finite (diverged: lower --lr) is not compared with the reference: its
-// weights hold NaN, and so may the reference's.
+// whose loss or trained weights stopped being finite (diverged: lower --lr) is not compared with
+// the reference: its weights hold NaN, and so may the reference's.
 void check_train_report(const TrainReport& report);
 
 // Runs the command: progress on `err` (a bar when `progress_bar`, `err` being a terminal, else

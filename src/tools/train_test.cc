@@ -329,6 +329,31 @@ TEST(Train, ResultsThatFailTheirChecksAreErrors) {
   diverged.losses.push_back(std::numeric_limits<double>::infinity());
   diverged.max_abs_diff_vs_reference = std::numeric_limits<double>::quiet_NaN();
   EXPECT_NO_THROW(check_train_report(diverged));
+  // Diverged in the last update only: every loss finite, a weight NaN.
+  TrainReport last = good;
+  last.final_weights = {Tensor::from_vector<float>({1.0f, std::nanf("")})};
+  last.max_abs_diff_vs_reference = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_NO_THROW(check_train_report(last));
+}
+
+// The reviewer's run that diverges in its last update: a warning, exit 0 (it was "a funcol
+// bug", exit 1).
+TEST(Train, DivergingInTheLastUpdateIsAWarning) {
+  TrainOptions o = small(2);
+  o.layers = 8;
+  o.hidden = 8;
+  o.steps = 2;
+  o.batch = 16;
+  o.lr = 1e6;
+  o.optimizer = "adam";
+  const TrainReport r = run_train(o);
+  for (double loss : r.losses) EXPECT_TRUE(std::isfinite(loss)) << loss;
+  EXPECT_TRUE(std::isnan(r.max_abs_diff_vs_reference)) << r.max_abs_diff_vs_reference;
+  o.json = true;
+  const CommandResult c = command(o);
+  EXPECT_EQ(c.status, 0) << c.err;
+  EXPECT_NE(c.err.find("training diverged (lower --lr)"), std::string::npos) << c.err;
+  EXPECT_EQ(c.err.find("funcol: error"), std::string::npos) << c.err;
 }
 
 // A model too large for memory is an error naming the flags, before anything is allocated:
