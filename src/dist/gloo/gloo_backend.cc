@@ -16,7 +16,9 @@
 #include <cstring>
 #include <deque>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -84,6 +86,10 @@ class KeyStore {
   // Deletes a key a previous job left where this process must write (Gloo's stores refuse to
   // overwrite one).
   virtual void erase_stale(const std::string& key) noexcept = 0;
+  // Deletes `key` only while it holds `value`, atomically: a value another process wrote there
+  // since (a rank restarted at once, a duplicate that replaced the same stale record first)
+  // stays. True when this call deleted it.
+  virtual bool erase_if_holds(const std::string& key, const std::string& value) noexcept = 0;
   // Called every poll of a wait for keys; it throws to end the wait (a member died).
   virtual void set_poll(std::function<void()> poll) = 0;
   // What broke the store's connection, once something did (a Redis server that stopped
@@ -156,6 +162,29 @@ class FileKeyStore final : public KeyStore {
     try {
       ::unlink(store_.objectPath(key).c_str());
     } catch (...) {  // a path Gloo cannot resolve: nothing to delete
+    }
+  }
+  // The key's file is renamed to a name of this process's own (one process gets it), then
+  // read: another value goes back (link: unless a third process set the key meanwhile, which
+  // then holds it). Readers that look in between find no key and look again.
+  bool erase_if_holds(const std::string& key, const std::string& value) noexcept override {
+    try {
+      const std::string path = store_.objectPath(key);
+      const std::string taken =
+          fmt::format("{}.erase.{}.{}", path, ::getpid(), store_.next_tmp++);
+      if (::rename(path.c_str(), taken.c_str()) != 0) return false;  // gone already
+      std::ifstream in(taken, std::ios::binary);
+      const std::string held((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      in.close();
+      const bool stale = held == value;
+      if (!stale && ::link(taken.c_str(), path.c_str()) != 0) {
+        // EEXIST: a third process set the key meanwhile, and holds it now.
+      }
+      ::unlink(taken.c_str());
+      return stale;
+    } catch (...) {  // a path Gloo cannot resolve, a failed read: left as it is
+      return false;
     }
   }
   void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
@@ -263,6 +292,9 @@ class RedisKeyStore final : public KeyStore {
   }
   void erase_own_keys() noexcept override { store_.erase_written(); }
   void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
+  bool erase_if_holds(const std::string& key, const std::string& value) noexcept override {
+    return store_.erase_if_holds(key, value);
+  }
   void set_poll(std::function<void()> poll) override { store_.poll = std::move(poll); }
   std::optional<std::string> failure() const override { return store_.failure(); }
   void reconnect_for_cleanup() noexcept override {
@@ -286,6 +318,18 @@ class RedisKeyStore final : public KeyStore {
     void erase(const std::string& key) noexcept {
       void* reply = redisCommand(redis_, "DEL %b", key.data(), key.size());
       if (reply != nullptr) freeReplyObject(reply);
+    }
+    // One script, which Redis runs atomically.
+    bool erase_if_holds(const std::string& key, const std::string& value) noexcept {
+      static constexpr const char* kScript =
+          "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) "
+          "else return 0 end";
+      auto* reply = static_cast<redisReply*>(redisCommand(
+          redis_, "EVAL %s 1 %b %b", kScript, key.data(), key.size(), value.data(), value.size()));
+      if (reply == nullptr) return false;
+      const bool deleted = reply->type == REDIS_REPLY_INTEGER && reply->integer == 1;
+      freeReplyObject(reply);
+      return deleted;
     }
     redisContext* context() const { return redis_; }
     bool set_reply_timeout(std::chrono::milliseconds t) {
@@ -413,10 +457,13 @@ bool written_by_ended_process(const std::string& record) {
   return process::process_running(record_identity(record)) == false;
 }
 
-// Whether `key` holds an arrival record written_by_ended_process.
-bool ended_writer(KeyStore& store, const std::string& key) {
+// The arrival record at `key` when it is written_by_ended_process; nullopt otherwise.
+std::optional<std::string> stale_record(KeyStore& store, const std::string& key) {
   const auto record = store.try_get(key);
-  return record && written_by_ended_process(std::string(record->begin(), record->end()));
+  if (!record) return std::nullopt;
+  std::string text(record->begin(), record->end());
+  if (!written_by_ended_process(text)) return std::nullopt;
+  return text;
 }
 
 // The pid of the process that wrote the arrival record at `key`, when that is another process
@@ -530,10 +577,19 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   std::optional<std::string> duplicate;
   // What broke the store, when that ended the rendezvous: seen before the cleanup reconnects.
   std::optional<std::string> broken;
-  auto erase_index = [&](int i) {
-    store->erase_stale(arrival_key(prefix, i));
+  auto erase_gloo_keys = [&](int i) {
     store->erase_stale(fmt::format("{}/rank_{}", prefix, i));  // Gloo: the host name
     store->erase_stale(fmt::format("{}/{}", prefix, i));        // Gloo: the address
+  };
+  auto erase_index = [&](int i) {
+    store->erase_stale(arrival_key(prefix, i));
+    erase_gloo_keys(i);
+  };
+  // The keys at index i, only while its arrival record is still `record`: a process that took
+  // the index since (a rank restarted at once, a duplicate that replaced the same stale record
+  // first) keeps its own. (Its host name and address come only after every arrival.)
+  auto erase_index_if_holds = [&](int i, const std::string& record) {
+    if (store->erase_if_holds(arrival_key(prefix, i), record)) erase_gloo_keys(i);
   };
   // Fails the rendezvous when `watch` knows of a member lost (deaths named first).
   std::vector<int> others;
@@ -551,6 +607,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   // as a member that ended (a record a killed job left, or one from a machine or namespace
   // whose pids /proc here does not number, is never taken for a death).
   std::vector<std::string> identities(static_cast<size_t>(n));
+  std::vector<std::string> records(static_cast<size_t>(n));  // as read ("" until read)
   std::vector<char> seen_running(static_cast<size_t>(n), 0);
   auto throw_if_member_ended = [&] {
     for (int i = 0; i < n; ++i) {
@@ -597,7 +654,13 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     // one's record there and name a death: a record gone from an ended process reads as a
     // member that gave up and took it back.
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    for (int i : dead) erase_index(i);
+    for (int i : dead) {
+      if (records[static_cast<size_t>(i)].empty()) {
+        erase_index(i);
+      } else {
+        erase_index_if_holds(i, records[static_cast<size_t>(i)]);
+      }
+    }
   };
   auto taken_by = [&](const std::string& pid) {
     return CommError(fmt::format(
@@ -629,13 +692,16 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
     // by Ctrl-C or killed while it waited here, which could not take them back) are stale:
     // they go, and this rank takes the index. Those of a writer that cannot be checked (another
     // machine) still fail the set below.
-    if (ended_writer(*store, arrival_key(prefix, my_index))) erase_index(my_index);
+    if (const auto stale = stale_record(*store, arrival_key(prefix, my_index))) {
+      erase_index_if_holds(my_index, *stale);
+    }
     prefixed.set(fmt::format("arrive/{}", my_index), std::vector<char>(mine.begin(), mine.end()));
     // Each record is checked as it is read: a rank started for another world size or debug
     // mode fails the rendezvous at once on every rank that reads its record, not only on the
     // last to arrive (the others waited out their timeout, then named it as not arrived).
     std::vector<std::string> addresses(static_cast<size_t>(n));
     auto keep_record = [&](int i, const std::string& value) {
+      records[static_cast<size_t>(i)] = value;
       identities[static_cast<size_t>(i)] = record_identity(value);
       const size_t space = value.find(' ');
       const size_t space2 = space == std::string::npos ? space : value.find(' ', space + 1);
