@@ -14,8 +14,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "dist/checks.h"
 #include "funcol/core/error.h"
@@ -36,6 +40,40 @@ enum MessageType : uint8_t {
 constexpr size_t kFrameHeader = 5;  // u32 payload length, u8 type
 
 std::string errno_text(int err) { return std::strerror(err); }
+
+// The peer connections of every monitor, which a child forked without exec closes at once
+// (pthread_atfork): holding them, it kept a rank that died while it ran looking alive to the
+// peers (silent at the timeout instead of dead at once). A table of atomics, fd + 1 a slot (0:
+// free), as the child's handler may take no lock; a connection beyond its size stays open there.
+constexpr size_t kForkCloseSlots = 4096;
+std::atomic<int> g_fork_close[kForkCloseSlots];
+
+extern "C" void close_peer_connections_in_child() {
+  for (auto& slot : g_fork_close) {
+    const int v = slot.load(std::memory_order_relaxed);
+    if (v > 0) ::close(v - 1);
+  }
+}
+
+// `fd` is a peer connection: a forked child closes it.
+void track_peer_connection(int fd) {
+  static std::once_flag registered;
+  std::call_once(registered,
+                 [] { pthread_atfork(nullptr, nullptr, close_peer_connections_in_child); });
+  for (auto& slot : g_fork_close) {
+    int free = 0;
+    if (slot.compare_exchange_strong(free, fd + 1)) return;
+  }
+}
+
+// Closes a peer connection (tracked or not).
+void close_peer_connection(int fd) {
+  for (auto& slot : g_fork_close) {
+    int held = fd + 1;
+    if (slot.compare_exchange_strong(held, 0)) break;
+  }
+  ::close(fd);
+}
 
 void append_u32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
 void append_i64(std::string& s, int64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
@@ -209,6 +247,7 @@ void PeerMonitor::connect(const std::vector<std::string>& addresses,
       }
     }
     set_socket_options(fd);
+    track_peer_connection(fd);
     auto peer = std::make_unique<Peer>();
     peer->fd = fd;
     peer->rank = r;
@@ -462,7 +501,7 @@ void PeerMonitor::stop_thread() {
     if (peer) {
       std::lock_guard wlock(peer->write_mu);
       peer->closed = true;
-      close(peer->fd);
+      close_peer_connection(peer->fd);
     }
   }
   close(listen_fd_);
@@ -610,6 +649,7 @@ void PeerMonitor::run() {
       int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd >= 0) {
         set_socket_options(fd);
+        track_peer_connection(fd);
         auto peer = std::make_unique<Peer>();
         peer->fd = fd;
         unidentified.push_back(std::move(peer));
@@ -627,7 +667,7 @@ void PeerMonitor::run() {
         } else {
           std::erase_if(unidentified, [&](const auto& p) {
             if (p.get() != peer) return false;
-            close(p->fd);
+            close_peer_connection(p->fd);
             return true;
           });
         }
@@ -668,7 +708,7 @@ void PeerMonitor::run() {
       }
     }
   }
-  for (auto& peer : unidentified) close(peer->fd);
+  for (auto& peer : unidentified) close_peer_connection(peer->fd);
 }
 
 std::string route_address(const std::string& host, int port) {
