@@ -94,17 +94,25 @@ pid_t spawn_process(const SpawnOptions& options) {
   // (a disposition exec keeps) for the spawn: our own group may be the terminal's foreground
   // one, the child's is not, and with `stty tostop` its first write there would stop it for
   // good (the launcher waiting on it).
+  // SIGTERM takes its default action in the child even where we ignore it: it is how wait_all
+  // stops children (they would last until the SIGKILL after the grace period).
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  posix_spawnattr_setsigdefault(&attr, &term);
+  short flags = POSIX_SPAWN_SETSIGDEF;
   struct sigaction ttou_before {};
   if (options.own_process_group) {
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);
+    flags |= POSIX_SPAWN_SETPGROUP;
     posix_spawnattr_setpgroup(&attr, 0);
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
     sigemptyset(&ignore.sa_mask);
     sigaction(SIGTTOU, &ignore, &ttou_before);
   }
+  posix_spawnattr_setflags(&attr, flags);
   pid_t pid = -1;
   const int rc = posix_spawnp(&pid, argv[0], &actions, &attr, argv.data(), envp.data());
   if (options.own_process_group) sigaction(SIGTTOU, &ttou_before, nullptr);

@@ -65,8 +65,8 @@ bool any_failed(const std::vector<pid_t>& pids);
 // While alive, SIGINT, SIGTERM and SIGHUP do not kill this process but are recorded: wait_all
 // then stops the children as on a failure, and the launcher cleans up and exits with
 // 128 + signal() itself. A signal this process ignores (nohup's SIGHUP, a background job's
-// SIGINT) stays ignored, and so it is in the children; the others start with default handlers
-// (exec resets them).
+// SIGINT) stays ignored, and so it is in the children, but for SIGTERM, with which wait_all
+// stops them; the others start with default handlers (exec resets them).
 class InterruptScope {
  public:
   InterruptScope();

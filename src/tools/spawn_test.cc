@@ -190,6 +190,30 @@ TEST(InterruptScopeTest, IgnoredSignalsStayIgnored) {
   ASSERT_EQ(sigaction(SIGHUP, &before, nullptr), 0);
 }
 
+// A launcher that ignores SIGTERM (started so) still stops its children with it: they start
+// with SIGTERM's default action.
+TEST(Spawn, ChildrenTakeSigtermEvenWhereWeIgnoreIt) {
+  struct sigaction ignore {}, before {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGTERM, &ignore, &before), 0);
+  std::vector<pid_t> pids;
+  pids.push_back(spawn_process(command({"sleep", "60"})));
+  SpawnOptions shared = command({"sleep", "60"});
+  shared.own_process_group = false;
+  pids.push_back(spawn_process(shared));
+  ASSERT_EQ(sigaction(SIGTERM, &before, nullptr), 0);
+  pids.push_back(spawn_process(command({"sh", "-c", "exit 7"})));
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto st = wait_all(pids, std::chrono::seconds(60));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  ASSERT_EQ(st.size(), 3u);
+  for (size_t i = 1; i < 3; ++i) {
+    EXPECT_TRUE(st[i].signaled);
+    EXPECT_EQ(st[i].code, SIGTERM);
+  }
+}
+
 TEST(Spawn, SuccessWaitsForEveryone) {
   std::vector<pid_t> pids;
   for (int i = 0; i < 3; ++i) pids.push_back(spawn_process(command({"true"})));
