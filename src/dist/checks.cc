@@ -540,6 +540,45 @@ void note_split(const ProcessGroup& parent, const std::vector<std::vector<int>>&
   if (world && parent.size() == world->size()) registry.add_world_split(rank_lists);
 }
 
+namespace {
+
+// Every agreement step between ranks (agree's, agree_on_split's) begins with one all_reduce,
+// op max, of this header: its kind `step` for `what` as a number every rank computes alike
+// (FNV-1a, 62 bits: its negation fits) and the negation. Steps of different sizes or ops would
+// otherwise pair on the process backends without FUNCOL_DEBUG=detail (a rank aborted inside
+// Gloo's transport; mpi truncated one rank's data and went on).
+std::vector<int64_t> step_header(std::string_view step, const char* what) {
+  uint64_t h = 14695981039346656037ull;
+  auto mix = [&](std::string_view text) {
+    for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+    h = (h ^ 0xff) * 1099511628211ull;
+  };
+  mix(step);
+  mix(what);
+  const auto kind = static_cast<int64_t>(h >> 2);
+  return {kind, -kind};
+}
+
+// Whether the all-reduced headers say every rank ran the same step.
+bool same_step(const std::vector<int64_t>& header) { return header[0] == -header[1]; }
+
+// Every rank's error when they did not (the group stays usable: each ran one header).
+CommError different_steps(const ProcessGroup& group, std::string_view step, const char* what) {
+  return CommError(fmt::format(
+      "{} on group '{}': the ranks ran different steps of funcol's agreement between ranks: "
+      "this rank ran its {} step (ranks that make a group differently, such as different names, "
+      "a named group against an unnamed one or a DeviceMesh against a new_group, or one that "
+      "makes a group while another makes something else; FUNCOL_DEBUG=detail names each "
+      "rank's step)",
+      what, group.name(), step));
+}
+
+}  // namespace
+
+Tensor split_header() {
+  return Tensor::from_vector<int64_t>(step_header("split", split_caller()), {2});
+}
+
 void agree_on_split(ProcessGroup& parent, int split,
                     const std::vector<std::vector<int>>& rank_lists, const std::string& new_name) {
   const int n = parent.size();
@@ -573,6 +612,11 @@ void agree_on_split(ProcessGroup& parent, int split,
   // message (gathering them always cost O(n^2) bytes a rank: 649 MB for a new_group of 512
   // threads ranks, 5.2 GB at 1024).
   {
+    Tensor header = split_header();
+    run([&] { return parent.all_reduce(header, ReduceOp::Max); });
+    if (!same_step(header.to_vector<int64_t>())) {
+      throw different_steps(parent, "split", split_caller());
+    }
     Tensor probe = split_probe(mine, !taken.empty());
     run([&] { return parent.all_reduce(probe, ReduceOp::Max); });
     const std::vector<int64_t> v = probe.to_vector<int64_t>();
@@ -654,8 +698,8 @@ std::string describe_step(const char* label) {
 namespace {
 
 // The all_reduce of `values` (i64) over `group` with `op`, for an agreement step of `what`.
-std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, ReduceOp op,
-                           const char* what) {
+std::vector<int64_t> all_reduce_step(ProcessGroup& group, std::vector<int64_t> values,
+                                     ReduceOp op, const char* what) {
   const int64_t n = static_cast<int64_t>(values.size());
   Tensor t = Tensor::from_vector<int64_t>(values, {n});
   try {
@@ -668,19 +712,32 @@ std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, Red
   return t.to_vector<int64_t>();
 }
 
+// An agreement step of `what`: every rank first checks that the others run this step too (a
+// fixed-size all_reduce all steps share), then all-reduces `values`. Steps of different sizes
+// or ops would otherwise pair on the process backends without FUNCOL_DEBUG=detail (a rank
+// aborted inside Gloo's transport; mpi truncated one rank's data and went on).
+std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, ReduceOp op,
+                           std::string_view step, const char* what) {
+  const std::vector<int64_t> header =
+      all_reduce_step(group, step_header(step, what), ReduceOp::Max, what);
+  if (!same_step(header)) throw different_steps(group, step, what);
+  return all_reduce_step(group, std::move(values), op, what);
+}
+
 }  // namespace
 
 bool same_on_every_rank(ProcessGroup& group, int64_t value, const char* what) {
-  const std::vector<int64_t> v = agree(group, {value, -value}, ReduceOp::Max, what);
+  const std::vector<int64_t> v =
+      agree(group, {value, -value}, ReduceOp::Max, "same_on_every_rank", what);
   return v[0] == -v[1];
 }
 
 int64_t max_over_ranks(ProcessGroup& group, int64_t value, const char* what) {
-  return agree(group, {value}, ReduceOp::Max, what)[0];
+  return agree(group, {value}, ReduceOp::Max, "max_over_ranks", what)[0];
 }
 
 int64_t and_over_ranks(ProcessGroup& group, int64_t bits, const char* what) {
-  return agree(group, {bits}, ReduceOp::BAnd, what)[0];
+  return agree(group, {bits}, ReduceOp::BAnd, "and_over_ranks", what)[0];
 }
 
 std::string agreed_group_name(ProcessGroup& group, const char* what) {

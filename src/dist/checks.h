@@ -222,7 +222,11 @@ std::optional<std::vector<int>> check_split(const ProcessGroup& parent,
 // What a rank passed to split_group, as agree_on_split's messages show it: "[[0, 1]] as 'g'".
 std::string split_description(const std::vector<std::vector<int>>& rank_lists,
                               const std::string& new_name);
-// agree_on_split's first step: the i64[8] every rank all-reduces with max (a hash and the
+// agree_on_split's first step, as every agreement step between ranks begins: the i64[2] every
+// rank all-reduces with max, naming the step (here a split for split_caller()), so that ranks
+// running different steps find out before anything of another size is exchanged.
+Tensor split_header();
+// agree_on_split's second step: the i64[8] every rank all-reduces with max (a hash and the
 // length of its description, whether the name is taken on it, and their negations). The ranks
 // agree when the maxima are minus the minima and no rank has the name taken.
 Tensor split_probe(const std::string& description, bool taken);

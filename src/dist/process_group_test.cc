@@ -291,20 +291,20 @@ TEST(NewGroupTest, ARankThatNeverComesFailsTheAgreementByName) {
   });
 }
 
-// funcol's own collective inside new_group (its agreement on a name: an all_reduce of two i64,
-// op max) never pairs with a user's all_reduce of the same shape on a peer. Both fail with the
+// funcol's own collective inside new_group (its agreement's first step, the header: an
+// all_reduce of two i64, op max) never pairs with a user's all_reduce of the same shape on a peer. Both fail with the
 // mismatch, and the peer's message says what the other side was.
 TEST(NewGroupTest, TheAgreementNeverPairsWithAUsersCollective) {
   run_ranks(2, [](ProcessGroup& world) {
     const std::string mismatch =
-        "mismatched collectives: rank 0 issued all_reduce(i64[1], op max) [funcol's agreement "
-        "step for new_group] but rank 1 issued all_reduce(i64[1], op max)";
+        "mismatched collectives: rank 0 issued all_reduce(i64[2], op max) [funcol's agreement "
+        "step for new_group] but rank 1 issued all_reduce(i64[2], op max)";
     if (world.rank() == 0) {
       expect_error<CommError>(
           [&] { new_group(world, {0, 1}); },
           {"new_group: agreeing with the other ranks of group 'world' failed", mismatch});
     } else {
-      Tensor t = Tensor::zeros({1}, DType::I64);  // the first step's very shape
+      Tensor t = Tensor::zeros({2}, DType::I64);  // the first step's very shape
       expect_error<CommError>([&] { world.all_reduce(t, ReduceOp::Max)->wait(); }, {mismatch});
     }
   });

@@ -41,6 +41,8 @@
 //            init_process_group would, and dies a second later, its address never there; the
 //            others' init_process_group fails at once naming it (its identity, seen running,
 //            says it ended), not after FUNCOL_TIMEOUT
+//  group_disagree  rank 0 makes a named group where the others make it unnamed (no
+//            FUNCOL_DEBUG): every rank gets the CommError at once, and the world still works
 //  fork_kill  kill, the victim first forking a child that outlives it (no exec): the others
 //            still fail at once naming the death (the child held the victim's connections open)
 //  fork_child  the last rank forks a child (no exec) that returns from main through exit():
@@ -63,6 +65,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
@@ -236,7 +239,7 @@ void scenario_kill(funcol::ProcessGroup& world, bool fork_first) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
-// Rank 0 creates a group (an agreement step: all_reduce of i64[1], op max) while the others
+// Rank 0 creates a group (an agreement step: all_reduce of i64[2], op max) while the others
 // issue an all_reduce of that shape and op; returns the CommError every rank must get.
 std::string group_against_all_reduce(funcol::ProcessGroup& world) {
   return expect_comm_error(
@@ -244,7 +247,7 @@ std::string group_against_all_reduce(funcol::ProcessGroup& world) {
         if (world.rank() == 0) {
           funcol::new_group(world, {0, 1});
         } else {
-          Tensor t = Tensor::zeros({1}, DType::I64);
+          Tensor t = Tensor::zeros({2}, DType::I64);
           world.all_reduce(t, ReduceOp::Max)->wait();
         }
       },
@@ -347,8 +350,8 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   // all_reduce of the same shape and op: a mismatch that names the agreement, on every rank.
   std::string step_msg = group_against_all_reduce(world);
   expect_contains(step_msg,
-                  "rank 0 issued all_reduce(i64[1], op max) [funcol's agreement step for "
-                  "new_group] but rank 1 issued all_reduce(i64[1], op max)");
+                  "rank 0 issued all_reduce(i64[2], op max) [funcol's agreement step for "
+                  "new_group] but rank 1 issued all_reduce(i64[2], op max)");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();
   check_sum(world);
@@ -455,8 +458,8 @@ void scenario_step_pairing(funcol::ProcessGroup& world) {
   expect_contains(msg, "timed out after");
   // Every rank had issued a collective as seq 1: the timeout says they differ.
   expect_contains(msg, "the ranks issued different collectives as seq 1: rank 0 issued "
-                       "all_reduce(i64[1], op max) [funcol's agreement step for new_group] but "
-                       "rank 1 issued all_reduce(i64[1], op max)");
+                       "all_reduce(i64[2], op max) [funcol's agreement step for new_group] but "
+                       "rank 1 issued all_reduce(i64[2], op max)");
   if (world.rank() == 0) expect_contains(msg, "new_group: agreeing with the other ranks");
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
@@ -598,6 +601,8 @@ void scenario_death_then_departure(funcol::ProcessGroup& world) {
 // Labelled as split_group's own step: its data travels apart from a user's.
 void agree_to_split(funcol::ProcessGroup& world, const std::vector<int>& members) {
   const funcol::dist_detail::InternalStep step("split_group");
+  Tensor header = funcol::dist_detail::split_header();
+  world.all_reduce(header, ReduceOp::Max)->wait();
   Tensor probe = funcol::dist_detail::split_probe(
       funcol::dist_detail::split_description({members}, "sub"), /*taken=*/false);
   world.all_reduce(probe, ReduceOp::Max)->wait();
@@ -678,6 +683,23 @@ void scenario_failed_input(funcol::ProcessGroup& world) {
   expect_contains(next, "could not take part");
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
   linger_for_peers_reports();
+}
+
+// Rank 0 makes a named group where the others make it unnamed: their agreement steps differ
+// (without FUNCOL_DEBUG=detail they paired: gloo aborted a rank inside its transport, mpi
+// truncated one rank's data and went on). Every rank gets the CommError at once; the world
+// still works.
+void scenario_group_disagree(funcol::ProcessGroup& world) {
+  check_sum(world);
+  std::vector<int> all(static_cast<size_t>(world.size()));
+  std::iota(all.begin(), all.end(), 0);
+  const std::string msg = expect_comm_error(
+      [&] { funcol::new_group(world, all, world.rank() == 0 ? "named" : ""); },
+      "a named group against an unnamed one");
+  expect_contains(msg, "new_group on group 'world': the ranks ran different steps of funcol's "
+                       "agreement between ranks");
+  check_sum(world);
+  ok(fmt::format("every rank refused it: {}", msg));
 }
 
 void scenario_fork_child(funcol::ProcessGroup& world) {
@@ -962,7 +984,7 @@ int main(int argc, char** argv) {
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
                  "split_kill_arrived|exit|stopped|split_stopped|world_dead_arrival|reinit|"
-                 "abandoned|fork_child|fork_kill\n");
+                 "abandoned|fork_child|fork_kill|group_disagree\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
@@ -1037,6 +1059,8 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "failed_input") {
       scenario_failed_input(*world);
+    } else if (scenario == "group_disagree") {
+      scenario_group_disagree(*world);
     } else if (scenario == "fork_child") {
       scenario_fork_child(*world);
     } else if (scenario == "stopped") {

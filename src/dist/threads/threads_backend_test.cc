@@ -2266,7 +2266,7 @@ TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
     run_local(
         2,
         [&](ProcessGroup& world) {
-          auto pair = new_group(world, {0, 1}, "pair");  // agreed over world's seq 0
+          auto pair = new_group(world, {0, 1}, "pair");  // agreed over world's seq 0-1
           Tensor t = Tensor::full({numel}, DType::F32, 1);
           if (world.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
           ProcessGroup& group = world.rank() == 0 ? *pair : world;
@@ -2278,13 +2278,13 @@ TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
         "missing ranks [0] (rank 0's last collective, all_reduce on group 'pair' (seq 0), is "
         "itself missing ranks [1])";
     const std::string rank1 =
-        "missing ranks [1] (rank 1's last collective, all_reduce on group 'world' (seq 1), is "
+        "missing ranks [1] (rank 1's last collective, all_reduce on group 'world' (seq 2), is "
         "itself missing ranks [0])";
-    EXPECT_EQ(messages[1], "all_reduce on group 'world' (seq 1): timed out after 1.5 s; " + rank0)
+    EXPECT_EQ(messages[1], "all_reduce on group 'world' (seq 2): timed out after 1.5 s; " + rank0)
         << numel;
     EXPECT_NE(messages[0].find("all_reduce on group 'pair' (seq 0)"), std::string::npos);
     for (const std::string& line : std::vector<std::string>{
-             "funcol: warning: all_reduce on group 'world' (seq 1) has waited ",
+             "funcol: warning: all_reduce on group 'world' (seq 2) has waited ",
           "funcol: warning: all_reduce on group 'pair' (seq 0) has waited ", rank0, rank1,
           "a deadlock unless a rank issues what another waits for; it fails when its timeout "
           "(1.5 s) runs out\n"}) {
@@ -2301,14 +2301,14 @@ TEST(FailureTest, CrossedWaitsNameWhatTheMissingRankWaitsFor) {
 TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
   ScopedEnv warn_after("FUNCOL_STALL_WARNING", "0.2");
   std::vector<std::string> messages(2);
-  // Seq 1-8: seq 1 timed out when the 9th issue gave up; rank 1 issued the others only after
+  // Seq 2-9: seq 2 timed out when the 9th issue gave up; rank 1 issued the others only after
   // the stall, past their deadlines.
   std::vector<std::vector<std::string>> first(2, std::vector<std::string>(8));
   ::testing::internal::CaptureStderr();
   run_local(
       2,
       [&](ProcessGroup& world) {
-        auto pair = new_group(world, {0, 1}, "pair");  // agreed over world's seq 0
+        auto pair = new_group(world, {0, 1}, "pair");  // agreed over world's seq 0-1
         std::vector<Tensor> ts;
         std::vector<std::shared_ptr<Work>> works;
         auto run_ahead = [&] {
@@ -2322,7 +2322,7 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
         if (world.rank() == 0) {
           run_ahead();
           pair->all_reduce(p, ReduceOp::Sum)->wait();
-          // Rank 0's 9th issue gave up at seq 1's deadline (failing seq 1), so waiting for seq 2
+          // Rank 0's 9th issue gave up at seq 2's deadline (failing seq 2), so waiting for seq 3
           // before rank 1 issued it would time out at once: wait until rank 1 has run ahead too.
           pair->all_reduce(q, ReduceOp::Sum)->wait();
         } else {
@@ -2330,8 +2330,8 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
           // up (the timeout runs from the first issue) even on a slow (sanitized) build.
           std::this_thread::sleep_for(std::chrono::milliseconds(400));
           pair->all_reduce(p, ReduceOp::Sum)->wait();
-          // Rank 0 came to the pair when seq 1 timed out: a margin makes seq 2-8, which rank 0
-          // issued with seq 1, clearly late too (by a tick they would count as in time).
+          // Rank 0 came to the pair when seq 2 timed out: a margin makes seq 3-9, which rank 0
+          // issued with seq 2, clearly late too (by a tick they would count as in time).
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
           run_ahead();
           pair->all_reduce(q, ReduceOp::Sum)->wait();
@@ -2344,8 +2344,8 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
       LocalOptions{std::chrono::milliseconds(1000)});
   const std::string warnings = ::testing::internal::GetCapturedStderr();
   const std::string blocked =
-      "all_reduce on group 'world' (seq 9), which waits in the issuing call for all_reduce on "
-      "group 'world' (seq 1) to finish (a rank runs at most 8 small all_reduces ahead of its "
+      "all_reduce on group 'world' (seq 10), which waits in the issuing call for all_reduce on "
+      "group 'world' (seq 2) to finish (a rank runs at most 8 small all_reduces ahead of its "
       "peers on a group)";
   for (const std::string& line : std::vector<std::string>{
            "funcol: warning: " + blocked + ", has waited ",
@@ -2360,16 +2360,16 @@ TEST(FailureTest, AStallBehindNineSmallAllReducesIsWarnedOnBothSides) {
       "missing ranks [1] (rank 1's last collective, all_reduce on group 'pair' (seq 0), is "
       "itself missing ranks [0])";
   const std::string late = "; rank 1 issued it only after the others had given up on it";
-  EXPECT_EQ(first[0][0], "all_reduce on group 'world' (seq 1): timed out after 1 s; " + whereabouts);
+  EXPECT_EQ(first[0][0], "all_reduce on group 'world' (seq 2): timed out after 1 s; " + whereabouts);
   for (int i = 1; i < 8; ++i) {
     EXPECT_EQ(first[0][i], fmt::format("all_reduce on group 'world' (seq {}): timed out after 1 s; "
                                        "missing ranks [1]",
-                                       i + 1));
+                                       i + 2));
   }
   for (int i = 0; i < 8; ++i) EXPECT_EQ(first[1][i], first[0][i] + late);
   EXPECT_EQ(messages[0],
-            "all_reduce on group 'world' (seq 9): timed out after 1 s waiting for all_reduce on "
-            "group 'world' (seq 1) to finish; " + whereabouts);
+            "all_reduce on group 'world' (seq 10): timed out after 1 s waiting for all_reduce on "
+            "group 'world' (seq 2) to finish; " + whereabouts);
   EXPECT_EQ(messages[1], messages[0] + late);
 }
 
