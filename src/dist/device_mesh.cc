@@ -91,6 +91,8 @@ DeviceMesh::DeviceMesh(ProcessGroup& parent, const std::vector<std::pair<std::st
     }
     const std::string fresh = dist_detail::first_free_name(
         parent, [&](int k) { return dim_group_name(name, k); }, "DeviceMesh");
+    // Its errors name the call the user made: DeviceMesh, not split_group.
+    const dist_detail::SplitCaller caller("DeviceMesh");
     groups_.push_back(parent.split_group(lists, fresh));
   }
 }

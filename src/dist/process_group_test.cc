@@ -294,6 +294,17 @@ TEST(NewGroupTest, ARankThatNeverComesFailsTheAgreementByName) {
 // funcol's own collective inside new_group (its agreement's first step, the header: an
 // all_reduce of two i64, op max) never pairs with a user's all_reduce of the same shape on a peer. Both fail with the
 // mismatch, and the peer's message says what the other side was.
+// Ranks that build a mesh with different dim names: the error names DeviceMesh, the call they
+// made (it named split_group), and what each passed.
+TEST(NewGroupTest, MeshesThatDisagreeNameDeviceMesh) {
+  run_ranks(2, [](ProcessGroup& world) {
+    expect_error<CommError>(
+        [&] { DeviceMesh mesh(world, {{world.rank() == 0 ? "dp" : "a", 2}}); },
+        {"DeviceMesh on group 'world' (split 0): rank 0 passed [[0, 1]] as 'dp' but rank 1 "
+         "passed [[0, 1]] as 'a'"});
+  });
+}
+
 TEST(NewGroupTest, TheAgreementNeverPairsWithAUsersCollective) {
   run_ranks(2, [](ProcessGroup& world) {
     const std::string mismatch =
