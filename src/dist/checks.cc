@@ -712,10 +712,7 @@ std::vector<int64_t> all_reduce_step(ProcessGroup& group, std::vector<int64_t> v
   return t.to_vector<int64_t>();
 }
 
-// An agreement step of `what`: every rank first checks that the others run this step too (a
-// fixed-size all_reduce all steps share), then all-reduces `values`. Steps of different sizes
-// or ops would otherwise pair on the process backends without FUNCOL_DEBUG=detail (a rank
-// aborted inside Gloo's transport; mpi truncated one rank's data and went on).
+// An agreement step `step` of `what`: its header (step_header), then `values` all-reduced.
 std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, ReduceOp op,
                            std::string_view step, const char* what) {
   const std::vector<int64_t> header =
