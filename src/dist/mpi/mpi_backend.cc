@@ -256,6 +256,8 @@ class Runtime {
   };
 
   void start(std::chrono::milliseconds timeout) {
+    // This process starts MPI: its exit handlers below do nothing in a child it forks.
+    process::note_backend_owner();
     // Shared with the thread, which may return from MPI_Init_thread after start() gave up.
     auto ready = std::make_shared<std::promise<std::string>>();
     auto ready_future = ready->get_future();
@@ -277,7 +279,6 @@ class Runtime {
       thread_.detach();
       // A normal exit could block in Open MPI's teardown behind the thread still inside
       // MPI_Init_thread.
-      process::note_backend_owner();
       std::atexit([] {
         if (process::forked_from_backend_owner()) return;  // a forked child is no rank
         exit_without_finalize("MPI_Init_thread never returned", "init_process_group timed out");
@@ -286,7 +287,6 @@ class Runtime {
     }
     init_error_ = ready_future.get();
     if (init_error_.empty()) {
-      process::note_backend_owner();
       std::atexit([] {
         // A forked child is no rank: MPI and the communication thread are its parent's.
         if (!process::forked_from_backend_owner()) get_unchecked().finalise_at_exit();
