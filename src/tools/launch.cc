@@ -521,8 +521,7 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
   // Said once a process (the commands check their options again before the ranks start).
   static bool warned = false;
   const bool launches_here =
-      backend == "threads" ||
-      (backend == "gloo" && (!known(join.rank, "--rank", "RANK") || !known_world_size(join)));
+      backend == "threads" || (backend == "gloo" && !inside_job(backend, join));
   if (launches_here && !warned && !process::env_string("OMPI_COMM_WORLD_SIZE").empty()) {
     warned = true;
     std::fprintf(stderr,
