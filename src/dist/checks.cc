@@ -568,8 +568,8 @@ CommError different_steps(const ProcessGroup& group, std::string_view step, cons
       "{} on group '{}': the ranks ran different steps of funcol's agreement between ranks: "
       "this rank ran its {} step (ranks that make a group differently, such as different names, "
       "a named group against an unnamed one or a DeviceMesh against a new_group, or one that "
-      "makes a group while another makes something else; FUNCOL_DEBUG=detail names each "
-      "rank's step)",
+      "makes a group or an Executor while another does something else; FUNCOL_DEBUG=detail "
+      "names each rank's step)",
       what, group.name(), step));
 }
 
@@ -712,12 +712,20 @@ std::vector<int64_t> all_reduce_step(ProcessGroup& group, std::vector<int64_t> v
   return t.to_vector<int64_t>();
 }
 
-// An agreement step `step` of `what`: its header (step_header), then `values` all-reduced.
-std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, ReduceOp op,
-                           std::string_view step, const char* what) {
+}  // namespace
+
+void begin_step(ProcessGroup& group, std::string_view step, const char* what) {
   const std::vector<int64_t> header =
       all_reduce_step(group, step_header(step, what), ReduceOp::Max, what);
   if (!same_step(header)) throw different_steps(group, step, what);
+}
+
+namespace {
+
+// An agreement step `step` of `what`: its header (begin_step), then `values` all-reduced.
+std::vector<int64_t> agree(ProcessGroup& group, std::vector<int64_t> values, ReduceOp op,
+                           std::string_view step, const char* what) {
+  begin_step(group, step, what);
   return all_reduce_step(group, std::move(values), op, what);
 }
 

@@ -240,6 +240,15 @@ void agree_on_split(ProcessGroup& parent, int split,
 // resolution (GroupRegistry::resolved_partition).
 void note_split(const ProcessGroup& parent, const std::vector<std::vector<int>>& rank_lists);
 
+// The header every agreement step between ranks begins with (every rank of `group` calls it):
+// one all_reduce, op max, of an i64[2] naming step `step` of the user's call `what` (a string
+// literal, as InternalStep's label). Ranks running different steps pair their headers instead
+// of exchanging data of other sizes (which the process backends may pair without
+// FUNCOL_DEBUG=detail), and every rank gets the same CommError, the group still usable.
+// funcol's other collectives between ranks (the Executor's graph check, align_epochs) begin
+// with it too.
+void begin_step(ProcessGroup& group, std::string_view step, const char* what);
+
 // Whether every rank of `group` holds the same `value` (one small all_reduce; every rank of
 // `group` calls it). Registries differ between ranks (a group is registered on its members
 // only), so decisions that read one must be agreed this way. `what` (a string literal) names

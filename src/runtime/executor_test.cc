@@ -722,9 +722,9 @@ TEST(ExecutorErrors, ARunFailingPartWayStillIssuesItsLaterCollectives) {
     EXPECT_EQ(errors[1], "graph @g, node %q (line 3): div: integer division by zero");
     for (const int r : {0, 2}) {
       // Its run fails at the first later collective it waits for (the others fail too).
-      // (seq 0 is the executor's check that every rank runs this graph.)
+      // (seqs 0 and 1 are the executor's check that every rank runs this graph.)
       EXPECT_EQ(errors[r].rfind("graph @g, node %ag2 (line 4): all_gather on group 'world' (seq "
-                                "2): rank 1 could not take part: it gave up on the "
+                                "3): rank 1 could not take part: it gave up on the "
                                 "rest of its run after an error at graph @g, node %q (line 3): "
                                 "div: integer division by zero",
                                 0),
@@ -795,30 +795,38 @@ TEST(ExecutorErrors, DifferentGraphsOnDifferentRanksFailFast) {
 }
 
 // The graph check is a collective of funcol's own: a peer that issued one of the same shape
-// instead (an all_gather of one i64) gets a mismatch naming the check, not this rank's hash as
-// its result, and this rank's Executor fails naming the peer's collective.
+// instead (an all_gather of one i64, or an all_reduce of the i64[2] header every such check
+// begins with) gets a mismatch naming the check, not this rank's hash or header as its
+// result, and this rank's Executor fails naming the peer's collective.
 TEST(ExecutorErrors, TheGraphCheckNeverPairsWithAUsersCollective) {
   auto g = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
-  std::vector<std::string> errors(2, "no error");
-  run_local(2, [&](ProcessGroup& world) {
-    const int r = world.rank();
-    try {
-      if (r == 0) {
-        Executor ex(*g, world);
-      } else {
-        Tensor all = Tensor::empty({2}, DType::I64);
-        world.all_gather(all, Tensor::from_vector<int64_t>({100}))->wait();
-        errors[r] = fmt::format("all_gather completed: {}", all.to_vector<int64_t>());
+  for (const bool header_shaped : {false, true}) {
+    SCOPED_TRACE(header_shaped ? "the peer's all_reduce" : "the peer's all_gather");
+    std::vector<std::string> errors(2, "no error");
+    run_local(2, [&](ProcessGroup& world) {
+      const int r = world.rank();
+      try {
+        if (r == 0) {
+          Executor ex(*g, world);
+        } else if (header_shaped) {
+          Tensor t = Tensor::from_vector<int64_t>({100, -100});
+          world.all_reduce(t, ReduceOp::Max)->wait();
+          errors[r] = fmt::format("all_reduce completed: {}", t.to_vector<int64_t>());
+        } else {
+          Tensor all = Tensor::empty({2}, DType::I64);
+          world.all_gather(all, Tensor::from_vector<int64_t>({100}))->wait();
+          errors[r] = fmt::format("all_gather completed: {}", all.to_vector<int64_t>());
+        }
+      } catch (const CommError& e) {
+        errors[r] = e.what();
       }
-    } catch (const CommError& e) {
-      errors[r] = e.what();
+    });
+    for (const std::string& e : errors) {
+      EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
+      EXPECT_NE(e.find("all_reduce(i64[2], op max) [funcol's agreement step for Executor]"),
+                std::string::npos)
+          << e;
     }
-  });
-  for (const std::string& e : errors) {
-    EXPECT_NE(e.find("mismatched collectives"), std::string::npos) << e;
-    EXPECT_NE(e.find("all_gather(i64[1]) [funcol's agreement step for Executor]"),
-              std::string::npos)
-        << e;
   }
 }
 

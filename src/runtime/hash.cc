@@ -68,9 +68,11 @@ void check_same_graph(const Graph& graph, ProcessGroup& world) {
   const uint64_t mine = graph_hash(graph);
   Tensor in = Tensor::from_vector<int64_t>({static_cast<int64_t>(mine)});
   Tensor all = Tensor::empty({world.size()}, DType::I64);
+  // Headed (a peer making a group instead fails with this rank, at once) and labelled, so that
+  // it never pairs with a user's collective a peer issued instead of making its Executor: the
+  // peer's all_gather of one i64 would hold this rank's hash.
+  dist_detail::begin_step(world, "check_same_graph", "Executor");
   {
-    // Labelled, so that it never pairs with a user's collective a peer issued instead of
-    // making its Executor: the peer's all_gather of one i64 would hold this rank's hash.
     const dist_detail::InternalStep step("Executor");
     world.all_gather(all, in)->wait();
   }

@@ -65,8 +65,10 @@ void align_epochs(ProcessGroup& world, std::span<Profiler* const> profilers) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(mine.time_since_epoch()).count();
   // Latest and (negated) earliest reading, in one collective.
   Tensor range = Tensor::from_vector<int64_t>({ns, -ns});
+  // Headed and labelled (see dist_detail::begin_step, InternalStep): never paired with a
+  // user's all_reduce or another of funcol's steps.
+  dist_detail::begin_step(world, "align_epochs", "align_epochs");
   {
-    // Labelled (see dist_detail::InternalStep): never paired with a user's all_reduce.
     const dist_detail::InternalStep step("align_epochs");
     world.all_reduce(range, ReduceOp::Max)->wait();
   }

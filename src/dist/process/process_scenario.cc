@@ -41,8 +41,9 @@
 //            init_process_group would, and dies a second later, its address never there; the
 //            others' init_process_group fails at once naming it (its identity, seen running,
 //            says it ended), not after FUNCOL_TIMEOUT
-//  group_disagree  rank 0 makes a named group where the others make it unnamed (no
-//            FUNCOL_DEBUG): every rank gets the CommError at once, and the world still works
+//  group_disagree  rank 0 makes a named group where the others make it unnamed, then an
+//            Executor where they make a group (no FUNCOL_DEBUG): every rank gets the
+//            CommError at once each time, and the world still works
 //  fork_kill  kill, the victim first forking a child that outlives it (no exec): the others
 //            still fail at once naming the death (the child held the victim's connections open)
 //  fork_child  the last rank forks a child (no exec) that returns from main through exit():
@@ -86,6 +87,8 @@
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
 #include "funcol/dist/work.h"
+#include "funcol/graph/parser.h"
+#include "funcol/runtime/executor.h"
 #ifdef FUNCOL_WITH_MPI
 #include <mpi.h>
 #endif
@@ -698,6 +701,26 @@ void scenario_group_disagree(funcol::ProcessGroup& world) {
       "a named group against an unnamed one");
   expect_contains(msg, "new_group on group 'world': the ranks ran different steps of funcol's "
                        "agreement between ranks");
+  check_sum(world);
+  // An Executor's graph check (an all_gather of one i64 a rank) against a group's agreement
+  // (all_reduces of i64[2]): paired on gloo and mpi before both began with a header.
+  const auto graph = funcol::parse_graph(R"(graph @g(%x: f32[2]) {
+  %ar = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
+  %w = wait_tensor(%ar) : f32[2]
+  return %w
+})");
+  const std::string executor_msg = expect_comm_error(
+      [&] {
+        if (world.rank() == 0) {
+          funcol::Executor executor(*graph, world);
+        } else {
+          funcol::new_group(world, all, "");
+        }
+      },
+      "an Executor against a new_group");
+  expect_contains(executor_msg, world.rank() == 0 ? "Executor on group 'world'"
+                                                  : "new_group on group 'world'");
+  expect_contains(executor_msg, "the ranks ran different steps");
   check_sum(world);
   ok(fmt::format("every rank refused it: {}", msg));
 }
