@@ -596,11 +596,24 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
   for (int i = 0; i < n; ++i) {
     if (i != my_index) others.push_back(members[i]);
   }
+  // Fails it, at once, when a member gave up on it (PeerMonitor::kRendezvous, as split_group
+  // tells): its error came before it arrived (`Too many open files` opening the store) or after
+  // (the connections), and waiting for it would last until the timeout.
+  auto throw_if_member_gave_up = [&] {
+    if (watch == nullptr) return;
+    auto given_up = watch->rendezvous_given_up(prefix);
+    if (!given_up) return;
+    const std::string failed =
+        fmt::format("gloo: rendezvous of {} at '{}' failed: ", what, shared.url.text);
+    std::string error = std::move(given_up->second);
+    if (error.rfind(failed, 0) == 0) error.erase(0, failed.size());
+    throw CommError(fmt::format("{}rank {} gave up on it: {}", failed, given_up->first, error));
+  };
   auto throw_if_member_lost = [&] {
     if (watch == nullptr) return;
     const auto losses = watch->losses(others, kLossWait);
-    if (losses.empty()) return;
-    throw lost_during_rendezvous(what, shared.url.text, losses.front());
+    if (!losses.empty()) throw lost_during_rendezvous(what, shared.url.text, losses.front());
+    throw_if_member_gave_up();
   };
   // Each member's process_identity, from its arrival record ("" until read, or unknown), and
   // whether this process saw that process running: only one seen running, then ended, counts
@@ -733,6 +746,7 @@ std::shared_ptr<gloo::Context> rendezvous(const GlooShared& shared, const std::s
       if (Clock::now() - last_look < std::chrono::milliseconds(100)) return;
       last_look = Clock::now();
       throw_if_member_ended();
+      throw_if_member_gave_up();
     };
     wait_for_arrivals(*store, prefix, members, watch, shared.timeout, what, shared.url.text,
                       keep_record, look_for_ended);
@@ -862,9 +876,17 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       // Disjoint groups of one split share a name (a mesh dim), so the prefix names the members.
       std::string prefix =
           fmt::format("funcol/{}/split{}/{}/{}", this->name(), split, name, fmt::join(*mine, "-"));
-      context = rendezvous(*shared_, prefix, *mine, my_index,
-                           fmt::format("group '{}' [{}]", name, fmt::join(*mine, ", ")),
-                           /*monitor=*/nullptr, job()->monitor());
+      try {
+        context = rendezvous(*shared_, prefix, *mine, my_index,
+                             fmt::format("group '{}' [{}]", name, fmt::join(*mine, ", ")),
+                             /*monitor=*/nullptr, job()->monitor());
+      } catch (const std::exception& e) {
+        // The members still waiting for this rank fail at once, with its error.
+        if (auto* monitor = job()->monitor()) {
+          monitor->tell_gave_up(*mine, prefix, process::PeerMonitor::kRendezvous, e.what());
+        }
+        throw;
+      }
     }
     auto group = create(my_index, *mine, name, &registry(), job(), shared_, std::move(context));
     registry().add(group);

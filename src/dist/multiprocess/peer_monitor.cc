@@ -325,6 +325,14 @@ void PeerMonitor::tell_gave_up(const std::vector<int>& ranks, const std::string&
   }
 }
 
+std::optional<std::pair<int, std::string>> PeerMonitor::rendezvous_given_up(
+    const std::string& name) const {
+  std::lock_guard lock(mu_);
+  auto it = rendezvous_given_up_.find(name);
+  if (it == rendezvous_given_up_.end()) return std::nullopt;
+  return it->second;
+}
+
 std::optional<PeerLoss> PeerMonitor::lost(int rank) const {
   std::lock_guard lock(mu_);
   auto it = lost_.find(rank);
@@ -589,6 +597,10 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
       GaveUpCallback callback;
       {
         std::lock_guard lock(mu_);
+        if (seq == kRendezvous) {
+          rendezvous_given_up_.try_emplace(name, from, payload.substr(pos));
+          break;
+        }
         callback = on_gave_up_;
       }
       if (callback) callback(from, name, seq, payload.substr(pos));

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace funcol::process {
@@ -86,6 +87,14 @@ class PeerMonitor {
   // running a collective nobody else will.
   void tell_gave_up(const std::vector<int>& ranks, const std::string& name, int64_t seq,
                     const std::string& error);
+  // The seq that tells `ranks` this process gave up on making a group (tell_gave_up's `name`
+  // then names that group's rendezvous, the same on every member) rather than on a collective:
+  // the peers keep the first such news per name for rendezvous_given_up, and pass it to no
+  // callback.
+  static constexpr int64_t kRendezvous = -1;
+  // The rank and error of the first member that gave up on rendezvous `name` (tell_gave_up with
+  // kRendezvous), or nullopt.
+  std::optional<std::pair<int, std::string>> rendezvous_given_up(const std::string& name) const;
   // The loss of `rank`, or nullopt while it is connected.
   std::optional<PeerLoss> lost(int rank) const;
   // Waits up to `wait` until one of `ranks` is reported dead (a departure alone does not end
@@ -158,6 +167,8 @@ class PeerMonitor {
   std::map<std::string, int64_t> removed_groups_;  // final counts, still reported in the goodbye
   std::string departure_error_;
   std::map<int, PeerLoss> lost_;
+  // Per rendezvous name, the first member that gave up on it and its error.
+  std::map<std::string, std::pair<int, std::string>> rendezvous_given_up_;
   std::function<void(const PeerLoss&)> on_peer_lost_;
   GaveUpCallback on_gave_up_;
   uint64_t next_query_ = 1;

@@ -50,8 +50,11 @@
 //            the child's exit handlers leave the world alone (they said goodbye for the rank,
 //            and its peers failed it as departed; on mpi the child hung finalising MPI), and
 //            the job goes on
+//  split_no_files  (gloo) the last rank runs out of file descriptors while it makes a group:
+//            the other members fail at once with its error, not after FUNCOL_TIMEOUT
 //  reinit    every rank starts and destroys the world 45 times, an all_reduce in each: the
 //            process keeps nothing of the worlds it destroyed (each used to keep its job)
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -659,6 +662,54 @@ void scenario_split_kill(funcol::ProcessGroup& world) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// The last rank runs out of file descriptors while it makes a group of ranks 1..n-1 (its soft
+// RLIMIT_NOFILE lowered to `spare` more than it holds; gloo, whose rendezvous opens the store's
+// files): it fails naming `Too many open files`, and the other members fail at once with its
+// error, instead of waiting for it until FUNCOL_TIMEOUT and then naming it as not arrived (or
+// as dead). Twice: failing to read the store (no spare) and to write its arrival (one spare).
+// The world works afterwards.
+void scenario_split_no_files(funcol::ProcessGroup& world) {
+  const int victim = world.size() - 1;
+  check_sum(world);
+  std::vector<int> members;
+  for (int r = 1; r < world.size(); ++r) members.push_back(r);
+  rlimit saved{};
+  if (::getrlimit(RLIMIT_NOFILE, &saved) != 0) failed("getrlimit failed");
+  std::string report;
+  for (const int spare : {0, 1}) {
+    const auto start = Clock::now();
+    std::string msg;
+    try {
+      if (world.rank() == victim) {
+        const int lowest_free = ::dup(0);  // every descriptor below it is open
+        if (lowest_free < 0) failed("dup failed");
+        ::close(lowest_free);
+        rlimit low = saved;
+        low.rlim_cur = static_cast<rlim_t>(lowest_free + spare);
+        if (::setrlimit(RLIMIT_NOFILE, &low) != 0) failed("setrlimit failed");
+      }
+      const auto group = world.split_group({members}, fmt::format("sub{}", spare));
+      if (world.rank() != 0) failed("split_group succeeded");
+      if (group != nullptr) failed("split_group returned a group to a rank in no list");
+    } catch (const funcol::CommError& e) {
+      msg = e.what();
+    }
+    if (::setrlimit(RLIMIT_NOFILE, &saved) != 0) failed("setrlimit failed");
+    const double took = seconds_since(start);
+    if (world.rank() != 0) {
+      expect_contains(msg, "Too many open files");
+      if (world.rank() != victim) {
+        expect_contains(msg, fmt::format("rank {} gave up on it", victim));
+      }
+      if (took > 5) failed(fmt::format("the error took {:.1f} s: {}", took, msg));
+      report += fmt::format("{}CommError after {:.2f} s: {}", report.empty() ? "" : "; ", took,
+                            msg);
+    }
+    check_sum(world);
+  }
+  ok(report.empty() ? "not a member" : report);
+}
+
 // The last rank's input holds the failed result of an earlier collective (a Work failed by
 // hand here): it still takes the all_reduce's place in the group's sequence, and every rank's
 // all_reduce fails at once naming it (not at the timeout, and no rank pairs its next collective
@@ -1007,7 +1058,7 @@ int main(int argc, char** argv) {
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
                  "split_kill_arrived|exit|stopped|split_stopped|world_dead_arrival|reinit|"
-                 "abandoned|fork_child|fork_kill|group_disagree\n");
+                 "abandoned|fork_child|fork_kill|group_disagree|split_no_files\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
@@ -1082,6 +1133,8 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "failed_input") {
       scenario_failed_input(*world);
+    } else if (scenario == "split_no_files") {
+      scenario_split_no_files(*world);
     } else if (scenario == "group_disagree") {
       scenario_group_disagree(*world);
     } else if (scenario == "fork_child") {
