@@ -31,27 +31,45 @@ class ThenWork final : public Work {
   void wait() override {
     {
       std::lock_guard<std::mutex> lock(run_mu_);
-      if (!is_completed()) {
-        std::exception_ptr error;
-        try {
-          for (auto& w : inner_) w->wait();
-          then_();
-        } catch (...) {
-          error = std::current_exception();
-        }
-        inner_.clear();
-        then_ = nullptr;
-        if (error) {
-          fail(error);
-        } else {
-          finish();
-        }
-      }
+      run_locked();
     }
     Work::wait();
   }
 
+  // Never blocks: once every inner Work polls complete it runs `then` itself (bounded copies),
+  // so that polling is_ready() on an output sees the collective end, or fail within the
+  // timeout, without a wait() (it never did: a loop on is_ready() spun for ever).
+  bool poll() override {
+    if (is_completed()) return true;
+    std::unique_lock<std::mutex> lock(run_mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return false;
+    for (const auto& w : inner_) {
+      if (!w->poll()) return false;
+    }
+    run_locked();
+    return true;
+  }
+
  private:
+  // Waits for the inner Works, runs `then` and finishes (or fails) this Work, once.
+  void run_locked() {
+    if (is_completed()) return;
+    std::exception_ptr error;
+    try {
+      for (auto& w : inner_) w->wait();
+      then_();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    inner_.clear();
+    then_ = nullptr;
+    if (error) {
+      fail(error);
+    } else {
+      finish();
+    }
+  }
+
   std::mutex run_mu_;
   std::vector<std::shared_ptr<Work>> inner_;
   std::function<void()> then_;

@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <limits>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/backend.h"
@@ -60,6 +63,77 @@ TEST(BaseCoalescedTest, DroppedAndUnwaitedResultsAreSafe) {
     EXPECT_EQ(ts[0].to_vector<float>(), std::vector<float>(5, 2.0f));  // waits through the tensor
     EXPECT_TRUE(w->is_completed());
   });
+}
+
+// A caller that polls a staged result (Tensor::is_ready) instead of waiting sees it complete,
+// with its values, and a staged collective that can never finish fail at once (its peer
+// returned without it): the
+// staging Work finished only in wait(), so a loop on is_ready() spun for ever (a review's
+// finding; mpi and gloo use the defaults for all_reduce_coalesced_into).
+TEST(BaseCoalescedTest, PollingAStagedResultSeesItEnd) {
+  using Clock = std::chrono::steady_clock;
+  auto poll_until_ready = [](const Tensor& t) {
+    const auto start = Clock::now();
+    while (!t.is_ready() && Clock::now() - start < std::chrono::seconds(10)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  enum Form { kAllReduce, kAllReduceInto, kAllGather, kReduceScatter };
+  for (const Form form : {kAllReduce, kAllReduceInto, kAllGather, kReduceScatter}) {
+    SCOPED_TRACE(form);
+    // Rank 1 issues it too (complete) or returns without it (rank 0's fails).
+    for (const bool peer_issues : {true, false}) {
+      SCOPED_TRACE(peer_issues ? "complete" : "failed");
+      std::string error;
+      double polled = -1;
+      run_local(
+          2,
+          [&](ProcessGroup& world) {
+            ForwardingGroup fwd(world);
+            const int r = world.rank();
+            if (r == 1 && !peer_issues) return;  // departs: rank 0's fails at once
+            Tensor in = Tensor::full({4}, DType::F32, r + 1);
+            Tensor out = Tensor::empty({form == kAllGather ? 8 : form == kReduceScatter ? 2 : 4},
+                                       DType::F32);
+            std::vector<float> expected;
+            switch (form) {
+              case kAllReduce:
+                out = in;
+                fwd.all_reduce_coalesced({out}, ReduceOp::Sum);
+                expected.assign(4, 3.0f);
+                break;
+              case kAllReduceInto:
+                fwd.all_reduce_coalesced_into({out}, {in}, ReduceOp::Sum);
+                expected.assign(4, 3.0f);
+                break;
+              case kAllGather:
+                fwd.all_gather_coalesced({out}, {in});
+                expected = {1, 1, 1, 1, 2, 2, 2, 2};
+                break;
+              case kReduceScatter:
+                fwd.reduce_scatter_coalesced({out}, {in}, ReduceOp::Sum);
+                expected.assign(2, 3.0f);
+                break;
+            }
+            const double took = poll_until_ready(out);
+            if (r == 0) polled = took;
+            try {
+              EXPECT_EQ(out.to_vector<float>(), expected);
+            } catch (const CommError& e) {
+              if (r == 0) error = e.what();
+            }
+          });
+      EXPECT_LT(polled, 5.0);
+      if (peer_issues) {
+        EXPECT_EQ(error, "");
+      } else {
+        EXPECT_NE(error.find("rank 1 departed (returned) before joining; missing ranks [1]"),
+                  std::string::npos)
+            << error;
+      }
+    }
+  }
 }
 
 // The staging defaults check the lists as threads does: overlapping outputs (which the copies
