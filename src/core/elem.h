@@ -100,7 +100,35 @@ inline T float_to_low(float f) {
   }
 }
 
-// Converts one element; no conversion is undefined behaviour. Floating to integer truncates
+// `v` rounded to float to odd (toward zero, the last bit set when inexact). A float so rounded
+// then rounds to f16 or bf16 (11 and 8 bits: float's 24 are more than 2 more) as `v` itself
+// would, where rounding to nearest twice did not (f64 1 + 2^-11 + 2^-40 became 1 in f16, not
+// 1 + 2^-10). Beyond float's range: the largest float, odd, which rounds to infinity there.
+inline float float_rounded_to_odd(double v) {
+  const float f = static_cast<float>(v);
+  if (std::isnan(v) || static_cast<double>(f) == v) return f;
+  uint32_t bits = std::bit_cast<uint32_t>(f);
+  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) bits -= 1;  // rounded away from zero
+  return std::bit_cast<float>(bits | 1u);
+}
+
+// `v` rounded to double to odd (as float_rounded_to_odd; rounding to odd twice is rounding to
+// odd once), for i64 values beyond 2^53.
+inline double double_rounded_to_odd(int64_t v) {
+  const double d = static_cast<double>(v);
+  if (d >= 0x1p63) {  // v near INT64_MAX rounded up to 2^63, which no int64 holds
+    return std::bit_cast<double>((std::bit_cast<uint64_t>(d) - 1) | 1u);
+  }
+  const auto back = static_cast<int64_t>(d);
+  if (back == v) return d;
+  uint64_t bits = std::bit_cast<uint64_t>(d);
+  if (v >= 0 ? back > v : back < v) bits -= 1;  // rounded away from zero
+  return std::bit_cast<double>(bits | 1u);
+}
+
+// Converts one element; no conversion is undefined behaviour. To f16 and bf16 every value
+// rounds once, to nearest even (Eigen's and PyTorch's CPU conversions of f64 go through f32,
+// rounding twice). Floating to integer truncates
 // toward zero; i32 and i64 saturate at their range (PyTorch's result is undefined there), and
 // u8, i8 and i16 wrap modulo 2^bits as PyTorch's CPU conversions do (through int64), except
 // that infinities and magnitudes beyond int64 saturate at the target's range too. NaN gives 0.
@@ -118,7 +146,14 @@ inline To cvt(From v) {
   } else if constexpr (std::is_same_v<To, bool>) {
     return v != From(0);
   } else if constexpr (kIsLowFloat<To>) {
-    return float_to_low<To>(static_cast<float>(v));
+    // Rounded once, as `v` itself (f64, i32 and i64 hold values float does not).
+    if constexpr (std::is_same_v<From, double> || std::is_same_v<From, int32_t>) {
+      return float_to_low<To>(float_rounded_to_odd(static_cast<double>(v)));
+    } else if constexpr (std::is_same_v<From, int64_t>) {
+      return float_to_low<To>(float_rounded_to_odd(double_rounded_to_odd(v)));
+    } else {
+      return float_to_low<To>(static_cast<float>(v));
+    }
   } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
     using Lim = std::numeric_limits<To>;
     if (std::isnan(v)) return To(0);

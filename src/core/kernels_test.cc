@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -640,6 +641,88 @@ TEST(ConvertBuffer, HalfConversionsMatchEigenBitForBit) {
     ASSERT_EQ(static_cast<uint16_t>(b[i]),
               Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(fv[i])))
         << "bf16 from bits " << floats[i];
+  }
+}
+
+// The f16 (or bf16) bits nearest to `v`, ties to even, found by a search among the finite
+// values (independent of the conversions under test; long double holds every f64 and i64).
+uint16_t nearest_low_bits(long double v, bool bf16) {
+  const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  const long double a = std::fabs(v);
+  const uint32_t top = bf16 ? 0x7f7f : 0x7bff;  // the largest finite pattern
+  const long double beyond = bf16 ? std::ldexp(1.0L, 128) : 65536.0L;  // one ulp past it
+  const uint16_t inf = bf16 ? 0x7f80 : 0x7c00;
+  if (a >= beyond) return sign | inf;
+  auto value = [&](uint32_t b) -> long double {
+    if (b > top) return beyond;
+    const auto bits = static_cast<uint16_t>(b);
+    return bf16 ? static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(bits))
+                : static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits));
+  };
+  uint32_t lo = 0, hi = top + 1;  // value(lo) <= a < value(hi)
+  while (hi - lo > 1) {
+    const uint32_t mid = (lo + hi) / 2;
+    (value(mid) <= a ? lo : hi) = mid;
+  }
+  const long double below = a - value(lo), above = value(hi) - a;
+  const uint32_t b = below < above ? lo : above < below ? hi : (lo % 2 == 0 ? lo : hi);
+  return b > top ? sign | inf : static_cast<uint16_t>(sign | b);
+}
+
+// f64, i64 and i32 values round once to f16 and bf16, to nearest even: through f32 they rounded
+// twice (f64 1 + 2^-11 + 2^-40 became 1 in f16, not 1 + 2^-10; i64 2^25 + 2^17 + 1 became
+// 2^25 in bf16). Random values, and the midpoints between neighbours with a nudge either way.
+TEST(ConvertBuffer, WideValuesRoundOnceToHalfPrecision) {
+  std::mt19937_64 rng(7);
+  for (const bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "f16");
+    const DType to = bf16 ? DType::BF16 : DType::F16;
+    auto value = [&](uint16_t b) {
+      return bf16 ? static_cast<double>(Eigen::numext::bit_cast<Eigen::bfloat16>(b))
+                  : static_cast<double>(Eigen::numext::bit_cast<Eigen::half>(b));
+    };
+    const uint16_t top = bf16 ? 0x7f7f : 0x7bff;
+    std::vector<double> doubles = {1 + 0x1p-11 + 0x1p-40, 1 + 0x1p-8 + 0x1p-40, 65519.99,
+                                   65520.0, -0.0, 1e300, -1e-300,
+                                   std::numeric_limits<double>::quiet_NaN()};
+    std::vector<int64_t> longs = {(int64_t{1} << 25) + (int64_t{1} << 17) + 1,
+                                  std::numeric_limits<int64_t>::max(),
+                                  std::numeric_limits<int64_t>::min(), -1, 0, 65520, 65519};
+    for (int k = 0; k < 20000; ++k) {
+      const auto b = static_cast<uint16_t>(rng() % top);
+      const double mid = (value(b) + value(static_cast<uint16_t>(b + 1))) / 2;  // exact
+      for (const double x : {mid, std::nextafter(mid, 0.0), std::nextafter(mid, 1e300)}) {
+        doubles.push_back(k % 2 ? x : -x);
+      }
+      const int exponent = static_cast<int>(rng() % 60) - (bf16 ? 20 : 30);
+      doubles.push_back(std::ldexp(1.0 + static_cast<double>(rng() >> 12) * 0x1p-52, exponent));
+      if (mid >= 1 && mid < 0x1p62 && mid == std::floor(mid)) {
+        const auto m = static_cast<int64_t>(mid);
+        for (const int64_t x : {m, m - 1, m + 1}) longs.push_back(k % 2 ? x : -x);
+      }
+      longs.push_back(static_cast<int64_t>(rng() >> (rng() % 64)));
+    }
+    auto check = [&](const Tensor& in, const std::vector<long double>& exact) {
+      const std::vector<int16_t> got = in.to(to).view_dtype(DType::I16).to_vector<int16_t>();
+      for (size_t i = 0; i < exact.size(); ++i) {
+        if (std::isnan(exact[i])) {
+          EXPECT_EQ(got[i] & 0x7fff, bf16 ? 0x7fc0 : 0x7e00);
+          continue;
+        }
+        ASSERT_EQ(static_cast<uint16_t>(got[i]), nearest_low_bits(exact[i], bf16))
+            << dtype_name(in.dtype()) << " " << static_cast<double>(exact[i]);
+      }
+    };
+    check(Tensor::from_vector<double>(doubles),
+          std::vector<long double>(doubles.begin(), doubles.end()));
+    check(Tensor::from_vector<int64_t>(longs),
+          std::vector<long double>(longs.begin(), longs.end()));
+    std::vector<int32_t> ints;
+    for (const int64_t x : longs) {
+      if (x >= INT32_MIN && x <= INT32_MAX) ints.push_back(static_cast<int32_t>(x));
+    }
+    ASSERT_GT(ints.size(), 1000u);
+    check(Tensor::from_vector<int32_t>(ints), std::vector<long double>(ints.begin(), ints.end()));
   }
 }
 

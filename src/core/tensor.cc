@@ -1234,7 +1234,7 @@ Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
             fmt::format("transpose: dim {} is out of range for a scalar (0 or -1)", d));
       }
     }
-    return *this;
+    return with_layout(sizes(), strides(), offset_);  // a view: without the annotation
   }
   const int64_t a = wrap_dim(dim0, dim(), "transpose");
   const int64_t b = wrap_dim(dim1, dim(), "transpose");
@@ -1383,9 +1383,11 @@ Tensor Tensor::unsqueeze(int64_t dim) const {
 Tensor Tensor::squeeze(int64_t dim) const {
   check_defined(*this, "squeeze");
   // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, as transpose).
-  if (this->dim() == 0 && (dim == 0 || dim == -1)) return *this;
+  // (Views, without the annotation, as every view.)
+  if (this->dim() == 0 && (dim == 0 || dim == -1)) return with_layout(sizes(), strides(), offset_);
   const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
-  if (sizes()[d] != 1) return *this;  // as PyTorch: squeezing a dim that is not 1 is a no-op
+  // As PyTorch: squeezing a dim that is not 1 changes nothing.
+  if (sizes()[d] != 1) return with_layout(sizes(), strides(), offset_);
   Shape sizes = this->sizes();
   Shape strides = this->strides();
   sizes.erase(sizes.begin() + d);

@@ -599,6 +599,22 @@ TEST(Views, TensorsMadeAfterTheThreadsLayoutCacheIsGone) {
   }).join();
 }
 
+// Views start without the annotation (tensor.h), those that change nothing too: a squeeze of a
+// dim that is not 1, and a scalar's squeeze and transpose kept it (a review's finding).
+TEST(Views, StartWithoutTheAnnotation) {
+  const auto mark = std::make_shared<int>(7);
+  Tensor t = Tensor::zeros({2, 3}, DType::F32);
+  Tensor s = Tensor::zeros({}, DType::F32);
+  t.set_annotation(mark);
+  s.set_annotation(mark);
+  EXPECT_EQ(Tensor(t).annotation(), mark);  // a copy of the Tensor shares it
+  for (const Tensor& v : {t.squeeze(0), t.squeeze(1), t.transpose(0, 1), t.narrow(0, 0, 2),
+                          t.view({6}), s.squeeze(0), s.squeeze(-1), s.transpose(0, -1)}) {
+    EXPECT_EQ(v.annotation(), nullptr) << v.to_string();
+    EXPECT_EQ(v.storage(), v.dim() == 0 ? s.storage() : t.storage());
+  }
+}
+
 TEST(Views, PermuteUnsqueezeSqueeze) {
   Tensor t = iota({2, 3, 4});
   Tensor p = t.permute({2, 0, 1});
