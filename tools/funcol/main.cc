@@ -45,6 +45,15 @@ int run_funcol(int argc, char** argv) {
   funcol::tools::add_run_command(app);
   funcol::tools::add_opt_command(app);
   funcol::tools::add_train_command(app);
+  // A flag given twice is an error, as an option given twice is (`--stats --stats=false` said
+  // nothing of the conflict: the last one won).
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    for (CLI::Option* option : sub->get_options()) {
+      if (option->get_expected_min() == 0 && option != sub->get_help_ptr()) {
+        option->multi_option_policy(CLI::MultiOptionPolicy::Throw);
+      }
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
