@@ -144,12 +144,16 @@ class Lexer {
       default: break;
     }
     if (is_digit(c) || (c == '-' && p_ + 1 != end_ && is_digit(p_[1]))) return lex_number(t);
-    if (c == '-' && end_ - p_ >= 4 && std::string_view(p_ + 1, 3) == "inf" &&
+    // "-inf", and "-nan" (a NaN with its sign bit set, as the printer writes one).
+    if (c == '-' && end_ - p_ >= 4 &&
+        (std::string_view(p_ + 1, 3) == "inf" || std::string_view(p_ + 1, 3) == "nan") &&
         (end_ - p_ == 4 || !is_name_char(p_[4]))) {
+      const bool inf = p_[1] == 'i';
       p_ += 4;
       t.kind = Tok::Float;
       t.text = std::string_view(start, 4);
-      t.float_value = -std::numeric_limits<double>::infinity();
+      t.float_value = -(inf ? std::numeric_limits<double>::infinity()
+                            : std::numeric_limits<double>::quiet_NaN());
       return t;
     }
     if (is_ident_start(c)) {

@@ -18,7 +18,7 @@ void append_int(int64_t v, std::string& out) {
 
 void append_float(double v, std::string& out) {
   if (std::isnan(v)) {
-    out += "nan";
+    out += std::signbit(v) ? "-nan" : "nan";  // the sign reads back (the payload does not)
     return;
   }
   if (std::isinf(v)) {
