@@ -1408,12 +1408,13 @@ void add_bench_command(CLI::App& app) {
       ->type_name("OP")
       ->capture_default_str();
   sub->add_option("-d,--datatype", f->dtype,
-                  "element type: bool u8 i8 i16 i32 i64 f16 bf16 f32 f64")
+                  "element type: bool u8 i8 i16 i32 i64 f16 bf16 f32 f64 (or nccl-tests' "
+                  "names: float half bfloat16 double int8 uint8 int32 int64 ...)")
       ->type_name("DTYPE")
       ->capture_default_str();
   sub->add_option("-r,--redop", f->redop,
-                  "reduce op of all_reduce and reduce_scatter: sum avg product min max band bor "
-                  "bxor")
+                  "reduce op of all_reduce and reduce_scatter: sum avg product (or prod) min "
+                  "max band bor bxor")
       ->type_name("REDOP")
       ->capture_default_str();
   sub->add_option("--root", f->root, "source rank of broadcast")
