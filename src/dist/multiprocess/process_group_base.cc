@@ -254,17 +254,18 @@ std::shared_ptr<Work> ProcessGroupBase::all_to_all(const Tensor& output, const T
   // synchronous throw would leave the peers waiting for it. With FUNCOL_DEBUG=detail the
   // signatures show every rank the mismatch; otherwise only this rank knows, so it exchanges
   // the peers' rows as they expect (keeping zeros for itself) and its own Work fails.
-  Tensor sent = input;
+  // Signed as the caller passed it (the staged rows are flat: peers were told of a row shape
+  // nobody passed).
+  add_slot(*c, input, output, layout.row_elems);
   const int64_t have = layout.input_splits[rank()];
   const int64_t want = layout.output_splits[rank()];
   if (have != want) {
     c->own_error = dist_detail::split_mismatch(global_rank(), have, global_rank(), want);
     const int64_t before = std::accumulate(layout.input_splits.begin(),
                                            layout.input_splits.begin() + rank(), int64_t{0});
-    sent = resize_own_rows(input, layout.row_elems, before, have, want);
+    c->inputs.back() = resize_own_rows(input, layout.row_elems, before, have, want);
     layout.input_splits[rank()] = want;
   }
-  add_slot(*c, sent, output, layout.row_elems);
   for (int j = 0; j < size(); ++j) {
     c->send_counts.push_back(layout.input_splits[j] * layout.row_elems);
     c->recv_counts.push_back(layout.output_splits[j] * layout.row_elems);

@@ -330,11 +330,12 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(row_msg, "rank 0 issued all_to_all(i64[*,3])");
   expect_contains(row_msg, "issued all_to_all(i64[*,1,3])");
   // Rank 0 sends itself 3 rows but expects 1 from itself, while every pair agrees: the
-  // signatures show it to every rank, as the threads backend does.
+  // signatures show it to every rank, as the threads backend does. (Rows of two: rank 0's
+  // signature showed its staged rows, flat, and every rank read a mismatch of row shapes.)
   std::vector<int64_t> own_in(n, 1), own_out(n, 1);
   if (world.rank() == 0) own_in[0] = 3;
-  Tensor c = Tensor::zeros({world.rank() == 0 ? n + 2 : n}, DType::I32);
-  Tensor d = Tensor::zeros({n}, DType::I32);
+  Tensor c = Tensor::zeros({world.rank() == 0 ? n + 2 : n, 2}, DType::I32);
+  Tensor d = Tensor::zeros({n, 2}, DType::I32);
   std::string own_msg = expect_comm_error(
       [&] { world.all_to_all(d, c, own_out, own_in)->wait(); }, "all_to_all rows for itself");
   expect_contains(own_msg,
