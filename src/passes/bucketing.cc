@@ -685,22 +685,12 @@ void Bucketer::close_bucket(std::string_view reason) {
   const std::string members = explain_ ? members_str(bucket_) : std::string();
   std::string outcome;
   std::vector<std::string> retried;  // explain lines of the tries after the first
-  // A packed member (an earlier custom_ops bucket) stays as it is; the others merge without it
-  // (they stayed apart when the whole bucket was left alone: a second pass with another cap
-  // merged nothing beside it).
-  std::vector<Entry*> unpacked;
-  std::string packed_note;
-  for (Entry* e : bucket_) {
-    if (!e->packed) {
-      unpacked.push_back(e);
-    } else if (packed_note.empty()) {
-      packed_note = fmt::format("%{}", e->coll->name());
-    }
-  }
+  const auto packed =
+      std::find_if(bucket_.begin(), bucket_.end(), [](const Entry* e) { return e->packed; });
   if (bucket_.size() == 1) {
     outcome = "left alone (one collective)";
-  } else if (unpacked.size() < 2) {
-    outcome = fmt::format("left alone ({} is packed already)", packed_note);
+  } else if (packed != bucket_.end()) {
+    outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
     // The members a merge drops are tried again, until no two of them merge. When the merge
     // split the bucket into the fewest groups that each have a placement (best_gap_members),
@@ -716,7 +706,7 @@ void Bucketer::close_bucket(std::string_view reason) {
     // Every try takes at least one member out (it merges two or more, or leaves its first
     // alone), so the tries end.
     auto wait_order = [](const Entry* a, const Entry* b) { return a->index < b->index; };
-    std::deque<std::vector<Entry*>> tries = {unpacked};
+    std::deque<std::vector<Entry*>> tries = {bucket_};
     std::vector<Entry*> leftover;  // for the next try of them together
     for (int attempt = 0;; ++attempt) {
       if (tries.empty()) {
@@ -779,9 +769,7 @@ void Bucketer::close_bucket(std::string_view reason) {
         if (attempt > 0) ++stats_.dropped;  // the first member stays dropped
       }
       if (attempt == 0) {
-        outcome = packed_note.empty()
-                      ? std::move(result)
-                      : fmt::format("{}; {} left as it is (packed already)", result, packed_note);
+        outcome = std::move(result);
       } else {
         retried.push_back(fmt::format("bucket {} again, with what was dropped: {}; {}",
                                       bucket_index_, tried, result));
