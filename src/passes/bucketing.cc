@@ -216,6 +216,9 @@ struct Entry {
   std::string ineligible_why;
   Node* cast = nullptr;          // folded convert_element_type (all-gather), or null
   bool packed = false;           // an all_gather_into_tensor_packed: a bucket already
+  // A bucket an earlier pass made (packed, or over a packing cat / bucket_pack): checked
+  // against the cap before its dependencies (Bucketer::run).
+  bool made_bucket = false;
   DType out_dtype = DType::F32;  // the collective's dtype (a folded cast converts into it)
   int64_t bytes = 0;             // max(input bytes, output bytes)
   BucketKey key;
@@ -479,6 +482,14 @@ BucketKey Bucketer::key_of(const Node& coll, DType dtype) const {
   return k;
 }
 
+// Whether `v`, a collective's input, is a bucket's packed buffer as emit_pack writes one: a
+// cat (all-gather, all-reduce), a flattened cat (reduce-scatter) or a bucket_pack.
+bool packs_a_bucket(const Value* v) {
+  const Node* n = v->node();
+  if (n && n->op_name() == "flatten") n = n->operand(0)->node();
+  return n && (n->op_name() == "cat" || n->op_name() == "bucket_pack");
+}
+
 // The collectives of the pass's op in wait order, each with its eligibility, key and size.
 std::vector<Entry> Bucketer::collect() {
   std::vector<Entry> entries;
@@ -513,6 +524,7 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.packed = packed;
     Value* coll_in = coll->operand(0);
+    e.made_bucket = packed || packs_a_bucket(coll_in);
     // A packed all-gather's inputs count as the dtypes they pack to (out_dtypes), as its
     // members counted their folded casts' results: counted before the cast (an f64 packed as
     // f16), the bucket it came from no longer fit its cap when bucketed again, and later buckets
@@ -848,6 +860,17 @@ BucketingStats Bucketer::run() {
         say(fmt::format("skipped %{}: ineligible: {}", e.coll->name(), e.ineligible_why));
       }
       continue;
+    }
+    // A bucket an earlier pass made that the cap keeps out closes the bucket before its
+    // dependencies are looked at, as its first member did in the pass that made it: its later
+    // members' dependencies on that earlier bucket did not count then. (Skipped as dependent
+    // instead, it left the earlier bucket open to later collectives and the cap indices
+    // shifted: a second run of the same pass changed the graph.)
+    if (e.made_bucket && !bucket_.empty() &&
+        e.bytes > bucket_cap_bytes(opt_, bucket_index_) - bucket_bytes_) {
+      close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
+                                          bytes_str(e.bytes), sum_bytes_str(bucket_bytes_, e.bytes))
+                            : std::string());
     }
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
