@@ -881,8 +881,10 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
                              fmt::format("group '{}' [{}]", name, fmt::join(*mine, ", ")),
                              /*monitor=*/nullptr, job()->monitor());
       } catch (const std::exception& e) {
-        // The members still waiting for this rank fail at once, with its error.
-        if (auto* monitor = job()->monitor()) {
+        // The members still waiting for this rank fail at once, with its error (unless another
+        // member told them first: its error is the cause, and theirs names it).
+        auto* monitor = job()->monitor();
+        if (monitor != nullptr && !monitor->rendezvous_given_up(prefix)) {
           monitor->tell_gave_up(*mine, prefix, process::PeerMonitor::kRendezvous, e.what());
         }
         throw;
