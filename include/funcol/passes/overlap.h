@@ -19,8 +19,7 @@ namespace funcol {
 // memory limit): move as far as dependencies allow. Waits move regardless of the budget: where
 // a wait sits changes when the rank blocks, not how long any buffer lives. Not counted: a
 // collective's input (held until it completes; a reduce-scatter's is group_size times its
-// result) and the results of the operand nodes moved up with it, which were live there anyway
-// only if computed before it.
+// result), nor the results of the operand nodes moved up with it (a bucket's packing).
 struct OverlapOptions {
   int64_t memory_budget_bytes = -1;  // < 0: unlimited
 };
