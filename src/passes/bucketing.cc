@@ -843,6 +843,15 @@ BucketingStats Bucketer::run() {
   }
   epoch_ = 1;
   item_epoch_ = 0;
+  // Closes the bucket when `e` does not fit under its cap.
+  auto close_if_full = [&](const Entry& e) {
+    if (bucket_.empty() || e.bytes <= bucket_cap_bytes(opt_, bucket_index_) - bucket_bytes_) {
+      return;
+    }
+    close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
+                                        bytes_str(e.bytes), sum_bytes_str(bucket_bytes_, e.bytes))
+                          : std::string());
+  };
   const BucketKey* run_key = nullptr;  // key of the current run
   for (Entry& e : entries) {
     // Every collective of the pass's op is part of the walk, an ineligible one included: a
@@ -866,12 +875,7 @@ BucketingStats Bucketer::run() {
     // members' dependencies on that earlier bucket did not count then. (Skipped as dependent
     // instead, it left the earlier bucket open to later collectives and the cap indices
     // shifted: a second run of the same pass changed the graph.)
-    if (e.made_bucket && !bucket_.empty() &&
-        e.bytes > bucket_cap_bytes(opt_, bucket_index_) - bucket_bytes_) {
-      close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
-                                          bytes_str(e.bytes), sum_bytes_str(bucket_bytes_, e.bytes))
-                            : std::string());
-    }
+    if (e.made_bucket) close_if_full(e);
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
       ++stats_.skipped_dependent;
@@ -881,15 +885,7 @@ BucketingStats Bucketer::run() {
       }
       continue;
     }
-    if (!bucket_.empty()) {
-      const int64_t cap = bucket_cap_bytes(opt_, bucket_index_);
-      if (e.bytes > cap - bucket_bytes_) {
-        close_bucket(explain_ ? fmt::format("cap (adding %{} of {} would make {})", e.coll->name(),
-                                            bytes_str(e.bytes),
-                                            sum_bytes_str(bucket_bytes_, e.bytes))
-                              : std::string());
-      }
-    }
+    close_if_full(e);
     add_to_bucket(&e);
   }
   close_bucket("end of run");
