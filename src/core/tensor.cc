@@ -1107,6 +1107,12 @@ Tensor Tensor::with_layout(Shape sizes, Shape strides, int64_t offset) const {
   return t;
 }
 
+Tensor Tensor::alias() const {
+  Tensor t = *this;
+  t.annotation_.reset();
+  return t;
+}
+
 Tensor Tensor::view(const Shape& shape) const {
   check_defined(*this, "view");
   Shape s = infer_shape(shape, numel(), "view");
@@ -1234,7 +1240,7 @@ Tensor Tensor::transpose(int64_t dim0, int64_t dim1) const {
             fmt::format("transpose: dim {} is out of range for a scalar (0 or -1)", d));
       }
     }
-    return with_layout(sizes(), strides(), offset_);  // a view: without the annotation
+    return alias();
   }
   const int64_t a = wrap_dim(dim0, dim(), "transpose");
   const int64_t b = wrap_dim(dim1, dim(), "transpose");
@@ -1307,7 +1313,7 @@ Tensor Tensor::view_dtype(DType dtype) const {
   const auto old_size = static_cast<int64_t>(itemsize());
   const auto new_size = static_cast<int64_t>(funcol::itemsize(dtype));
   if (old_size == new_size) {
-    Tensor t = with_layout(sizes(), strides(), offset_);
+    Tensor t = alias();
     t.dtype_ = dtype;
     return t;
   }
@@ -1384,10 +1390,10 @@ Tensor Tensor::squeeze(int64_t dim) const {
   check_defined(*this, "squeeze");
   // A scalar takes dims 0 and -1 and stays as it is (PyTorch's rule, as transpose).
   // (Views, without the annotation, as every view.)
-  if (this->dim() == 0 && (dim == 0 || dim == -1)) return with_layout(sizes(), strides(), offset_);
+  if (this->dim() == 0 && (dim == 0 || dim == -1)) return alias();
   const int64_t d = wrap_dim(dim, this->dim(), "squeeze");
   // As PyTorch: squeezing a dim that is not 1 changes nothing.
-  if (sizes()[d] != 1) return with_layout(sizes(), strides(), offset_);
+  if (sizes()[d] != 1) return alias();
   Shape sizes = this->sizes();
   Shape strides = this->strides();
   sizes.erase(sizes.begin() + d);

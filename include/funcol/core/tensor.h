@@ -305,6 +305,8 @@ class Tensor {
   DType dtype_ = DType::F32;
 
   Tensor with_layout(Shape sizes, Shape strides, int64_t offset) const;
+  // A view of the same elements with the same layout (shared), without the annotation.
+  Tensor alias() const;
   void* first_element() const;  // storage_ non-null
   static Tensor full_integer(const Shape& shape, DType dtype, int64_t value);
   const Tensor& fill_integer_(int64_t value) const;
