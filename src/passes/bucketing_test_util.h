@@ -13,6 +13,7 @@
 #include "funcol/core/kernels.h"
 #include "funcol/core/tensor.h"
 #include "funcol/graph/graph.h"
+#include "funcol/graph/ops.h"
 
 namespace funcol::testing_bucketing {
 
@@ -37,7 +38,7 @@ inline Tensor reduce_ranks(const std::vector<Tensor>& ins, ReduceOp op) {
 }
 
 // Runs `graph` on every rank of `groups`' world in one thread, node by node: compute through
-// the op table's CPU kernels, collectives by combining the ranks' operands (all_reduce,
+// the op table's CPU kernels (value_kernel's, as the Executor runs them), collectives by combining the ranks' operands (all_reduce,
 // all_gather_into_tensor[_packed], reduce_scatter_tensor; others throw). inputs[r] are rank r's
 // graph inputs; returns outputs[r]. Every result is checked against its node's type.
 inline std::vector<std::vector<Tensor>> simulate(
@@ -103,7 +104,10 @@ inline std::vector<std::vector<Tensor>> simulate(
       for (size_t r = 0; r < world; ++r) {
         std::vector<Tensor> ins;
         for (const Value* v : n.operands()) ins.push_back(get(v)[r]);
-        std::vector<Tensor> out = run_kernel(op, ins, n.attr_values());
+        // As a graph runs (the Executor): a view the operand's layout cannot express copies.
+        const KernelFn kernel = value_kernel(op);
+        FUNCOL_CHECK(kernel != nullptr, "simulate: an op without a kernel");
+        std::vector<Tensor> out = kernel(ins, AttrList(op, n.attr_values()));
         FUNCOL_CHECK(out.size() == n.num_results(), "simulate: result count");
         for (size_t k = 0; k < out.size(); ++k) res[k][r] = out[k];
       }
