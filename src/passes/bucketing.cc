@@ -13,6 +13,7 @@
 #include <optional>
 #include <queue>
 #include <string>
+#include <unordered_set>
 #include <utility>
 
 #include <fmt/format.h>
@@ -219,6 +220,7 @@ struct Entry {
   // A bucket an earlier pass made (packed, or over a packing cat / bucket_pack): checked
   // against the cap before its dependencies (Bucketer::run).
   bool made_bucket = false;
+  bool pack_taken = false;  // a later round's bucket packs what its pack did (pack_parts)
   DType out_dtype = DType::F32;  // the collective's dtype (a folded cast converts into it)
   int64_t bytes = 0;             // max(input bytes, output bytes)
   BucketKey key;
@@ -300,9 +302,15 @@ class Emitter {
 
 // ---- the routine --------------------------------------------------------------------------------
 
+// Packed buffers made by a bucket_collectives call's rounds (looked up, never iterated).
+using RoundPacks = std::unordered_set<const Node*>;
+
 class Bucketer {
  public:
-  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain)
+  // `round` counts the runs of the walk over `graph` (bucket_collectives); `retry_work` is what
+  // the earlier rounds' later tries spent of the pass's budget.
+  Bucketer(Graph& graph, const BucketOptions& options, std::string* explain, int round = 1,
+           int64_t retry_work = 0, RoundPacks* round_packs = nullptr)
       : graph_(graph),
         opt_(options),
         spec_(kind_spec(options.kind)),
@@ -315,9 +323,17 @@ class Bucketer {
                    colls_.push_back(&n);
                  }
                }),
-        hints_(spec_.prefix) {}
+        hints_(spec_.prefix),
+        round_(round),
+        retry_work_(retry_work),
+        round_packs_(round_packs) {}
 
   BucketingStats run();
+  // Whether a bucket's first try dropped members (they may merge once later buckets have).
+  bool dropped_on_first_try() const { return dropped_on_first_try_; }
+  // Whether the budget of later tries left members untried.
+  bool budget_spent() const { return budget_spent_; }
+  int64_t retry_work() const { return retry_work_; }
 
  private:
   // Dependency-search states of a node within the current bucket's epoch.
@@ -392,9 +408,20 @@ class Bucketer {
   // other groups, in its order (each in wait order). Empty otherwise.
   std::vector<std::vector<Entry*>> cover_rest_;
   int64_t region_work_ = 0;  // nodes collect_region collected, over the whole pass
-  // What close_bucket's later tries cost, over the whole pass: the region nodes they collected
-  // and their members.
-  int64_t retry_work_ = 0;
+  int round_;
+  // What close_bucket's later tries cost, over the whole pass (every round): the region nodes
+  // they collected and their members.
+  int64_t retry_work_;
+  bool dropped_on_first_try_ = false;
+  bool budget_spent_ = false;
+  // The packed buffers the earlier rounds of bucket_collectives made, and this round's (null:
+  // not kept). A bucket of a later round takes over such a member's packing: it packs what the
+  // member's pack packed, not the pack (which would copy its bytes once more).
+  RoundPacks* round_packs_;
+  // Nodes the merge in progress left unused (taken-over packs, members whose unpacking it took
+  // over, with what read them), erased once the bucket is placed: a placement may still walk
+  // past them.
+  std::vector<Node*> dead_;
 
   void grow_scratch() {
     const size_t n = order_.id_bound();
@@ -462,9 +489,16 @@ class Bucketer {
                    const std::vector<uint32_t>& order);
   DType bucket_dtype(const std::vector<Entry*>& members) const;
   Node* emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket);
+  Node* emit_pack_nodes(Emitter& x, const std::vector<Entry*>& members, DType bucket);
+  // What `m` packs: its source, or the parts of an earlier round's pack it is fed by (the pack
+  // goes to dead_, m.pack_taken is set), when the bucket's packing lays them out as that pack
+  // did.
+  std::vector<Value*> pack_parts(Entry& m, DType bucket);
+  void erase_dead();
   std::vector<Value*> emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
                                   DType bucket);
-  // Replaces the members' waits by `replacements`, erases the members and gives the new nodes
+  // Replaces the members' waits by `replacements` (null: emit_unpack took the member's over),
+  // erases the members (or leaves them to erase_dead()) and gives the new nodes
   // (x's and y's) the first member's location.
   void finish(const std::vector<Entry*>& members, const std::vector<Value*>& replacements,
               const Emitter& x, const Emitter& y);
@@ -731,6 +765,7 @@ void Bucketer::close_bucket(std::string_view reason) {
       tries.pop_front();
       const bool later = attempt > kRetries;
       if (later && retry_work_ >= opt_.retry_work) {
+        budget_spent_ = true;
         size_t untried = todo.size() + leftover.size();
         for (const auto& t : tries) untried += t.size();
         if (explain_) {
@@ -752,6 +787,7 @@ void Bucketer::close_bucket(std::string_view reason) {
       // as kept by merge()) stays alone and the others are tried again.
       std::vector<Entry*> rest;
       size_t k = 0;
+      if (attempt == 0 && merged.size() < todo.size()) dropped_on_first_try_ = true;
       for (Entry* e : todo) {
         if (k < merged.size() && merged[k] == e) {
           ++k;
@@ -822,8 +858,11 @@ BucketingStats Bucketer::run() {
   find_latest(entries);
   stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
-    explain_->append(fmt::format("{} @{}: {} {} collective{} (cap-mb={} mode={})\n",
-                                 spec_.pass, graph_.name(), stats_.collectives, spec_.op,
+    const std::string round =
+        round_ > 1 ? fmt::format(", round {} (round 1 dropped members that may merge now)", round_)
+                   : std::string();
+    explain_->append(fmt::format("{} @{}{}: {} {} collective{} (cap-mb={} mode={})\n",
+                                 spec_.pass, graph_.name(), round, stats_.collectives, spec_.op,
                                  stats_.collectives == 1 ? "" : "s", format_cap_mb(opt_.cap_mb),
                                  bucket_mode_name(opt_.mode)));
   }
@@ -945,14 +984,69 @@ bool known_contiguous(const Value* v) {
   return false;
 }
 
+std::vector<Value*> Bucketer::pack_parts(Entry& m, DType bucket) {
+  Value* src = m.source();
+  Node* pack = src->node();
+  if (!round_packs_ || m.packed || m.cast || !pack || src->num_uses() != 1 ||
+      round_packs_->count(pack) == 0) {
+    return {src};
+  }
+  // A multidtype all-gather bucket packs in another dtype than the member's did.
+  if (src->dtype() != bucket) return {src};
+  // Reduce-scatter's default packing is flatten(cat of [G, n / G] rows along dim 1).
+  Node* inner = pack->op_name() == "flatten" ? pack->operand(0)->node() : pack;
+  std::vector<Value*> parts;
+  parts.reserve(inner->num_operands());
+  for (size_t i = 0; i < inner->num_operands(); ++i) parts.push_back(inner->operand(i));
+  dead_.push_back(pack);
+  if (inner != pack) dead_.push_back(inner);
+  m.pack_taken = true;
+  return parts;
+}
+
+void Bucketer::erase_dead() {
+  // Each pass erases the nodes nothing reads any more (a reader comes before what it reads).
+  while (!dead_.empty()) {
+    const size_t before = dead_.size();
+    std::erase_if(dead_, [&](Node* n) {
+      for (size_t i = 0; i < n->num_results(); ++i) {
+        if (!n->result(i)->uses().empty()) return false;
+      }
+      if (round_packs_) round_packs_->erase(n);
+      order_.remove(n);
+      graph_.erase(n);
+      return true;
+    });
+    FUNCOL_CHECK(dead_.size() < before, "bucketing: a node left unused is still read");
+  }
+}
+
 // The packing nodes and the merged collective (DESIGN §6 point 4; REFERENCE B.4).
 Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType bucket) {
+  Node* coll = emit_pack_nodes(x, members, bucket);
+  // The packed buffer, for a later round to take over (a packed all-gather has none).
+  Node* pack = coll->operand(0)->node();
+  if (round_packs_ && coll->op().pack == nullptr) round_packs_->insert(pack);
+  return coll;
+}
+
+Node* Bucketer::emit_pack_nodes(Emitter& x, const std::vector<Entry*>& members,
+                                DType bucket) {
   const Node& first = *members[0]->coll;
   const MemberOps& ops = member_ops();
   const std::string& group = first.attr("group").as_string();
   std::vector<Value*> sources;
   sources.reserve(members.size());
   for (const Entry* m : members) sources.push_back(m->source());
+  // Every member's parts in order (bucket_pack lays out each part as it would the member).
+  auto all_parts = [&] {
+    std::vector<Value*> parts;
+    parts.reserve(members.size());
+    for (Entry* m : members) {
+      for (Value* v : pack_parts(*m, bucket)) parts.push_back(v);
+    }
+    return parts;
+  };
   auto flat = [&](Value* v) {
     return v->type().rank() == 1 ? v : x.value(ops.flatten, {v}, {}, hints_.flat);
   };
@@ -971,17 +1065,20 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
       }
       std::vector<Value*> parts;
       parts.reserve(members.size());
-      for (const Entry* m : members) {
-        Value* v = flat(m->source());
-        if (v->dtype() != m->out_dtype) {
-          v = x.value(ops.convert, {v}, attrs1(m->out_dtype), hints_.cast);
+      for (Entry* m : members) {
+        // A taken-over pack's parts are flat, in the bucket's dtype.
+        for (Value* part : pack_parts(*m, bucket)) {
+          Value* v = flat(part);
+          if (v->dtype() != m->out_dtype) {
+            v = x.value(ops.convert, {v}, attrs1(m->out_dtype), hints_.cast);
+          }
+          if (m->out_dtype != bucket) {
+            // Reading the bytes as another dtype needs a unit-stride tensor.
+            if (!known_contiguous(v)) v = x.value(ops.clone, {v}, {}, hints_.copy);
+            v = x.value(ops.view_dtype, {v}, attrs1(bucket), hints_.bytes);
+          }
+          parts.push_back(v);
         }
-        if (m->out_dtype != bucket) {
-          // Reading the bytes as another dtype needs a unit-stride tensor.
-          if (!known_contiguous(v)) v = x.value(ops.clone, {v}, {}, hints_.copy);
-          v = x.value(ops.view_dtype, {v}, attrs1(bucket), hints_.bytes);
-        }
-        parts.push_back(v);
       }
       Value* packed = x.value("cat", parts, {{"dim", 0}}, hints_.pack);
       return x.node(spec_.op, {packed}, {{"group_size", g}, {"group", group}}, hints_.bucket);
@@ -991,13 +1088,18 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
       const std::string& rop = first.attr("reduce_op").as_string();
       Value* packed;
       if (is_custom_ops(opt_.mode)) {
-        packed = x.value("bucket_pack", sources, {{"group_size", g}}, hints_.pack);
+        packed = x.value("bucket_pack", all_parts(), {{"group_size", g}}, hints_.pack);
       } else {
         // Row j of [G, n_i / G] is the chunk rank j receives; concatenating rows keeps every
         // rank's chunks together (a plain concatenation would mix them).
         std::vector<Value*> rows;
         rows.reserve(members.size());
-        for (const Entry* m : members) {
+        for (Entry* m : members) {
+          std::vector<Value*> parts = pack_parts(*m, bucket);
+          if (m->pack_taken) {  // a taken-over pack's parts are rows already
+            rows.insert(rows.end(), parts.begin(), parts.end());
+            continue;
+          }
           const int64_t n = m->source()->type().numel();
           rows.push_back(x.value(ops.reshape, {m->source()},
                                  attrs1(std::vector<int64_t>{g, n / g}), hints_.rows));
@@ -1012,11 +1114,10 @@ Node* Bucketer::emit_pack(Emitter& x, const std::vector<Entry*>& members, DType 
       const std::string& rop = first.attr("reduce_op").as_string();
       Value* packed;
       if (is_custom_ops(opt_.mode)) {
-        packed = x.value("bucket_pack", sources, {{"group_size", 1}}, hints_.pack);
+        packed = x.value("bucket_pack", all_parts(), {{"group_size", 1}}, hints_.pack);
       } else {
-        std::vector<Value*> parts;
-        parts.reserve(members.size());
-        for (const Entry* m : members) parts.push_back(flat(m->source()));
+        std::vector<Value*> parts = all_parts();
+        for (Value*& v : parts) v = flat(v);
         packed = x.value("cat", parts, {{"dim", 0}}, hints_.pack);
       }
       return x.node(spec_.op, {packed}, {{"reduce_op", rop}, {"group", group}}, hints_.bucket);
@@ -1057,6 +1158,19 @@ std::vector<Value*> Bucketer::emit_unpack(Emitter& y, Node* coll,
     for (size_t i = 0; i < members.size(); ++i) {
       const Entry* m = members[i];
       Value* v = split->result(i);
+      if (m->pack_taken) {
+        // A bucket of an earlier round, whose wait only its unpacking's [G, n] view reads: the
+        // view becomes the block (copied back to the member's layout, the block would be
+        // viewed as [G, n] again). finish() leaves the member to erase_dead().
+        const auto uses = m->wait->result(0)->uses();
+        Node* rows_view = uses.size() == 1 ? uses[0].user : nullptr;
+        if (rows_view && rows_view->op_name() == "view" &&
+            rows_view->result(0)->type() == v->type()) {
+          graph_.replace_all_uses(rows_view->result(0), v);
+          out.push_back(nullptr);
+          continue;
+        }
+      }
       if (m->out_dtype != bucket && sizes[i] == 0) {
         // An empty block: flattened first, since no stride of an empty 2-D block is meaningful
         // to view_dtype (the data dependency on the wait is kept all the same).
@@ -1090,13 +1204,18 @@ void Bucketer::finish(const std::vector<Entry*>& members, const std::vector<Valu
     for (Node* n : e->created()) n->set_loc(loc);
   }
   for (size_t i = 0; i < members.size(); ++i) {
-    graph_.replace_all_uses(members[i]->wait->result(0), replacements[i]);
-  }
-  for (Entry* m : members) {
-    for (Node* n : {m->wait, m->coll, m->cast}) {
-      if (!n) continue;
-      order_.remove(n);
-      graph_.erase(n);
+    Entry* m = members[i];
+    if (replacements[i]) {
+      graph_.replace_all_uses(m->wait->result(0), replacements[i]);
+      for (Node* n : {m->wait, m->coll, m->cast}) {
+        if (!n) continue;
+        order_.remove(n);
+        graph_.erase(n);
+      }
+    } else {  // emit_unpack took over its unpacking: its view and the member wait for that
+      dead_.push_back(m->wait->result(0)->uses()[0].user);
+      dead_.push_back(m->wait);
+      dead_.push_back(m->coll);
     }
     m->wait = m->coll = m->cast = nullptr;
   }
@@ -1204,6 +1323,7 @@ bool Bucketer::place_normally(const std::vector<Entry*>& members) {
   key_new_nodes(x.created(), y.created());
   note_new_nodes(members, x.created());
   note_new_nodes(members, y.created());
+  erase_dead();
   return true;
 }
 
@@ -1459,6 +1579,7 @@ void Bucketer::emit_region(const std::vector<Entry*>& members, const Region& reg
     if (n == last_new) break;
   }
   order_.rekey(first_new, last_new, count);
+  erase_dead();
 }
 
 // Merges `members` (two or more, in wait order). When no valid placement keeps the issue
@@ -1680,8 +1801,34 @@ std::unique_ptr<Pass> make_bucket_pass(CollectiveKind kind, const PassOptions& o
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
                                   std::string* explain) {
   check_bucket_options(options);
-  Bucketer b(graph, options, explain);
-  return b.run();
+  BucketingStats stats;
+  int64_t retry_work = 0;
+  bool rounds = false;  // whether a round dropped members on a first try
+  RoundPacks packs;
+  for (int round = 1;; ++round) {
+    Bucketer b(graph, options, explain, round, retry_work, &packs);
+    const BucketingStats s = b.run();
+    retry_work = b.retry_work();
+    if (round == 1) {
+      stats = s;
+    } else {
+      ++stats.rounds;
+      stats.later_merged_buckets += s.merged_buckets;
+    }
+    rounds = rounds || b.dropped_on_first_try();
+    // Run again after a round that merged and dropped members (or followed such a round),
+    // until one merges nothing: that round's graph is a fixed point. Members the budget left
+    // untried stop the rounds (more runs would spend more than the budget).
+    if (!s.changed() || !rounds || b.budget_spent()) break;
+    if (round == kMaxBucketingRounds) {
+      if (explain) {
+        explain->append(fmt::format("  stopped after {} rounds: another may merge more\n",
+                                    round));
+      }
+      break;
+    }
+  }
+  return stats;
 }
 
 }  // namespace funcol

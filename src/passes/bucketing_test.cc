@@ -688,6 +688,48 @@ TEST(BucketPlacement, InterleavedFamiliesMergeAsOneCollectiveEach) {
   }
 }
 
+// %a0 feeds %b1, issued before the all-gathers that feed %a1 and %a2: round 1 cannot merge
+// all five of bucket 0 without issuing %b1 after them, so it merges two pieces. Bucket 1 merges
+// %b1 (with %b0) after those all-gathers; round 2 merges bucket 0's pieces, packing their
+// members (not their packs); round 3 merges nothing (test/lit/bucketing/rounds.ir).
+TEST(BucketPlacement, MembersALaterBucketKeptOutMergeInALaterRound) {
+  Bucketed b = bucket_checked(R"(graph @ar(%x: f32[]) {
+  %a0 = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %c = convert_element_type(%x) {dtype = f32}
+  %g0 = all_gather_into_tensor(%c) {group_size = 4, group = "world"}
+  %g0c = clone(%g0)
+  %wa0 = wait_tensor(%a0)
+  %b1 = all_reduce(%wa0) {reduce_op = "sum", group = "world"}
+  %g1 = all_gather_into_tensor(%x) {group_size = 4, group = "world"}
+  %wg1 = wait_tensor(%g1)
+  %a1 = all_reduce(%wg1) {reduce_op = "sum", group = "world"}
+  %wa1 = wait_tensor(%a1)
+  %g2 = all_gather_into_tensor(%x) {group_size = 4, group = "world"}
+  %wg2 = wait_tensor(%g2)
+  %a2 = all_reduce(%wg2) {reduce_op = "sum", group = "world"}
+  %wa2 = wait_tensor(%a2)
+  %a3 = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %wa3 = wait_tensor(%a3)
+  %a4 = all_reduce(%x) {reduce_op = "sum", group = "world"}
+  %wa4 = wait_tensor(%a4)
+  %g3 = all_gather_into_tensor(%g0c) {group_size = 4, group = "world"}
+  %wg3 = wait_tensor(%g3)
+  %b0 = all_reduce(%wg3) {reduce_op = "sum", group = "world"}
+  %wb0 = wait_tensor(%b0)
+  %wb1 = wait_tensor(%b1)
+  %c4 = convert_element_type(%x) {dtype = f32}
+  %g4 = all_gather_into_tensor(%c4) {group_size = 4, group = "world"}
+  %wg4 = wait_tensor(%g4)
+  return %wa0, %wg1, %wa1, %wg2, %wa2, %wa3, %wa4, %wg3, %wb0, %wb1, %wg4
+})",
+                              opts(CollectiveKind::AllReduce, "0.0001"));
+  EXPECT_EQ(b.stats.merged_buckets, 3) << b.explain;  // round 1's
+  EXPECT_EQ(b.stats.rounds, 3);
+  EXPECT_EQ(b.stats.later_merged_buckets, 1);
+  EXPECT_EQ(count_op(*b.graph, "all_reduce"), 2);
+  EXPECT_EQ(b.printed.find("cat(%ar_pack"), std::string::npos) << b.printed;
+}
+
 // A bucket whose members pair off (as test/lit/bucketing/retries.ir): each member's input comes
 // from an all_reduce issued after the member before it, and each odd member's wait feeds an
 // all_reduce. A try merges one pair and drops the rest, so `pairs` pairs take `pairs` tries.
@@ -741,6 +783,9 @@ TEST(BucketPlacement, RetriesStopAtTheirBudget) {
     EXPECT_EQ(stats.merged_buckets, c.merged) << explain;
     EXPECT_EQ(stats.merged_collectives, 2 * c.merged);
     EXPECT_EQ(stats.dropped, 2 * (kPairs - c.merged)) << explain;
+    // Members left untried stop the rounds; else a second round finds no two pairs merge.
+    EXPECT_EQ(stats.rounds, c.merged < kPairs ? 1 : 2) << explain;
+    EXPECT_EQ(stats.later_merged_buckets, 0);
     EXPECT_EQ(count_op(*g, "all_gather_into_tensor"), c.merged + 2 * (kPairs - c.merged));
     const std::string untried = fmt::format("bucket 0: {} dropped members not tried again",
                                             2 * (kPairs - c.merged));

@@ -96,8 +96,15 @@ struct BucketingStats {
   int64_t skipped_ineligible = 0;
   int64_t dropped = 0;          // members dropped because merging would reorder others
   int64_t region_reorders = 0;  // buckets placed by reordering their region
+  // The figures above are the first round's. A round that merged and dropped members on a
+  // first try is followed by another (see bucket_collectives).
+  int64_t rounds = 1;
+  int64_t later_merged_buckets = 0;  // buckets the rounds after the first merged
   bool changed() const { return merged_buckets > 0; }
 };
+
+// The most rounds bucket_collectives runs.
+inline constexpr int kMaxBucketingRounds = 8;
 
 // The shared routine of the three bucketing passes. Walks the wait_tensor nodes of `graph` in
 // order; each whose input is the pass's collective contributes it. Runs of equal key (group,
@@ -118,18 +125,20 @@ struct BucketingStats {
 // than `retry_work` region nodes and members, which bounds its time; members left then are
 // dropped, as are members of groups of one).
 //
+// Merging a later bucket can move the collective that kept a member out of an earlier bucket.
+// So after a round (one walk as above) that merged and dropped members on a first try, the
+// walk runs again on its result, until a round merges nothing (at most kMaxBucketingRounds
+// rounds; the rounds share the tries' budget, and members it left untried end them). In a
+// later round the earlier rounds' buckets are collectives like any other; a bucket that takes
+// one packs what its pack packed, and an all-gather bucket gives the earlier bucket's [G, n]
+// view its block instead, so no byte is packed or unpacked twice.
+//
 // Decisions depend only on the graph and `options`; the result verifies, and running the
-// routine again on it merges nothing more, with three exceptions. When it dropped members:
-// merging a later bucket can move the collective that made an earlier bucket drop one, and a
-// second run may then merge the dropped member with the (already packed) bucket; and members
-// the tries' budget left untried (the explanation says so) may merge in a second run, which
-// has a budget of its own. When a bucket
-// depends on an earlier bucket through one of its members: a second run finds it depending on
-// the whole packed bucket and skips it, which can leave room under the cap for a later
-// collective. The routine does not rerun itself, as that would copy whole buckets once more to
-// save a small collective. Near-linear time and memory. When `explain` is given, appends a
-// human-readable account: every bucket with its members, bytes and why it closed, every
-// skipped collective and why. Throws what check_bucket_options throws.
+// routine again on it merges nothing more, unless the tries' budget left members untried (the
+// explanation says so; a second run has a budget of its own) or the rounds stopped at
+// kMaxBucketingRounds (likewise). Near-linear time and memory. When `explain` is given,
+// appends a human-readable account: every round, every bucket with its members, bytes and why
+// it closed, every skipped collective and why. Throws what check_bucket_options throws.
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
                                   std::string* explain = nullptr);
 
