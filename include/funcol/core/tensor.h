@@ -66,7 +66,10 @@ class Storage {
   // failure, as wait() of the storage it failed would (it stays attached there); the operations
   // waited before it are detached. Null entries are skipped.
   static void wait_all(std::span<Storage* const> storages);
-  // Number of distinct attached operations not yet waited (tests and leak checks).
+  // Number of distinct attached operations not yet waited through this storage (tests and leak
+  // checks). An operation waited only through its Work (Work::wait) stays attached until the
+  // next wait() here (wait_tensor, any data access), which detaches it without blocking: the
+  // storage is not told when its Work is waited.
   size_t pending_count() const;
 
   // Attaches an operation that reads these bytes later (a collective reads its input when it

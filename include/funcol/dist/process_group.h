@@ -22,9 +22,11 @@ class GroupRegistry;
 // starts asynchronously and returns a Work; the output tensors are left pending until then
 // (the Work is attached to their storage). All ranks of the group must issue the same
 // primitives in the same order; each call takes the group's next sequence number. A rank may
-// issue from any thread, but from one at a time (two threads racing could not keep the order;
-// the threads backend throws InvalidArgument when it sees them overlap). Waiting on a Work and
-// reading results are thread-safe.
+// issue from any thread, but from one at a time, in an order the program fixes: two threads
+// racing could not keep the order (the threads backend throws InvalidArgument when it sees two
+// calls overlap), and calls from two threads that interleave differently on two ranks pair up
+// by sequence number, which mixes their data silently where op, dtype and shape agree (as in
+// PyTorch). Waiting on a Work and reading results are thread-safe.
 //
 // Primitives validate shapes and dtypes and throw InvalidArgument / ShapeError synchronously;
 // communication failures (timeout, departed or dead peer, mismatched collectives) fail the Work.
