@@ -492,7 +492,7 @@ class Bucketer {
   Node* emit_pack_nodes(Emitter& x, const std::vector<Entry*>& members, DType bucket);
   // What `m` packs: its source, or the parts of an earlier round's pack it is fed by (the pack
   // goes to dead_, m.pack_taken is set), when the bucket's packing lays them out as that pack
-  // did.
+  // did. Only for the bucket being emitted (its placement chosen): the pack is erased after.
   std::vector<Value*> pack_parts(Entry& m, DType bucket);
   void erase_dead();
   std::vector<Value*> emit_unpack(Emitter& y, Node* coll, const std::vector<Entry*>& members,
@@ -858,9 +858,12 @@ BucketingStats Bucketer::run() {
   find_latest(entries);
   stats_.collectives = static_cast<int64_t>(entries.size() + unwaited_.size());
   if (explain_) {
-    const std::string round =
-        round_ > 1 ? fmt::format(", round {} (round 1 dropped members that may merge now)", round_)
-                   : std::string();
+    std::string round;
+    if (round_ == 2) {
+      round = ", round 2 (round 1 dropped members that may merge now)";
+    } else if (round_ > 2) {
+      round = fmt::format(", round {} (round {} merged)", round_, round_ - 1);
+    }
     explain_->append(fmt::format("{} @{}{}: {} {} collective{} (cap-mb={} mode={})\n",
                                  spec_.pass, graph_.name(), round, stats_.collectives, spec_.op,
                                  stats_.collectives == 1 ? "" : "s", format_cap_mb(opt_.cap_mb),
