@@ -1038,9 +1038,6 @@ Node* Bucketer::emit_pack_nodes(Emitter& x, const std::vector<Entry*>& members,
   const Node& first = *members[0]->coll;
   const MemberOps& ops = member_ops();
   const std::string& group = first.attr("group").as_string();
-  std::vector<Value*> sources;
-  sources.reserve(members.size());
-  for (const Entry* m : members) sources.push_back(m->source());
   // Every member's parts in order (bucket_pack lays out each part as it would the member).
   auto all_parts = [&] {
     std::vector<Value*> parts;
@@ -1057,8 +1054,14 @@ Node* Bucketer::emit_pack_nodes(Emitter& x, const std::vector<Entry*>& members,
     case CollectiveKind::AllGather: {
       const int64_t g = first.attr("group_size").as_int();
       if (is_custom_ops(opt_.mode)) {
+        // One operand per member (never an earlier round's bucket: packed ones never merge).
+        std::vector<Value*> sources;
         std::vector<Attr> outs;
-        for (const Entry* m : members) outs.emplace_back(m->out_dtype);
+        sources.reserve(members.size());
+        for (const Entry* m : members) {
+          sources.push_back(m->source());
+          outs.emplace_back(m->out_dtype);
+        }
         return x.node("all_gather_into_tensor_packed", sources,
                       {{"group_size", g},
                        {"group", group},
@@ -1770,6 +1773,10 @@ void check_bucket_options(const BucketOptions& options) {
         fmt::format("retry_work: the budget of later tries is {}; it must be at least 0",
                     options.retry_work));
   }
+  if (options.max_rounds < 1) {
+    throw InvalidArgument(
+        fmt::format("max_rounds: {} rounds; at least 1 must run", options.max_rounds));
+  }
 }
 
 std::string_view bucket_pass_name(CollectiveKind kind) { return kind_spec(kind).pass; }
@@ -1806,7 +1813,7 @@ BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
   check_bucket_options(options);
   BucketingStats stats;
   int64_t retry_work = 0;
-  bool rounds = false;  // whether a round dropped members on a first try
+  bool dropped = false;  // whether a round dropped members on a first try
   RoundPacks packs;
   for (int round = 1;; ++round) {
     Bucketer b(graph, options, explain, round, retry_work, &packs);
@@ -1818,15 +1825,15 @@ BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
       ++stats.rounds;
       stats.later_merged_buckets += s.merged_buckets;
     }
-    rounds = rounds || b.dropped_on_first_try();
+    dropped = dropped || b.dropped_on_first_try();
     // Run again after a round that merged and dropped members (or followed such a round),
     // until one merges nothing: that round's graph is a fixed point. Members the budget left
     // untried stop the rounds (more runs would spend more than the budget).
-    if (!s.changed() || !rounds || b.budget_spent()) break;
-    if (round == kMaxBucketingRounds) {
+    if (!s.changed() || !dropped || b.budget_spent()) break;
+    if (round == options.max_rounds) {
       if (explain) {
-        explain->append(fmt::format("  stopped after {} rounds: another may merge more\n",
-                                    round));
+        explain->append(fmt::format("  stopped after {} round{}: another may merge more\n",
+                                    round, round == 1 ? "" : "s"));
       }
       break;
     }

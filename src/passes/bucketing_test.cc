@@ -172,6 +172,15 @@ TEST(BucketOptions, ANegativeRetryBudgetIsRejected) {
   EXPECT_EQ(what, "retry_work: the budget of later tries is -1; it must be at least 0");
 }
 
+TEST(BucketOptions, FewerThanOneRoundIsRejected) {
+  BucketOptions o = opts(CollectiveKind::AllGather);
+  o.max_rounds = 1;
+  EXPECT_NO_THROW(check_bucket_options(o));
+  o.max_rounds = 0;
+  const std::string what = testing::error_of<InvalidArgument>([&] { check_bucket_options(o); });
+  EXPECT_EQ(what, "max_rounds: 0 rounds; at least 1 must run");
+}
+
 TEST(BucketPasses, RegisteredWithTheirOptions) {
   const PassRegistry& reg = default_pass_registry();
   for (std::string_view name :
@@ -692,8 +701,7 @@ TEST(BucketPlacement, InterleavedFamiliesMergeAsOneCollectiveEach) {
 // all five of bucket 0 without issuing %b1 after them, so it merges two pieces. Bucket 1 merges
 // %b1 (with %b0) after those all-gathers; round 2 merges bucket 0's pieces, packing their
 // members (not their packs); round 3 merges nothing (test/lit/bucketing/rounds.ir).
-TEST(BucketPlacement, MembersALaterBucketKeptOutMergeInALaterRound) {
-  Bucketed b = bucket_checked(R"(graph @ar(%x: f32[]) {
+constexpr std::string_view kRoundsGraph = R"(graph @ar(%x: f32[]) {
   %a0 = all_reduce(%x) {reduce_op = "sum", group = "world"}
   %c = convert_element_type(%x) {dtype = f32}
   %g0 = all_gather_into_tensor(%c) {group_size = 4, group = "world"}
@@ -721,13 +729,28 @@ TEST(BucketPlacement, MembersALaterBucketKeptOutMergeInALaterRound) {
   %g4 = all_gather_into_tensor(%c4) {group_size = 4, group = "world"}
   %wg4 = wait_tensor(%g4)
   return %wa0, %wg1, %wa1, %wg2, %wa2, %wa3, %wa4, %wg3, %wb0, %wb1, %wg4
-})",
-                              opts(CollectiveKind::AllReduce, "0.0001"));
+})";
+
+TEST(BucketPlacement, MembersALaterBucketKeptOutMergeInALaterRound) {
+  Bucketed b = bucket_checked(kRoundsGraph, opts(CollectiveKind::AllReduce, "0.0001"));
   EXPECT_EQ(b.stats.merged_buckets, 3) << b.explain;  // round 1's
   EXPECT_EQ(b.stats.rounds, 3);
   EXPECT_EQ(b.stats.later_merged_buckets, 1);
   EXPECT_EQ(count_op(*b.graph, "all_reduce"), 2);
   EXPECT_EQ(b.printed.find("cat(%ar_pack"), std::string::npos) << b.printed;
+  // Rounds cut short say so, and leave what a further run merges.
+  for (const int max_rounds : {1, 2}) {
+    BucketOptions o = opts(CollectiveKind::AllReduce, "0.0001");
+    o.max_rounds = max_rounds;
+    std::unique_ptr<Graph> g = parse_graph(kRoundsGraph);
+    std::string explain;
+    const BucketingStats stats = bucket_collectives(*g, o, &explain);
+    EXPECT_EQ(stats.rounds, max_rounds);
+    const std::string stopped = fmt::format("  stopped after {} round{}: another may merge more\n",
+                                            max_rounds, max_rounds == 1 ? "" : "s");
+    EXPECT_NE(explain.find(stopped), std::string::npos) << explain;
+    EXPECT_EQ(bucket_collectives(*g, o).changed(), max_rounds == 1);
+  }
 }
 
 // A bucket whose members pair off (as test/lit/bucketing/retries.ir): each member's input comes

@@ -55,6 +55,9 @@ inline int64_t mb_to_bytes(double mb, int64_t max) {
 // here, so the budget is about 0.2 s, a fifth of the 100,000-collective target (issue 4), and
 // far more than the tries of real graphs (FSDP's buckets drop nothing).
 inline constexpr int64_t kDefaultRetryWork = int64_t{1} << 18;
+// The default of BucketOptions::max_rounds (see bucket_collectives): no generated graph has
+// needed more than four.
+inline constexpr int kMaxBucketingRounds = 8;
 
 struct BucketOptions {
   // AllGather (all_gather_into_tensor), ReduceScatter (reduce_scatter_tensor) or AllReduce
@@ -67,6 +70,8 @@ struct BucketOptions {
   // nodes and members they may visit, the same on every rank. Not a pass option: the default
   // bounds the pass's time and is far above what real graphs use; tests set it small.
   int64_t retry_work = kDefaultRetryWork;
+  // The most rounds (walks) bucket_collectives runs; at least 1. Not a pass option either.
+  int max_rounds = kMaxBucketingRounds;
 };
 
 // "1:25" → {1, 25}; "2000" → {2000}. Throws InvalidArgument "cap-mb: 'x' is not a positive
@@ -80,7 +85,8 @@ std::string format_cap_mb(const std::vector<double>& cap_mb);
 int64_t bucket_cap_bytes(const BucketOptions& options, int64_t index);
 // Throws InvalidArgument for a kind that is not bucketed, an empty or non-positive cap list,
 // a multidtype mode outside all-gather ("reduce scatter bucketing does not support
-// multidtype", "all reduce bucketing does not support multidtype") or a negative retry_work.
+// multidtype", "all reduce bucketing does not support multidtype"), a negative retry_work or
+// max_rounds below 1.
 void check_bucket_options(const BucketOptions& options);
 
 // The pass names (contract): bucket-all-gather, bucket-reduce-scatter, bucket-all-reduce.
@@ -103,8 +109,6 @@ struct BucketingStats {
   bool changed() const { return merged_buckets > 0; }
 };
 
-// The most rounds bucket_collectives runs.
-inline constexpr int kMaxBucketingRounds = 8;
 
 // The shared routine of the three bucketing passes. Walks the wait_tensor nodes of `graph` in
 // order; each whose input is the pass's collective contributes it. Runs of equal key (group,
@@ -127,7 +131,7 @@ inline constexpr int kMaxBucketingRounds = 8;
 //
 // Merging a later bucket can move the collective that kept a member out of an earlier bucket.
 // So after a round (one walk as above) that merged and dropped members on a first try, the
-// walk runs again on its result, until a round merges nothing (at most kMaxBucketingRounds
+// walk runs again on its result, until a round merges nothing (at most options.max_rounds
 // rounds; the rounds share the tries' budget, and members it left untried end them). In a
 // later round the earlier rounds' buckets are collectives like any other; a bucket that takes
 // one packs what its pack packed, and an all-gather bucket gives the earlier bucket's [G, n]
@@ -136,7 +140,7 @@ inline constexpr int kMaxBucketingRounds = 8;
 // Decisions depend only on the graph and `options`; the result verifies, and running the
 // routine again on it merges nothing more, unless the tries' budget left members untried (the
 // explanation says so; a second run has a budget of its own) or the rounds stopped at
-// kMaxBucketingRounds (likewise). Near-linear time and memory. When `explain` is given,
+// max_rounds (likewise). Near-linear time and memory. When `explain` is given,
 // appends a human-readable account: every round, every bucket with its members, bytes and why
 // it closed, every skipped collective and why. Throws what check_bucket_options throws.
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
