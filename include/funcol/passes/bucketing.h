@@ -109,7 +109,6 @@ struct BucketingStats {
   bool changed() const { return merged_buckets > 0; }
 };
 
-
 // The shared routine of the three bucketing passes. Walks the wait_tensor nodes of `graph` in
 // order; each whose input is the pass's collective contributes it. Runs of equal key (group,
 // group_size, dtype, reduce_op as the kind has them; multidtype all-gather leaves out the
@@ -140,9 +139,9 @@ struct BucketingStats {
 // Decisions depend only on the graph and `options`; the result verifies, and running the
 // routine again on it merges nothing more, unless the tries' budget left members untried (the
 // explanation says so; a second run has a budget of its own) or the rounds stopped at
-// max_rounds (likewise). Near-linear time and memory. When `explain` is given,
-// appends a human-readable account: every round, every bucket with its members, bytes and why
-// it closed, every skipped collective and why. Throws what check_bucket_options throws.
+// max_rounds (likewise). Near-linear time and memory. When `explain` is given, appends a
+// human-readable account: every round, every bucket with its members, bytes and why it closed,
+// every skipped collective and why. Throws what check_bucket_options throws.
 BucketingStats bucket_collectives(Graph& graph, const BucketOptions& options,
                                   std::string* explain = nullptr);
 
