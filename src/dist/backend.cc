@@ -13,6 +13,7 @@
 #include "funcol/core/error.h"
 #include "funcol/dist/work.h"
 #include "affinity.h"
+#include "checks.h"
 #include "threads/threads_backend.h"
 
 namespace funcol {
@@ -72,6 +73,7 @@ void run_local(int world_size, const std::function<void(ProcessGroup& world)>& f
   const bool bind = static_cast<int>(cpus.size()) >= world_size;
 
   FirstFailure failure;
+  std::vector<dist_detail::UnwaitedFailures> unwaited(static_cast<size_t>(world_size));
   auto body = [&](int rank) {
     dist_detail::CpuBinding binding(bind ? cpus[rank] : -1);
     std::string reason = "returned";
@@ -88,7 +90,7 @@ void run_local(int world_size, const std::function<void(ProcessGroup& world)>& f
       }
     }
     threads_detail::depart(*world, rank, reason);
-    threads_detail::drain(*world, rank);
+    unwaited[static_cast<size_t>(rank)] = threads_detail::drain(*world, rank);
   };
 
   // Rank 0 runs on the calling thread; a thread that cannot start counts as a departed rank.
@@ -108,6 +110,10 @@ void run_local(int world_size, const std::function<void(ProcessGroup& world)>& f
   body(0);
   for (auto& t : threads) t.join();
   failure.rethrow();
+  // Every rank returned, yet a collective one of them left unwaited failed (a peer never issued
+  // it, or it timed out): nothing else would say so. After a rank's error the rethrown error
+  // explains those failures.
+  for (int r = 0; r < world_size; ++r) unwaited[static_cast<size_t>(r)].warn(r);
 }
 
 ProcessGroup* current_world() {

@@ -8,6 +8,7 @@
 #include <array>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -765,6 +766,34 @@ std::string first_free_name(ProcessGroup& group, const std::function<std::string
     std::string name = candidate(k);
     if (on_every_rank(group, group.registry().find(name) == nullptr, what)) return name;
   }
+}
+
+void UnwaitedFailures::note(const Work& work) {
+  if (!work.is_completed() || !work.failed()) return;
+  if (count_++ > 0) return;
+  try {
+    std::rethrow_exception(work.exception());
+  } catch (const std::exception& e) {
+    first_ = e.what();
+  } catch (...) {
+    first_ = "a non-standard exception";
+  }
+}
+
+void UnwaitedFailures::warn(int rank) const {
+  if (count_ == 0) return;
+  if (count_ == 1) {
+    fmt::print(stderr,
+               "funcol: warning: rank {} ended with a collective it had not waited for, which "
+               "failed: {}\n",
+               rank, first_);
+  } else {
+    fmt::print(stderr,
+               "funcol: warning: rank {} ended with {} collectives it had not waited for, which "
+               "failed; the first: {}\n",
+               rank, count_, first_);
+  }
+  std::fflush(stderr);
 }
 
 std::string format_ranks(const std::vector<int>& ranks) {

@@ -276,6 +276,24 @@ std::string first_free_name(ProcessGroup& group, const std::function<std::string
 // all)]", so that an error about a large job stays one readable line.
 std::string format_ranks(const std::vector<int>& ranks);
 
+// The collectives a rank left in flight, never waited for, when it ended (run_local's function
+// returned, destroy_process_group): their failures reach nobody else, so a rank that issued a
+// collective its peers never issued would end silently. note() counts a failed one; warn()
+// says so on stderr.
+class UnwaitedFailures {
+ public:
+  // Counts `work` when it has failed (a Work not yet finished is not counted).
+  void note(const Work& work);
+  size_t count() const { return count_; }
+  // On stderr, when any failed: "funcol: warning: rank R ended with a collective it had not
+  // waited for, which failed: MESSAGE" (or "N collectives ...; the first: MESSAGE").
+  void warn(int rank) const;
+
+ private:
+  size_t count_ = 0;
+  std::string first_;
+};
+
 // The number in environment variable `name` (blanks may follow it), or nullopt when the
 // variable is unset or empty. InvalidArgument "NAME=value: expected <expected>" when the value
 // is not a finite number or `valid` rejects it.

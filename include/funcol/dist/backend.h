@@ -18,7 +18,10 @@ constexpr int kMaxLocalRanks = 4096;
 // Runs fn once per rank, as `world_size` threads of this process over the `threads` backend.
 // Blocks until every rank has finished, then rethrows the first exception any rank threw
 // (the earliest in time). A rank that throws or returns early makes its peers' pending and
-// future collectives on shared groups fail with CommError within about a second.
+// future collectives on shared groups fail with CommError within about a second. A rank that
+// returns waits for the collectives it left in flight (each within its timeout); when no rank
+// threw and some of those failed, it warns on stderr ("funcol: warning: rank R ended with a
+// collective it had not waited for, which failed: ...").
 void run_local(int world_size, const std::function<void(ProcessGroup& world)>& fn);
 
 // Options of run_local.

@@ -458,6 +458,11 @@ void PeerMonitor::set_departure_error(std::string error) {
   departure_error_ = std::move(error);
 }
 
+bool PeerMonitor::has_departure_error() const {
+  std::lock_guard lock(mu_);
+  return !departure_error_.empty();
+}
+
 void PeerMonitor::shutdown(bool at_exit) {
   {
     std::lock_guard lock(mu_);

@@ -124,6 +124,7 @@ class PeerMonitor {
 
   // What this process is leaving because of, for the goodbye (peers name it); empty: none.
   void set_departure_error(std::string error);
+  bool has_departure_error() const;
   // Says goodbye to every peer (with this process's progress and its departure error, if any)
   // and stops the monitor thread. Idempotent; the destructor calls it.
   // `at_exit`: the process is exiting without having called destroy_process_group.

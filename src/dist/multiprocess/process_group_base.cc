@@ -126,10 +126,27 @@ void ProcessJob::shutdown(bool at_exit) {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-void ProcessJob::drain() {
+dist_detail::UnwaitedFailures ProcessJob::drain() {
   // Each collective's own deadline (the watchdog fails it) comes first; this one is a backstop.
   const auto deadline = std::chrono::steady_clock::now() + timeout_ + std::chrono::seconds(5);
-  for (const auto& group : live_groups()) group->drain(deadline);
+  const auto groups = live_groups();
+  std::vector<std::shared_ptr<Work>> works;
+  for (const auto& group : groups) group->append_inflight_works(works);
+  for (const auto& group : groups) group->drain(deadline);
+  dist_detail::UnwaitedFailures failures;
+  for (const auto& work : works) {
+    // Those a departed peer never issued fail at a deadline the departure shortened (drain
+    // does not wait for them): within half a second.
+    while (!work->is_completed() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    failures.note(*work);
+  }
+  return failures;
+}
+
+bool ProcessJob::leaving_after_error() const {
+  return monitor_ != nullptr && monitor_->has_departure_error();
 }
 
 void ProcessJob::add_group(const std::shared_ptr<ProcessGroupBase>& group) {
@@ -436,6 +453,13 @@ void ProcessGroupBase::remove_inflight(const CollectiveOp* op) {
   auto it = std::find_if(inflight_.begin(), inflight_.end(),
                          [&](const auto& p) { return p.get() == op; });
   if (it != inflight_.end()) inflight_.erase(it);
+}
+
+void ProcessGroupBase::append_inflight_works(std::vector<std::shared_ptr<Work>>& works) const {
+  std::lock_guard lock(mu_);
+  for (const auto& op : inflight_) {
+    if (!op->work->is_completed()) works.push_back(op->work);
+  }
 }
 
 void ProcessGroupBase::drain(std::chrono::steady_clock::time_point deadline) {

@@ -81,8 +81,11 @@ class ProcessJob {
   void remove_group(const ProcessGroupBase* group);
 
   // Waits until every collective issued on every live group has ended, within the timeout
-  // (destroy_process_group, before shutdown: see ProcessGroupBase::drain).
-  void drain();
+  // (destroy_process_group, before shutdown: see ProcessGroupBase::drain). Returns the failures
+  // of those that were still in flight (nobody waited for them: the caller warns).
+  dist_detail::UnwaitedFailures drain();
+  // True when this process leaves because of an error it reported (set_departure_error).
+  bool leaving_after_error() const;
   // Says goodbye to the peers and stops the watchdog (destroy_process_group; `at_exit`: called
   // by the process's exit instead).
   void shutdown(bool at_exit = false);
@@ -165,6 +168,9 @@ class ProcessGroupBase : public ProcessGroup,
   // group before the goodbye: dropped results still complete, and peers get this process's
   // part of every collective it issued.
   void drain(std::chrono::steady_clock::time_point deadline);
+  // The Works of the collectives in flight and not finished, in issue order, appended to
+  // `works`.
+  void append_inflight_works(std::vector<std::shared_ptr<Work>>& works) const;
 
  protected:
   ProcessGroupBase(int rank, std::vector<int> global_ranks, std::string name,

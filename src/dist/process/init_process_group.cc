@@ -160,7 +160,9 @@ void destroy_world(bool at_exit) {
   // workers finish; then the goodbye tells the peers how far this process got. Groups a caller
   // still holds must not be used afterwards.
   auto job = world.job;
-  job->drain();
+  const dist_detail::UnwaitedFailures unwaited = job->drain();
+  // A process that reported its own error explains those failures with it.
+  if (!job->leaving_after_error()) unwaited.warn(job->rank());
   registry.reset();
   world = {};
   job->shutdown(at_exit);

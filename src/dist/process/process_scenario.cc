@@ -516,6 +516,24 @@ void expect_departure(funcol::ProcessGroup& world, const std::string& how) {
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
 }
 
+// A collective a rank never waits for fails: the last rank leaves without issuing it. Nothing
+// else would report it (the rank's program ends as if it had run), so destroy_process_group,
+// which finds it still in flight, warns, naming it (the test greps the warning). The leaver
+// leaves a second after the others issued it (on a host so slow that they issue it only after
+// its goodbye, it fails as they issue it and nothing warns: the test fails).
+void scenario_unwaited(funcol::ProcessGroup& world) {
+  check_sum(world);
+  if (world.rank() == world.size() - 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    funcol::destroy_process_group();
+    ok("left without issuing");
+    return;
+  }
+  world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);  // its result dropped
+  ok("issued, not waited for");
+  funcol::destroy_process_group();
+}
+
 void scenario_depart(funcol::ProcessGroup& world) {
   const int leaver = world.size() - 1;
   const int n = world.size();
@@ -1126,6 +1144,8 @@ int main(int argc, char** argv) {
       scenario_different_timeout(*world);
     } else if (scenario == "depart") {
       scenario_depart(*world);
+    } else if (scenario == "unwaited") {
+      scenario_unwaited(*world);
     } else if (scenario == "split_kill") {
       scenario_split_kill(*world);
     } else if (scenario == "death_then_departure") {

@@ -1130,7 +1130,7 @@ class World {
   bool warn_if_stalled(const SharedGroup& group, uint64_t arrived, const std::string& description,
                        std::chrono::nanoseconds slept);
   void depart(int rank, const std::string& reason);
-  void drain(int rank);
+  dist_detail::UnwaitedFailures drain(int rank);
   // The groups `rank` (global) is a member of, in creation order.
   std::vector<SharedGroup*> groups_of(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
@@ -2142,7 +2142,7 @@ void World::depart(int rank, const std::string& reason) {
   }
 }
 
-void World::drain(int rank) {
+dist_detail::UnwaitedFailures World::drain(int rank) {
   std::vector<std::shared_ptr<Work>> works;
   {
     RankState& rs = *ranks_[rank];
@@ -2163,13 +2163,18 @@ void World::drain(int rank) {
       }
     }
   }
+  // Only those still running now can fail unseen: a finished op may stay queued a while, also
+  // one whose failure the rank caught.
+  std::erase_if(works, [](const std::shared_ptr<Work>& w) { return w->is_completed(); });
+  dist_detail::UnwaitedFailures failures;
   for (auto& work : works) {
     try {
       work->wait();
     } catch (const Error&) {
-      // An unwaited result's failure has nobody to report to; the rank already finished.
+      failures.note(*work);  // the rank already finished: run_local says so
     }
   }
+  return failures;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -3588,6 +3593,6 @@ std::shared_ptr<ProcessGroup> make_world_group(const std::shared_ptr<World>& wor
 
 void depart(World& world, int rank, const std::string& reason) { world.depart(rank, reason); }
 
-void drain(World& world, int rank) { world.drain(rank); }
+dist_detail::UnwaitedFailures drain(World& world, int rank) { return world.drain(rank); }
 
 }  // namespace funcol::threads_detail

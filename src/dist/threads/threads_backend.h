@@ -8,6 +8,10 @@
 
 #include "funcol/dist/process_group.h"
 
+namespace funcol::dist_detail {
+class UnwaitedFailures;  // checks.h
+}  // namespace funcol::dist_detail
+
 namespace funcol::threads_detail {
 
 // Shared state of one run_local: ranks, their collective queues, groups and rendezvous.
@@ -22,9 +26,9 @@ std::shared_ptr<ProcessGroup> make_world_group(const std::shared_ptr<World>& wor
 // with CommError "... rank R departed (<reason>) before joining; missing ranks [...]".
 // Collectives it already joined still complete (its peers' threads execute them).
 void depart(World& world, int rank, const std::string& reason);
-// Waits (each with its timeout) for every collective `rank` issued; failures are dropped (an
-// unwaited result's failure has nobody to report to).
-void drain(World& world, int rank);
+// Waits (each with its timeout) for every collective `rank` issued and has not finished; returns
+// their failures (an unwaited result's failure has nobody else to report to: run_local warns).
+dist_detail::UnwaitedFailures drain(World& world, int rank);
 
 // Tests: true makes the streaming copies (FUNCOL_STREAM_MB) take their SSE2 loop on every CPU,
 // the loop a CPU without AVX2 runs.

@@ -295,6 +295,7 @@ TEST(RunLocalTest, AReturnedRanksUnwaitedCollectivesKeepTheirTimeout) {
       SCOPED_TRACE(::testing::Message() << numel << " elements, peer " << late_ms << " ms late");
       std::string message;
       std::vector<float> result;
+      ::testing::internal::CaptureStderr();
       run_local(
           2,
           [&](ProcessGroup& world) {
@@ -308,13 +309,20 @@ TEST(RunLocalTest, AReturnedRanksUnwaitedCollectivesKeepTheirTimeout) {
             if (message.empty()) result = t.to_vector<float>();
           },
           LocalOptions{std::chrono::milliseconds(300)});
+      const std::string warnings = ::testing::internal::GetCapturedStderr();
       if (late_ms < 300) {
         EXPECT_EQ(message, "");
         EXPECT_EQ(result, std::vector<float>(numel, 3.0f));
+        EXPECT_EQ(warnings, "");
       } else {
         EXPECT_EQ(message,
                   "all_reduce on group 'world' (seq 0): timed out after 0.3 s; missing ranks [1]; "
                   "rank 1 issued it only after the others had given up on it");
+        // Rank 0 never learns of it but from run_local's warning.
+        EXPECT_EQ(warnings,
+                  "funcol: warning: rank 0 ended with a collective it had not waited for, which "
+                  "failed: all_reduce on group 'world' (seq 0): timed out after 0.3 s; missing "
+                  "ranks [1]\n");
       }
     }
   }
@@ -334,6 +342,39 @@ std::vector<int> my_cpus() {
 
 // bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
 // ranks alone otherwise, and gives the calling thread its own mask back.
+// A rank that returns leaving collectives its peer never issues: they fail (here at their
+// timeout, the peer returning later), and run_local, which returns normally (no rank threw),
+// warns with the count and the first failure. (One that failed before its rank returned, the
+// peer having left first, is not counted: the warning covers collectives in flight at the end.)
+// When a rank threw, its rethrown error explains such failures: no warning.
+TEST(RunLocalTest, WarnsOfUnwaitedCollectivesThatFailed) {
+  ::testing::internal::CaptureStderr();
+  run_local(
+      2,
+      [](ProcessGroup& world) {
+        if (world.rank() == 1) {
+          world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
+          world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
+        } else {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+        }
+      },
+      LocalOptions{std::chrono::milliseconds(1000)});
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "funcol: warning: rank 1 ended with 2 collectives it had not waited for, which "
+            "failed; the first: all_reduce on group 'world' (seq 0): timed out after 1 s; "
+            "missing ranks [0]\n");
+
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(run_local(2,
+                         [](ProcessGroup& world) {
+                           if (world.rank() == 0) throw InvalidArgument("rank 0's own error");
+                           world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
+                         }),
+               InvalidArgument);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
 TEST(RunLocalTest, BindThreads) {
   const std::vector<int> before = my_cpus();
   LocalOptions options;
