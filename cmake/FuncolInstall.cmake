@@ -1,5 +1,5 @@
-# Installs headers, libraries, bin/funcol, the CMake package (find_package(funcol) ->
-# funcol::funcol) and funcol.pc.
+# Installs headers, libraries, bin/funcol (and bin/funcol-gloo-launch with gloo), the CMake
+# package (find_package(funcol) -> funcol::funcol) and funcol.pc.
 include(CMakePackageConfigHelpers)
 
 get_property(_funcol_libs GLOBAL PROPERTY FUNCOL_LIBRARIES)
@@ -12,6 +12,11 @@ install(TARGETS funcol funcol_headers ${_funcol_libs}
 install(DIRECTORY include/funcol DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 if(TARGET funcol_cli)
   install(TARGETS funcol_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+if(FUNCOL_WITH_GLOO)
+  # Starts the ranks of a user's own gloo program on one host.
+  install(PROGRAMS src/dist/gloo/gloo_launch.sh DESTINATION ${CMAKE_INSTALL_BINDIR}
+    RENAME funcol-gloo-launch)
 endif()
 
 set(FUNCOL_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/funcol)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs a funcol build into a temporary prefix and builds a consumer against it, through
 # find_package(funcol) and through pkg-config; both programs must run and print "ok". The
-# consumer includes <Eigen/Core> itself: the package's flags must find it.
+# consumer includes <Eigen/Core> itself: the package's flags must find it. With gloo (third
+# argument 1), the installed bin/funcol-gloo-launch runs the consumer as a 2-process job.
 set -euo pipefail
 build_dir=$1
 consumer_src=$2
+with_gloo=${3:-0}  # 1: the build has the gloo backend
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -31,6 +33,15 @@ cmake -S "$consumer_src" -B "$work/consumer-build" -G Ninja -DCMAKE_PREFIX_PATH=
 cmake --build "$work/consumer-build" >/dev/null
 out=$("$work/consumer-build/consumer")
 [ "$out" = "ok" ] || { echo "cmake consumer printed: $out"; exit 1; }
+
+# With gloo: the installed launcher starts the consumer's ranks as processes of one job.
+if [ "$with_gloo" = 1 ]; then
+  launch="$work/prefix/bin/funcol-gloo-launch"
+  test -x "$launch" || { echo "bin/funcol-gloo-launch was not installed"; exit 1; }
+  out=$(FUNCOL_TIMEOUT=60 "$launch" --np 2 --timeout 120 -- "$work/consumer-build/consumer" gloo)
+  want=$'[rank 0] rank 0 of 2\n[rank 1] rank 1 of 2'
+  [ "$out" = "$want" ] || { echo "funcol-gloo-launch of the consumer printed: $out"; exit 1; }
+fi
 
 # pkg-config funcol
 libdir=$(ls -d "$work/prefix"/lib*/pkgconfig | head -n 1)

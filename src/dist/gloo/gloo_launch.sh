@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Starts N ranks of a gloo program on this host (RANK, WORLD_SIZE, FUNCOL_STORE), waits for
-# them, kills any left after --timeout, and fails when a rank fails.
+# them, kills any left after --timeout seconds (default: no limit), and fails when a rank fails.
+# Installed as bin/funcol-gloo-launch.
 #
-#   gloo_launch.sh --np N [--store URL] [--expect-killed R] [--timeout S] -- program args...
+#   funcol-gloo-launch --np N [--store URL] [--expect-killed R] [--timeout S] -- program args...
 #
 # Without --store, a fresh temporary directory is the file store (removed at the end). Each
 # rank's output is printed, prefixed "[rank R]", once all ranks are done. --expect-killed R
@@ -11,10 +12,11 @@
 # not before: the others may still be asking it for its progress.
 set -uo pipefail
 
+me=$(basename "$0")
 np=""
 store=""
 expect_killed=-1
-timeout=600
+timeout=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --np) np=$2; shift 2 ;;
@@ -22,12 +24,20 @@ while [ $# -gt 0 ]; do
     --expect-killed) expect_killed=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --) shift; break ;;
-    *) echo "gloo_launch.sh: unknown option '$1'" >&2; exit 2 ;;
+    *) echo "$me: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
 if [ -z "$np" ] || [ $# -eq 0 ]; then
-  echo "usage: gloo_launch.sh --np N [--store URL] [--expect-killed R] [--timeout S] --" \
+  echo "usage: $me --np N [--store URL] [--expect-killed R] [--timeout S] --" \
        "program args..." >&2
+  exit 2
+fi
+if ! [[ $np =~ ^[1-9][0-9]*$ ]]; then
+  echo "$me: --np must be a positive integer, got '$np'" >&2
+  exit 2
+fi
+if ! [[ $timeout =~ ^[0-9]+$ ]]; then
+  echo "$me: --timeout must be a whole number of seconds (0: no limit), got '$timeout'" >&2
   exit 2
 fi
 
@@ -60,17 +70,18 @@ only_stopped_left() {
 }
 
 # A hang is a failure, not a stuck CI: past the deadline every rank left is killed.
-deadline=$((SECONDS + timeout))
+if [ "$timeout" -gt 0 ]; then deadline=$((SECONDS + timeout)); else deadline=-1; fi
+before_deadline() { [ "$deadline" -lt 0 ] || [ $SECONDS -lt "$deadline" ]; }
 status=0
 for ((r = 0; r < np; r++)); do
   pid=${pids[$r]}
-  while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+  while kill -0 "$pid" 2>/dev/null && before_deadline; do
     only_stopped_left "$r" && kill -9 "$pid" 2>/dev/null
     # Poll: bash cannot wait for one child with a timeout.
     sleep 0.1
   done
   if kill -0 "$pid" 2>/dev/null; then
-    echo "gloo_launch.sh: rank $r still running after ${timeout} s; killing every rank" >&2
+    echo "$me: rank $r still running after ${timeout} s; killing every rank" >&2
     status=1
     break
   fi
@@ -78,9 +89,9 @@ for ((r = 0; r < np; r++)); do
   wait "$pid" 2>/dev/null
   rc=$?
   if [ $rc -eq 137 ] && [ "$r" -eq "$expect_killed" ]; then
-    echo "gloo_launch.sh: rank $r was killed (SIGKILL), as expected"
+    echo "$me: rank $r was killed (SIGKILL), as expected"
   elif [ $rc -ne 0 ]; then
-    echo "gloo_launch.sh: rank $r exited with status $rc" >&2
+    echo "$me: rank $r exited with status $rc" >&2
     status=1
   fi
 done

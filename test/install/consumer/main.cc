@@ -8,7 +8,8 @@
 
 int main(int argc, char** argv) {
   // `consumer mpi` / `consumer gloo`: links the process backends too (pkg-config must list
-  // their libraries); the install test runs only the threads part.
+  // their libraries); the install test runs the threads part, and with gloo this one under the
+  // installed funcol-gloo-launch.
   if (argc > 1) {
     auto world = funcol::init_process_group(argv[1]);
     std::printf("rank %d of %d\n", world->rank(), world->size());
