@@ -1069,6 +1069,27 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     kBarrier,
   };
 
+  // The slot a piece of `nbytes` bytes travels on. Gloo pairs a send with a receive of the
+  // same peer and slot, so the slot holds what the two sides must agree on: the exchange's
+  // purpose, the op's tag, the piece's size and, for data, the element type and reduction.
+  // Ranks that issued collectives that differ in these at one sequence number (unchecked
+  // without FUNCOL_DEBUG=detail) then never pair: they time out, and the timeout names what
+  // each issued. Paired, Gloo aborted the rank that received more (`op.preamble.length <=
+  // op.nbytes`) and the one that received less completed, its output's tail never written.
+  uint64_t piece_slot(Purpose purpose, const CollectiveOp& op, size_t nbytes) const {
+    dist_detail::Fnv1a key;
+    key.mix(static_cast<int64_t>(nbytes));
+    // The signature exchange must pair whatever the ops are: it is what compares them.
+    if (purpose != Purpose::kSignature) {
+      key.mix(static_cast<int64_t>(op.dtype));
+      key.mix(static_cast<int64_t>(op.reduce_op));
+    }
+    const auto hash24 = static_cast<uint32_t>(key.value() >> 40);  // 24 bits
+    return gloo::Slot::build(
+        static_cast<uint8_t>(kExchangeSlotPrefix + static_cast<uint8_t>(purpose)),
+        (hash24 << 8) | tag_);
+  }
+
   // Posts every receive into `into` and every send from `from`, then waits for them all,
   // each wait with what is left of the collective's time (gloo_timeout). Gloo pairs them by
   // peer and slot, in order. Throws Aborted when on_failed stopped it, Gloo's IoException on
@@ -1076,8 +1097,6 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // into stay with the group until it is destroyed: a peer may still write into them.
   void exchange(Purpose purpose, const Tensor& into, const std::vector<Piece>& recvs,
                 const Tensor& from, const std::vector<Piece>& sends, const CollectiveOp& op) {
-    const uint64_t slot = gloo::Slot::build(
-        static_cast<uint8_t>(kExchangeSlotPrefix + static_cast<uint8_t>(purpose)), tag_);
     Posted posted{into, from,
                   context_->createUnboundBuffer(into.raw_data_ptr(), into.nbytes()),
                   context_->createUnboundBuffer(from.raw_data_ptr(), from.nbytes())};
@@ -1087,8 +1106,12 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
       running_buffers_ = {posted.recv.get(), posted.send.get()};
     }
     try {
-      for (const Piece& p : recvs) posted.recv->recv(p.peer, slot, p.offset, p.nbytes);
-      for (const Piece& p : sends) posted.send->send(p.peer, slot, p.offset, p.nbytes);
+      for (const Piece& p : recvs) {
+        posted.recv->recv(p.peer, piece_slot(purpose, op, p.nbytes), p.offset, p.nbytes);
+      }
+      for (const Piece& p : sends) {
+        posted.send->send(p.peer, piece_slot(purpose, op, p.nbytes), p.offset, p.nbytes);
+      }
       for (size_t i = 0; i < recvs.size(); ++i) {
         if (!posted.recv->waitRecv(nullptr, gloo_timeout(op))) throw Aborted{};
       }
@@ -1267,7 +1290,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // nothing compares the two, and a larger message than expected aborts the receiving rank
   // inside Gloo's transport. Both sides then wait, and time out naming each other.
   static constexpr uint32_t kUserTag = 0;
-  static constexpr uint32_t kStepTag = 1;
+  static constexpr uint32_t kStepTag = 1;  // tags fit in 8 bits (piece_slot)
   uint32_t tag_ = kUserTag;  // the running op's (worker thread only)
   // The slots of funcol's exchanges (plus their Purpose), apart from Gloo's collectives'
   // (gloo/types.h's prefixes end at 0x08; the rendezvous still runs Gloo's barrier).

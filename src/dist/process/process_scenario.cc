@@ -68,6 +68,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -499,6 +500,52 @@ void scenario_different_timeout(funcol::ProcessGroup& world) {
   expect_contains(msg, "the ranks issued different collectives as seq 1");
   if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
   ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+}
+
+// Without FUNCOL_DEBUG=detail nothing compares the ranks' calls before they run. Collectives of
+// one kind that differ in size, element type or reduction, each on a group of its own (a group
+// is unusable after a timeout): every rank's fails at the timeout naming what each issued, and
+// none completes with another's bytes. (On gloo, sizes paired: Gloo aborted the rank that
+// received more, and the other's output kept a tail never written.)
+void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
+  check_sum(world);
+  const bool first = world.rank() == 0;
+  using Issue = std::function<std::shared_ptr<funcol::Work>(funcol::ProcessGroup&)>;
+  const std::pair<const char*, Issue> cases[] = {
+      {"sizes",
+       [&](funcol::ProcessGroup& g) {
+         return g.all_reduce(Tensor::full({first ? 8 : 16}, DType::F32, 1), ReduceOp::Sum);
+       }},
+      {"dtypes",
+       [&](funcol::ProcessGroup& g) {
+         return g.all_reduce(Tensor::full({4}, first ? DType::F32 : DType::I32, 1), ReduceOp::Sum);
+       }},
+      {"reduce_ops",
+       [&](funcol::ProcessGroup& g) {
+         const ReduceOp op = first ? ReduceOp::Sum : ReduceOp::Max;
+         return g.all_reduce(Tensor::full({4}, DType::F32, 1), op);
+       }},
+      {"gather_sizes",
+       [&](funcol::ProcessGroup& g) {
+         const int64_t n = first ? 4 : 6;
+         return g.all_gather(Tensor::empty({2 * n}, DType::F32), Tensor::full({n}, DType::F32, 1));
+       }},
+  };
+  std::vector<std::shared_ptr<funcol::ProcessGroup>> groups;
+  for (const auto& c : cases) groups.push_back(funcol::new_group(world, {0, 1}, c.first));
+  if (world.rank() > 1) return;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const char* what = cases[i].first;
+    const Issue& issue = cases[i].second;
+    const auto start = Clock::now();
+    const std::string msg = expect_comm_error([&] { issue(*groups[i])->wait(); },
+                                              fmt::format("different {}", what));
+    const double took = seconds_since(start);
+    expect_contains(msg, "timed out after");
+    expect_contains(msg, "the ranks issued different collectives as seq 0");
+    if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
+    ok(fmt::format("different {}: CommError after {:.2f} s: {}", what, took, msg));
+  }
 }
 
 // After a rank left: the next collectives (issued until one fails) fail within 10 s with a
@@ -1142,6 +1189,8 @@ int main(int argc, char** argv) {
       scenario_step_pairing(*world);
     } else if (scenario == "different_timeout") {
       scenario_different_timeout(*world);
+    } else if (scenario == "unchecked_mismatch") {
+      scenario_unchecked_mismatch(*world);
     } else if (scenario == "depart") {
       scenario_depart(*world);
     } else if (scenario == "unwaited") {
