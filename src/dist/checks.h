@@ -284,7 +284,6 @@ class UnwaitedFailures {
  public:
   // Counts `work` when it has failed (a Work not yet finished is not counted).
   void note(const Work& work);
-  size_t count() const { return count_; }
   // On stderr, when any failed: "funcol: warning: rank R ended with a collective it had not
   // waited for, which failed: MESSAGE" (or "N collectives ...; the first: MESSAGE").
   void warn(int rank) const;
