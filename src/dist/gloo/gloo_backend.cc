@@ -1071,7 +1071,8 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
 
   // The slot a piece of `nbytes` bytes travels on. Gloo pairs a send with a receive of the
   // same peer and slot, so the slot holds what the two sides must agree on: the exchange's
-  // purpose, the op's tag, the piece's size and, for data, the element type and reduction.
+  // purpose, the op's tag, the piece's size and, for data, the element type (a coalesced
+  // list's first tensor's) and reduction.
   // Ranks that issued collectives that differ in these at one sequence number (unchecked
   // without FUNCOL_DEBUG=detail) then never pair: they time out, and the timeout names what
   // each issued. Paired, Gloo aborted the rank that received more (`op.preamble.length <=

@@ -6,7 +6,8 @@
 #   funcol-gloo-launch --np N [--store URL] [--expect-killed R] [--timeout S] -- program args...
 #
 # Without --store, a fresh temporary directory is the file store (removed at the end). Each
-# rank's output is printed, prefixed "[rank R]", once all ranks are done. --expect-killed R
+# rank's output is printed, prefixed "[rank R]", once all ranks are done (a job that hangs
+# prints nothing until --timeout kills it). --expect-killed R
 # accepts rank R dying of SIGKILL (the failure tests); any other non-zero exit fails the run.
 # A rank that stopped itself (SIGSTOP) is killed (SIGKILL) once every other rank has exited,
 # not before: the others may still be asking it for its progress.
@@ -18,6 +19,10 @@ store=""
 expect_killed=-1
 timeout=0
 while [ $# -gt 0 ]; do
+  case "$1" in
+    --np|--store|--expect-killed|--timeout)
+      if [ $# -lt 2 ]; then echo "$me: $1 needs a value" >&2; exit 2; fi ;;
+  esac
   case "$1" in
     --np) np=$2; shift 2 ;;
     --store) store=$2; shift 2 ;;
@@ -36,8 +41,13 @@ if ! [[ $np =~ ^[1-9][0-9]*$ ]]; then
   echo "$me: --np must be a positive integer, got '$np'" >&2
   exit 2
 fi
-if ! [[ $timeout =~ ^[0-9]+$ ]]; then
+# Decimal, without leading zeros: bash reads 010 as octal.
+if ! [[ $timeout =~ ^(0|[1-9][0-9]*)$ ]]; then
   echo "$me: --timeout must be a whole number of seconds (0: no limit), got '$timeout'" >&2
+  exit 2
+fi
+if ! [[ $expect_killed =~ ^(-1|0|[1-9][0-9]*)$ ]]; then
+  echo "$me: --expect-killed must be a rank, got '$expect_killed'" >&2
   exit 2
 fi
 

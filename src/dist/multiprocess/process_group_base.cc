@@ -130,8 +130,12 @@ dist_detail::UnwaitedFailures ProcessJob::drain() {
   // Each collective's own deadline (the watchdog fails it) comes first; this one is a backstop.
   const auto deadline = std::chrono::steady_clock::now() + timeout_ + std::chrono::seconds(5);
   const auto groups = live_groups();
+  // A process that reported an error of its own explains those failures with it: none are
+  // collected (nor waited for beyond what drain waits).
   std::vector<std::shared_ptr<Work>> works;
-  for (const auto& group : groups) group->append_inflight_works(works);
+  if (!leaving_after_error()) {
+    for (const auto& group : groups) group->append_inflight_works(works);
+  }
   for (const auto& group : groups) group->drain(deadline);
   dist_detail::UnwaitedFailures failures;
   for (const auto& work : works) {

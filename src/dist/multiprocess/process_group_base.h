@@ -82,7 +82,8 @@ class ProcessJob {
 
   // Waits until every collective issued on every live group has ended, within the timeout
   // (destroy_process_group, before shutdown: see ProcessGroupBase::drain). Returns the failures
-  // of those that were still in flight (nobody waited for them: the caller warns).
+  // of those that were still in flight (nobody waited for them: the caller warns), none when
+  // leaving_after_error().
   dist_detail::UnwaitedFailures drain();
   // True when this process leaves because of an error it reported (set_departure_error).
   bool leaving_after_error() const;

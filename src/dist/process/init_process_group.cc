@@ -160,9 +160,7 @@ void destroy_world(bool at_exit) {
   // workers finish; then the goodbye tells the peers how far this process got. Groups a caller
   // still holds must not be used afterwards.
   auto job = world.job;
-  const dist_detail::UnwaitedFailures unwaited = job->drain();
-  // A process that reported its own error explains those failures with it.
-  if (!job->leaving_after_error()) unwaited.warn(job->rank());
+  job->drain().warn(job->rank());  // collectives in flight that failed: see ProcessJob::drain
   registry.reset();
   world = {};
   job->shutdown(at_exit);

@@ -356,13 +356,13 @@ TEST(RunLocalTest, WarnsOfUnwaitedCollectivesThatFailed) {
           world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
           world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
         } else {
-          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          std::this_thread::sleep_for(std::chrono::milliseconds(2500));
         }
       },
-      LocalOptions{std::chrono::milliseconds(1000)});
+      LocalOptions{std::chrono::milliseconds(500)});
   EXPECT_EQ(::testing::internal::GetCapturedStderr(),
             "funcol: warning: rank 1 ended with 2 collectives it had not waited for, which "
-            "failed; the first: all_reduce on group 'world' (seq 0): timed out after 1 s; "
+            "failed; the first: all_reduce on group 'world' (seq 0): timed out after 0.5 s; "
             "missing ranks [0]\n");
 
   ::testing::internal::CaptureStderr();
