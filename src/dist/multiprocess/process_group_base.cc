@@ -154,11 +154,18 @@ bool ProcessJob::leaving_after_error() const {
 }
 
 void ProcessJob::add_group(const std::shared_ptr<ProcessGroupBase>& group) {
+  std::vector<EarlyGaveUp> news;
   {
     std::lock_guard lock(mu_);
     groups_.push_back(group);
+    std::vector<EarlyGaveUp> others;
+    for (auto& n : early_gave_up_) {
+      (n.name == group->name() ? news : others).push_back(std::move(n));
+    }
+    early_gave_up_ = std::move(others);
   }
   cv_.notify_all();
+  for (const EarlyGaveUp& n : news) group->on_peer_gave_up(n.from, n.seq, n.error);
 }
 
 void ProcessJob::remove_group(const ProcessGroupBase* group) {
@@ -184,9 +191,18 @@ void ProcessJob::on_peer_lost(const PeerLoss& loss) {
 
 void ProcessJob::on_gave_up(int from, const std::string& name, int64_t seq,
                             const std::string& error) {
-  for (auto& group : live_groups()) {
-    if (group->name() == name) group->on_peer_gave_up(from, seq, error);
+  std::vector<std::shared_ptr<ProcessGroupBase>> named;
+  {
+    // Decided under the lock add_group takes, so that news for a group being registered is
+    // either seen here or kept for add_group. (Kept news for a group this process never makes
+    // stays, a few bytes.)
+    std::lock_guard lock(mu_);
+    for (auto& g : groups_) {
+      if (auto locked = g.lock(); locked && locked->name() == name) named.push_back(locked);
+    }
+    if (named.empty()) early_gave_up_.push_back({from, name, seq, error});
   }
+  for (auto& group : named) group->on_peer_gave_up(from, seq, error);
 }
 
 void ProcessJob::watchdog() {

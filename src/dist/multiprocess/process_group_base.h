@@ -109,6 +109,15 @@ class ProcessJob {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::weak_ptr<ProcessGroupBase>> groups_;
+  // News that a peer gave up on a collective of a group this process has not registered yet
+  // (the peer made it and used it first): add_group hands it to the group.
+  struct EarlyGaveUp {
+    int from;
+    std::string name;
+    int64_t seq;
+    std::string error;
+  };
+  std::vector<EarlyGaveUp> early_gave_up_;
   bool stopping_ = false;
   std::atomic<bool> shut_down_{false};
   std::thread watchdog_;
