@@ -776,6 +776,18 @@ void scenario_split_no_files(funcol::ProcessGroup& world) {
   ok(report.empty() ? "not a member" : report);
 }
 
+// An i32[16] of ones; with `holds_failure`, holding the failure of an earlier collective
+// instead.
+Tensor all_reduce_input(bool holds_failure) {
+  Tensor t = Tensor::full({16}, DType::I32, 1);
+  if (holds_failure) {
+    auto earlier = std::make_shared<funcol::Work>("an earlier collective");
+    earlier->fail(std::make_exception_ptr(funcol::CommError("the earlier collective failed")));
+    t.storage()->add_pending(earlier);
+  }
+  return t;
+}
+
 // The last rank's input holds the failed result of an earlier collective (a Work failed by
 // hand here): it still takes the all_reduce's place in the group's sequence, and every rank's
 // all_reduce fails at once naming it (not at the timeout, and no rank pairs its next collective
@@ -783,12 +795,7 @@ void scenario_split_no_files(funcol::ProcessGroup& world) {
 void scenario_failed_input(funcol::ProcessGroup& world) {
   const int culprit = world.size() - 1;
   check_sum(world);
-  Tensor t = Tensor::full({16}, DType::I32, 1);
-  if (world.rank() == culprit) {
-    auto earlier = std::make_shared<funcol::Work>("an earlier collective");
-    earlier->fail(std::make_exception_ptr(funcol::CommError("the earlier collective failed")));
-    t.storage()->add_pending(earlier);
-  }
+  const Tensor t = all_reduce_input(world.rank() == culprit);
   const auto start = Clock::now();
   const std::string msg = expect_comm_error([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); },
                                             "all_reduce with the last rank's input failed");
@@ -816,12 +823,7 @@ void scenario_failed_input_new_group(funcol::ProcessGroup& world) {
   double slowest = 0;
   for (int i = 0; i < 20; ++i) {
     auto group = funcol::new_group(world, all, fmt::format("fresh{}", i));
-    Tensor t = Tensor::full({16}, DType::I32, 1);
-    if (world.rank() == culprit) {
-      auto earlier = std::make_shared<funcol::Work>("an earlier collective");
-      earlier->fail(std::make_exception_ptr(funcol::CommError("the earlier collective failed")));
-      t.storage()->add_pending(earlier);
-    }
+    const Tensor t = all_reduce_input(world.rank() == culprit);
     const auto start = Clock::now();
     const std::string msg = expect_comm_error([&] { group->all_reduce(t, ReduceOp::Sum)->wait(); },
                                               "all_reduce with the last rank's input failed");
