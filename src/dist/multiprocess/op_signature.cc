@@ -204,38 +204,54 @@ OpSignature decode_signature(const char* bytes, int group_size) {
   return sig;
 }
 
-std::optional<std::string> check_signatures(const std::vector<OpSignature>& signatures,
-                                            const std::vector<int>& global_ranks,
-                                            const std::string& description) {
-  const int n = static_cast<int>(signatures.size());
-  for (int r = 1; r < n; ++r) {
-    if (!signatures[0].same_call(signatures[r])) {
-      const std::string first = signatures[0].summary();
-      const std::string other = signatures[r].summary();
+std::optional<SignatureDifference> find_difference(const std::vector<RankSignature>& known,
+                                                   const std::vector<int>& global_ranks) {
+  if (known.empty()) return std::nullopt;
+  const OpSignature& first = *known[0].signature;
+  const int first_rank = global_ranks[known[0].group_rank];
+  for (size_t k = 1; k < known.size(); ++k) {
+    const OpSignature& other = *known[k].signature;
+    if (!first.same_call(other)) {
+      const std::string a = first.summary();
+      const std::string b = other.summary();
       // Only the first kSlotsInFull tensors travel in full: say where the difference is when
       // the summaries cannot show it.
-      return fmt::format(
-          "{}: mismatched collectives: rank {} issued {} but rank {} issued {}{}", description,
-          global_ranks[0], first, global_ranks[r], other,
-          first == other ? fmt::format("; they differ in a tensor after the first {} (not shown)",
-                                       kSlotsInFull)
-                         : "");
+      return SignatureDifference{
+          false, fmt::format("rank {} issued {} but rank {} issued {}{}", first_rank, a,
+                             global_ranks[known[k].group_rank], b,
+                             a == b ? fmt::format("; they differ in a tensor after the first {} "
+                                                  "(not shown)",
+                                                  kSlotsInFull)
+                                    : "")};
     }
   }
-  if (n > 0 && signatures[0].kind == OpKind::AllToAll) {
-    for (int i = 0; i < n; ++i) {
-      for (int j = 0; j < n; ++j) {
-        const int64_t sent = signatures[i].input_splits[j];
-        const int64_t expected = signatures[j].output_splits[i];
-        if (sent != expected) {
-          return fmt::format("{}: {}", description,
-                             dist_detail::split_mismatch(global_ranks[i], sent, global_ranks[j],
-                                                         expected));
-        }
+  if (first.kind != OpKind::AllToAll) return std::nullopt;
+  for (const RankSignature& from : known) {
+    for (const RankSignature& to : known) {
+      const int64_t sent = from.signature->input_splits[to.group_rank];
+      const int64_t expected = to.signature->output_splits[from.group_rank];
+      if (sent != expected) {
+        return SignatureDifference{
+            true, dist_detail::split_mismatch(global_ranks[from.group_rank], sent,
+                                              global_ranks[to.group_rank], expected)};
       }
     }
   }
   return std::nullopt;
+}
+
+std::optional<std::string> check_signatures(const std::vector<OpSignature>& signatures,
+                                            const std::vector<int>& global_ranks,
+                                            const std::string& description) {
+  std::vector<RankSignature> known;
+  for (size_t r = 0; r < signatures.size(); ++r) {
+    known.push_back({static_cast<int>(r), &signatures[r]});
+  }
+  auto difference = find_difference(known, global_ranks);
+  if (!difference) return std::nullopt;
+  return difference->splits
+             ? fmt::format("{}: {}", description, difference->what)
+             : fmt::format("{}: mismatched collectives: {}", description, difference->what);
 }
 
 }  // namespace funcol::process

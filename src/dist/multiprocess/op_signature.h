@@ -77,4 +77,25 @@ std::optional<std::string> check_signatures(const std::vector<OpSignature>& sign
                                             const std::vector<int>& global_ranks,
                                             const std::string& description);
 
+// A signature some rank of a group issued: its group rank and what it issued.
+struct RankSignature {
+  int group_rank = 0;
+  const OpSignature* signature = nullptr;
+};
+
+// How the signatures of `known` (some or all of a group's ranks, in group-rank order; ranks
+// named by global_ranks) disagree, as check_signatures finds it: the calls differ, or, for
+// all_to_all, a rank sends another a number of rows that one does not expect. A timeout
+// compares what the ranks that answered issued (without FUNCOL_DEBUG=detail nothing else
+// does).
+struct SignatureDifference {
+  bool splits = false;  // false: the calls differ; true: only all_to_all split sizes disagree
+  // "rank 0 issued X but rank 1 issued Y" (calls), or dist_detail::split_mismatch's
+  // "mismatched split sizes: rank 0 sends 3 rows to rank 1 but rank 1 expects 2 rows from
+  // rank 0" (splits).
+  std::string what;
+};
+std::optional<SignatureDifference> find_difference(const std::vector<RankSignature>& known,
+                                                   const std::vector<int>& global_ranks);
+
 }  // namespace funcol::process

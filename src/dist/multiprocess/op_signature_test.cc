@@ -166,6 +166,41 @@ TEST(OpSignature, AllToAllSplitsAreCheckedPairwise) {
             "from rank 0");
 }
 
+// A timeout compares what the ranks that answered issued: some of the group, named by their
+// group ranks; the absent ones' rows are not judged.
+TEST(OpSignature, TheRanksThatAnsweredAreCompared) {
+  OpSignature r0, r2;
+  r0.kind = r2.kind = OpKind::AllToAll;
+  r0.slots = r2.slots = {{DType::F32, 2}};
+  r0.input_splits = {1, 7, 3};
+  r0.output_splits = {1, 9, 2};
+  r2.input_splits = {2, 8, 4};
+  r2.output_splits = {3, 6, 4};
+  const std::vector<int> global = {4, 5, 6};
+  EXPECT_FALSE(find_difference({{0, &r0}, {2, &r2}}, global));
+  r2.output_splits[0] = 2;
+  auto splits = find_difference({{0, &r0}, {2, &r2}}, global);
+  ASSERT_TRUE(splits);
+  EXPECT_TRUE(splits->splits);
+  EXPECT_EQ(splits->what,
+            "mismatched split sizes: rank 4 sends 3 rows to rank 6 but rank 6 expects 2 rows "
+            "from rank 4");
+  // One rank alone is judged against itself: the rows it sends itself.
+  r0.output_splits[0] = 2;
+  splits = find_difference({{0, &r0}}, global);
+  ASSERT_TRUE(splits);
+  EXPECT_EQ(splits->what,
+            "mismatched split sizes: rank 4 sends 1 row to rank 4 but rank 4 expects 2 rows "
+            "from rank 4");
+  OpSignature other = r2;
+  other.kind = OpKind::AllGather;
+  auto calls = find_difference({{0, &r0}, {2, &other}}, global);
+  ASSERT_TRUE(calls);
+  EXPECT_FALSE(calls->splits);
+  EXPECT_EQ(calls->what.rfind("rank 4 issued all_to_all(", 0), 0u) << calls->what;
+  EXPECT_NE(calls->what.find(" but rank 6 issued all_gather("), std::string::npos) << calls->what;
+}
+
 TEST(OpSignature, LongCoalescedListsCompareBeyondTheFirstEight) {
   OpSignature a;
   a.kind = OpKind::AllReduceCoalesced;

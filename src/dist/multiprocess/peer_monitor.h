@@ -63,8 +63,9 @@ class PeerMonitor {
   void connect(const std::vector<std::string>& addresses, std::chrono::milliseconds timeout,
                const std::function<void()>& poll = {});
 
-  // What this process issued as collective `seq` of a group ("all_reduce(f32[4], op sum)"), or
-  // "" when it no longer knows.
+  // What this process issued as collective `seq` of a group, as bytes the monitor carries
+  // without reading them (the process backends send an encoded OpSignature), or "" when it no
+  // longer knows.
   using Describe = std::function<std::string(int64_t seq)>;
   // Progress counters the monitor reports to peers: the number of collectives this process
   // issued on the group `name`, and what a given one was. Names are unique per process (the

@@ -239,7 +239,7 @@ void ProcessGroupBase::attach() {
   job_->add_group(shared_from_this());
   if (job_->monitor()) {
     job_->monitor()->add_group(name(), posted_,
-                               [recent = recent_](int64_t seq) { return recent->describe(seq); });
+                               [recent = recent_, n = size()](int64_t seq) { return recent->encoded(seq, n); });
   }
   attached_ = true;
   // A peer may be gone before this group existed.
@@ -656,17 +656,30 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   for (const auto& l : losses) msg += "; " + l;
   if (!silent.empty()) msg += silent_note(silent, kProgressQueryWait);
   if (missing.empty()) {
-    const std::string mine = op.signature.summary();
-    size_t other = 0;
-    while (other < peers.size() && (theirs[other].empty() || theirs[other] == mine)) ++other;
-    if (other < peers.size()) {
-      // Lower rank first, as a mismatch says it.
-      const bool me_first = global_rank() < peers[other];
-      msg += fmt::format(
-          "; the ranks issued different collectives as seq {}: rank {} issued {} but rank {} "
-          "issued {} (FUNCOL_DEBUG=detail compares every collective before it runs)",
-          op.seq, me_first ? global_rank() : peers[other], me_first ? mine : theirs[other],
-          me_first ? peers[other] : global_rank(), me_first ? theirs[other] : mine);
+    // What this rank and the peers that answered issued (a departed one does not answer),
+    // compared as FUNCOL_DEBUG=detail would have compared them.
+    std::vector<OpSignature> answered;
+    answered.reserve(peers.size());
+    std::vector<RankSignature> known;
+    const std::vector<int>& ranks = global_ranks();
+    for (int g = 0, p = 0; g < size(); ++g) {
+      if (g == rank()) {
+        known.push_back({g, &op.signature});
+        continue;
+      }
+      const std::string& answer = theirs[static_cast<size_t>(p++)];
+      if (answer.size() != signature_bytes(size())) continue;  // none, or not this group's
+      answered.push_back(decode_signature(answer.data(), size()));
+      known.push_back({g, &answered.back()});
+    }
+    constexpr std::string_view kDetailNote =
+        "FUNCOL_DEBUG=detail compares every collective before it runs";
+    if (auto difference = find_difference(known, ranks)) {
+      msg += difference->splits
+                 ? fmt::format("; the ranks issued seq {} with {} ({})", op.seq,
+                               difference->what, kDetailNote)
+                 : fmt::format("; the ranks issued different collectives as seq {}: {} ({})",
+                               op.seq, difference->what, kDetailNote);
     } else {
       msg += fmt::format("; every rank issued it but {} did not complete it", job_->backend());
     }
@@ -679,11 +692,13 @@ void ProcessGroupBase::RecentOps::record(int64_t seq, const OpSignature& signatu
   ring_[static_cast<size_t>(seq) % kKept] = {seq, signature};
 }
 
-std::string ProcessGroupBase::RecentOps::describe(int64_t seq) {
+std::string ProcessGroupBase::RecentOps::encoded(int64_t seq, int group_size) {
   std::lock_guard lock(mu_);
   if (seq < 0) return {};
   const auto& [at, signature] = ring_[static_cast<size_t>(seq) % kKept];
-  return at == seq ? signature.summary() : std::string();
+  if (at != seq) return {};
+  const std::vector<char> bytes = encode_signature(signature, group_size);
+  return std::string(bytes.begin(), bytes.end());
 }
 
 std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_point now) {

@@ -264,8 +264,9 @@ class ProcessGroupBase : public ProcessGroup,
   class RecentOps {
    public:
     void record(int64_t seq, const OpSignature& signature);
-    // The summary of collective `seq` ("" when it is not among the last kKept).
-    std::string describe(int64_t seq);
+    // Collective `seq`'s signature, encoded for a group of `group_size` ranks (encode_signature),
+    // or "" when it is not among the last kKept.
+    std::string encoded(int64_t seq, int group_size);
 
    private:
     static constexpr size_t kKept = 8;

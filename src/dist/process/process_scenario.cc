@@ -503,9 +503,9 @@ void scenario_different_timeout(funcol::ProcessGroup& world) {
 }
 
 // Without FUNCOL_DEBUG=detail nothing compares the ranks' calls before they run. Collectives of
-// one kind that differ in size, element type or reduction, each on a group of its own (a group
-// is unusable after a timeout): every rank's fails at the timeout naming what each issued, and
-// none completes with another's bytes. (On gloo, sizes paired: Gloo aborted the rank that
+// one kind that differ in size, element type or reduction, or all_to_alls whose split sizes
+// disagree, each on a group of its own (a group is unusable after a timeout): every rank's
+// fails at the timeout naming what each issued, and none completes with another's bytes. (On gloo, sizes paired: Gloo aborted the rank that
 // received more, and the other's output kept a tail never written.)
 void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
   check_sum(world);
@@ -530,6 +530,16 @@ void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
          const int64_t n = first ? 4 : 6;
          return g.all_gather(Tensor::empty({2 * n}, DType::F32), Tensor::full({n}, DType::F32, 1));
        }},
+      // Rank 0 sends rank 1 three rows, rank 1 expects two (every other piece agrees).
+      {"split sizes",
+       [&](funcol::ProcessGroup& g) {
+         const std::vector<int64_t> out = first ? std::vector<int64_t>{1, 2}
+                                                : std::vector<int64_t>{2, 2};
+         const std::vector<int64_t> in = first ? std::vector<int64_t>{1, 3}
+                                               : std::vector<int64_t>{2, 2};
+         return g.all_to_all(Tensor::empty({out[0] + out[1]}, DType::F32),
+                             Tensor::full({4}, DType::F32, 1), out, in);
+       }},
   };
   std::vector<std::shared_ptr<funcol::ProcessGroup>> groups;
   for (const auto& c : cases) groups.push_back(funcol::new_group(world, {0, 1}, c.first));
@@ -542,7 +552,10 @@ void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
                                               fmt::format("different {}", what));
     const double took = seconds_since(start);
     expect_contains(msg, "timed out after");
-    expect_contains(msg, "the ranks issued different collectives as seq 0");
+    expect_contains(msg, i + 1 < groups.size()
+                             ? "the ranks issued different collectives as seq 0"
+                             : "the ranks issued seq 0 with mismatched split sizes: rank 0 sends "
+                               "3 rows to rank 1 but rank 1 expects 2 rows from rank 0");
     if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
     ok(fmt::format("different {}: CommError after {:.2f} s: {}", what, took, msg));
   }
