@@ -6,6 +6,7 @@
 
 #include <fmt/ranges.h>
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <new>
 
@@ -63,44 +64,112 @@ uint64_t graph_hash(const Graph& graph) {
   return xxh3_64(text.data(), text.size());
 }
 
-void check_same_graph(const Graph& graph, ProcessGroup& world) {
-  if (world.size() == 1) return;
-  const uint64_t mine = graph_hash(graph);
-  Tensor in = Tensor::from_vector<int64_t>({static_cast<int64_t>(mine)});
+namespace {
+
+// Every rank's `mine`, in rank order (an all_gather over `world`, labelled as the Executor's).
+std::vector<int64_t> gather_i64(ProcessGroup& world, int64_t mine) {
+  Tensor in = Tensor::from_vector<int64_t>({mine});
   Tensor all = Tensor::empty({world.size()}, DType::I64);
-  // Headed (a peer making a group instead fails with this rank, at once) and labelled, so that
-  // it never pairs with a user's collective a peer issued instead of making its Executor: the
-  // peer's all_gather of one i64 would hold this rank's hash.
-  dist_detail::begin_step(world, "check_same_graph", "Executor");
   {
     const dist_detail::InternalStep step("Executor");
     world.all_gather(all, in)->wait();
   }
-  const std::vector<int64_t> hashes = all.to_vector<int64_t>();
-  bool same = true;
-  for (int64_t h : hashes) same &= h == hashes[0];
-  if (same) return;
-  // Ranks grouped by hash, groups in order of their first rank.
-  std::vector<std::pair<int64_t, std::vector<int>>> groups;
-  for (int r = 0; r < static_cast<int>(hashes.size()); ++r) {
+  return all.to_vector<int64_t>();
+}
+
+// The printed graphs of the ranks differ: the first line that is not the same on every rank
+// (1-based) and each rank's text of it ("" past the end of its graph), for the message. The
+// ranks search in lockstep, halving the lines each round (one all_gather of a prefix's hash),
+// so every rank takes the same branches; then they gather that line, cut to kLineBytes.
+std::pair<int64_t, std::vector<std::string>> first_difference(const std::string& text,
+                                                              ProcessGroup& world) {
+  constexpr int64_t kLineBytes = 120;
+  std::vector<size_t> ends;  // ends[i]: the offset just past line i + 1's newline
+  for (size_t at = text.find('\n'); at != std::string::npos; at = text.find('\n', at + 1)) {
+    ends.push_back(at + 1);
+  }
+  if (ends.empty() || ends.back() != text.size()) ends.push_back(text.size());
+  const std::vector<int64_t> counts = gather_i64(world, static_cast<int64_t>(ends.size()));
+  auto prefix_hash = [&](int64_t lines) {
+    const size_t n = lines == 0 ? 0 : ends[std::min<size_t>(lines, ends.size()) - 1];
+    return static_cast<int64_t>(xxh3_64(text.data(), n));
+  };
+  // The first `lo` lines are the same on every rank; the first `hi` are not (they are every
+  // rank's whole text).
+  int64_t lo = 0;
+  int64_t hi = *std::max_element(counts.begin(), counts.end());
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    const std::vector<int64_t> hashes = gather_i64(world, prefix_hash(mid));
+    const bool same = std::all_of(hashes.begin(), hashes.end(),
+                                  [&](int64_t h) { return h == hashes[0]; });
+    (same ? lo : hi) = mid;
+  }
+  std::string line;
+  if (hi <= static_cast<int64_t>(ends.size())) {
+    const size_t begin = hi == 1 ? 0 : ends[static_cast<size_t>(hi) - 2];
+    line = text.substr(begin, ends[static_cast<size_t>(hi) - 1] - begin);
+    while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+    line.erase(0, line.find_first_not_of(' '));
+    if (static_cast<int64_t>(line.size()) > kLineBytes) line = line.substr(0, kLineBytes - 3) + "...";
+  }
+  std::vector<uint8_t> mine(kLineBytes, 0);
+  std::copy(line.begin(), line.end(), mine.begin());
+  Tensor in = Tensor::from_vector<uint8_t>(mine);
+  Tensor all = Tensor::empty({world.size() * kLineBytes}, DType::U8);
+  {
+    const dist_detail::InternalStep step("Executor");
+    world.all_gather(all, in)->wait();
+  }
+  const std::vector<uint8_t> bytes = all.to_vector<uint8_t>();
+  std::vector<std::string> lines;
+  for (int r = 0; r < world.size(); ++r) {
+    const auto* first = reinterpret_cast<const char*>(bytes.data()) + r * kLineBytes;
+    lines.emplace_back(first, strnlen(first, kLineBytes));
+  }
+  return {hi, std::move(lines)};
+}
+
+}  // namespace
+
+void check_same_graph(const Graph& graph, ProcessGroup& world) {
+  if (world.size() == 1) return;
+  std::string text;
+  print_to(graph, text);
+  // Headed (a peer making a group instead fails with this rank, at once) and labelled, so that
+  // it never pairs with a user's collective a peer issued instead of making its Executor: the
+  // peer's all_gather of one i64 would hold this rank's hash.
+  dist_detail::begin_step(world, "check_same_graph", "Executor");
+  const std::vector<int64_t> hashes =
+      gather_i64(world, static_cast<int64_t>(xxh3_64(text.data(), text.size())));
+  if (std::all_of(hashes.begin(), hashes.end(), [&](int64_t h) { return h == hashes[0]; })) {
+    return;
+  }
+  const auto [line, texts] = first_difference(text, world);
+  // Ranks grouped by their text of the line, groups in order of their first rank.
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < world.size(); ++r) {
+    const std::string& t = texts[static_cast<size_t>(r)];
     auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const auto& g) { return g.first == hashes[r]; });
+                           [&](const auto& g) { return g.first == t; });
     if (it == groups.end()) {
-      groups.push_back({hashes[r], {r}});
+      groups.push_back({t, {r}});
     } else {
       it->second.push_back(r);
     }
   }
   std::string parts;
-  for (const auto& [h, ranks] : groups) {
-    if (!parts.empty()) parts += ", ";
-    parts +=
-        fmt::format("{} {} {} {:016x}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","),
-                    ranks.size() == 1 ? "has" : "have", static_cast<uint64_t>(h));
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const auto& [t, ranks] = groups[i];
+    if (i > 0) parts += i + 1 == groups.size() ? " and " : ", ";
+    parts += fmt::format("{} on {} {}", t.empty() ? "past the end" : fmt::format("`{}`", t),
+                         ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
   }
-  throw InvalidArgument(
-      fmt::format("graph @{} differs between ranks: {} (every rank must run the same graph)",
-                  graph.name(), parts));
+  throw InvalidArgument(fmt::format(
+      "graph @{} differs between ranks: its printed line {} is {} (every rank must run the same "
+      "graph; graphs traced with per-rank split sizes, such as permute_tensor's, need "
+      "ExecutorOptions::check_same_graph = false)",
+      graph.name(), line, parts));
 }
 
 }  // namespace funcol
