@@ -845,6 +845,46 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
   }
 }
 
+// Of a long line, the message shows the part around the first byte that differs.
+TEST(ExecutorErrors, ALongDifferentLineIsShownWhereItDiffers) {
+  auto graph_of = [&](const std::string& group) {
+    return parse("graph @g(%x: f32[2]) {\n  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"" +
+                 group + "\"} : f32[2]\n  %w = wait_tensor(%ar) : f32[2]\n  return %w\n}\n");
+  };
+  const std::string name(300, 'n');
+  for (const auto& [a, b] : {std::pair<std::string, std::string>{name + "a", name + "b"},
+                             {"a" + name, "b" + name},
+                             {name.substr(0, 150) + "a" + name, name.substr(0, 150) + "b" + name}}) {
+    auto g0 = graph_of(a);
+    auto g1 = graph_of(b);
+    std::vector<std::string> errors(2);
+    run_local(2, [&](ProcessGroup& world) {
+      try {
+        Executor ex(world.rank() == 0 ? *g0 : *g1, world);
+      } catch (const InvalidArgument& e) {
+        errors[world.rank()] = e.what();
+      }
+    });
+    EXPECT_EQ(errors[0], errors[1]);
+    const std::string& e = errors[0];
+    // Up to 60 bytes before the difference, 128 in all with the ellipses.
+    const size_t at = a.find_first_of("ab");
+    const size_t head = std::min<size_t>(at, 60);
+    const std::string before = a.substr(at - head, head);
+    for (const char* side : {"a", "b"}) {
+      const std::string shown = (at > 60 ? "..." : "%ar = all_reduce(%x) {reduce_op = \"sum\", group = \"") + before + side;
+      EXPECT_NE(e.find("`" + shown), std::string::npos) << shown << "\n" << e;
+    }
+    EXPECT_NE(e.find("its printed line 2 is `"), std::string::npos) << e;
+    // Cut after it where the line goes on for longer.
+    const bool cut_after = a.size() - at > 60;
+    EXPECT_NE(e.find(cut_after ? "...` on rank 0 and `" : "a\"} : f32[2]` on rank 0 and `"),
+              std::string::npos)
+        << e;
+    EXPECT_LT(e.size(), 2 * 128 + 300u) << e;
+  }
+}
+
 // The graph check is a collective of funcol's own: a peer that issued one of the same shape
 // instead (an all_gather of one i64, or an all_reduce of the i64[2] header every such check
 // begins with) gets a mismatch naming the check, not this rank's hash or header as its

@@ -77,57 +77,55 @@ std::vector<int64_t> gather_i64(ProcessGroup& world, int64_t mine) {
   return all.to_vector<int64_t>();
 }
 
-// The printed graphs of the ranks differ: the first line that is not the same on every rank
-// (1-based) and each rank's text of it ("" past the end of its graph), for the message. The
-// ranks search in lockstep, halving the lines each round (one all_gather of a prefix's hash),
-// so every rank takes the same branches; then they gather that line, cut to kLineBytes.
+// The printed graphs of the ranks differ: the line of their first differing byte (1-based;
+// the bytes before it are the same on every rank, so it is too) and each rank's text of that
+// line around the byte ("" past the end of its graph), for the message. The ranks search in
+// lockstep, halving the bytes each round (one all_gather of a prefix's hash), so every rank
+// takes the same branches; then they gather their text of the line, at most kShownBytes of it.
 std::pair<int64_t, std::vector<std::string>> first_difference(const std::string& text,
                                                               ProcessGroup& world) {
-  constexpr int64_t kLineBytes = 120;
-  std::vector<size_t> ends;  // ends[i]: the offset just past line i + 1's newline
-  for (size_t at = text.find('\n'); at != std::string::npos; at = text.find('\n', at + 1)) {
-    ends.push_back(at + 1);
+  constexpr size_t kBefore = 60;      // bytes shown before the first differing one
+  constexpr size_t kShownBytes = 128;  // with the "..." at either end
+  const std::vector<int64_t> sizes = gather_i64(world, static_cast<int64_t>(text.size()));
+  // The first `same` bytes are the same on every rank; the first `differ` are not (they are
+  // every rank's whole text, which differ).
+  size_t same = 0;
+  auto differ = static_cast<size_t>(*std::max_element(sizes.begin(), sizes.end()));
+  while (differ - same > 1) {
+    const size_t mid = same + (differ - same) / 2;
+    const std::vector<int64_t> hashes = gather_i64(
+        world, static_cast<int64_t>(xxh3_64(text.data(), std::min(mid, text.size()))));
+    const bool all_same = std::all_of(hashes.begin(), hashes.end(),
+                                      [&](int64_t h) { return h == hashes[0]; });
+    (all_same ? same : differ) = mid;
   }
-  if (ends.empty() || ends.back() != text.size()) ends.push_back(text.size());
-  const std::vector<int64_t> counts = gather_i64(world, static_cast<int64_t>(ends.size()));
-  auto prefix_hash = [&](int64_t lines) {
-    const size_t n = lines == 0 ? 0 : ends[std::min<size_t>(lines, ends.size()) - 1];
-    return static_cast<int64_t>(xxh3_64(text.data(), n));
-  };
-  // The first `lo` lines are the same on every rank; the first `hi` are not (they are every
-  // rank's whole text).
-  int64_t lo = 0;
-  int64_t hi = *std::max_element(counts.begin(), counts.end());
-  while (hi - lo > 1) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    const std::vector<int64_t> hashes = gather_i64(world, prefix_hash(mid));
-    const bool same = std::all_of(hashes.begin(), hashes.end(),
-                                  [&](int64_t h) { return h == hashes[0]; });
-    (same ? lo : hi) = mid;
+  const size_t at = same;  // the first byte that differs (or lies past some rank's end)
+  const int64_t line = 1 + std::count(text.begin(), text.begin() + static_cast<ptrdiff_t>(at), '\n');
+  size_t begin = at == 0 ? 0 : text.rfind('\n', at - 1);
+  begin = begin == std::string::npos || at == 0 ? 0 : begin + 1;
+  while (begin < at && text[begin] == ' ') ++begin;  // the indentation
+  size_t end = std::min(text.find('\n', at), text.size());
+  std::string shown;
+  if (begin < end) {
+    const size_t from = at - begin > kBefore ? at - kBefore : begin;
+    const size_t to = std::min(end, from + kShownBytes - 6);
+    shown = (from > begin ? "..." : "") + text.substr(from, to - from) + (to < end ? "..." : "");
   }
-  std::string line;
-  if (hi <= static_cast<int64_t>(ends.size())) {
-    const size_t begin = hi == 1 ? 0 : ends[static_cast<size_t>(hi) - 2];
-    line = text.substr(begin, ends[static_cast<size_t>(hi) - 1] - begin);
-    while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
-    line.erase(0, line.find_first_not_of(' '));
-    if (static_cast<int64_t>(line.size()) > kLineBytes) line = line.substr(0, kLineBytes - 3) + "...";
-  }
-  std::vector<uint8_t> mine(kLineBytes, 0);
-  std::copy(line.begin(), line.end(), mine.begin());
+  std::vector<uint8_t> mine(kShownBytes, 0);
+  std::copy(shown.begin(), shown.end(), mine.begin());
   Tensor in = Tensor::from_vector<uint8_t>(mine);
-  Tensor all = Tensor::empty({world.size() * kLineBytes}, DType::U8);
+  Tensor all = Tensor::empty({world.size() * static_cast<int64_t>(kShownBytes)}, DType::U8);
   {
     const dist_detail::InternalStep step("Executor");
     world.all_gather(all, in)->wait();
   }
   const std::vector<uint8_t> bytes = all.to_vector<uint8_t>();
-  std::vector<std::string> lines;
+  std::vector<std::string> texts;
   for (int r = 0; r < world.size(); ++r) {
-    const auto* first = reinterpret_cast<const char*>(bytes.data()) + r * kLineBytes;
-    lines.emplace_back(first, strnlen(first, kLineBytes));
+    const auto* first = reinterpret_cast<const char*>(bytes.data()) + r * kShownBytes;
+    texts.emplace_back(first, strnlen(first, kShownBytes));
   }
-  return {hi, std::move(lines)};
+  return {line, std::move(texts)};
 }
 
 }  // namespace

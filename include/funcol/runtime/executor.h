@@ -110,9 +110,10 @@ void validate_groups(const Graph& graph,
 
 // XXH3-64 of the printed graph (print(graph)): equal graphs hash equal on every rank.
 uint64_t graph_hash(const Graph& graph);
-// All-gathers graph_hash over `world`; when they differ, the ranks find the first line of the
+// All-gathers graph_hash over `world`; when they differ, the ranks find the first byte of the
 // printed graph that differs (in lockstep, a hash of a prefix per round) and every rank throws
-// the same InvalidArgument showing it: "graph @g differs between ranks: its printed line 2 is
+// the same InvalidArgument showing each rank's text of its line (of a long line, the part
+// around that byte): "graph @g differs between ranks: its printed line 2 is
 // `%y = neg(%x) : f32[2]` on ranks 0,2 and `%y = relu(%x) : f32[2]` on rank 1 (...)". The
 // all_gather is labelled as funcol's own step: a peer's collective issued in its place fails
 // (CommError, "[funcol's agreement step for Executor]") instead of pairing with it.
