@@ -776,18 +776,27 @@ TEST(ExecutorErrors, InputsAreChecked) {
   });
 }
 
+// Each rank's InvalidArgument ("" for none) making an Executor on `ranks` ranks, rank
+// `odd_rank` with graph `odd` and the others with `usual`.
+std::vector<std::string> executor_errors(int ranks, const Graph& usual, const Graph& odd,
+                                         int odd_rank) {
+  std::vector<std::string> errors(static_cast<size_t>(ranks));
+  run_local(ranks, [&](ProcessGroup& world) {
+    const int r = world.rank();
+    try {
+      Executor ex(r == odd_rank ? odd : usual, world);
+    } catch (const InvalidArgument& e) {
+      errors[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  return errors;
+}
+
 TEST(ExecutorErrors, DifferentGraphsOnDifferentRanksFailFast) {
   auto g0 = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
   auto g1 = parse("graph @g(%x: f32[2]) {\n  %y = relu(%x) : f32[2]\n  return %y\n}\n");
   EXPECT_NE(graph_hash(*g0), graph_hash(*g1));
-  std::vector<std::string> errors(3);
-  run_local(3, [&](ProcessGroup& world) {
-    try {
-      Executor ex(world.rank() == 1 ? *g1 : *g0, world);
-    } catch (const InvalidArgument& e) {
-      errors[world.rank()] = e.what();
-    }
-  });
+  const std::vector<std::string> errors = executor_errors(3, *g0, *g1, 1);
   const std::string expect =
       "graph @g differs between ranks: its printed line 2 is `%y = neg(%x) : f32[2]` on ranks "
       "0,2 and `%y = relu(%x) : f32[2]` on rank 1 (every rank must run the same graph; graphs "
@@ -807,25 +816,12 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
     }
     return parse(text + fmt::format("  return %v{}\n}}\n", nodes));
   };
-  // Every rank's error when rank `odd_rank` runs `odd` and the others `usual`.
-  auto errors_of = [](const Graph& usual, const Graph& odd, int odd_rank) {
-    std::vector<std::string> errors(4);
-    run_local(4, [&](ProcessGroup& world) {
-      const int r = world.rank();
-      try {
-        Executor ex(r == odd_rank ? odd : usual, world);
-      } catch (const InvalidArgument& e) {
-        errors[r] = e.what();
-      }
-    });
-    return errors;
-  };
   for (int nodes : {1, 2, 7, 40}) {
     for (int odd = 1; odd <= nodes; odd += std::max(1, nodes / 5)) {
       SCOPED_TRACE(fmt::format("{} nodes, node {} differs", nodes, odd));
       const std::string line = fmt::format("%v{} = relu(%v{}) : f32[2]", odd, odd - 1);
       for (const std::string& e :
-           errors_of(*chain(nodes, odd, "neg"), *chain(nodes, odd, "relu"), 2)) {
+           executor_errors(4, *chain(nodes, odd, "neg"), *chain(nodes, odd, "relu"), 2)) {
         EXPECT_NE(e.find(fmt::format("its printed line {} is `%v{} = neg(%v{}) : f32[2]` on "
                                      "ranks 0,1,3 and `{}` on rank 2",
                                      odd + 1, odd, odd - 1, line)),
@@ -834,7 +830,7 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
       }
       // A longer graph on rank 3: its first extra line against the others' return.
       for (const std::string& e :
-           errors_of(*chain(nodes, 0, "neg"), *chain(nodes + 3, 0, "neg"), 3)) {
+           executor_errors(4, *chain(nodes, 0, "neg"), *chain(nodes + 3, 0, "neg"), 3)) {
         EXPECT_NE(e.find(fmt::format("its printed line {} is `return %v{}` on ranks 0,1,2 and "
                                      "`%v{} = neg(%v{}) : f32[2]` on rank 3",
                                      nodes + 2, nodes, nodes + 1, nodes)),
@@ -848,23 +844,16 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
 // Of a long line, the message shows the part around the first byte that differs.
 TEST(ExecutorErrors, ALongDifferentLineIsShownWhereItDiffers) {
   auto graph_of = [&](const std::string& group) {
-    return parse("graph @g(%x: f32[2]) {\n  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"" +
-                 group + "\"} : f32[2]\n  %w = wait_tensor(%ar) : f32[2]\n  return %w\n}\n");
+    return parse(
+        "graph @g(%x: f32[2]) {\n  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"" + group +
+        "\"} : f32[2]\n  %w = wait_tensor(%ar) : f32[2]\n  return %w\n}\n");
   };
   const std::string name(300, 'n');
+  const std::string half = name.substr(0, 150);
   for (const auto& [a, b] : {std::pair<std::string, std::string>{name + "a", name + "b"},
                              {"a" + name, "b" + name},
-                             {name.substr(0, 150) + "a" + name, name.substr(0, 150) + "b" + name}}) {
-    auto g0 = graph_of(a);
-    auto g1 = graph_of(b);
-    std::vector<std::string> errors(2);
-    run_local(2, [&](ProcessGroup& world) {
-      try {
-        Executor ex(world.rank() == 0 ? *g0 : *g1, world);
-      } catch (const InvalidArgument& e) {
-        errors[world.rank()] = e.what();
-      }
-    });
+                             {half + "a" + name, half + "b" + name}}) {
+    const std::vector<std::string> errors = executor_errors(2, *graph_of(a), *graph_of(b), 1);
     EXPECT_EQ(errors[0], errors[1]);
     const std::string& e = errors[0];
     // Up to 60 bytes before the difference, 128 in all with the ellipses.
@@ -872,7 +861,9 @@ TEST(ExecutorErrors, ALongDifferentLineIsShownWhereItDiffers) {
     const size_t head = std::min<size_t>(at, 60);
     const std::string before = a.substr(at - head, head);
     for (const char* side : {"a", "b"}) {
-      const std::string shown = (at > 60 ? "..." : "%ar = all_reduce(%x) {reduce_op = \"sum\", group = \"") + before + side;
+      const std::string start =
+          at > 60 ? "..." : "%ar = all_reduce(%x) {reduce_op = \"sum\", group = \"";
+      const std::string shown = start + before + side;
       EXPECT_NE(e.find("`" + shown), std::string::npos) << shown << "\n" << e;
     }
     EXPECT_NE(e.find("its printed line 2 is `"), std::string::npos) << e;

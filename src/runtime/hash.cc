@@ -100,7 +100,8 @@ std::pair<int64_t, std::vector<std::string>> first_difference(const std::string&
     (all_same ? same : differ) = mid;
   }
   const size_t at = same;  // the first byte that differs (or lies past some rank's end)
-  const int64_t line = 1 + std::count(text.begin(), text.begin() + static_cast<ptrdiff_t>(at), '\n');
+  const int64_t line =
+      1 + std::count(text.begin(), text.begin() + static_cast<ptrdiff_t>(at), '\n');
   size_t begin = at == 0 ? 0 : text.rfind('\n', at - 1);
   begin = begin == std::string::npos || at == 0 ? 0 : begin + 1;
   while (begin < at && text[begin] == ' ') ++begin;  // the indentation

@@ -238,8 +238,9 @@ ProcessGroupBase::~ProcessGroupBase() {
 void ProcessGroupBase::attach() {
   job_->add_group(shared_from_this());
   if (job_->monitor()) {
-    job_->monitor()->add_group(name(), posted_,
-                               [recent = recent_, n = size()](int64_t seq) { return recent->encoded(seq, n); });
+    job_->monitor()->add_group(name(), posted_, [recent = recent_, n = size()](int64_t seq) {
+      return recent->encoded(seq, n);
+    });
   }
   attached_ = true;
   // A peer may be gone before this group existed.

@@ -505,8 +505,9 @@ void scenario_different_timeout(funcol::ProcessGroup& world) {
 // Without FUNCOL_DEBUG=detail nothing compares the ranks' calls before they run. Collectives of
 // one kind that differ in size, element type or reduction, or all_to_alls whose split sizes
 // disagree, each on a group of its own (a group is unusable after a timeout): every rank's
-// fails at the timeout naming what each issued, and none completes with another's bytes. (On gloo, sizes paired: Gloo aborted the rank that
-// received more, and the other's output kept a tail never written.)
+// fails at the timeout naming what each issued, and none completes with another's bytes. (On
+// gloo, sizes paired: Gloo aborted the rank that received more, and the other's output kept a
+// tail never written.)
 void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
   check_sum(world);
   const bool first = world.rank() == 0;
