@@ -776,17 +776,21 @@ TEST(ExecutorErrors, InputsAreChecked) {
   });
 }
 
-// Each rank's InvalidArgument ("" for none) making an Executor on `ranks` ranks, rank
-// `odd_rank` with graph `odd` and the others with `usual`.
-std::vector<std::string> executor_errors(int ranks, const Graph& usual, const Graph& odd,
-                                         int odd_rank) {
-  std::vector<std::string> errors(static_cast<size_t>(ranks));
-  run_local(ranks, [&](ProcessGroup& world) {
-    const int r = world.rank();
+// An all_reduce of an f32[2] on group `group`, waited.
+std::unique_ptr<Graph> all_reduce_on(const std::string& group) {
+  return parse("graph @g(%x: f32[2]) {\n  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"" +
+               group + "\"} : f32[2]\n  %w = wait_tensor(%ar) : f32[2]\n  return %w\n}\n");
+}
+
+// Each rank's InvalidArgument ("" for none) making an Executor of graphs[r] on rank r.
+std::vector<std::string> executor_errors(const std::vector<const Graph*>& graphs) {
+  std::vector<std::string> errors(graphs.size());
+  run_local(static_cast<int>(graphs.size()), [&](ProcessGroup& world) {
+    const auto r = static_cast<size_t>(world.rank());
     try {
-      Executor ex(r == odd_rank ? odd : usual, world);
+      Executor ex(*graphs[r], world);
     } catch (const InvalidArgument& e) {
-      errors[static_cast<size_t>(r)] = e.what();
+      errors[r] = e.what();
     }
   });
   return errors;
@@ -796,7 +800,7 @@ TEST(ExecutorErrors, DifferentGraphsOnDifferentRanksFailFast) {
   auto g0 = parse("graph @g(%x: f32[2]) {\n  %y = neg(%x) : f32[2]\n  return %y\n}\n");
   auto g1 = parse("graph @g(%x: f32[2]) {\n  %y = relu(%x) : f32[2]\n  return %y\n}\n");
   EXPECT_NE(graph_hash(*g0), graph_hash(*g1));
-  const std::vector<std::string> errors = executor_errors(3, *g0, *g1, 1);
+  const std::vector<std::string> errors = executor_errors({g0.get(), g1.get(), g0.get()});
   const std::string expect =
       "graph @g differs between ranks: its printed line 2 is `%y = neg(%x) : f32[2]` on ranks "
       "0,2 and `%y = relu(%x) : f32[2]` on rank 1 (every rank must run the same graph; graphs "
@@ -820,8 +824,10 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
     for (int odd = 1; odd <= nodes; odd += std::max(1, nodes / 5)) {
       SCOPED_TRACE(fmt::format("{} nodes, node {} differs", nodes, odd));
       const std::string line = fmt::format("%v{} = relu(%v{}) : f32[2]", odd, odd - 1);
+      const auto same = chain(nodes, odd, "neg");
+      const auto other = chain(nodes, odd, "relu");
       for (const std::string& e :
-           executor_errors(4, *chain(nodes, odd, "neg"), *chain(nodes, odd, "relu"), 2)) {
+           executor_errors({same.get(), same.get(), other.get(), same.get()})) {
         EXPECT_NE(e.find(fmt::format("its printed line {} is `%v{} = neg(%v{}) : f32[2]` on "
                                      "ranks 0,1,3 and `{}` on rank 2",
                                      odd + 1, odd, odd - 1, line)),
@@ -829,8 +835,10 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
             << e;
       }
       // A longer graph on rank 3: its first extra line against the others' return.
+      const auto shorter = chain(nodes, 0, "neg");
+      const auto longer = chain(nodes + 3, 0, "neg");
       for (const std::string& e :
-           executor_errors(4, *chain(nodes, 0, "neg"), *chain(nodes + 3, 0, "neg"), 3)) {
+           executor_errors({shorter.get(), shorter.get(), shorter.get(), longer.get()})) {
         EXPECT_NE(e.find(fmt::format("its printed line {} is `return %v{}` on ranks 0,1,2 and "
                                      "`%v{} = neg(%v{}) : f32[2]` on rank 3",
                                      nodes + 2, nodes, nodes + 1, nodes)),
@@ -843,17 +851,14 @@ TEST(ExecutorErrors, DifferentGraphsNameTheirFirstDifferentLine) {
 
 // Of a long line, the message shows the part around the first byte that differs.
 TEST(ExecutorErrors, ALongDifferentLineIsShownWhereItDiffers) {
-  auto graph_of = [&](const std::string& group) {
-    return parse(
-        "graph @g(%x: f32[2]) {\n  %ar = all_reduce(%x) {reduce_op = \"sum\", group = \"" + group +
-        "\"} : f32[2]\n  %w = wait_tensor(%ar) : f32[2]\n  return %w\n}\n");
-  };
   const std::string name(300, 'n');
   const std::string half = name.substr(0, 150);
   for (const auto& [a, b] : {std::pair<std::string, std::string>{name + "a", name + "b"},
                              {"a" + name, "b" + name},
                              {half + "a" + name, half + "b" + name}}) {
-    const std::vector<std::string> errors = executor_errors(2, *graph_of(a), *graph_of(b), 1);
+    const auto g0 = all_reduce_on(a);
+    const auto g1 = all_reduce_on(b);
+    const std::vector<std::string> errors = executor_errors({g0.get(), g1.get()});
     EXPECT_EQ(errors[0], errors[1]);
     const std::string& e = errors[0];
     // Up to 60 bytes before the difference, 128 in all with the ellipses.
@@ -874,6 +879,23 @@ TEST(ExecutorErrors, ALongDifferentLineIsShownWhereItDiffers) {
         << e;
     EXPECT_LT(e.size(), 2 * 128 + 300u) << e;
   }
+}
+
+// Ranks whose lines agree around the first difference but differ further on are not shown as
+// one: grouped by the whole line, they are marked.
+TEST(ExecutorErrors, LinesThatDifferPastWhatIsShownAreMarked) {
+  const std::string name(300, 'n');
+  const auto g0 = all_reduce_on(name);
+  const auto g1 = all_reduce_on("b" + name.substr(1));
+  const auto g2 = all_reduce_on(name.substr(1) + "c");
+  const std::vector<std::string> errors = executor_errors({g0.get(), g1.get(), g2.get(), g0.get()});
+  for (const std::string& e : errors) EXPECT_EQ(e, errors[0]);
+  const std::string shown = "`%ar = all_reduce(%x) {reduce_op = \"sum\", group = \"";
+  const std::string& e = errors[0];
+  EXPECT_NE(e.find(shown + "n"), std::string::npos) << e;
+  EXPECT_NE(e.find(shown + "b"), std::string::npos) << e;
+  EXPECT_NE(e.find("` on ranks 0,3, " + shown + "b"), std::string::npos) << e;
+  EXPECT_NE(e.find("` on rank 2, whose line differs further on"), std::string::npos) << e;
 }
 
 // The graph check is a collective of funcol's own: a peer that issued one of the same shape

@@ -81,9 +81,14 @@ std::vector<int64_t> gather_i64(ProcessGroup& world, int64_t mine) {
 // the bytes before it are the same on every rank, so it is too) and each rank's text of that
 // line around the byte ("" past the end of its graph), for the message. The ranks search in
 // lockstep, halving the bytes each round (one all_gather of a prefix's hash), so every rank
-// takes the same branches; then they gather their text of the line, at most kShownBytes of it.
-std::pair<int64_t, std::vector<std::string>> first_difference(const std::string& text,
-                                                              ProcessGroup& world) {
+// takes the same branches; then they gather their text of the line, at most kShownBytes of it,
+// and a hash of the whole line (ranks may differ again past what is shown).
+struct Difference {
+  int64_t line = 0;
+  std::vector<std::string> shown;      // per rank
+  std::vector<int64_t> line_hashes;    // per rank
+};
+Difference first_difference(const std::string& text, ProcessGroup& world) {
   constexpr size_t kBefore = 60;      // bytes shown before the first differing one
   constexpr size_t kShownBytes = 128;  // with the "..." at either end
   const std::vector<int64_t> sizes = gather_i64(world, static_cast<int64_t>(text.size()));
@@ -102,10 +107,11 @@ std::pair<int64_t, std::vector<std::string>> first_difference(const std::string&
   const size_t at = same;  // the first byte that differs (or lies past some rank's end)
   const int64_t line =
       1 + std::count(text.begin(), text.begin() + static_cast<ptrdiff_t>(at), '\n');
-  size_t begin = at == 0 ? 0 : text.rfind('\n', at - 1);
-  begin = begin == std::string::npos || at == 0 ? 0 : begin + 1;
+  size_t line_begin = at == 0 ? 0 : text.rfind('\n', at - 1);
+  line_begin = line_begin == std::string::npos || at == 0 ? 0 : line_begin + 1;
+  size_t begin = line_begin;
   while (begin < at && text[begin] == ' ') ++begin;  // the indentation
-  size_t end = std::min(text.find('\n', at), text.size());
+  const size_t end = std::min(text.find('\n', at), text.size());
   std::string shown;
   if (begin < end) {
     const size_t from = at - begin > kBefore ? at - kBefore : begin;
@@ -121,12 +127,14 @@ std::pair<int64_t, std::vector<std::string>> first_difference(const std::string&
     world.all_gather(all, in)->wait();
   }
   const std::vector<uint8_t> bytes = all.to_vector<uint8_t>();
-  std::vector<std::string> texts;
+  Difference difference{line, {}, {}};
   for (int r = 0; r < world.size(); ++r) {
     const auto* first = reinterpret_cast<const char*>(bytes.data()) + r * kShownBytes;
-    texts.emplace_back(first, strnlen(first, kShownBytes));
+    difference.shown.emplace_back(first, strnlen(first, kShownBytes));
   }
-  return {line, std::move(texts)};
+  difference.line_hashes = gather_i64(
+      world, static_cast<int64_t>(xxh3_64(text.data() + line_begin, end - line_begin)));
+  return difference;
 }
 
 }  // namespace
@@ -144,31 +152,38 @@ void check_same_graph(const Graph& graph, ProcessGroup& world) {
   if (std::all_of(hashes.begin(), hashes.end(), [&](int64_t h) { return h == hashes[0]; })) {
     return;
   }
-  const auto [line, texts] = first_difference(text, world);
-  // Ranks grouped by their text of the line, groups in order of their first rank.
-  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  const Difference difference = first_difference(text, world);
+  // Ranks grouped by their whole line, groups in order of their first rank.
+  std::vector<std::pair<int64_t, std::vector<int>>> groups;
   for (int r = 0; r < world.size(); ++r) {
-    const std::string& t = texts[static_cast<size_t>(r)];
+    const int64_t h = difference.line_hashes[static_cast<size_t>(r)];
     auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const auto& g) { return g.first == t; });
+                           [&](const auto& g) { return g.first == h; });
     if (it == groups.end()) {
-      groups.push_back({t, {r}});
+      groups.push_back({h, {r}});
     } else {
       it->second.push_back(r);
     }
   }
   std::string parts;
+  std::vector<std::string> said;
   for (size_t i = 0; i < groups.size(); ++i) {
-    const auto& [t, ranks] = groups[i];
+    const std::vector<int>& ranks = groups[i].second;
+    const std::string& t = difference.shown[static_cast<size_t>(ranks[0])];
     if (i > 0) parts += i + 1 == groups.size() ? " and " : ", ";
     parts += fmt::format("{} on {} {}", t.empty() ? "past the end" : fmt::format("`{}`", t),
                          ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ","));
+    // The same text as an earlier group's: they differ past what is shown.
+    if (std::find(said.begin(), said.end(), t) != said.end()) {
+      parts += ", whose line differs further on";
+    }
+    said.push_back(t);
   }
   throw InvalidArgument(fmt::format(
       "graph @{} differs between ranks: its printed line {} is {} (every rank must run the same "
       "graph; graphs traced with per-rank split sizes, such as permute_tensor's, need "
       "ExecutorOptions::check_same_graph = false)",
-      graph.name(), line, parts));
+      graph.name(), difference.line, parts));
 }
 
 }  // namespace funcol

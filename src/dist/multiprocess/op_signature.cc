@@ -204,6 +204,11 @@ OpSignature decode_signature(const char* bytes, int group_size) {
   return sig;
 }
 
+OpSignature as_received(const OpSignature& sig, int group_size) {
+  const std::vector<char> bytes = encode_signature(sig, group_size);
+  return decode_signature(bytes.data(), group_size);
+}
+
 std::optional<SignatureDifference> find_difference(const std::vector<RankSignature>& known,
                                                    const std::vector<int>& global_ranks) {
   if (known.empty()) return std::nullopt;
@@ -238,6 +243,27 @@ std::optional<SignatureDifference> find_difference(const std::vector<RankSignatu
     }
   }
   return std::nullopt;
+}
+
+std::optional<SignatureDifference> compare_answers(const OpSignature& mine, int me,
+                                                   const std::vector<std::string>& answers,
+                                                   const std::vector<int>& global_ranks) {
+  const int n = static_cast<int>(global_ranks.size());
+  const OpSignature own = as_received(mine, n);  // as the answers read
+  std::vector<OpSignature> answered;
+  answered.reserve(answers.size());
+  std::vector<RankSignature> known;
+  for (int g = 0, p = 0; g < n; ++g) {
+    if (g == me) {
+      known.push_back({g, &own});
+      continue;
+    }
+    const std::string& answer = answers[static_cast<size_t>(p++)];
+    if (answer.size() != signature_bytes(n)) continue;  // none, or not this group's
+    answered.push_back(decode_signature(answer.data(), n));
+    known.push_back({g, &answered.back()});
+  }
+  return find_difference(known, global_ranks);
 }
 
 std::optional<std::string> check_signatures(const std::vector<OpSignature>& signatures,

@@ -69,6 +69,9 @@ size_t signature_bytes(int group_size);
 // Fixed-size encoding: the first 8 tensors in full, the rest as a hash (compared, not printed).
 std::vector<char> encode_signature(const OpSignature& sig, int group_size);
 OpSignature decode_signature(const char* bytes, int group_size);
+// `sig` as a peer decodes it (encoded, then decoded): a signature compares equal (same_call)
+// only with one that made the same trip, as tensors past the first 8 travel as a hash.
+OpSignature as_received(const OpSignature& sig, int group_size);
 
 // Compares the signatures every group rank issued (index = group rank; ranks named by
 // global_ranks). Returns nullopt when they agree, else the same message on every rank:
@@ -96,6 +99,12 @@ struct SignatureDifference {
   std::string what;
 };
 std::optional<SignatureDifference> find_difference(const std::vector<RankSignature>& known,
+                                                   const std::vector<int>& global_ranks);
+// find_difference of what a timed-out collective's ranks issued: `mine`, this rank's (group
+// rank `me`), and `answers`, the peers' (encode_signature bytes, one per other group rank in
+// order; "" where a peer did not say, and one of another size is ignored).
+std::optional<SignatureDifference> compare_answers(const OpSignature& mine, int me,
+                                                   const std::vector<std::string>& answers,
                                                    const std::vector<int>& global_ranks);
 
 }  // namespace funcol::process

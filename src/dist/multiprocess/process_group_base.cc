@@ -659,23 +659,9 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   if (missing.empty()) {
     // What this rank and the peers that answered issued (a departed one does not answer),
     // compared as FUNCOL_DEBUG=detail would have compared them.
-    std::vector<OpSignature> answered;
-    answered.reserve(peers.size());
-    std::vector<RankSignature> known;
-    const std::vector<int>& ranks = global_ranks();
-    for (int g = 0, p = 0; g < size(); ++g) {
-      if (g == rank()) {
-        known.push_back({g, &op.signature});
-        continue;
-      }
-      const std::string& answer = theirs[static_cast<size_t>(p++)];
-      if (answer.size() != signature_bytes(size())) continue;  // none, or not this group's
-      answered.push_back(decode_signature(answer.data(), size()));
-      known.push_back({g, &answered.back()});
-    }
     constexpr std::string_view kDetailNote =
         "FUNCOL_DEBUG=detail compares every collective before it runs";
-    if (auto difference = find_difference(known, ranks)) {
+    if (auto difference = compare_answers(op.signature, rank(), theirs, global_ranks())) {
       msg += difference->splits
                  ? fmt::format("; the ranks issued seq {} with {} ({})", op.seq,
                                difference->what, kDetailNote)
