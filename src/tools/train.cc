@@ -661,8 +661,8 @@ std::string train_summary(const TrainOptions& o, const TrainReport& r) {
                      r.unbucketed.collectives_per_step, r.bucketed.collectives_per_step,
                      o.bucket_cap_mb);
     s += fmt::format(
-        "  step time            {} unbucketed, {} bucketed: {:.2f}x (median of {} step{}, side "
-        "by side, slowest rank{})\n",
+        "  step time            {} unbucketed, {} bucketed: bucketed/unbucketed {:.2f} (median "
+        "of {} step{}, side by side, slowest rank{})\n",
         format_ms(r.unbucketed.step_ms), format_ms(r.bucketed.step_ms),
         r.unbucketed.step_ms > 0 ? r.bucketed.step_ms / r.unbucketed.step_ms : 0.0, r.timed_steps,
         r.timed_steps == 1 ? "" : "s",
