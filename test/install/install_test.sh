@@ -62,4 +62,13 @@ for std in c++20 c++23; do
   out=$("$work/consumer-pc")
   [ "$out" = "ok" ] || { echo "pkg-config consumer (-std=$std) printed: $out"; exit 1; }
 done
+# An older standard gets one clear error first, not only the compiler's on C++20 constructs.
+if out=$(g++ -std=c++17 -fsyntax-only "$consumer_src/main.cc" $flags 2>&1); then
+  echo "the consumer compiled with -std=c++17"; exit 1
+fi
+first=$(echo "$out" | grep -m1 "error")
+case $first in
+  *"funcol needs C++20 or newer"*) ;;
+  *) echo "under -std=c++17 the first error is not funcol's: $first"; exit 1 ;;
+esac
 echo "install_consumer: find_package and pkg-config consumers built and ran"

@@ -17,6 +17,8 @@
 // use after free is still reported.
 #pragma once
 
+#include "funcol/core/cxx20.h"  // first: a clear error under an older standard
+
 #include <cstddef>
 #include <cstdint>
 

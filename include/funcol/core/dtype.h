@@ -1,6 +1,8 @@
 // Element types of funcol tensors and their contract text names (DESIGN §2).
 #pragma once
 
+#include "funcol/core/cxx20.h"  // first: a clear error under an older standard
+
 #include <cstddef>
 #include <cstdint>
 #include <optional>

@@ -1,6 +1,8 @@
 // Error types thrown by funcol: every error the library throws derives from funcol::Error.
 #pragma once
 
+#include "funcol/core/cxx20.h"  // first: a clear error under an older standard
+
 #include <stdexcept>
 #include <string>
 #include <string_view>

@@ -1,6 +1,8 @@
 // Per-rank profiling of graph runs (compute, communication, waits) and Chrome trace export.
 #pragma once
 
+#include "funcol/core/cxx20.h"  // first: a clear error under an older standard
+
 #include <chrono>
 #include <cstdint>
 #include <span>
