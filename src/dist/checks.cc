@@ -768,16 +768,20 @@ std::string first_free_name(ProcessGroup& group, const std::function<std::string
   }
 }
 
-void UnwaitedFailures::note(const Work& work) {
-  if (!work.is_completed() || !work.failed()) return;
-  if (count_++ > 0) return;
+std::string failure_message(const Work& work, const std::string& fallback) {
+  if (!work.failed()) return fallback;
   try {
     std::rethrow_exception(work.exception());
   } catch (const std::exception& e) {
-    first_ = e.what();
+    return e.what();
   } catch (...) {
-    first_ = "a non-standard exception";
+    return fallback;
   }
+}
+
+void UnwaitedFailures::note(const Work& work) {
+  if (!work.failed()) return;
+  if (count_++ == 0) first_ = failure_message(work, "a non-standard exception");
 }
 
 void UnwaitedFailures::warn(int rank) const {

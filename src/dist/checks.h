@@ -276,6 +276,10 @@ std::string first_free_name(ProcessGroup& group, const std::function<std::string
 // all)]", so that an error about a large job stays one readable line.
 std::string format_ranks(const std::vector<int>& ranks);
 
+// The message `work` failed with, or `fallback` when it did not fail (or not with a
+// std::exception).
+std::string failure_message(const Work& work, const std::string& fallback);
+
 // The collectives a rank left in flight, never waited for, when it ended (run_local's function
 // returned, destroy_process_group): their failures reach nobody else, so a rank that issued a
 // collective its peers never issued would end silently. note() counts a failed one; warn()

@@ -63,6 +63,7 @@ for std in c++20 c++23; do
   [ "$out" = "ok" ] || { echo "pkg-config consumer (-std=$std) printed: $out"; exit 1; }
 done
 # An older standard gets one clear error first, not only the compiler's on C++20 constructs.
+# shellcheck disable=SC2086
 if out=$(g++ -std=c++17 -fsyntax-only "$consumer_src/main.cc" $flags 2>&1); then
   echo "the consumer compiled with -std=c++17"; exit 1
 fi

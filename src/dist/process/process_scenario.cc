@@ -512,25 +512,35 @@ void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
   check_sum(world);
   const bool first = world.rank() == 0;
   using Issue = std::function<std::shared_ptr<funcol::Work>(funcol::ProcessGroup&)>;
-  const std::pair<const char*, Issue> cases[] = {
+  struct Case {
+    const char* what;
+    Issue issue;
+    const char* expect;  // in every rank's error
+  };
+  constexpr const char* kDifferent = "the ranks issued different collectives as seq 0";
+  const Case cases[] = {
       {"sizes",
        [&](funcol::ProcessGroup& g) {
          return g.all_reduce(Tensor::full({first ? 8 : 16}, DType::F32, 1), ReduceOp::Sum);
-       }},
+       },
+       kDifferent},
       {"dtypes",
        [&](funcol::ProcessGroup& g) {
          return g.all_reduce(Tensor::full({4}, first ? DType::F32 : DType::I32, 1), ReduceOp::Sum);
-       }},
+       },
+       kDifferent},
       {"reduce_ops",
        [&](funcol::ProcessGroup& g) {
          const ReduceOp op = first ? ReduceOp::Sum : ReduceOp::Max;
          return g.all_reduce(Tensor::full({4}, DType::F32, 1), op);
-       }},
+       },
+       kDifferent},
       {"gather_sizes",
        [&](funcol::ProcessGroup& g) {
          const int64_t n = first ? 4 : 6;
          return g.all_gather(Tensor::empty({2 * n}, DType::F32), Tensor::full({n}, DType::F32, 1));
-       }},
+       },
+       kDifferent},
       // Rank 0 sends rank 1 three rows, rank 1 expects two (every other piece agrees).
       {"split sizes",
        [&](funcol::ProcessGroup& g) {
@@ -540,25 +550,23 @@ void scenario_unchecked_mismatch(funcol::ProcessGroup& world) {
                                                : std::vector<int64_t>{2, 2};
          return g.all_to_all(Tensor::empty({out[0] + out[1]}, DType::F32),
                              Tensor::full({4}, DType::F32, 1), out, in);
-       }},
+       },
+       "the ranks issued seq 0 with mismatched split sizes: rank 0 sends 3 rows to rank 1 but "
+       "rank 1 expects 2 rows from rank 0"},
   };
   std::vector<std::shared_ptr<funcol::ProcessGroup>> groups;
-  for (const auto& c : cases) groups.push_back(funcol::new_group(world, {0, 1}, c.first));
+  for (const Case& c : cases) groups.push_back(funcol::new_group(world, {0, 1}, c.what));
   if (world.rank() > 1) return;
   for (size_t i = 0; i < groups.size(); ++i) {
-    const char* what = cases[i].first;
-    const Issue& issue = cases[i].second;
+    const Case& c = cases[i];
     const auto start = Clock::now();
-    const std::string msg = expect_comm_error([&] { issue(*groups[i])->wait(); },
-                                              fmt::format("different {}", what));
+    const std::string msg = expect_comm_error([&] { c.issue(*groups[i])->wait(); },
+                                              fmt::format("different {}", c.what));
     const double took = seconds_since(start);
     expect_contains(msg, "timed out after");
-    expect_contains(msg, i + 1 < groups.size()
-                             ? "the ranks issued different collectives as seq 0"
-                             : "the ranks issued seq 0 with mismatched split sizes: rank 0 sends "
-                               "3 rows to rank 1 but rank 1 expects 2 rows from rank 0");
+    expect_contains(msg, c.expect);
     if (took > timeout_seconds() + 3) failed(fmt::format("the error took {:.1f} s", took));
-    ok(fmt::format("different {}: CommError after {:.2f} s: {}", what, took, msg));
+    ok(fmt::format("different {}: CommError after {:.2f} s: {}", c.what, took, msg));
   }
 }
 

@@ -1891,17 +1891,6 @@ bool World::help_any() {
   return true;
 }
 
-// The message `work` failed with, or `fallback` when it did not fail (or not with an Error).
-std::string failure_message(const Work& work, const std::string& fallback) {
-  if (!work.failed()) return fallback;
-  try {
-    std::rethrow_exception(work.exception());
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return fallback;
-  }
-}
 
 bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
                     std::vector<int> given_up_on) {
@@ -2302,7 +2291,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
           // Another member (or a timeout) failed it first and is setting its error now: the
           // Op cannot finish otherwise without this member, so this wait is short.
           while (!ahead->is_completed()) std::this_thread::yield();
-          message = failure_message(*ahead, message);
+          message = dist_detail::failure_message(*ahead, message);
         }
         work->fail_with(message);
         return work;
@@ -3460,7 +3449,7 @@ class ThreadsGroup final : public ProcessGroup {
     if (late) {
       // This rank gets the failure said from its side (a timeout's "missing ranks" names it).
       while (!op->is_completed()) std::this_thread::yield();  // its failer is finishing it
-      const std::string error = failure_message(*op, "unknown failure");
+      const std::string error = dist_detail::failure_message(*op, "unknown failure");
       const std::string mine = issued_after_failure(error, op->given_up_on_, global_rank_);
       if (mine != error) {
         auto failed = std::make_shared<Work>(op->description());

@@ -340,8 +340,6 @@ std::vector<int> my_cpus() {
   return cpus;
 }
 
-// bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
-// ranks alone otherwise, and gives the calling thread its own mask back.
 // A rank that returns leaving collectives its peer never issues: they fail (here at their
 // timeout, the peer returning later), and run_local, which returns normally (no rank threw),
 // warns with the count and the first failure. (One that failed before its rank returned, the
@@ -375,6 +373,8 @@ TEST(RunLocalTest, WarnsOfUnwaitedCollectivesThatFailed) {
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
 }
 
+// bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
+// ranks alone otherwise, and gives the calling thread its own mask back.
 TEST(RunLocalTest, BindThreads) {
   const std::vector<int> before = my_cpus();
   LocalOptions options;
