@@ -42,6 +42,10 @@ struct GradTape::State {
   std::unordered_map<const Node*, std::vector<uint64_t>> operand_versions;
   std::vector<Value*> leaves;
   std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
+  // The last node recorded before the latest backward (null before the first, or when there
+  // was none): a backward differentiates the collectives recorded since whether its loss
+  // reaches them or not (UnreachedCollectives).
+  const Node* last_backward_mark = nullptr;
   // The groups the recorded collectives ran on, by name (looked up only): backward runs on
   // them, not on what the name resolves to on the calling thread, which needs a current rank
   // (a thread a rank started has none: it passes the ProcessGroup). Weak: the tape keeps no
@@ -541,6 +545,27 @@ Tensor GradTape::call_one(std::string_view op, std::span<const Tensor> operands,
 
 namespace {
 
+// A recorded value as a message names it: its tape name, its type and what it stands for (the
+// tape names values itself, so the name alone does not tell the user which tensor it is).
+std::string describe(const State& s, const Value* v) {
+  std::string what;
+  if (!v->is_input()) {
+    // A collective's result is its wait's, which the user never wrote.
+    const Node* n = v->node();
+    if (n->op_name() == "wait_tensor" && !n->operand(0)->is_input()) n = n->operand(0)->node();
+    what = fmt::format("the result of {}", n->op_name());
+  } else if (auto it = std::find(s.leaves.begin(), s.leaves.end(), v); it != s.leaves.end()) {
+    what = fmt::format("leaf {}, counting the tape's requires_grad calls from 0",
+                       it - s.leaves.begin());
+  } else if (v->has_uses() && v->uses()[0].user != nullptr) {
+    what = fmt::format("an untracked tensor that {} took as a constant",
+                       v->uses()[0].user->op_name());
+  } else {
+    what = "an untracked tensor taken as a constant";
+  }
+  return fmt::format("{} ({}, {})", v->ref(), v->type().str(), what);
+}
+
 // As Executor::run (docs/runtime.md): a backward that fails part-way on one rank (a rank-local
 // error: a value written in place, a kernel's error) issues the collectives it had not issued
 // yet, from the one after `done` on, with inputs that hold an AbandonedError saying why, so
@@ -573,6 +598,11 @@ void GradTape::backward(const Tensor& loss) {
   State& s = *state_;
   Tracked tr = tracked(loss);
   if (tr.state != state_) throw InvalidArgument("backward: the loss is not tracked by this tape");
+  if (!is_loss_type(tr.value->type())) {
+    throw InvalidArgument(fmt::format(
+        "backward: the loss {} must be a scalar (one element) of a floating dtype",
+        describe(*state_, tr.value)));
+  }
   Graph& g = *s.graph;
   Node* mark = g.last_node();
   const Node* done = mark;  // the last node of the graph that ran
@@ -582,11 +612,11 @@ void GradTape::backward(const Tensor& loss) {
     // inplace operation"): an operand of the node whose rule reads it, what it held when that
     // node was recorded; any other value, when a recorded op last used or produced it.
     std::vector<std::pair<const Node*, const Node*>> reads;  // (forward node, rule's node)
-    const std::vector<Value*> grads =
-        append_backward(g, tr.value, s.leaves,
-                        [&](const Node& forward, const Node& made) {
-                          reads.emplace_back(&forward, &made);
-                        });
+    const std::vector<Value*> grads = append_backward(
+        g, tr.value, s.leaves,
+        [&](const Node& forward, const Node& made) { reads.emplace_back(&forward, &made); },
+        UnreachedCollectives{s.last_backward_mark});
+    s.last_backward_mark = mark;
     for (const auto& [forward, made] : reads) {
       const auto used = s.operand_versions.find(forward);
       for (const Value* v : made->operands()) {
@@ -599,10 +629,10 @@ void GradTape::backward(const Tensor& loss) {
         }
         if (now != then) {
           throw InvalidArgument(fmt::format(
-              "backward: {} ({}), a value the gradient needs, was written in place after it "
-              "was recorded (version {}, recorded at {}; {}): record the computation again, or "
+              "backward: {}, a value the gradient needs, was written in place after it was "
+              "recorded (version {}, recorded at {}; {}): record the computation again, or "
               "write to a copy",
-              v->ref(), v->type().str(), now, then, kWritesNote));
+              describe(s, v), now, then, kWritesNote));
         }
       }
     }

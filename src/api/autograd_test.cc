@@ -15,6 +15,8 @@
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 #include "funcol/dist/backend.h"
+#include "funcol/graph/backward.h"
+#include "funcol/graph/parser.h"
 #include "funcol/graph/tracer.h"
 #include "testing/error_of.h"
 
@@ -211,6 +213,43 @@ TEST_P(EagerGradCheck, CoalescedLossThroughAConstantsResultOnSomeRanks) {
     return sum_of_cubes(tape, ar[rank % 2 == 1 ? 1 : 0]);
   });
   EXPECT_EQ(n, expected(3));
+}
+
+// Single collectives whose results odd ranks' losses do not use: those ranks still run the
+// backward collectives (with zero gradients) and get the gradients their leaves have through
+// the even ranks' losses. They used to skip them: a wrong gradient, and the even ranks'
+// backward collectives paired with whatever the odd ranks issued next.
+TEST_P(EagerGradCheck, SingleCollectivesWhoseResultsSomeRanksLeaveUnused) {
+  const int w = GetParam();
+  const int64_t n =
+      eager_gradcheck(w, {{2, 3}, {4, 2}}, [](GradTape& tape, const auto& x, int rank) {
+        const Tensor ar = all_reduce_autograd(x[0], "sum", "world");
+        const Tensor ag = all_gather_tensor_autograd(ar, 1, "world");
+        const Tensor rs = reduce_scatter_tensor_autograd(x[1], "sum", 0, "world");
+        const Tensor own = sum_of_cubes(tape, x[1]);
+        if (rank % 2 == 1) return own;
+        const Tensor a = tape.call_one("add", std::vector<Tensor>{own, sum_of_cubes(tape, ag)});
+        return tape.call_one("add", std::vector<Tensor>{a, sum_of_cubes(tape, rs)});
+      });
+  EXPECT_EQ(n, expected(6 + 8));
+}
+
+// A collective recorded after the loss on odd ranks (its result unused there) and before it on
+// even ranks: every rank differentiates it, in its place among the collectives.
+TEST_P(EagerGradCheck, ACollectiveRecordedAfterTheLossOnSomeRanks) {
+  const int w = GetParam();
+  const int64_t n = eager_gradcheck(w, {{3}, {2}}, [](GradTape& tape, const auto& x, int rank) {
+    const Tensor first = all_reduce_autograd(x[0], "sum", "world");
+    if (rank % 2 == 1) {
+      const Tensor loss = sum_of_cubes(tape, first);
+      all_reduce_autograd(x[1], "sum", "world");
+      return loss;
+    }
+    const Tensor second = all_reduce_autograd(x[1], "sum", "world");
+    return tape.call_one("add", std::vector<Tensor>{sum_of_cubes(tape, first),
+                                                    sum_of_cubes(tape, second)});
+  });
+  EXPECT_EQ(n, expected(3 + 2));
 }
 
 // A 0-d input gathers to [group_size]; its gradient (a reduce_scatter, [1]) must come back 0-d.
@@ -475,6 +514,74 @@ TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {
   });
 }
 
+// The review's data-parallel step: rank 0's loss uses an all_reduce's result, rank 1's does
+// not; after backward both synchronize gradients with a plain all_reduce, then run a second
+// step. Exact values: rank 1's leaf gets rank 0's term, and the collectives after backward pair
+// as issued (rank 1's gradient all_reduce paired with rank 0's backward one before).
+TEST(EagerAutograd, ALossThatSkipsACollectiveOnOneRankKeepsTheRanksInStep) {
+  run_local(2, [](ProcessGroup& world) {
+    const int rank = world.rank();
+    const double v = rank == 0 ? 1.0 : 2.0;
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, v));
+    const Tensor y = all_reduce_autograd(x, "sum", "world");  // 3 on both ranks
+    const Tensor yy = tape.call_one("mul", std::vector<Tensor>{y, y});
+    const Tensor xx = tape.call_one("mul", std::vector<Tensor>{x, x});
+    tape.backward(tape.call_one("sum", std::vector<Tensor>{rank == 0 ? yy : xx}));
+    // d(sum y^2)/dy = 2y = 6 on rank 0, 0 on rank 1; the all_reduce backward sums them: each x
+    // gets 6, and rank 1 adds 2x = 4 of its own loss.
+    const std::vector<double> want_grad = rank == 0 ? std::vector<double>{6, 6}
+                                                    : std::vector<double>{10, 10};
+    EXPECT_EQ(tape.grad(x).to_vector<double>(), want_grad) << "rank " << rank;
+    const Tensor synced = all_reduce(tape.grad(x), "sum", "world");
+    EXPECT_EQ(synced.to_vector<double>(), (std::vector<double>{16, 16})) << "rank " << rank;
+    GradTape next;
+    const Tensor x2 = next.requires_grad(Tensor::full({1}, DType::F64, rank - 0.75));
+    EXPECT_EQ(all_reduce_autograd(x2, "sum", "world").to_vector<double>(),
+              (std::vector<double>{-0.5}))
+        << "rank " << rank;
+  });
+}
+
+// A backward differentiates the collectives its loss does not reach only among those recorded
+// since the previous backward, and leaves out one whose rule refuses: a max all_reduce of a
+// tracked value (logging) does not make every backward fail.
+TEST(EagerAutograd, UnreachedCollectivesOnlyFromThisStepAndOnlyWithAGradientRule) {
+  run_local(2, [](ProcessGroup& world) {
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, 1.0 + world.rank()));
+    const Tensor most = all_reduce_autograd(x, "max", "world");
+    EXPECT_EQ(most.to_vector<double>(), (std::vector<double>{2, 2}));
+    const Tensor l = tape.call_one("sum", std::vector<Tensor>{x});
+    const size_t nodes = tape.graph().num_nodes();
+    tape.backward(l);
+    EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{1, 1}));
+    EXPECT_EQ(tape.graph().num_nodes(), nodes);
+  });
+  // Which collectives a backward appends, through append_backward: of a graph with two
+  // all_reduces, the loss reaching neither, only those after `after`.
+  auto g = parse_graph(R"(graph @g(%x: f32[2]) {
+  %a = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
+  %wa = wait_tensor(%a) : f32[2]
+  %b = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
+  %wb = wait_tensor(%b) : f32[2]
+  %l = sum(%x) : f32[]
+  return %l, %wa, %wb
+})");
+  auto count_all_reduces = [&](std::optional<UnreachedCollectives> unreached) {
+    Node* last = g->last_node();
+    Value* wrt[] = {g->inputs()[0]};
+    append_backward(*g, g->outputs()[0], wrt, {}, unreached);
+    int n = 0;
+    for (const Node* m = last->next(); m; m = m->next()) n += m->op_name() == "all_reduce";
+    erase_nodes_after(*g, last);
+    return n;
+  };
+  EXPECT_EQ(count_all_reduces(std::nullopt), 0);
+  EXPECT_EQ(count_all_reduces(UnreachedCollectives{}), 2);
+  EXPECT_EQ(count_all_reduces(UnreachedCollectives{g->first_node()->next()}), 1);
+}
+
 // relu's gradient selects as PyTorch's threshold_backward does (0 where relu's result is <= 0,
 // the gradient elsewhere, NaN included), never grad * 0: an inf gradient at an inactive unit
 // gave NaN.
@@ -513,13 +620,16 @@ TEST(EagerAutograd, ABackwardFailingOnOneRankStillIssuesItsCollectives) {
     const Tensor sum = all_reduce(Tensor::full({2}, DType::F32, r + 1), "sum", world);
     EXPECT_EQ(sum.to_vector<float>(), std::vector<float>({6, 6})) << "rank " << r;
   });
-  EXPECT_EQ(errors[1].rfind("backward: %x (f64[2]), a value the gradient needs, was written", 0),
+  EXPECT_EQ(errors[1].rfind("backward: %x (f64[2], leaf 0, counting the tape's requires_grad "
+                            "calls from 0), a value the gradient needs, was written",
+                            0),
             0u)
       << errors[1];
   for (const int r : {0, 2}) {
     EXPECT_NE(errors[r].find("all_reduce on group 'world' (seq 1): rank 1 could not take part: "
                              "it gave up on the rest of its backward after an error: backward: "
-                             "%x (f64[2]), a value the gradient needs, was written"),
+                             "%x (f64[2], leaf 0, counting the tape's requires_grad calls from "
+                             "0), a value the gradient needs, was written"),
               std::string::npos)
         << "rank " << r << ": " << errors[r];
   }
@@ -536,11 +646,11 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     const Tensor l = tape.call_one("sum", std::vector<Tensor>{y});
     w.copy_(Tensor::from_vector<double>({10, 20, 30}, {3}));
     EXPECT_EQ(error_of([&] { tape.backward(l); }),
-              "backward: %x (f64[3]), a value the gradient needs, was written in place after it "
-              "was recorded (version 1, recorded at 0; copy_, fill_, an in-place "
-              "collective, or data_ptr() or data<T>(), which count as writes even to read: read "
-              "through const_data<T>() or to_vector): record the computation again, or write "
-              "to a copy");
+              "backward: %x (f64[3], leaf 0, counting the tape's requires_grad calls from 0), a "
+              "value the gradient needs, was written in place after it was recorded (version 1, "
+              "recorded at 0; copy_, fill_, an in-place collective, or data_ptr() or data<T>(), "
+              "which count as writes even to read: read through const_data<T>() or "
+              "to_vector): record the computation again, or write to a copy");
   }
   {
     GradTape tape;
@@ -548,7 +658,22 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
     const Tensor r = tape.call_one("relu", std::vector<Tensor>{x});
     const Tensor l = tape.call_one("sum", std::vector<Tensor>{r});
     r.fill_(0.0);  // relu's gradient reads its output
-    EXPECT_NE(error_of([&] { tape.backward(l); }).find("was written in place"), std::string::npos);
+    EXPECT_NE(error_of([&] { tape.backward(l); })
+                  .find("(f64[2], the result of relu), a value the gradient needs, was written"),
+              std::string::npos);
+  }
+  {
+    // A constant the tape named itself: the message says which op took it.
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::from_vector<double>({1, 2}, {2}));
+    const Tensor c = Tensor::from_vector<double>({3, 4}, {2});
+    const Tensor l = tape.call_one(
+        "sum", std::vector<Tensor>{tape.call_one("mul", std::vector<Tensor>{x, c})});
+    c.fill_(0.0);
+    EXPECT_NE(error_of([&] { tape.backward(l); })
+                  .find("(f64[2], an untracked tensor that mul took as a constant), a value the "
+                        "gradient needs, was written in place"),
+              std::string::npos);
   }
   {
     // Written in place after mul used it, then used again by a recorded op: mul's gradient
@@ -564,11 +689,11 @@ TEST(EagerAutograd, InPlaceWriteToAValueBackwardNeedsFails) {
         "add", std::vector<Tensor>{tape.call_one("sum", std::vector<Tensor>{z}),
                                    tape.call_one("sum", std::vector<Tensor>{q})});
     EXPECT_EQ(error_of([&] { tape.backward(l); }),
-              "backward: %x.1 (f64[2]), a value the gradient needs, was written in place after "
-              "it was recorded (version 2, recorded at 1; copy_, fill_, an in-place "
-              "collective, or data_ptr() or data<T>(), which count as writes even to read: read "
-              "through const_data<T>() or to_vector): record the computation again, or write "
-              "to a copy");
+              "backward: %x.1 (f64[2], leaf 1, counting the tape's requires_grad calls from 0), "
+              "a value the gradient needs, was written in place after it was recorded (version 2, "
+              "recorded at 1; copy_, fill_, an in-place collective, or data_ptr() or data<T>(), "
+              "which count as writes even to read: read through const_data<T>() or "
+              "to_vector): record the computation again, or write to a copy");
   }
   {
     GradTape tape;  // the same write, but the loss reads only uses made after it: fine
@@ -905,7 +1030,17 @@ TEST(EagerAutograd, SingleElementLossOfAnyRank) {
   tape.backward(tape.call_one("sum", std::vector<Tensor>{sq}, {{"dims", std::vector<int64_t>{1}},
                                                                {"keepdim", true}}));
   EXPECT_EQ(tape.grad(x).to_vector<float>(), (std::vector<float>{2, 4, 6}));
-  EXPECT_THROW(tape.backward(sq), InvalidArgument);  // three elements
+  EXPECT_EQ(error_of([&] { tape.backward(sq); }),  // three elements
+            "backward: the loss %mul (f32[1,3], the result of mul) must be a scalar (one "
+            "element) of a floating dtype");
+  // A collective's result is named by its collective, not by the wait the tape recorded.
+  run_local(1, [](ProcessGroup&) {
+    GradTape t;
+    const Tensor y = all_reduce_autograd(t.requires_grad(Tensor::full({2}, DType::F32, 1.0)),
+                                         "sum", "world");
+    EXPECT_NE(error_of([&] { t.backward(y); }).find("(f32[2], the result of all_reduce) must be"),
+              std::string::npos);
+  });
 }
 
 TEST(EagerAutograd, TapeContract) {
