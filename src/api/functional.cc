@@ -37,9 +37,21 @@ using api_detail::normalize_dim;
 
 void check_input(const Tensor& t, std::string_view op, std::string_view suffix = {}) {
   if (!t.defined()) throw InvalidArgument(fmt::format("{}: undefined input tensor{}", op, suffix));
-  if (t.is_meta()) {
-    throw InvalidArgument(fmt::format("{}: input is a meta tensor with no data{}", op, suffix));
+}
+
+// Meta inputs outside a tracer get what PyTorch's meta kernels give: after the same checks (the
+// group resolved too), a meta result of the result's shape and dtype, and nothing is issued.
+// A coalesced call takes meta inputs or inputs with data, not both: whether its inputs are meta.
+bool meta_inputs(std::span<const Tensor> inputs, std::string_view op) {
+  size_t metas = 0;
+  for (const Tensor& t : inputs) metas += t.is_meta() ? 1 : 0;
+  if (metas != 0 && metas != inputs.size()) {
+    throw InvalidArgument(fmt::format(
+        "{}: {} of the {} inputs are meta tensors (no data) and the others are not: give all "
+        "or none",
+        op, metas, inputs.size()));
   }
+  return metas != 0;
 }
 
 int64_t prod(const Shape& s, size_t begin, size_t end) {
@@ -159,6 +171,9 @@ Shape gathered_shape(const Shape& s, int64_t dim, int64_t world, std::string_vie
 Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   const int64_t world = pg.size();
   const Shape& s = t.sizes();
+  if (t.is_meta()) {
+    return Tensor::meta(gathered_shape(s, dim, world, "all_gather_tensor"), t.dtype());
+  }
   const Shape staging_shape = gathered_shape(s, 0, world, "all_gather_tensor");
   Tensor staging = Tensor::empty(staging_shape, t.dtype());
   guard_input(pg.all_gather(staging, ready_input(t)), t);
@@ -214,6 +229,7 @@ Tensor all_to_all_impl(ProcessGroup& pg, const Tensor& t, const std::vector<int6
                        const std::vector<int64_t>& in_splits, int64_t out_rows) {
   Shape out_shape = t.sizes();
   out_shape[0] = out_rows;
+  if (t.is_meta()) return Tensor::meta(out_shape, t.dtype());
   Tensor out = Tensor::empty(out_shape, t.dtype());
   guard_input(pg.all_to_all(out, ready_input(t), out_splits, in_splits), t);
   return out;
@@ -237,6 +253,13 @@ void refuse_tracked_result(const Tensor& result, std::string_view op) {
 void assign(const Tensor& output, const Tensor& result, std::string_view op) {
   FUNCOL_CHECK(output.dtype() == result.dtype(), std::string(op));
   Tracer* tr = current_tracer();
+  if (tr == nullptr && (output.is_meta() || result.is_meta())) {
+    // PyTorch's meta kernels of the in-place collectives return their output as it is.
+    if (output.is_meta() && result.is_meta()) return;
+    throw InvalidArgument(fmt::format(
+        "{}: the {} is a meta tensor (no data) and the {} is not: give both or neither", op,
+        output.is_meta() ? "output" : "input", output.is_meta() ? "input" : "output"));
+  }
   if (tr == nullptr) {
     // PyTorch refuses in-place changes that autograd cannot follow; the tape records values,
     // and an overwritten tracked tensor would feed its backward the new bytes.
@@ -288,6 +311,7 @@ Tensor all_reduce(const Tensor& t, const std::string& reduce_op, const GroupSpec
   const ReduceOp op = parse_reduce_op(reduce_op);
   check_reduce_op_dtype(op, t.dtype(), kOp);
   ProcessGroup& pg = group.resolve();
+  if (t.is_meta()) return Tensor::meta(t.sizes(), t.dtype());
   Tensor out = contiguous_copy(t);
   pg.all_reduce(out, op);
   return out;
@@ -322,6 +346,7 @@ Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int6
   ProcessGroup& pg = group.resolve();
   const int64_t world = pg.size();
   const int64_t dim = check_reduce_scatter_input(t, scatter_dim, world, kOp, {});
+  if (t.is_meta()) return Tensor::meta(scattered_shape(t.sizes(), dim, world), t.dtype());
   Tensor in = scatter_dim_to_front(t, dim, world);
   Tensor out = Tensor::empty(scattered_shape(t.sizes(), dim, world), t.dtype());
   guard_input(pg.reduce_scatter(out, in, op), in);
@@ -383,6 +408,7 @@ Tensor broadcast(const Tensor& t, int src, const GroupSpec& group) {
     throw InvalidArgument(fmt::format("broadcast: src {} is not a rank of group '{}' of size {}",
                                       src, pg.name(), pg.size()));
   }
+  if (t.is_meta()) return Tensor::meta(t.sizes(), t.dtype());
   Tensor out = contiguous_copy(t);
   pg.broadcast(out, src);
   return out;
@@ -400,6 +426,7 @@ Tensor permute_tensor(const Tensor& t, const std::vector<int>& src_dst, const Gr
   const Shape rows = api_detail::permute_rows(t);
   const api_detail::PermuteSplits splits =
       api_detail::permute_splits(src_dst, pg.size(), pg.rank(), rows[0]);
+  if (t.is_meta()) return Tensor::meta(t.sizes(), t.dtype());
   if (api_detail::tape_input(t, "permute_tensor")) {
     return api_detail::tape_permute(t, splits.out, splits.in, pg);
   }
@@ -425,6 +452,10 @@ std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
   if (inputs.empty()) return {};
   std::vector<Tensor> outputs;
   outputs.reserve(inputs.size());
+  if (meta_inputs(inputs, kOp)) {
+    for (const Tensor& t : inputs) outputs.push_back(Tensor::meta(t.sizes(), t.dtype()));
+    return outputs;
+  }
   for (const Tensor& t : inputs) outputs.push_back(contiguous_copy(t));
   pg.all_reduce_coalesced(outputs, op);
   return outputs;
@@ -449,6 +480,12 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
   std::vector<Tensor> ready;
   outputs.reserve(inputs.size());
   ready.reserve(inputs.size());
+  if (meta_inputs(inputs, kOp)) {
+    for (const Tensor& t : inputs) {
+      outputs.push_back(Tensor::meta(gathered_shape(t.sizes(), 0, pg.size(), kOp), t.dtype()));
+    }
+    return outputs;
+  }
   for (const Tensor& t : inputs) {
     outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size(), kOp), t.dtype()));
     ready.push_back(ready_input(t));
@@ -485,6 +522,13 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   }
   std::vector<Tensor> fronts;
   std::vector<Tensor> outputs;
+  if (meta_inputs(inputs, kOp)) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      outputs.push_back(
+          Tensor::meta(scattered_shape(inputs[i].sizes(), dims[i], world), inputs[i].dtype()));
+    }
+    return outputs;
+  }
   for (size_t i = 0; i < inputs.size(); ++i) {
     fronts.push_back(scatter_dim_to_front(inputs[i], dims[i], world));
     outputs.push_back(
@@ -542,6 +586,10 @@ void all_gather_inplace(const std::vector<Tensor>& tensor_list, const Tensor& t,
           j, shape_str(tensor_list[j].sizes()), shape_str(t.sizes())));
     }
     check_output_dtype(tensor_list[j], t, kOp, fmt::format("tensor_list[{}]", j));
+  }
+  if (!tr && gathered.is_meta()) {
+    for (const Tensor& out : tensor_list) assign(out, gathered, kOp);  // nothing to write
+    return;
   }
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   for (size_t j = 0; j < tensor_list.size(); ++j) {

@@ -676,6 +676,72 @@ TEST(WorldSizeOne, EveryOpIsTheIdentity) {
   });
 }
 
+// Meta inputs outside a tracer: PyTorch's meta kernels (REFERENCE A: all_reduce empty_like,
+// all_gather dim times group_size with 0-d -> [group_size], reduce_scatter divided, all_to_all
+// the sum of output splits, in-place forms their output). The same checks run, and nothing is
+// issued: only even ranks make meta calls, and the collective after them pairs.
+TEST(Meta, EagerCollectivesOnMetaTensorsGiveMetaResultsOfTheirShapes) {
+  run_local(4, [](ProcessGroup& world) {
+    const int rank = world.rank();
+    if (rank % 2 == 0) {
+      using Splits = std::vector<int64_t>;
+      const Tensor m = Tensor::meta({4, 6}, DType::BF16);
+      auto is_meta_of = [](const Tensor& t, const Shape& shape) {
+        return t.is_meta() && t.sizes() == shape && t.dtype() == DType::BF16;
+      };
+      EXPECT_TRUE(is_meta_of(all_reduce(m, "avg", world), {4, 6}));
+      EXPECT_TRUE(is_meta_of(all_reduce_autograd(m, "sum", world), {4, 6}));
+      EXPECT_TRUE(is_meta_of(all_gather_tensor(m, 1, world), {4, 24}));
+      EXPECT_TRUE(is_meta_of(all_gather_tensor(Tensor::meta({}, DType::BF16), 0, world), {4}));
+      EXPECT_TRUE(is_meta_of(reduce_scatter_tensor(m, "sum", 0, world), {1, 6}));
+      EXPECT_TRUE(is_meta_of(all_to_all_single(m, Splits{0, 3, 1, 2}, Splits{1, 1, 1, 1}, world),
+                             {6, 6}));
+      EXPECT_TRUE(is_meta_of(all_to_all_single(m, std::nullopt, std::nullopt, world), {4, 6}));
+      EXPECT_TRUE(is_meta_of(broadcast(m, 3, world), {4, 6}));
+      EXPECT_TRUE(is_meta_of(permute_tensor(m, {1, 2, 3, 0}, world), {4, 6}));
+      const std::vector<Tensor> ms = {m, Tensor::meta({8}, DType::BF16)};
+      const std::vector<Tensor> ar = all_reduce_coalesced(ms, "sum", world);
+      EXPECT_TRUE(is_meta_of(ar[0], {4, 6}) && is_meta_of(ar[1], {8}));
+      const std::vector<Tensor> ag = all_gather_into_tensor_coalesced(ms, world);
+      EXPECT_TRUE(is_meta_of(ag[0], {16, 6}) && is_meta_of(ag[1], {32}));
+      const std::vector<Tensor> rs = reduce_scatter_tensor_coalesced(ms, "sum", {0, 0}, world);
+      EXPECT_TRUE(is_meta_of(rs[0], {1, 6}) && is_meta_of(rs[1], {2}));
+      EXPECT_TRUE(is_meta_of(wait_tensor(ar[0]), {4, 6}));
+      // In place: the output stays as it is.
+      EXPECT_TRUE(is_meta_of(all_reduce_inplace(m, "sum", world), {4, 6}));
+      const Tensor gathered = Tensor::meta({16, 6}, DType::BF16);
+      EXPECT_TRUE(is_meta_of(all_gather_tensor_inplace(gathered, m, world), {16, 6}));
+      std::vector<Tensor> list(4, Tensor::meta({4, 6}, DType::BF16));
+      all_gather_inplace(list, m, world);
+      EXPECT_TRUE(is_meta_of(list[3], {4, 6}));
+      // The checks of the eager path, meta or not.
+      EXPECT_THAT(error_of([&] { reduce_scatter_tensor(m, "sum", 1, world); }),
+                  HasSubstr("input dimension 1 (6) must be a multiple of group_size 4"));
+      EXPECT_THAT(error_of([&] { all_reduce(m, "bxor", world); }),
+                  HasSubstr("reduce_op bxor is not supported for floating dtype bf16"));
+      EXPECT_THAT(error_of([&] { all_gather_tensor(m.transpose(0, 1), 0, world); }),
+                  HasSubstr("Tensor must be contiguous"));
+      EXPECT_THAT(error_of([&] { all_to_all_single(m, Splits{4, 0, 0, 0}, Splits{5}, world); }),
+                  HasSubstr("input_split_sizes"));
+      EXPECT_THAT(error_of([&] { broadcast(m, 4, world); }), HasSubstr("src 4 is not a rank"));
+      EXPECT_THAT(error_of([&] { all_reduce(m, "sum", "no_such_group"); }),
+                  HasSubstr("no_such_group"));
+      EXPECT_THAT(error_of([&] {
+                    all_reduce_coalesced({m, Tensor::zeros({2}, DType::BF16)}, "sum", world);
+                  }),
+                  HasSubstr("all_reduce_coalesced: 1 of the 2 inputs are meta tensors (no data) "
+                            "and the others are not"));
+      EXPECT_THAT(error_of([&] {
+                    all_gather_tensor_inplace(Tensor::zeros({16, 6}, DType::BF16), m, world);
+                  }),
+                  HasSubstr("all_gather_tensor_inplace: the input is a meta tensor (no data) and "
+                            "the output is not"));
+    }
+    const Tensor sum = all_reduce(Tensor::full({2}, DType::I32, rank), "sum", world);
+    EXPECT_EQ(sum.to_vector<int32_t>(), (std::vector<int32_t>{6, 6})) << "rank " << rank;
+  });
+}
+
 TEST(AllGatherInplace, SlicesIntoTheList) {
   run_local(3, [](ProcessGroup& world) {
     Tensor x = Tensor::full({2}, DType::I32, world.rank() + 1);
@@ -1013,8 +1079,8 @@ TEST(Errors, ShapesSplitsAndArguments) {
     EXPECT_THAT(error_of([&] { broadcast(x, -1, world); }), HasSubstr("src -1 is not a rank"));
     EXPECT_THAT(error_of([&] { all_reduce(Tensor(), "sum", world); }),
                 HasSubstr("all_reduce: undefined input tensor"));
-    EXPECT_THAT(error_of([&] { all_gather_tensor(Tensor::meta({2}, DType::F32), 0, world); }),
-                HasSubstr("all_gather_tensor: input is a meta tensor"));
+    EXPECT_THAT(error_of([&] { all_gather_tensor(Tensor::meta({2}, DType::F32), 5, world); }),
+                HasSubstr("gather_dim 5 is out of range"));
     EXPECT_THAT(error_of([&] {
                   all_reduce_coalesced({x, Tensor()}, "sum", world);
                 }),

@@ -1,7 +1,11 @@
 // The functional collectives API (DESIGN §4): tensor in, tensor out, asynchronous, waited on
 // first use. Semantics and error messages follow PyTorch's _functional_collectives.py.
 // Under a tracer they record graph nodes; on an input a GradTape tracks they are differentiable
-// (recorded on the tape as the *_autograd variants of <funcol/api/autograd.h> are).
+// (recorded on the tape as the *_autograd variants of <funcol/api/autograd.h> are). On meta
+// inputs (no data) outside a tracer they give what PyTorch's meta kernels give: after the same
+// checks (the group resolved too), meta results of the result shapes, nothing issued (the
+// in-place forms leave their meta output as it is; a coalesced call takes all meta inputs or
+// none).
 #pragma once
 
 #include <cstddef>
