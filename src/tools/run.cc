@@ -18,6 +18,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -92,18 +93,35 @@ const Graph& select_graph(const Module& module, const RunOptions& o, const std::
   return *graphs[0];
 }
 
-// Every rank generates (and writes) its inputs before the graph runs: inputs larger than this
-// machine's memory are an error here, not an out-of-memory kill while they are written.
+// Every rank generates (and writes) its inputs before the graph runs, and holds them and its
+// outputs when it ends: inputs, or inputs and outputs, larger than this machine's memory are an
+// error here, not an out-of-memory kill while they are written. The outputs counted are those
+// that surely have storage of their own (a view may share its operand's; an input is counted
+// as one), so the sum never exceeds what the run holds.
 void check_input_memory(const Graph& graph, const RunOptions& o) {
-  double per_rank = 0;  // a double: each input has up to 2^62 bytes, so the sum may not fit
-  for (const Value* v : graph.inputs()) per_rank += static_cast<double>(v->type().nbytes());
+  double inputs = 0;  // doubles: each value has up to 2^62 bytes, so the sums may not fit
+  for (const Value* v : graph.inputs()) inputs += static_cast<double>(v->type().nbytes());
+  double outputs = 0;
+  std::unordered_set<const Value*> counted;  // looked up only
+  for (const Value* v : graph.outputs()) {
+    if (v->is_input() || v->node()->op().is_view || !counted.insert(v).second) continue;
+    outputs += static_cast<double>(v->type().nbytes());
+  }
   const int ranks_here = ranks_on_this_machine(o.backend, o.ranks, o.join);
-  if (fits_in_memory(ranks_here, per_rank)) return;
+  const std::string where = fmt::format("{} rank{} {}", ranks_here, ranks_here != 1 ? "s" : "",
+                                        o.backend == "threads" ? "in this process"
+                                                               : "on this machine");
+  if (!fits_in_memory(ranks_here, inputs)) {
+    throw InvalidArgument(fmt::format(
+        "graph @{}'s inputs take {:.0f} bytes per rank: more than this machine's memory holds "
+        "for {}",
+        graph.name(), inputs, where));
+  }
+  if (fits_in_memory(ranks_here, inputs + outputs)) return;
   throw InvalidArgument(fmt::format(
-      "graph @{}'s inputs take {:.0f} bytes per rank: more than this machine's memory holds for "
-      "{} rank{} {}",
-      graph.name(), per_rank, ranks_here, ranks_here != 1 ? "s" : "",
-      o.backend == "threads" ? "in this process" : "on this machine"));
+      "graph @{}'s inputs and outputs take {:.0f} bytes per rank ({:.0f} of inputs, {:.0f} of "
+      "outputs, all held when the graph ends): more than this machine's memory holds for {}",
+      graph.name(), inputs + outputs, inputs, outputs, where));
 }
 
 // A digest reads every element of an output, a view of a few bytes expanded to 2^62 too: an
