@@ -42,10 +42,6 @@ struct GradTape::State {
   std::unordered_map<const Node*, std::vector<uint64_t>> operand_versions;
   std::vector<Value*> leaves;
   std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
-  // The last node recorded before the latest backward (null before the first, or when there
-  // was none): a backward differentiates the collectives recorded since whether its loss
-  // reaches them or not (UnreachedCollectives).
-  const Node* last_backward_mark = nullptr;
   // The groups the recorded collectives ran on, by name (looked up only): backward runs on
   // them, not on what the name resolves to on the calling thread, which needs a current rank
   // (a thread a rank started has none: it passes the ProcessGroup). Weak: the tape keeps no
@@ -612,11 +608,10 @@ void GradTape::backward(const Tensor& loss) {
     // inplace operation"): an operand of the node whose rule reads it, what it held when that
     // node was recorded; any other value, when a recorded op last used or produced it.
     std::vector<std::pair<const Node*, const Node*>> reads;  // (forward node, rule's node)
-    const std::vector<Value*> grads = append_backward(
-        g, tr.value, s.leaves,
-        [&](const Node& forward, const Node& made) { reads.emplace_back(&forward, &made); },
-        UnreachedCollectives{s.last_backward_mark});
-    s.last_backward_mark = mark;
+    const std::vector<Value*> grads =
+        append_backward(g, tr.value, s.leaves, [&](const Node& forward, const Node& made) {
+          reads.emplace_back(&forward, &made);
+        });
     for (const auto& [forward, made] : reads) {
       const auto used = s.operand_versions.find(forward);
       for (const Value* v : made->operands()) {

@@ -15,8 +15,6 @@
 #include "funcol/core/error.h"
 #include "funcol/core/kernels.h"
 #include "funcol/dist/backend.h"
-#include "funcol/graph/backward.h"
-#include "funcol/graph/parser.h"
 #include "funcol/graph/tracer.h"
 #include "testing/error_of.h"
 
@@ -213,43 +211,6 @@ TEST_P(EagerGradCheck, CoalescedLossThroughAConstantsResultOnSomeRanks) {
     return sum_of_cubes(tape, ar[rank % 2 == 1 ? 1 : 0]);
   });
   EXPECT_EQ(n, expected(3));
-}
-
-// Single collectives whose results odd ranks' losses do not use: those ranks still run the
-// backward collectives (with zero gradients) and get the gradients their leaves have through
-// the even ranks' losses. They used to skip them: a wrong gradient, and the even ranks'
-// backward collectives paired with whatever the odd ranks issued next.
-TEST_P(EagerGradCheck, SingleCollectivesWhoseResultsSomeRanksLeaveUnused) {
-  const int w = GetParam();
-  const int64_t n =
-      eager_gradcheck(w, {{2, 3}, {4, 2}}, [](GradTape& tape, const auto& x, int rank) {
-        const Tensor ar = all_reduce_autograd(x[0], "sum", "world");
-        const Tensor ag = all_gather_tensor_autograd(ar, 1, "world");
-        const Tensor rs = reduce_scatter_tensor_autograd(x[1], "sum", 0, "world");
-        const Tensor own = sum_of_cubes(tape, x[1]);
-        if (rank % 2 == 1) return own;
-        const Tensor a = tape.call_one("add", std::vector<Tensor>{own, sum_of_cubes(tape, ag)});
-        return tape.call_one("add", std::vector<Tensor>{a, sum_of_cubes(tape, rs)});
-      });
-  EXPECT_EQ(n, expected(6 + 8));
-}
-
-// A collective recorded after the loss on odd ranks (its result unused there) and before it on
-// even ranks: every rank differentiates it, in its place among the collectives.
-TEST_P(EagerGradCheck, ACollectiveRecordedAfterTheLossOnSomeRanks) {
-  const int w = GetParam();
-  const int64_t n = eager_gradcheck(w, {{3}, {2}}, [](GradTape& tape, const auto& x, int rank) {
-    const Tensor first = all_reduce_autograd(x[0], "sum", "world");
-    if (rank % 2 == 1) {
-      const Tensor loss = sum_of_cubes(tape, first);
-      all_reduce_autograd(x[1], "sum", "world");
-      return loss;
-    }
-    const Tensor second = all_reduce_autograd(x[1], "sum", "world");
-    return tape.call_one("add", std::vector<Tensor>{sum_of_cubes(tape, first),
-                                                    sum_of_cubes(tape, second)});
-  });
-  EXPECT_EQ(n, expected(3 + 2));
 }
 
 // A 0-d input gathers to [group_size]; its gradient (a reduce_scatter, [1]) must come back 0-d.
@@ -514,72 +475,36 @@ TEST(EagerAutograd, NonSumFailsOnlyWhenBackwardRuns) {
   });
 }
 
-// The review's data-parallel step: rank 0's loss uses an all_reduce's result, rank 1's does
-// not; after backward both synchronize gradients with a plain all_reduce, then run a second
-// step. Exact values: rank 1's leaf gets rank 0's term, and the collectives after backward pair
-// as issued (rank 1's gradient all_reduce paired with rank 0's backward one before).
-TEST(EagerAutograd, ALossThatSkipsACollectiveOnOneRankKeepsTheRanksInStep) {
+// Every rank's loss must reach the same collectives (autograd.h): where rank 1's loss leaves
+// an all_reduce's result unused, the documented remedy, the result added with a zero weight,
+// runs its backward collective there too. Exact values: rank 1's leaf gets rank 0's term, and
+// the collectives after backward pair as issued.
+TEST(EagerAutograd, AZeroWeightedUnusedResultKeepsTheRanksInStep) {
   run_local(2, [](ProcessGroup& world) {
     const int rank = world.rank();
-    const double v = rank == 0 ? 1.0 : 2.0;
     GradTape tape;
-    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, v));
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, rank == 0 ? 1.0 : 2.0));
     const Tensor y = all_reduce_autograd(x, "sum", "world");  // 3 on both ranks
-    const Tensor yy = tape.call_one("mul", std::vector<Tensor>{y, y});
-    const Tensor xx = tape.call_one("mul", std::vector<Tensor>{x, x});
-    tape.backward(tape.call_one("sum", std::vector<Tensor>{rank == 0 ? yy : xx}));
+    auto sum_of_squares = [&](const Tensor& t) {
+      const Tensor sq = tape.call_one("mul", std::vector<Tensor>{t, t});
+      return tape.call_one("sum", std::vector<Tensor>{sq});
+    };
+    Tensor loss = sum_of_squares(y);
+    if (rank == 1) {
+      const Tensor sum_y = tape.call_one("sum", std::vector<Tensor>{y});
+      const Tensor zero_weighted =
+          tape.call_one("mul", std::vector<Tensor>{sum_y, Tensor::zeros({}, DType::F64)});
+      loss = tape.call_one("add", std::vector<Tensor>{sum_of_squares(x), zero_weighted});
+    }
+    tape.backward(loss);
     // d(sum y^2)/dy = 2y = 6 on rank 0, 0 on rank 1; the all_reduce backward sums them: each x
     // gets 6, and rank 1 adds 2x = 4 of its own loss.
-    const std::vector<double> want_grad = rank == 0 ? std::vector<double>{6, 6}
-                                                    : std::vector<double>{10, 10};
-    EXPECT_EQ(tape.grad(x).to_vector<double>(), want_grad) << "rank " << rank;
+    const std::vector<double> want = rank == 0 ? std::vector<double>{6, 6}
+                                               : std::vector<double>{10, 10};
+    EXPECT_EQ(tape.grad(x).to_vector<double>(), want) << "rank " << rank;
     const Tensor synced = all_reduce(tape.grad(x), "sum", "world");
     EXPECT_EQ(synced.to_vector<double>(), (std::vector<double>{16, 16})) << "rank " << rank;
-    GradTape next;
-    const Tensor x2 = next.requires_grad(Tensor::full({1}, DType::F64, rank - 0.75));
-    EXPECT_EQ(all_reduce_autograd(x2, "sum", "world").to_vector<double>(),
-              (std::vector<double>{-0.5}))
-        << "rank " << rank;
   });
-}
-
-// A backward differentiates the collectives its loss does not reach only among those recorded
-// since the previous backward, and leaves out one whose rule refuses: a max all_reduce of a
-// tracked value (logging) does not make every backward fail.
-TEST(EagerAutograd, UnreachedCollectivesOnlyFromThisStepAndOnlyWithAGradientRule) {
-  run_local(2, [](ProcessGroup& world) {
-    GradTape tape;
-    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, 1.0 + world.rank()));
-    const Tensor most = all_reduce_autograd(x, "max", "world");
-    EXPECT_EQ(most.to_vector<double>(), (std::vector<double>{2, 2}));
-    const Tensor l = tape.call_one("sum", std::vector<Tensor>{x});
-    const size_t nodes = tape.graph().num_nodes();
-    tape.backward(l);
-    EXPECT_EQ(tape.grad(x).to_vector<double>(), (std::vector<double>{1, 1}));
-    EXPECT_EQ(tape.graph().num_nodes(), nodes);
-  });
-  // Which collectives a backward appends, through append_backward: of a graph with two
-  // all_reduces, the loss reaching neither, only those after `after`.
-  auto g = parse_graph(R"(graph @g(%x: f32[2]) {
-  %a = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
-  %wa = wait_tensor(%a) : f32[2]
-  %b = all_reduce(%x) {reduce_op = "sum", group = "world"} : f32[2]
-  %wb = wait_tensor(%b) : f32[2]
-  %l = sum(%x) : f32[]
-  return %l, %wa, %wb
-})");
-  auto count_all_reduces = [&](std::optional<UnreachedCollectives> unreached) {
-    Node* last = g->last_node();
-    Value* wrt[] = {g->inputs()[0]};
-    append_backward(*g, g->outputs()[0], wrt, {}, unreached);
-    int n = 0;
-    for (const Node* m = last->next(); m; m = m->next()) n += m->op_name() == "all_reduce";
-    erase_nodes_after(*g, last);
-    return n;
-  };
-  EXPECT_EQ(count_all_reduces(std::nullopt), 0);
-  EXPECT_EQ(count_all_reduces(UnreachedCollectives{}), 2);
-  EXPECT_EQ(count_all_reduces(UnreachedCollectives{g->first_node()->next()}), 1);
 }
 
 // relu's gradient selects as PyTorch's threshold_backward does (0 where relu's result is <= 0,

@@ -112,8 +112,7 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
 
 // append_backward without the clean-up on failure.
 std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<Value* const> wrt,
-                                          const MadeBy& made_by,
-                                          const std::optional<UnreachedCollectives>& unreached) {
+                                          const MadeBy& made_by) {
   FUNCOL_CHECK(loss != nullptr, "append_backward: null loss");
   if (!is_loss_type(loss->type())) {
     throw InvalidArgument(fmt::format("autodiff: the loss {} must be a scalar of a floating "
@@ -150,23 +149,6 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<V
     auto [it, fresh] = grads.emplace(v, g);
     if (!fresh) it->second = b.value("add", {it->second, g});
   };
-  // Appends n's rule over `result_grads` and accumulates the operands' gradients; `before` is
-  // the last node before those n's backward appended.
-  auto apply_rule = [&](Node& n, Node* before, const std::vector<Value*>& result_grads) {
-    const std::vector<Value*> operand_grads = n.op().grad(b, n, result_grads);
-    if (made_by) {
-      for (Node* m = before ? before->next() : graph.first_node(); m; m = m->next()) {
-        made_by_node.emplace(m, &n);
-      }
-    }
-    FUNCOL_CHECK(operand_grads.size() == n.num_operands(),
-                 fmt::format("autodiff: gradient rule of {} returned {} gradients for {} operands",
-                             n.op().name, operand_grads.size(), n.num_operands()));
-    for (size_t i = 0; i < operand_grads.size(); ++i) {
-      Value* v = n.operand(i);
-      if (operand_grads[i] && needs.count(v)) accumulate(v, operand_grads[i]);
-    }
-  };
   b.set_name_hint("d_" + (loss->node() ? loss->node()->name() : loss->name()));
   if (needs.count(loss)) {
     accumulate(loss, b.value("full", {}, {{"shape", loss->shape()},
@@ -174,25 +156,14 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<V
                                          {"value", 1.0}}));
   }
 
-  // Walk back from the loss's node: nothing after it reaches the loss. With `unreached`, from
-  // the last node, the collectives after `first_unreached` differentiated whatever they reach.
+  // Walk back from the loss's node: nothing after it reaches the loss.
   size_t end = order.size();
   if (!loss->is_input()) {
     while (end > 0 && order[end - 1] != loss->node()) --end;
   } else {
     end = 0;
   }
-  size_t first_unreached = order.size();
-  if (unreached) {
-    first_unreached = 0;
-    if (unreached->after) {
-      while (first_unreached < order.size() && order[first_unreached] != unreached->after) {
-        ++first_unreached;
-      }
-      ++first_unreached;
-    }
-  }
-  for (size_t k = unreached ? order.size() : end; k-- > 0;) {
+  for (size_t k = end; k-- > 0;) {
     Node* n = order[k];
     const OpDef& op = n->op();
     std::vector<Value*> result_grads(n->num_results(), nullptr);
@@ -203,30 +174,10 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<V
       result_grads[r] = it->second;
       any_result = true;
     }
-    const bool zero_seeded = !any_result && k >= first_unreached && op.is_collective();
-    if (!any_result && !zero_seeded) continue;
+    if (!any_result) continue;
     bool any_operand = false;
     for (const Value* v : n->operands()) any_operand |= needs.count(v) != 0;
     if (!any_operand) continue;
-    if (zero_seeded) {
-      // A collective the loss does not reach: its backward with zero gradients, unless its rule
-      // refuses (no partner is missing then: the rule refuses on every rank alike).
-      if (!op.grad) continue;
-      b.set_name_hint("d_" + n->name());
-      Node* before = graph.last_node();
-      try {
-        for (size_t r = 0; r < n->num_results(); ++r) {
-          const Value* v = n->result(r);
-          if (!needs.count(v)) continue;
-          result_grads[r] = b.value(
-              "full", {}, {{"shape", v->shape()}, {"dtype", v->dtype()}, {"value", 0.0}});
-        }
-        apply_rule(*n, before, result_grads);
-      } catch (const InvalidArgument&) {
-        erase_nodes_after(graph, before);
-      }
-      continue;
-    }
     if (!op.grad) {
       detail::throw_grad_error(*n, [&](const std::string& where) {
         // The packed ops exist only in bucketed graphs, which PyTorch never differentiates
@@ -237,7 +188,20 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<V
       });
     }
     b.set_name_hint("d_" + n->name());
-    apply_rule(*n, graph.last_node(), result_grads);
+    Node* before = graph.last_node();
+    const std::vector<Value*> operand_grads = op.grad(b, *n, result_grads);
+    if (made_by) {
+      for (Node* m = before ? before->next() : graph.first_node(); m; m = m->next()) {
+        made_by_node.emplace(m, n);
+      }
+    }
+    FUNCOL_CHECK(operand_grads.size() == n->num_operands(),
+                 fmt::format("autodiff: gradient rule of {} returned {} gradients for {} operands",
+                             op.name, operand_grads.size(), n->num_operands()));
+    for (size_t i = 0; i < operand_grads.size(); ++i) {
+      Value* v = n->operand(i);
+      if (operand_grads[i] && needs.count(v)) accumulate(v, operand_grads[i]);
+    }
   }
 
   std::vector<Value*> out;
@@ -272,11 +236,10 @@ std::vector<Value*> append_backward_nodes(Graph& graph, Value* loss, std::span<V
 }  // namespace
 
 std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt,
-                                    const MadeBy& made_by,
-                                    std::optional<UnreachedCollectives> unreached) {
+                                    const MadeBy& made_by) {
   Node* last = graph.last_node();
   try {
-    return append_backward_nodes(graph, loss, wrt, made_by, unreached);
+    return append_backward_nodes(graph, loss, wrt, made_by);
   } catch (...) {
     erase_nodes_after(graph, last);
     throw;

@@ -25,17 +25,13 @@ namespace funcol {
 // table's rules (append_backward, as the autodiff pass), runs those nodes eagerly on this rank
 // (collectives through the functional API, each waited) and adds the gradients into grad().
 //
-// One tape per rank (thread); every rank must record the same collectives in the same order,
-// since the backward collectives are issued in the reverse order of the recorded ones. A
-// backward issues the backward collective of every collective recorded since the tape's
-// previous backward whose input depends on a leaf, whether its loss uses the result or not
-// (with a zero gradient where it does not): so ranks whose losses differ (a loss computed on
-// some ranks only, a collective's result that only some ranks use) stay in step, and each
-// gets the gradient the other ranks' losses give its leaves. PyTorch's backward skips such a
-// collective, and the ranks' collectives stop pairing; funcol's does too for a collective
-// recorded before the previous backward (a second backward over one recorded forward), and
-// for one whose gradient rule refuses (a non-sum all_reduce, broadcast) while the loss does
-// not reach it. A tape records only on the
+// One tape per rank (thread); every rank must record the same ops in the same order, since the
+// backward collectives are issued in the order of the recorded graph, and every rank's loss
+// must reach the same collectives: as PyTorch's, a backward differentiates only the
+// collectives its loss reaches, so a collective whose result one rank's loss uses and
+// another's does not (a loss on some ranks only) leaves the ranks' collectives out of step.
+// Add the unused result into that rank's loss with a zero weight (loss + 0 * sum(result)): its
+// backward collective then runs with zero gradients. A tape records only on the
 // thread that made it: on any other, a tracked tensor (or a Tensor method's view of one) given
 // to an op or a collective, requires_grad, backward and zero_grad are refused (InvalidArgument),
 // since taken as a constant the tensor would lose its gradient (a copy, t.clone(), is a

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <functional>
-#include <optional>
 #include <span>
 #include <vector>
 
@@ -25,22 +24,8 @@ namespace funcol {
 // that was kept, in program order, with the forward node whose rule made it (the eager tape
 // checks the values each rule reads against their versions when that node was recorded).
 using MadeBy = std::function<void(const Node& forward, const Node& made)>;
-// `unreached`, when given, also differentiates the collectives the loss does not reach: every
-// collective node after `unreached->after` (null: from the first node), the nodes after the
-// loss's included, whose operands need a gradient gets zeros for the gradients of the results
-// the loss does not use, and its backward collective is appended in its place in the reverse
-// program order (its operands' gradients then carry the peers' contributions). So every rank
-// appends the same backward collectives whenever the ranks recorded the same collectives, even
-// where one rank's loss uses a collective's result and another's does not (an eager tape's
-// loss is its rank's own; PyTorch's backward skips the collective there, and the ranks'
-// collectives stop pairing). A collective whose rule refuses (a non-sum all_reduce, broadcast)
-// and that the loss does not reach is left out, as without `unreached`.
-struct UnreachedCollectives {
-  const Node* after = nullptr;
-};
 std::vector<Value*> append_backward(Graph& graph, Value* loss, std::span<Value* const> wrt,
-                                    const MadeBy& made_by = {},
-                                    std::optional<UnreachedCollectives> unreached = {});
+                                    const MadeBy& made_by = {});
 
 // A loss append_backward accepts: one element (f32[] or, as PyTorch's backward accepts any
 // single-element output, f32[1], f32[1, 1], ...) of a floating dtype.
