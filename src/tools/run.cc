@@ -95,16 +95,21 @@ const Graph& select_graph(const Module& module, const RunOptions& o, const std::
 
 // Every rank generates (and writes) its inputs before the graph runs, and holds them and its
 // outputs when it ends: inputs, or inputs and outputs, larger than this machine's memory are an
-// error here, not an out-of-memory kill while they are written. The outputs counted are those
-// that surely have storage of their own (a view may share its operand's; an input is counted
-// as one), so the sum never exceeds what the run holds.
+// error here, not an out-of-memory kill while they are written. An output counts the value
+// whose storage it surely holds: the base of its chain of views and waits (each shares its
+// operand's storage, or copies it), once, and nothing when that base is an input; so the sum
+// never exceeds what the run holds.
 void check_input_memory(const Graph& graph, const RunOptions& o) {
   double inputs = 0;  // doubles: each value has up to 2^62 bytes, so the sums may not fit
   for (const Value* v : graph.inputs()) inputs += static_cast<double>(v->type().nbytes());
   double outputs = 0;
   std::unordered_set<const Value*> counted;  // looked up only
   for (const Value* v : graph.outputs()) {
-    if (v->is_input() || v->node()->op().is_view || !counted.insert(v).second) continue;
+    while (!v->is_input() &&
+           (v->node()->op().is_view || v->node()->op().collective == CollectiveKind::Wait)) {
+      v = v->node()->operand(0);
+    }
+    if (v->is_input() || !counted.insert(v).second) continue;
     outputs += static_cast<double>(v->type().nbytes());
   }
   const int ranks_here = ranks_on_this_machine(o.backend, o.ranks, o.join);
@@ -210,7 +215,10 @@ RankReport run_rank(const Prepared& p, const RunOptions& o, ProcessGroup& world)
     align_epochs(world, profilers);
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<Tensor> outputs;
-    for (int i = 0; i < o.iters; ++i) outputs = executor.run(inputs);
+    for (int i = 0; i < o.iters; ++i) {
+      outputs.clear();  // the last run's outputs go before the next run makes its own
+      outputs = executor.run(inputs);
+    }
     RankReport r;
     r.rank = rank;
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -3,9 +3,10 @@
 // Under a tracer they record graph nodes; on an input a GradTape tracks they are differentiable
 // (recorded on the tape as the *_autograd variants of <funcol/api/autograd.h> are). On meta
 // inputs (no data) outside a tracer they give what PyTorch's meta kernels give: after the same
-// checks (the group resolved too), meta results of the result shapes, nothing issued (the
-// in-place forms leave their meta output as it is; a coalesced call takes all meta inputs or
-// none).
+// checks, meta results of the result shapes, nothing issued (the in-place forms leave their
+// meta output as it is; a coalesced call takes all meta inputs or none). The group is resolved
+// as for real tensors: a rank list whose group does not exist yet makes it, a collective over
+// the world that every rank must join, as in PyTorch.
 #pragma once
 
 #include <cstddef>
