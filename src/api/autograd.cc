@@ -609,9 +609,10 @@ void GradTape::backward(const Tensor& loss) {
     // node was recorded; any other value, when a recorded op last used or produced it.
     std::vector<std::pair<const Node*, const Node*>> reads;  // (forward node, rule's node)
     const std::vector<Value*> grads =
-        append_backward(g, tr.value, s.leaves, [&](const Node& forward, const Node& made) {
-          reads.emplace_back(&forward, &made);
-        });
+        append_backward(g, tr.value, s.leaves,
+                        [&](const Node& forward, const Node& made) {
+                          reads.emplace_back(&forward, &made);
+                        });
     for (const auto& [forward, made] : reads) {
       const auto used = s.operand_versions.find(forward);
       for (const Value* v : made->operands()) {

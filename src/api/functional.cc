@@ -41,7 +41,7 @@ void check_input(const Tensor& t, std::string_view op, std::string_view suffix =
 
 // Meta inputs outside a tracer get what PyTorch's meta kernels give: after the same checks (the
 // group resolved too), a meta result of the result's shape and dtype, and nothing is issued.
-// A coalesced call takes meta inputs or inputs with data, not both: whether its inputs are meta.
+// Whether a coalesced call's inputs are meta: all of them or none (InvalidArgument otherwise).
 bool meta_inputs(std::span<const Tensor> inputs, std::string_view op) {
   size_t metas = 0;
   for (const Tensor& t : inputs) metas += t.is_meta() ? 1 : 0;

@@ -99,7 +99,7 @@ const Graph& select_graph(const Module& module, const RunOptions& o, const std::
 // whose storage it surely holds: the base of its chain of views and waits (each shares its
 // operand's storage, or copies it), once, and nothing when that base is an input; so the sum
 // never exceeds what the run holds.
-void check_input_memory(const Graph& graph, const RunOptions& o) {
+void check_held_memory(const Graph& graph, const RunOptions& o) {
   double inputs = 0;  // doubles: each value has up to 2^62 bytes, so the sums may not fit
   for (const Value* v : graph.inputs()) inputs += static_cast<double>(v->type().nbytes());
   double outputs = 0;
@@ -179,7 +179,7 @@ Prepared prepare(const RunOptions& o, const std::string& text) {
         return std::nullopt;
       },
       known);
-  check_input_memory(*p.graph, o);
+  check_held_memory(*p.graph, o);
   check_output_sizes(*p.graph);
   return p;
 }
