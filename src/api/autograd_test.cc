@@ -948,6 +948,30 @@ TEST(EagerAutograd, TensorMethodViewsOfTrackedTensorsAreRefused) {
 }
 
 // As PyTorch's backward(): a loss of one element of any rank, seeded with ones of its shape.
+// A loss that is not a scalar on one rank only: that rank's backward fails before it builds
+// its gradient graph, and still issues (failed) the collectives its loss reaches, so the peer's
+// backward fails naming it at once and the next collectives pair.
+TEST(EagerAutograd, ANonScalarLossOnOneRankFailsItsPeersBackwardToo) {
+  std::vector<std::string> errors(2);
+  run_local(2, [&](ProcessGroup& world) {
+    const int rank = world.rank();
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, 1.0 + rank));
+    const Tensor y = all_reduce_autograd(x, "sum", "world");
+    const Tensor loss = rank == 0 ? y : tape.call_one("sum", std::vector<Tensor>{y});
+    errors[static_cast<size_t>(rank)] = error_of([&] { tape.backward(loss); });
+    const Tensor sum = all_reduce(Tensor::full({2}, DType::F32, rank + 1), "sum", world);
+    EXPECT_EQ(sum.to_vector<float>(), std::vector<float>({3, 3})) << "rank " << rank;
+  });
+  EXPECT_EQ(errors[0],
+            "backward: the loss %w (f64[2], the result of all_reduce) must be a scalar "
+            "(one element) of a floating dtype");
+  EXPECT_NE(errors[1].find("rank 0 could not take part: it gave up on the rest of its backward "
+                           "after an error: backward: the loss %w"),
+            std::string::npos)
+      << errors[1];
+}
+
 TEST(EagerAutograd, SingleElementLossOfAnyRank) {
   GradTape tape;
   const Tensor x = tape.requires_grad(Tensor::from_vector(std::vector<float>{1, 2, 3}, {1, 3}));

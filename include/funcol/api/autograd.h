@@ -78,7 +78,8 @@ class GradTape {
   // fails after its gradient graph was built (such a version check, a kernel's error, a failed
   // collective) first issues its collectives not issued yet, failed, so that a rank failing
   // alone does not fall behind its peers: their backward fails naming it ("rank 1 could not
-  // take part: it gave up on the rest of its backward after an error: ...").
+  // take part: it gave up on the rest of its backward after an error: ..."). So does one whose
+  // loss is not a scalar (it issues, failed, the collectives its sum's backward would).
   void backward(const Tensor& loss);
 
   // The accumulated gradient of `leaf` (a tensor requires_grad() returned), zeros of its type
