@@ -596,31 +596,24 @@ void GradTape::backward(const Tensor& loss) {
   if (tr.state != state_) throw InvalidArgument("backward: the loss is not tracked by this tape");
   Graph& g = *s.graph;
   Node* mark = g.last_node();
-  if (!is_loss_type(tr.value->type())) {
-    try {
-      throw InvalidArgument(fmt::format(
-          "backward: the loss {} must be a scalar (one element) of a floating dtype",
-          describe(s, tr.value)));
-    } catch (...) {
-      // A rank-local error, as the ones below: the collectives this loss reaches (those of
-      // its sum's backward) are issued failed, so that peers whose loss is a scalar fail
-      // naming this rank instead of pairing with its next collectives.
-      if (is_floating(tr.value->dtype())) {
-        try {
-          Builder b(g);
-          Value* total = b.value("sum", {tr.value});
-          append_backward(g, total, s.leaves);
-          give_up_backward(s, g, mark);
-        } catch (...) {
-          // No backward to build (a rule refuses): nothing is issued, as on the peers.
-        }
-        erase_nodes_after(g, mark);
-      }
-      throw;
-    }
-  }
   const Node* done = mark;  // the last node of the graph that ran
   try {
+    if (!is_loss_type(tr.value->type())) {
+      // A rank-local error, as the ones below: the collectives this loss reaches (those of its
+      // sum's backward) are issued failed by the handler, so that peers whose loss is a scalar
+      // fail naming this rank instead of pairing with its next collectives. When no backward
+      // can be built (a rule refuses), nothing is issued, as on the peers.
+      const std::string message = fmt::format(
+          "backward: the loss {} must be a scalar (one element) of a floating dtype",
+          describe(s, tr.value));
+      if (is_floating(tr.value->dtype())) {
+        try {
+          append_backward(g, Builder(g).value("sum", {tr.value}), s.leaves);
+        } catch (...) {
+        }
+      }
+      throw InvalidArgument(message);
+    }
     // The recorded values the gradient rules read must hold what they held when recorded
     // (PyTorch: "one of the variables needed for gradient computation has been modified by an
     // inplace operation"): an operand of the node whose rule reads it, what it held when that

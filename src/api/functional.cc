@@ -346,9 +346,10 @@ Tensor reduce_scatter_tensor(const Tensor& t, const std::string& reduce_op, int6
   ProcessGroup& pg = group.resolve();
   const int64_t world = pg.size();
   const int64_t dim = check_reduce_scatter_input(t, scatter_dim, world, kOp, {});
-  if (t.is_meta()) return Tensor::meta(scattered_shape(t.sizes(), dim, world), t.dtype());
+  const Shape out_shape = scattered_shape(t.sizes(), dim, world);
+  if (t.is_meta()) return Tensor::meta(out_shape, t.dtype());
   Tensor in = scatter_dim_to_front(t, dim, world);
-  Tensor out = Tensor::empty(scattered_shape(t.sizes(), dim, world), t.dtype());
+  Tensor out = Tensor::empty(out_shape, t.dtype());
   guard_input(pg.reduce_scatter(out, in, op), in);
   return out;
 }
@@ -452,11 +453,9 @@ std::vector<Tensor> all_reduce_coalesced(const std::vector<Tensor>& inputs,
   if (inputs.empty()) return {};
   std::vector<Tensor> outputs;
   outputs.reserve(inputs.size());
-  if (meta_inputs(inputs, kOp)) {
-    for (const Tensor& t : inputs) outputs.push_back(Tensor::meta(t.sizes(), t.dtype()));
-    return outputs;
-  }
-  for (const Tensor& t : inputs) outputs.push_back(contiguous_copy(t));
+  const bool meta = meta_inputs(inputs, kOp);
+  for (const Tensor& t : inputs) outputs.push_back(contiguous_copy(t));  // meta: a meta tensor
+  if (meta) return outputs;
   pg.all_reduce_coalesced(outputs, op);
   return outputs;
 }
@@ -480,16 +479,13 @@ std::vector<Tensor> all_gather_into_tensor_coalesced(const std::vector<Tensor>& 
   std::vector<Tensor> ready;
   outputs.reserve(inputs.size());
   ready.reserve(inputs.size());
-  if (meta_inputs(inputs, kOp)) {
-    for (const Tensor& t : inputs) {
-      outputs.push_back(Tensor::meta(gathered_shape(t.sizes(), 0, pg.size(), kOp), t.dtype()));
-    }
-    return outputs;
-  }
+  const bool meta = meta_inputs(inputs, kOp);
   for (const Tensor& t : inputs) {
-    outputs.push_back(Tensor::empty(gathered_shape(t.sizes(), 0, pg.size(), kOp), t.dtype()));
-    ready.push_back(ready_input(t));
+    const Shape shape = gathered_shape(t.sizes(), 0, pg.size(), kOp);
+    outputs.push_back(meta ? Tensor::meta(shape, t.dtype()) : Tensor::empty(shape, t.dtype()));
+    if (!meta) ready.push_back(ready_input(t));
   }
+  if (meta) return outputs;
   guard_inputs(pg.all_gather_coalesced(outputs, ready), inputs);
   return outputs;
 }
@@ -522,18 +518,14 @@ std::vector<Tensor> reduce_scatter_tensor_coalesced(const std::vector<Tensor>& i
   }
   std::vector<Tensor> fronts;
   std::vector<Tensor> outputs;
-  if (meta_inputs(inputs, kOp)) {
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      outputs.push_back(
-          Tensor::meta(scattered_shape(inputs[i].sizes(), dims[i], world), inputs[i].dtype()));
-    }
-    return outputs;
-  }
+  const bool meta = meta_inputs(inputs, kOp);
   for (size_t i = 0; i < inputs.size(); ++i) {
-    fronts.push_back(scatter_dim_to_front(inputs[i], dims[i], world));
-    outputs.push_back(
-        Tensor::empty(scattered_shape(inputs[i].sizes(), dims[i], world), inputs[i].dtype()));
+    const Shape shape = scattered_shape(inputs[i].sizes(), dims[i], world);
+    const DType dtype = inputs[i].dtype();
+    outputs.push_back(meta ? Tensor::meta(shape, dtype) : Tensor::empty(shape, dtype));
+    if (!meta) fronts.push_back(scatter_dim_to_front(inputs[i], dims[i], world));
   }
+  if (meta) return outputs;
   guard_inputs(pg.reduce_scatter_coalesced(outputs, fronts, op), fronts);
   return outputs;
 }
