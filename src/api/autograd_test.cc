@@ -507,6 +507,71 @@ TEST(EagerAutograd, AZeroWeightedUnusedResultKeepsTheRanksInStep) {
   });
 }
 
+// Against that contract, rank 1's loss leaves the all_reduce's result unused. A backward's
+// collectives are labelled with its call on the tape (dist_detail::InternalStep), so rank 0's
+// backward all_reduce no longer pairs with rank 1's next all_reduce of the same shape (which
+// summed rank 0's gradient into rank 1's gradient sync, silently): both fail at once, and the
+// message says which side issued a backward's collective.
+TEST(EagerAutograd, ALossMissingACollectiveOnOneRankFailsInsteadOfMispairing) {
+  std::string errors[2];
+  run_local(2, [&](ProcessGroup& world) {
+    const int rank = world.rank();
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, rank + 1.0));
+    const Tensor y = all_reduce_autograd(x, "sum", "world");
+    const Tensor xy = tape.call_one("mul", std::vector<Tensor>{rank == 0 ? y : x, x});
+    try {
+      tape.backward(tape.call_one("sum", std::vector<Tensor>{xy}));
+      const Tensor synced = all_reduce(tape.grad(x), "sum", "world");
+      ADD_FAILURE() << "rank " << rank << " summed " << synced.to_vector<double>()[0];
+    } catch (const CommError& e) {
+      errors[rank] = e.what();
+    }
+    // Both skipped the mismatched pair: the group still works.
+    EXPECT_EQ(all_reduce(Tensor::full({1}, DType::F64, 1), "sum", "world").item<double>(), 2);
+  });
+  EXPECT_EQ(errors[0], errors[1]);
+  EXPECT_NE(errors[0].find("mismatched collectives: rank 0 issued all_reduce(f64[2], op sum) "
+                           "[backward call 1 of its tape] but rank 1 issued all_reduce(f64[2], "
+                           "op sum)"),
+            std::string::npos)
+      << errors[0];
+}
+
+// The same between two backward calls, as in a pipeline's backward per micro-batch: rank 1's
+// first loss reaches no collective, so its second backward's all_reduce met rank 0's first
+// backward's. Its call number tells them apart.
+TEST(EagerAutograd, BackwardCallsOfDifferentNumbersNeverPair) {
+  std::string errors[2];
+  run_local(2, [&](ProcessGroup& world) {
+    const int rank = world.rank();
+    GradTape tape;
+    const Tensor x = tape.requires_grad(Tensor::full({2}, DType::F64, rank + 1.0));
+    auto loss_of = [&](const Tensor& t) {
+      const Tensor tx = tape.call_one("mul", std::vector<Tensor>{t, x});
+      return tape.call_one("sum", std::vector<Tensor>{tx});
+    };
+    const Tensor y1 = all_reduce_autograd(x, "sum", "world");
+    const Tensor y2 = all_reduce_autograd(x, "sum", "world");
+    const Tensor first = loss_of(rank == 0 ? y1 : x);
+    const Tensor second = loss_of(y2);
+    for (const Tensor& loss : {first, second}) {
+      try {
+        tape.backward(loss);
+      } catch (const CommError& e) {
+        if (errors[rank].empty()) errors[rank] = e.what();
+      }
+    }
+  });
+  for (const std::string& e : errors) {
+    EXPECT_NE(e.find("mismatched collectives: rank 0 issued all_reduce(f64[2], op sum) "
+                     "[backward call 1 of its tape] but rank 1 issued all_reduce(f64[2], op "
+                     "sum) [backward call 2 of its tape]"),
+              std::string::npos)
+        << e;
+  }
+}
+
 // relu's gradient selects as PyTorch's threshold_backward does (0 where relu's result is <= 0,
 // the gradient elsewhere, NaN included), never grad * 0: an inf gradient at an inactive unit
 // gave NaN.

@@ -1286,10 +1286,11 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   std::shared_ptr<GlooShared> shared_;
   std::shared_ptr<gloo::Context> context_;  // null for a group of one rank
   // Gloo pairs messages by the op and a tag. funcol's own agreement steps (new_group,
-  // split_group, ...) move their data under a tag of their own, so that Gloo never pairs one
-  // with a user's collective a peer issued at the same point: without FUNCOL_DEBUG=detail
-  // nothing compares the two, and a larger message than expected aborts the receiving rank
-  // inside Gloo's transport. Both sides then wait, and time out naming each other.
+  // split_group, ...) and a tape's backward collectives (any InternalStep) move their data
+  // under a tag of their own, so that Gloo never pairs one with a user's collective a peer
+  // issued at the same point: without FUNCOL_DEBUG=detail nothing compares the two, and a
+  // larger message than expected aborts the receiving rank inside Gloo's transport. Both sides
+  // then wait, and time out naming each other.
   static constexpr uint32_t kUserTag = 0;
   static constexpr uint32_t kStepTag = 1;  // tags fit in 8 bits (piece_slot)
   uint32_t tag_ = kUserTag;  // the running op's (worker thread only)

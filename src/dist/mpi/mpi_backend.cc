@@ -641,10 +641,11 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
         comm_(comm),
         step_comm_(step_comm) {}
 
-  // Where an op's data travels: funcol's own agreement steps (new_group, split_group, ...) on
-  // a communicator of their own, so that MPI never pairs one with a user's collective that a
-  // peer issued at the same point (without FUNCOL_DEBUG=detail nothing compares the two; the
-  // signature exchange of detail mode stays on comm_, where it catches such a pair).
+  // Where an op's data travels: funcol's own agreement steps (new_group, split_group, ...) and
+  // a tape's backward collectives (any InternalStep) on a communicator of their own, so that
+  // MPI never pairs one with a user's collective that a peer issued at the same point (without
+  // FUNCOL_DEBUG=detail nothing compares the two; the signature exchange of detail mode stays
+  // on comm_, where it catches such a pair).
   MPI_Comm data_comm(const CollectiveOp& op) const {
     return op.signature.step.empty() ? comm_ : step_comm_;
   }

@@ -9,7 +9,8 @@
 //  mismatch  (FUNCOL_DEBUG=detail) 100 collectives in flight at once each give their own
 //            result; then ranks issue different collectives, then all_to_alls with
 //            inconsistent split sizes, then all_reduce_flats whose inputs split the same total
-//            differently, then new_group's agreement against a user's all_reduce; each fails
+//            differently, then new_group's agreement against a user's all_reduce, then a
+//            backward's all_reduce against a user's (one rank's loss reaches more); each fails
 //            on every rank showing both sides, and the group keeps working afterwards
 //  count_limit  (mpi) a coalesced list with a tensor over MPI's int count fails on every rank
 //            before any of it is posted; the group is unusable afterwards
@@ -85,6 +86,8 @@
 
 #include "dist/checks.h"
 #include "dist/multiprocess/process_group_base.h"
+#include "funcol/api/autograd.h"
+#include "funcol/api/functional.h"
 #ifdef FUNCOL_WITH_GLOO
 #include "dist/multiprocess/process_env.h"
 #endif
@@ -261,6 +264,20 @@ std::string group_against_all_reduce(funcol::ProcessGroup& world) {
       "new_group's agreement against a user's all_reduce");
 }
 
+// Each rank's w (f32[3]) holds rank + 1; y = all_reduce_autograd(w); backward of sum(y * w)
+// where `use_result`, else of sum(w * w); then an all_reduce of w's gradient, whose first
+// element it returns.
+float backward_of_all_reduce(funcol::ProcessGroup& world, bool use_result) {
+  funcol::GradTape tape;
+  const Tensor w = tape.requires_grad(Tensor::full({3}, DType::F32, world.rank() + 1));
+  const Tensor y = funcol::all_reduce_autograd(w, "sum", world);
+  const Tensor used = tape.call_one("mul", std::vector<Tensor>{use_result ? y : w, w});
+  tape.backward(tape.call_one("sum", std::vector<Tensor>{used}));
+  const float g = tape.grad(w).to_vector<float>()[0];
+  funcol::all_reduce(tape.grad(w), "sum", world).to_vector<float>();
+  return g;
+}
+
 void scenario_mismatch(funcol::ProcessGroup& world) {
   if (const char* d = std::getenv("FUNCOL_DEBUG"); d == nullptr || std::string(d) != "detail") {
     failed("run with FUNCOL_DEBUG=detail");
@@ -360,6 +377,18 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
   expect_contains(step_msg,
                   "rank 0 issued all_reduce(i64[2], op max) [funcol's agreement step for "
                   "new_group] but rank 1 issued all_reduce(i64[2], op max)");
+  // A backward's collective against a user's all_reduce of the same shape (rank 0's loss
+  // reaches the forward all_reduce, the others' do not): a mismatch that names the backward.
+  // First every rank's loss reaches it: d(sum(y * w))/dw = y + sum of the ranks' w = n(n+1).
+  if (const float g = backward_of_all_reduce(world, true); g != static_cast<float>(n * (n + 1))) {
+    failed(fmt::format("a backward through all_reduce gave {}, not {}", g, n * (n + 1)));
+  }
+  std::string backward_msg = expect_comm_error(
+      [&] { backward_of_all_reduce(world, world.rank() == 0); },
+      "a backward's all_reduce against a user's");
+  expect_contains(backward_msg,
+                  "rank 0 issued all_reduce(f32[3], op sum) [backward call 1 of its tape] but "
+                  "rank 1 issued all_reduce(f32[3], op sum)");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();
   check_sum(world);
