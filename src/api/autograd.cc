@@ -43,9 +43,6 @@ struct GradTape::State {
   std::unordered_map<const Node*, std::vector<uint64_t>> operand_versions;
   std::vector<Value*> leaves;
   std::vector<Tensor> grads;  // per leaf; undefined until a backward reaches it
-  // The calls of backward so far, the round of its collectives' step (dist_detail::InternalStep):
-  // in a correct program every rank's n-th backward on its tape issues the same collectives.
-  uint32_t backward_calls = 0;
   // The groups the recorded collectives ran on, by name (looked up only): backward runs on
   // them, not on what the name resolves to on the calling thread, which needs a current rank
   // (a thread a rank started has none: it passes the ProcessGroup). Weak: the tape keeps no
@@ -597,9 +594,8 @@ void GradTape::backward(const Tensor& loss) {
   check_tape_thread(state_, "backward");  // it adds nodes to the graph and erases them
   State& s = *state_;
   Tracked tr = tracked(loss);
-  // Every call counts, refused ones too: a rank whose backward issued nothing while its peers'
-  // did gets a mismatch at its next collective rather than pairing it with theirs.
-  const dist_detail::InternalStep step("backward", ++s.backward_calls);
+  // Its collectives pair only with the peers' backward collectives (dist_detail::InternalStep).
+  const dist_detail::InternalStep step(dist_detail::kBackwardStep);
   if (tr.state != state_) throw InvalidArgument("backward: the loss is not tracked by this tape");
   Graph& g = *s.graph;
   Node* mark = g.last_node();

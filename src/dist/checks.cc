@@ -658,28 +658,27 @@ namespace {
 // The labels InternalSteps were given, id - 1 indexing them (one per call site: a handful).
 std::mutex g_step_labels_mu;
 std::vector<const char*> g_step_labels;
-thread_local uint32_t t_internal_step = 0;
+thread_local uint8_t t_internal_step = 0;
 thread_local const char* t_split_caller = "split_group";
-constexpr uint32_t kStepLabelBits = 8;
 
-uint32_t step_id(const char* label) {
+uint8_t step_id(const char* label) {
   std::lock_guard<std::mutex> lock(g_step_labels_mu);
   for (size_t i = 0; i < g_step_labels.size(); ++i) {
-    if (std::strcmp(g_step_labels[i], label) == 0) return static_cast<uint32_t>(i + 1);
+    if (std::strcmp(g_step_labels[i], label) == 0) return static_cast<uint8_t>(i + 1);
   }
   FUNCOL_CHECK(g_step_labels.size() < 255, "too many internal step labels");
   g_step_labels.push_back(label);
-  return static_cast<uint32_t>(g_step_labels.size());
+  return static_cast<uint8_t>(g_step_labels.size());
 }
 }  // namespace
 
-InternalStep::InternalStep(const char* label, uint32_t round) : previous_(t_internal_step) {
-  t_internal_step = step_id(label) | (round << kStepLabelBits);
+InternalStep::InternalStep(const char* label) : previous_(t_internal_step) {
+  t_internal_step = step_id(label);
 }
 
 InternalStep::~InternalStep() { t_internal_step = previous_; }
 
-uint32_t internal_step() { return t_internal_step; }
+uint8_t internal_step() { return t_internal_step; }
 
 SplitCaller::SplitCaller(const char* name) : previous_(t_split_caller) { t_split_caller = name; }
 
@@ -687,27 +686,16 @@ SplitCaller::~SplitCaller() { t_split_caller = previous_; }
 
 const char* split_caller() { return t_split_caller; }
 
-std::string step_name(uint32_t step) {
-  if (step == 0) return {};
-  const uint32_t id = step & ((1u << kStepLabelBits) - 1);
-  const uint32_t round = step >> kStepLabelBits;
-  const char* label = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_step_labels_mu);
-    label = g_step_labels[id - 1];
-  }
-  return round == 0 ? std::string(label) : fmt::format("{} {}", label, round);
+const char* step_label(uint8_t step) {
+  if (step == 0) return nullptr;
+  std::lock_guard<std::mutex> lock(g_step_labels_mu);
+  return g_step_labels[step - 1];
 }
 
-std::string describe_step(std::string_view name) {
-  if (name.empty()) return {};
-  const size_t space = name.find(' ');
-  if (space != std::string_view::npos) {
-    const std::string_view label = name.substr(0, space), round = name.substr(space + 1);
-    if (label == "backward") return fmt::format(" [backward call {} of its tape]", round);
-    return fmt::format(" [{} round {}]", label, round);
-  }
-  return fmt::format(" [funcol's agreement step for {}]", name);
+std::string describe_step(const char* label) {
+  if (label == nullptr) return {};
+  if (std::strcmp(label, kBackwardStep) == 0) return " [issued by GradTape::backward]";
+  return fmt::format(" [funcol's agreement step for {}]", label);
 }
 
 namespace {

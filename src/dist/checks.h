@@ -174,30 +174,29 @@ void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& i
 // label in mismatch messages ("... [funcol's agreement step for new_group]"), so that such a
 // step never pairs with a user's collective of the same shape and a peer's error says what it
 // was. `label` must outlive the program (a string literal); scopes nest.
-// A step may have a round (1 or more; 0: none), compared too: GradTape::backward labels the
-// collectives of its n-th call on a tape "backward", round n, so that a rank whose loss
-// reaches fewer collectives than its peers' gets a mismatch instead of pairing its next
-// collectives with the peers' remaining backward ones ("... [backward call 3 of its tape]").
+// GradTape::backward labels the collectives it issues kBackwardStep, so that a rank whose loss
+// reaches more collectives than its peers' gets a mismatch ("... [issued by
+// GradTape::backward]") instead of pairing its remaining backward collectives with the peers'
+// next ones.
 class InternalStep {
  public:
-  explicit InternalStep(const char* label, uint32_t round = 0);
+  explicit InternalStep(const char* label);
   ~InternalStep();
   InternalStep(const InternalStep&) = delete;
   InternalStep& operator=(const InternalStep&) = delete;
 
  private:
-  uint32_t previous_;
+  uint8_t previous_;
 };
-// The calling thread's innermost InternalStep as a small word, for records compared on a hot
-// path: its label's id in the low byte (equal labels get equal ids in one process), its round
-// (modulo 2^24) above; 0 outside every step.
-uint32_t internal_step();
-// The name of a word internal_step() gave: "new_group", "backward 3" (label and round), or ""
-// for 0.
-std::string step_name(uint32_t step);
-// What a step_name says in a mismatch message: " [funcol's agreement step for new_group]",
-// " [backward call 3 of its tape]", or "" for "".
-std::string describe_step(std::string_view name);
+// The calling thread's innermost InternalStep as a small id (one byte, for records compared on
+// a hot path; equal labels get equal ids in one process), or 0.
+uint8_t internal_step();
+// The label of an id internal_step() gave (nullptr for 0).
+const char* step_label(uint8_t step);
+inline constexpr char kBackwardStep[] = "backward";
+// " [funcol's agreement step for <label>]", " [issued by GradTape::backward]" for
+// kBackwardStep, or "" for nullptr.
+std::string describe_step(const char* label);
 
 // The public call a split_group runs for while in scope (new_group), which its errors name
 // instead of split_group: a user who called new_group never called split_group. `name` must

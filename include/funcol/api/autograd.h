@@ -31,14 +31,16 @@ namespace funcol {
 // collectives its loss reaches, so a collective whose result one rank's loss uses and
 // another's does not (a loss on some ranks only) leaves the ranks' collectives out of step.
 // Add the unused result into that rank's loss with a zero weight (loss + 0 * sum(result)): its
-// backward collective then runs with zero gradients. Unlike PyTorch's, such ranks get a
-// CommError instead of pairing the collectives wrongly: the n-th backward call on a tape
-// labels its collectives "backward call n", the backends compare the label as they compare the
-// call (threads always; mpi and gloo with FUNCOL_DEBUG=detail, and without it a backward's
-// collective against a user's own times out instead of pairing, since labelled collectives
-// travel apart), so every rank must call backward on its tape the same number of times,
-// refused calls included. A tape records only on the
-// thread that made it: on any other, a tracked tensor (or a Tensor method's view of one) given
+// backward collective then runs with zero gradients. Unlike PyTorch's, the collectives a
+// backward issues are labelled, and the backends compare the label as they compare the call
+// (threads always; mpi and gloo with FUNCOL_DEBUG=detail, and without it such a pair times out
+// instead, as labelled collectives travel apart): a backward's collective never pairs with a
+// user's own, so where the rank whose loss reaches fewer collectives goes on to a forward
+// collective, both sides get a CommError "mismatched collectives: rank 0 issued ... [issued by
+// GradTape::backward] but rank 1 issued ..." instead of wrong sums. (Where it goes on to
+// another backward, its collectives pair as they come: the number of backward calls may
+// differ between ranks, e.g. one per group's loss, so nothing tells those apart.)
+// A tape records only on the thread that made it: on any other, a tracked tensor (or a Tensor method's view of one) given
 // to an op or a collective, requires_grad, backward and zero_grad are refused (InvalidArgument),
 // since taken as a constant the tensor would lose its gradient (a copy, t.clone(), is a
 // constant); grad() may be read anywhere while the tape's thread does not record. data_ptr()

@@ -129,7 +129,7 @@ std::string OpSignature::summary() const {
   }
   if (reduces(kind)) s += fmt::format(", op {}", reduce_op_name(reduce_op));
   if (kind == OpKind::Broadcast) s += fmt::format(", src {}", root);
-  return s + ")" + dist_detail::describe_step(step);
+  return s + ")" + dist_detail::describe_step(step.empty() ? nullptr : step.c_str());
 }
 
 bool OpSignature::same_call(const OpSignature& o) const {

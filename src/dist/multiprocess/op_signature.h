@@ -54,7 +54,7 @@ struct OpSignature {
   std::vector<Slot> slots;
   std::vector<int64_t> input_splits;   // all_to_all: rows sent to each group rank
   std::vector<int64_t> output_splits;  // all_to_all: rows expected from each group rank
-  // dist_detail::step_name of the issuing thread's internal_step() ("" for a user's own),
+  // The label of dist_detail::internal_step() of the issuing thread ("" for a user's own),
   // compared and printed as the threads backend does.
   std::string step;
 

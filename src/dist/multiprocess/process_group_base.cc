@@ -41,8 +41,8 @@ std::shared_ptr<CollectiveOp> make_op(OpKind kind) {
   auto op = std::make_shared<CollectiveOp>();
   op->kind = kind;
   op->signature.kind = kind;
-  if (const uint32_t step = dist_detail::internal_step()) {
-    op->signature.step = dist_detail::step_name(step);
+  if (const char* step = dist_detail::step_label(dist_detail::internal_step())) {
+    op->signature.step = step;
   }
   return op;
 }

@@ -387,7 +387,7 @@ void scenario_mismatch(funcol::ProcessGroup& world) {
       [&] { backward_of_all_reduce(world, world.rank() == 0); },
       "a backward's all_reduce against a user's");
   expect_contains(backward_msg,
-                  "rank 0 issued all_reduce(f32[3], op sum) [backward call 1 of its tape] but "
+                  "rank 0 issued all_reduce(f32[3], op sum) [issued by GradTape::backward] but "
                   "rank 1 issued all_reduce(f32[3], op sum)");
   // Every rank skipped the mismatched collectives: the group still works.
   world.barrier();

@@ -467,7 +467,7 @@ struct Post {
   std::vector<int64_t> flat_counts;
   std::vector<const Storage*> flat_storages;  // identity only (World::wait_readers)
   std::shared_ptr<const void> hold;           // the input list, alive until the op finished
-  uint32_t step = 0;  // dist_detail::internal_step() of the issuing thread
+  uint8_t step = 0;  // dist_detail::internal_step() of the issuing thread
   // Non-empty when a buffer of this rank's holds the failed result of an earlier collective
   // (say why): the rank still takes the collective's place in the group's sequence, and the
   // collective fails for every member with this reason (see ThreadsGroup::buffer_ptr).
@@ -475,7 +475,7 @@ struct Post {
 
   // "all_reduce(f32, numel 16, op sum)", for mismatch messages.
   std::string summary() const {
-    return call_summary() + dist_detail::describe_step(dist_detail::step_name(step));
+    return call_summary() + dist_detail::describe_step(dist_detail::step_label(step));
   }
   std::string call_summary() const {
     if (flat) {
@@ -632,11 +632,11 @@ struct alignas(64) LaneRecord {
   // only move the deadline later (and a failer's compare-exchange checks the seq anyway).
   std::atomic<Clock::rep> deadline{0};
   ReduceOp reduce_op = ReduceOp::Sum;
-  uint32_t step = 0;  // as Post::step
+  uint8_t step = 0;  // as Post::step
   Slot slot;
 
   Post post() const { return post(slot, reduce_op, step); }
-  static Post post(const Slot& slot, ReduceOp reduce_op, uint32_t step) {
+  static Post post(const Slot& slot, ReduceOp reduce_op, uint8_t step) {
     Post p;
     p.kind = OpKind::AllReduce;
     p.reduce_op = reduce_op;
