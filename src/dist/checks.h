@@ -174,10 +174,10 @@ void check_pair_apart(std::string_view op, const Tensor& output, const Tensor& i
 // label in mismatch messages ("... [funcol's agreement step for new_group]"), so that such a
 // step never pairs with a user's collective of the same shape and a peer's error says what it
 // was. `label` must outlive the program (a string literal); scopes nest.
-// GradTape::backward labels the collectives it issues kBackwardStep, so that a rank whose loss
-// reaches more collectives than its peers' gets a mismatch ("... [issued by
-// GradTape::backward]") instead of pairing its remaining backward collectives with the peers'
-// next ones.
+// GradTape::backward labels the collectives it issues kBackwardStep, so that where one rank's
+// loss reaches more collectives than its peers', its remaining backward collectives meet the
+// peers' next collectives of their own with a mismatch ("... [issued by GradTape::backward]")
+// instead of pairing with them.
 class InternalStep {
  public:
   explicit InternalStep(const char* label);

@@ -40,17 +40,17 @@ namespace funcol {
 // GradTape::backward] but rank 1 issued ..." instead of wrong sums. (Where it goes on to
 // another backward, its collectives pair as they come: the number of backward calls may
 // differ between ranks, e.g. one per group's loss, so nothing tells those apart.)
-// A tape records only on the thread that made it: on any other, a tracked tensor (or a Tensor method's view of one) given
-// to an op or a collective, requires_grad, backward and zero_grad are refused (InvalidArgument),
-// since taken as a constant the tensor would lose its gradient (a copy, t.clone(), is a
-// constant); grad() may be read anywhere while the tape's thread does not record. data_ptr()
-// and data<T>() count as writes (Storage::version) for the version checks below;
-// const_data<T>() reads. Tensors stay tracked as long as the tape lives; a tensor of a
-// destroyed tape counts as untracked. Tensor methods (t.view(...)) are not recorded: use
-// call(). A view they make of a tracked tensor is refused (InvalidArgument) where it enters
-// call(), funcol::ops or a collective, since as a constant it would lose its gradient without
-// a word; copies they make (t.to(...), t.clone())
-// are untracked constants, and so is the tensor requires_grad() was given (the leaf's alias).
+// A tape records only on the thread that made it: on any other, a tracked tensor (or a Tensor
+// method's view of one) given to an op or a collective, requires_grad, backward and zero_grad are
+// refused (InvalidArgument), since taken as a constant the tensor would lose its gradient (a copy,
+// t.clone(), is a constant); grad() may be read anywhere while the tape's thread does not record.
+// data_ptr() and data<T>() count as writes (Storage::version) for the version checks below;
+// const_data<T>() reads. Tensors stay tracked as long as the tape lives; a tensor of a destroyed
+// tape counts as untracked. Tensor methods (t.view(...)) are not recorded: use call(). A view they
+// make of a tracked tensor is refused (InvalidArgument) where it enters call(), funcol::ops or a
+// collective, since as a constant it would lose its gradient without a word; copies they make
+// (t.to(...), t.clone()) are untracked constants, and so is the tensor requires_grad() was given
+// (the leaf's alias).
 // The in-place collectives may write into such views. The tape keeps everything it recorded
 // and each backward walks all of it: record each training step on a tape of its own.
 class GradTape {
