@@ -13,6 +13,8 @@
 // symmetric protocol (each rank reduces the peer's buffer, read in place, into a scratch, and
 // writes its own buffer once both have read) shows whether moving the data both ways at once,
 // with no staging copy, pays for its second handoff and for invalidating the lines the peer read.
+// A split protocol (each rank reduces half of both buffers in place) shows what a loop that
+// never touches its buffers gains when each half stays with its reducer.
 //
 // Both sides run one thread per CPU (as `funcol bench`: see LocalOptions::bind_threads).
 //
@@ -82,17 +84,20 @@ Stats funcol_all_reduce(int64_t numel, int iters) {
 }
 
 // Runs `call(r, i, buf)` for i = 1.. on two threads bound one per CPU, each with its own
-// f32[numel] buffer; returns rank 0's per-call times, after a tenth as many untimed calls.
+// f32[numel] buffer, allocated as funcol's tensors are (page-aligned from 4 KiB: a split at a
+// line boundary then shares no line); returns rank 0's per-call times, after a tenth as many
+// untimed calls.
 template <typename Call>
 Stats time_pair(int64_t numel, int iters, Call call) {
   const int total = iters + iters / 10;
   std::vector<double> times(static_cast<size_t>(iters));
   auto body = [&](int r) {
     funcol::dist_detail::CpuBinding binding(funcol::tools::reference_cpu(r));
-    std::vector<float> buf(static_cast<size_t>(numel), 0.0f);
+    const funcol::Tensor buf = funcol::Tensor::zeros({numel}, funcol::DType::F32);
+    float* data = buf.data<float>();
     for (int64_t i = 1; i <= total; ++i) {
       const auto t0 = Clock::now();
-      call(r, i, buf.data());
+      call(r, i, data);
       const int64_t timed = i - (total - iters) - 1;
       if (r == 0 && timed >= 0) {
         times[static_cast<size_t>(timed)] =
@@ -178,6 +183,33 @@ Stats symmetric_all_reduce(int64_t numel, int iters) {
   });
 }
 
+// Split: after both published their buffers, each rank reduces its own half of both (in rank
+// order, in place) and copies it into the peer's buffer, then waits for the peer's half. Two
+// one-way handoffs; a loop that never touches its buffer between calls keeps each half in its
+// reducer's cache, so no data crosses (session 7 measured a program that writes its buffer
+// before each call and reads it after: no gain there).
+Stats split_all_reduce(int64_t numel, int iters) {
+  Published box[2];
+  Counter done[2];
+  const auto n = static_cast<size_t>(numel);
+  const size_t half = n / 2 / 16 * 16;  // whole lines of f32
+  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+    box[r].buf = buf;
+    box[r].seq.store(i, std::memory_order_release);
+    spin_until(box[1 - r].seq, i);
+    const size_t lo = r == 0 ? 0 : half;
+    const size_t hi = r == 0 ? half : n;
+    if (hi > lo) {
+      const void* srcs[2] = {box[0].buf + lo, box[1].buf + lo};
+      funcol::reduce_buffers(funcol::ReduceOp::Sum, funcol::DType::F32, buf + lo, srcs, 2,
+                             static_cast<int64_t>(hi - lo));
+      std::memcpy(box[1 - r].buf + lo, buf + lo, (hi - lo) * sizeof(float));
+    }
+    done[r].v.store(i, std::memory_order_release);
+    spin_until(done[1 - r].v, i);
+  });
+}
+
 // The minimal protocol; `fixed`: rank 1 always executes.
 Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
   Published box[2];
@@ -235,6 +267,7 @@ int main(int argc, char** argv) {
     const Stats x = minimal_all_reduce(numel, iters, true);
     const Stats o = one_shot_all_reduce(numel, iters);
     const Stats y = symmetric_all_reduce(numel, iters);
+    const Stats z = split_all_reduce(numel, iters);
     const int64_t bytes = numel * 4;
     auto row = [&](const char* name, const Stats& s) {
       std::printf("%-10lld %-38s %8.2f %8.2f %10.1f\n", static_cast<long long>(bytes), name, s.p50,
@@ -245,6 +278,7 @@ int main(int argc, char** argv) {
     row("minimal (fixed executor: floor)", x);
     row("one-shot (staged, every rank reduces)", o);
     row("symmetric (read in place, scratch)", y);
+    row("split (each rank reduces half)", z);
   }
   return 0;
 }
