@@ -781,6 +781,36 @@ std::string failure_message(const Work& work, const std::string& fallback) {
   }
 }
 
+UnwaitedFailures UnwaitedFailures::of(int rank, const std::vector<std::shared_ptr<Work>>& failed,
+                                      const std::vector<std::shared_ptr<Work>>& unwaited) {
+  auto in = [](const std::vector<std::shared_ptr<Work>>& works, const std::shared_ptr<Work>& w) {
+    return std::find(works.begin(), works.end(), w) != works.end();
+  };
+  UnwaitedFailures failures;
+  // Waiting for the unwaited ones at the rank's end counted their failures seen.
+  for (const auto& work : failed) {
+    if (in(unwaited, work) || !work->failure_seen(rank)) failures.note(*work);
+  }
+  for (const auto& work : unwaited) {
+    if (!in(failed, work)) failures.note(*work);  // failed past a full ledger
+  }
+  return failures;
+}
+
+void FailureLedger::add(std::shared_ptr<Work> work, int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (works_.size() >= kKept) {
+    std::erase_if(works_, [&](const std::shared_ptr<Work>& w) { return w->failure_seen(rank); });
+    if (works_.size() >= kKept) return;
+  }
+  works_.push_back(std::move(work));
+}
+
+std::vector<std::shared_ptr<Work>> FailureLedger::take() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(works_, {});
+}
+
 void UnwaitedFailures::note(const Work& work) {
   if (!work.failed()) return;
   if (count_++ == 0) first_ = failure_message(work, "a non-standard exception");

@@ -6,6 +6,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -286,12 +287,18 @@ std::string format_ranks(const std::vector<int>& ranks);
 // std::exception).
 std::string failure_message(const Work& work, const std::string& fallback);
 
-// The collectives a rank left in flight, never waited for, when it ended (run_local's function
-// returned, destroy_process_group): their failures reach nobody else, so a rank that issued a
-// collective its peers never issued would end silently. note() counts a failed one; warn()
-// says so on stderr.
+// The collectives whose failure a rank never saw when it ended (run_local's function returned,
+// destroy_process_group): those it left in flight, and those that failed earlier whose result
+// it dropped unwaited. Their failures reach nobody else, so a rank that issued a collective its
+// peers never issued, or a different one, would end silently. note() counts a failed one;
+// warn() says so on stderr.
 class UnwaitedFailures {
  public:
+  // The failures of `rank`: each of `failed` (a FailureLedger's, in failure order) that the
+  // rank never saw or that is in `unwaited` (the Works it left in flight, which its end then
+  // waited for), and each failed one of `unwaited` besides.
+  static UnwaitedFailures of(int rank, const std::vector<std::shared_ptr<Work>>& failed,
+                             const std::vector<std::shared_ptr<Work>>& unwaited);
   // Counts `work` when it has failed (a Work not yet finished is not counted).
   void note(const Work& work);
   // On stderr, when any failed: "funcol: warning: rank R ended with a collective it had not
@@ -301,6 +308,22 @@ class UnwaitedFailures {
  private:
   size_t count_ = 0;
   std::string first_;
+};
+
+// The failed collectives a rank issued, kept until it ends for UnwaitedFailures::of. At most
+// kKept: a full ledger first drops those whose failure the rank saw, then keeps no more (a
+// program that handles many failures is not the one the warning is for). Thread-safe: a
+// collective fails on whichever thread finds the failure.
+class FailureLedger {
+ public:
+  static constexpr size_t kKept = 64;
+  void add(std::shared_ptr<Work> work, int rank);
+  // Everything kept, in failure order; empties the ledger.
+  std::vector<std::shared_ptr<Work>> take();
+
+ private:
+  std::mutex mu_;  // taken last: nothing is locked under it
+  std::vector<std::shared_ptr<Work>> works_;
 };
 
 // The number in environment variable `name` (blanks may follow it), or nullopt when the

@@ -80,6 +80,10 @@ bool Work::failed() const { return is_completed() && error_ != nullptr; }
 
 std::exception_ptr Work::exception() const { return is_completed() ? error_ : nullptr; }
 
+bool Work::failure_seen(int /*rank*/) const {
+  return failure_seen_.load(std::memory_order_relaxed);
+}
+
 void Work::finish() { set_done(nullptr); }
 
 void Work::fail(std::exception_ptr error) {
@@ -174,6 +178,7 @@ void Work::wake_waiters() {
 
 void Work::rethrow_if_failed() const {
   if (!done_.load(std::memory_order_acquire) || !error_) return;
+  failure_seen_.store(true, std::memory_order_relaxed);
   // The caller gets a CommError of its own, copied while it holds this Work: the stored one is
   // released with the Work, maybe on another thread (a peer rank's, which held it last), and
   // the reference count inside exception_ptr is invisible to ThreadSanitizer, which would

@@ -20,8 +20,9 @@ constexpr int kMaxLocalRanks = 4096;
 // (the earliest in time). A rank that throws or returns early makes its peers' pending and
 // future collectives on shared groups fail with CommError within about a second. A rank that
 // returns waits for the collectives it left in flight (each within its timeout); when no rank
-// threw and some of those failed, it warns on stderr ("funcol: warning: rank R ended with a
-// collective it had not waited for, which failed: ...").
+// threw and some of those failed, or some that failed earlier had results the rank dropped
+// without a wait throwing the failure (Work::failure_seen), it warns on stderr ("funcol:
+// warning: rank R ended with a collective it had not waited for, which failed: ...").
 void run_local(int world_size, const std::function<void(ProcessGroup& world)>& fn);
 
 // Options of run_local.
@@ -77,7 +78,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
                                                  const InitOptions& options = {});
 // Releases the process's world (and its subgroups). Safe to call when none exists. First waits
 // for every collective this process issued (results dropped included) to end, each within its
-// timeout, so that what it issued completes for its peers too; then says goodbye.
+// timeout, so that what it issued completes for its peers too; then says goodbye. Warns on
+// stderr, as run_local, of those that failed and of earlier failures whose results the process
+// dropped unseen, unless it recorded an error of its own (set_departure_error).
 void destroy_process_group();
 
 // Records why this process is about to leave its job (one line, say an exception's what()), for

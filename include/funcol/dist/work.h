@@ -40,6 +40,11 @@ class Work : public Waitable {
   bool failed() const;
   // The failure, or null.
   std::exception_ptr exception() const;
+  // Whether wait() has thrown this Work's failure (directly, or through an access to a result
+  // it writes). A Work that several ranks share (the threads backend's) answers for the thread
+  // of global rank `rank`; others ignore it. A rank that ends with a failed collective whose
+  // failure it never saw is warned (run_local, destroy_process_group).
+  virtual bool failure_seen(int rank) const;
   // "all_reduce on group 'world' (seq 3)" — used in error messages. Virtual so that a backend
   // can build it lazily (formatting it for every collective costs more than a small one).
   virtual const std::string& description() const { return description_; }
@@ -57,7 +62,7 @@ class Work : public Waitable {
   bool sleep_until(std::chrono::steady_clock::time_point deadline);
   // Wakes every thread sleeping in wait() or sleep_until() so it re-checks its condition.
   void wake_waiters();
-  // Rethrows the failure once finished; no-op on success.
+  // Rethrows the failure once finished (which counts it seen); no-op on success.
   void rethrow_if_failed() const;
 
  private:
@@ -73,6 +78,7 @@ class Work : public Waitable {
   std::atomic<bool> done_{false};
   std::atomic<bool> finishing_{false};  // claimed by the one finish() or fail()
   std::exception_ptr error_;  // written before done_ is set, read after it is seen
+  mutable std::atomic<bool> failure_seen_{false};  // see failure_seen()
   std::atomic<Sleep*> sleep_{nullptr};  // set once, freed with the Work
   // Written under the Sleep's mutex; read without it by set_done() and wake_waiters() (they
   // touch the Sleep only when someone sleeps, so it exists then).

@@ -63,13 +63,6 @@ void set_reduce(CollectiveOp& op, ReduceOp reduce_op) {
   op.signature.reduce_op = reduce_op;
 }
 
-// Ends a claimed op's Work: finished, or failed with the error its own arguments left.
-void finish_work(const CollectiveOp& op) {
-  if (op.own_error.empty()) return op.work->finish();
-  op.work->fail(std::make_exception_ptr(
-      CommError(fmt::format("{}: {}", op.work->description(), op.own_error))));
-}
-
 // `input` with `have` rows for this rank (`rows_before` rows into it) resized to `want`, the
 // other ranks' rows where they were: what an all_to_all sends when this rank's rows for itself
 // disagree with the rows it expects from itself (the rows it keeps are zeros).
@@ -137,16 +130,16 @@ dist_detail::UnwaitedFailures ProcessJob::drain() {
     for (const auto& group : groups) group->append_inflight_works(works);
   }
   for (const auto& group : groups) group->drain(deadline);
-  dist_detail::UnwaitedFailures failures;
   for (const auto& work : works) {
     // Those a departed peer never issued fail at a deadline the departure shortened (drain
     // does not wait for them): within half a second.
     while (!work->is_completed() && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    failures.note(*work);
   }
-  return failures;
+  std::vector<std::shared_ptr<Work>> failed = failed_.take();
+  if (leaving_after_error()) return {};
+  return dist_detail::UnwaitedFailures::of(rank_, failed, works);
 }
 
 bool ProcessJob::leaving_after_error() const {
@@ -428,15 +421,16 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
     if (gave_up_ && op->seq == gave_up_->seq) {
       // The peers gave up on this very collective before this rank issued it.
       op->claim();
-      op->work->fail(std::make_exception_ptr(CommError(late_message(*op))));
+      fail_work(*op, std::make_exception_ptr(CommError(late_message(*op))));
       return op->work;
     }
     if (broken_ || op->seq >= departed_limit_) {
       op->claim();
-      op->work->fail(std::make_exception_ptr(
-          CommError(fmt::format("{}: group '{}' is unusable after an earlier failure: {}",
-                                op->work->description(), name(),
-                                broken_ ? *broken_ : *departed_))));
+      fail_work(*op, std::make_exception_ptr(
+                         CommError(fmt::format("{}: group '{}' is unusable after an earlier "
+                                               "failure: {}",
+                                               op->work->description(), name(),
+                                               broken_ ? *broken_ : *departed_))));
       return op->work;
     }
     inflight_.push_back(op);
@@ -522,8 +516,19 @@ void ProcessGroupBase::mark_broken(const std::string& reason) {
   }
 }
 
-void ProcessGroupBase::fail_claimed(const CollectiveOp& op, std::exception_ptr error) {
+void ProcessGroupBase::finish_work(const CollectiveOp& op) {
+  if (op.own_error.empty()) return op.work->finish();
+  fail_work(op, std::make_exception_ptr(
+                    CommError(fmt::format("{}: {}", op.work->description(), op.own_error))));
+}
+
+void ProcessGroupBase::fail_work(const CollectiveOp& op, std::exception_ptr error) {
   op.work->fail(std::move(error));
+  job_->note_failed(op.work);
+}
+
+void ProcessGroupBase::fail_claimed(const CollectiveOp& op, std::exception_ptr error) {
+  fail_work(op, std::move(error));
   on_failed(op);
 }
 
@@ -559,7 +564,7 @@ void ProcessGroupBase::fail_unposted(const std::shared_ptr<CollectiveOp>& op,
 void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,
                                      const std::string& message) {
   remove_inflight(op.get());
-  if (op->claim()) op->work->fail(std::make_exception_ptr(CommError(message)));
+  if (op->claim()) fail_work(*op, std::make_exception_ptr(CommError(message)));
 }
 
 std::optional<std::string> ProcessGroupBase::broken() const {

@@ -82,9 +82,11 @@ class ProcessJob {
 
   // Waits until every collective issued on every live group has ended, within the timeout
   // (destroy_process_group, before shutdown: see ProcessGroupBase::drain). Returns the failures
-  // of those that were still in flight (nobody waited for them: the caller warns), none when
-  // leaving_after_error().
+  // nobody saw (the caller warns): of those that were still in flight, and of those that failed
+  // earlier whose failure wait() never threw; none when leaving_after_error().
   dist_detail::UnwaitedFailures drain();
+  // Keeps `work`, a collective of this process that failed, for drain's warning.
+  void note_failed(std::shared_ptr<Work> work) { failed_.add(std::move(work), rank_); }
   // True when this process leaves because of an error it reported (set_departure_error).
   bool leaving_after_error() const;
   // Says goodbye to the peers and stops the watchdog (destroy_process_group; `at_exit`: called
@@ -105,6 +107,7 @@ class ProcessJob {
   const std::chrono::milliseconds timeout_;
   const bool detail_;
   std::unique_ptr<PeerMonitor> monitor_;
+  dist_detail::FailureLedger failed_;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -230,6 +233,10 @@ class ProcessGroupBase : public ProcessGroup,
   std::shared_ptr<Work> issue(std::shared_ptr<CollectiveOp> op);
   void run_single_rank(CollectiveOp& op);
   void mark_broken(const std::string& reason);
+  // Ends a claimed op's Work: finished, or failed with the error its own arguments left.
+  void finish_work(const CollectiveOp& op);
+  // Fails a claimed op's Work with `error` and notes it (ProcessJob::note_failed).
+  void fail_work(const CollectiveOp& op, std::exception_ptr error);
   // Fails the Work of an op claimed by the caller with `error`, then tells on_failed.
   void fail_claimed(const CollectiveOp& op, std::exception_ptr error);
   // This rank took no part in collective `seq`: posted_ goes back to it (the group is broken,

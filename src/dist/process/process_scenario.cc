@@ -617,8 +617,7 @@ void expect_departure(funcol::ProcessGroup& world, const std::string& how) {
 // A collective a rank never waits for fails: the last rank leaves without issuing it. Nothing
 // else would report it (the rank's program ends as if it had run), so destroy_process_group,
 // which finds it still in flight, warns, naming it (the test greps the warning). The leaver
-// leaves a second after the others issued it (on a host so slow that they issue it only after
-// its goodbye, it fails as they issue it and nothing warns: the test fails).
+// leaves a second after the others issued it.
 void scenario_unwaited(funcol::ProcessGroup& world) {
   check_sum(world);
   if (world.rank() == world.size() - 1) {
@@ -629,6 +628,36 @@ void scenario_unwaited(funcol::ProcessGroup& world) {
   }
   world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);  // its result dropped
   ok("issued, not waited for");
+  funcol::destroy_process_group();
+}
+
+// The same when the collective failed long before the rank ended: the last rank has left when
+// the others issue it, so it fails at once; they drop the result, see the failure only through
+// is_completed(), and go on. destroy_process_group warns of it (the test greps the warning),
+// but not of a later one whose failure a wait threw.
+void scenario_dropped_failed(funcol::ProcessGroup& world) {
+  check_sum(world);
+  if (world.rank() == world.size() - 1) {
+    funcol::destroy_process_group();
+    ok("left without issuing");
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  std::shared_ptr<funcol::Work> dropped =
+      world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
+  const auto start = std::chrono::steady_clock::now();
+  while (!dropped->is_completed()) {
+    if (seconds_since(start) > 10) failed("the collective did not fail within 10 s");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!dropped->failed()) failed("the collective did not fail");
+  dropped.reset();
+  try {
+    world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum)->wait();
+    failed("the second collective did not fail");
+  } catch (const funcol::CommError&) {
+  }
+  ok("dropped a failed result, waited for a failed one");
   funcol::destroy_process_group();
 }
 
@@ -1277,6 +1306,8 @@ int main(int argc, char** argv) {
       scenario_depart(*world);
     } else if (scenario == "unwaited") {
       scenario_unwaited(*world);
+    } else if (scenario == "dropped_failed") {
+      scenario_dropped_failed(*world);
     } else if (scenario == "split_kill") {
       scenario_split_kill(*world);
     } else if (scenario == "death_then_departure") {

@@ -736,6 +736,12 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
 
   void wait() override;
   bool poll() override;
+  // Per member: the threads of every member wait on this one Work.
+  bool failure_seen(int global_rank) const override {
+    return std::any_of(members_.begin(), members_.end(), [&](const Member& m) {
+      return m.global_rank == global_rank && m.saw_failure.load(std::memory_order_relaxed);
+    });
+  }
   // Fails this pending op past its deadline, naming the missing ranks (wait and poll).
   void time_out();
   // "all_reduce on group 'world' (seq 4)", formatted on first use.
@@ -767,6 +773,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
     int global_rank = -1;  // constant: the member's rank, readable after its group is gone
     // complete() left post.keep for the member's own thread to release (see there).
     std::atomic<bool> keep_returned{false};
+    std::atomic<bool> saw_failure{false};  // wait() threw the failure to the member's thread
   };
   std::vector<Member> members_;
   int joined_count_ = 0;
@@ -992,6 +999,8 @@ struct RankState {
   alignas(64) SpinMutex returned_mu;
   std::atomic<bool> has_returned{false};
   std::vector<std::shared_ptr<Op>> returned;  // guarded by returned_mu
+  // The failed collectives this rank issued (World::note_failed), for the warning at its end.
+  dist_detail::FailureLedger failed;
 
   // A rank that never issued again: its references go with the world (each breaks the cycle
   // from a result's storage, through the Work attached to it, back to the storage).
@@ -1131,6 +1140,12 @@ class World {
                        std::chrono::nanoseconds slept);
   void depart(int rank, const std::string& reason);
   dist_detail::UnwaitedFailures drain(int rank);
+  // Keeps `work`, a collective of `global_rank` that failed, for the warning at its end.
+  void note_failed(int global_rank, std::shared_ptr<Work> work) {
+    ranks_[global_rank]->failed.add(std::move(work), global_rank);
+  }
+  // Fails a lane member's Work with `message` (LaneWork::fail_with) and notes it failed.
+  void lane_fail(const std::shared_ptr<LaneWork>& work, const std::string& message);
   // The groups `rank` (global) is a member of, in creation order.
   std::vector<SharedGroup*> groups_of(int rank);
   // Releases the references complete() left for `global_rank` on ops its thread has not waited
@@ -1774,6 +1789,7 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
   op->state_.store(kFinished, std::memory_order_release);
   if (error) {
     op->fail(error);
+    for (const Op::Member& m : op->members_) note_failed(m.global_rank, op);
   } else {
     op->finish();
   }
@@ -1912,6 +1928,7 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
     }
   }
   op->fail(std::make_exception_ptr(CommError(message)));
+  for (int r : joined) note_failed(r, op);  // a member that joins later notes it then
   keep.clear();
   holds.clear();
   OpList ready;
@@ -2152,18 +2169,17 @@ dist_detail::UnwaitedFailures World::drain(int rank) {
       }
     }
   }
-  // Only those still running now can fail unseen: a finished op may stay queued a while, also
-  // one whose failure the rank caught.
+  // Those still running now; the ledger has those that failed earlier (a finished op may stay
+  // queued a while).
   std::erase_if(works, [](const std::shared_ptr<Work>& w) { return w->is_completed(); });
-  dist_detail::UnwaitedFailures failures;
   for (auto& work : works) {
     try {
       work->wait();
     } catch (const Error&) {
-      failures.note(*work);  // the rank already finished: run_local says so
+      // Counted below: the rank already finished, and run_local says so.
     }
   }
-  return failures;
+  return dist_detail::UnwaitedFailures::of(rank, ranks_[rank]->failed.take(), works);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2293,7 +2309,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
           while (!ahead->is_completed()) std::this_thread::yield();
           message = dist_detail::failure_message(*ahead, message);
         }
-        work->fail_with(message);
+        lane_fail(work, message);
         return work;
       }
     }
@@ -2403,7 +2419,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
             // Nobody comes to `seq` at all: nothing to apply.
             if (it->members == group.full_mask()) group.lane_absences.erase(it);
           }
-          work->fail_with(failure);
+          lane_fail(work, failure);
           return work;
         }
         prev = cur;  // unblocked meanwhile: arrive after all
@@ -2424,7 +2440,7 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       std::lock_guard<SpinMutex> lock(group.mu);
       join_absent_locked(group, seq, bit);
     }
-    work->fail_with(issued_after_failure(ls.error, ls.given_up_on, group.global_ranks[member]));
+    lane_fail(work, issued_after_failure(ls.error, ls.given_up_on, group.global_ranks[member]));
     lane_exit(group, ls, 1);
   } else if (((prev | bit) & kLaneArrived) == group.full_mask()) {
     lane_execute(group, ls);
@@ -2539,11 +2555,10 @@ void World::lane_execute(SharedGroup& group, LaneSlot& ls) {
   // The records keep their Works (each member drops its own when it next posts here): moving
   // them out would write every member's reference count, one more cache line each.
   for (int m = 0; m < n; ++m) {
-    LaneWork* work = records[m].work.get();
     if (!failure.empty()) {
-      work->fail_with(issued_after_failure(failure, late, group.global_ranks[m]));
+      lane_fail(records[m].work, issued_after_failure(failure, late, group.global_ranks[m]));
     } else {
-      work->finish();
+      records[m].work->finish();
     }
   }
   lane_free(ls);
@@ -2596,7 +2611,7 @@ bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string
     const uint64_t bit = uint64_t{1} << m;
     if ((prev & bit) != 0) {
       std::shared_ptr<LaneWork> work = std::move(ls.records[m].work);
-      work->fail_with(issued_after_failure(message, given_up_on, group.global_ranks[m]));
+      lane_fail(work, issued_after_failure(message, given_up_on, group.global_ranks[m]));
       ++exits;
     } else if ((absent & bit) != 0) {
       ++exits;
@@ -2604,6 +2619,11 @@ bool World::lane_fail_locked(SharedGroup& group, uint64_t seq, const std::string
   }
   lane_exit(group, ls, exits);
   return true;
+}
+
+void World::lane_fail(const std::shared_ptr<LaneWork>& work, const std::string& message) {
+  work->fail_with(message);
+  note_failed(work->group_->global_ranks[work->member_], work);
 }
 
 void World::lane_exit(SharedGroup& group, LaneSlot& ls, int count) {
@@ -3077,6 +3097,12 @@ void Op::wait() {
   const bool member = std::any_of(members_.begin(), members_.end(),
                                   [](const Member& m) { return m.global_rank == tl_rank; });
   release_returned_keep(member ? tl_rank : -1);
+  if (failed()) {
+    // Seen by the waiting member; a thread that is no member may read any member's result.
+    for (Member& m : members_) {
+      if (!member || m.global_rank == tl_rank) m.saw_failure.store(true, std::memory_order_relaxed);
+    }
+  }
   rethrow_if_failed();
 }
 
@@ -3454,9 +3480,11 @@ class ThreadsGroup final : public ProcessGroup {
       if (mine != error) {
         auto failed = std::make_shared<Work>(op->description());
         failed->fail(std::make_exception_ptr(CommError(mine)));
+        world_->note_failed(global_rank_, failed);
         attach(failed, outputs);
         return failed;
       }
+      world_->note_failed(global_rank_, op);
     }
     attach(op, outputs);
     return op;

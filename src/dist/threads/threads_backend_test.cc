@@ -342,9 +342,8 @@ std::vector<int> my_cpus() {
 
 // A rank that returns leaving collectives its peer never issues: they fail (here at their
 // timeout, the peer returning later), and run_local, which returns normally (no rank threw),
-// warns with the count and the first failure. (One that failed before its rank returned, the
-// peer having left first, is not counted: the warning covers collectives in flight at the end.)
-// When a rank threw, its rethrown error explains such failures: no warning.
+// warns with the count and the first failure. When a rank threw, its rethrown error explains
+// such failures: no warning.
 TEST(RunLocalTest, WarnsOfUnwaitedCollectivesThatFailed) {
   ::testing::internal::CaptureStderr();
   run_local(
@@ -371,6 +370,55 @@ TEST(RunLocalTest, WarnsOfUnwaitedCollectivesThatFailed) {
                          }),
                InvalidArgument);
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+// A collective that fails before its rank returns, whose result the rank dropped unwaited,
+// is counted too: ranks that issue different collectives and never look at the results would
+// otherwise end silently. A failure the rank saw (a wait threw it, or an access to the
+// result) is not counted. Both the lane (small all_reduces) and the Op path.
+TEST(RunLocalTest, WarnsOfDroppedResultsWhoseCollectiveFailedEarlier) {
+  ::testing::internal::CaptureStderr();
+  run_local(2, [](ProcessGroup& world) {
+    const int64_t n = world.rank() == 0 ? 2 : 3;
+    world.all_reduce(Tensor::full({n}, DType::F32, 1), ReduceOp::Sum);  // the lane
+    // An Op:
+    world.all_gather(Tensor::empty({2 * n}, DType::F32), Tensor::full({n}, DType::F32, 1));
+    // Both failed (the mismatches are found when the last member arrives): the barrier
+    // makes sure that each rank's were found before it returns.
+    world.barrier();
+  });
+  const std::string first =
+      "2 collectives it had not waited for, which failed; the first: all_reduce on group "
+      "'world' (seq 0): mismatched collectives: rank 0 issued all_reduce(f32[2], op sum) but "
+      "rank 1 issued all_reduce(f32[3], op sum)\n";
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "funcol: warning: rank 0 ended with " + first + "funcol: warning: rank 1 ended with " +
+                first);
+
+  ::testing::internal::CaptureStderr();
+  run_local(2, [](ProcessGroup& world) {
+    const int64_t n = world.rank() == 0 ? 2 : 3;
+    Tensor t = Tensor::full({n}, DType::F32, 1);
+    auto work = world.all_reduce(t, ReduceOp::Sum);
+    EXPECT_THROW(work->wait(), CommError);
+    Tensor g = Tensor::empty({2 * n}, DType::F32);
+    world.all_gather(g, Tensor::full({n}, DType::F32, 1));
+    EXPECT_THROW(g.to_vector<float>(), CommError);
+  });
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+
+  // Issued after the peer returned: it fails at once.
+  ::testing::internal::CaptureStderr();
+  run_local(2, [](ProcessGroup& world) {
+    if (world.rank() == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
+    world.all_gather(Tensor::empty({8}, DType::F32), Tensor::full({4}, DType::F32, 1));
+  });
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "funcol: warning: rank 1 ended with 2 collectives it had not waited for, which "
+            "failed; the first: all_reduce on group 'world' (seq 0): rank 0 departed (returned) "
+            "before joining; missing ranks [0]\n");
 }
 
 // bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
