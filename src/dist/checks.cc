@@ -799,11 +799,26 @@ UnwaitedFailures UnwaitedFailures::of(int rank, const std::vector<std::shared_pt
 
 void FailureLedger::add(std::shared_ptr<Work> work, int rank) {
   std::lock_guard<std::mutex> lock(mu_);
+  // A failure may be noted twice (a late joiner of a failed Op both joins it and gets it).
+  if (std::find(works_.begin(), works_.end(), work) != works_.end()) return;
   if (works_.size() >= kKept) {
     std::erase_if(works_, [&](const std::shared_ptr<Work>& w) { return w->failure_seen(rank); });
     if (works_.size() >= kKept) return;
   }
   works_.push_back(std::move(work));
+}
+
+void FailureLedger::replace(const std::shared_ptr<Work>& instead, std::shared_ptr<Work> work,
+                            int rank) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find(works_.begin(), works_.end(), instead);
+    if (it != works_.end()) {
+      *it = std::move(work);
+      return;
+    }
+  }
+  add(std::move(work), rank);
 }
 
 std::vector<std::shared_ptr<Work>> FailureLedger::take() {

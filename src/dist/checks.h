@@ -317,7 +317,12 @@ class UnwaitedFailures {
 class FailureLedger {
  public:
   static constexpr size_t kKept = 64;
+  // Keeps `work` (once: adding it again does nothing), a failed collective of global rank
+  // `rank`.
   void add(std::shared_ptr<Work> work, int rank);
+  // Keeps `work` in place of `instead` (a failed Work the rank never got: it got `work`,
+  // which says the failure from its side), or adds it when `instead` is not kept.
+  void replace(const std::shared_ptr<Work>& instead, std::shared_ptr<Work> work, int rank);
   // Everything kept, in failure order; empties the ledger.
   std::vector<std::shared_ptr<Work>> take();
 

@@ -1144,6 +1144,11 @@ class World {
   void note_failed(int global_rank, std::shared_ptr<Work> work) {
     ranks_[global_rank]->failed.add(std::move(work), global_rank);
   }
+  // The same for `work`, which the rank got instead of the failed `op` (if noted, it goes).
+  void note_failed_instead(int global_rank, const std::shared_ptr<Work>& op,
+                           std::shared_ptr<Work> work) {
+    ranks_[global_rank]->failed.replace(op, std::move(work), global_rank);
+  }
   // Fails a lane member's Work with `message` (LaneWork::fail_with) and notes it failed.
   void lane_fail(const std::shared_ptr<LaneWork>& work, const std::string& message);
   // The groups `rank` (global) is a member of, in creation order.
@@ -1927,8 +1932,9 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
       if (op->members_[m].joined) joined.push_back(op->group_->global_ranks[m]);
     }
   }
-  op->fail(std::make_exception_ptr(CommError(message)));
+  // Noted first: a late joiner that finds the op failed notes its own Work in its place.
   for (int r : joined) note_failed(r, op);  // a member that joins later notes it then
+  op->fail(std::make_exception_ptr(CommError(message)));
   keep.clear();
   holds.clear();
   OpList ready;
@@ -3480,7 +3486,7 @@ class ThreadsGroup final : public ProcessGroup {
       if (mine != error) {
         auto failed = std::make_shared<Work>(op->description());
         failed->fail(std::make_exception_ptr(CommError(mine)));
-        world_->note_failed(global_rank_, failed);
+        world_->note_failed_instead(global_rank_, op, failed);
         attach(failed, outputs);
         return failed;
       }

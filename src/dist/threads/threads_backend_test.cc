@@ -411,7 +411,7 @@ TEST(RunLocalTest, WarnsOfDroppedResultsWhoseCollectiveFailedEarlier) {
   ::testing::internal::CaptureStderr();
   run_local(2, [](ProcessGroup& world) {
     if (world.rank() == 0) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
     world.all_reduce(Tensor::full({4}, DType::F32, 1), ReduceOp::Sum);
     world.all_gather(Tensor::empty({8}, DType::F32), Tensor::full({4}, DType::F32, 1));
   });
@@ -419,6 +419,27 @@ TEST(RunLocalTest, WarnsOfDroppedResultsWhoseCollectiveFailedEarlier) {
             "funcol: warning: rank 1 ended with 2 collectives it had not waited for, which "
             "failed; the first: all_reduce on group 'world' (seq 0): rank 0 departed (returned) "
             "before joining; missing ranks [0]\n");
+
+  // Issued past the collective's timeout, nobody waiting (Op path): the late rank's join finds
+  // it timed out and fails it, and the rank gets its own Work saying it came late. Counted
+  // once for each rank (it was twice: the failed op and the rank's own Work).
+  ::testing::internal::CaptureStderr();
+  run_local(
+      2,
+      [](ProcessGroup& world) {
+        if (world.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        world.all_gather(Tensor::empty({8}, DType::F32), Tensor::full({4}, DType::F32, 1));
+        if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+      },
+      LocalOptions{std::chrono::milliseconds(200)});
+  const std::string late = ::testing::internal::GetCapturedStderr();
+  for (int r : {0, 1}) {
+    const std::string line = fmt::format(
+        "funcol: warning: rank {} ended with a collective it had not waited for, which failed: "
+        "all_gather on group 'world' (seq 0): timed out after 0.2 s",
+        r);
+    EXPECT_NE(late.find(line), std::string::npos) << late;
+  }
 }
 
 // bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
