@@ -578,7 +578,14 @@ void give_up_backward(const State& s, const Graph& g, const Node* done) noexcept
       std::vector<Tensor> in;
       for (const Value* v : n->operands()) in.push_back(failed_tensor(v->shape(), v->dtype(), why));
       try {
-        run_node(s, *n, in);
+        // Its failure (at once: its inputs hold one) is the backward's error, rethrown: seen,
+        // so the end of the rank does not warn of it (UnwaitedFailures).
+        for (const Tensor& t : run_node(s, *n, in)) {
+          try {
+            if (t.is_ready()) t.wait();
+          } catch (...) {
+          }
+        }
       } catch (...) {
         // Its group is unusable already: nothing more to keep in step there.
       }

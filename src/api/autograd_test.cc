@@ -590,6 +590,7 @@ TEST(EagerAutograd, ReluGradientSelectsLikePyTorch) {
 // gradient with the next step's tensors, silently), and the next collective pairs up right.
 TEST(EagerAutograd, ABackwardFailingOnOneRankStillIssuesItsCollectives) {
   std::string errors[3];
+  ::testing::internal::CaptureStderr();
   run_local(3, [&](ProcessGroup& world) {
     const int r = world.rank();
     GradTape tape;
@@ -607,6 +608,9 @@ TEST(EagerAutograd, ABackwardFailingOnOneRankStillIssuesItsCollectives) {
     const Tensor sum = all_reduce(Tensor::full({2}, DType::F32, r + 1), "sum", world);
     EXPECT_EQ(sum.to_vector<float>(), std::vector<float>({6, 6})) << "rank " << r;
   });
+  // The backward's error explains the failures of the collectives it issued failed: no rank
+  // warns of them when it ends.
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(errors[1].rfind("backward: %x (f64[2], leaf 0, counting the tape's requires_grad "
                             "calls from 0), a value the gradient needs, was written",
                             0),
@@ -1015,6 +1019,7 @@ TEST(EagerAutograd, TensorMethodViewsOfTrackedTensorsAreRefused) {
 // backward fails naming it at once and the next collectives pair.
 TEST(EagerAutograd, ANonScalarLossOnOneRankFailsItsPeersBackwardToo) {
   std::vector<std::string> errors(2);
+  ::testing::internal::CaptureStderr();
   run_local(2, [&](ProcessGroup& world) {
     const int rank = world.rank();
     GradTape tape;
@@ -1025,6 +1030,7 @@ TEST(EagerAutograd, ANonScalarLossOnOneRankFailsItsPeersBackwardToo) {
     const Tensor sum = all_reduce(Tensor::full({2}, DType::F32, rank + 1), "sum", world);
     EXPECT_EQ(sum.to_vector<float>(), std::vector<float>({3, 3})) << "rank " << rank;
   });
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");  // as above
   EXPECT_EQ(errors[0],
             "backward: the loss %w (f64[2], the result of all_reduce) must be a scalar "
             "(one element) of a floating dtype");

@@ -84,6 +84,8 @@ bool Work::failure_seen(int /*rank*/) const {
   return failure_seen_.load(std::memory_order_relaxed);
 }
 
+void Work::set_failure_seen() { failure_seen_.store(true, std::memory_order_relaxed); }
+
 void Work::finish() { set_done(nullptr); }
 
 void Work::fail(std::exception_ptr error) {

@@ -958,7 +958,8 @@ void Executor::Impl::give_up(const Node& at) noexcept {
             list->push_back(failed_tensor({numel}, dtype, why));
           }
         }
-        post_flat(st, Tensor::empty({b.numel}, dtype), std::move(list));
+        // Not tracked: its failure is the run's error, rethrown (see abort).
+        post_flat(st, Tensor::empty({b.numel}, dtype), std::move(list))->set_failure_seen();
       } catch (...) {
       }
     }
@@ -974,6 +975,9 @@ void Executor::Impl::abort() noexcept {
     b.held.reset();  // the backend holds its own reference while it still reads the members
   }
   for (Inflight& f : inflight) {
+    // The run's error, rethrown, explains a failure of the collectives it drops: the end of
+    // the rank does not warn of them (UnwaitedFailures).
+    if (f.open && f.work) f.work->set_failure_seen();
     f.work.reset();
     f.open = false;
   }

@@ -45,6 +45,11 @@ class Work : public Waitable {
   // of global rank `rank`; others ignore it. A rank that ends with a failed collective whose
   // failure it never saw is warned (run_local, destroy_process_group).
   virtual bool failure_seen(int rank) const;
+  // Makes failure_seen() true (for the calling thread's rank; for every member when the thread
+  // is none of them), now or once it fails, without waiting: for a caller that reports the
+  // failure by other means (an Executor whose run failed drops the run's collectives and
+  // rethrows the run's error).
+  virtual void set_failure_seen();
   // "all_reduce on group 'world' (seq 3)" — used in error messages. Virtual so that a backend
   // can build it lazily (formatting it for every collective costs more than a small one).
   virtual const std::string& description() const { return description_; }

@@ -742,6 +742,15 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
       return m.global_rank == global_rank && m.saw_failure.load(std::memory_order_relaxed);
     });
   }
+  // For the member whose thread calls (every member's for a thread that is none of them: it
+  // may read any member's result).
+  void set_failure_seen() override {
+    const bool member = std::any_of(members_.begin(), members_.end(),
+                                    [](const Member& m) { return m.global_rank == tl_rank; });
+    for (Member& m : members_) {
+      if (!member || m.global_rank == tl_rank) m.saw_failure.store(true, std::memory_order_relaxed);
+    }
+  }
   // Fails this pending op past its deadline, naming the missing ranks (wait and poll).
   void time_out();
   // "all_reduce on group 'world' (seq 4)", formatted on first use.
@@ -769,6 +778,7 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   struct Member {
     Post post;
     uint8_t joined = 0;
+    uint8_t issued = 0;  // joined by issuing this op (not a lane member counted absent)
     uint8_t head_marked = 0;
     int global_rank = -1;  // constant: the member's rank, readable after its group is gone
     // complete() left post.keep for the member's own thread to release (see there).
@@ -1794,7 +1804,9 @@ void World::complete(const std::shared_ptr<Op>& op, OpList& ready) {
   op->state_.store(kFinished, std::memory_order_release);
   if (error) {
     op->fail(error);
-    for (const Op::Member& m : op->members_) note_failed(m.global_rank, op);
+    for (const Op::Member& m : op->members_) {
+      if (m.issued) note_failed(m.global_rank, op);
+    }
   } else {
     op->finish();
   }
@@ -1923,6 +1935,7 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
   std::vector<std::shared_ptr<Storage>> keep;
   std::vector<std::shared_ptr<const void>> holds;
   std::vector<int> joined;
+  std::vector<int> issued;  // whose Work this op is
   {
     std::lock_guard<SpinMutex> lock(op->group_->mu);
     for (int m = 0; m < op->size_; ++m) {
@@ -1930,10 +1943,11 @@ bool World::fail_op(const std::shared_ptr<Op>& op, const std::string& message,
       op->members_[m].post.keep.clear();
       if (op->members_[m].post.hold) holds.push_back(std::move(op->members_[m].post.hold));
       if (op->members_[m].joined) joined.push_back(op->group_->global_ranks[m]);
+      if (op->members_[m].issued) issued.push_back(op->group_->global_ranks[m]);
     }
   }
   // Noted first: a late joiner that finds the op failed notes its own Work in its place.
-  for (int r : joined) note_failed(r, op);  // a member that joins later notes it then
+  for (int r : issued) note_failed(r, op);  // a member that joins later notes it then
   op->fail(std::make_exception_ptr(CommError(message)));
   keep.clear();
   holds.clear();
@@ -2095,6 +2109,7 @@ std::shared_ptr<Op> World::join(SharedGroup& group, int member, uint64_t seq, Po
       if (op->ref_ < 0) op->ref_ = member;
     }
     op->members_[member].joined = 1;
+    op->members_[member].issued = 1;
     ++op->joined_count_;
     if (op->joined_count_ == op->size_) {
       if (!crossed_gone) group.release_pending(seq);
@@ -3103,12 +3118,7 @@ void Op::wait() {
   const bool member = std::any_of(members_.begin(), members_.end(),
                                   [](const Member& m) { return m.global_rank == tl_rank; });
   release_returned_keep(member ? tl_rank : -1);
-  if (failed()) {
-    // Seen by the waiting member; a thread that is no member may read any member's result.
-    for (Member& m : members_) {
-      if (!member || m.global_rank == tl_rank) m.saw_failure.store(true, std::memory_order_relaxed);
-    }
-  }
+  if (failed()) set_failure_seen();
   rethrow_if_failed();
 }
 
