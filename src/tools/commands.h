@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace funcol::tools {
 
@@ -26,6 +28,14 @@ void add_opt_command(CLI::App& app);
 // funcol started and that failed (status != 0) tells its launcher so (launch.cc), which then
 // knows that an error of a rank explains the job's end.
 void note_rank_exit(int status);
+
+// After a command line of run, train or bench that did not parse (`args`: what followed the
+// command; `error`: the message, printed already). A rank of a gloo job started by hand
+// (--backend gloo, and --rank, --world-size, --store or RANK, WORLD_SIZE, FUNCOL_STORE) joins
+// the job and leaves it with that error, as a rank whose own checks fail does (launch.h,
+// rank_checks_pass): its peers fail within about a second naming it, instead of waiting out the
+// rendezvous. Does nothing for any other process, or when the joining flags do not read.
+void leave_job_after_parse_error(const std::vector<std::string>& args, const std::string& error);
 
 // The errno of the first failed write or flush of a command's output (ENOSPC, EPIPE), 0 while
 // none failed: the funcol command's last flush finds the stream failed already, with no errno

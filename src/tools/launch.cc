@@ -230,6 +230,11 @@ int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& s
     throw Error(fmt::format("--backend mpi: {} (is Open MPI installed?)", e.what()));
   }
   close(out[1]);
+  // A reader that closed our stdout (`| head`) must not kill the launcher with SIGPIPE: mpirun
+  // would be left without it, its output pipe unread. The failed write is reported at the end
+  // instead ("cannot write the output: Broken pipe"), as the other backends do, once the job
+  // ended; mpirun itself keeps the default (set after it started).
+  signal(SIGPIPE, SIG_IGN);
   flush_output(stdout);
   std::atomic<bool> done{false};
   std::thread copier(copy_to_stdout, out[0], std::cref(done));
@@ -856,6 +861,41 @@ bool rank_checks_pass(const std::string& backend, int ranks, const InitOptions& 
       // above is this rank's answer, and its peers report it missing.
     }
     return false;
+  }
+}
+
+void leave_job_after_parse_error(const std::vector<std::string>& args, const std::string& error) {
+  // The joining flags as CLI11 reads them: "--name value" or "--name=value", the last one given.
+  std::string backend = "threads";
+  JobFlags flags;
+  const std::pair<const char*, std::string*> names[] = {{"--backend", &backend},
+                                                        {"--rank", &flags.rank},
+                                                        {"--world-size", &flags.world_size},
+                                                        {"--store", &flags.store}};
+  for (size_t i = 0; i < args.size(); ++i) {
+    for (const auto& [name, value] : names) {
+      const std::string eq = std::string(name) + "=";
+      if (args[i] == name && i + 1 < args.size()) {
+        *value = args[i + 1];
+      } else if (args[i].rfind(eq, 0) == 0) {
+        *value = args[i].substr(eq.size());
+      }
+    }
+  }
+  if (backend != "gloo") return;  // mpirun ends the job when a rank exits with an error
+  try {
+    const InitOptions join = parse_job_flags(flags);
+    const std::optional<int> size = job_world_size(backend, join);
+    if (!inside_job(backend, join) || !size) return;
+    check_job_options(backend, join, *size);
+    follow_launcher();
+    std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
+    set_departure_error(error);
+    world.reset();
+    destroy_process_group();
+  } catch (...) {
+    // Not joined (flags that do not read, the peers never came): the error printed is this
+    // rank's answer, and its peers report it missing.
   }
 }
 

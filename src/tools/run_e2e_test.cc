@@ -251,6 +251,35 @@ TEST_F(RunE2E, OutputThatCannotBeWrittenFailsTheRun) {
   }
 }
 
+// A reader that closes the output early (`| head`) fails the run with the same error on the
+// process backends, and leaves nothing running: mpi's launcher died of SIGPIPE as it copied
+// the ranks' output, which left its mpirun behind, hung, and its ranks printing that their
+// launcher had died.
+TEST_F(RunE2E, AReaderThatClosesTheOutputEarlyFailsTheRunAndLeavesNothingRunning) {
+  // About 200 KB of JSON a rank: far more than a pipe holds.
+  const std::string file = write("closed.ir", "graph @closed(%a: f32[4096], %b: f32[4096], "
+                                              "%c: f32[4096], %d: f32[4096]) {\n"
+                                              "  return %a, %b, %c, %d\n"
+                                              "}\n");
+  for (const std::string& backend : e2e::process_backends()) {
+    SCOPED_TRACE(backend);
+    const e2e::ShellResult r = e2e::run_shell(
+        "{ (" + std::string(FUNCOL_BIN) + " run " + file + " --ranks 3 --outputs json " +
+        "--backend " + backend + "; echo \"status $?\" >&2) | head -c 100; }");
+    EXPECT_EQ(r.out.size(), 100u);
+    EXPECT_NE(r.err.find("funcol: error: cannot write the output: Broken pipe\nstatus 1\n"),
+              std::string::npos)
+        << r.err;
+    // Nothing of the job is left: no process has the graph's file among its arguments.
+    std::vector<std::string> left;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+      const std::string cmdline = slurp(entry.path().string() + "/cmdline");
+      if (cmdline.find(file) != std::string::npos) left.push_back(entry.path().string());
+    }
+    EXPECT_TRUE(left.empty()) << left.front();
+  }
+}
+
 // A bad value of what the ranks read from their environment is one error from the launcher,
 // before any rank starts: under mpi every rank printed it, under mpirun's banner.
 TEST_F(RunE2E, ABadRankEnvironmentIsOneErrorBeforeTheJob) {
@@ -836,12 +865,17 @@ TEST_F(RunJoinE2E, ARankThatCannotRunFailsItsPeersAtOnceNamingWhy) {
   struct Case {
     std::vector<std::string> rank1;  // rank 1's file and flags (rank 0 runs `file`)
     std::string error;               // rank 1's error, which rank 0's names
+    bool parse = false;              // a command line that does not parse (CLI11's)
   };
   const std::vector<Case> cases = {
       {{missing}, "cannot read " + missing + ": No such file or directory"},
       {{huge}, "graph @g's inputs take 4398046511104 bytes per rank: more than this "
                "machine's memory holds for 1 rank on this machine"},
       {{file, "--iters", "0"}, "--iters must be at least 1, got 0"},
+      // These waited out the timeout: the command line did not parse, so the rank never
+      // reached its checks.
+      {{file, "--seed", "abc"}, "--seed: expected a decimal integer, got abc", true},
+      {{file, "--bogus"}, "the following argument was not expected: --bogus", true},
   };
   int n = 0;
   for (const Case& c : cases) {
@@ -860,7 +894,10 @@ TEST_F(RunJoinE2E, ARankThatCannotRunFailsItsPeersAtOnceNamingWhy) {
     // Far under the 60 s timeout: the peer learned why at once.
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
     EXPECT_EQ(ranks[1].status, 1);
-    EXPECT_EQ(ranks[1].err, "funcol: error: rank 1: " + c.error + "\n");
+    EXPECT_EQ(ranks[1].err,
+              c.parse ? "funcol: error: " + c.error +
+                            "\nRun 'funcol run --help' for more information.\n"
+                      : "funcol: error: rank 1: " + c.error + "\n");
     EXPECT_EQ(ranks[0].status, 1);
     EXPECT_EQ(ranks[0].out, "");
     EXPECT_NE(ranks[0].err.find("funcol: error: rank 0: "), std::string::npos) << ranks[0].err;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -103,6 +104,11 @@ int run_funcol(int argc, char** argv) {
     }
     std::fprintf(stderr, "funcol: error: %s\nRun '%s --help' for more information.\n",
                  what.c_str(), command.c_str());
+    if (command == "funcol run" || command == "funcol train" || command == "funcol bench") {
+      std::fflush(stderr);
+      funcol::tools::leave_job_after_parse_error(std::vector<std::string>(argv + 2, argv + argc),
+                                                 what);
+    }
     return 1;
   } catch (const funcol::Error& e) {
     std::fprintf(stderr, "funcol: error: %s\n", e.what());
