@@ -745,11 +745,15 @@ class Op final : public Work, public std::enable_shared_from_this<Op> {
   // For the member whose thread calls (every member's for a thread that is none of them: it
   // may read any member's result).
   void set_failure_seen() override {
-    const bool member = std::any_of(members_.begin(), members_.end(),
-                                    [](const Member& m) { return m.global_rank == tl_rank; });
+    const bool member = caller_is_member();
     for (Member& m : members_) {
       if (!member || m.global_rank == tl_rank) m.saw_failure.store(true, std::memory_order_relaxed);
     }
+  }
+  // Whether the calling thread is a member's (its rank, tl_rank, is one of theirs).
+  bool caller_is_member() const {
+    return std::any_of(members_.begin(), members_.end(),
+                       [](const Member& m) { return m.global_rank == tl_rank; });
   }
   // Fails this pending op past its deadline, naming the missing ranks (wait and poll).
   void time_out();
@@ -3115,9 +3119,7 @@ void Op::wait() {
   // complete() may have left this op's references for its members' threads: a waiter that
   // returns holds the only references to its buffers. A thread that is no member of the op (a
   // reader of another rank's result) releases them for the members.
-  const bool member = std::any_of(members_.begin(), members_.end(),
-                                  [](const Member& m) { return m.global_rank == tl_rank; });
-  release_returned_keep(member ? tl_rank : -1);
+  release_returned_keep(caller_is_member() ? tl_rank : -1);
   if (failed()) set_failure_seen();
   rethrow_if_failed();
 }
