@@ -576,15 +576,38 @@ void check_job_options(const std::string& backend, const InitOptions& join, int 
 
 [[noreturn]] void rethrow_for_rank(int rank) { rethrow_prefixed(fmt::format("rank {}: ", rank)); }
 
-void note_departure_error() {
+namespace {
+
+// The message of the exception being handled.
+std::string handled_error_text() {
   try {
     throw;
   } catch (const std::exception& e) {
-    set_departure_error(e.what());
+    return e.what();
   } catch (...) {
-    set_departure_error("an exception that is not a std::exception");
+    return "an exception that is not a std::exception";
   }
 }
+
+// For a rank that failed before joining (its error printed): joins the job only to leave it
+// with `why`, which its peers' errors name within about a second.
+void leave_job_with(const std::string& backend, const InitOptions& join,
+                    const std::string& why) noexcept {
+  try {
+    follow_launcher();
+    std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
+    set_departure_error(why);
+    world.reset();
+    destroy_process_group();
+  } catch (...) {
+    // Not joined (the peers never came, or the backend is not built in): the error printed is
+    // this rank's answer, and its peers report it missing.
+  }
+}
+
+}  // namespace
+
+void note_departure_error() { set_departure_error(handled_error_text()); }
 
 std::string error_line(const Error& e, const std::string& prefix) {
   const auto* at = dynamic_cast<const SourceLocated*>(&e);
@@ -845,21 +868,7 @@ bool rank_checks_pass(const std::string& backend, int ranks, const InitOptions& 
       rank = k->value;
     }
     print_command_error(err, rank ? fmt::format("rank {}: ", *rank) : "");
-    const std::exception_ptr failure = std::current_exception();
-    try {
-      follow_launcher();
-      std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
-      try {
-        std::rethrow_exception(failure);
-      } catch (...) {
-        note_departure_error();
-      }
-      world.reset();
-      destroy_process_group();
-    } catch (...) {
-      // Not joined (the peers never came, or the backend is not built in): the error printed
-      // above is this rank's answer, and its peers report it missing.
-    }
+    leave_job_with(backend, join, handled_error_text());
     return false;
   }
 }
@@ -883,20 +892,16 @@ void leave_job_after_parse_error(const std::vector<std::string>& args, const std
     }
   }
   if (backend != "gloo") return;  // mpirun ends the job when a rank exits with an error
+  InitOptions join;
   try {
-    const InitOptions join = parse_job_flags(flags);
+    join = parse_job_flags(flags);
     const std::optional<int> size = job_world_size(backend, join);
     if (!inside_job(backend, join) || !size) return;
     check_job_options(backend, join, *size);
-    follow_launcher();
-    std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
-    set_departure_error(error);
-    world.reset();
-    destroy_process_group();
   } catch (...) {
-    // Not joined (flags that do not read, the peers never came): the error printed is this
-    // rank's answer, and its peers report it missing.
+    return;  // flags that do not read: the error printed is this rank's answer
   }
+  leave_job_with(backend, join, error);
 }
 
 void check_same_flags(ProcessGroup& world, const std::vector<std::string>& flags,
