@@ -106,9 +106,11 @@ void transpose_blocks(void* dst, const void* src, int64_t a, int64_t b, size_t b
 // explicit wait runs it, exactly once; nothing waits at call time (PyTorch #172214).
 class GatherRearrange final : public Waitable {
  public:
-  GatherRearrange(Tensor staging, const std::shared_ptr<Storage>& result, int64_t world,
-                  int64_t outer, size_t block_bytes)
+  GatherRearrange(Tensor staging, std::shared_ptr<Work> work,
+                  const std::shared_ptr<Storage>& result, int64_t world, int64_t outer,
+                  size_t block_bytes)
       : staging_(std::move(staging)),
+        work_(std::move(work)),
         result_(result),
         world_(world),
         outer_(outer),
@@ -116,8 +118,12 @@ class GatherRearrange final : public Waitable {
 
   void wait() override {
     std::lock_guard<std::mutex> lock(mu_);
-    run_locked();
-    if (error_) std::rethrow_exception(error_);
+    run_locked(/*block=*/true);
+    if (error_) {
+      // Thrown here, the collective's failure counts seen (found by polling, it did not).
+      if (work_) work_->set_failure_seen();
+      std::rethrow_exception(error_);
+    }
   }
 
   // Never blocks: when the collective has finished it does the (bounded) copy itself, so that
@@ -126,14 +132,18 @@ class GatherRearrange final : public Waitable {
     if (done_.load(std::memory_order_acquire)) return true;
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     if (!lock.owns_lock()) return false;
-    if (!done_.load(std::memory_order_relaxed) && staging_.is_ready()) run_locked();
+    if (!done_.load(std::memory_order_relaxed) && staging_.is_ready()) run_locked(false);
     return done_.load(std::memory_order_relaxed);
   }
 
  private:
-  void run_locked() const {
+  // Waits for the collective (`block`; else it is complete) and rearranges its result, once.
+  // A failure found without blocking is read from the Work, not thrown by waiting for it, which
+  // would count it seen: a rank that only polls the result and drops it is warned of it.
+  void run_locked(bool block) const {
     if (done_.load(std::memory_order_relaxed)) return;
     try {
+      if (!block && work_ && work_->failed()) std::rethrow_exception(work_->exception());
       staging_.wait();
       // The result's storage owns this object; a weak reference avoids a cycle.
       if (std::shared_ptr<Storage> result = result_.lock()) {
@@ -143,11 +153,13 @@ class GatherRearrange final : public Waitable {
       error_ = std::current_exception();
     }
     staging_ = Tensor();  // frees the staging buffer
+    if (!error_) work_.reset();  // kept failed for wait()'s set_failure_seen
     done_.store(true, std::memory_order_release);
   }
 
   mutable std::mutex mu_;
   mutable Tensor staging_;
+  mutable std::shared_ptr<Work> work_;  // the all_gather writing staging_
   std::weak_ptr<Storage> result_;
   int64_t world_;
   int64_t outer_;
@@ -176,7 +188,8 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   }
   const Shape staging_shape = gathered_shape(s, 0, world, "all_gather_tensor");
   Tensor staging = Tensor::empty(staging_shape, t.dtype());
-  guard_input(pg.all_gather(staging, ready_input(t)), t);
+  std::shared_ptr<Work> work = pg.all_gather(staging, ready_input(t));
+  guard_input(work, t);
   const Shape result_shape = gathered_shape(s, dim, world, "all_gather_tensor");
   const int64_t outer = prod(s, 0, static_cast<size_t>(dim));
   // Rank-major blocks already are the result's layout when nothing precedes gather_dim.
@@ -185,7 +198,7 @@ Tensor all_gather_impl(ProcessGroup& pg, const Tensor& t, int64_t dim) {
   const size_t block_bytes =
       static_cast<size_t>(prod(s, static_cast<size_t>(dim), s.size())) * t.itemsize();
   result.storage()->add_pending(std::make_shared<GatherRearrange>(
-      std::move(staging), result.storage(), world, outer, block_bytes));
+      std::move(staging), std::move(work), result.storage(), world, outer, block_bytes));
   return result;
 }
 

@@ -1838,6 +1838,39 @@ TEST(Waits, PollingALazyGatherCompletesIt) {
   });
 }
 
+
+// A lazy gather whose collective failed counts its failure seen only when a wait (or data
+// access) throws it: a rank that only polled the result and dropped it is warned at its end,
+// as for any dropped failed collective. Before, polling waited for the collective, which
+// counted the failure seen.
+TEST(Waits, ALazyGathersFailureCountsSeenWhenThrown) {
+  for (const bool read : {true, false}) {
+    SCOPED_TRACE(read ? "read" : "polled");
+    ::testing::internal::CaptureStderr();
+    run_local(2, [&](ProcessGroup& world) {
+      if (world.rank() == 1) return;  // departs: rank 0's gather fails at once
+      Tensor lazy = all_gather_tensor(iota({2, 2}, 0.0f), 1, world);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!lazy.is_ready() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::yield();
+      }
+      ASSERT_TRUE(lazy.is_ready());
+      if (read) {
+        EXPECT_THAT(error_of<CommError>([&] { lazy.to_vector<float>(); }),
+                    HasSubstr("rank 1 departed (returned) before joining"));
+      }
+    });
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    if (read) {
+      EXPECT_EQ(err, "");
+    } else {
+      EXPECT_EQ(err,
+                "funcol: warning: rank 0 ended with a collective it had not waited for, which "
+                "failed: all_gather on group 'world' (seq 0): rank 1 departed (returned) before "
+                "joining; missing ranks [1]\n");
+    }
+  }
+}
 // D.29: results are pending right after the call; views never wait; a data access does. Rank 1
 // issues its half only after rank 0 made every view, so nothing can have completed before.
 TEST(Waits, ViewsDoNotWaitDataAccessDoes) {

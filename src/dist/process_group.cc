@@ -31,8 +31,11 @@ class ThenWork final : public Work {
   void wait() override {
     {
       std::lock_guard<std::mutex> lock(run_mu_);
-      run_locked();
+      run_locked(/*block=*/true);
     }
+    // Thrown here, this Work's failure is every failed inner Work's: each counts it seen (a
+    // poll() that found them failed did not). No writes to failed_inner_ after run_locked.
+    for (const auto& w : failed_inner_) w->set_failure_seen();
     Work::wait();
   }
 
@@ -46,20 +49,36 @@ class ThenWork final : public Work {
     for (const auto& w : inner_) {
       if (!w->poll()) return false;
     }
-    run_locked();
+    run_locked(/*block=*/false);
     return true;
   }
 
  private:
-  // Waits for the inner Works, runs `then` and finishes (or fails) this Work, once.
-  void run_locked() {
+  // Waits for the inner Works (`block`; else they are complete), then runs `then` and finishes
+  // this Work, or fails it with the first inner failure, once. Only wait() counts the inner
+  // failures seen: a rank that polls the result and drops it is warned of them at its end.
+  void run_locked(bool block) {
     if (is_completed()) return;
     std::exception_ptr error;
-    try {
-      for (auto& w : inner_) w->wait();
-      then_();
-    } catch (...) {
-      error = std::current_exception();
+    for (auto& w : inner_) {
+      if (block) {
+        try {
+          w->wait();
+        } catch (...) {
+          // Read below, as a polled one's.
+        }
+      }
+      if (w->failed()) {
+        failed_inner_.push_back(w);
+        if (!error) error = w->exception();
+      }
+    }
+    if (!error) {
+      try {
+        then_();
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
     inner_.clear();
     then_ = nullptr;
@@ -72,6 +91,7 @@ class ThenWork final : public Work {
 
   std::mutex run_mu_;
   std::vector<std::shared_ptr<Work>> inner_;
+  std::vector<std::shared_ptr<Work>> failed_inner_;  // written once, by run_locked
   std::function<void()> then_;
 };
 

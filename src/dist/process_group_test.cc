@@ -136,6 +136,42 @@ TEST(BaseCoalescedTest, PollingAStagedResultSeesItEnd) {
   }
 }
 
+// A staged collective of several dtypes runs one primitive per dtype. When they all fail, the
+// rank that waited for the staged result saw their failure (one error stands for all: no
+// warning at its end), and a rank that only polled the result (is_ready) and dropped it did
+// not (warned once, as for a dropped primitive). Before, a wait counted only the first
+// primitive's failure seen and warned of the second, and polling counted both seen.
+TEST(BaseCoalescedTest, AStagedResultsFailureCountsSeenWhenItsWaitThrowsIt) {
+  for (const bool waited : {true, false}) {
+    SCOPED_TRACE(waited ? "waited" : "polled");
+    ::testing::internal::CaptureStderr();
+    run_local(2, [&](ProcessGroup& world) {
+      ForwardingGroup fwd(world);
+      if (world.rank() == 1) return;  // departs: rank 0's collectives fail at once
+      std::vector<Tensor> ts = {Tensor::full({4}, DType::F32, 1), Tensor::full({2}, DType::I32, 2)};
+      fwd.all_reduce_coalesced(ts, ReduceOp::Sum);
+      if (waited) {
+        EXPECT_THROW(ts[1].to_vector<int32_t>(), CommError);
+      } else {
+        const auto start = std::chrono::steady_clock::now();
+        while (!ts[0].is_ready() && std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        EXPECT_TRUE(ts[0].is_ready());
+      }
+    });
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    if (waited) {
+      EXPECT_EQ(err, "");
+    } else {
+      EXPECT_EQ(err,
+                "funcol: warning: rank 0 ended with 2 collectives it had not waited for, which "
+                "failed; the first: all_reduce on group 'world' (seq 0): rank 1 departed "
+                "(returned) before joining; missing ranks [1]\n");
+    }
+  }
+}
+
 // The staging defaults check the lists as threads does: overlapping outputs (which the copies
 // out of the staging buffer wrote one over the other, last one winning) are rejected, and an
 // in-place pair (an input that is this rank's block of its output) is not.
