@@ -153,8 +153,8 @@ TEST(BaseCoalescedTest, AStagedResultsFailureCountsSeenWhenItsWaitThrowsIt) {
       if (waited) {
         EXPECT_THROW(ts[1].to_vector<int32_t>(), CommError);
       } else {
-        const auto start = std::chrono::steady_clock::now();
-        while (!ts[0].is_ready() && std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (!ts[0].is_ready() && std::chrono::steady_clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
         EXPECT_TRUE(ts[0].is_ready());
