@@ -50,6 +50,8 @@ void rethrow_prefixed(const std::string& prefix, const SourceLocated* at) {
     throw_prefixed(e, prefix, at);
   } catch (const CommError& e) {
     throw_prefixed(e, prefix, at);
+  } catch (const AbandonedError& e) {
+    throw_prefixed(e, prefix, at);
   } catch (const InternalError& e) {
     throw_prefixed(e, prefix, at);
   } catch (const Error& e) {

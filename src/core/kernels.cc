@@ -826,10 +826,9 @@ std::vector<bool> reduced_dims(const Tensor& a, const std::vector<int64_t>& dims
 }
 
 // Accumulator of sum / mean / mse_loss: every floating dtype in f64 (an f32 accumulator of f16
-// or bf16 ones stops growing at 2^24: the mean of 2^25 ones was 0.5), rounded at the end, f16
-// and bf16 through f32 as Eigen converts (a double rounding, which can differ from rounding the
-// f64 directly in the last bit only); integers wrap in 64 bits (uint64, exact modulo 2^64; sum
-// writes i64, as torch.sum), bool as a count.
+// or bf16 ones stops growing at 2^24: the mean of 2^25 ones was 0.5), rounded once at the end
+// (cvt rounds f64 to f16 and bf16 directly, through f32 rounded to odd); integers wrap in 64
+// bits (uint64, exact modulo 2^64; sum writes i64, as torch.sum), bool as a count.
 template <typename S>
 using SumAccOf = std::conditional_t<std::is_floating_point_v<ComputeOf<S>>, double, uint64_t>;
 

@@ -131,6 +131,12 @@ TEST(Error, RethrowPrefixedKeepsKindAndLocation) {
   EXPECT_EQ(what_and_where(p),
             "rank 1: division by zero | g.ir:7:1: error: node %v: division by zero");
 
+  // Every kind (AbandonedError became a plain Error).
+  p = rethrown([] { throw AbandonedError("it gave up"); });
+  EXPECT_THROW(std::rethrow_exception(p), AbandonedError);
+  p = rethrown([] { throw InternalError("broken"); });
+  EXPECT_THROW(std::rethrow_exception(p), InternalError);
+
   p = rethrown([] { throw std::bad_alloc(); }, &node);
   EXPECT_EQ(what_and_where(p), "rank 1: out of memory | g.ir:7:1: error: node %v: out of memory");
 }
