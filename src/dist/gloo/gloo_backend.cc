@@ -1072,7 +1072,9 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
   // The slot a piece of `nbytes` bytes travels on. Gloo pairs a send with a receive of the
   // same peer and slot, so the slot holds what the two sides must agree on: the exchange's
   // purpose, the op's tag, the piece's size and, for data, the element type (a coalesced
-  // list's first tensor's) and reduction.
+  // list's first tensor's), the reduction and the root (a broadcast's: ranks that disagreed on
+  // it paired along both trees, and one whose parent in its own tree was a child in the
+  // others' completed with the wrong root's data, silently).
   // Ranks that issued collectives that differ in these at one sequence number (unchecked
   // without FUNCOL_DEBUG=detail) then never pair: they time out, and the timeout names what
   // each issued. Paired, Gloo aborted the rank that received more (`op.preamble.length <=
@@ -1084,6 +1086,7 @@ class GlooProcessGroup final : public process::ProcessGroupBase {
     if (purpose != Purpose::kSignature) {
       key.mix(static_cast<int64_t>(op.dtype));
       key.mix(static_cast<int64_t>(op.reduce_op));
+      key.mix(static_cast<int64_t>(op.root));
     }
     const auto hash24 = static_cast<uint32_t>(key.value() >> 40);  // 24 bits
     return gloo::Slot::build(

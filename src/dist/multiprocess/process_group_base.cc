@@ -604,9 +604,47 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
       missing.push_back(loss.rank);
     }
     std::sort(missing.begin(), missing.end());
-    if (!missing.empty()) msg += "; missing ranks " + dist_detail::format_ranks(missing);
+    if (!missing.empty()) {
+      msg += "; missing ranks " + dist_detail::format_ranks(missing);
+    } else {
+      // Nobody to blame (a transport error with every member there, or one that left after
+      // issuing it): ranks that issued different collectives as this seq (unchecked without
+      // FUNCOL_DEBUG=detail) are the likely cause. Gloo's "Connection closed by peer" when a
+      // member that completed its own part left was all such a rank said.
+      std::vector<int> peers;
+      for (int r : global_ranks()) {
+        if (r != global_rank() && !monitor->lost(r)) peers.push_back(r);
+      }
+      std::vector<std::string> theirs;
+      if (!peers.empty()) {
+        monitor->query_progress(name(), peers, kProgressQueryWait, op.seq, &theirs);
+        msg += difference_note(op, peers, theirs);
+      }
+    }
   }
   return msg;
+}
+
+std::string ProcessGroupBase::difference_note(const CollectiveOp& op,
+                                              const std::vector<int>& peers,
+                                              const std::vector<std::string>& theirs) const {
+  // compare_answers takes one answer per other member, in group order ("" for none).
+  std::vector<std::string> answers;
+  for (int g = 0; g < size(); ++g) {
+    if (g == rank()) continue;
+    const auto it = std::find(peers.begin(), peers.end(), global_ranks()[static_cast<size_t>(g)]);
+    const auto i = static_cast<size_t>(it - peers.begin());
+    answers.push_back(it != peers.end() && i < theirs.size() ? theirs[i] : std::string());
+  }
+  const auto difference = compare_answers(op.signature, rank(), answers, global_ranks());
+  if (!difference) return {};
+  constexpr std::string_view kDetailNote =
+      "FUNCOL_DEBUG=detail compares every collective before it runs";
+  return difference->splits
+             ? fmt::format("; the ranks issued seq {} with {} ({})", op.seq, difference->what,
+                           kDetailNote)
+             : fmt::format("; the ranks issued different collectives as seq {}: {} ({})", op.seq,
+                           difference->what, kDetailNote);
 }
 
 int ProcessGroupBase::agree_on_split(const std::vector<std::vector<int>>& rank_lists,
@@ -664,17 +702,10 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   if (missing.empty()) {
     // What this rank and the peers that answered issued (a departed one does not answer),
     // compared as FUNCOL_DEBUG=detail would have compared them.
-    constexpr std::string_view kDetailNote =
-        "FUNCOL_DEBUG=detail compares every collective before it runs";
-    if (auto difference = compare_answers(op.signature, rank(), theirs, global_ranks())) {
-      msg += difference->splits
-                 ? fmt::format("; the ranks issued seq {} with {} ({})", op.seq,
-                               difference->what, kDetailNote)
-                 : fmt::format("; the ranks issued different collectives as seq {}: {} ({})",
-                               op.seq, difference->what, kDetailNote);
-    } else {
-      msg += fmt::format("; every rank issued it but {} did not complete it", job_->backend());
-    }
+    const std::string difference = difference_note(op, peers, theirs);
+    msg += difference.empty()
+               ? fmt::format("; every rank issued it but {} did not complete it", job_->backend())
+               : difference;
   }
   return msg;
 }

@@ -246,6 +246,11 @@ class ProcessGroupBase : public ProcessGroup,
   CommError failed_earlier(const CollectiveOp& op, const std::string& reason) const;
   void remove_inflight(const CollectiveOp* op);
   std::string timeout_message(const CollectiveOp& op);
+  // "; the ranks issued different collectives as seq S: ..." (or "...with mismatched split
+  // sizes...") when this rank's op and the answers `theirs` of `peers` (global ranks; an empty
+  // answer: none) to a progress query at op.seq differ; "" when they agree.
+  std::string difference_note(const CollectiveOp& op, const std::vector<int>& peers,
+                              const std::vector<std::string>& theirs) const;
   // The error of a collective that lost members: every member lost by now that had not issued
   // it, deaths first (the likely cause), with " before joining" on a departure, and them as
   // missing; `first` (the first loss seen, described) when the monitor knows none.
