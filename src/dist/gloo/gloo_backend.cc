@@ -290,7 +290,13 @@ class RedisKeyStore final : public KeyStore {
   std::optional<std::vector<char>> try_get(const std::string& key) override {
     return store_.try_get(key);
   }
-  void erase_own_keys() noexcept override { store_.erase_written(); }
+  void erase_own_keys() noexcept override {
+    // A connection in error sends nothing: a server still silent after reconnect_for_cleanup
+    // (live_holder's look timed out) gets the deletions on a new one, which it runs when it
+    // wakes even though nobody waits for the replies any more.
+    if (store_.failure()) reconnect(std::chrono::milliseconds(100));
+    store_.erase_written();
+  }
   void erase_stale(const std::string& key) noexcept override { store_.erase(key); }
   bool erase_if_holds(const std::string& key, const std::string& value) noexcept override {
     return store_.erase_if_holds(key, value);
@@ -300,13 +306,17 @@ class RedisKeyStore final : public KeyStore {
   void reconnect_for_cleanup() noexcept override {
     // A server still silent costs at most this once more: the first unanswered command puts
     // the connection in error again, and the rest fail at once.
-    constexpr std::chrono::milliseconds kCleanupTimeout{2000};
-    if (redisReconnect(store_.context()) == REDIS_OK) {
-      store_.set_reply_timeout(std::min(store_.timeout, kCleanupTimeout));
-    }
+    reconnect(std::chrono::milliseconds(2000));
   }
 
  private:
+  // A new connection whose replies are waited for `reply_timeout` at most.
+  void reconnect(std::chrono::milliseconds reply_timeout) noexcept {
+    if (redisReconnect(store_.context()) == REDIS_OK) {
+      store_.set_reply_timeout(std::min(store_.timeout, reply_timeout));
+    }
+  }
+
   // Records the keys it sets so they can be deleted (RedisStore writes with SETNX, so a key
   // left behind would make the next job's rendezvous fail).
   struct Store : TimedWaits<gloo::rendezvous::RedisStore> {
@@ -365,8 +375,20 @@ class RedisKeyStore final : public KeyStore {
       if (!error.empty()) throw CommError("gloo: the Redis store failed: " + error);
       return value;
     }
+    // Sends every deletion before it reads any reply: a server that stopped answering still
+    // has them all in its connection's buffer when it wakes (sent one by one, a deletion
+    // waiting for its reply left the rest unsent).
     void erase_written() noexcept {
-      for (const auto& key : written) erase(key);
+      if (written.empty() || redis_ == nullptr || redis_->err != 0) return;
+      for (const auto& key : written) redisAppendCommand(redis_, "DEL %b", key.data(), key.size());
+      int sent = 0;
+      while (sent == 0 && redisBufferWrite(redis_, &sent) == REDIS_OK) {
+      }
+      for (size_t i = 0; i < written.size(); ++i) {
+        void* reply = nullptr;
+        if (redisGetReply(redis_, &reply) != REDIS_OK) break;  // no answer within the timeout
+        freeReplyObject(reply);
+      }
       written.clear();
     }
     std::vector<std::string> written;

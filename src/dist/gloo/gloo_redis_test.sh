@@ -75,8 +75,10 @@ sleep 0.5
 redis-cli -p "$port" flushall >/dev/null
 # A server silent for longer than FUNCOL_TIMEOUT while rank 0 waits for rank 1: rank 0 fails,
 # and still takes its arrival key away once the server answers again (its connection is in
-# error after the timeout; the cleanup connects again), so the next job runs.
-echo "gloo_redis_test.sh: rank 0 alone, the server silent for 4 s (expected to fail)"
+# error after the timeout; the cleanup connects again), so the next job runs. Silent for 8 s,
+# past the cleanup's own 2 s look too, rank 0 exits first: its deletions, sent on a new
+# connection without waiting for replies, run once the server wakes (they were never sent).
+echo "gloo_redis_test.sh: rank 0 alone, the server silent for 8 s (expected to fail)"
 RANK=0 WORLD_SIZE=2 FUNCOL_STORE="redis://127.0.0.1:$port" FUNCOL_TIMEOUT=3 "$@" \
   >"$work/stall.log" 2>&1 &
 rank0=$!
@@ -85,10 +87,11 @@ for _ in $(seq 100); do
   sleep 0.05
 done
 kill -STOP "$redis_pid"
-sleep 4
+sleep 8
 kill -CONT "$redis_pid"
 wait "$rank0"
 status=$?
+sleep 0.5
 left=$(redis-cli -p "$port" dbsize)
 if [ "$status" = 0 ] || [ "$left" != 0 ] || ! grep -q "did not answer within 3000 ms" "$work/stall.log"; then
   echo "gloo_redis_test.sh: rank 0 exited $status and left $left keys after the stall:"
