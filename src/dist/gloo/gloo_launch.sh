@@ -7,7 +7,8 @@
 #
 # Without --store, a fresh temporary directory is the file store (removed at the end). Each
 # rank's output is printed, prefixed "[rank R]", once all ranks are done (a job that hangs
-# prints nothing until --timeout kills it). --expect-killed R
+# prints nothing until --timeout kills it, or SIGINT or SIGTERM stops the launcher, which kills
+# the ranks and exits 130 or 143). --expect-killed R
 # accepts rank R dying of SIGKILL (the failure tests); any other non-zero exit fails the run.
 # A rank that stopped itself (SIGSTOP) is killed (SIGKILL) once every other rank has exited,
 # not before: the others may still be asking it for its progress.
@@ -59,7 +60,23 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-trap 'exit 130' INT TERM
+# Interrupted (Ctrl-C, a job scheduler's SIGTERM): the ranks go, and what they printed until then
+# is shown, as after --timeout (often what the user stopped a hung job to read).
+print_logs() {
+  local r
+  for ((r = 0; r < ${#pids[@]}; r++)); do
+    sed "s/^/[rank $r] /" "$work/rank$r.log" 2>/dev/null
+  done
+}
+interrupted() {
+  echo "$me: $1; killing every rank" >&2
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done  # (without bash's "Killed" notices)
+  print_logs
+  exit "$2"
+}
+trap 'interrupted "interrupted (SIGINT)" 130' INT
+trap 'interrupted "terminated (SIGTERM)" 143' TERM
 if [ -z "$store" ]; then
   mkdir "$work/store"
   store="file://$work/store"
@@ -106,7 +123,5 @@ for ((r = 0; r < np; r++)); do
   fi
 done
 for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null; done
-for ((r = 0; r < np; r++)); do
-  sed "s/^/[rank $r] /" "$work/rank$r.log"
-done
+print_logs
 exit $status
