@@ -1030,14 +1030,19 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     MPI_Comm_size(MPI_COMM_WORLD, &n);
     return std::pair<int, int>(r, n);
   });
+  // Options that disagree with MPI: told to the others through the address exchange below, so
+  // that they fail at once naming this rank (they waited out the timeout in the exchange).
+  std::string options_error;
   if (options.rank >= 0 && options.rank != rank) {
-    throw InvalidArgument(fmt::format(
-        "mpi backend: InitOptions::rank {} differs from MPI's rank {}", options.rank, rank));
+    options_error = fmt::format("InitOptions::rank {} differs from MPI's rank {}", options.rank,
+                                rank);
+  } else if (options.world_size >= 0 && options.world_size != size) {
+    options_error = fmt::format(
+        "InitOptions::world_size {} differs from MPI's world size {} (mpirun -np)",
+        options.world_size, size);
   }
-  if (options.world_size >= 0 && options.world_size != size) {
-    throw InvalidArgument(fmt::format(
-        "mpi backend: InitOptions::world_size {} differs from MPI's world size {} (mpirun -np)",
-        options.world_size, size));
+  if (!options_error.empty() && size == 1) {
+    throw InvalidArgument("mpi backend: " + options_error);
   }
   const auto deadline = Clock::now() + timeout;
   auto comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
@@ -1061,11 +1066,13 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     char host[MPI_MAX_PROCESSOR_NAME] = {};
     int host_len = 0;
     rt.call([&] { return MPI_Get_processor_name(host, &host_len); });
-    // "D|host|address|port", D: FUNCOL_DEBUG=DETAIL (1) or not (0). Ranks that differ would
-    // pair one's signature exchange with the other's data, delivering wrong bytes.
-    std::string info =
-        fmt::format("{}|{}|{}|{}", detail ? 1 : 0, std::string(host, static_cast<size_t>(host_len)),
-                    process::default_host_address(), monitor->port());
+    // "D|host|address|port|error", D: FUNCOL_DEBUG=DETAIL (1) or not (0) (ranks that differ
+    // would pair one's signature exchange with the other's data, delivering wrong bytes);
+    // error: options_error, or empty.
+    std::string info = fmt::format("{}|{}|{}|{}|{}", detail ? 1 : 0,
+                                   std::string(host, static_cast<size_t>(host_len)),
+                                   process::default_host_address(), monitor->port(),
+                                   options_error);
     std::memcpy(mine->data(), info.data(), std::min<size_t>(info.size(), kInfoBytes - 1));
     run_with_deadline(
         rt,
@@ -1074,6 +1081,7 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
                                 MPI_BYTE, *comm, r);
         },
         deadline, "init_process_group (exchanging peer addresses)");
+    if (!options_error.empty()) throw InvalidArgument("mpi backend: " + options_error);
     std::vector<std::string> addresses(size);
     for (int r = 0; r < size; ++r) {
       std::string entry(all->data() + static_cast<size_t>(r) * kInfoBytes);
@@ -1081,12 +1089,23 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
         throw CommError(fmt::format("mpi backend: {} (mpirun -x passes a variable to all)",
                                     process::debug_detail_mismatch(r, rank, detail)));
       }
-      entry = entry.substr(std::min<size_t>(entry.size(), 2));
-      auto a = entry.find('|');
-      auto b = entry.rfind('|');
-      std::string peer_host = entry.substr(0, a);
-      std::string ip = entry.substr(a + 1, b - a - 1);
-      std::string port = entry.substr(b + 1);
+      // Fields: host, address, port, then the error (which may hold '|').
+      std::vector<std::string> fields;
+      size_t at = 2;
+      for (int f = 0; f < 3; ++f) {
+        const size_t bar = std::min(entry.find('|', at), entry.size());
+        fields.push_back(entry.substr(std::min(at, entry.size()), bar - std::min(at, bar)));
+        at = bar + 1;
+      }
+      const std::string peer_error = at < entry.size() ? entry.substr(at) : std::string();
+      if (!peer_error.empty()) {
+        throw CommError(fmt::format(
+            "mpi backend: init_process_group failed: rank {} cannot join: {}; missing ranks [{}]",
+            r, peer_error, r));
+      }
+      const std::string& peer_host = fields[0];
+      const std::string& ip = fields[1];
+      const std::string& port = fields[2];
       addresses[r] =
           (peer_host == std::string(host, static_cast<size_t>(host_len)) ? "127.0.0.1" : ip) + ":" +
           port;

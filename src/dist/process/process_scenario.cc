@@ -1289,6 +1289,38 @@ int main(int argc, char** argv) {
     scenario_reinit(backend);
     return 0;
   }
+  if (scenario == "bad_options") {
+    // The last rank passes InitOptions::rank 0, which MPI's numbering contradicts: it fails with
+    // InvalidArgument, and the others at once with a CommError naming it and why (they waited
+    // out the timeout, told only that some rank did not arrive).
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+    if (backend != "mpi" || rank == nullptr || size == nullptr) failed("run under mpirun");
+    g_rank = std::atoi(rank);
+    const int bad = std::atoi(size) - 1;
+    const auto start = Clock::now();
+    std::string msg;
+    try {
+      funcol::InitOptions options;
+      if (g_rank == bad) options.rank = 0;
+      funcol::init_process_group(backend, options);
+      failed("init_process_group succeeded");
+    } catch (const funcol::InvalidArgument& e) {
+      if (g_rank != bad) failed(fmt::format("InvalidArgument on a good rank: {}", e.what()));
+      msg = e.what();
+      expect_contains(msg, fmt::format("InitOptions::rank 0 differs from MPI's rank {}", bad));
+    } catch (const funcol::CommError& e) {
+      if (g_rank == bad) failed(fmt::format("CommError on the bad rank: {}", e.what()));
+      msg = e.what();
+      expect_contains(msg, fmt::format("rank {} cannot join: InitOptions::rank 0 differs from "
+                                       "MPI's rank {}; missing ranks [{}]",
+                                       bad, bad, bad));
+    }
+    const double took = seconds_since(start);
+    if (took > 5) failed(fmt::format("the error took {:.1f} s", took));
+    ok(fmt::format("error after {:.2f} s: {}", took, msg));
+    return 0;
+  }
   if (scenario == "lonely") {
     // The last rank never calls init_process_group: the others fail at their timeout.
     const bool mpi = backend == "mpi";
