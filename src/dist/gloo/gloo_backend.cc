@@ -1393,10 +1393,15 @@ process::ProcessWorld init_world(const InitOptions& options, GroupRegistry& regi
     if (!iface.empty()) {
       attr.iface = iface;
     } else {
-      if (host.empty()) {
-        host = shared->url.kind == process::StoreUrl::Kind::Redis
-                   ? process::route_address(shared->url.host, shared->url.port)
-                   : std::string("127.0.0.1");
+      if (host.empty() && shared->url.kind == process::StoreUrl::Kind::Redis) {
+        try {
+          host = process::route_address(shared->url.host, shared->url.port);
+        } catch (const std::exception& e) {
+          throw CommError(fmt::format("gloo: cannot reach the store '{}' (its Redis server): {}",
+                                      shared->url.text, e.what()));
+        }
+      } else if (host.empty()) {
+        host = "127.0.0.1";
       }
       attr.hostname = host;
     }
