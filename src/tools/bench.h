@@ -142,8 +142,9 @@ struct HandoffRef {
 };
 HandoffRef measure_handoff();
 
-// Everything one `funcol bench` run needs; the defaults are nccl-tests' (-b 32 -e 32M -f 2
-// -n 20 -w 5 -c 1) plus funcol's (all ops, f32, sum, root 0, 2 ranks, threads).
+// Everything one `funcol bench` run needs. Defaults: a scan, -b 32 -e 32M -f 2 (nccl-tests'
+// README example; its own defaults, -b 32M -e 32M with -i 1M, measure one size), nccl-tests'
+// -i 1M -n 20 -w 5 -c 1, and funcol's all ops, f32, sum, root 0, 2 ranks, threads.
 struct BenchOptions {
   int64_t min_bytes = 32;
   int64_t max_bytes = int64_t{32} << 20;
