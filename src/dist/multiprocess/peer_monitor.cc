@@ -299,8 +299,16 @@ void PeerMonitor::remove_group(const std::string& name) {
   std::lock_guard lock(mu_);
   auto it = groups_.find(name);
   if (it == groups_.end()) return;
-  removed_groups_[name] = it->second.issued->load();
+  removed_groups_[name] = Removed{it->second.issued->load(), std::move(it->second.describe)};
   groups_.erase(it);
+  // A name made again and removed again counts once, at its latest removal.
+  std::erase(removed_described_, name);
+  removed_described_.push_back(name);
+  if (removed_described_.size() > kRemovedDescribed) {
+    auto oldest = removed_groups_.find(removed_described_.front());
+    if (oldest != removed_groups_.end()) oldest->second.describe = nullptr;
+    removed_described_.pop_front();
+  }
 }
 
 void PeerMonitor::set_on_peer_lost(std::function<void(const PeerLoss&)> callback) {
@@ -418,9 +426,20 @@ std::vector<int64_t> PeerMonitor::query_progress(const std::string& name,
   cv_.wait_for(lock, wait, [&] { return answers_[id].size() >= expected; });
   for (size_t i = 0; i < ranks.size(); ++i) {
     auto it = answers_[id].find(ranks[i]);
-    if (it == answers_[id].end()) continue;
-    result[i] = it->second.issued;
-    if (at_seq) (*at_seq)[i] = it->second.at_seq;
+    if (it != answers_[id].end()) {
+      result[i] = it->second.issued;
+      if (at_seq) (*at_seq)[i] = it->second.at_seq;
+      continue;
+    }
+    // A departed rank said in its goodbye what its last collectives were.
+    const auto lost = lost_.find(ranks[i]);
+    if (at_seq && lost != lost_.end()) {
+      const auto group = lost->second.recent.find(name);
+      if (group != lost->second.recent.end()) {
+        const auto what = group->second.find(seq);
+        if (what != group->second.end()) (*at_seq)[i] = what->second;
+      }
+    }
   }
   answers_.erase(id);
   return result;
@@ -468,20 +487,38 @@ void PeerMonitor::shutdown(bool at_exit) {
     std::lock_guard lock(mu_);
     if (stopping_ || !thread_.joinable()) return;
   }
-  // Goodbye with the departure error (possibly empty), then this process's progress, so peers
-  // fail only what this rank never issued.
+  // Goodbye with the departure error (possibly empty), then this process's progress per group
+  // (so peers fail only what this rank never issued) and what its last collectives were (so
+  // a peer comparing a mismatched one still gets this rank's side).
   std::string bye;
+  std::map<std::string, std::pair<int64_t, Describe>> groups;
   {
     std::lock_guard lock(mu_);
     leaving_ = true;
     append_u32(bye, static_cast<uint32_t>(departure_error_.size()));
     bye += departure_error_;
-    std::map<std::string, int64_t> counts = removed_groups_;
-    for (const auto& [name, group] : groups_) counts[name] = group.issued->load();
-    for (const auto& [name, count] : counts) {
-      append_u32(bye, static_cast<uint32_t>(name.size()));
-      bye += name;
-      append_i64(bye, count);
+    for (const auto& [name, removed] : removed_groups_) {
+      groups[name] = {removed.count, removed.describe};
+    }
+    for (const auto& [name, group] : groups_) {
+      groups[name] = {group.issued->load(), group.describe};
+    }
+  }
+  for (const auto& [name, group] : groups) {
+    const auto& [count, describe] = group;
+    append_u32(bye, static_cast<uint32_t>(name.size()));
+    bye += name;
+    append_i64(bye, count);
+    std::vector<std::pair<int64_t, std::string>> recent;
+    for (int64_t seq = std::max<int64_t>(0, count - kByeRecent); describe && seq < count; ++seq) {
+      std::string what = describe(seq);  // outside mu_: it takes the group's
+      if (!what.empty()) recent.emplace_back(seq, std::move(what));
+    }
+    append_u32(bye, static_cast<uint32_t>(recent.size()));
+    for (const auto& [seq, what] : recent) {
+      append_i64(bye, seq);
+      append_u32(bye, static_cast<uint32_t>(what.size()));
+      bye += what;
     }
   }
   for (int r = 0; r < world_size_; ++r) {
@@ -524,7 +561,8 @@ void PeerMonitor::stop_thread() {
 }
 
 void PeerMonitor::mark_lost(int rank, bool clean, bool at_exit,
-                            std::map<std::string, int64_t> issued, std::string error) {
+                            std::map<std::string, int64_t> issued, std::string error,
+                            std::map<std::string, std::map<int64_t, std::string>> recent) {
   PeerLoss loss;
   std::function<void(const PeerLoss&)> callback;
   {
@@ -535,6 +573,7 @@ void PeerMonitor::mark_lost(int rank, bool clean, bool at_exit,
     loss.at_exit = at_exit;
     loss.issued = std::move(issued);
     loss.error = std::move(error);
+    loss.recent = std::move(recent);
     lost_[rank] = loss;
     callback = on_peer_lost_;
   }
@@ -562,21 +601,33 @@ void PeerMonitor::handle_message(int from, uint8_t type, const std::string& payl
     case kBye:
     case kByeAtExit: {
       std::map<std::string, int64_t> issued;
+      std::map<std::string, std::map<int64_t, std::string>> recent;
       std::string error;
       uint32_t len;
       if (read_u32(payload, pos, len) && pos + len <= payload.size()) {
         error = payload.substr(pos, len);
         pos += len;
       }
+      // Per group: name, count, then its recent collectives (seq, description).
       while (read_u32(payload, pos, len) && pos + len <= payload.size()) {
         std::string name = payload.substr(pos, len);
         pos += len;
         int64_t v;
-        if (!read_i64(payload, pos, v)) break;
+        uint32_t n;
+        if (!read_i64(payload, pos, v) || !read_u32(payload, pos, n)) break;
         issued[name] = v;
+        for (uint32_t i = 0; i < n; ++i) {
+          int64_t seq;
+          if (!read_i64(payload, pos, seq) || !read_u32(payload, pos, len) ||
+              pos + len > payload.size()) {
+            break;
+          }
+          recent[name][seq] = payload.substr(pos, len);
+          pos += len;
+        }
       }
       mark_lost(from, /*clean=*/true, /*at_exit=*/type == kByeAtExit, std::move(issued),
-                std::move(error));
+                std::move(error), std::move(recent));
       break;
     }
     case kQuery: {

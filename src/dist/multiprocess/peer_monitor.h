@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -17,6 +18,9 @@
 #include <vector>
 
 namespace funcol::process {
+
+// The collectives per group whose descriptions a goodbye carries (PeerLoss::recent).
+inline constexpr int64_t kByeRecent = 8;
 
 // How long a timeout's error waits for the peers' answers to a progress query.
 inline constexpr std::chrono::milliseconds kProgressQueryWait{1000};
@@ -30,6 +34,11 @@ struct PeerLoss {
   bool at_exit = false;
   // Clean leaves only: collectives the peer had issued per group name when it left.
   std::map<std::string, int64_t> issued;
+  // Clean leaves only: what the peer issued as its last collectives (kByeRecent at most) per
+  // group name, seq -> its Describe bytes, so that a query about one still gets its answer
+  // (query_progress): a peer that did its part of a mismatched collective and left is still
+  // compared.
+  std::map<std::string, std::map<int64_t, std::string>> recent;
   // Clean leaves only: the error the peer left because of (set_departure_error), or empty.
   std::string error;
   // "rank 2 died (its process exited or was killed)" / "rank 2 departed (destroy_process_group)"
@@ -112,7 +121,7 @@ class PeerMonitor {
   // did not answer within `wait` (lost, or its process is stuck outside funcol), -2 for one
   // that has no such group.
   // With `at_seq`, also what each rank issued as collective `seq` (parallel to `ranks`; "" where
-  // it did not say: not issued, forgotten, or no answer).
+  // it did not say: not issued, forgotten, or no answer), a departed rank's from its goodbye.
   std::vector<int64_t> query_progress(const std::string& name, const std::vector<int>& ranks,
                                       std::chrono::milliseconds wait, int64_t seq = -1,
                                       std::vector<std::string>* at_seq = nullptr);
@@ -147,7 +156,8 @@ class PeerMonitor {
   // This process's answer about group `name`.
   Answer local_answer(const std::string& name, int64_t seq) const;
   void mark_lost(int rank, bool clean, bool at_exit, std::map<std::string, int64_t> issued,
-                 std::string error = {});
+                 std::string error = {},
+                 std::map<std::string, std::map<int64_t, std::string>> recent = {});
   bool send_to(int rank, uint8_t type, const std::string& payload);
   void wake();
 
@@ -166,7 +176,16 @@ class PeerMonitor {
     Describe describe;
   };
   std::map<std::string, Group> groups_;
-  std::map<std::string, int64_t> removed_groups_;  // final counts, still reported in the goodbye
+  // Groups removed, still reported in the goodbye: final counts, and what their last
+  // collectives were for the kRemovedDescribed removed last (the world's, usually: its group is
+  // dropped before the goodbye), in removal order.
+  struct Removed {
+    int64_t count = 0;
+    Describe describe;
+  };
+  static constexpr size_t kRemovedDescribed = 64;
+  std::map<std::string, Removed> removed_groups_;
+  std::deque<std::string> removed_described_;
   std::string departure_error_;
   std::map<int, PeerLoss> lost_;
   // Per rendezvous name, the first member that gave up on it and its error.

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <map>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "funcol/core/error.h"
 
@@ -100,21 +103,39 @@ TEST(PeerMonitor, ReportsADeadPeerAtOnce) {
   EXPECT_EQ(m[0]->query_progress("world", {2}, milliseconds(100)), std::vector<int64_t>{-1});
 }
 
+// A goodbye says how many collectives the rank issued per group and what its last ones were.
 TEST(PeerMonitor, AGoodbyeCarriesProgress) {
   auto m = mesh(2);
   std::promise<PeerLoss> seen;
   m[0]->set_on_peer_lost([&](const PeerLoss& loss) { seen.set_value(loss); });
-  m[1]->add_group("world", std::make_shared<std::atomic<int64_t>>(7));
-  m[1]->add_group("tp", std::make_shared<std::atomic<int64_t>>(3));
-  // A group already gone still reports its final count.
+  auto describe = [](int64_t seq) { return "op " + std::to_string(seq); };
+  m[1]->add_group("world", std::make_shared<std::atomic<int64_t>>(12), describe);
+  m[1]->add_group("tp", std::make_shared<std::atomic<int64_t>>(3), describe);
+  m[1]->add_group("dp", std::make_shared<std::atomic<int64_t>>(2));  // says nothing
+  // A group already gone still reports its final count and its last collectives.
   m[1]->remove_group("tp");
   m[1]->shutdown();
   auto f = seen.get_future();
   ASSERT_EQ(f.wait_for(std::chrono::seconds(10)), std::future_status::ready);
   PeerLoss loss = f.get();
   EXPECT_TRUE(loss.clean);
-  EXPECT_EQ(loss.issued.at("world"), 7);
+  EXPECT_EQ(loss.issued.at("world"), 12);
   EXPECT_EQ(loss.issued.at("tp"), 3);
+  EXPECT_EQ(loss.issued.at("dp"), 2);
+  // The last kByeRecent of each group that describes its collectives.
+  std::map<int64_t, std::string> world_recent;
+  for (int64_t seq = 12 - kByeRecent; seq < 12; ++seq) world_recent[seq] = describe(seq);
+  EXPECT_EQ(loss.recent.at("world"), world_recent);
+  EXPECT_EQ(loss.recent.at("tp"),
+            (std::map<int64_t, std::string>{{0, "op 0"}, {1, "op 1"}, {2, "op 2"}}));
+  EXPECT_EQ(loss.recent.count("dp"), 0u);
+  // A query about one of them gets the departed rank's answer from its goodbye.
+  std::vector<std::string> at_seq;
+  EXPECT_EQ(m[0]->query_progress("world", {1}, milliseconds(100), 11, &at_seq),
+            std::vector<int64_t>{-1});
+  EXPECT_EQ(at_seq, std::vector<std::string>{"op 11"});
+  m[0]->query_progress("world", {1}, milliseconds(100), 3, &at_seq);  // forgotten
+  EXPECT_EQ(at_seq, std::vector<std::string>{""});
   EXPECT_EQ(loss.describe(), "rank 1 departed (destroy_process_group)");
   // A departure alone does not end a wait for a death; the losses are still returned.
   auto losses = m[0]->wait_for_loss({1}, milliseconds(50));

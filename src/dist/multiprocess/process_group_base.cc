@@ -610,16 +610,15 @@ std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
       // Nobody to blame (a transport error with every member there, or one that left after
       // issuing it): ranks that issued different collectives as this seq (unchecked without
       // FUNCOL_DEBUG=detail) are the likely cause. Gloo's "Connection closed by peer" when a
-      // member that completed its own part left was all such a rank said.
+      // member that completed its own part left was all such a rank said. (A departed member
+      // answers from its goodbye.)
       std::vector<int> peers;
       for (int r : global_ranks()) {
-        if (r != global_rank() && !monitor->lost(r)) peers.push_back(r);
+        if (r != global_rank()) peers.push_back(r);
       }
       std::vector<std::string> theirs;
-      if (!peers.empty()) {
-        monitor->query_progress(name(), peers, kProgressQueryWait, op.seq, &theirs);
-        msg += difference_note(op, peers, theirs);
-      }
+      monitor->query_progress(name(), peers, kProgressQueryWait, op.seq, &theirs);
+      msg += difference_note(op, peers, theirs);
     }
   }
   return msg;
