@@ -204,7 +204,7 @@ class Runtime {
         if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) break;
         if (stuck_.empty()) stuck_ = why;
       }
-      mark_unclean(why);
+      mark_unclean("an MPI call did not return in time", why);
       throw CommError(why);
     }
     return future.get();
@@ -239,12 +239,16 @@ class Runtime {
     active_.push_back({std::move(requests), std::move(done)});
   }
 
-  // A collective failed or was abandoned: finalising could wait for it forever. The first
-  // reason is printed when the process leaves without MPI_Finalize.
-  void mark_unclean(const std::string& reason) {
+  // A collective failed or was abandoned, or a group lost a rank: finalising could wait for
+  // it forever. The first cause (`because`: what happened, for the exit's line) and its reason
+  // are printed when the process leaves without MPI_Finalize.
+  void mark_unclean(const std::string& because, const std::string& reason) {
     {
       std::lock_guard lock(mu_);
-      if (unclean_reason_.empty()) unclean_reason_ = reason;
+      if (unclean_reason_.empty()) {
+        unclean_because_ = because;
+        unclean_reason_ = reason;
+      }
     }
     unclean_.store(true);
   }
@@ -424,14 +428,19 @@ class Runtime {
         // MPI_Finalize synchronises with every rank, and after a failure some never come.
         // Leave without it: mpirun then ends the job as for a crashed rank. (Not MPI_Abort:
         // two ranks aborting at once can deadlock Open MPI 4.1's mpirun in PMIx_server_finalize.)
+        std::string because = "a collective never completed";
         std::string why;
         {
           std::lock_guard lock(mu_);
-          why = unclean_.load() ? unclean_reason_
-                                : fmt::format("{} MPI request(s) still pending after {} s",
-                                              active_.size(), kExitDrain.count());
+          if (unclean_.load()) {
+            because = unclean_because_;
+            why = unclean_reason_;
+          } else {
+            why = fmt::format("{} MPI request(s) still pending after {} s", active_.size(),
+                              kExitDrain.count());
+          }
         }
-        exit_without_finalize("a collective failed or never completed", why);
+        exit_without_finalize(because.c_str(), why);
       }
       if (owns_mpi_) MPI_Finalize();
       finished.set_value();
@@ -462,6 +471,7 @@ class Runtime {
   std::string init_error_;
   bool owns_mpi_ = false;
   std::atomic<bool> unclean_{false};
+  std::string unclean_because_;  // guarded by mu_
   std::string unclean_reason_;  // guarded by mu_
   std::string stuck_;           // guarded by mu_: why the thread is blocked in MPI for good
 };
@@ -485,7 +495,7 @@ void run_with_deadline(Runtime& rt, const std::function<int(MPI_Request*)>& star
   }
   if (future.wait_until(deadline) != std::future_status::ready) {
     std::string message = fmt::format("mpi: {} timed out; some ranks did not arrive", what);
-    rt.mark_unclean(message);
+    rt.mark_unclean("an MPI call did not complete in time", message);
     throw CommError(message);
   }
   int rc = future.get();
@@ -551,7 +561,9 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   // MPI may still own requests of this communicator: finalising could wait for them forever.
   void on_broken(const std::string& reason) override {
     unclean_.store(true, std::memory_order_release);
-    Runtime::get().mark_unclean(fmt::format("group '{}': {}", name(), reason));
+    Runtime::get().mark_unclean(
+        fmt::format("group '{}' broke (MPI_Finalize could wait for a rank that is gone)", name()),
+        fmt::format("group '{}': {}", name(), reason));
   }
 
   std::shared_ptr<ProcessGroup> split_group(const std::vector<std::vector<int>>& rank_lists,
@@ -629,7 +641,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
   void submit(const std::shared_ptr<CollectiveOp>& op) override {
     auto self = std::static_pointer_cast<MpiProcessGroup>(shared_from_this());
     if (!Runtime::get().post([self, op] { self->start(op); })) {
-      fail_unposted(op, failure_message(*op, Runtime::get().unusable()));
+      fail_unposted(op, local_failure_message(*op, Runtime::get().unusable()));
     }
   }
 
@@ -652,7 +664,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
 
   void fail_mpi(const std::shared_ptr<Slot>& slot, int rc) {
     std::string message = failure_message(*slot->op, mpi_error(rc));
-    Runtime::get().mark_unclean(message);
+    Runtime::get().mark_unclean("a collective failed in MPI", message);
     fail_op(slot->op, message);
     finished(slot, {});
   }
@@ -781,7 +793,7 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     for (const auto& t : op->outputs) largest = std::max(largest, t.numel());
     if (largest > INT_MAX) {
       const std::string what = fmt::format("{} elements exceed MPI's int count limit", largest);
-      fail_unposted(op, failure_message(*op, what));
+      fail_unposted(op, local_failure_message(*op, what));
       finished(slot, {});
       return;
     }

@@ -588,9 +588,14 @@ std::string ProcessGroupBase::loss_text(const PeerLoss& loss, int64_t seq) const
   return loss.describe() + (never_joined ? " before joining" : "");
 }
 
+std::string ProcessGroupBase::local_failure_message(const CollectiveOp& op,
+                                                    const std::string& what) const {
+  return fmt::format("{}: {}: {}", op.work->description(), job_->backend(), what);
+}
+
 std::string ProcessGroupBase::failure_message(const CollectiveOp& op,
                                               const std::string& what) const {
-  std::string msg = fmt::format("{}: {}: {}", op.work->description(), job_->backend(), what);
+  std::string msg = local_failure_message(op, what);
   if (auto* monitor = job_->monitor()) {
     // A dead peer's sockets close at once, so its loss is known within moments of the
     // transport's error; wait briefly so the message can name it.

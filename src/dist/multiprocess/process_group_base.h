@@ -222,6 +222,9 @@ class ProcessGroupBase : public ProcessGroup,
   std::chrono::steady_clock::time_point deadline_of(const CollectiveOp& op) const;
   // Describes a failure for a CommError: "<op description> failed: <what>; <lost peers>".
   std::string failure_message(const CollectiveOp& op, const std::string& what) const;
+  // The same for a failure of this rank's own that no peer explains (a count past MPI's
+  // limit, which every rank finds alike): "<op description>: <backend>: <what>", at once.
+  std::string local_failure_message(const CollectiveOp& op, const std::string& what) const;
   // Collective over this group: dist_detail::agree_on_split for this group's next split.
   // Returns the split's index in this group (0, 1, ... in call order).
   int agree_on_split(const std::vector<std::vector<int>>& rank_lists, const std::string& new_name);

@@ -403,9 +403,20 @@ void scenario_count_limit(funcol::ProcessGroup& world) {
   // so its pages are never allocated.
   std::vector<Tensor> list = {Tensor::full({4}, DType::U8, 1),
                               Tensor::empty({int64_t{1} << 31}, DType::U8)};
+  // Found by every rank alike, at once: not taken for a peer's doing (it waited half a second
+  // for a lost peer, on the communication thread, and named rank 0, which had failed the same
+  // way and left, as "departed before joining").
+  if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto start = Clock::now();
   std::string msg = expect_comm_error(
       [&] { world.all_reduce_coalesced(list, ReduceOp::Sum)->wait(); }, "a count over INT_MAX");
-  expect_contains(msg, "2147483648 elements exceed MPI's int count limit");
+  const double took = seconds_since(start);
+  expect_contains(msg, "all_reduce_coalesced on group 'world' (seq 1): mpi: 2147483648 elements "
+                       "exceed MPI's int count limit");
+  if (msg.find("rank 0") != std::string::npos || msg.find("missing") != std::string::npos) {
+    failed("the count limit blamed a peer: " + msg);
+  }
+  if (took > 0.3) failed(fmt::format("the count limit took {:.2f} s to report", took));
   // A failed collective leaves the group unusable (the job then exits without MPI_Finalize).
   std::string after = expect_comm_error([&] { world.barrier(); }, "a barrier after it");
   expect_contains(after, "unusable after an earlier failure");
