@@ -782,11 +782,13 @@ std::string failure_message(const Work& work, const std::string& fallback) {
 }
 
 UnwaitedFailures UnwaitedFailures::of(int rank, const std::vector<std::shared_ptr<Work>>& failed,
-                                      const std::vector<std::shared_ptr<Work>>& unwaited) {
+                                      const std::vector<std::shared_ptr<Work>>& unwaited,
+                                      bool dropped) {
   auto in = [](const std::vector<std::shared_ptr<Work>>& works, const std::shared_ptr<Work>& w) {
     return std::find(works.begin(), works.end(), w) != works.end();
   };
   UnwaitedFailures failures;
+  failures.dropped_ = dropped;
   // Waiting for the unwaited ones at the rank's end counted their failures seen.
   for (const auto& work : failed) {
     if (in(unwaited, work) || !work->failure_seen(rank)) failures.note(*work);
@@ -803,7 +805,10 @@ void FailureLedger::add(std::shared_ptr<Work> work, int rank) {
   if (std::find(works_.begin(), works_.end(), work) != works_.end()) return;
   if (works_.size() >= kKept) {
     std::erase_if(works_, [&](const std::shared_ptr<Work>& w) { return w->failure_seen(rank); });
-    if (works_.size() >= kKept) return;
+    if (works_.size() >= kKept) {
+      dropped_ = true;
+      return;
+    }
   }
   works_.push_back(std::move(work));
 }
@@ -821,8 +826,9 @@ void FailureLedger::replace(const std::shared_ptr<Work>& instead, std::shared_pt
   add(std::move(work), rank);
 }
 
-std::vector<std::shared_ptr<Work>> FailureLedger::take() {
+std::vector<std::shared_ptr<Work>> FailureLedger::take(bool* dropped) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (dropped != nullptr) *dropped = std::exchange(dropped_, false);
   return std::exchange(works_, {});
 }
 
@@ -833,16 +839,16 @@ void UnwaitedFailures::note(const Work& work) {
 
 void UnwaitedFailures::warn(int rank) const {
   if (count_ == 0) return;
-  if (count_ == 1) {
+  if (count_ == 1 && !dropped_) {
     fmt::print(stderr,
                "funcol: warning: rank {} ended with a collective it had not waited for, which "
                "failed: {}\n",
                rank, first_);
   } else {
     fmt::print(stderr,
-               "funcol: warning: rank {} ended with {} collectives it had not waited for, which "
-               "failed; the first: {}\n",
-               rank, count_, first_);
+               "funcol: warning: rank {} ended with {}{} collectives it had not waited for, "
+               "which failed; the first: {}\n",
+               rank, dropped_ ? "at least " : "", count_, first_);
   }
   std::fflush(stderr);
 }

@@ -297,16 +297,20 @@ class UnwaitedFailures {
   // The failures of `rank`: each of `failed` (a FailureLedger's, in failure order) that the
   // rank never saw or that is in `unwaited` (the Works it left in flight, which its end then
   // waited for), and each failed one of `unwaited` besides.
+  // `dropped`: the ledger was full and kept some failures no more, so the count is a lower bound.
   static UnwaitedFailures of(int rank, const std::vector<std::shared_ptr<Work>>& failed,
-                             const std::vector<std::shared_ptr<Work>>& unwaited);
+                             const std::vector<std::shared_ptr<Work>>& unwaited,
+                             bool dropped = false);
   // Counts `work` when it has failed (a Work not yet finished is not counted).
   void note(const Work& work);
   // On stderr, when any failed: "funcol: warning: rank R ended with a collective it had not
-  // waited for, which failed: MESSAGE" (or "N collectives ...; the first: MESSAGE").
+  // waited for, which failed: MESSAGE" (or "N collectives ...; the first: MESSAGE", "at least
+  // N collectives ..." when some were dropped).
   void warn(int rank) const;
 
  private:
   size_t count_ = 0;
+  bool dropped_ = false;
   std::string first_;
 };
 
@@ -323,12 +327,14 @@ class FailureLedger {
   // Keeps `work` in place of `instead` (a failed Work the rank never got: it got `work`,
   // which says the failure from its side), or adds it when `instead` is not kept.
   void replace(const std::shared_ptr<Work>& instead, std::shared_ptr<Work> work, int rank);
-  // Everything kept, in failure order; empties the ledger.
-  std::vector<std::shared_ptr<Work>> take();
+  // Everything kept, in failure order; empties the ledger. `*dropped`: whether a failure came
+  // when it was full of unseen ones (and was not kept).
+  std::vector<std::shared_ptr<Work>> take(bool* dropped = nullptr);
 
  private:
   std::mutex mu_;  // taken last: nothing is locked under it
   std::vector<std::shared_ptr<Work>> works_;
+  bool dropped_ = false;
 };
 
 // The number in environment variable `name` (blanks may follow it), or nullopt when the

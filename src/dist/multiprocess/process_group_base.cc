@@ -137,9 +137,10 @@ dist_detail::UnwaitedFailures ProcessJob::drain() {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
-  std::vector<std::shared_ptr<Work>> failed = failed_.take();
+  bool dropped = false;
+  std::vector<std::shared_ptr<Work>> failed = failed_.take(&dropped);
   if (leaving_after_error()) return {};
-  return dist_detail::UnwaitedFailures::of(rank_, failed, works);
+  return dist_detail::UnwaitedFailures::of(rank_, failed, works, dropped);
 }
 
 bool ProcessJob::leaving_after_error() const {

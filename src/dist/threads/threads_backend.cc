@@ -2204,7 +2204,9 @@ dist_detail::UnwaitedFailures World::drain(int rank) {
       // Counted below: the rank already finished, and run_local says so.
     }
   }
-  return dist_detail::UnwaitedFailures::of(rank, ranks_[rank]->failed.take(), works);
+  bool dropped = false;
+  std::vector<std::shared_ptr<Work>> failed = ranks_[rank]->failed.take(&dropped);
+  return dist_detail::UnwaitedFailures::of(rank, failed, works, dropped);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -440,6 +440,21 @@ TEST(RunLocalTest, WarnsOfDroppedResultsWhoseCollectiveFailedEarlier) {
         r);
     EXPECT_NE(late.find(line), std::string::npos) << late;
   }
+
+  // More unseen failures than a rank keeps (FailureLedger::kKept): the count is a lower bound,
+  // and says so (it said "64 collectives" for 70).
+  ::testing::internal::CaptureStderr();
+  run_local(2, [](ProcessGroup& world) {
+    if (world.rank() == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    for (int i = 0; i < 70; ++i) {
+      world.all_gather(Tensor::empty({8}, DType::F32), Tensor::full({4}, DType::F32, 1));
+    }
+  });
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+            "funcol: warning: rank 1 ended with at least 64 collectives it had not waited for, "
+            "which failed; the first: all_gather on group 'world' (seq 0): rank 0 departed "
+            "(returned) before joining; missing ranks [0]\n");
 }
 
 // bind_threads pins rank r to the r-th allowed CPU when there are enough of them, leaves the
