@@ -186,19 +186,18 @@ class OptRun {
   }
 
   int write(std::ostream& out, const std::string& result) {
+    // The reason (a directory, a full disk, a closed stdout), as the other tools say it.
+    auto reason = [] { return std::string(errno != 0 ? std::strerror(errno) : "write error"); };
+    errno = 0;
     if (options_.output.empty() || options_.output == "-") {
       out.write(result.data(), static_cast<std::streamsize>(result.size()));
       out.flush();
-      return out ? 0 : fail("cannot write the output");
+      return out ? 0 : fail("cannot write the output: " + reason());
     }
-    errno = 0;
     std::ofstream f(options_.output, std::ios::binary);
     f.write(result.data(), static_cast<std::streamsize>(result.size()));
     f.close();
-    if (f) return 0;
-    // The reason (a directory, a full disk), as run's trace file and the other tools say it.
-    return fail("cannot write " + options_.output + ": " +
-                (errno != 0 ? std::strerror(errno) : "write error"));
+    return f ? 0 : fail("cannot write " + options_.output + ": " + reason());
   }
 };
 
