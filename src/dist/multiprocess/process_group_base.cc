@@ -705,8 +705,8 @@ std::string ProcessGroupBase::timeout_message(const CollectiveOp& op) {
   for (const auto& l : losses) msg += "; " + l;
   if (!silent.empty()) msg += silent_note(silent, kProgressQueryWait);
   if (missing.empty()) {
-    // What this rank and the peers that answered issued (a departed one does not answer),
-    // compared as FUNCOL_DEBUG=detail would have compared them.
+    // What this rank and the peers that answered issued (a departed one answers from its
+    // goodbye), compared as FUNCOL_DEBUG=detail would have compared them.
     const std::string difference = difference_note(op, peers, theirs);
     msg += difference.empty()
                ? fmt::format("; every rank issued it but {} did not complete it", job_->backend())
