@@ -2404,7 +2404,17 @@ std::shared_ptr<LaneWork> World::lane_issue(SharedGroup& group, int member, uint
       } else if (departures_.load(std::memory_order_acquire) > 0) {
         const std::vector<int> missing = missing_ranks(group, bit);
         const int departed = first_departed(missing);
-        if (departed >= 0) failure = departed_message(work->description(), departed, missing);
+        if (departed >= 0) {
+          // A member that gave up on `seq` before it departed left the first error for it,
+          // which every member reads (it said "departed before joining" of a member that came
+          // to `seq` and timed out behind the same earlier collective as this one).
+          std::lock_guard<SpinMutex> lock(group.mu);
+          auto it = std::find_if(group.lane_absences.begin(), group.lane_absences.end(),
+                                 [&](const SharedGroup::LaneAbsence& a) { return a.seq == seq; });
+          failure = it != group.lane_absences.end()
+                        ? it->message
+                        : departed_message(work->description(), departed, missing);
+        }
         departure = departed >= 0;
       }
       if (!failure.empty()) {
