@@ -18,7 +18,9 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <string>
 #include <unordered_set>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -122,11 +124,44 @@ void check_held_memory(const Graph& graph, const RunOptions& o) {
         "for {}",
         graph.name(), inputs, where));
   }
-  if (fits_in_memory(ranks_here, inputs + outputs)) return;
+  if (!fits_in_memory(ranks_here, inputs + outputs)) {
+    throw InvalidArgument(fmt::format(
+        "graph @{}'s inputs and outputs take {:.0f} bytes per rank ({:.0f} of inputs, {:.0f} of "
+        "outputs, all held when the graph ends): more than this machine's memory holds for {}",
+        graph.name(), inputs + outputs, inputs, outputs, where));
+  }
+  // While a node runs its result exists beside the inputs: the largest result the run surely
+  // allocates (of a node it runs: one an output or a collective depends on; no view or wait,
+  // which share their operand's storage) and the inputs are a floor of its peak. Beyond memory
+  // it was an out-of-memory kill (an 8 GiB all_reduce of an 8 GiB input, 2 ranks, 23 GiB).
+  std::unordered_set<const Node*> live;  // looked up only
+  for (const Value* v : graph.outputs()) {
+    if (!v->is_input()) live.insert(v->node());
+  }
+  std::vector<const Node*> order;
+  for (const Node& n : graph.nodes()) order.push_back(&n);
+  const Value* largest = nullptr;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const Node& n = **it;
+    if (!n.op().has_side_effect && live.count(&n) == 0) continue;
+    for (const Value* operand : n.operands()) {
+      if (!operand->is_input()) live.insert(operand->node());
+    }
+    if (n.op().is_view || n.op().collective == CollectiveKind::Wait) continue;
+    for (size_t r = 0; r < n.num_results(); ++r) {
+      const Value* v = n.result(r);
+      if (largest == nullptr || v->type().nbytes() > largest->type().nbytes()) largest = v;
+    }
+  }
+  if (largest == nullptr) return;
+  const double value = static_cast<double>(largest->type().nbytes());
+  if (fits_in_memory(ranks_here, inputs + value)) return;
   throw InvalidArgument(fmt::format(
-      "graph @{}'s inputs and outputs take {:.0f} bytes per rank ({:.0f} of inputs, {:.0f} of "
-      "outputs, all held when the graph ends): more than this machine's memory holds for {}",
-      graph.name(), inputs + outputs, inputs, outputs, where));
+      "graph @{}'s inputs and its value {} ({}) take {:.0f} bytes per rank ({:.0f} of inputs, "
+      "{:.0f} for {}, which exists beside them while the graph runs): more than this machine's "
+      "memory holds for {}",
+      graph.name(), largest->ref(), largest->type().str(), inputs + value, inputs, value,
+      largest->ref(), where));
 }
 
 // A digest reads every element of an output, a view of a few bytes expanded to 2^62 too: an
