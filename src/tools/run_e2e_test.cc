@@ -1150,8 +1150,9 @@ class MemoryCgroup {
 };
 
 // In a container whose memory limit is below the machine's, the memory guards use the limit:
-// a graph's inputs, a tensor made while it runs, `bench` buffers and a `train` model larger than
-// it are errors, not an out-of-memory kill (exit 137) while they are written.
+// a graph's inputs, a value it makes (refused before the run: it said "node %z: out of memory"
+// once the run allocated it), `bench` buffers and a `train` model larger than it are errors,
+// not an out-of-memory kill (exit 137) while they are written.
 TEST_F(RunE2E, MemoryGuardsHonourTheContainersLimit) {
   const MemoryCgroup cgroup("300M");
   if (!cgroup.ok()) GTEST_SKIP() << "cannot make a memory cgroup here (needs root and cgroupfs)";
@@ -1165,7 +1166,9 @@ TEST_F(RunE2E, MemoryGuardsHonourTheContainersLimit) {
   const std::string bin = std::string(FUNCOL_BIN);
   const std::vector<std::pair<std::string, std::string>> cases = {
       {bin + " run " + made + " --ranks 1",
-       "node %z: out of memory: cannot allocate 1073741824 bytes"},
+       "graph @g's inputs and its value %z (u8[1073741824]) take 1073741824 bytes per rank (0 of "
+       "inputs, 1073741824 for %z, which exists beside them while the graph runs): more than "
+       "this machine's memory holds for 1 rank in this process"},
       {bin + " run " + inputs + " --ranks 1",
        "graph @g's inputs take 1073741824 bytes per rank: more than this machine's memory"},
       {bin + " bench -b 1G -e 1G -n 1 -w 0 -c 0 -o all_reduce --ranks 1",

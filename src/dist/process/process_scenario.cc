@@ -439,6 +439,9 @@ void scenario_refused_then_departure(funcol::ProcessGroup& world) {
     expect_contains(msg, "exceed MPI's int count limit");
     std::string after = expect_comm_error([&] { world.barrier(); }, "a barrier after it");
     expect_contains(after, "unusable after an earlier failure");
+    // The other rank issues its collective first (the refusal is immediate: its departure
+    // could come before that issue, which then fails as issued on a group known unusable).
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
     funcol::set_departure_error("RuntimeError: rank 0's own error");
     funcol::destroy_process_group();
     ok("left");
