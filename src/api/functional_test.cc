@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "testing/error_of.h"
+#include "testing/poll.h"
 
 namespace funcol {
 namespace {
@@ -29,6 +30,7 @@ using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 using testing::error_of;
+using testing::poll_until_ready;
 
 // f32 tensor whose element k (row-major) is base + k.
 Tensor iota(const Shape& shape, float base = 0) {
@@ -1828,16 +1830,12 @@ TEST(Waits, ConcurrentReadersOfALazyGather) {
 TEST(Waits, PollingALazyGatherCompletesIt) {
   run_local(2, [](ProcessGroup& world) {
     Tensor lazy = all_gather_tensor(iota({2, 2}, static_cast<float>(10 * world.rank())), 1, world);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (!lazy.is_ready() && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::yield();
-    }
+    poll_until_ready(lazy, std::chrono::seconds(30));
     ASSERT_TRUE(lazy.is_ready());
     EXPECT_EQ(lazy.storage()->pending_count(), 1u);  // completed but not yet detached
     EXPECT_EQ(lazy.to_vector<float>(), (std::vector<float>{0, 1, 10, 11, 2, 3, 12, 13}));
   });
 }
-
 
 // A lazy gather whose collective failed counts its failure seen only when a wait (or data
 // access) throws it: a rank that only polled the result and dropped it is warned at its end,
@@ -1850,10 +1848,7 @@ TEST(Waits, ALazyGathersFailureCountsSeenWhenThrown) {
     run_local(2, [&](ProcessGroup& world) {
       if (world.rank() == 1) return;  // departs: rank 0's gather fails at once
       Tensor lazy = all_gather_tensor(iota({2, 2}, 0.0f), 1, world);
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-      while (!lazy.is_ready() && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::yield();
-      }
+      poll_until_ready(lazy, std::chrono::seconds(30));
       ASSERT_TRUE(lazy.is_ready());
       if (read) {
         EXPECT_THAT(error_of<CommError>([&] { lazy.to_vector<float>(); }),

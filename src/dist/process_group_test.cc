@@ -15,12 +15,14 @@
 #include "funcol/dist/device_mesh.h"
 #include "testing/conformance.h"
 #include "testing/forwarding_group.h"
+#include "testing/poll.h"
 #include "testing/run_ranks.h"
 
 namespace funcol {
 namespace {
 
 using testing::ForwardingGroup;
+using testing::poll_until_ready;
 using testing::run_ranks;
 
 // Expects `fn` to throw E with a message containing every piece.
@@ -71,14 +73,6 @@ TEST(BaseCoalescedTest, DroppedAndUnwaitedResultsAreSafe) {
 // staging Work finished only in wait(), so a loop on is_ready() spun for ever (a review's
 // finding; mpi and gloo use the defaults for all_reduce_coalesced_into).
 TEST(BaseCoalescedTest, PollingAStagedResultSeesItEnd) {
-  using Clock = std::chrono::steady_clock;
-  auto poll_until_ready = [](const Tensor& t) {
-    const auto start = Clock::now();
-    while (!t.is_ready() && Clock::now() - start < std::chrono::seconds(10)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  };
   enum Form { kAllReduce, kAllReduceInto, kAllGather, kReduceScatter };
   for (const Form form : {kAllReduce, kAllReduceInto, kAllGather, kReduceScatter}) {
     SCOPED_TRACE(form);
@@ -116,7 +110,7 @@ TEST(BaseCoalescedTest, PollingAStagedResultSeesItEnd) {
                 expected.assign(2, 3.0f);
                 break;
             }
-            const double took = poll_until_ready(out);
+            const double took = poll_until_ready(out, std::chrono::seconds(10));
             if (r == 0) polled = took;
             try {
               EXPECT_EQ(out.to_vector<float>(), expected);
@@ -153,10 +147,7 @@ TEST(BaseCoalescedTest, AStagedResultsFailureCountsSeenWhenItsWaitThrowsIt) {
       if (waited) {
         EXPECT_THROW(ts[1].to_vector<int32_t>(), CommError);
       } else {
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (!ts[0].is_ready() && std::chrono::steady_clock::now() < deadline) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }
+        poll_until_ready(ts[0], std::chrono::seconds(10));
         EXPECT_TRUE(ts[0].is_ready());
       }
     });

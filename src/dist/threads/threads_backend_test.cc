@@ -23,12 +23,14 @@
 #include "funcol/dist/process_group.h"
 #include "dist/threads/threads_backend.h"
 #include "testing/conformance.h"
+#include "testing/poll.h"
 #include "testing/run_ranks.h"
 
 namespace funcol {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using testing::poll_until_ready;
 using testing::run_ranks;
 
 // Sets an environment variable for a scope, then puts back what was there.
@@ -2279,11 +2281,7 @@ TEST(FailureTest, PollingAResultSeesItsTimeout) {
             comm_error([&] { w->wait(); });
             return;
           }
-          const auto start = Clock::now();
-          while (!t.is_ready() && seconds_since(start) < 5) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          }
-          polled = seconds_since(start);
+          polled = poll_until_ready(t, std::chrono::seconds(5));
           message = comm_error([&] { w->wait(); });
           gave_up = true;
         },
