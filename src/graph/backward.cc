@@ -1,6 +1,7 @@
 // Reverse-mode differentiation over the op table's gradient rules (see backward.h).
 #include "funcol/graph/backward.h"
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -23,23 +24,21 @@ std::string unreached_message(const Value* v) {
       v->ref());
 }
 
-// Throws when a floating `wrt` value the loss depends on got no gradient, every path from it to
-// the loss passing an op with no gradient (a bit reinterpretation, a cast to an integer dtype),
-// and either no `wrt` value got one (PyTorch raises there too: the loss "does not require
-// grad") or a path stops at a view_dtype of a floating value. Names the first op on such a
-// path where the gradient stops: a result with a gradient over an operand without one, or a
-// floating operand cast to a non-floating result. `order[0, end)` are the nodes up to the
-// loss's; `grads` holds every gradient built.
+// Throws when a path from a floating `wrt` value to the loss stops at a view_dtype of a floating
+// value, whether or not the value has a gradient through another path: a bit reinterpretation is
+// how a pass packs buffers (bucket-all-gather's multidtype mode), not a user's way to stop a
+// gradient, so the gradient lost there (all of it, or the part that path carries) would be
+// silently wrong. Also throws, as PyTorch's backward does (the loss "does not require grad"),
+// when no `wrt` value got a gradient although the loss depends on a floating one, naming the
+// first op on its path where the gradient stops: a result with a gradient over an operand
+// without one, or a floating operand cast to a non-floating result. Otherwise the values whose
+// paths all stop at such casts get none (zeros), as PyTorch leaves their .grad None.
+// `order[0, end)` are the nodes up to the loss's; `grads` holds every gradient built.
 void check_reached_differentiably(const std::vector<Node*>& order, size_t end, const Value* loss,
                                   std::span<Value* const> wrt, const std::vector<Value*>& out,
                                   const std::unordered_map<const Value*, Value*>& grads) {
-  // As PyTorch's backward: an error when the loss has no gradient path to any of `wrt` ("does
-  // not require grad"); otherwise the values whose paths all stop get none (zeros), as PyTorch
-  // leaves their .grad None. Except where a path stops at a view_dtype of a floating value: a
-  // bit reinterpretation is how a pass packs buffers (bucket-all-gather's multidtype mode), not
-  // a user's way to stop a gradient, so a zero there would be silently wrong.
   bool any_with = false;
-  bool any_without = false;  // a floating input without a gradient: the only case to look at
+  bool any_without = false;  // a floating input without a gradient
   for (size_t i = 0; i < wrt.size(); ++i) {
     if (out[i]) {
       any_with = true;
@@ -47,7 +46,14 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
       any_without |= is_floating(wrt[i]->dtype()) && wrt[i] != loss;
     }
   }
-  if (!any_without) return;
+  const auto reinterprets = [](const Node* n) {
+    return n->op_name() == "view_dtype" && is_floating(n->operand(0)->dtype());
+  };
+  if (any_with ? std::none_of(order.begin(), order.begin() + static_cast<ptrdiff_t>(end),
+                              reinterprets)
+               : !any_without) {
+    return;
+  }
   // What the loss depends on, any dtype (a coalesced op's result i depends on operand i alone).
   std::unordered_set<const Value*> ancestors{loss};
   for (size_t k = end; k-- > 0;) {
@@ -62,30 +68,37 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
       }
     }
   }
-  // The floating inputs that the loss depends on but that got no gradient (an input with no
-  // elements has no gradient to lose).
+  // The floating inputs that the loss depends on (an input with no elements has no gradient to
+  // lose): with no gradient anywhere, the first one, whose path says where the gradient stops;
+  // else all of them, whose paths are followed to any view_dtype.
   std::vector<const Value*> seeds;
+  std::unordered_set<const Value*> with_gradient;  // the seeds that got one; looked up only
   for (size_t i = 0; i < wrt.size(); ++i) {
     const Value* v = wrt[i];
-    if (out[i] || !is_floating(v->dtype()) || !ancestors.count(v) || v == loss) continue;
+    if (!is_floating(v->dtype()) || !ancestors.count(v) || v == loss) continue;
     if (v->type().numel() == 0) continue;
     seeds.push_back(v);
-    if (!any_with) break;  // the first one is named; its path says where the gradient stops
+    if (out[i]) with_gradient.insert(v);
+    if (!any_with) break;
   }
   // Follows the seeds' paths forward in one pass (a pass per input was quadratic: 16,000
   // inputs that reach the loss through casts to i32 took 18.5 s), each reached value
-  // remembering the seed it came from. Every stop is an error when no input got a gradient,
-  // else only a floating view_dtype (the others get zeros).
+  // remembering the seed it came from. With no gradient anywhere, the paths are those without
+  // gradients and every stop is an error; else the paths through floating values (those a
+  // gradient can take), and only a floating view_dtype is.
   std::unordered_map<const Value*, const Value*> reached;  // value -> its seed; looked up only
   for (const Value* v : seeds) reached.emplace(v, v);
   for (size_t k = 0; k < end && !seeds.empty(); ++k) {
     const Node* n = order[k];
     const bool per_operand = n->op().results == ResultArity::PerOperand;
     for (size_t j = 0; j < n->num_results(); ++j) {
-      const Value* from = nullptr;  // a reached operand of result j without a gradient
+      const Value* from = nullptr;  // a reached operand of result j
       for (size_t o = 0; o < n->num_operands(); ++o) {
         const Value* x = n->operand(o);
-        if ((per_operand && o != j) || !reached.count(x) || grads.count(x)) continue;
+        if ((per_operand && o != j) || !reached.count(x) ||
+            (any_with ? !is_floating(x->dtype()) : grads.count(x) != 0)) {
+          continue;
+        }
         if (!from || is_floating(x->dtype())) from = x;
       }
       if (!from) continue;
@@ -98,12 +111,19 @@ void check_reached_differentiably(const std::vector<Node*>& order, size_t end, c
       const bool reinterpreted = n->op_name() == "view_dtype" && is_floating(from->dtype());
       if (any_with && !reinterpreted) continue;  // zeros, as PyTorch
       detail::throw_grad_error(*n, [&](const std::string& where) {
-        return fmt::format("{}: it stops at {} of {} to {} ({}){}", unreached_message(seed),
-                           n->op_name(), dtype_name(from->dtype()), dtype_name(r->dtype()), where,
-                           n->op_name() == "view_dtype"
-                               ? "; bucket-all-gather{mode=multidtype} packs bytes this way: "
-                                 "run autodiff before it"
-                               : "");
+        const std::string stop = fmt::format("{} of {} to {} ({})", n->op_name(),
+                                             dtype_name(from->dtype()), dtype_name(r->dtype()),
+                                             where);
+        const std::string packing =
+            reinterpreted ? "; bucket-all-gather{mode=multidtype} packs bytes this way: run "
+                            "autodiff before it"
+                          : "";
+        if (with_gradient.count(seed)) {
+          return fmt::format("autodiff: a path from {} to the loss stops at {}, so the part of "
+                             "its gradient that path carries would be lost{}",
+                             seed->ref(), stop, packing);
+        }
+        return fmt::format("{}: it stops at {}{}", unreached_message(seed), stop, packing);
       });
     }
   }

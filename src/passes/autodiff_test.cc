@@ -186,7 +186,9 @@ TEST(Autodiff, ConvertElementTypeGradientGoesBackToTheInputDtype) {
 
 // view_dtype has no gradient. An input that reaches the loss only through one would get a
 // silently wrong zero gradient: that is an error naming where the gradient stops (PyTorch: the
-// loss "does not require grad"); a path around it still gives that path's gradient.
+// loss "does not require grad"). So is one that reaches it through one and around it: the part
+// of its gradient that path carries would be lost as silently (it used to get only the other
+// path's).
 TEST(Autodiff, ViewDtypeStopsTheGradient) {
   std::unique_ptr<Graph> only = parse_graph(R"(graph @g(%x: f32[4]) {
     %v = view_dtype(%x) {dtype = i32}
@@ -219,7 +221,28 @@ TEST(Autodiff, ViewDtypeStopsTheGradient) {
     %l = sum(%s)
     return %l
   })");
-  const Graph joint = build_joint_graph(*around, {0});
+  try {
+    (void)build_joint_graph(*around, {0});
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(),
+                 "autodiff: a path from %x to the loss stops at view_dtype of f32 to i32 (node "
+                 "%v at <input>:2:5), so the part of its gradient that path carries would be "
+                 "lost; bucket-all-gather{mode=multidtype} packs bytes this way: run autodiff "
+                 "before it");
+  }
+  // A path that carries no gradient before its view_dtype (through a cast to an integer) loses
+  // nothing: %x gets its direct path's gradient.
+  std::unique_ptr<Graph> compared = parse_graph(R"(graph @g(%x: f32[4]) {
+    %b = convert_element_type(%x) {dtype = i32}
+    %bf = convert_element_type(%b) {dtype = f32}
+    %v = view_dtype(%bf) {dtype = i32}
+    %f = view_dtype(%v) {dtype = f32}
+    %s = add(%f, %x)
+    %l = sum(%s)
+    return %l
+  })");
+  const Graph joint = build_joint_graph(*compared, {0});
   EXPECT_EQ(joint.outputs()[1]->type().str(), "f32[4]");
   EXPECT_NE(joint.outputs()[1]->node()->op_name(), "zeros");
 
