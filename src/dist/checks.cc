@@ -846,9 +846,9 @@ void UnwaitedFailures::warn(int rank) const {
                rank, first_);
   } else {
     fmt::print(stderr,
-               "funcol: warning: rank {} ended with {}{} collectives it had not waited for, "
+               "funcol: warning: rank {} ended with {}{} collective{} it had not waited for, "
                "which failed; the first: {}\n",
-               rank, dropped_ ? "at least " : "", count_, first_);
+               rank, dropped_ ? "at least " : "", count_, count_ == 1 ? "" : "s", first_);
   }
   std::fflush(stderr);
 }

@@ -66,6 +66,9 @@ void Work::wait() {
     while (!done_.load(std::memory_order_acquire) && backoff.step()) {
     }
     if (!done_.load(std::memory_order_acquire)) {
+      // This thread rethrows a failure once it wakes: it counts as seen now, or a rank ending
+      // meanwhile (destroy_process_group on another thread) warned of it as never seen.
+      set_failure_seen();
       Sleep& s = sleep_state();
       std::unique_lock<std::mutex> lock(s.mu);
       ++sleepers_;

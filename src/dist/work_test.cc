@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <thread>
 #include <vector>
@@ -118,6 +119,29 @@ TEST(WorkTest, FailRethrowsInEveryWaiter) {
   EXPECT_TRUE(w.failed());
   EXPECT_NE(w.exception(), nullptr);
   EXPECT_THROW(w.wait(), CommError);
+}
+
+// A thread asleep in wait() rethrows the failure once it wakes: the failure counts as seen as
+// soon as it sleeps, so a rank that ends meanwhile (destroy_process_group on another thread)
+// does not warn of it as never seen. It used to count only once the thread woke.
+TEST(WorkTest, AWaiterAsleepCountsTheFailureSeen) {
+  Work w("asleep");
+  std::thread waiter([&] { EXPECT_THROW(w.wait(), CommError); });
+  bool seen = false;
+  for (int i = 0; i < 500 && !seen; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    seen = w.failure_seen(0);
+  }
+  EXPECT_TRUE(seen) << "the waiter never counted as seeing the failure";
+  w.fail(std::make_exception_ptr(CommError("peer died")));
+  EXPECT_TRUE(w.failure_seen(0));
+  waiter.join();
+  // Nobody waits: unseen until a wait throws it.
+  Work alone("alone");
+  alone.fail(std::make_exception_ptr(CommError("peer died")));
+  EXPECT_FALSE(alone.failure_seen(0));
+  EXPECT_THROW(alone.wait(), CommError);
+  EXPECT_TRUE(alone.failure_seen(0));
 }
 
 TEST(WorkTest, FinishingTwiceIsABug) {
