@@ -310,7 +310,6 @@ int run_threads(const Options& o) {
 // This process is one rank of an mpi or gloo job: join the world, run every case, leave.
 // Rank 0 prints the table and returns the run's status; a failing rank prints its error.
 int run_in_job(Options o) {
-  funcol::tools::follow_launcher();
   std::shared_ptr<funcol::ProcessGroup> world;
   try {
     world = funcol::init_process_group(o.backend);

@@ -705,7 +705,9 @@ void validate(const BenchOptions& o) {
     throw InvalidArgument(fmt::format("-c/--check must not be negative, got {}", o.check));
   }
   if (o.ops.empty()) throw InvalidArgument("no op to run");
-  if (o.root < 0 || o.root >= o.ranks) {
+  // Only broadcast has a root (nccl-tests: -r serves rooted ops); the others ignore it.
+  const bool rooted = std::find(o.ops.begin(), o.ops.end(), BenchOp::Broadcast) != o.ops.end();
+  if (rooted && (o.root < 0 || o.root >= o.ranks)) {
     throw InvalidArgument(fmt::format("--root {} is out of range for {} ranks (0 to {})", o.root,
                                       o.ranks, o.ranks - 1));
   }
@@ -1173,7 +1175,6 @@ void finish_report(BenchReport& report) {
 // This process is one rank of an mpi or gloo job: join the world, run, leave. Rank 0 measures
 // the memcpy reference (its peers wait in their first collective) and prints everything.
 BenchReport run_process_rank(const BenchOptions& o, std::FILE* out) {
-  follow_launcher();
   std::shared_ptr<ProcessGroup> world = init_process_group(o.backend, o.join);
   const int rank = world->rank();
   BenchReport report;

@@ -519,6 +519,10 @@ TEST(BenchRun, ValidateRejectsRunsThatCannotWork) {
   bad = o;
   bad.root = 2;
   EXPECT_THROW(validate(bad), InvalidArgument);
+  bad.ops = {BenchOp::AllReduce, BenchOp::AllToAll};  // no root involved: ignored, as nccl-tests
+  EXPECT_NO_THROW(validate(bad));
+  bad.ops = {BenchOp::AllReduce, BenchOp::Broadcast};
+  EXPECT_THROW(validate(bad), InvalidArgument);
   bad = o;
   bad.redop = ReduceOp::BXor;
   EXPECT_THROW(validate(bad), InvalidArgument);

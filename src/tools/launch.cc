@@ -6,7 +6,6 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -39,11 +38,10 @@ namespace funcol::tools {
 
 namespace {
 
-// The variable a launcher passes to the ranks it starts (gloo); RANK/WORLD_SIZE/FUNCOL_STORE
-// are the gloo backend's own (DESIGN §3).
-constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
-// The launcher of an mpirun job: its ranks are mpirun's children, not the launcher's.
-constexpr const char* kMpiLauncherPidVar = "FUNCOL_MPI_LAUNCHER_PID";
+// What a launcher passes to the ranks it starts, besides the gloo backend's own
+// RANK/WORLD_SIZE/FUNCOL_STORE (DESIGN §3): its pid, which a rank follows (follow_launcher).
+using process::kLauncherPidVar;
+using process::kMpiLauncherPidVar;
 // For the ranks of an mpirun job that funcol started: the job's temporary directory, where a
 // rank that fails leaves a file named kRankFailedPrefix + its pid (note_rank_exit), so the
 // launcher can tell an mpirun that ended the job before any rank said why.
@@ -145,8 +143,7 @@ bool a_rank_reported_failure(const std::string& dir) {
 // The launcher's exit status after a signal stopped the job: 128 + the signal, as a shell's.
 int interrupted(std::FILE* err) {
   const int sig = InterruptScope::signal();
-  std::fprintf(err, "funcol: error: interrupted by signal %d (%s); stopped every rank\n", sig,
-               strsignal(sig));
+  std::fputs(interrupted_message(sig).c_str(), err);
   return 128 + sig;
 }
 
@@ -594,7 +591,6 @@ std::string handled_error_text() {
 void leave_job_with(const std::string& backend, const InitOptions& join,
                     const std::string& why) noexcept {
   try {
-    follow_launcher();
     std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
     set_departure_error(why);
     world.reset();
@@ -763,33 +759,6 @@ bool inside_job(const std::string& backend) {
   return std::getenv("RANK") != nullptr && std::getenv("WORLD_SIZE") != nullptr;
 }
 
-// A rank of an mpirun job that `funcol` started: mpirun survives a launcher killed with
-// SIGKILL (it cannot be told), so each rank watches the launcher and exits when it is gone;
-// mpirun then stops the job as for a crashed rank.
-void watch_mpi_launcher(pid_t launcher) {
-  const int fd = static_cast<int>(syscall(SYS_pidfd_open, launcher, 0));
-  if (fd < 0) {
-    if (errno == ESRCH) _exit(1);  // gone already
-    return;                        // no pidfd (an old kernel): not watched
-  }
-  std::thread([fd] {
-    pollfd p{fd, POLLIN, 0};
-    while (poll(&p, 1, -1) < 0 && errno == EINTR) {
-    }
-    std::fputs("funcol: error: the launcher of this mpirun job died; stopping this rank\n",
-               stderr);
-    _exit(1);
-  }).detach();
-}
-
-void follow_launcher() {
-  if (const char* launcher = std::getenv(kLauncherPidVar)) {
-    die_with_launcher(static_cast<pid_t>(std::atol(launcher)));
-  } else if (const char* mpi_launcher = std::getenv(kMpiLauncherPidVar)) {
-    watch_mpi_launcher(static_cast<pid_t>(std::atol(mpi_launcher)));
-  }
-}
-
 void note_rank_exit(int status) {
   const char* dir = std::getenv(kMpiJobDirVar);
   // Only a rank of that job: mpirun set its rank, the launcher its directory.
@@ -832,7 +801,6 @@ int launch_job(const JobOptions& o, std::FILE* err) {
 
 int run_as_rank(const std::string& backend, int ranks, const InitOptions& join, std::FILE* err,
                 const std::function<void(ProcessGroup& world)>& body) {
-  follow_launcher();
   std::shared_ptr<ProcessGroup> world = init_process_group(backend, join);
   const int rank = world->rank();
   int status = 0;

@@ -106,10 +106,6 @@ int resolve_ranks(const std::string& backend, const InitOptions& join, std::opti
 // world size. Environment values that are not integers are errors naming the variable.
 void check_job_options(const std::string& backend, const InitOptions& join, int ranks);
 
-// For a rank process: when launch_job started it, die with that launcher, so a killed launcher
-// leaves no orphan ranks. Does nothing in a job started otherwise (a user's own mpirun).
-void follow_launcher();
-
 // How to start a job.
 struct JobOptions {
   std::string backend;                  // "mpi" or "gloo"
@@ -153,6 +149,8 @@ class TraceFile {
   TraceFile& operator=(const TraceFile&) = delete;
   // The run succeeded: the file stays.
   void keep() { kept_ = true; }
+  // The file when the check created it (a failed run removes it), else "".
+  std::string created() const { return created_ ? path_ : std::string(); }
 
  private:
   std::string path_;

@@ -33,6 +33,7 @@
 #include "funcol/runtime/profile.h"
 #include "tools/commands.h"
 #include "tools/launch.h"
+#include "tools/spawn.h"
 
 namespace funcol::tools {
 
@@ -130,23 +131,12 @@ void check_held_memory(const Graph& graph, const RunOptions& o) {
         "outputs, all held when the graph ends): more than this machine's memory holds for {}",
         graph.name(), inputs + outputs, inputs, outputs, where));
   }
-  // While a node runs its result exists beside the inputs: the largest result the run surely
-  // allocates (of a node it runs: one an output or a collective depends on; no view or wait,
-  // which share their operand's storage) and the inputs are a floor of its peak. Beyond memory
-  // it was an out-of-memory kill (an 8 GiB all_reduce of an 8 GiB input, 2 ranks, 23 GiB).
-  std::unordered_set<const Node*> live;  // looked up only
-  for (const Value* v : graph.outputs()) {
-    if (!v->is_input()) live.insert(v->node());
-  }
-  std::vector<const Node*> order;
-  for (const Node& n : graph.nodes()) order.push_back(&n);
+  // While a node runs its result exists beside the inputs: the largest result the run allocates
+  // (the executor runs every node, even one nothing uses; a view or a wait shares its operand's
+  // storage) and the inputs are a floor of its peak. Beyond memory it was an out-of-memory kill
+  // (an 8 GiB all_reduce of an 8 GiB input, 2 ranks, 23 GiB).
   const Value* largest = nullptr;
-  for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    const Node& n = **it;
-    if (!n.op().has_side_effect && live.count(&n) == 0) continue;
-    for (const Value* operand : n.operands()) {
-      if (!operand->is_input()) live.insert(operand->node());
-    }
+  for (const Node& n : graph.nodes()) {
     if (n.op().is_view || n.op().collective == CollectiveKind::Wait) continue;
     for (size_t r = 0; r < n.num_results(); ++r) {
       const Value* v = n.result(r);
@@ -300,6 +290,7 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
 
 int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
   TraceFile trace(o.trace);
+  InterruptScope interrupt(InterruptScope::ExitAtOnce{trace.created()});
   std::vector<RankReport> reports(static_cast<size_t>(o.ranks));
   run_local(o.ranks, [&](ProcessGroup& world) { reports[world.rank()] = run_rank(p, o, world); });
   print_reports(p, o, reports, out);

@@ -7,12 +7,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -618,6 +620,38 @@ TEST_F(RunE2E, GlooLauncherStoppedBySignalLeavesNothingBehind) {
   for (pid_t r : ranks) EXPECT_TRUE(eventually([&] { return !alive(r); }, 30)) << r;
   EXPECT_TRUE(std::filesystem::is_empty(tmp));
   EXPECT_NE(slurp(s.stderr_path).find("interrupted by signal 15"), std::string::npos);
+}
+
+// The threads backend's ranks are this process's threads: a SIGINT or SIGTERM ends the run as
+// the launchers end theirs (saying so, exit status 128 + the signal) and removes the trace file
+// the run created. It used to die of the signal silently, leaving the trace file empty.
+TEST_F(RunE2E, ThreadsRunStoppedBySignalSaysSoAndLeavesNoTrace) {
+  const std::string file = write("g.ir", kGraph);
+  for (int sig : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(sig);
+    const std::string trace = dir_.path() + "/t.json";
+    SpawnOptions s;
+    s.argv = {FUNCOL_BIN, "run",     file,      "--ranks", "4",  "--mesh",
+              "dp=2,tp=2", "--iters", "100000000", "--trace", trace};
+    s.stdout_path = dir_.path() + "/stdout";
+    s.stderr_path = dir_.path() + "/stderr";
+    const pid_t run = spawn_process(s);
+    // The trace file exists once its check ran, just before the ranks start.
+    ASSERT_TRUE(eventually([&] { return std::filesystem::exists(trace); }, 30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    kill(run, sig);
+    const std::optional<ExitStatus> st = wait_within(run, 30);
+    ASSERT_TRUE(st);
+    EXPECT_FALSE(st->signaled);
+    EXPECT_EQ(st->code, 128 + sig);
+    EXPECT_FALSE(std::filesystem::exists(trace));
+    EXPECT_NE(slurp(s.stderr_path)
+                  .find(fmt::format("funcol: error: interrupted by signal {} ({}); stopped every "
+                                    "rank\n",
+                                    sig, strsignal(sig))),
+              std::string::npos)
+        << slurp(s.stderr_path);
+  }
 }
 
 // A launcher killed with SIGKILL cannot remove its temporary directory; the next launcher on

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -32,6 +31,34 @@ struct sigaction g_previous[3];
 
 extern "C" void record_interrupt(int sig) {
   if (g_interrupt == 0) g_interrupt = sig;
+}
+
+// For InterruptScope(ExitAtOnce): what to remove, and what to say for each signal (made before,
+// as a handler may call only async-signal-safe functions).
+char g_remove_on_exit[4096];
+char g_exit_messages[std::size(kInterruptSignals)][128];
+
+extern "C" void exit_on_interrupt(int sig) {
+  if (g_remove_on_exit[0] != '\0') ::unlink(g_remove_on_exit);
+  for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
+    if (kInterruptSignals[i] != sig) continue;
+    [[maybe_unused]] const ssize_t n =
+        ::write(STDERR_FILENO, g_exit_messages[i], std::strlen(g_exit_messages[i]));
+  }
+  ::_exit(128 + sig);
+}
+
+// Handles every interrupt signal this process does not ignore with `handler`, saving the
+// previous actions in g_previous.
+void handle_interrupts(void (*handler)(int)) {
+  struct sigaction sa {};
+  sa.sa_handler = handler;
+  sigemptyset(&sa.sa_mask);
+  for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
+    sigaction(kInterruptSignals[i], nullptr, &g_previous[i]);
+    if (g_previous[i].sa_handler == SIG_IGN) continue;  // nohup's SIGHUP, say: stays ignored
+    sigaction(kInterruptSignals[i], &sa, nullptr);
+  }
 }
 
 std::string errno_text(int err) { return std::strerror(err); }
@@ -209,14 +236,23 @@ bool any_failed(const std::vector<pid_t>& pids) {
 
 InterruptScope::InterruptScope() {
   g_interrupt = 0;
-  struct sigaction sa {};
-  sa.sa_handler = record_interrupt;
-  sigemptyset(&sa.sa_mask);
-  for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
-    sigaction(kInterruptSignals[i], nullptr, &g_previous[i]);
-    if (g_previous[i].sa_handler == SIG_IGN) continue;  // nohup's SIGHUP, say: stays ignored
-    sigaction(kInterruptSignals[i], &sa, nullptr);
+  handle_interrupts(record_interrupt);
+}
+
+InterruptScope::InterruptScope(const ExitAtOnce& how) {
+  g_interrupt = 0;
+  // A path too long to keep is left behind (as before), never cut short.
+  g_remove_on_exit[0] = '\0';
+  if (how.remove.size() < sizeof g_remove_on_exit) {
+    std::memcpy(g_remove_on_exit, how.remove.c_str(), how.remove.size() + 1);
   }
+  for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
+    const std::string message = interrupted_message(kInterruptSignals[i]);
+    const size_t n = std::min(message.size(), sizeof g_exit_messages[i] - 1);
+    std::memcpy(g_exit_messages[i], message.data(), n);
+    g_exit_messages[i][n] = '\0';
+  }
+  handle_interrupts(exit_on_interrupt);
 }
 
 InterruptScope::~InterruptScope() {
@@ -226,6 +262,11 @@ InterruptScope::~InterruptScope() {
 }
 
 int InterruptScope::signal() { return g_interrupt; }
+
+std::string interrupted_message(int sig) {
+  return fmt::format("funcol: error: interrupted by signal {} ({}); stopped every rank\n", sig,
+                     strsignal(sig));
+}
 
 std::string self_executable() {
   std::error_code ec;
@@ -257,12 +298,6 @@ TempDir::TempDir(const std::string& prefix) {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
-}
-
-void die_with_launcher(pid_t launcher) {
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  // The launcher may have died before prctl took effect: then we were re-parented already.
-  if (getppid() != launcher) _exit(1);
 }
 
 }  // namespace funcol::tools

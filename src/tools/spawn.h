@@ -70,12 +70,25 @@ bool any_failed(const std::vector<pid_t>& pids);
 class InterruptScope {
  public:
   InterruptScope();
+  // For a job whose ranks are this process's threads (the threads backend), with no children to
+  // stop: a signal ends the process at once as the launchers end their jobs. It removes
+  // `remove` (the trace file the run created; none when empty), prints interrupted_message and
+  // exits with 128 + the signal. (The signals' default action said nothing and left the trace
+  // file empty.)
+  struct ExitAtOnce {
+    std::string remove;
+  };
+  explicit InterruptScope(const ExitAtOnce& how);
   ~InterruptScope();
   InterruptScope(const InterruptScope&) = delete;
   InterruptScope& operator=(const InterruptScope&) = delete;
   // The first signal received while a scope was alive, or 0.
   static int signal();
 };
+
+// "funcol: error: interrupted by signal N (Name); stopped every rank\n": what a launcher
+// says when a signal stopped its job.
+std::string interrupted_message(int sig);
 
 // The absolute path of the running executable (/proc/self/exe).
 std::string self_executable();
@@ -96,10 +109,5 @@ class TempDir {
  private:
   std::string path_;
 };
-
-// For a child started by a launcher: dies with its launcher (PR_SET_PDEATHSIG), so a killed
-// launcher leaves no orphan ranks. `launcher` is the pid the launcher passed down; when it is
-// already gone the process exits at once.
-void die_with_launcher(pid_t launcher);
 
 }  // namespace funcol::tools

@@ -43,6 +43,7 @@
 #include "tools/commands.h"
 #include "tools/json_line.h"
 #include "tools/launch.h"
+#include "tools/spawn.h"
 
 namespace funcol::tools {
 
@@ -643,6 +644,10 @@ void check_train_report(const TrainReport& r) {
   }
 }
 
+// A loss as printed: a NaN as "nan" whatever its sign bit (a diverged run's NaNs mostly have
+// it set, which printed "-nan").
+static double shown(double loss) { return std::isnan(loss) ? std::fabs(loss) : loss; }
+
 std::string train_summary(const TrainOptions& o, const TrainReport& r) {
   std::string s;
   s += fmt::format(
@@ -650,12 +655,12 @@ std::string train_summary(const TrainOptions& o, const TrainReport& r) {
       "global), {} lr {}, {} step{}\n",
       o.layers, o.hidden, o.ranks, o.ranks == 1 ? "" : "s", o.backend, o.batch,
       o.batch * o.ranks, o.optimizer, o.lr, o.steps, o.steps == 1 ? "" : "s");
-  s += fmt::format("  loss                 {:.6g} -> {:.6g} (step 1 -> {})\n", r.initial_loss,
-                   r.final_loss, o.steps);
+  s += fmt::format("  loss                 {:.6g} -> {:.6g} (step 1 -> {})\n",
+                   shown(r.initial_loss), shown(r.final_loss), o.steps);
   s += fmt::format(
       "  vs reference         max abs weight difference {:.3g} (1 process, full weights, "
       "global batch; its last loss {:.6g})\n",
-      r.max_abs_diff_vs_reference, r.reference_final_loss);
+      r.max_abs_diff_vs_reference, shown(r.reference_final_loss));
   if (r.bucketed.ran) {
     s += fmt::format("  collectives per step {} unbucketed -> {} bucketed (cap {} MB)\n",
                      r.unbucketed.collectives_per_step, r.bucketed.collectives_per_step,
@@ -755,11 +760,11 @@ class Progress {
       constexpr int kWidth = 30;
       const int done = static_cast<int>(static_cast<int64_t>(kWidth) * step / steps_);
       std::fprintf(file_, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
-                   std::string(kWidth - done, '.').c_str(), step, steps_, loss);
+                   std::string(kWidth - done, '.').c_str(), step, steps_, shown(loss));
       line_open_ = true;
       if (step == steps_) end_line();
     } else if (!json_ && (step == 1 || step % std::max(1, steps_ / 10) == 0 || step == steps_)) {
-      std::fprintf(file_, "step %d/%d loss %.6g\n", step, steps_, loss);
+      std::fprintf(file_, "step %d/%d loss %.6g\n", step, steps_, shown(loss));
     }
     std::fflush(file_);
   }
@@ -873,6 +878,7 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       if (status == 0) trace.keep();
       return status;
     }
+    InterruptScope interrupt(InterruptScope::ExitAtOnce{trace.created()});
     Progress progress(o, err, progress_bar);
     print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }), out,
                  err);

@@ -82,6 +82,9 @@ if [ -z "$store" ]; then
   store="file://$work/store"
 fi
 
+# The ranks end with this launcher, even one killed with SIGKILL, which cannot stop them
+# (funcol's process backends follow FUNCOL_LAUNCHER_PID: process_env.h, follow_launcher).
+export FUNCOL_LAUNCHER_PID=$$
 for ((r = 0; r < np; r++)); do
   RANK=$r WORLD_SIZE=$np FUNCOL_STORE=$store "$@" >"$work/rank$r.log" 2>&1 &
   pids+=($!)

@@ -45,7 +45,7 @@ if [ -n "$left" ]; then
   echo "$left"
   exit 1
 fi
-grep -q "the launcher of this mpirun job died" "$work/out" ||
+grep -q "the launcher of this job (pid [0-9]*) is gone; stopping this rank" "$work/out" ||
   { echo "mpi_launcher_kill_test.sh: no rank said why it stopped"; exit 1; }
 ls "$work"/tmp/funcol-run-*/.launcher >/dev/null 2>&1 ||
   { echo "mpi_launcher_kill_test.sh: the killed launcher's directory is not where it was"; exit 1; }

@@ -3,7 +3,11 @@
 
 #include <fmt/format.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,8 +19,10 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <system_error>
+#include <thread>
 
 #include "funcol/core/error.h"
 #include "funcol/dist/work.h"
@@ -240,6 +246,56 @@ void note_backend_owner() { g_backend_owner.store(::getpid()); }
 bool forked_from_backend_owner() {
   const pid_t owner = g_backend_owner.load();
   return owner != 0 && owner != ::getpid();
+}
+
+namespace {
+
+[[noreturn]] void launcher_gone(pid_t launcher) {
+  const std::string line = fmt::format(
+      "funcol: error: the launcher of this job (pid {}) is gone; stopping this rank\n", launcher);
+  [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
+  ::_exit(1);
+}
+
+void watch_launcher(pid_t launcher) {
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, launcher, 0));
+  if (fd < 0) {
+    if (errno == ESRCH) launcher_gone(launcher);
+    return;  // no pidfd (an old kernel): not watched
+  }
+  std::thread([fd, launcher] {
+    pollfd p{fd, POLLIN, 0};
+    while (::poll(&p, 1, -1) < 0 && errno == EINTR) {
+    }
+    launcher_gone(launcher);
+  }).detach();
+}
+
+void follow(const char* var) {
+  const std::optional<int> pid = env_int(var);
+  if (!pid) return;
+  if (*pid <= 0) {
+    throw InvalidArgument(fmt::format("{} must be a process id, got {}", var, *pid));
+  }
+  const auto launcher = static_cast<pid_t>(*pid);
+  if (::getppid() == launcher) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    // The launcher may have died before prctl took effect: then this rank was re-parented.
+    if (::getppid() != launcher) launcher_gone(launcher);
+    return;
+  }
+  watch_launcher(launcher);
+}
+
+std::once_flag g_follow_once;
+
+}  // namespace
+
+void follow_launcher() {
+  std::call_once(g_follow_once, [] {
+    follow(kLauncherPidVar);
+    follow(kMpiLauncherPidVar);
+  });
 }
 
 bool process_live(int pid) {

@@ -63,6 +63,19 @@ bool process_live(int pid);
 void note_backend_owner();
 // True in a child of the process that called note_backend_owner (forked, not exec'd).
 bool forked_from_backend_owner();
+// The variables a funcol launcher passes to the ranks it starts: its pid, to the gloo ranks it
+// starts itself (`funcol run`, `bench` and `train` with --backend gloo, funcol-gloo-launch),
+// and to the ranks of an mpirun job it started (mpirun's children, not its own).
+inline constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
+inline constexpr const char* kMpiLauncherPidVar = "FUNCOL_MPI_LAUNCHER_PID";
+// For a rank a launcher started (either variable set): the rank exits when its launcher is
+// gone, so a launcher killed with SIGKILL, which cannot stop its ranks, leaves none behind
+// (mpirun, which outlives it, then ends its job as for a crashed rank). A child of the launcher
+// dies with it (PR_SET_PDEATHSIG); a rank started through a wrapper (`sh -c ...`) or by mpirun
+// watches it from a thread and says why it stops. A rank whose launcher is gone already exits
+// at once. Does nothing when neither variable is set, or the second time; a value that is not
+// a pid is an InvalidArgument naming the variable. init_process_group calls it.
+void follow_launcher();
 // The pid field of an identity (process_identity's format), as /proc numbers it on the
 // identity's machine; empty when the identity is malformed.
 std::string identity_pid(const std::string& identity);

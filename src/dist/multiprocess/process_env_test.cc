@@ -100,6 +100,23 @@ TEST(EnvInt, UnsetParsedAndMalformed) {
   ::unsetenv("FUNCOL_TEST_ENV_INT");
 }
 
+// A launcher's pid that is not one is an error naming the variable, before anything is watched
+// (a rank would otherwise follow pid 0, its own process group, or nothing).
+TEST(FollowLauncher, RefusesValuesThatAreNotPids) {
+  for (const char* var : {kLauncherPidVar, kMpiLauncherPidVar}) {
+    for (const char* value : {"abc", "0", "-7"}) {
+      ::setenv(var, value, 1);
+      try {
+        follow_launcher();
+        ADD_FAILURE() << var << "=" << value << " was accepted";
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(var), std::string::npos) << e.what();
+      }
+      ::unsetenv(var);
+    }
+  }
+}
+
 TEST(DebugDetail, CaseInsensitive) {
   ::setenv("FUNCOL_DEBUG", "DETAIL", 1);
   EXPECT_TRUE(debug_detail());

@@ -116,6 +116,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
         "first",
         s.backend));
   }
+  // A rank a funcol launcher started ends with it (before joining, if it is gone already).
+  process::follow_launcher();
   auto registry = std::make_unique<GroupRegistry>();
   process::ProcessWorld world = entry->init(options, *registry);
   registry->add(world.world);

@@ -55,6 +55,9 @@
 //            the other members fail at once with its error, not after FUNCOL_TIMEOUT
 //  reinit    every rank starts and destroys the world 45 times, an all_reduce in each: the
 //            process keeps nothing of the worlds it destroyed (each used to keep its job)
+//  linger    (--ready=DIR) every rank completes an all_reduce, writes DIR/rank<R> and stays
+//            for a minute: gloo_launch_killed_test.sh kills the launcher meanwhile, which must
+//            take every rank along
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -69,6 +72,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -1066,6 +1070,16 @@ void expect_silent(const std::string& msg, int victim) {
   expect_contains(msg, fmt::format("ranks [{}] did not answer a progress query", victim));
 }
 
+// Every rank completes an all_reduce, says so with a file DIR/rank<R>, and stays: its launcher
+// is killed meanwhile, and the rank must end with it well within the minute.
+void scenario_linger(funcol::ProcessGroup& world, const std::string& ready) {
+  if (ready.empty()) failed("linger needs --ready=DIR");
+  check_sum(world);
+  std::ofstream(fmt::format("{}/rank{}", ready, world.rank())) << "joined\n";
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  failed("still running a minute after joining");
+}
+
 // The last rank stops (SIGSTOP) before a collective: its peer monitor cannot answer either.
 // The others time out naming it missing and saying it did not answer.
 void scenario_stopped(funcol::ProcessGroup& world) {
@@ -1281,17 +1295,19 @@ void scenario_abandoned(const std::string& backend) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string backend, scenario;
+  std::string backend, scenario, ready;
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--backend=", 10) == 0) backend = argv[i] + 10;
     if (std::strncmp(argv[i], "--scenario=", 11) == 0) scenario = argv[i] + 11;
+    if (std::strncmp(argv[i], "--ready=", 8) == 0) ready = argv[i] + 8;
   }
   if (backend.empty() || scenario.empty()) {
     std::fprintf(stderr,
                  "usage: process_scenario --backend=gloo|mpi "
                  "--scenario=kill|mismatch|timeout|step_pairing|depart|lonely|split_kill|"
                  "split_kill_arrived|exit|stopped|split_stopped|world_dead_arrival|reinit|"
-                 "abandoned|fork_child|fork_kill|group_disagree|split_no_files\n");
+                 "abandoned|fork_child|fork_kill|group_disagree|split_no_files|linger "
+                 "[--ready=DIR]\n");
     return 2;
   }
 #ifdef FUNCOL_WITH_GLOO
@@ -1416,6 +1432,8 @@ int main(int argc, char** argv) {
       scenario_fork_child(*world);
     } else if (scenario == "stopped") {
       scenario_stopped(*world);
+    } else if (scenario == "linger") {
+      scenario_linger(*world, ready);
     } else if (scenario == "split_stopped") {
       scenario_split_stopped(*world, backend);
 #ifdef FUNCOL_WITH_GLOO

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# funcol-gloo-launch killed with SIGKILL, which it cannot trap: its ranks end with it. A rank it
+# started itself dies with it; one started through a wrapper (`sh -c`, whose child the rank
+# is) sees it gone and says so. Both used to run on, orphaned, holding their ports and memory.
+#
+#   gloo_launch_killed_test.sh LAUNCH PROCESS_SCENARIO
+set -uo pipefail
+launch=$1
+scenario=$2
+work=$(mktemp -d)
+marker=$work/marker  # a unique argument, to find this test's processes
+trap 'pkill -9 -f -- "$marker" 2>/dev/null; rm -rf "$work"' EXIT
+fail() {
+  echo "gloo_launch_killed_test.sh: $how: $1"
+  cat "$work"/tmp.*/rank*.log 2>/dev/null
+  exit 1
+}
+for how in direct wrapped; do
+  ready=$work/ready-$how
+  mkdir "$ready"
+  rm -rf "$work"/tmp.*
+  args=(--backend=gloo --scenario=linger "--ready=$ready" "$marker")
+  # The launcher's own directory (its ranks' logs) in $work: a killed launcher leaves it.
+  if [ $how = direct ]; then
+    TMPDIR=$work "$launch" --np 2 -- "$scenario" "${args[@]}" >/dev/null 2>&1 &
+  else
+    TMPDIR=$work "$launch" --np 2 -- sh -c '"$0" "$@"; echo "exit status $?"' "$scenario" \
+      "${args[@]}" >/dev/null 2>&1 &
+  fi
+  launcher=$!
+  for _ in $(seq 300); do
+    [ -e "$ready/rank0" ] && [ -e "$ready/rank1" ] && break
+    sleep 0.05
+  done
+  [ -e "$ready/rank0" ] && [ -e "$ready/rank1" ] || fail "the ranks did not join within 15 s"
+  kill -9 "$launcher"
+  wait "$launcher" 2>/dev/null
+  for _ in $(seq 100); do
+    pgrep -f -- "$marker" >/dev/null || break
+    sleep 0.05
+  done
+  left=$(pgrep -af -- "$marker")
+  [ -z "$left" ] || fail "processes still running 5 s after their launcher was killed:
+$left"
+  if [ $how = wrapped ]; then
+    for r in 0 1; do
+      grep -q "the launcher of this job (pid $launcher) is gone; stopping this rank" \
+        "$work"/tmp.*/rank$r.log || fail "rank $r did not say why it stopped"
+      grep -q "^exit status 1$" "$work"/tmp.*/rank$r.log || fail "rank $r did not exit with 1"
+    done
+  fi
+done
+echo "gloo_launch_killed_test.sh: passed"
