@@ -22,17 +22,18 @@ namespace funcol {
 
 namespace {
 
-// Counts of held bytes saturate here: a value has at most kMaxTypeBytes = 2^62 bytes, so a
-// saturated count plus one value's bytes still fits in int64, and no budget is larger.
-constexpr int64_t kMaxHeldBytes = std::numeric_limits<int64_t>::max() / 2;
+// Counts of held bytes saturate at the most one value has (kMaxTypeBytes = 2^62 bytes: exact
+// for one), summed in __int128. A budget beyond it holds anything: no count tells more (it
+// saturated one byte short of one such value, and refused two of half its size).
+constexpr int64_t kMaxHeldBytes = kMaxTypeBytes;
 
 // Bytes of every result of `node` (a coalesced collective has several), saturated.
 int64_t result_bytes(const Node& node) {
-  int64_t bytes = 0;
+  __int128 bytes = 0;
   for (size_t i = 0; i < node.num_results(); ++i) {
-    bytes = std::min(kMaxHeldBytes, bytes + node.result(i)->type().nbytes());
+    bytes = std::min<__int128>(kMaxHeldBytes, bytes + node.result(i)->type().nbytes());
   }
-  return bytes;
+  return static_cast<int64_t>(bytes);
 }
 
 bool is_wait(const Node& node) { return node.op().collective == CollectiveKind::Wait; }
@@ -370,6 +371,7 @@ class HeldBytes {
   // (null: the top) whose held bytes plus c's exceed it, or null when none does. `*held_there`
   // gets that node's held bytes, saturated at kMaxHeldBytes.
   Node* blocker(const Node& c, const Node* anchor, int64_t budget, int64_t* held_there) const {
+    if (budget > kMaxHeldBytes) return nullptr;  // beyond any count
     int64_t lo = 0;
     if (anchor) {
       // A collective anchor (the previous one) may have moved: the nodes after it start at its
@@ -730,8 +732,9 @@ std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options) {
           *text, std::isinf(mb) && mb > 0 ? " (leave the option out for no budget)" : ""));
     }
     // MB as the bucketing passes count them (DESIGN §6); a budget beyond any count of held
-    // bytes saturates, and one under a byte, accepted as positive, is one byte, not no room.
-    o.memory_budget_bytes = mb_to_bytes(mb, kMaxHeldBytes);
+    // bytes holds anything (saturated, with no float-to-integer overflow), and one under a
+    // byte, accepted as positive, is one byte, not no room.
+    o.memory_budget_bytes = mb_to_bytes(mb, std::numeric_limits<int64_t>::max());
   }
   return std::make_unique<OverlapPass>(o);
 }

@@ -164,13 +164,14 @@ class OptRun {
       err_ << no_graph_error(file, chunk.first_line).what() << "\n";
       return false;
     }
+    // Counted once every graph of the case passed: a failed case prints none of its graphs, so
+    // --stats, which describes the output, counts none either (it counted those before the
+    // failing one).
+    std::vector<std::vector<PassStat>> stats(module.graphs().size());
     try {
-      for (auto& g : module.graphs()) {
-        verify(*g);
-        std::vector<PassStat> stats;
-        pipeline.run(*g, &stats);
-        stats_.add_passes(stats);
-        stats_.add_graph(*g);
+      for (size_t i = 0; i < module.graphs().size(); ++i) {
+        verify(*module.graphs()[i]);
+        pipeline.run(*module.graphs()[i], &stats[i]);
       }
     } catch (const Error& e) {
       // A pass's error about one node starts with the node's FILE:LINE:COL (DESIGN section 5).
@@ -180,6 +181,10 @@ class OptRun {
         err_ << file << ": error: " << e.what() << "\n";
       }
       return false;
+    }
+    for (size_t i = 0; i < module.graphs().size(); ++i) {
+      stats_.add_passes(stats[i]);
+      stats_.add_graph(*module.graphs()[i]);
     }
     result += options_.emit == "dot" ? to_dot(module) : print(module);
     return true;
