@@ -290,10 +290,14 @@ void print_reports(const Prepared& p, const RunOptions& o, std::vector<RankRepor
 
 int run_threads(const Prepared& p, const RunOptions& o, std::FILE* out) {
   TraceFile trace(o.trace);
-  InterruptScope interrupt(InterruptScope::ExitAtOnce{trace.created()});
-  std::vector<RankReport> reports(static_cast<size_t>(o.ranks));
-  run_local(o.ranks, [&](ProcessGroup& world) { reports[world.rank()] = run_rank(p, o, world); });
-  print_reports(p, o, reports, out);
+  {
+    // Until the trace is written: a signal after it must not remove it.
+    InterruptScope interrupt(InterruptScope::ExitAtOnce{trace.created()});
+    std::vector<RankReport> reports(static_cast<size_t>(o.ranks));
+    run_local(o.ranks,
+              [&](ProcessGroup& world) { reports[world.rank()] = run_rank(p, o, world); });
+    print_reports(p, o, reports, out);
+  }
   trace.keep();
   return 0;
 }

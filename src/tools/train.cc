@@ -878,10 +878,13 @@ int train_command(const TrainOptions& o, std::FILE* out, std::FILE* err, bool pr
       if (status == 0) trace.keep();
       return status;
     }
-    InterruptScope interrupt(InterruptScope::ExitAtOnce{trace.created()});
-    Progress progress(o, err, progress_bar);
-    print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }), out,
-                 err);
+    {
+      // Until the trace is written: a signal after it must not remove it.
+      InterruptScope interrupt(InterruptScope::ExitAtOnce{trace.created()});
+      Progress progress(o, err, progress_bar);
+      print_report(o, run_train(o, [&](int step, double loss) { progress.step(step, loss); }),
+                   out, err);
+    }
     trace.keep();
     return 0;
   } catch (...) {
