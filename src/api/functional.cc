@@ -37,6 +37,12 @@ using api_detail::normalize_dim;
 
 void check_input(const Tensor& t, std::string_view op, std::string_view suffix = {}) {
   if (!t.defined()) throw InvalidArgument(fmt::format("{}: undefined input tensor{}", op, suffix));
+  // Refused as ops::call refuses it: outside its trace a traced tensor is a meta tensor of a
+  // graph that is gone, and the collective returned a meta result of it, silently.
+  if (current_tracer() == nullptr && is_traced(t)) {
+    throw InvalidArgument(fmt::format(
+        "{}: a traced tensor is used outside its trace (no tracer is current){}", op, suffix));
+  }
 }
 
 // Meta inputs outside a tracer get what PyTorch's meta kernels give: after the same checks (the

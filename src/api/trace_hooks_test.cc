@@ -16,6 +16,7 @@
 #include "funcol/graph/tracer.h"
 #include "funcol/graph/verifier.h"
 #include "funcol/runtime/executor.h"
+#include "testing/error_of.h"
 
 namespace funcol {
 namespace {
@@ -318,6 +319,33 @@ TEST(TraceCollectives, TracedGraphRunsLikeTheEagerFunction) {
     for (int i = 0; i < 8; ++i) w[i] = static_cast<float>((i + 2 * r) % 5 - 2);
     return std::vector<Tensor>{Tensor::from_vector<float>(x, {2, 8}),
                                Tensor::from_vector<float>(w, {2, 4})};
+  });
+}
+
+// A traced tensor kept past its trace is refused by the eager collectives, as ops are refused
+// it: they returned a meta result of it, silently.
+TEST(TraceCollectives, ATracedTensorOutsideItsTraceIsRefused) {
+  Tensor leaked;
+  std::vector<Tensor> leaked_list;
+  (void)trace("g", {Type(DType::F32, {4})},
+              [&](std::span<const Tensor> in) {
+                leaked = in[0];
+                leaked_list = {in[0], in[0]};
+                return std::vector<Tensor>{all_reduce(in[0], "sum", "world")};
+              },
+              {{"world", 2}});
+  run_local(2, [&](ProcessGroup&) {
+    using testing::error_of;
+    const std::string outside =
+        ": a traced tensor is used outside its trace (no tracer is current)";
+    EXPECT_EQ(error_of<InvalidArgument>([&] { (void)all_reduce(leaked, "sum", "world"); }),
+              "all_reduce" + outside);
+    EXPECT_EQ(error_of<InvalidArgument>([&] { (void)broadcast(leaked, 0, "world"); }),
+              "broadcast" + outside);
+    EXPECT_EQ(error_of<InvalidArgument>(
+                  [&] { (void)all_reduce_coalesced(leaked_list, "sum", "world"); }),
+              "all_reduce_coalesced" + outside + " for tensor at index 0");
+    EXPECT_EQ(error_of<InvalidArgument>([&] { (void)ops::add(leaked, leaked); }), "add" + outside);
   });
 }
 

@@ -130,6 +130,8 @@ Tensor Tracer::input(const Type& type, std::string name) {
   return inputs_.back();
 }
 
+bool is_traced(const Tensor& t) { return ref_of(t) != nullptr; }
+
 bool Tracer::owns(const Tensor& t) const {
   const Ref* ref = ref_of(t);
   return ref && ref->tracer_id == id_ && graph_;
@@ -439,7 +441,7 @@ std::vector<Tensor> call(std::string_view op_name, std::span<const Tensor> opera
   bool traced = false;
   bool meta = false;
   for (const Tensor& t : operands) {
-    traced |= ref_of(t) != nullptr;
+    traced |= is_traced(t);
     meta |= t.is_meta();
   }
   if (op.collective != CollectiveKind::None && op.collective != CollectiveKind::Wait) {

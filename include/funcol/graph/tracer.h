@@ -109,6 +109,9 @@ class Tracer {
 // The tracer current on the calling thread, or null.
 Tracer* current_tracer();
 
+// Whether `t` is a traced tensor (one a Tracer made, its trace finished or not).
+bool is_traced(const Tensor& t);
+
 // Makes `tracer` current on the calling thread until the scope ends (scopes nest).
 class TraceScope {
  public:
