@@ -22,18 +22,22 @@ namespace funcol {
 
 namespace {
 
-// Counts of held bytes saturate at the most one value has (kMaxTypeBytes = 2^62 bytes: exact
-// for one), summed in __int128. A budget beyond it holds anything: no count tells more (it
-// saturated one byte short of one such value, and refused two of half its size).
-constexpr int64_t kMaxHeldBytes = kMaxTypeBytes;
+// Held bytes are counted exactly, in __int128 (a value has at most kMaxTypeBytes = 2^62 bytes;
+// any number of them fit), and shown saturated at INT64_MAX. A budget of INT64_MAX (what
+// memory-budget-mb saturates to: 1e300, say) holds anything; any other is compared exactly
+// (a count saturated one byte short of 2^62 refused two values of 2^61 under a budget of
+// 1e300 MB).
+constexpr int64_t kUnlimitedBudget = std::numeric_limits<int64_t>::max();
 
-// Bytes of every result of `node` (a coalesced collective has several), saturated.
-int64_t result_bytes(const Node& node) {
+int64_t shown_bytes(__int128 bytes) {
+  return static_cast<int64_t>(std::min<__int128>(bytes, std::numeric_limits<int64_t>::max()));
+}
+
+// Bytes of every result of `node` (a coalesced collective has several).
+__int128 result_bytes(const Node& node) {
   __int128 bytes = 0;
-  for (size_t i = 0; i < node.num_results(); ++i) {
-    bytes = std::min<__int128>(kMaxHeldBytes, bytes + node.result(i)->type().nbytes());
-  }
-  return static_cast<int64_t>(bytes);
+  for (size_t i = 0; i < node.num_results(); ++i) bytes += node.result(i)->type().nbytes();
+  return bytes;
 }
 
 bool is_wait(const Node& node) { return node.op().collective == CollectiveKind::Wait; }
@@ -344,7 +348,7 @@ class HeldBytes {
       if (!c->op().is_collective()) continue;
       Held h{index_.at(c), {}};
       for (size_t r = 0; r < c->num_results(); ++r) {
-        h.parts.push_back({std::min(kMaxHeldBytes, c->result(r)->type().nbytes()), 0, nullptr});
+        h.parts.push_back({c->result(r)->type().nbytes(), 0, nullptr});
       }
       held_.emplace(c, std::move(h));
     }
@@ -369,9 +373,9 @@ class HeldBytes {
 
   // Where `c` (not moved yet) must stop going up under `budget`: the last node after `anchor`
   // (null: the top) whose held bytes plus c's exceed it, or null when none does. `*held_there`
-  // gets that node's held bytes, saturated at kMaxHeldBytes.
+  // gets that node's held bytes (shown_bytes).
   Node* blocker(const Node& c, const Node* anchor, int64_t budget, int64_t* held_there) const {
-    if (budget > kMaxHeldBytes) return nullptr;  // beyond any count
+    if (budget == kUnlimitedBudget) return nullptr;
     int64_t lo = 0;
     if (anchor) {
       // A collective anchor (the previous one) may have moved: the nodes after it start at its
@@ -382,7 +386,7 @@ class HeldBytes {
     const __int128 room = static_cast<__int128>(budget) - result_bytes(c);
     const int64_t j = tree_.last_above(lo, index_.at(&c) - 1, room);
     if (j < 0) return nullptr;
-    *held_there = static_cast<int64_t>(std::min<__int128>(tree_.at(j), kMaxHeldBytes));
+    *held_there = shown_bytes(tree_.at(j));
     return nodes_[static_cast<size_t>(j)];
   }
 
@@ -614,7 +618,7 @@ class Scheduler {
       std::vector<Node*> cone;
       Node* const next = c->next();
       if (hoist_with_operands(c, after, &cone)) {
-        if (blocker) note_budget(*c, *blocker, held, result_bytes(*c));
+        if (blocker) note_budget(*c, *blocker, held, shown_bytes(result_bytes(*c)));
         if (c->next() == next) continue;  // already in place
         if (held_) held_->moved(*c, *c->next(), cone);
         const auto moved = static_cast<int64_t>(cone.size());
@@ -632,7 +636,7 @@ class Scheduler {
         if (def && (!anchor || before(*anchor, *def))) anchor = def;
       }
       if (blocker && anchor == blocker && !reads_blocker) {
-        note_budget(*c, *blocker, held, result_bytes(*c));
+        note_budget(*c, *blocker, held, shown_bytes(result_bytes(*c)));
       }
       Node* stop = anchor ? anchor->next() : graph_.first_node();  // c goes right before it
       if (stop == c) continue;
@@ -731,10 +735,10 @@ std::unique_ptr<Pass> make_overlap_pass(const PassOptions& options) {
           "'{}'{}",
           *text, std::isinf(mb) && mb > 0 ? " (leave the option out for no budget)" : ""));
     }
-    // MB as the bucketing passes count them (DESIGN §6); a budget beyond any count of held
-    // bytes holds anything (saturated, with no float-to-integer overflow), and one under a
-    // byte, accepted as positive, is one byte, not no room.
-    o.memory_budget_bytes = mb_to_bytes(mb, std::numeric_limits<int64_t>::max());
+    // MB as the bucketing passes count them (DESIGN §6); a budget of INT64_MAX bytes or more
+    // saturates (no float-to-integer overflow) and holds anything, and one under a byte,
+    // accepted as positive, is one byte, not no room.
+    o.memory_budget_bytes = mb_to_bytes(mb, kUnlimitedBudget);
   }
   return std::make_unique<OverlapPass>(o);
 }

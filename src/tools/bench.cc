@@ -153,6 +153,8 @@ std::vector<BenchOp> parse_bench_ops(std::string_view text) {
 
 bool has_reduce_op(BenchOp op) { return op == BenchOp::AllReduce || op == BenchOp::ReduceScatter; }
 
+bool has_root(BenchOp op) { return op == BenchOp::Broadcast; }
+
 int64_t parse_size(std::string_view text, std::string_view flag) {
   auto fail = [&]() -> int64_t {
     throw InvalidArgument(fmt::format("invalid size '{}' for {}: {}", text, flag, kSizeHelp));
@@ -705,9 +707,8 @@ void validate(const BenchOptions& o) {
     throw InvalidArgument(fmt::format("-c/--check must not be negative, got {}", o.check));
   }
   if (o.ops.empty()) throw InvalidArgument("no op to run");
-  // Only broadcast has a root (nccl-tests: -r serves rooted ops); the others ignore it.
-  const bool rooted = std::find(o.ops.begin(), o.ops.end(), BenchOp::Broadcast) != o.ops.end();
-  if (rooted && (o.root < 0 || o.root >= o.ranks)) {
+  // Only a rooted op reads --root (nccl-tests: -r serves rooted ops); the others ignore it.
+  if (std::any_of(o.ops.begin(), o.ops.end(), has_root) && (o.root < 0 || o.root >= o.ranks)) {
     throw InvalidArgument(fmt::format("--root {} is out of range for {} ranks (0 to {})", o.root,
                                       o.ranks, o.ranks - 1));
   }
@@ -984,9 +985,12 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
   // The reduce op only where a selected op reduces (rows say "none" elsewhere, as nccl-tests).
   const bool reduces = std::any_of(o.ops.begin(), o.ops.end(), has_reduce_op);
   const std::string_view rank_word = o.ranks == 1 ? "rank" : "ranks";
+  // The root likewise, only where a selected op has one (validate checks it only then).
+  const bool rooted = std::any_of(o.ops.begin(), o.ops.end(), has_root);
   emit(out, fmt::format("# funcol bench: op {}, backend {}, {} {}, dtype {}, redop {}, root {}",
                         ops, o.backend, o.ranks, rank_word, dtype_name(o.dtype),
-                        reduces ? reduce_op_name(o.redop) : "none", o.root));
+                        reduces ? reduce_op_name(o.redop) : "none",
+                        rooted ? std::to_string(o.root) : "none"));
   const std::string step = o.step_factor > 1 ? fmt::format("{}(factor)", o.step_factor)
                                              : fmt::format("{}(bytes)", o.step_bytes);
   emit(out, fmt::format("# minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} "
@@ -1054,7 +1058,7 @@ void print_row(std::FILE* out, const BenchOptions& o, const BenchRow& row,
   const MemcpyRef& ref = report.memcpy;
   const bool reduces = has_reduce_op(row.op);
   const std::string redop = reduces ? std::string(reduce_op_name(o.redop)) : "none";
-  const int root = row.op == BenchOp::Broadcast ? o.root : -1;
+  const int root = has_root(row.op) ? o.root : -1;
   const double ratio = ref.gbps_per_thread > 0 ? row.busbw / ref.gbps_per_thread : 0;
   if (o.json) {
     nlohmann::ordered_json j = {{"op", bench_op_name(row.op)},

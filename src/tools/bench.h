@@ -31,6 +31,8 @@ std::string_view bench_op_name(BenchOp op);
 std::vector<BenchOp> parse_bench_ops(std::string_view text);
 // True for the ops that take a reduce op (all_reduce, reduce_scatter).
 bool has_reduce_op(BenchOp op);
+// Whether `op` takes a root (--root): broadcast.
+bool has_root(BenchOp op);
 
 // A byte count: decimal digits with an optional K, M or G suffix (1024-based, either case), as
 // nccl-tests' -b/-e. `flag` names the option in the error: "invalid size '4X' for -b/--minbytes

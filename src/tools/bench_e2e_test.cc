@@ -153,6 +153,19 @@ TEST(BenchE2E, AStepOfOneByteStartsAtOnce) {
       << r.out;
 }
 
+// --root serves broadcast only, as nccl-tests' -r: with no broadcast among the ops it is not
+// checked (it failed the run) and the header says "root none", as "redop none".
+TEST(BenchE2E, RootIsOnlyBroadcasts) {
+  Result r = bench("-o all_reduce --root 5 --ranks 2 -b 4 -e 4 -n 1 -w 0 -c 1");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out_only.find(", 2 ranks, dtype f32, redop sum, root none\n"), std::string::npos)
+      << r.out;
+  r = bench("-o broadcast --root 5 --ranks 2 -b 4 -e 4 -n 1 -w 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("funcol: error: --root 5 is out of range for 2 ranks"), std::string::npos)
+      << r.out;
+}
+
 TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {
   struct Case {
     const char* args;

@@ -209,7 +209,9 @@ int launch_mpi(const JobOptions& o, const std::string& dir, const std::string& s
                const std::vector<std::string>& args, std::FILE* err) {
   SpawnOptions s;
   s.argv = {"mpirun", "-np", std::to_string(o.ranks), "--oversubscribe"};
-  s.env = {{kMpiLauncherPidVar, std::to_string(getpid())}, {kMpiJobDirVar, dir}};
+  s.env = {{kMpiLauncherPidVar, std::to_string(getpid())},
+           {process::kLauncherPidNamespaceVar, process::pid_namespace()},
+           {kMpiJobDirVar, dir}};
   if (geteuid() == 0) s.argv.push_back("--allow-run-as-root");
   s.argv.push_back(self);
   s.argv.insert(s.argv.end(), args.begin(), args.end());
@@ -283,7 +285,8 @@ int launch_gloo(const JobOptions& o, const std::string& dir, const std::string& 
       s.env = {{"RANK", std::to_string(r)},
                {"WORLD_SIZE", std::to_string(o.ranks)},
                {"FUNCOL_STORE", "file://" + store},
-               {kLauncherPidVar, std::to_string(getpid())}};
+               {kLauncherPidVar, std::to_string(getpid())},
+               {process::kLauncherPidNamespaceVar, process::pid_namespace()}};
       err_files.push_back(fmt::format("{}/rank{}.err", dir, r));
       s.stderr_path = err_files.back();
       // In the launcher's process group: the terminal's Ctrl-Z stops the ranks with it, and

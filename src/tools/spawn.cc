@@ -37,9 +37,13 @@ extern "C" void record_interrupt(int sig) {
 // as a handler may call only async-signal-safe functions).
 char g_remove_on_exit[4096];
 char g_exit_messages[std::size(kInterruptSignals)][128];
+volatile sig_atomic_t g_line_open = 0;
 
 extern "C" void exit_on_interrupt(int sig) {
   if (g_remove_on_exit[0] != '\0') ::unlink(g_remove_on_exit);
+  if (g_line_open != 0) {
+    [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, "\n", 1);
+  }
   for (size_t i = 0; i < std::size(kInterruptSignals); ++i) {
     if (kInterruptSignals[i] != sig) continue;
     [[maybe_unused]] const ssize_t n =
@@ -262,6 +266,8 @@ InterruptScope::~InterruptScope() {
 }
 
 int InterruptScope::signal() { return g_interrupt; }
+
+void InterruptScope::note_line_open(bool open) { g_line_open = open ? 1 : 0; }
 
 std::string interrupted_message(int sig) {
   return fmt::format("funcol: error: interrupted by signal {} ({}); stopped every rank\n", sig,

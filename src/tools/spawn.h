@@ -84,6 +84,9 @@ class InterruptScope {
   InterruptScope& operator=(const InterruptScope&) = delete;
   // The first signal received while a scope was alive, or 0.
   static int signal();
+  // Whether stderr's last line is left open (a progress bar's): an ExitAtOnce scope then ends
+  // it before its message.
+  static void note_line_open(bool open);
 };
 
 // "funcol: error: interrupted by signal N (Name); stopped every rank\n": what a launcher

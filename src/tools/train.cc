@@ -762,6 +762,7 @@ class Progress {
       std::fprintf(file_, "\r[%s%s] step %d/%d  loss %.6g", std::string(done, '#').c_str(),
                    std::string(kWidth - done, '.').c_str(), step, steps_, shown(loss));
       line_open_ = true;
+      if (file_ == stderr) InterruptScope::note_line_open(true);
       if (step == steps_) end_line();
     } else if (!json_ && (step == 1 || step % std::max(1, steps_ / 10) == 0 || step == steps_)) {
       std::fprintf(file_, "step %d/%d loss %.6g\n", step, steps_, shown(loss));
@@ -773,6 +774,7 @@ class Progress {
     std::fputc('\n', file_);
     std::fflush(file_);
     line_open_ = false;
+    if (file_ == stderr) InterruptScope::note_line_open(false);
   }
 
  private:

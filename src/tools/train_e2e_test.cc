@@ -106,6 +106,21 @@ TEST(TrainE2e, ProgressIsABarOnATerminalOnEveryBackend) {
   }
 }
 
+// Stopped by a signal on the threads backend, training says so on a line of its own: the
+// progress bar's line is ended first (the message used to follow the bar on its line).
+TEST(TrainE2e, ASignalEndsTheBarLineBeforeItsMessage) {
+  const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+      "f=$(mktemp); " + std::string(FUNCOL_BIN) +
+      " train --ranks 2 --layers 2 --hidden 8 --steps 100000000 --progress-bar 2>\"$f\" & "
+      "p=$!; for i in $(seq 600); do grep -q ' step ' \"$f\" && break; sleep 0.05; done; "
+      "kill -TERM $p; wait $p; echo \"status $?\"; cat \"$f\"; rm -f \"$f\"");
+  EXPECT_NE(r.out.find("status 143\n"), std::string::npos) << r.out;
+  const size_t message = r.out.find("funcol: error: interrupted by signal 15");
+  ASSERT_NE(message, std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("] step "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out[message - 1], '\n') << r.out;
+}
+
 TEST(TrainE2e, BadOptionsExitNonZeroWithOneClearLine) {
   Result r = train("--optimizer rmsprop --steps 1");
   EXPECT_EQ(r.status, 1);

@@ -21,7 +21,7 @@ namespace funcol {
 // collective's input (held until it completes; a reduce-scatter's is group_size times its
 // result), nor the results of the operand nodes moved up with it (a bucket's packing).
 struct OverlapOptions {
-  int64_t memory_budget_bytes = -1;  // < 0: unlimited
+  int64_t memory_budget_bytes = -1;  // < 0, or INT64_MAX: unlimited
 };
 
 // What one run did.

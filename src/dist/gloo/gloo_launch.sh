@@ -85,6 +85,8 @@ fi
 # The ranks end with this launcher, even one killed with SIGKILL, which cannot stop them
 # (funcol's process backends follow FUNCOL_LAUNCHER_PID: process_env.h, follow_launcher).
 export FUNCOL_LAUNCHER_PID=$$
+FUNCOL_LAUNCHER_PIDNS=$(readlink /proc/$$/ns/pid 2>/dev/null)
+export FUNCOL_LAUNCHER_PIDNS
 for ((r = 0; r < np; r++)); do
   RANK=$r WORLD_SIZE=$np FUNCOL_STORE=$store "$@" >"$work/rank$r.log" 2>&1 &
   pids+=($!)

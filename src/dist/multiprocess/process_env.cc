@@ -271,13 +271,16 @@ void watch_launcher(pid_t launcher) {
   }).detach();
 }
 
-void follow(const char* var) {
+// The launcher pid in `var`, if set.
+std::optional<pid_t> launcher_pid(const char* var) {
   const std::optional<int> pid = env_int(var);
-  if (!pid) return;
-  if (*pid <= 0) {
+  if (pid && *pid <= 0) {
     throw InvalidArgument(fmt::format("{} must be a process id, got {}", var, *pid));
   }
-  const auto launcher = static_cast<pid_t>(*pid);
+  return pid ? std::optional<pid_t>(static_cast<pid_t>(*pid)) : std::nullopt;
+}
+
+void follow(pid_t launcher) {
   if (::getppid() == launcher) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     // The launcher may have died before prctl took effect: then this rank was re-parented.
@@ -293,9 +296,22 @@ std::once_flag g_follow_once;
 
 void follow_launcher() {
   std::call_once(g_follow_once, [] {
-    follow(kLauncherPidVar);
-    follow(kMpiLauncherPidVar);
+    const std::optional<pid_t> launcher = launcher_pid(kLauncherPidVar);
+    const std::optional<pid_t> mpi_launcher = launcher_pid(kMpiLauncherPidVar);
+    if (!launcher && !mpi_launcher) return;
+    // In another PID namespace the launcher's pid names no process, or another one: a rank
+    // there took its launcher for gone at once. (A parent outside the namespace shows as 0.)
+    const std::string ns = env_string(kLauncherPidNamespaceVar);
+    if ((!ns.empty() && ns != pid_namespace()) || ::getppid() == 0) return;
+    if (launcher) follow(*launcher);
+    if (mpi_launcher) follow(*mpi_launcher);
   });
+}
+
+std::string pid_namespace() {
+  std::error_code ec;
+  const std::filesystem::path ns = std::filesystem::read_symlink("/proc/self/ns/pid", ec);
+  return ec ? std::string() : ns.string();
 }
 
 bool process_live(int pid) {

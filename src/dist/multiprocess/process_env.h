@@ -68,13 +68,22 @@ bool forked_from_backend_owner();
 // and to the ranks of an mpirun job it started (mpirun's children, not its own).
 inline constexpr const char* kLauncherPidVar = "FUNCOL_LAUNCHER_PID";
 inline constexpr const char* kMpiLauncherPidVar = "FUNCOL_MPI_LAUNCHER_PID";
+// And the PID namespace that pid is in (pid_namespace()): a rank in another one cannot see it.
+inline constexpr const char* kLauncherPidNamespaceVar = "FUNCOL_LAUNCHER_PIDNS";
+// This process's PID namespace as /proc names it ("pid:[4026531836]"), or "" when it cannot.
+std::string pid_namespace();
 // For a rank a launcher started (either variable set): the rank exits when its launcher is
 // gone, so a launcher killed with SIGKILL, which cannot stop its ranks, leaves none behind
 // (mpirun, which outlives it, then ends its job as for a crashed rank). A child of the launcher
 // dies with it (PR_SET_PDEATHSIG); a rank started through a wrapper (`sh -c ...`) or by mpirun
 // watches it from a thread and says why it stops. A rank whose launcher is gone already exits
-// at once. Does nothing when neither variable is set, or the second time; a value that is not
-// a pid is an InvalidArgument naming the variable. init_process_group calls it.
+// at once. A rank in another PID namespace than its launcher's (`unshare --pid`, a container:
+// FUNCOL_LAUNCHER_PIDNS differs, or its parent is outside its namespace) does not follow it, as
+// the launcher's pid means nothing there. PR_SET_PDEATHSIG follows the thread that started the
+// rank: a launcher must start its ranks from a thread that lives as long as it does (funcol's
+// do, from the main thread). Does nothing when neither variable is set, or the second time; a
+// value that is not a pid is an InvalidArgument naming the variable, before anything is
+// followed. init_process_group calls it.
 void follow_launcher();
 // The pid field of an identity (process_identity's format), as /proc numbers it on the
 // identity's machine; empty when the identity is malformed.
