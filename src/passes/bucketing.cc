@@ -516,12 +516,25 @@ BucketKey Bucketer::key_of(const Node& coll, DType dtype) const {
   return k;
 }
 
-// Whether `v`, a collective's input, is a bucket's packed buffer as emit_pack writes one: a
-// cat (all-gather, all-reduce), a flattened cat (reduce-scatter) or a bucket_pack.
-bool packs_a_bucket(const Value* v) {
-  const Node* n = v->node();
-  if (n && n->op_name() == "flatten") n = n->operand(0)->node();
-  return n && (n->op_name() == "cat" || n->op_name() == "bucket_pack");
+// The only user of `v`, or null.
+const Node* only_user(const Value* v) {
+  const auto uses = v->uses();
+  return uses.size() == 1 ? uses[0].user : nullptr;
+}
+
+// Whether `coll`, read by `wait`, is a bucket as emit_pack and emit_unpack write one: over a
+// bucket_pack, or over a cat (flattened for reduce-scatter) with its wait read by the
+// unpacking split alone (through the [G, n] view for all-gather). A user's collective of a cat
+// is none: taken for one, it closed the bucket by its cap before its dependency on the bucket
+// was looked at, which left it out of later merges.
+bool made_by_bucketing(const Node& coll, const Node& wait) {
+  const Node* in = coll.operand(0)->node();
+  if (in && in->op_name() == "flatten") in = in->operand(0)->node();
+  if (!in || (in->op_name() != "cat" && in->op_name() != "bucket_pack")) return false;
+  if (in->op_name() == "bucket_pack") return true;
+  const Node* user = only_user(wait.result(0));
+  if (user && user->op_name() == "view") user = only_user(user->result(0));
+  return user && user->op_name() == "split_with_sizes";
 }
 
 // The collectives of the pass's op in wait order, each with its eligibility, key and size.
@@ -558,7 +571,7 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.packed = packed;
     Value* coll_in = coll->operand(0);
-    e.made_bucket = packed || packs_a_bucket(coll_in);
+    e.made_bucket = packed || made_by_bucketing(*coll, wait);
     // A packed all-gather's inputs count as the dtypes they pack to (out_dtypes), as its
     // members counted their folded casts' results: counted before the cast (an f64 packed as
     // f16), the bucket it came from no longer fit its cap when bucketed again, and later buckets
@@ -731,11 +744,21 @@ void Bucketer::close_bucket(std::string_view reason) {
   const std::string members = explain_ ? members_str(bucket_) : std::string();
   std::string outcome;
   std::vector<std::string> retried;  // explain lines of the tries after the first
+  // A packed all-gather (a bucket already) never merges again; the other members still do
+  // (they were all left alone with it).
+  std::vector<Entry*> plain;
+  for (Entry* e : bucket_) {
+    if (!e->packed) plain.push_back(e);
+  }
   const auto packed =
       std::find_if(bucket_.begin(), bucket_.end(), [](const Entry* e) { return e->packed; });
+  const std::string packed_note =
+      packed != bucket_.end() && explain_
+          ? fmt::format(" (%{} is packed already: left alone)", (*packed)->coll->name())
+          : std::string();
   if (bucket_.size() == 1) {
     outcome = "left alone (one collective)";
-  } else if (packed != bucket_.end()) {
+  } else if (plain.size() < 2) {
     outcome = fmt::format("left alone (%{} is packed already)", (*packed)->coll->name());
   } else {
     // The members a merge drops are tried again, until no two of them merge. When the merge
@@ -752,7 +775,7 @@ void Bucketer::close_bucket(std::string_view reason) {
     // Every try takes at least one member out (it merges two or more, or leaves its first
     // alone), so the tries end.
     auto wait_order = [](const Entry* a, const Entry* b) { return a->index < b->index; };
-    std::deque<std::vector<Entry*>> tries = {bucket_};
+    std::deque<std::vector<Entry*>> tries = {plain};
     std::vector<Entry*> leftover;  // for the next try of them together
     for (int attempt = 0;; ++attempt) {
       if (tries.empty()) {
@@ -817,7 +840,7 @@ void Bucketer::close_bucket(std::string_view reason) {
         if (attempt > 0) ++stats_.dropped;  // the first member stays dropped
       }
       if (attempt == 0) {
-        outcome = std::move(result);
+        outcome = std::move(result) + packed_note;
       } else {
         retried.push_back(fmt::format("bucket {} again, with what was dropped: {}; {}",
                                       bucket_index_, tried, result));
