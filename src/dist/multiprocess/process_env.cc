@@ -290,22 +290,26 @@ void follow(pid_t launcher) {
   watch_launcher(launcher);
 }
 
-std::once_flag g_follow_once;
+// Whether follow_launcher ran to its end (a mutex and a flag, not std::call_once: a call_once
+// whose function throws made the next call hang under ThreadSanitizer).
+std::mutex g_follow_mu;
+bool g_followed = false;
 
 }  // namespace
 
 void follow_launcher() {
-  std::call_once(g_follow_once, [] {
-    const std::optional<pid_t> launcher = launcher_pid(kLauncherPidVar);
-    const std::optional<pid_t> mpi_launcher = launcher_pid(kMpiLauncherPidVar);
-    if (!launcher && !mpi_launcher) return;
-    // In another PID namespace the launcher's pid names no process, or another one: a rank
-    // there took its launcher for gone at once. (A parent outside the namespace shows as 0.)
-    const std::string ns = env_string(kLauncherPidNamespaceVar);
-    if ((!ns.empty() && ns != pid_namespace()) || ::getppid() == 0) return;
-    if (launcher) follow(*launcher);
-    if (mpi_launcher) follow(*mpi_launcher);
-  });
+  std::lock_guard<std::mutex> lock(g_follow_mu);
+  if (g_followed) return;
+  const std::optional<pid_t> launcher = launcher_pid(kLauncherPidVar);
+  const std::optional<pid_t> mpi_launcher = launcher_pid(kMpiLauncherPidVar);
+  g_followed = true;
+  if (!launcher && !mpi_launcher) return;
+  // In another PID namespace the launcher's pid names no process, or another one: a rank there
+  // took its launcher for gone at once. (A parent outside the namespace shows as 0.)
+  const std::string ns = env_string(kLauncherPidNamespaceVar);
+  if ((!ns.empty() && ns != pid_namespace()) || ::getppid() == 0) return;
+  if (launcher) follow(*launcher);
+  if (mpi_launcher) follow(*mpi_launcher);
 }
 
 std::string pid_namespace() {
