@@ -155,6 +155,7 @@ std::shared_ptr<Work> Work::completed(std::string description) {
 
 bool Work::sleep_until(std::chrono::steady_clock::time_point deadline) {
   if (done_.load(std::memory_order_acquire)) return true;
+  set_failure_seen();  // its caller, a wait(), rethrows it: seen, as in wait() here
   Sleep& s = sleep_state();
   std::unique_lock<std::mutex> lock(s.mu);
   if (done_.load(std::memory_order_acquire)) return true;

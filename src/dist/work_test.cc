@@ -65,6 +65,7 @@ TEST(WorkTest, SleepUntilReturnsOnWakeDeadlineOrFinish) {
     w.wake_waiters();
   }
   sleeper.join();
+  EXPECT_TRUE(w.failure_seen(0));  // a sleeping waiter rethrows a failure: seen from then
   auto t0 = Clock::now();
   EXPECT_FALSE(w.sleep_until(t0 + std::chrono::milliseconds(30)));  // the deadline
   EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(30));

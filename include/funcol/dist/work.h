@@ -64,6 +64,8 @@ class Work : public Waitable {
  protected:
   // For subclasses that wait actively (helping progress) before sleeping: sleeps until the
   // Work finished, wake_waiters() was called, or `deadline` passed; returns is_completed().
+  // A sleeping waiter rethrows the failure once it wakes: it counts as seen (set_failure_seen)
+  // from when it sleeps, so a rank that ends meanwhile does not warn of it as never seen.
   bool sleep_until(std::chrono::steady_clock::time_point deadline);
   // Wakes every thread sleeping in wait() or sleep_until() so it re-checks its condition.
   void wake_waiters();

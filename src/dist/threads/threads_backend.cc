@@ -2885,10 +2885,7 @@ void LaneWork::wait() {
           world_->lane_warn_stalled(*this, stall.slept())) {
         stall.warned();
       }
-      if (!is_completed()) {
-        set_failure_seen();  // this thread rethrows it: seen, as in Work::wait
-        sleep_until(std::min(deadline_, now + std::chrono::milliseconds(20)));
-      }
+      if (!is_completed()) sleep_until(std::min(deadline_, now + std::chrono::milliseconds(20)));
       backoff.reset();
     }
   }
@@ -3127,7 +3124,6 @@ void Op::wait() {
         }
       }
       // A running op finishes without us; re-check now and then all the same.
-      set_failure_seen();  // this thread rethrows it: seen, as in Work::wait
       sleep_until(pending ? stall.next(deadline_) : now + std::chrono::milliseconds(100));
       backoff.reset();
     }
