@@ -390,13 +390,17 @@ class Parser {
   // into empty pieces defines a value per 2 bytes of text ("0,"): a 256 MiB file of them asked
   // for 13 GB. So a text holds at most kMaxParsedElements of them (under 2 GB; 100,000
   // bucketed collectives make about 450,000), counted as they are read, before inference
-  // makes the values.
+  // makes the values. Operands and graphs count too: an operand ("%x,", 3 bytes) takes about
+  // 100 bytes and 8 more per dim of its type while its node is read (a cat of 4 M rank-64
+  // operands took 2.35 GB), so it counts 1 + rank / 4; an empty graph ("graph @g(){return}")
+  // takes about 1 KB, so it counts kGraphElements.
   static constexpr int64_t kMaxParsedElements = int64_t{1} << 24;
+  static constexpr size_t kGraphElements = 64;
   void count_elements(size_t n, SourceLoc loc) {
     elements_ += static_cast<int64_t>(n);
     if (elements_ > kMaxParsedElements) {
-      error(loc, fmt::format("the text holds more than {} values and attribute list elements; "
-                             "larger graphs are not read",
+      error(loc, fmt::format("the text holds more than {} values, operands and attribute list "
+                             "elements; larger graphs are not read",
                              kMaxParsedElements));
     }
   }
@@ -422,6 +426,7 @@ class Parser {
                                   excerpt(tok_.text, 64), loc_str(first->loc())));
     }
     if (tok_.text.size() > (size_t{1} << 20)) error(tok_.loc, "graph names are at most 2^20 bytes long");
+    count_elements(kGraphElements, graph_loc);
     auto graph = std::make_unique<Graph>(std::string(tok_.text));
     graph->set_source(file_, graph_loc);
     g_ = graph.get();
@@ -582,6 +587,14 @@ class Parser {
     return v;
   }
 
+  // parse_ref for an operand or an output, counted (see count_elements).
+  Value* parse_counted_ref() {
+    const SourceLoc loc = tok_.loc;
+    Value* v = parse_ref();
+    count_elements(1 + v->shape().size() / 4, loc);
+    return v;
+  }
+
   void parse_node() {
     check_new_name();
     const Token name = tok_;
@@ -612,7 +625,7 @@ class Parser {
     operands.reserve(static_cast<size_t>(op->num_operands));
     if (tok_.kind != Tok::RParen) {
       for (;;) {
-        operands.push_back(parse_ref());
+        operands.push_back(parse_counted_ref());
         if (tok_.kind != Tok::Comma) break;
         advance();
       }
@@ -808,7 +821,7 @@ class Parser {
     std::vector<Value*> outputs;
     if (tok_.kind == Tok::Value) {
       for (;;) {
-        outputs.push_back(parse_ref());
+        outputs.push_back(parse_counted_ref());
         if (tok_.kind != Tok::Comma) break;
         advance();
       }

@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "funcol/core/error.h"
@@ -144,6 +145,10 @@ TEST(Parser, IntegerLimits) {
             "of dim 0");
 }
 
+constexpr const char* kTooMany =
+    "error: the text holds more than 16777216 values, operands and attribute list elements; "
+    "larger graphs are not read";
+
 // Values and attribute list elements are counted as they are read, and a text with more than
 // 2^24 of them is refused before their memory is taken: a split_with_sizes into empty pieces
 // defines a value per 2 bytes of text ("0,", about 100 bytes of memory each), so a 256 MiB file
@@ -157,12 +162,39 @@ TEST(Parser, RefusesTextsWithTooManyValuesAndListElements) {
   };
   const std::string message = parse_error(split((1 << 24) + 1));
   EXPECT_EQ(message.rfind("t.ir:2:", 0), 0u) << message.substr(0, 200);
-  EXPECT_NE(message.find("error: the text holds more than 16777216 values and attribute list "
-                         "elements; larger graphs are not read"),
-            std::string::npos)
-      << message.substr(0, 200);
+  EXPECT_NE(message.find(kTooMany), std::string::npos) << message.substr(0, 200);
   // A bucket's split of 131,072 members reads.
   EXPECT_EQ(parse_graph(split(1 << 17))->first_node()->num_results(), size_t{1} << 17);
+}
+
+// Operands count 1 + rank / 4 (each takes about 100 bytes and 8 per dim while its node is
+// read: a cat of 4 M rank-64 operands, 12 MB of text, took 2.35 GB) and graphs 64 (an empty
+// one takes about 1 KB: a million of them, 22 MB of text, took 973 MB).
+TEST(Parser, OperandsAndGraphsCountTowardTheLimit) {
+  // 2^20 operands of rank 60 count 16 each: 2^24, and the graph and its input make it too many.
+  const auto cat = [](int operands) {
+    std::string dims = "1";
+    for (int d = 1; d < 60; ++d) dims += ",1";
+    std::string text = "graph @g(%x: f32[" + dims + "]) {\n  %c = cat(%x";
+    for (int i = 1; i < operands; ++i) text += ",%x";
+    return text + ") {dim = 0}\n  return %c\n}\n";
+  };
+  std::string message = parse_error(cat(1 << 20));
+  EXPECT_EQ(message.rfind("t.ir:2:", 0), 0u) << message.substr(0, 200);
+  EXPECT_NE(message.find(kTooMany), std::string::npos) << message.substr(0, 200);
+  // The graph (64), its input, 2^20 - 8 operands, the result and its return: 2^24 - 46.
+  EXPECT_EQ(parse_graph(cat((1 << 20) - 8))->first_node()->num_operands(), (size_t{1} << 20) - 8);
+  // 2^18 empty graphs count 2^24, and their returns nothing.
+  const auto graphs = [](int count) {
+    std::string text;
+    for (int i = 0; i < count; ++i) text += fmt::format("graph @g{}() {{ return }}\n", i);
+    return text;
+  };
+  message = parse_error(graphs((1 << 18) + 1));
+  EXPECT_EQ(message.rfind(fmt::format("t.ir:{}:1:", (1 << 18) + 1), 0), 0u)
+      << message.substr(0, 200);
+  EXPECT_NE(message.find(kTooMany), std::string::npos) << message.substr(0, 200);
+  EXPECT_EQ(parse_module(graphs(1 << 18)).graphs().size(), size_t{1} << 18);
 }
 
 // A float literal too small for a double reads as the nearest one (a subnormal or a signed
