@@ -1460,6 +1460,22 @@ TEST(GroupSpecTest, ARankListPerPairSaysToPassTheListOfLists) {
   });
 }
 
+// Ranks that pass different partitions get an error that names what they passed, not the
+// split_group they never called.
+TEST(GroupSpecTest, DifferentPartitionsOnDifferentRanksNameTheSpec) {
+  run_local(4, [](ProcessGroup& world) {
+    const int r = world.rank();
+    const GroupSpec spec = r < 2 ? GroupSpec({{0, 1}, {2, 3}}) : GroupSpec({{0, 2}, {1, 3}});
+    Tensor x = Tensor::full({2}, DType::F32, r);
+    const std::string message = error_of([&] { all_reduce(x, "sum", spec).to_vector<float>(); });
+    EXPECT_THAT(message, HasSubstr("a group spec of rank lists on group 'world' (split 0): rank 0 "
+                                   "passed [[0, 1], [2, 3]] as 'group1' but rank 2 passed [[0, "
+                                   "2], [1, 3]] as 'group1' (every rank must pass the same "
+                                   "partition of the world, in any order)"));
+    EXPECT_THAT(message, Not(HasSubstr("split_group")));
+  });
+}
+
 TEST(GroupSpecTest, ProcessGroupsAndMeshes) {  // D.20, D.21
   run_local(4, [](ProcessGroup& world) {
     const int r = world.rank();
