@@ -244,6 +244,7 @@ void check_defined(const Tensor& t, const char* what) {
 // A written tensor whose elements share memory (a stride of 0 on a dim of size > 1, as
 // expand() makes) would be written once per alias: PyTorch refuses such writes, so do we.
 void check_no_internal_overlap(const Tensor& t, const char* what) {
+  if (t.numel() == 0) return;  // nothing is written (as PyTorch: an empty tensor is dense)
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.stride(d) == 0 && t.size(d) > 1) {
       throw InvalidArgument(fmt::format(
@@ -1339,18 +1340,19 @@ Tensor Tensor::view_dtype(DType dtype) const {
       throw InvalidArgument(
           what + fmt::format(": the last dim ({}) is not a multiple of {}", sizes.back(), ratio));
     }
-    if (numel() == 0) {
-      // No element to address: the strides of the other dims do not matter (a contiguous
-      // [3, 0] has strides [1, 1], which PyTorch refuses to widen, while the IR's types accept
-      // it). The last dim's stride is still 1, as PyTorch asks.
-      sizes.back() /= ratio;
-      Tensor t = with_layout(sizes, contiguous_strides(sizes), 0);
-      t.dtype_ = dtype;
-      return t;
-    }
     if (offset_ % ratio != 0) {
       throw InvalidArgument(
           what + fmt::format(": the storage offset ({}) is not a multiple of {}", offset_, ratio));
+    }
+    if (numel() == 0) {
+      // No element to address: the strides of the other dims do not matter (a contiguous
+      // [3, 0] has strides [1, 1], which PyTorch refuses to widen, while the IR's types accept
+      // it). The last dim's stride is still 1, as PyTorch asks, and the offset is rescaled as
+      // PyTorch's (an empty narrow keeps its place).
+      sizes.back() /= ratio;
+      Tensor t = with_layout(sizes, contiguous_strides(sizes), offset_ / ratio);
+      t.dtype_ = dtype;
+      return t;
     }
     for (size_t i = 0; i + 1 < strides.size(); ++i) {
       if (strides[i] % ratio != 0 && sizes[i] != 1) {

@@ -794,6 +794,15 @@ TEST(Views, ViewDType) {
     EXPECT_EQ(e.numel(), 0);
   }
   EXPECT_THROW(Tensor::zeros({0, 3}, DType::U8).view_dtype(DType::I16), InvalidArgument);
+  // An empty narrow keeps its place, rescaled, and an offset in no whole new element is refused
+  // (as PyTorch's view(dtype)).
+  EXPECT_EQ(Tensor::zeros({4, 2}, DType::F32).narrow(0, 4, 0).view_dtype(DType::F64)
+                .storage_offset(),
+            4);
+  EXPECT_EQ(error_of<InvalidArgument>([] {
+              Tensor::zeros({3}, DType::F32).narrow(0, 1, 0).view_dtype(DType::F64);
+            }),
+            "view_dtype: cannot view f32[0] as f64: the storage offset (1) is not a multiple of 2");
 }
 
 TEST(Views, Expand) {
@@ -813,6 +822,11 @@ TEST(Views, Expand) {
   EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{1, 2, 3}));
   t.expand({1, 3}).fill_(7);  // a stride-0 dim of size 1 aliases nothing
   EXPECT_EQ(t.to_vector<int>(), (std::vector<int>{7, 7, 7}));
+  // Nor does any dim of an empty tensor (PyTorch's: an empty tensor is dense).
+  Tensor empty = Tensor::zeros({0, 1}, DType::I32).expand({0, 3});
+  empty.fill_(1);
+  empty.copy_(Tensor::zeros({0, 3}, DType::I32));
+  EXPECT_EQ(empty.numel(), 0);
 }
 
 // Sizes whose sums or products leave int64 are refused, not wrapped into a view that reaches
