@@ -999,11 +999,12 @@ void print_header(std::FILE* out, const BenchOptions& o, const BenchReport& repo
   emit(out, fmt::format("# host: {} hardware threads", std::thread::hardware_concurrency()));
   const std::vector<int> cpus = dist_detail::allowed_cpus();
   const bool ranks_bound = o.backend == "threads" && static_cast<int>(cpus.size()) >= o.ranks;
+  const std::string cpu_count = fmt::format("{} CPU{}", cpus.size(), cpus.size() == 1 ? "" : "s");
   emit(out, fmt::format("# binding: reference threads {}; rank threads {}",
                         reference_binding(o, report),
-                        ranks_bound ? fmt::format("one per CPU ({} CPUs)", cpus.size())
+                        ranks_bound ? fmt::format("one per CPU ({})", cpu_count)
                         : o.backend == "threads"
-                            ? fmt::format("unbound ({} ranks, {} CPUs)", o.ranks, cpus.size())
+                            ? fmt::format("unbound ({} ranks, {})", o.ranks, cpu_count)
                             : "processes of the job"));
   emit(out, fmt::format("# memcpy reference: 2 threads, {} each, {:.2f} GB/s per thread, "
                         "{:.2f} GB/s total",
@@ -1368,7 +1369,8 @@ void run_from_flags(const BenchFlags& f, BenchOptions& o) {
   o.ops = parse_bench_ops(f.op);
   o.dtype = parse_bench_dtype(f.dtype);
   o.redop = parse_bench_redop(f.redop);
-  o.root = static_cast<int>(parse_int(f.root, "--root", 0));
+  // Any integer: only a broadcast checks it (validate), as nccl-tests prints root -1 elsewhere.
+  o.root = static_cast<int>(parse_int(f.root, "--root", -INT_MAX));
   o.json = f.json;
   o.in_place = f.in_place;
   o.inject_wrong = f.inject_wrong;

@@ -160,10 +160,25 @@ TEST(BenchE2E, RootIsOnlyBroadcasts) {
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out_only.find(", 2 ranks, dtype f32, redop sum, root none\n"), std::string::npos)
       << r.out;
+  r = bench("-o all_reduce --root -1 --ranks 2 -b 4 -e 4 -n 1 -w 0 -c 1");
+  EXPECT_EQ(r.status, 0) << r.out;
   r = bench("-o broadcast --root 5 --ranks 2 -b 4 -e 4 -n 1 -w 0");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.out.find("funcol: error: --root 5 is out of range for 2 ranks"), std::string::npos)
       << r.out;
+  r = bench("-o broadcast --root -1 --ranks 2 -b 4 -e 4 -n 1 -w 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("funcol: error: --root -1 is out of range for 2 ranks"), std::string::npos)
+      << r.out;
+}
+
+// Threads confined to one CPU: the binding line says "1 CPU", not "1 CPUs".
+TEST(BenchE2E, OneAllowedCpuIsSingular) {
+  const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
+      std::string("taskset -c 0 ") + FUNCOL_BIN +
+      " bench -o all_reduce --ranks 2 -b 4 -e 4 -n 1 -w 0");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("; rank threads unbound (2 ranks, 1 CPU)\n"), std::string::npos) << r.out;
 }
 
 TEST(BenchE2E, BadFlagValuesExitOneWithAClearMessage) {

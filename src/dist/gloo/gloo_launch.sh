@@ -15,6 +15,10 @@
 set -uo pipefail
 
 me=$(basename "$0")
+usage() {
+  echo "usage: $me --np N [--store URL] [--expect-killed R] [--timeout S] --" \
+       "program args..."
+}
 np=""
 store=""
 expect_killed=-1
@@ -30,12 +34,12 @@ while [ $# -gt 0 ]; do
     --expect-killed) expect_killed=$2; shift 2 ;;
     --timeout) timeout=$2; shift 2 ;;
     --) shift; break ;;
-    *) echo "$me: unknown option '$1'" >&2; exit 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "$me: unknown option '$1'" >&2; usage >&2; exit 2 ;;
   esac
 done
 if [ -z "$np" ] || [ $# -eq 0 ]; then
-  echo "usage: $me --np N [--store URL] [--expect-killed R] [--timeout S] --" \
-       "program args..." >&2
+  usage >&2
   exit 2
 fi
 if ! [[ $np =~ ^[1-9][0-9]*$ ]]; then
