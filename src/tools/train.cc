@@ -796,7 +796,7 @@ void print_report(const TrainOptions& o, const TrainReport& r, std::FILE* out, s
     std::fprintf(err,
                  "funcol train: warning: the loss is %g from step %zu on: training diverged "
                  "(lower --lr)\n",
-                 r.losses[*step], *step + 1);
+                 shown(r.losses[*step]), *step + 1);
   } else if (non_finite_weights(r)) {
     std::fprintf(err,
                  "funcol train: warning: the last step's update made weights infinite or NaN: "

@@ -297,6 +297,7 @@ TEST(Train, DivergedTrainingIsReportedNotMatched) {
   EXPECT_TRUE(nlohmann::json::parse(c.out)["max_abs_diff_vs_reference"].is_null()) << c.out;
   EXPECT_NE(c.err.find("funcol train: warning: the loss is "), std::string::npos) << c.err;
   EXPECT_NE(c.err.find("training diverged (lower --lr)"), std::string::npos) << c.err;
+  EXPECT_EQ(c.err.find("-nan"), std::string::npos) << c.err;
   // The summary says "nan", as PyTorch prints it, whatever the NaN's sign bit ("-nan" before).
   const std::string text = train_summary(o, r);
   if (std::isnan(r.final_loss)) {
