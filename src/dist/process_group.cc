@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -366,7 +367,11 @@ ProcessGroup::ProcessGroup(int rank, std::vector<int> global_ranks, std::string 
       global_ranks_(std::move(global_ranks)),
       name_(std::move(name)),
       registry_(registry),
-      registry_alive_(registry != nullptr ? registry->alive_ : nullptr) {}
+      registry_alive_(registry != nullptr ? registry->alive_ : nullptr),
+      instance_id_([] {
+        static std::atomic<uint64_t> next{1};
+        return next.fetch_add(1, std::memory_order_relaxed);
+      }()) {}
 
 GroupRegistry& ProcessGroup::registry() const {
   if (registry_alive_.expired()) {

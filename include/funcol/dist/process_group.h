@@ -1,6 +1,7 @@
 // ProcessGroup: a set of ranks and the asynchronous collective primitives a backend implements.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -134,6 +135,10 @@ class ProcessGroup {
   // destroy_process_group) cannot make or find groups any more.
   GroupRegistry& registry() const;
 
+  // A number no other ProcessGroup of this process had or will have (from 1): a key for caches
+  // that must not take a new group allocated where a destroyed one was for the old one.
+  uint64_t instance_id() const { return instance_id_; }
+
  protected:
   ProcessGroup(int rank, std::vector<int> global_ranks, std::string name, GroupRegistry* registry);
 
@@ -147,6 +152,7 @@ class ProcessGroup {
   std::string name_;
   GroupRegistry* registry_;
   std::weak_ptr<const void> registry_alive_;  // GroupRegistry::alive_
+  uint64_t instance_id_;
 };
 
 // Per-rank registry of groups by name. "world" always exists. Groups are created collectively,

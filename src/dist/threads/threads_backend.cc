@@ -3580,13 +3580,16 @@ class ThreadsGroup final : public ProcessGroup {
   // that rank (rank 2 calling rank 0's group gave rank 1 a wrong sum, silently): refused. Any
   // other thread (one a rank started, or a rank of another world) may issue for this rank.
   void check_caller(OpKind kind, bool coalesced, bool flat) const {
-    // The calling thread's rank in this group's world, cached per thread by its world.
-    thread_local const ProcessGroup* seen_world = nullptr;
+    // The calling thread's rank in this group's world, cached per thread by its world's
+    // instance id (not its address: a thread that outlives a run_local met the next run's world
+    // group at the address of the old one, of another rank, and was refused).
+    thread_local uint64_t seen_world = 0;
     thread_local const World* caller_world = nullptr;
     thread_local int caller_rank = -1;
     const ProcessGroup* cw = funcol::current_world();
-    if (cw != seen_world) {
-      seen_world = cw;
+    const uint64_t cw_id = cw != nullptr ? cw->instance_id() : 0;
+    if (cw_id != seen_world) {
+      seen_world = cw_id;
       const auto* tg = dynamic_cast<const ThreadsGroup*>(cw);
       caller_world = tg ? tg->world_.get() : nullptr;
       caller_rank = tg ? tg->global_rank_ : -1;

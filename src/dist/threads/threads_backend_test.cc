@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -542,6 +544,58 @@ TEST(RunLocalTest, ARankCannotIssueOnAnotherRanksGroupObject) {
     }
     world.barrier();  // rank 0's group object outlives rank 2's use of it
   });
+}
+
+// A thread that outlives run_local (a pool's) issues for rank 0 in one run and for rank 1 in the
+// next, each time under that rank's WorldScope: it used to be refused in every other run ("this
+// group object belongs to global rank 1, but global rank 0 called it"), as the check cached the
+// thread's rank by its world group's address, where the next run's allocator put the other
+// rank's group.
+TEST(RunLocalTest, AThreadOutlivingRunLocalIssuesForAnotherRankInTheNextRun) {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::function<void()> job;
+  bool quit = false;
+  std::thread pool([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return quit || job; });
+      if (quit) return;
+      job();
+      job = nullptr;
+      cv.notify_all();
+    }
+  });
+  auto run_on_pool = [&](const std::function<void()>& fn) {
+    std::unique_lock<std::mutex> lock(mu);
+    job = fn;
+    cv.notify_all();
+    cv.wait(lock, [&] { return !job; });
+  };
+  LocalOptions options;
+  options.timeout = std::chrono::seconds(20);
+  for (int run = 0; run < 10; ++run) {
+    const int delegating = run % 2;
+    run_ranks(2, [&](ProcessGroup& world) {
+      auto body = [&] {
+        WorldScope scope(&world);
+        Tensor t = Tensor::full({4}, DType::I32, world.rank() + 1);
+        EXPECT_NO_THROW(world.all_reduce(t, ReduceOp::Sum)->wait()) << "run " << run;
+        EXPECT_EQ(t.to_vector<int32_t>(), std::vector<int32_t>(4, 3)) << "run " << run;
+      };
+      if (world.rank() == delegating) {
+        run_on_pool(body);
+      } else {
+        body();
+      }
+    }, options);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    quit = true;
+  }
+  cv.notify_all();
+  pool.join();
 }
 
 // Groups of more than 16 ranks keep no spare op per rank (R spares of R members each): the
