@@ -138,14 +138,10 @@ ProcessGroup& resolve_rank_lists(const std::vector<std::vector<int>>& lists) {
   constexpr const char* kWhat = "a group spec of rank lists";
   if (!dist_detail::on_every_rank(world, existing != nullptr, kWhat)) {
     const std::string name = dist_detail::agreed_group_name(world, kWhat);
-    const dist_detail::SplitCaller caller(kWhat);  // its errors name the spec, not split_group
-    try {
-      existing = world.split_group(sorted, name);
-    } catch (const CommError& e) {
-      throw CommError(fmt::format("{} (every rank must pass the same partition of the world, "
-                                  "in any order)",
-                                  e.what()));
-    }
+    // Its errors name the spec, not split_group.
+    const dist_detail::SplitCaller caller(
+        kWhat, "every rank must pass the same partition of the world, in any order");
+    existing = world.split_group(sorted, name);
     FUNCOL_CHECK(existing != nullptr, "split_group returned null on a member rank");
   }
   registry.add_resolved_partition(std::move(sorted));

@@ -644,9 +644,11 @@ void agree_on_split(ProcessGroup& parent, int split,
   for (int r = 1; r < n; ++r) {
     if (part(r, false) != part(0, false)) {
       throw CommError(fmt::format(
-          "{} on group '{}' (split {}): rank {} passed {} but rank {} passed {}", split_caller(),
+          "{} on group '{}' (split {}): rank {} passed {} but rank {} passed {}{}", split_caller(),
           parent.name(), split, parent.global_ranks()[0], part(0, false),
-          parent.global_ranks()[r], part(r, false)));
+          parent.global_ranks()[r], part(r, false),
+          split_mismatch_hint() != nullptr ? fmt::format(" ({})", split_mismatch_hint())
+                                           : std::string()));
     }
   }
   for (int r = 0; r < n; ++r) {
@@ -660,6 +662,7 @@ std::mutex g_step_labels_mu;
 std::vector<const char*> g_step_labels;
 thread_local uint8_t t_internal_step = 0;
 thread_local const char* t_split_caller = "split_group";
+thread_local const char* t_split_hint = nullptr;
 
 uint8_t step_id(const char* label) {
   std::lock_guard<std::mutex> lock(g_step_labels_mu);
@@ -680,11 +683,20 @@ InternalStep::~InternalStep() { t_internal_step = previous_; }
 
 uint8_t internal_step() { return t_internal_step; }
 
-SplitCaller::SplitCaller(const char* name) : previous_(t_split_caller) { t_split_caller = name; }
+SplitCaller::SplitCaller(const char* name, const char* mismatch_hint)
+    : previous_(t_split_caller), previous_hint_(t_split_hint) {
+  t_split_caller = name;
+  t_split_hint = mismatch_hint;
+}
 
-SplitCaller::~SplitCaller() { t_split_caller = previous_; }
+SplitCaller::~SplitCaller() {
+  t_split_caller = previous_;
+  t_split_hint = previous_hint_;
+}
 
 const char* split_caller() { return t_split_caller; }
+
+const char* split_mismatch_hint() { return t_split_hint; }
 
 const char* step_label(uint8_t step) {
   if (step == 0) return nullptr;

@@ -200,20 +200,24 @@ inline constexpr char kBackwardStep[] = "backward";
 std::string describe_step(const char* label);
 
 // The public call a split_group runs for while in scope (new_group), which its errors name
-// instead of split_group: a user who called new_group never called split_group. `name` must
-// outlive the scope (a string literal); scopes nest.
+// instead of split_group: a user who called new_group never called split_group. `name` and
+// `mismatch_hint` must outlive the scope (string literals); scopes nest. `mismatch_hint` (or
+// null) ends, in parentheses, the error for ranks that passed different lists.
 class SplitCaller {
  public:
-  explicit SplitCaller(const char* name);
+  explicit SplitCaller(const char* name, const char* mismatch_hint = nullptr);
   ~SplitCaller();
   SplitCaller(const SplitCaller&) = delete;
   SplitCaller& operator=(const SplitCaller&) = delete;
 
  private:
   const char* previous_;
+  const char* previous_hint_;
 };
 // The innermost SplitCaller's name on this thread, or "split_group".
 const char* split_caller();
+// The innermost SplitCaller's mismatch hint on this thread, or null.
+const char* split_mismatch_hint();
 
 // split_group, on every backend: validates the arguments (a new name; lists of members of
 // `parent`, each rank in at most one) and returns the calling rank's list, or nullopt when it

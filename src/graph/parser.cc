@@ -380,8 +380,8 @@ class Parser {
   std::vector<Type> in_types_;  // scratch, reused for every node
   Type given_;                  // scratch for result types written after ':'
   std::vector<int64_t> ints_;   // scratch for integer lists
-  // Values (graph inputs and node results) and attribute list elements read so far: see
-  // count_elements.
+  // Elements read so far (values, attribute list elements, operands and graphs, weighted):
+  // see count_elements.
   int64_t elements_ = 0;
 
   void advance() { tok_ = lex_.next(); }
@@ -399,9 +399,10 @@ class Parser {
   void count_elements(size_t n, SourceLoc loc) {
     elements_ += static_cast<int64_t>(n);
     if (elements_ > kMaxParsedElements) {
-      error(loc, fmt::format("the text holds more than {} values, operands and attribute list "
-                             "elements; larger graphs are not read",
-                             kMaxParsedElements));
+      error(loc, fmt::format("the text holds more than {} elements (values and attribute list "
+                             "elements 1 each, operands 1 + rank/4, graphs {}); larger graphs "
+                             "are not read",
+                             kMaxParsedElements, kGraphElements));
     }
   }
   bool is_ident(std::string_view word) const { return tok_.kind == Tok::Ident && tok_.text == word; }

@@ -146,8 +146,8 @@ TEST(Parser, IntegerLimits) {
 }
 
 constexpr const char* kTooMany =
-    "error: the text holds more than 16777216 values, operands and attribute list elements; "
-    "larger graphs are not read";
+    "error: the text holds more than 16777216 elements (values and attribute list elements 1 "
+    "each, operands 1 + rank/4, graphs 64); larger graphs are not read";
 
 // Values and attribute list elements are counted as they are read, and a text with more than
 // 2^24 of them is refused before their memory is taken: a split_with_sizes into empty pieces
