@@ -74,17 +74,13 @@ ProcessGroup& resolve_rank_list(const std::vector<int>& ranks) {
   std::sort(sorted.begin(), sorted.end());
   if (auto group = world.registry().find_by_ranks(sorted)) return *group;
   // Collective over the world (see the header): every other rank creates it at the same point.
-  std::shared_ptr<ProcessGroup> group;
-  try {
-    group = new_group(world, sorted);
-  } catch (const CommError& e) {
-    // Most likely each set of ranks passed its own list (one group per set, SPMD style).
-    throw CommError(fmt::format(
-        "{} (a rank list as a group is created over the whole world, which must all pass the "
-        "same list; for a group per set of ranks pass the list of rank lists, e.g. {{{{0, 1}}, "
-        "{{2, 3}}}})",
-        e.what()));
-  }
+  // Ranks that passed different lists most likely each passed their own set (one group per
+  // set, SPMD style): the mismatch error says what to pass instead.
+  const dist_detail::SplitCaller hint(
+      dist_detail::split_caller(),
+      "a rank list as a group is created over the whole world, which must all pass the same "
+      "list; for a group per set of ranks pass the list of rank lists, e.g. {{0, 1}, {2, 3}}");
+  std::shared_ptr<ProcessGroup> group = new_group(world, sorted);
   FUNCOL_CHECK(group != nullptr, "new_group returned null on a member rank");
   return *group;
 }

@@ -686,7 +686,7 @@ uint8_t internal_step() { return t_internal_step; }
 SplitCaller::SplitCaller(const char* name, const char* mismatch_hint)
     : previous_(t_split_caller), previous_hint_(t_split_hint) {
   t_split_caller = name;
-  t_split_hint = mismatch_hint;
+  if (mismatch_hint != nullptr) t_split_hint = mismatch_hint;
 }
 
 SplitCaller::~SplitCaller() {

@@ -201,8 +201,9 @@ std::string describe_step(const char* label);
 
 // The public call a split_group runs for while in scope (new_group), which its errors name
 // instead of split_group: a user who called new_group never called split_group. `name` and
-// `mismatch_hint` must outlive the scope (string literals); scopes nest. `mismatch_hint` (or
-// null) ends, in parentheses, the error for ranks that passed different lists.
+// `mismatch_hint` must outlive the scope (string literals); scopes nest. `mismatch_hint` ends,
+// in parentheses, the error for ranks that passed different lists; null keeps the enclosing
+// scope's (new_group called for a rank-list group spec keeps the spec's hint).
 class SplitCaller {
  public:
   explicit SplitCaller(const char* name, const char* mismatch_hint = nullptr);
