@@ -35,6 +35,17 @@ int allowed_cpus() {
   return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
 }
 
+// The first CPU this process may run on.
+int first_allowed_cpu() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) return cpu;
+  }
+  return 0;
+}
+
 using funcol::tools::e2e::alive;
 using funcol::tools::e2e::eventually;
 using funcol::tools::e2e::process_backends;
@@ -175,7 +186,7 @@ TEST(BenchE2E, RootIsOnlyBroadcasts) {
 // Threads confined to one CPU: the binding line says "1 CPU", not "1 CPUs".
 TEST(BenchE2E, OneAllowedCpuIsSingular) {
   const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
-      std::string("taskset -c 0 ") + FUNCOL_BIN +
+      "taskset -c " + std::to_string(first_allowed_cpu()) + " " + FUNCOL_BIN +
       " bench -o all_reduce --ranks 2 -b 4 -e 4 -n 1 -w 0");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("; rank threads unbound (2 ranks, 1 CPU)\n"), std::string::npos) << r.out;
