@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "dist/affinity.h"
 #include "tools/e2e_util.h"
 #include "tools/spawn.h"
 
@@ -28,22 +29,9 @@
 
 namespace {
 
-// The CPUs this process may run on (the launcher's, when it measures the references).
+// How many CPUs this process may run on (the launcher's, when it measures the references).
 int allowed_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  return sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-}
-
-// The first CPU this process may run on.
-int first_allowed_cpu() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (CPU_ISSET(cpu, &set)) return cpu;
-  }
-  return 0;
+  return std::max(1, static_cast<int>(funcol::dist_detail::allowed_cpus().size()));
 }
 
 using funcol::tools::e2e::alive;
@@ -185,8 +173,10 @@ TEST(BenchE2E, RootIsOnlyBroadcasts) {
 
 // Threads confined to one CPU: the binding line says "1 CPU", not "1 CPUs".
 TEST(BenchE2E, OneAllowedCpuIsSingular) {
+  const std::vector<int> cpus = funcol::dist_detail::allowed_cpus();
+  ASSERT_FALSE(cpus.empty());
   const funcol::tools::e2e::ShellResult r = funcol::tools::e2e::run_shell(
-      "taskset -c " + std::to_string(first_allowed_cpu()) + " " + FUNCOL_BIN +
+      "taskset -c " + std::to_string(cpus.front()) + " " + FUNCOL_BIN +
       " bench -o all_reduce --ranks 2 -b 4 -e 4 -n 1 -w 0");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("; rank threads unbound (2 ranks, 1 CPU)\n"), std::string::npos) << r.out;
