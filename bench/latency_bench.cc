@@ -14,11 +14,19 @@
 // writes its own buffer once both have read) shows whether moving the data both ways at once,
 // with no staging copy, pays for its second handoff and for invalidating the lines the peer read.
 // A split protocol (each rank reduces half of both buffers in place) shows what a loop that
-// never touches its buffers gains when each half stays with its reducer.
+// never touches its buffers gains when each half stays with its reducer. An LL protocol (as
+// NCCL's: each 8-byte store carries 4 data bytes and the call's number, so the reader needs no
+// separate flag) shows what a single one-way handoff, with data and flag in the same lines,
+// costs when every staging line changes owner twice per call.
 //
 // Both sides run one thread per CPU (as `funcol bench`: see LocalOptions::bind_threads).
 //
-// Usage: latency_bench [--iters N]   (prints one table; run on a quiet machine)
+// With --touch every thread, before each call (outside the timed part), scales its buffer: it
+// reads the last result and writes its next input, as a program does. The buffer's lines then
+// cross between the cores in every protocol, and the ones that keep each line with one
+// reducer lose that advantage.
+//
+// Usage: latency_bench [--iters N] [--touch]   (prints one table; run on a quiet machine)
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -57,8 +65,21 @@ Stats summarize(std::vector<double> us) {
   return s;
 }
 
+// Whether each thread scales its buffer before each call (--touch).
+struct Run {
+  int iters = 100000;
+  bool touch = false;
+};
+
+// What a program does between two calls with --touch: reads its result, writes its next input.
+void touch_buffer(const Run& run, float* data, int64_t numel) {
+  if (!run.touch) return;
+  for (int64_t e = 0; e < numel; ++e) data[e] *= 0.5f;
+}
+
 // funcol: rank 0's per-call times of ProcessGroup::all_reduce + wait on a f32[numel] tensor.
-Stats funcol_all_reduce(int64_t numel, int iters) {
+Stats funcol_all_reduce(int64_t numel, const Run& run) {
+  const int iters = run.iters;
   std::vector<double> times;
   funcol::LocalOptions bound;
   bound.bind_threads = true;  // as the minimal protocol's threads: one per CPU
@@ -71,6 +92,7 @@ Stats funcol_all_reduce(int64_t numel, int iters) {
     pg.barrier();
     std::vector<double> mine(static_cast<size_t>(iters));
     for (int i = 0; i < iters; ++i) {
+      touch_buffer(run, t.data<float>(), numel);
       const auto t0 = Clock::now();
       pg.all_reduce(t, funcol::ReduceOp::Sum)->wait();
       t.wait();
@@ -88,7 +110,8 @@ Stats funcol_all_reduce(int64_t numel, int iters) {
 // line boundary then shares no line); returns rank 0's per-call times, after a tenth as many
 // untimed calls.
 template <typename Call>
-Stats time_pair(int64_t numel, int iters, Call call) {
+Stats time_pair(int64_t numel, const Run& run, Call call) {
+  const int iters = run.iters;
   const int total = iters + iters / 10;
   std::vector<double> times(static_cast<size_t>(iters));
   auto body = [&](int r) {
@@ -96,6 +119,7 @@ Stats time_pair(int64_t numel, int iters, Call call) {
     const funcol::Tensor buf = funcol::Tensor::zeros({numel}, funcol::DType::F32);
     float* data = buf.data<float>();
     for (int64_t i = 1; i <= total; ++i) {
+      touch_buffer(run, data, numel);
       const auto t0 = Clock::now();
       call(r, i, data);
       const int64_t timed = i - (total - iters) - 1;
@@ -131,14 +155,14 @@ void spin_until(const std::atomic<int64_t>& a, int64_t v) {
 // overwritten: a thread can only start call i+2 after its peer started call i+1, that is,
 // finished call i. One one-way handoff per call and no writes to another thread's memory;
 // every rank computes the same sum in the same order.
-Stats one_shot_all_reduce(int64_t numel, int iters) {
+Stats one_shot_all_reduce(int64_t numel, const Run& run) {
   const auto n = static_cast<size_t>(numel);
   std::vector<float> staging[2][2];
   for (auto& r : staging) {
     for (auto& b : r) b.assign(n + 16, 0.0f);
   }
   Counter staged[2];
-  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+  return time_pair(numel, run, [&](int r, int64_t i, float* buf) {
     float* mine = staging[r][i % 2].data();
     if (n % 16 == 0) {
       // Streamed to memory: a plain copy first has to take the lines back from the peer,
@@ -161,14 +185,14 @@ Stats one_shot_all_reduce(int64_t numel, int iters) {
 // rank order) into a private scratch, says it has finished reading, waits for the peer to say
 // the same, then copies the scratch into its own buffer. Two one-way handoffs, no staging copy,
 // each rank's data crosses once, both directions at the same time.
-Stats symmetric_all_reduce(int64_t numel, int iters) {
+Stats symmetric_all_reduce(int64_t numel, const Run& run) {
   Published box[2];
   Counter done[2];
   const auto n = static_cast<size_t>(numel);
   std::vector<float> scratch[2];
   scratch[0].assign(n + 16, 0.0f);
   scratch[1].assign(n + 16, 0.0f);
-  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+  return time_pair(numel, run, [&](int r, int64_t i, float* buf) {
     box[r].buf = buf;
     box[r].seq.store(i, std::memory_order_release);
     spin_until(box[1 - r].seq, i);
@@ -188,12 +212,12 @@ Stats symmetric_all_reduce(int64_t numel, int iters) {
 // one-way handoffs; a loop that never touches its buffer between calls keeps each half in its
 // reducer's cache, so no data crosses (session 7 measured a program that writes its buffer
 // before each call and reads it after: no gain there).
-Stats split_all_reduce(int64_t numel, int iters) {
+Stats split_all_reduce(int64_t numel, const Run& run) {
   Published box[2];
   Counter done[2];
   const auto n = static_cast<size_t>(numel);
   const size_t half = n / 2 / 16 * 16;  // whole lines of f32
-  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+  return time_pair(numel, run, [&](int r, int64_t i, float* buf) {
     box[r].buf = buf;
     box[r].seq.store(i, std::memory_order_release);
     spin_until(box[1 - r].seq, i);
@@ -210,12 +234,48 @@ Stats split_all_reduce(int64_t numel, int iters) {
   });
 }
 
+// LL: each thread stores its buffer into its own staging area as 8-byte units, the element's
+// bits under the call's number, each in one store; the peer spins on each unit until it
+// carries this call's number and adds the element to its own. Two staging areas alternate by
+// call, as the one-shot's. One one-way handoff, but each staging line changes owner twice per
+// call (the writer takes it back from the reader of two calls ago).
+Stats ll_all_reduce(int64_t numel, const Run& run) {
+  const auto n = static_cast<size_t>(numel);
+  std::vector<std::atomic<uint64_t>> staging[2][2];
+  for (auto& r : staging) {
+    for (auto& b : r) b = std::vector<std::atomic<uint64_t>>(n);  // zero: no call's number
+  }
+  return time_pair(numel, run, [&](int r, int64_t i, float* buf) {
+    std::atomic<uint64_t>* mine = staging[r][i % 2].data();
+    const std::atomic<uint64_t>* theirs = staging[1 - r][i % 2].data();
+    const uint64_t tag = static_cast<uint64_t>(i) << 32;
+    for (size_t k = 0; k < n; ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, buf + k, sizeof bits);
+      mine[k].store(tag | bits, std::memory_order_relaxed);
+    }
+    for (size_t k = 0; k < n; ++k) {
+      uint64_t unit = 0;
+      funcol::dist_detail::poll_until(
+          [&] {
+            unit = theirs[k].load(std::memory_order_relaxed);
+            return (unit >> 32) == (tag >> 32);
+          },
+          4096);
+      const auto bits = static_cast<uint32_t>(unit);
+      float theirs_k;
+      std::memcpy(&theirs_k, &bits, sizeof bits);
+      buf[k] += theirs_k;  // a + b == b + a: both ranks get the same bits
+    }
+  });
+}
+
 // The minimal protocol; `fixed`: rank 1 always executes.
-Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
+Stats minimal_all_reduce(int64_t numel, const Run& run, bool fixed) {
   Published box[2];
   Counter arrivals, done;
   const auto n = static_cast<size_t>(numel);
-  return time_pair(numel, iters, [&](int r, int64_t i, float* buf) {
+  return time_pair(numel, run, [&](int r, int64_t i, float* buf) {
     box[r].buf = buf;
     box[r].seq.store(i, std::memory_order_release);
     const int64_t arrived = arrivals.v.fetch_add(1, std::memory_order_acq_rel) + 1;
@@ -240,34 +300,38 @@ Stats minimal_all_reduce(int64_t numel, int iters, bool fixed) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int iters = 100000;
+  Run run;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--iters" && i + 1 < argc) {
-      iters = std::atoi(argv[++i]);
+      run.iters = std::atoi(argv[++i]);
+    } else if (arg == "--touch") {
+      run.touch = true;
     } else {
-      std::fprintf(stderr, "usage: latency_bench [--iters N]\n");
+      std::fprintf(stderr, "usage: latency_bench [--iters N] [--touch]\n");
       return 2;
     }
   }
+  const int iters = run.iters;
   if (iters < 10) {
     std::fprintf(stderr, "latency_bench: --iters must be at least 10\n");
     return 2;
   }
   const double handoff = funcol::tools::measure_handoff().round_trip_ns;
   std::printf("# latency_bench: 2 ranks, in-place all_reduce of f32, %d timed calls each; rank 0's "
-              "per-call time in us\n",
-              iters);
+              "per-call time in us%s\n",
+              iters, run.touch ? "; buffers scaled before each call (--touch)" : "");
   std::printf("# handoff reference: 2 threads, cache-line round trip %.0f ns\n", handoff);
   std::printf("%-10s %-38s %8s %8s %10s\n", "bytes", "implementation", "p50_us", "mean_us",
               "p50/handoff");
   for (int64_t numel : {int64_t{1}, int64_t{1024}}) {
-    const Stats f = funcol_all_reduce(numel, iters);
-    const Stats m = minimal_all_reduce(numel, iters, false);
-    const Stats x = minimal_all_reduce(numel, iters, true);
-    const Stats o = one_shot_all_reduce(numel, iters);
-    const Stats y = symmetric_all_reduce(numel, iters);
-    const Stats z = split_all_reduce(numel, iters);
+    const Stats f = funcol_all_reduce(numel, run);
+    const Stats m = minimal_all_reduce(numel, run, false);
+    const Stats x = minimal_all_reduce(numel, run, true);
+    const Stats o = one_shot_all_reduce(numel, run);
+    const Stats y = symmetric_all_reduce(numel, run);
+    const Stats z = split_all_reduce(numel, run);
+    const Stats l = ll_all_reduce(numel, run);
     const int64_t bytes = numel * 4;
     auto row = [&](const char* name, const Stats& s) {
       std::printf("%-10lld %-38s %8.2f %8.2f %10.1f\n", static_cast<long long>(bytes), name, s.p50,
@@ -279,6 +343,7 @@ int main(int argc, char** argv) {
     row("one-shot (staged, every rank reduces)", o);
     row("symmetric (read in place, scratch)", y);
     row("split (each rank reduces half)", z);
+    row("LL (flag in every 8-byte store)", l);
   }
   return 0;
 }
