@@ -232,7 +232,7 @@ void add_opt_command(CLI::App& app) {
                 "write {\"nodes\", \"ops\", \"passes\"} as one JSON line to stderr (with "
                 "--split-input-file: totals over the cases)");
   sub->add_flag("--explain", options->explain,
-                "write the bucketing passes' decisions to stderr");
+                "write the bucketing passes' buckets and skips, and overlap's moves, to stderr");
   sub->add_option("--emit", options->emit, "output format: ir or dot")
       ->check(CLI::IsMember({"ir", "dot"}));
   sub->add_flag("--split-input-file", options->split_input_file,

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string_view>
 #include <thread>
 
 #include "dist/checks.h"
@@ -768,9 +769,14 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
 
 std::string ProcessGroupBase::gave_up_message(const CollectiveOp& op) const {
   const std::string& desc = op.work->description();
-  // The peer's error names the same collective unless the two ranks issued different ones.
-  if (gave_up_->error.rfind(desc + ":", 0) == 0) return gave_up_->error;
-  return fmt::format("{}: rank {} gave up on it: {}", desc, gave_up_->from, gave_up_->error);
+  // The peer's error names the same collective unless the two ranks issued different ones; it
+  // is the peer's view ("timed out ...; missing ranks [this rank]" for a rank that was stopped
+  // with the collective in flight), so it says whose it is either way.
+  std::string_view error = gave_up_->error;
+  if (error.starts_with(desc) && error.substr(desc.size()).starts_with(": ")) {
+    error.remove_prefix(desc.size() + 2);
+  }
+  return fmt::format("{}: rank {} gave up on it: {}", desc, gave_up_->from, error);
 }
 
 std::string ProcessGroupBase::late_message(const CollectiveOp& op) const {

@@ -258,9 +258,9 @@ class ProcessGroupBase : public ProcessGroup,
   // it, deaths first (the likely cause), with " before joining" on a departure, and them as
   // missing; `first` (the first loss seen, described) when the monitor knows none.
   std::string loss_message(const CollectiveOp& op, const std::string& first) const;
-  // The error of collective gave_up_->seq: the peer's that gave up on it, which names this
-  // rank's collective only when both issued the same ("<op>: rank 0 gave up on it: <its
-  // error>" otherwise). gave_up_ is set once; read on the thread that set it or under mu_.
+  // The error of collective gave_up_->seq: "<op>: rank R gave up on it: <R's error>", where
+  // R's error leaves out its "<op>: " when both issued the same collective. gave_up_ is set
+  // once; read on the thread that set it or under mu_.
   std::string gave_up_message(const CollectiveOp& op) const;
   // The same, issued after the peer gave up on it (mu_ held).
   std::string late_message(const CollectiveOp& op) const;

@@ -1267,7 +1267,8 @@ void scenario_reinit(const std::string& backend) {
 // Rank 0 gives up (its timeout is 2 s) on a collective the last rank issues only after 6 s;
 // the ranks between, with a 40 s timeout, wait in Gloo for the last rank. Their collective
 // fails when rank 0 gives up, and destroy_process_group returns at once: it used to wait for
-// the group's worker, which stayed in Gloo's wait until their own timeout.
+// the group's worker, which stayed in Gloo's wait until their own timeout. Every rank but 0
+// is told that rank 0 gave up (they read rank 0's timeout as if it were their own).
 void scenario_abandoned(const std::string& backend) {
   const char* rank = std::getenv("RANK");
   if (rank == nullptr) failed("run under gloo_launch.sh");
@@ -1281,7 +1282,13 @@ void scenario_abandoned(const std::string& backend) {
   if (g_rank == late) std::this_thread::sleep_for(std::chrono::seconds(6));
   const std::string msg = expect_comm_error([&] { check_sum(*world); }, "an abandoned all_reduce");
   const double took = seconds_since(start);
-  expect_contains(msg, "all_reduce on group 'world' (seq 1)");
+  expect_contains(msg, g_rank == 0 ? "all_reduce on group 'world' (seq 1): timed out after 2 s"
+                                    : "all_reduce on group 'world' (seq 1): rank 0 gave up on "
+                                      "it: timed out after 2 s");
+  if (g_rank == late) {
+    expect_contains(msg, fmt::format("; rank {} issued it only after the others had given up on it",
+                                     late));
+  }
   if (g_rank != late && took > 10) failed(fmt::format("the error took {:.1f} s", took));
   world.reset();
   const auto destroying = Clock::now();
