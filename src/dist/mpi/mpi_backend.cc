@@ -710,8 +710,16 @@ class MpiProcessGroup final : public process::ProcessGroupBase {
     }
   }
 
-  // Posts the signature exchange of the next queued collective (detail mode).
+  // Posts the signature exchange of the next queued collective (detail mode). One that failed
+  // while it waited (timeout, lost peer, a peer that gave up) is skipped, as post_from_window
+  // skips it: its exchange would pair with whatever a peer that has not heard yet posts next
+  // on comm_, such as that collective's data.
   void exchange_next() {
+    while (!detail_queue_.empty() && !gate_ && detail_queue_.front()->op->done()) {
+      std::shared_ptr<Slot> failed = std::move(detail_queue_.front());
+      detail_queue_.pop_front();
+      finished(failed, {});
+    }
     if (detail_queue_.empty() || gate_) {  // open_gate() comes back here
       exchanging_ = false;
       return;

@@ -403,12 +403,25 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
   if (!failed_buffer.empty()) {
     // The transport cannot carry this rank's part: the peers learn at once that it gave up on
     // the collective (a transport cannot skip one), and the group is unusable from here on.
+    // The collectives before it still in flight go on: the peers wait in those for this
+    // rank's part (failing them here, as a broken group does, left the peers waiting out
+    // their timeout, and this rank's results of them failed though their data moved).
     const std::string message = dist_detail::failed_buffer_message(op->work->description(),
                                                                     global_rank(), failed_buffer);
     if (PeerMonitor* monitor = size() > 1 ? job_->monitor() : nullptr) {
       monitor->tell_gave_up(global_ranks(), name(), op->seq, message);
     }
-    fail_unposted(op, message);
+    {
+      std::lock_guard lock(mu_);
+      if (op->seq < unusable_from_) {
+        unusable_from_ = op->seq;
+        unusable_why_ = message;
+      }
+      not_taken_part(op->seq);
+    }
+    on_broken(message);
+    op->claim();
+    fail_work(*op, std::make_exception_ptr(CommError(message)));
     return op->work;
   }
   if (size() == 1) {
@@ -426,13 +439,13 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
       fail_work(*op, std::make_exception_ptr(CommError(late_message(*op))));
       return op->work;
     }
-    if (broken_ || op->seq >= departed_limit_) {
+    if (broken_ || op->seq >= unusable_from_) {
       op->claim();
       fail_work(*op, std::make_exception_ptr(
                          CommError(fmt::format("{}: group '{}' is unusable after an earlier "
                                                "failure: {}",
                                                op->work->description(), name(),
-                                               broken_ ? *broken_ : *departed_))));
+                                               broken_ ? *broken_ : *unusable_why_))));
       return op->work;
     }
     inflight_.push_back(op);
@@ -484,7 +497,7 @@ void ProcessGroupBase::drain(std::chrono::steady_clock::time_point deadline) {
     {
       std::lock_guard lock(mu_);
       // In issue order: from the first at the departure limit on, none can complete.
-      if (inflight_.empty() || broken_ || inflight_.front()->seq >= departed_limit_) return;
+      if (inflight_.empty() || broken_ || inflight_.front()->seq >= unusable_from_) return;
     }
     if (std::chrono::steady_clock::now() >= deadline) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -540,13 +553,13 @@ CommError ProcessGroupBase::failed_earlier(const CollectiveOp& op,
       fmt::format("{}: group '{}' failed earlier: {}", op.work->description(), name(), reason));
 }
 
-void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op,
-                               const std::string& message) {
+void ProcessGroupBase::fail_op(const std::shared_ptr<CollectiveOp>& op, const std::string& message,
+                               bool claimed) {
   remove_inflight(op.get());
   // The group is marked broken before the op's Work fails: a caller woken by that failure may
   // issue its next collective at once, which must then find the group unusable (not be taken
   // for one in flight and fail as "failed earlier").
-  const bool mine = op->claim();
+  const bool mine = claimed || op->claim();
   mark_broken(message);
   if (mine) fail_claimed(*op, std::make_exception_ptr(CommError(message)));
 }
@@ -571,7 +584,7 @@ void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,
 
 std::optional<std::string> ProcessGroupBase::broken() const {
   std::lock_guard lock(mu_);
-  return broken_ ? broken_ : departed_;
+  return broken_ ? broken_ : unusable_why_;
 }
 
 Clock::time_point ProcessGroupBase::deadline_of(const CollectiveOp& op) const {
@@ -754,14 +767,18 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
   if (expired) {
     if (!loss.empty()) {
       fail_op(expired, loss_message(*expired, loss));
-    } else {
+    } else if (expired->claim()) {
+      // Claimed before the peers are asked (up to kProgressQueryWait) and told: a transport
+      // that completes it meanwhile finds it failed. (It succeeded here while the peers heard
+      // that this rank gave up on it, and this rank's group broke over a collective it saw
+      // complete.)
       const std::string message = timeout_message(*expired);
       // A peer that is only late learns at once, when it issues this, that nobody waits any
       // more (its transport could otherwise pair it with what this rank's peers still run).
       if (PeerMonitor* monitor = job_->monitor()) {
         monitor->tell_gave_up(global_ranks(), name(), expired->seq, message);
       }
-      fail_op(expired, message);
+      fail_op(expired, message, /*claimed=*/true);
     }
   }
   return earliest;
@@ -771,10 +788,14 @@ std::string ProcessGroupBase::gave_up_message(const CollectiveOp& op) const {
   const std::string& desc = op.work->description();
   // The peer's error names the same collective unless the two ranks issued different ones; it
   // is the peer's view ("timed out ...; missing ranks [this rank]" for a rank that was stopped
-  // with the collective in flight), so it says whose it is either way.
+  // with the collective in flight), so it says whose it is, unless it begins with the peer
+  // ("rank 2 could not take part: ...").
   std::string_view error = gave_up_->error;
   if (error.starts_with(desc) && error.substr(desc.size()).starts_with(": ")) {
     error.remove_prefix(desc.size() + 2);
+  }
+  if (error.starts_with(fmt::format("rank {} ", gave_up_->from))) {
+    return fmt::format("{}: {}", desc, error);
   }
   return fmt::format("{}: rank {} gave up on it: {}", desc, gave_up_->from, error);
 }
@@ -793,8 +814,13 @@ void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string&
     std::lock_guard lock(mu_);
     if (gave_up_) return;  // the first one decides; the others say the same
     gave_up_ = GaveUp{from, seq, error};
-    if (!broken_) broken_ = error;
-    // What this rank issued before `seq` the peer did its part in: it may still complete.
+    // What this rank issued before `seq`, or issues still, the peer does its part in: those
+    // complete (a peer whose input held a failure gives up on that collective while its
+    // earlier ones are in flight; this rank may not have issued them yet).
+    if (seq < unusable_from_) {
+      unusable_from_ = seq;
+      unusable_why_ = error;
+    }
     for (auto& op : inflight_) {
       if (op->seq >= seq && !op->done()) victims.push_back(op);
     }
@@ -840,9 +866,9 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     // departure, every one from the first it did not issue (those before still complete).
     if (!loss.clean) {
       if (!broken_) broken_ = lost;
-    } else if (peer_issued < departed_limit_) {
-      departed_limit_ = peer_issued;
-      departed_ = lost;  // the departure that set the limit
+    } else if (peer_issued < unusable_from_) {
+      unusable_from_ = peer_issued;
+      unusable_why_ = lost;  // the departure that set the limit
     }
     for (auto& op : inflight_) {
       if (op->done()) continue;

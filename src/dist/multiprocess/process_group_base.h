@@ -206,8 +206,10 @@ class ProcessGroupBase : public ProcessGroup,
 
   // Finishes the op's Work (no-op when it was already failed).
   void complete(const std::shared_ptr<CollectiveOp>& op);
-  // Fails the op with CommError(message) and marks the group broken.
-  void fail_op(const std::shared_ptr<CollectiveOp>& op, const std::string& message);
+  // Fails the op with CommError(message) and marks the group broken. `claimed`: the caller
+  // claimed the op already (CollectiveOp::claim).
+  void fail_op(const std::shared_ptr<CollectiveOp>& op, const std::string& message,
+               bool claimed = false);
   // The same for an op that failed before the transport was given any of it (a count it
   // cannot carry, a transport already gone): this rank never took part in it, so the peers
   // waiting in it fail as soon as it leaves. (An op that failed in the transport may have
@@ -259,8 +261,9 @@ class ProcessGroupBase : public ProcessGroup,
   // missing; `first` (the first loss seen, described) when the monitor knows none.
   std::string loss_message(const CollectiveOp& op, const std::string& first) const;
   // The error of collective gave_up_->seq: "<op>: rank R gave up on it: <R's error>", where
-  // R's error leaves out its "<op>: " when both issued the same collective. gave_up_ is set
-  // once; read on the thread that set it or under mu_.
+  // R's error leaves out its "<op>: " when both issued the same collective, and "rank R gave up
+  // on it: " is left out when R's error begins with "rank R ". gave_up_ is set once; read on
+  // the thread that set it or under mu_.
   std::string gave_up_message(const CollectiveOp& op) const;
   // The same, issued after the peer gave up on it (mu_ held).
   std::string late_message(const CollectiveOp& op) const;
@@ -309,11 +312,13 @@ class ProcessGroupBase : public ProcessGroup,
   mutable std::mutex mu_;
   std::deque<std::shared_ptr<CollectiveOp>> inflight_;  // issue order
   std::optional<std::string> broken_;
-  // A member that left cleanly took part in every collective before the fewest any departed
-  // member issued here (departed_limit_): those still complete without it (its part is done:
-  // an eager broadcast's data, an empty collective), later ones never do (why: departed_).
-  int64_t departed_limit_ = std::numeric_limits<int64_t>::max();
-  std::optional<std::string> departed_;
+  // Collectives from unusable_from_ on never complete (why: unusable_why_); those before it
+  // still do. A member that left cleanly took part in every collective before the fewest any
+  // departed member issued here (its part is done: an eager broadcast's data, an empty
+  // collective); this rank takes no part from the first one whose input held a failure (the
+  // peers were told it gave up on that one, not on those before).
+  int64_t unusable_from_ = std::numeric_limits<int64_t>::max();
+  std::optional<std::string> unusable_why_;
   // The first peer that gave up on a collective of this group (on_peer_gave_up).
   struct GaveUp {
     int from = -1;

@@ -931,16 +931,38 @@ Tensor all_reduce_input(bool holds_failure) {
 // The last rank's input holds the failed result of an earlier collective (a Work failed by
 // hand here): it still takes the all_reduce's place in the group's sequence, and every rank's
 // all_reduce fails at once naming it (not at the timeout, and no rank pairs its next collective
-// with another's); the group is unusable afterwards on every rank.
+// with another's); the group is unusable afterwards on every rank. The collectives issued
+// before it complete on every rank, also those the others issue only after the last rank gave
+// up (the last rank failed its own, still in flight, and dropped its part of them: the others
+// waited in them until their timeout, or refused to issue them).
 void scenario_failed_input(funcol::ProcessGroup& world) {
   const int culprit = world.size() - 1;
+  const int n = world.size();
   check_sum(world);
+  // The others come 0.3 s later: the last rank's are still in flight when it gives up.
+  if (world.rank() != culprit) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  std::vector<Tensor> before;
+  std::vector<std::shared_ptr<funcol::Work>> before_works;
+  for (int i = 0; i < 3; ++i) {
+    before.push_back(Tensor::full({1000}, DType::I64, int64_t{100} * i + world.rank()));
+    before_works.push_back(world.all_reduce(before.back(), ReduceOp::Sum));
+  }
   const Tensor t = all_reduce_input(world.rank() == culprit);
   const auto start = Clock::now();
   const std::string msg = expect_comm_error([&] { world.all_reduce(t, ReduceOp::Sum)->wait(); },
                                             "all_reduce with the last rank's input failed");
   const double took = seconds_since(start);
-  expect_contains(msg, "all_reduce on group 'world' (seq 1)");
+  for (int i = 0; i < 3; ++i) {
+    before_works[i]->wait();
+    const int64_t want = int64_t{100} * i * n + int64_t{n} * (n - 1) / 2;
+    if (before[i].to_vector<int64_t>() != std::vector<int64_t>(1000, want)) {
+      failed(fmt::format("the all_reduce before it, seq {}, gave a wrong sum", i + 1));
+    }
+  }
+  if (seconds_since(start) > 5) {
+    failed(fmt::format("the collectives before it took {:.1f} s", seconds_since(start)));
+  }
+  expect_contains(msg, "all_reduce on group 'world' (seq 4)");
   expect_contains(msg, fmt::format("rank {} could not take part: its tensor holds the failed "
                                    "result of an earlier collective (the earlier collective "
                                    "failed)",
