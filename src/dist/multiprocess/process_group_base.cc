@@ -784,36 +784,40 @@ std::optional<Clock::time_point> ProcessGroupBase::check_deadlines(Clock::time_p
   return earliest;
 }
 
-std::string ProcessGroupBase::gave_up_message(const CollectiveOp& op) const {
+std::string ProcessGroupBase::gave_up_message(const CollectiveOp& op, const GaveUp& gave_up) const {
   const std::string& desc = op.work->description();
   // The peer's error names the same collective unless the two ranks issued different ones; it
   // is the peer's view ("timed out ...; missing ranks [this rank]" for a rank that was stopped
   // with the collective in flight), so it says whose it is, unless it begins with the peer
   // ("rank 2 could not take part: ...").
-  std::string_view error = gave_up_->error;
+  std::string_view error = gave_up.error;
   if (error.starts_with(desc) && error.substr(desc.size()).starts_with(": ")) {
     error.remove_prefix(desc.size() + 2);
   }
-  if (error.starts_with(fmt::format("rank {} ", gave_up_->from))) {
+  if (error.starts_with(fmt::format("rank {} ", gave_up.from))) {
     return fmt::format("{}: {}", desc, error);
   }
-  return fmt::format("{}: rank {} gave up on it: {}", desc, gave_up_->from, error);
+  return fmt::format("{}: rank {} gave up on it: {}", desc, gave_up.from, error);
 }
 
 std::string ProcessGroupBase::late_message(const CollectiveOp& op) const {
-  return gave_up_message(op) + fmt::format("; rank {} issued it only after the others had given "
-                                           "up on it",
-                                           global_rank());
+  return gave_up_message(op, *gave_up_) +
+         fmt::format("; rank {} issued it only after the others had given up on it",
+                     global_rank());
 }
 
 void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string& error) {
   const auto& members = global_ranks();
   if (std::find(members.begin(), members.end(), from) == members.end()) return;
   std::vector<std::shared_ptr<CollectiveOp>> victims;
+  const GaveUp news{from, seq, error};  // gave_up_ may move to a lower seq once mu_ is released
   {
     std::lock_guard lock(mu_);
-    if (gave_up_) return;  // the first one decides; the others say the same
-    gave_up_ = GaveUp{from, seq, error};
+    // The lowest seq decides (a rank gives up on one collective and everything after it): news
+    // of a later one says nothing new, but news of an earlier one, from another rank, that
+    // comes second does (this rank would run it with peers that left it).
+    if (gave_up_ && gave_up_->seq <= seq) return;
+    gave_up_ = news;
     // What this rank issued before `seq`, or issues still, the peer does its part in: those
     // complete (a peer whose input held a failure gives up on that collective while its
     // earlier ones are in flight; this rank may not have issued them yet).
@@ -831,8 +835,9 @@ void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string&
   on_broken(error);
   for (auto& op : victims) {
     if (!op->claim()) continue;
-    fail_claimed(*op, std::make_exception_ptr(op->seq == seq ? CommError(gave_up_message(*op))
-                                                             : failed_earlier(*op, error)));
+    fail_claimed(*op, std::make_exception_ptr(op->seq == seq
+                                                  ? CommError(gave_up_message(*op, news))
+                                                  : failed_earlier(*op, error)));
   }
 }
 

@@ -171,9 +171,10 @@ class ProcessGroupBase : public ProcessGroup,
   std::optional<std::chrono::steady_clock::time_point> check_deadlines(
       std::chrono::steady_clock::time_point now);
   void on_peer_lost(const PeerLoss& loss);
-  // Peer `from` (a global rank) timed out on collective `seq` of this group with `error`:
-  // this rank's collectives from `seq` on can never complete. Those in flight fail now; if
-  // this rank issues `seq` only later, it fails at once, saying it came too late.
+  // Peer `from` (a global rank) gave up on collective `seq` of this group with `error` (it
+  // timed out, or its input held a failure): this rank's collectives from `seq` on can never
+  // complete (from the lowest such seq any peer gave up on). Those in flight fail now; if this
+  // rank issues `seq` only later, it fails at once, saying it came too late.
   void on_peer_gave_up(int from, int64_t seq, const std::string& error);
   // Waits until every collective issued on this group has ended (completed, failed, or timed
   // out through the job's watchdog), or until `deadline`; at once when the group failed, or
@@ -260,12 +261,12 @@ class ProcessGroupBase : public ProcessGroup,
   // it, deaths first (the likely cause), with " before joining" on a departure, and them as
   // missing; `first` (the first loss seen, described) when the monitor knows none.
   std::string loss_message(const CollectiveOp& op, const std::string& first) const;
-  // The error of collective gave_up_->seq: "<op>: rank R gave up on it: <R's error>", where
+  struct GaveUp;
+  // The error of collective `gave_up.seq`: "<op>: rank R gave up on it: <R's error>", where
   // R's error leaves out its "<op>: " when both issued the same collective, and "rank R gave up
-  // on it: " is left out when R's error begins with "rank R ". gave_up_ is set once; read on
-  // the thread that set it or under mu_.
-  std::string gave_up_message(const CollectiveOp& op) const;
-  // The same, issued after the peer gave up on it (mu_ held).
+  // on it: " is left out when R's error begins with "rank R ".
+  std::string gave_up_message(const CollectiveOp& op, const GaveUp& gave_up) const;
+  // The same for gave_up_, issued after the peer gave up on it (mu_ held).
   std::string late_message(const CollectiveOp& op) const;
   // Whether a peer that went away had issued collective `seq` of this group: only one that
   // left cleanly says so (its goodbye counts what it issued per group). Such a peer did
@@ -319,7 +320,7 @@ class ProcessGroupBase : public ProcessGroup,
   // peers were told it gave up on that one, not on those before).
   int64_t unusable_from_ = std::numeric_limits<int64_t>::max();
   std::optional<std::string> unusable_why_;
-  // The first peer that gave up on a collective of this group (on_peer_gave_up).
+  // The peer that gave up on the earliest collective of this group (on_peer_gave_up).
   struct GaveUp {
     int from = -1;
     int64_t seq = 0;

@@ -35,7 +35,9 @@
 //            next collective fails at once saying so
 //  failed_input  the last rank's all_reduce input holds the failed result of an earlier
 //            collective: every rank's all_reduce fails at once naming it, and the group is
-//            unusable afterwards
+//            unusable afterwards; the collectives issued before it complete
+//  two_failed_inputs  ranks 0 and 1 give up on seqs 2 and 1, in that order: every rank's seq 1
+//            fails at once naming rank 1
 //  stopped   the last rank stops (SIGSTOP) before a collective; the others time out naming it
 //            missing and silent, and the launcher kills it
 //  world_dead_arrival  (gloo, file store) the last rank writes its world arrival record, as
@@ -974,6 +976,31 @@ void scenario_failed_input(funcol::ProcessGroup& world) {
   linger_for_peers_reports();
 }
 
+// Two ranks' inputs hold failures at different collectives, the lower one second: rank 0's at
+// seq 2 (its seq 1 in flight), rank 1's at seq 1 0.3 s later; the others issue both 0.6 s in.
+// The lower seq decides: every rank's seq 1 fails at once naming rank 1. (The second news was
+// dropped, the first had decided: the others ran seq 1 without rank 1 and waited in it until
+// their timeout.)
+void scenario_two_failed_inputs(funcol::ProcessGroup& world) {
+  if (world.size() < 3) failed("needs 3 ranks");
+  const int r = world.rank();
+  check_sum(world);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300 * std::min(r, 2)));
+  const auto start = Clock::now();
+  const Tensor a = all_reduce_input(r == 1);
+  const Tensor b = all_reduce_input(r == 0);
+  const auto first = world.all_reduce(a, ReduceOp::Sum);
+  const auto second = world.all_reduce(b, ReduceOp::Sum);
+  const std::string msg = expect_comm_error([&] { first->wait(); }, "seq 1");
+  const double took = seconds_since(start);
+  expect_contains(msg, "all_reduce on group 'world' (seq 1): rank 1 could not take part");
+  const std::string next = expect_comm_error([&] { second->wait(); }, "seq 2");
+  expect_contains(next, "all_reduce on group 'world' (seq 2)");
+  if (took > 5) failed(fmt::format("seq 1 failed after {:.1f} s: {}", took, msg));
+  ok(fmt::format("CommError after {:.2f} s: {}", took, msg));
+  linger_for_peers_reports();
+}
+
 // The same on groups used as soon as they are made, each once: the last rank, whose input
 // holds a failure, gives up at once and tells the others, which may not have registered the
 // group yet (it finished making it first). They fail at once all the same: the news waits for
@@ -1451,6 +1478,8 @@ int main(int argc, char** argv) {
       scenario_exit(*world);
     } else if (scenario == "failed_input") {
       scenario_failed_input(*world);
+    } else if (scenario == "two_failed_inputs") {
+      scenario_two_failed_inputs(*world);
     } else if (scenario == "failed_input_new_group") {
       scenario_failed_input_new_group(*world);
     } else if (scenario == "split_no_files") {
