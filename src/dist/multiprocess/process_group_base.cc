@@ -496,7 +496,7 @@ void ProcessGroupBase::drain(std::chrono::steady_clock::time_point deadline) {
   for (;;) {
     {
       std::lock_guard lock(mu_);
-      // In issue order: from the first at the departure limit on, none can complete.
+      // In issue order: from the first at unusable_from_ on, none can complete.
       if (inflight_.empty() || broken_ || inflight_.front()->seq >= unusable_from_) return;
     }
     if (std::chrono::steady_clock::now() >= deadline) return;
