@@ -2565,7 +2565,12 @@ TEST(FailureTest, AnUnwaitedCollectiveTimesOutForItsLateMembers) {
           [&](ProcessGroup& world) {
             const int r = world.rank();
             Tensor t = Tensor::full({numel}, DType::I32, r + 1);
-            if (r > 0) std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+            // Late from rank 0's issue on, not from the start: a rank 0 that a loaded machine
+            // (TSan beside another test) held back 150 ms before its issue made them timely.
+            if (r > 0) {
+              while (issued.load() == 0) std::this_thread::yield();
+              std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+            }
             auto work = world.all_reduce(t, ReduceOp::Sum);
             issued.fetch_add(1);
             while (issued.load() < 3) std::this_thread::yield();
