@@ -413,10 +413,7 @@ std::shared_ptr<Work> ProcessGroupBase::issue(std::shared_ptr<CollectiveOp> op) 
     }
     {
       std::lock_guard lock(mu_);
-      if (op->seq < unusable_from_) {
-        unusable_from_ = op->seq;
-        unusable_why_ = message;
-      }
+      unusable_from_locked(op->seq, message);
       not_taken_part(op->seq);
     }
     on_broken(message);
@@ -580,6 +577,12 @@ void ProcessGroupBase::fail_mismatch(const std::shared_ptr<CollectiveOp>& op,
                                      const std::string& message) {
   remove_inflight(op.get());
   if (op->claim()) fail_work(*op, std::make_exception_ptr(CommError(message)));
+}
+
+void ProcessGroupBase::unusable_from_locked(int64_t seq, const std::string& why) {
+  if (seq >= unusable_from_) return;  // an earlier limit stands, with its reason
+  unusable_from_ = seq;
+  unusable_why_ = why;
 }
 
 std::optional<std::string> ProcessGroupBase::broken() const {
@@ -821,10 +824,7 @@ void ProcessGroupBase::on_peer_gave_up(int from, int64_t seq, const std::string&
     // What this rank issued before `seq`, or issues still, the peer does its part in: those
     // complete (a peer whose input held a failure gives up on that collective while its
     // earlier ones are in flight; this rank may not have issued them yet).
-    if (seq < unusable_from_) {
-      unusable_from_ = seq;
-      unusable_why_ = error;
-    }
+    unusable_from_locked(seq, error);
     for (auto& op : inflight_) {
       if (op->seq >= seq && !op->done()) victims.push_back(op);
     }
@@ -871,9 +871,8 @@ void ProcessGroupBase::on_peer_lost(const PeerLoss& loss) {
     // departure, every one from the first it did not issue (those before still complete).
     if (!loss.clean) {
       if (!broken_) broken_ = lost;
-    } else if (peer_issued < unusable_from_) {
-      unusable_from_ = peer_issued;
-      unusable_why_ = lost;  // the departure that set the limit
+    } else {
+      unusable_from_locked(peer_issued, lost);
     }
     for (auto& op : inflight_) {
       if (op->done()) continue;

@@ -245,6 +245,9 @@ class ProcessGroupBase : public ProcessGroup,
   void fail_work(const CollectiveOp& op, std::exception_ptr error);
   // Fails the Work of an op claimed by the caller with `error`, then tells on_failed.
   void fail_claimed(const CollectiveOp& op, std::exception_ptr error);
+  // Collectives from `seq` on can never complete, because of `why`: lowers unusable_from_ to
+  // `seq` (mu_ held).
+  void unusable_from_locked(int64_t seq, const std::string& why);
   // This rank took no part in collective `seq`: posted_ goes back to it (the group is broken,
   // so nothing later is taken part in either).
   void not_taken_part(int64_t seq);
