@@ -468,7 +468,12 @@ class Bucketer {
   void find_latest(const std::vector<Entry>& entries);
   void note_new_nodes(const std::vector<Entry*>& members, const std::vector<Node*>& nodes);
   BucketKey key_of(const Node& coll, DType dtype) const;
-  bool depends_on_bucket(const Entry& e, std::string* path);
+  bool depends_on_bucket(const Entry& e, std::string* path) {
+    return depends_on_bucket(e.coll, path);
+  }
+  // Whether `start` (null: nothing) is a descendant of the current bucket; `path` names the
+  // chain from it to a member.
+  bool depends_on_bucket(const Node* start, std::string* path);
   void add_to_bucket(Entry* e);
   void close_bucket(std::string_view reason);
   bool merge(std::vector<Entry*>& members);
@@ -535,6 +540,16 @@ bool made_by_bucketing(const Node& coll, const Node& wait) {
   const Node* user = only_user(wait.result(0));
   if (user && user->op_name() == "view") user = only_user(user->result(0));
   return user && user->op_name() == "split_with_sizes";
+}
+
+// What makes the first member's part of a bucket an earlier pass made (`coll`, an Entry's
+// made_bucket): the packed all-gather's first operand, else the packing cat's or bucket_pack's;
+// null for a graph input.
+const Node* first_member_part(const Node& coll) {
+  if (coll.op().pack) return coll.operand(0)->node();
+  const Node* in = coll.operand(0)->node();
+  if (in->op_name() == "flatten") in = in->operand(0)->node();
+  return in->operand(0)->node();
 }
 
 // The collectives of the pass's op in wait order, each with its eligibility, key and size.
@@ -635,12 +650,12 @@ void Bucketer::note_new_nodes(const std::vector<Entry*>& members,
 // memoised for the whole bucket: a node found clean stays clean while the bucket grows, since a
 // later member cannot be an ancestor of an earlier candidate (waits come in order). So each
 // node is visited at most once per bucket. On true, `path` gets the chain of nodes.
-bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
-  if (order_.key(e.coll) < first_key_) return false;
+bool Bucketer::depends_on_bucket(const Node* start, std::string* path) {
+  if (!start || order_.key(start) < first_key_) return false;
   grow_scratch();
   std::vector<Frame>& stack = stack_;
   stack.clear();
-  const uint32_t root = order_.id(e.coll);
+  const uint32_t root = order_.id(start);
   bool dirty = false;
   if (mark_epoch_[root] == epoch_) {
     FUNCOL_CHECK(state_[root] != kOpen, "bucketing: open node outside a search");
@@ -648,7 +663,7 @@ bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
   } else {
     mark_epoch_[root] = epoch_;
     state_[root] = kOpen;
-    stack.push_back({e.coll, root, 0});
+    stack.push_back({start, root, 0});
   }
   while (!stack.empty()) {
     Frame& f = stack.back();
@@ -687,7 +702,7 @@ bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
   // only the count is wanted: the chain's nodes learn their distance to the member, so that
   // candidates that meet the same chain (a long one, say) do not walk it again each.
   std::vector<std::string> names;
-  const Node* n = e.coll;
+  const Node* n = start;
   uint32_t id = root;
   constexpr size_t kMaxShown = 12;
   size_t hops = 0;
@@ -935,12 +950,18 @@ BucketingStats Bucketer::run() {
       }
       continue;
     }
-    // A bucket an earlier pass made that the cap keeps out closes the bucket before its
-    // dependencies are looked at, as its first member did in the pass that made it: its later
-    // members' dependencies on that earlier bucket did not count then. (Skipped as dependent
-    // instead, it left the earlier bucket open to later collectives and the cap indices
-    // shifted: a second run of the same pass changed the graph.)
-    if (e.made_bucket) close_if_full(e);
+    // A bucket an earlier pass made that the cap keeps out closes the bucket before the rest
+    // of its dependencies are looked at, as its first member did in the pass that made it: its
+    // later members' dependencies on that earlier bucket did not count then. (Skipped as
+    // dependent instead, it left the earlier bucket open to later collectives and the cap
+    // indices shifted: a second run of the same pass changed the graph.) Its first member's part
+    // must not depend on the bucket: that member would have been skipped, and a user's packed
+    // collective of that shape (FSDP's flat parameter, DDP's fused all-reduce) is skipped as
+    // DESIGN §6 point 3 says, not made to close the bucket.
+    if (e.made_bucket && !bucket_.empty() &&
+        !depends_on_bucket(first_member_part(*e.coll), nullptr)) {
+      close_if_full(e);
+    }
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
       ++stats_.skipped_dependent;
