@@ -474,6 +474,13 @@ class Bucketer {
   // Whether `start` (null: nothing) is a descendant of the current bucket; `path` names the
   // chain from it to a member.
   bool depends_on_bucket(const Node* start, std::string* path);
+  // Whether `e`, a made_bucket, is what this pass with these options made of members whose
+  // first closed the open bucket by its cap: that member does not fit the room left and does
+  // not depend on the bucket, and the whole fits the next bucket's cap. A user's packed
+  // collective of that shape (FSDP's flat parameter, DDP's fused all-reduce) that fails any of
+  // these is skipped when it depends on the bucket, as DESIGN §6 point 3 says; one that passes
+  // them all is what a run of the pass could have made, and is taken for it.
+  bool closed_by_first_member(const Entry& e);
   void add_to_bucket(Entry* e);
   void close_bucket(std::string_view reason);
   bool merge(std::vector<Entry*>& members);
@@ -542,14 +549,36 @@ bool made_by_bucketing(const Node& coll, const Node& wait) {
   return user && user->op_name() == "split_with_sizes";
 }
 
-// What makes the first member's part of a bucket an earlier pass made (`coll`, an Entry's
-// made_bucket): the packed all-gather's first operand, else the packing cat's or bucket_pack's;
-// null for a graph input.
-const Node* first_member_part(const Node& coll) {
-  if (coll.op().pack) return coll.operand(0)->node();
+// The first member's part of a bucket an earlier pass made (`coll`, an Entry's made_bucket):
+// the packed all-gather's first operand, else the packing cat's or bucket_pack's.
+const Value& first_member_part(const Node& coll) {
+  if (coll.op().pack) return *coll.operand(0);
   const Node* in = coll.operand(0)->node();
   if (in->op_name() == "flatten") in = in->operand(0)->node();
-  return in->operand(0)->node();
+  return *in->operand(0);
+}
+
+// The bytes that first member counted (Entry::bytes) when the pass packed it: its part's (as
+// packed: a packed all-gather's out_dtypes), times the group for an all-gather's output.
+int64_t first_member_bytes(const Node& coll, CollectiveKind kind) {
+  const Value& part = first_member_part(coll);
+  const int64_t bytes =
+      coll.op().pack
+          ? saturating_bytes(part.type().numel(), coll.attr("out_dtypes").as_list()[0].as_dtype())
+          : part.type().nbytes();
+  if (kind != CollectiveKind::AllGather) return bytes;
+  const int64_t g = std::max<int64_t>(coll.attr("group_size").as_int(), 1);
+  return bytes > kMaxTypeBytes / g ? kMaxTypeBytes : bytes * g;
+}
+
+bool Bucketer::closed_by_first_member(const Entry& e) {
+  if (bucket_.empty()) return false;
+  if (first_member_bytes(*e.coll, opt_.kind) <=
+      bucket_cap_bytes(opt_, bucket_index_) - bucket_bytes_) {
+    return false;  // the member would have joined the bucket
+  }
+  if (e.bytes > bucket_cap_bytes(opt_, bucket_index_ + 1)) return false;
+  return !depends_on_bucket(first_member_part(*e.coll).node(), nullptr);
 }
 
 // The collectives of the pass's op in wait order, each with its eligibility, key and size.
@@ -954,14 +983,8 @@ BucketingStats Bucketer::run() {
     // of its dependencies are looked at, as its first member did in the pass that made it: its
     // later members' dependencies on that earlier bucket did not count then. (Skipped as
     // dependent instead, it left the earlier bucket open to later collectives and the cap
-    // indices shifted: a second run of the same pass changed the graph.) Its first member's part
-    // must not depend on the bucket: that member would have been skipped, and a user's packed
-    // collective of that shape (FSDP's flat parameter, DDP's fused all-reduce) is skipped as
-    // DESIGN §6 point 3 says, not made to close the bucket.
-    if (e.made_bucket && !bucket_.empty() &&
-        !depends_on_bucket(first_member_part(*e.coll), nullptr)) {
-      close_if_full(e);
-    }
+    // indices shifted: a second run of the same pass changed the graph.)
+    if (e.made_bucket && closed_by_first_member(e)) close_if_full(e);
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
       ++stats_.skipped_dependent;
