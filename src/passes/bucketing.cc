@@ -541,9 +541,19 @@ const Node* only_user(const Value* v) {
 // was looked at, which left it out of later merges.
 bool made_by_bucketing(const Node& coll, const Node& wait) {
   const Node* in = coll.operand(0)->node();
-  if (in && in->op_name() == "flatten") in = in->operand(0)->node();
+  const bool flattened = in && in->op_name() == "flatten";
+  if (flattened) in = in->operand(0)->node();
   if (!in || (in->op_name() != "cat" && in->op_name() != "bucket_pack")) return false;
   if (in->op_name() == "bucket_pack") return true;
+  // The packing cat joins flat parts along dim 0, or (flattened after it: reduce-scatter) the
+  // [G, n] rows of each part along dim 1.
+  const int64_t rank = flattened ? 2 : 1;
+  int64_t dim = in->attr("dim").as_int();
+  if (dim < 0) dim += rank;
+  if (dim != rank - 1) return false;
+  for (const Value* part : in->operands()) {
+    if (part->type().rank() != rank) return false;
+  }
   const Node* user = only_user(wait.result(0));
   if (user && user->op_name() == "view") user = only_user(user->result(0));
   return user && user->op_name() == "split_with_sizes";
