@@ -13,6 +13,7 @@
 #include <optional>
 #include <queue>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <utility>
 
@@ -468,19 +469,7 @@ class Bucketer {
   void find_latest(const std::vector<Entry>& entries);
   void note_new_nodes(const std::vector<Entry*>& members, const std::vector<Node*>& nodes);
   BucketKey key_of(const Node& coll, DType dtype) const;
-  bool depends_on_bucket(const Entry& e, std::string* path) {
-    return depends_on_bucket(e.coll, path);
-  }
-  // Whether `start` (null: nothing) is a descendant of the current bucket; `path` names the
-  // chain from it to a member.
-  bool depends_on_bucket(const Node* start, std::string* path);
-  // Whether `e`, a made_bucket, is what this pass with these options made of members whose
-  // first closed the open bucket by its cap: that member does not fit the room left and does
-  // not depend on the bucket, and the whole fits the next bucket's cap. A user's packed
-  // collective of that shape (FSDP's flat parameter, DDP's fused all-reduce) that fails any of
-  // these is skipped when it depends on the bucket, as DESIGN §6 point 3 says; one that passes
-  // them all is what a run of the pass could have made, and is taken for it.
-  bool closed_by_first_member(const Entry& e);
+  bool depends_on_bucket(const Entry& e, std::string* path);
   void add_to_bucket(Entry* e);
   void close_bucket(std::string_view reason);
   bool merge(std::vector<Entry*>& members);
@@ -534,19 +523,33 @@ const Node* only_user(const Value* v) {
   return uses.size() == 1 ? uses[0].user : nullptr;
 }
 
+// Whether `name` is one the pass gives a bucket's collective: "<prefix>_bucket", or
+// "<prefix>_bucket.N" where that was taken (Graph::fresh_name).
+bool bucket_name(std::string_view name, std::string_view prefix) {
+  const std::string base = fmt::format("{}_bucket", prefix);
+  if (!name.starts_with(base)) return false;
+  name.remove_prefix(base.size());
+  return name.empty() || (name.size() > 1 && name[0] == '.' &&
+                          std::all_of(name.begin() + 1, name.end(),
+                                      [](char c) { return c >= '0' && c <= '9'; }));
+}
+
 // Whether `coll`, read by `wait`, is a bucket as emit_pack and emit_unpack write one: over a
-// bucket_pack, or over a cat (flattened for reduce-scatter) with its wait read by the
-// unpacking split alone (through the [G, n] view for all-gather). A user's collective of a cat
-// is none: taken for one, it closed the bucket by its cap before its dependency on the bucket
-// was looked at, which left it out of later merges.
-bool made_by_bucketing(const Node& coll, const Node& wait) {
+// bucket_pack, or, named as the pass names its buckets (`prefix`), over the pass's cat (flat
+// parts along dim 0; for reduce-scatter the [G, n] rows of each part along dim 1, flattened)
+// with its wait read by the unpacking split alone (through the [G, n] view for all-gather).
+// A user's collective of a cat is none, also where only a split reads it (FSDP's flat
+// parameter, DDP's fused all-reduce): taken for one, it closed the bucket by its cap before
+// its dependency on the bucket was looked at (DESIGN §6 point 3: skipped, and the bucket stays
+// open), which left it and later collectives out of merges. The shape alone cannot tell them
+// apart: a lookalike that the pass with those caps could have made is one.
+bool made_by_bucketing(const Node& coll, const Node& wait, std::string_view prefix) {
   const Node* in = coll.operand(0)->node();
   const bool flattened = in && in->op_name() == "flatten";
   if (flattened) in = in->operand(0)->node();
   if (!in || (in->op_name() != "cat" && in->op_name() != "bucket_pack")) return false;
   if (in->op_name() == "bucket_pack") return true;
-  // The packing cat joins flat parts along dim 0, or (flattened after it: reduce-scatter) the
-  // [G, n] rows of each part along dim 1.
+  if (!bucket_name(coll.name(), prefix)) return false;
   const int64_t rank = flattened ? 2 : 1;
   int64_t dim = in->attr("dim").as_int();
   if (dim < 0) dim += rank;
@@ -557,38 +560,6 @@ bool made_by_bucketing(const Node& coll, const Node& wait) {
   const Node* user = only_user(wait.result(0));
   if (user && user->op_name() == "view") user = only_user(user->result(0));
   return user && user->op_name() == "split_with_sizes";
-}
-
-// The first member's part of a bucket an earlier pass made (`coll`, an Entry's made_bucket):
-// the packed all-gather's first operand, else the packing cat's or bucket_pack's.
-const Value& first_member_part(const Node& coll) {
-  if (coll.op().pack) return *coll.operand(0);
-  const Node* in = coll.operand(0)->node();
-  if (in->op_name() == "flatten") in = in->operand(0)->node();
-  return *in->operand(0);
-}
-
-// The bytes that first member counted (Entry::bytes) when the pass packed it: its part's (as
-// packed: a packed all-gather's out_dtypes), times the group for an all-gather's output.
-int64_t first_member_bytes(const Node& coll, CollectiveKind kind) {
-  const Value& part = first_member_part(coll);
-  const int64_t bytes =
-      coll.op().pack
-          ? saturating_bytes(part.type().numel(), coll.attr("out_dtypes").as_list()[0].as_dtype())
-          : part.type().nbytes();
-  if (kind != CollectiveKind::AllGather) return bytes;
-  const int64_t g = std::max<int64_t>(coll.attr("group_size").as_int(), 1);
-  return bytes > kMaxTypeBytes / g ? kMaxTypeBytes : bytes * g;
-}
-
-bool Bucketer::closed_by_first_member(const Entry& e) {
-  if (bucket_.empty()) return false;
-  if (first_member_bytes(*e.coll, opt_.kind) <=
-      bucket_cap_bytes(opt_, bucket_index_) - bucket_bytes_) {
-    return false;  // the member would have joined the bucket
-  }
-  if (e.bytes > bucket_cap_bytes(opt_, bucket_index_ + 1)) return false;
-  return !depends_on_bucket(first_member_part(*e.coll).node(), nullptr);
 }
 
 // The collectives of the pass's op in wait order, each with its eligibility, key and size.
@@ -625,7 +596,7 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.packed = packed;
     Value* coll_in = coll->operand(0);
-    e.made_bucket = packed || made_by_bucketing(*coll, wait);
+    e.made_bucket = packed || made_by_bucketing(*coll, wait, spec_.prefix);
     // A packed all-gather's inputs count as the dtypes they pack to (out_dtypes), as its
     // members counted their folded casts' results: counted before the cast (an f64 packed as
     // f16), the bucket it came from no longer fit its cap when bucketed again, and later buckets
@@ -689,12 +660,12 @@ void Bucketer::note_new_nodes(const std::vector<Entry*>& members,
 // memoised for the whole bucket: a node found clean stays clean while the bucket grows, since a
 // later member cannot be an ancestor of an earlier candidate (waits come in order). So each
 // node is visited at most once per bucket. On true, `path` gets the chain of nodes.
-bool Bucketer::depends_on_bucket(const Node* start, std::string* path) {
-  if (!start || order_.key(start) < first_key_) return false;
+bool Bucketer::depends_on_bucket(const Entry& e, std::string* path) {
+  if (order_.key(e.coll) < first_key_) return false;
   grow_scratch();
   std::vector<Frame>& stack = stack_;
   stack.clear();
-  const uint32_t root = order_.id(start);
+  const uint32_t root = order_.id(e.coll);
   bool dirty = false;
   if (mark_epoch_[root] == epoch_) {
     FUNCOL_CHECK(state_[root] != kOpen, "bucketing: open node outside a search");
@@ -702,7 +673,7 @@ bool Bucketer::depends_on_bucket(const Node* start, std::string* path) {
   } else {
     mark_epoch_[root] = epoch_;
     state_[root] = kOpen;
-    stack.push_back({start, root, 0});
+    stack.push_back({e.coll, root, 0});
   }
   while (!stack.empty()) {
     Frame& f = stack.back();
@@ -741,7 +712,7 @@ bool Bucketer::depends_on_bucket(const Node* start, std::string* path) {
   // only the count is wanted: the chain's nodes learn their distance to the member, so that
   // candidates that meet the same chain (a long one, say) do not walk it again each.
   std::vector<std::string> names;
-  const Node* n = start;
+  const Node* n = e.coll;
   uint32_t id = root;
   constexpr size_t kMaxShown = 12;
   size_t hops = 0;
@@ -989,12 +960,12 @@ BucketingStats Bucketer::run() {
       }
       continue;
     }
-    // A bucket an earlier pass made that the cap keeps out closes the bucket before the rest
-    // of its dependencies are looked at, as its first member did in the pass that made it: its
-    // later members' dependencies on that earlier bucket did not count then. (Skipped as
-    // dependent instead, it left the earlier bucket open to later collectives and the cap
-    // indices shifted: a second run of the same pass changed the graph.)
-    if (e.made_bucket && closed_by_first_member(e)) close_if_full(e);
+    // A bucket an earlier pass made that the cap keeps out closes the bucket before its
+    // dependencies are looked at, as its first member did in the pass that made it: its later
+    // members' dependencies on that earlier bucket did not count then. (Skipped as dependent
+    // instead, it left the earlier bucket open to later collectives and the cap indices
+    // shifted: a second run of the same pass changed the graph.)
+    if (e.made_bucket) close_if_full(e);
     std::string path;
     if (!bucket_.empty() && depends_on_bucket(e, explain_ ? &path : nullptr)) {
       ++stats_.skipped_dependent;
