@@ -542,7 +542,8 @@ bool bucket_name(std::string_view name, std::string_view prefix) {
 // parameter, DDP's fused all-reduce): taken for one, it closed the bucket by its cap before
 // its dependency on the bucket was looked at (DESIGN §6 point 3: skipped, and the bucket stays
 // open), which left it and later collectives out of merges. The shape alone cannot tell them
-// apart: a lookalike that the pass with those caps could have made is one.
+// apart (a lookalike may be just what the pass would make with other caps), so the name does:
+// the pass's own buckets keep it through the IR text, and a second run finds them.
 bool made_by_bucketing(const Node& coll, const Node& wait, std::string_view prefix) {
   const Node* in = coll.operand(0)->node();
   const bool flattened = in && in->op_name() == "flatten";
