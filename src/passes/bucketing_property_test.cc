@@ -20,6 +20,7 @@
 namespace funcol {
 namespace {
 
+using testing_bucketing::chance;
 using testing_bucketing::check_property;
 using testing_bucketing::random_graph;
 using testing_bucketing::random_pass;
@@ -114,11 +115,14 @@ void check_idempotent(bool one_key) {
   check_property([one_key] {
     const std::unique_ptr<Graph> original = random_graph(one_key);
     // One bucketing pass (a pipeline of several is not a fixed point in general: a
-    // multidtype bucket may give a later default pass a new all-gather of some dtype).
+    // multidtype bucket may give a later default pass a new all-gather of some dtype), now and
+    // then on a graph holding buckets a pass with other options made.
     const std::string pass = random_pass(/*allow_dce=*/false);
-    RC_LOG() << pass << "\n" << print(*original);
+    const std::string before = chance(3) ? random_pass(/*allow_dce=*/false) : std::string();
+    RC_LOG() << before << "\n" << pass << "\n" << print(*original);
     Pipeline pipeline = Pipeline::parse(pass);
     std::unique_ptr<Graph> g = parse_graph(print(*original));
+    if (!before.empty()) Pipeline::parse(before).run(*g);
     std::ostringstream explain;
     pipeline.set_explain(&explain);
     pipeline.run(*g);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -51,7 +52,9 @@ inline bool chance(int one_in) { return *rc::gen::inRange(0, one_in) == 0; }
 // order and consumers of early waits precede later inputs); collectives whose result has a
 // second user; compute (neg, add, flatten, casts) on any value, so later collectives depend
 // on earlier ones; pairs of all-gathers that cannot merge without swapping two collectives
-// that stay unmerged (see the motif). Every value nobody uses is an output, but for some waits' results. With
+// that stay unmerged (see the motif); a user's fused collective over a cat whose wait a split
+// reads, as a bucket's (FSDP's flat parameter, DDP's fused all-reduce). Every value nobody
+// uses is an output, but for some waits' results. With
 // `one_key`, every value is f32 and every collective is on the world group with reduce op
 // sum, so that runs are long and buckets have many members: the case where no place fits a
 // bucket between its inputs and its consumers (a region to reorder) comes up often instead of
@@ -78,8 +81,38 @@ inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
   std::vector<Node*> pending;
   const int steps = *rc::gen::inRange(1, one_key ? 50 : 30);
   for (int s = 0; s < steps; ++s) {
-    const int what = *rc::gen::inRange(0, 11);
-    if (what == 10) {
+    const int what = *rc::gen::inRange(0, 12);
+    if (what == 11) {
+      // A user's fused collective: flat parts of one dtype concatenated, gathered or reduced,
+      // and split back (through the [G, n] view for an all-gather), the shape of a bucket.
+      const DType dtype = pick(pool)->dtype();
+      std::vector<Value*> parts;
+      std::vector<int64_t> sizes;
+      const int k = *rc::gen::inRange(1, 4);
+      for (int i = 0; i < k; ++i) {
+        Value* v = pick(pool);
+        if (v->type().rank() == 0) continue;
+        if (v->dtype() != dtype) v = b.value("convert_element_type", {v}, {{"dtype", dtype}});
+        if (v->type().rank() != 1) v = b.value("flatten", {v});
+        parts.push_back(v);
+        sizes.push_back(v->type().numel());
+      }
+      if (parts.empty()) continue;
+      const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+      Value* packed = b.value("cat", parts, {{"dim", 0}});
+      const std::string& group = pick(kGroups);
+      const int64_t gs = group == "world" ? 4 : 2;
+      const bool gather = dtype == DType::Bool || chance(2);
+      Node* coll = gather ? b.create("all_gather_into_tensor", {packed},
+                                     {{"group_size", gs}, {"group", group}})
+                          : b.create("all_reduce", {packed},
+                                     {{"reduce_op", pick(kOps)}, {"group", group}});
+      Value* w = b.value("wait_tensor", {coll->result(0)});
+      if (gather) w = b.value("view", {w}, {{"shape", std::vector<int64_t>{gs, total}}});
+      Node* split = b.create("split_with_sizes", {w},
+                             {{"split_sizes", sizes}, {"dim", int64_t{gather ? 1 : 0}}});
+      for (size_t i = 0; i < split->num_results(); ++i) pool.push_back(split->result(i));
+    } else if (what == 10) {
       // The issue-order motif: all-gathers whose waits each feed another collective at once,
       // then collectives issued after those that feed as many all-gathers of the same key.
       // Merging an all-gather of the first kind with one of the second would swap two
