@@ -523,10 +523,9 @@ const Node* only_user(const Value* v) {
   return uses.size() == 1 ? uses[0].user : nullptr;
 }
 
-// Whether `name` is one the pass gives a bucket's collective: "<prefix>_bucket", or
-// "<prefix>_bucket.N" where that was taken (Graph::fresh_name).
-bool bucket_name(std::string_view name, std::string_view prefix) {
-  const std::string base = fmt::format("{}_bucket", prefix);
+// Whether `name` is one the pass gives a bucket's collective: its name hint `base`
+// ("ar_bucket"), or "<base>.N" where that was taken (Graph::fresh_name).
+bool bucket_name(std::string_view name, std::string_view base) {
   if (!name.starts_with(base)) return false;
   name.remove_prefix(base.size());
   return name.empty() || (name.size() > 1 && name[0] == '.' &&
@@ -535,22 +534,23 @@ bool bucket_name(std::string_view name, std::string_view prefix) {
 }
 
 // Whether `coll`, read by `wait`, is a bucket as emit_pack and emit_unpack write one: over a
-// bucket_pack, or, named as the pass names its buckets (`prefix`), over the pass's cat (flat
-// parts along dim 0; for reduce-scatter the [G, n] rows of each part along dim 1, flattened)
-// with its wait read by the unpacking split alone (through the [G, n] view for all-gather).
+// bucket_pack, or, named as the pass names its buckets (`bucket_hint`), over the pass's cat
+// (flat parts along dim 0; for reduce-scatter the [G, n] rows of each part along dim 1,
+// flattened) with its wait read by the unpacking split alone (through the [G, n] view for
+// all-gather).
 // A user's collective of a cat is none, also where only a split reads it (FSDP's flat
 // parameter, DDP's fused all-reduce): taken for one, it closed the bucket by its cap before
 // its dependency on the bucket was looked at (DESIGN §6 point 3: skipped, and the bucket stays
 // open), which left it and later collectives out of merges. The shape alone cannot tell them
 // apart (a lookalike may be just what the pass would make with other caps), so the name does:
 // the pass's own buckets keep it through the IR text, and a second run finds them.
-bool made_by_bucketing(const Node& coll, const Node& wait, std::string_view prefix) {
+bool made_by_bucketing(const Node& coll, const Node& wait, std::string_view bucket_hint) {
   const Node* in = coll.operand(0)->node();
   const bool flattened = in && in->op_name() == "flatten";
   if (flattened) in = in->operand(0)->node();
   if (!in || (in->op_name() != "cat" && in->op_name() != "bucket_pack")) return false;
   if (in->op_name() == "bucket_pack") return true;
-  if (!bucket_name(coll.name(), prefix)) return false;
+  if (!bucket_name(coll.name(), bucket_hint)) return false;
   const int64_t rank = flattened ? 2 : 1;
   int64_t dim = in->attr("dim").as_int();
   if (dim < 0) dim += rank;
@@ -597,7 +597,7 @@ std::vector<Entry> Bucketer::collect() {
     }
     e.packed = packed;
     Value* coll_in = coll->operand(0);
-    e.made_bucket = packed || made_by_bucketing(*coll, wait, spec_.prefix);
+    e.made_bucket = packed || made_by_bucketing(*coll, wait, hints_.bucket);
     // A packed all-gather's inputs count as the dtypes they pack to (out_dtypes), as its
     // members counted their folded casts' results: counted before the cast (an f64 packed as
     // f16), the bucket it came from no longer fit its cap when bucketed again, and later buckets
