@@ -54,11 +54,10 @@ inline bool chance(int one_in) { return *rc::gen::inRange(0, one_in) == 0; }
 // on earlier ones; pairs of all-gathers that cannot merge without swapping two collectives
 // that stay unmerged (see the motif); a user's fused collective over a cat whose wait a split
 // reads, as a bucket's (FSDP's flat parameter, DDP's fused all-reduce). Every value nobody
-// uses is an output, but for some waits' results. With
-// `one_key`, every value is f32 and every collective is on the world group with reduce op
-// sum, so that runs are long and buckets have many members: the case where no place fits a
-// bucket between its inputs and its consumers (a region to reorder) comes up often instead of
-// rarely.
+// uses is an output, but for some waits' results. With `one_key`, every value is f32 and every
+// collective is on the world group with reduce op sum, so that runs are long and buckets have
+// many members: the case where no place fits a bucket between its inputs and its consumers (a
+// region to reorder) comes up often instead of rarely.
 inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
   static const std::vector<DType> kAllDtypes = {DType::F32, DType::BF16, DType::F16, DType::I32,
                                                 DType::I64, DType::U8,   DType::I8,  DType::Bool};
@@ -71,6 +70,8 @@ inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
   const std::vector<DType>& kDtypes = one_key ? kF32 : kAllDtypes;
   const std::vector<std::string>& kGroups = one_key ? kWorld : kAllGroups;
   const std::vector<std::string>& kOps = one_key ? kSum : kAllOps;
+  // The ranks of each group on the 4 the properties simulate.
+  auto group_size = [](const std::string& group) -> int64_t { return group == "world" ? 4 : 2; };
   auto g = std::make_unique<Graph>("rand");
   Builder b(*g);
   std::vector<Value*> pool;
@@ -101,7 +102,7 @@ inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
       const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
       Value* packed = b.value("cat", parts, {{"dim", 0}});
       const std::string& group = pick(kGroups);
-      const int64_t gs = group == "world" ? 4 : 2;
+      const int64_t gs = group_size(group);
       const bool gather = dtype == DType::Bool || chance(2);
       Node* coll = gather ? b.create("all_gather_into_tensor", {packed},
                                      {{"group_size", gs}, {"group", group}})
@@ -120,7 +121,7 @@ inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
       // some (and tries the dropped ones again: they merge among themselves).
       Value* v = pick(pool);
       const std::string& group = pick(kGroups);
-      const int64_t gs = group == "world" ? 4 : 2;
+      const int64_t gs = group_size(group);
       auto other = [&](Value* in) {  // a collective of another kind where the dtype allows
         if (in->dtype() == DType::Bool) {
           return b.create("all_gather_into_tensor", {in}, {{"group_size", gs}, {"group", group}});
@@ -142,7 +143,7 @@ inline std::unique_ptr<Graph> random_graph(bool one_key = false) {
     } else if (what < 5) {
       Value* v = pick(pool);
       const std::string& group = pick(kGroups);
-      const int64_t gs = group == "world" ? 4 : 2;
+      const int64_t gs = group_size(group);
       int kind = *rc::gen::inRange(0, 3);  // 0 all-gather, 1 reduce-scatter, 2 all-reduce
       const bool is_bool = v->dtype() == DType::Bool;
       if (kind == 1 && (v->type().rank() == 0 || v->shape()[0] % gs != 0)) kind = 2;
