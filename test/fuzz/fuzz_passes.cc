@@ -2,6 +2,8 @@
 // below. A pass may refuse a graph only with a user-facing error (autodiff: a graph that has no
 // scalar loss or an op without a gradient); otherwise it must leave a graph that verifies, with
 // no more collectives than before, and the same output every time it runs (ranks must agree).
+// Each bucketing pass alone must also be idempotent: run again on its printed result (as a
+// second `funcol opt` would), it prints the same graph.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +43,25 @@ constexpr Case kCases[] = {
     {"overlap", false},
     {"overlap{memory-budget-mb=0.001}", false},
     {"autodiff,bucket-all-gather,bucket-reduce-scatter,overlap,dce", true},
+};
+
+// Single bucketing passes, each checked for idempotence (a pipeline of several is not a fixed
+// point in general: a multidtype bucket may give a later default pass a new all-gather).
+constexpr const char* kIdempotent[] = {
+    "bucket-all-gather",
+    "bucket-all-gather{cap-mb=0.0001:0.001}",
+    "bucket-all-gather{mode=custom_ops cap-mb=0.0005}",
+    "bucket-all-gather{mode=multidtype cap-mb=0.0001:0.001}",
+    "bucket-all-gather{mode=custom_ops_multidtype cap-mb=0.002}",
+    "bucket-reduce-scatter",
+    "bucket-reduce-scatter{cap-mb=0.0001:0.001}",
+    "bucket-reduce-scatter{mode=custom_ops cap-mb=0.0005}",
+    "bucket-all-reduce",
+    "bucket-all-reduce{cap-mb=0.0001:0.001}",
+    "bucket-all-reduce{cap-mb=0.0001:0.001:0.0001}",
+    "bucket-all-reduce{cap-mb=0.0001:0.0001:0.001}",
+    "bucket-all-reduce{cap-mb=0.0001}",
+    "bucket-all-reduce{mode=custom_ops cap-mb=0.0005}",
 };
 
 int64_t count_collectives(const funcol::Graph& graph) {
@@ -97,6 +118,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const std::string once = run_case(printed, c);
       if (run_case(printed, c) != once) {
         fail(std::string(c.pipeline) + ": a second run on the same graph printed differently",
+             printed);
+      }
+    }
+    for (const char* pass : kIdempotent) {
+      const Case c{pass, false};
+      const std::string once = run_case(printed, c);
+      const std::string twice = run_case(once, c);
+      if (twice != once) {
+        fail(std::string(pass) + ": not idempotent; after one run:\n" + once +
+                 "\nafter two:\n" + twice,
              printed);
       }
     }
