@@ -49,18 +49,14 @@ constexpr Case kCases[] = {
 // point in general: a multidtype bucket may give a later default pass a new all-gather).
 constexpr const char* kIdempotent[] = {
     "bucket-all-gather",
-    "bucket-all-gather{cap-mb=0.0001:0.001}",
     "bucket-all-gather{mode=custom_ops cap-mb=0.0005}",
     "bucket-all-gather{mode=multidtype cap-mb=0.0001:0.001}",
     "bucket-all-gather{mode=custom_ops_multidtype cap-mb=0.002}",
-    "bucket-reduce-scatter",
     "bucket-reduce-scatter{cap-mb=0.0001:0.001}",
     "bucket-reduce-scatter{mode=custom_ops cap-mb=0.0005}",
-    "bucket-all-reduce",
     "bucket-all-reduce{cap-mb=0.0001:0.001}",
     "bucket-all-reduce{cap-mb=0.0001:0.001:0.0001}",
     "bucket-all-reduce{cap-mb=0.0001:0.0001:0.001}",
-    "bucket-all-reduce{cap-mb=0.0001}",
     "bucket-all-reduce{mode=custom_ops cap-mb=0.0005}",
 };
 
@@ -124,6 +120,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const char* pass : kIdempotent) {
       const Case c{pass, false};
       const std::string once = run_case(printed, c);
+      if (once == printed) continue;  // a fixed point already (each run prints the same)
       const std::string twice = run_case(once, c);
       if (twice != once) {
         fail(std::string(pass) + ": not idempotent; after one run:\n" + once +
